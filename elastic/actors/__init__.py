@@ -1,0 +1,1 @@
+"""Ray actors: training workers (ranks and hot spares), their group, and the controller host."""

@@ -1,0 +1,45 @@
+"""The controller hosted in a named Ray actor, so ``elastic status`` and the dashboard can find it.
+
+``run`` drives training in the actor's default thread; ``status`` answers from a second thread
+while a run is in progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import ray
+
+from elastic.controller import Controller
+
+logger = logging.getLogger(__name__)
+
+
+class ControllerActor:
+    def __init__(self, kwargs: dict):
+        logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING"))
+        self.controller = Controller(**kwargs)
+        self._error: str | None = None
+
+    def run(self, total_steps: int | None, epochs: int | None) -> dict:
+        c = self.controller
+        try:
+            c.run_for(total_steps, epochs)
+            return c.result(include_state=True)
+        except BaseException as exc:
+            self._error = "".join(traceback.format_exception(exc))
+            out = c.result(include_state=False)
+            out["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": self._error}
+            return out
+        finally:
+            c.shutdown()
+
+    @ray.method(concurrency_group="status")
+    def status(self) -> dict:
+        return self.controller.status()
+
+    @ray.method(concurrency_group="status")
+    def events_since(self, index: int) -> list[dict]:
+        return [e.__dict__ for e in self.controller.events[index:]]

@@ -1,0 +1,247 @@
+"""The set of worker actors of one run: placement, rank order, rendezvous, spares.
+
+``WorkerGroup`` is the controller's only seam to Ray actors. It places the active ranks in one
+placement group (one bundle per rank, the user's strategy) and every hot spare in a placement
+group of its own, so a replacement spare can be asked for at any time. It never decides anything:
+the controller tells it which actor becomes which rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from elastic.actors.worker import TrainingSpec, TrainWorker
+from elastic.config import ConfigError, ScalingConfig
+
+logger = logging.getLogger(__name__)
+
+
+class PlacementTimeout(RuntimeError):
+    """The cluster could not host the requested bundles within the configured wait."""
+
+
+@dataclass
+class Member:
+    """One actor: an active rank or a spare."""
+
+    actor: Any
+    name: str
+    info: dict = field(default_factory=dict)
+    pg: PlacementGroup | None = None
+    rank: int = -1
+    local_rank: int = 0
+    node_rank: int = 0
+    spare: bool = False
+
+
+def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
+    """Fail fast, before any actor starts, when the cluster can never host the run."""
+    resources = ray.cluster_resources()
+    bundle = scaling.bundle()
+    if scaling.use_gpu and resources.get("GPU", 0) <= 0:
+        raise ConfigError(
+            "ScalingConfig.use_gpu=True but the cluster has no GPUs; set use_gpu=False or add GPU nodes."
+        )
+    for key, per in bundle.items():
+        have = resources.get(key, 0.0)
+        need = per * total_bundles
+        if need > have + 1e-9:
+            raise ConfigError(
+                f"The run needs {need:g} {key} ({total_bundles} actors x {per:g}) but the cluster has {have:g}; "
+                "lower ScalingConfig.num_workers/num_backups/num_spares or resources_per_worker, or add nodes."
+            )
+
+
+def _wait_ready(pg: PlacementGroup, timeout_s: float, what: str) -> None:
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise PlacementTimeout(
+            f"{what} could not be placed within {timeout_s:g}s (ScalingConfig.placement_timeout_s): the cluster "
+            "does not have the free resources for this strategy. Use fewer workers, smaller "
+            "resources_per_worker, a looser placement_strategy (PACK/SPREAD), or add nodes."
+        ) from None
+
+
+class WorkerGroup:
+    """Creates, orders and tears down worker actors."""
+
+    def __init__(self, scaling: ScalingConfig, spec: TrainingSpec, namespace: str):
+        self.scaling = scaling
+        self.spec = spec
+        self.namespace = namespace  # "elastic-<run>": actors are "rank-3", "spare-0" in it
+        self.members: list[Member] = []  # index == rank
+        self.spares: list[Member] = []
+        self._pgs: list[PlacementGroup] = []
+        self._spare_counter = 0
+        self._pending_spares: list[Member] = []
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
+
+    # ---- creation --------------------------------------------------------------------------
+    def _options(self, pg: PlacementGroup, bundle_index: int, name: str) -> dict:
+        bundle = self.scaling.bundle()
+        opts = dict(
+            num_cpus=bundle.get("CPU", 0),
+            num_gpus=bundle.get("GPU", 0),
+            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle_index
+            ),
+            name=name,
+            namespace=self.namespace,
+            lifetime=None,
+            max_restarts=0,
+            max_task_retries=0,
+        )
+        return opts
+
+    def _spawn(self, pg: PlacementGroup, index: int, name: str) -> Any:
+        return self._actor_cls.options(**self._options(pg, index, name)).remote(self.spec, name)
+
+    def start(self, num_active: int) -> None:
+        """Place and start the active ranks plus the hot spares, then order ranks by node."""
+        bundle = self.scaling.bundle()
+        pg = placement_group([dict(bundle) for _ in range(num_active)], strategy=self.scaling.placement_strategy,
+                             name=f"{self.namespace}/ranks")
+        self._pgs.append(pg)
+        _wait_ready(pg, self.scaling.placement_timeout_s, f"{num_active} worker bundles {bundle}")
+        # Ranks follow the nodes the bundles landed on, so actor "rank-i" really is rank i.
+        bundle_nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+        node_order: dict[str, int] = {}
+        for i in range(num_active):
+            node_order.setdefault(bundle_nodes.get(i, ""), len(node_order))
+        by_node = sorted(range(num_active), key=lambda i: node_order[bundle_nodes.get(i, "")])
+        pending = [Member(self._spawn(pg, b, f"rank-{r}"), f"rank-{r}", pg=pg) for r, b in enumerate(by_node)]
+        for _ in range(self.scaling.num_hot_spares):
+            self.request_spare()
+        infos = ray.get([m.actor.info.remote() for m in pending])
+        for m, info in zip(pending, infos):
+            m.info = info
+        self.members = order_by_node(pending)
+        self._name_ranks()
+        self.collect_spares(block=True)
+
+    def _name_ranks(self) -> None:
+        # Actor names are fixed at creation; the rank->name map lives in info for the CLI.
+        for rank, m in enumerate(self.members):
+            m.rank = rank
+            m.spare = False
+        assign_local_ranks(self.members)
+
+    def request_spare(self) -> None:
+        """Start one more hot spare in its own placement group, without waiting for it."""
+        idx = self._spare_counter
+        self._spare_counter += 1
+        pg = placement_group([self.scaling.bundle()], strategy="PACK", name=f"{self.namespace}/spare-{idx}")
+        self._pgs.append(pg)
+        name = f"spare-{idx}"
+        member = Member(self._spawn(pg, 0, name), name, pg=pg, spare=True)
+        member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time()}
+        self._pending_spares.append(member)
+
+    def collect_spares(self, block: bool = False, timeout_s: float | None = None) -> int:
+        """Move spares whose model is built into the ready list; returns how many are ready."""
+        still = []
+        deadline = time.time() + (timeout_s if timeout_s is not None else self.scaling.placement_timeout_s)
+        for m in self._pending_spares:
+            ref = m.info["_ref"]
+            wait_s = max(0.0, deadline - time.time()) if block else 0
+            ready, _ = ray.wait([ref], timeout=wait_s)
+            if ready:
+                try:
+                    m.info = ray.get(ref)
+                    self.spares.append(m)
+                except ray.exceptions.RayError as exc:
+                    logger.warning("spare %s died before it was ready: %s", m.name, exc)
+                    self._release(m)
+            else:
+                still.append(m)
+        self._pending_spares = still
+        return len(self.spares)
+
+    @property
+    def pending_spares(self) -> int:
+        return len(self._pending_spares)
+
+    # ---- membership changes ----------------------------------------------------------------
+    def promote_spare(self, rank: int) -> Member:
+        """The next ready spare takes over ``rank``."""
+        spare = self.spares.pop(0)
+        spare.spare = False
+        spare.rank = rank
+        self.members[rank] = spare
+        assign_local_ranks(self.members)
+        return spare
+
+    def remove_ranks(self, ranks: list[int]) -> None:
+        """Shrink: drop ``ranks`` and renumber the rest in order."""
+        gone = set(ranks)
+        self.members = [m for m in self.members if m.rank not in gone]
+        self._name_ranks()
+
+    def evict(self, member: Member) -> None:
+        self._release(member)
+
+    def _release(self, member: Member) -> None:
+        try:
+            ray.kill(member.actor, no_restart=True)
+        except Exception:
+            logger.debug("kill of %s failed", member.name, exc_info=True)
+        if member.pg is not None and member.pg is not self._pgs[0] and member.pg in self._pgs:
+            self._pgs.remove(member.pg)
+            try:
+                remove_placement_group(member.pg)
+            except Exception:
+                logger.debug("removing the placement group of %s failed", member.name, exc_info=True)
+
+    def drop_dead_spares(self, alive: list[bool]) -> list[Member]:
+        dead = [m for m, ok in zip(self.spares, alive) if not ok]
+        self.spares = [m for m, ok in zip(self.spares, alive) if ok]
+        for m in dead:
+            self._release(m)
+        return dead
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's node IP and a port free on that node, for a fresh TCP store."""
+        head = self.members[0]
+        port = ray.get(head.actor.free_port.remote())
+        return head.info["node_ip"], port
+
+    def shutdown(self) -> None:
+        for m in self.members + self.spares + self._pending_spares:
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except Exception:
+                logger.debug("kill of %s failed", m.name, exc_info=True)
+        for pg in self._pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                logger.debug("remove_placement_group failed", exc_info=True)
+        self.members, self.spares, self._pending_spares, self._pgs = [], [], [], []
+
+
+def order_by_node(members: list[Member]) -> list[Member]:
+    """Group ranks by node, nodes in order of first appearance, so node and local ranks are right."""
+    node_order: dict[str, int] = {}
+    for m in members:
+        node_order.setdefault(m.info["node_id"], len(node_order))
+    return sorted(members, key=lambda m: node_order[m.info["node_id"]])
+
+
+def assign_local_ranks(members: list[Member]) -> None:
+    node_rank: dict[str, int] = {}
+    local: dict[str, int] = {}
+    for m in members:
+        node = m.info.get("node_id", "")
+        m.node_rank = node_rank.setdefault(node, len(node_rank))
+        m.local_rank = local.get(node, 0)
+        local[node] = m.local_rank + 1

@@ -1,0 +1,220 @@
+"""Turns a nested training state into flat name->tensor dicts (safetensors) plus a JSON skeleton, and back.
+
+Also splits the tensors deterministically across ranks (balanced by bytes) and captures RNG state
+as JSON-safe data. No pickle anywhere: a checkpoint is safetensors bytes and plain JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+# Skeleton markers. JSON objects only have string keys and no tuples, so dicts are stored as
+# lists of [key, value] pairs (keeping int keys such as optimizer state indices) and tuples
+# are tagged (keeping Adam's ``betas`` a tuple).
+_TENSOR = "__tensor__"
+_DICT = "__dict__"
+_TUPLE = "__tuple__"
+_FLOAT = "__float__"
+
+
+def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split ``state`` into {name: tensor} and a JSON-safe skeleton that names each tensor.
+
+    Names are the '/'-joined path (``model/fc.weight``, ``optimizer/state/0/exp_avg``). Tensors are
+    returned as they are (no copy); callers clone what they keep.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            name = "/".join(path) or "tensor"
+            if name in tensors:  # only if keys themselves contain '/': make it unique
+                i = 1
+                while f"{name}#{i}" in tensors:
+                    i += 1
+                name = f"{name}#{i}"
+            tensors[name] = obj
+            return {_TENSOR: name}
+        if isinstance(obj, dict):
+            pairs = []
+            for key, value in obj.items():
+                if not isinstance(key, (str, int)) or isinstance(key, bool):
+                    raise TypeError(f"checkpoint state key {key!r} at {'/'.join(path) or '<root>'} must be str or int")
+                pairs.append([key, walk(value, path + (str(key),))])
+            return {_DICT: pairs}
+        if isinstance(obj, tuple):
+            return {_TUPLE: [walk(v, path + (str(i),)) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [walk(v, path + (str(i),)) for i, v in enumerate(obj)]
+        if isinstance(obj, np.generic):
+            return walk(obj.item(), path)
+        if isinstance(obj, float):
+            if obj != obj or obj in (float("inf"), float("-inf")):
+                return {_FLOAT: repr(obj)}  # strict JSON has no NaN/Infinity
+            return obj
+        if obj is None or isinstance(obj, (bool, int, str)):
+            return obj
+        raise TypeError(
+            f"checkpoint state at {'/'.join(path) or '<root>'} has a {type(obj).__name__}; only tensors, "
+            "dicts, lists, tuples, str, int, float, bool and None can be saved without pickle"
+        )
+
+    skeleton = walk(state, ())
+    return tensors, skeleton
+
+
+def unflatten_state(tensors: dict[str, torch.Tensor], skeleton: Any) -> Any:
+    """Inverse of ``flatten_state``. Raises KeyError naming a tensor the skeleton needs but is missing."""
+
+    def build(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            if _TENSOR in obj:
+                name = obj[_TENSOR]
+                if name not in tensors:
+                    raise KeyError(f"tensor {name!r} is missing from the checkpoint shards")
+                return tensors[name]
+            if _DICT in obj:
+                return {key: build(value) for key, value in obj[_DICT]}
+            if _TUPLE in obj:
+                return tuple(build(v) for v in obj[_TUPLE])
+            if _FLOAT in obj:
+                return float(obj[_FLOAT])
+            raise ValueError(f"unknown skeleton node {sorted(obj)!r}")
+        if isinstance(obj, list):
+            return [build(v) for v in obj]
+        return obj
+
+    return build(skeleton)
+
+
+def skeleton_tensor_names(skeleton: Any) -> list[str]:
+    """Every tensor name referenced by a skeleton."""
+    names: list[str] = []
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, dict):
+            if _TENSOR in obj:
+                names.append(obj[_TENSOR])
+                return
+            for value in obj.values():
+                visit(value)
+        elif isinstance(obj, list):
+            for value in obj:
+                visit(value)
+
+    visit(skeleton)
+    return names
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def assign_shards(sizes: dict[str, int], world_size: int) -> list[list[str]]:
+    """Split tensor names across ``world_size`` ranks, balanced by bytes; the same on every rank.
+
+    Greedy largest-first onto the least-loaded rank (ties: lowest rank), with names as the
+    tie-breaker so dict order cannot change the result.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    loads = [0] * world_size
+    shards: list[list[str]] = [[] for _ in range(world_size)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shards[rank].append(name)
+        loads[rank] += sizes[name]
+    return [sorted(s) for s in shards]
+
+
+def rank_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> list[str]:
+    """The tensor names that ``rank`` writes."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    return assign_shards({n: tensor_nbytes(t) for n, t in tensors.items()}, world_size)[rank]
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A private, contiguous CPU copy that later optimizer steps cannot change."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.to("cpu", copy=True).contiguous()
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    """safetensors bytes. Every tensor is made contiguous and given its own storage (safetensors
+    refuses shared storage, e.g. tied weights)."""
+    seen: set[int] = set()
+    clean: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else -1
+        if not t.is_contiguous() or (ptr != -1 and ptr in seen) or t.untyped_storage().nbytes() != tensor_nbytes(t):
+            t = t.clone(memory_format=torch.contiguous_format)
+            ptr = t.untyped_storage().data_ptr() if t.numel() else -1
+        if ptr != -1:
+            seen.add(ptr)
+        clean[name] = t
+    return safetensors.torch.save(clean)
+
+
+def decode_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load(data)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Byte-stable JSON (sorted keys, no spaces) so a checksum over it is reproducible."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+# ---- RNG ---------------------------------------------------------------------------------------
+def capture_rng() -> dict:
+    """torch, numpy and python RNG state as JSON-safe data."""
+    np_state = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    out = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+        "numpy": {
+            "kind": str(np_state[0]),
+            "keys": np.asarray(np_state[1]).astype(np.uint32).tolist(),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": {"version": py_version, "internal": list(py_internal), "gauss_next": py_gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(rng: dict) -> None:
+    """Inverse of ``capture_rng``; missing parts are left alone."""
+    if "torch" in rng:
+        raw = np.frombuffer(base64.b64decode(rng["torch"]), dtype=np.uint8).copy()
+        torch.set_rng_state(torch.from_numpy(raw))
+    if "numpy" in rng:
+        n = rng["numpy"]
+        np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+    if "python" in rng:
+        p = rng["python"]
+        random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
+    if "cuda" in rng and torch.cuda.is_available():
+        states = [torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy()) for s in rng["cuda"]]
+        torch.cuda.set_rng_state_all(states)

@@ -1,0 +1,423 @@
+"""Byte-level access to checkpoint storage through fsspec (``file://`` or a plain path, ``memory://``, ``s3://``).
+
+Retries transient errors with bounded exponential backoff, checks the storage before training
+(``validate``), and keeps credentials out of every message, log line and location string.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import fsspec
+import fsspec.core
+
+from elastic.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Schemes whose object stores have no directories: no makedirs, and a missing "directory" is just
+# an empty listing.
+_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+_S3 = ("s3", "s3a")
+_LOCAL = ("file", "local")
+
+# storage_options keys whose values are secrets. Values of any key that merely *looks* secret are
+# redacted too, so a new backend's credential option cannot leak by omission.
+_SECRET_KEY_HINTS = ("secret", "token", "password", "passwd", "credential", "key", "sas", "signature")
+
+# Errors that retrying cannot fix. Everything else (OSError, botocore/aiohttp connection errors,
+# timeouts) is treated as transient.
+_PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError,
+              ValueError, TypeError, KeyError, NotImplementedError, ConfigError)
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed. The message is already redacted."""
+
+
+class StorageUnavailable(StorageError):
+    """A storage operation kept failing with transient errors after every retry."""
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff: ``attempts`` tries, sleeping base_s, 2*base_s, ... capped at max_s.
+
+    Environment variables override the defaults so tests (and impatient operators) can make it tiny.
+    """
+
+    attempts: int = field(default_factory=lambda: int(_env_float("ELASTIC_STORAGE_ATTEMPTS", 4)))
+    base_s: float = field(default_factory=lambda: _env_float("ELASTIC_STORAGE_BACKOFF_S", 0.2))
+    max_s: float = field(default_factory=lambda: _env_float("ELASTIC_STORAGE_BACKOFF_MAX_S", 5.0))
+
+    def delay_s(self, attempt: int) -> float:
+        """Sleep before retry number ``attempt`` (0-based), with jitter so ranks do not retry in lockstep."""
+        return min(self.max_s, self.base_s * (2 ** attempt)) * random.uniform(0.5, 1.0)
+
+
+def _secret_values(options: Any) -> set[str]:
+    """Every string in storage_options stored under a key that looks like a credential."""
+    found: set[str] = set()
+    if isinstance(options, dict):
+        for key, value in options.items():
+            if isinstance(value, str) and any(h in str(key).lower() for h in _SECRET_KEY_HINTS):
+                if len(value) >= 4:  # a 1-3 character "secret" would redact half of every message
+                    found.add(value)
+            else:
+                found |= _secret_values(value)
+    elif isinstance(options, (list, tuple)):
+        for value in options:
+            found |= _secret_values(value)
+    return found
+
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+_QUERY = re.compile(r"\?.*$")
+
+
+def redact_url(url: str) -> str:
+    """A URL without user:password@ and without a query string (presigned URLs carry signatures there)."""
+    return _QUERY.sub("", _USERINFO.sub(r"\g<scheme>***@", url))
+
+
+class Redactor:
+    """Replaces known secret values (and URL userinfo) in any text with ``***``."""
+
+    def __init__(self, storage_options: dict | None, extra: tuple[str, ...] = ()):
+        secrets = _secret_values(storage_options or {}) | {s for s in extra if s and len(s) >= 4}
+        # Longest first, so a secret that contains another is replaced whole.
+        self._secrets = sorted(secrets, key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        text = _USERINFO.sub(r"\g<scheme>***@", str(text))
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+
+def _join(*parts: str) -> str:
+    """Join path parts with '/'; fsspec paths are POSIX-style on every backend."""
+    out = parts[0].rstrip("/")
+    for part in parts[1:]:
+        part = part.strip("/")
+        if part:
+            out = f"{out}/{part}" if out else part
+    return out
+
+
+def resolve_url(url: str) -> str:
+    """Make a plain relative path absolute, so every process (each with its own cwd) means the same place."""
+    protocol, _ = fsspec.core.split_protocol(url)
+    if protocol is None:
+        return os.path.abspath(url)
+    return url
+
+
+class Storage:
+    """One storage root (an fsspec URL) and relative paths under it.
+
+    All paths given to methods are relative to the root, '/'-separated strings. The filesystem is
+    created lazily (and dropped when pickled) so constructing a Storage never touches the network.
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None, retry: RetryPolicy | None = None):
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"RunConfig.storage must be a non-empty string URL or path, got {url!r}.")
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        self.retry = retry or RetryPolicy()
+        self.protocol = fsspec.core.split_protocol(url)[0] or "file"
+        self.redact = Redactor(self.storage_options, extra=_url_secrets(url))
+        self.location = self.redact(redact_url(url))
+        self._fs: Any = None
+        self._root: str | None = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_fs"] = None
+        state["_root"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"Storage({self.location!r})"
+
+    # ---- filesystem -------------------------------------------------------------------------
+    def _filesystem(self) -> tuple[Any, str]:
+        if self._fs is None:
+            try:
+                fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            except ValueError as exc:
+                raise ConfigError(self._scheme_message(exc)) from None
+            except ImportError as exc:
+                raise ConfigError(
+                    f"RunConfig.storage={self.location!r} needs a package that is not installed "
+                    f"({self.redact(str(exc))}); for s3:// install s3fs."
+                ) from None
+            except TypeError as exc:
+                raise ConfigError(
+                    f"RunConfig.storage_options are not accepted by the {self.protocol}:// filesystem: "
+                    f"{self.redact(str(exc))}"
+                ) from None
+            self._fs, self._root = fs, root.rstrip("/") if root not in ("/", "") else root
+        return self._fs, self._root  # type: ignore[return-value]
+
+    def _scheme_message(self, exc: Exception) -> str:
+        return (
+            f"RunConfig.storage={self.location!r} has an unknown URL scheme {self.protocol + '://'!r} "
+            f"({self.redact(str(exc))}); use file://, memory://, s3:// or a plain path."
+        )
+
+    @property
+    def is_object_store(self) -> bool:
+        return self.protocol in _OBJECT_STORES
+
+    def full_path(self, rel: str = "") -> str:
+        _, root = self._filesystem()
+        return _join(root, rel) if rel else root
+
+    def describe(self, rel: str = "") -> str:
+        """A redacted, human-readable location for ``rel``, for messages."""
+        return _join(self.location, rel) if rel else self.location
+
+    # ---- retry ------------------------------------------------------------------------------
+    def _call(self, op: str, rel: str, fn: Callable[[], T], retry: RetryPolicy | None = None) -> T:
+        """Run ``fn`` with bounded retries; raise redacted errors only."""
+        policy = retry or self.retry
+        attempts = max(1, policy.attempts)
+        last: BaseException | None = None
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except ConfigError:
+                raise
+            except FileNotFoundError as exc:
+                raise FileNotFoundError(f"{op}: not found: {self.describe(rel)} ({self.redact(str(exc))})") from None
+            except _PERMANENT as exc:
+                raise StorageError(
+                    f"{op} {self.describe(rel)} failed: {type(exc).__name__}: {self.redact(str(exc))}"
+                ) from None
+            except Exception as exc:  # noqa: BLE001 - transient by elimination; retried, then wrapped
+                last = exc
+                if attempt + 1 < attempts:
+                    delay = policy.delay_s(attempt)
+                    logger.debug("%s %s failed (%s: %s); retry %d/%d in %.2fs", op, self.describe(rel),
+                                 type(exc).__name__, self.redact(str(exc)), attempt + 1, attempts - 1, delay)
+                    time.sleep(delay)
+        assert last is not None
+        # ``from None``: the original exception's text and traceback locals may carry credentials.
+        raise StorageUnavailable(
+            f"{op} {self.describe(rel)} failed after {attempts} attempts: "
+            f"{type(last).__name__}: {self.redact(str(last))}"
+        ) from None
+
+    # ---- operations -------------------------------------------------------------------------
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        fs, _ = self._filesystem()
+        path = self.full_path(rel)
+
+        def write() -> None:
+            if self.protocol in _LOCAL:
+                # Local files get an fsync: the manifest is written last and must not reach disk
+                # before the shards it vouches for.
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return
+            if not self.is_object_store:
+                fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            fs.pipe_file(path, data)
+
+        try:
+            self._call("write", rel, write)
+        except FileNotFoundError as exc:
+            # A write that finds nothing means the bucket (or mount) is gone: a storage problem.
+            raise StorageError(str(exc)) from None
+
+    def read_bytes(self, rel: str) -> bytes:
+        fs, _ = self._filesystem()
+        path = self.full_path(rel)
+        return self._call("read", rel, lambda: fs.cat_file(path))
+
+    def exists(self, rel: str) -> bool:
+        fs, _ = self._filesystem()
+        path = self.full_path(rel)
+        return bool(self._call("exists", rel, lambda: fs.exists(path)))
+
+    def list_dir(self, rel: str = "", detail: bool = False) -> list:
+        """Immediate children of ``rel``: names (detail=False) or dicts {name, type, size}.
+
+        A missing directory lists as empty (object stores have no empty directories). The listing
+        cache is dropped first: other processes (workers, the controller) write here too.
+        """
+        fs, _ = self._filesystem()
+        path = self.full_path(rel)
+
+        def ls() -> list:
+            fs.invalidate_cache()
+            try:
+                return fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+
+        entries = self._call("list", rel, ls)
+        out = []
+        for entry in entries:
+            name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if not name or str(entry["name"]).rstrip("/") == path.rstrip("/"):
+                continue  # some backends list the directory itself
+            if detail:
+                out.append({"name": name, "type": entry.get("type", "file"), "size": int(entry.get("size") or 0)})
+            else:
+                out.append(name)
+        return sorted(out, key=lambda e: e["name"] if detail else e)
+
+    def delete(self, rel: str) -> None:
+        """Delete one file; a missing file is not an error."""
+        fs, _ = self._filesystem()
+        path = self.full_path(rel)
+        try:
+            self._call("delete", rel, lambda: fs.rm_file(path))
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, rel: str) -> None:
+        """Delete a directory and everything under it; a missing directory is not an error."""
+        if not rel.strip("/"):
+            raise ValueError("refusing to delete the storage root")
+        fs, _ = self._filesystem()
+        path = self.full_path(rel)
+
+        def rm() -> None:
+            fs.invalidate_cache()
+            try:
+                fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                return
+
+        self._call("delete", rel, rm)
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self, probe_dir: str = "") -> None:
+        """Fail fast, before training, with a ConfigError that says what to change.
+
+        Checks the scheme, S3 credentials and bucket, then writes, reads back and deletes a small
+        probe file under ``probe_dir`` so permission problems show up now rather than at step 1000.
+        """
+        try:
+            cls = fsspec.get_filesystem_class(self.protocol)
+        except ValueError as exc:
+            raise ConfigError(self._scheme_message(exc)) from None
+        except ImportError as exc:
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} needs a package that is not installed "
+                f"({self.redact(str(exc))}); for s3:// run `pip install s3fs`."
+            ) from None
+        del cls
+        if self.protocol in _S3:
+            self._check_s3_credentials()
+        fs, root = self._filesystem()
+        quick = RetryPolicy(attempts=2, base_s=min(self.retry.base_s, 0.2), max_s=0.5)
+        if self.protocol in _S3:
+            bucket = root.split("/", 1)[0]
+            if not bucket:
+                raise ConfigError(f"RunConfig.storage={self.location!r} names no bucket; use s3://BUCKET/prefix.")
+            try:
+                found = self._call("check bucket", "", lambda: fs.exists(bucket), retry=quick)
+            except StorageError as exc:
+                raise ConfigError(
+                    f"RunConfig.storage={self.location!r}: cannot reach bucket {bucket!r}: {exc}. "
+                    "Check RunConfig.storage_options (endpoint_url, region, credentials)."
+                ) from None
+            if not found:
+                raise ConfigError(
+                    f"RunConfig.storage={self.location!r}: bucket {bucket!r} does not exist (or these "
+                    "credentials cannot see it); create it or fix the bucket name."
+                )
+        probe = _join(probe_dir, f".elastic-probe-{uuid.uuid4().hex}")
+        payload = b"elastic storage probe"
+        try:
+            self._call("probe write", probe, lambda: self._probe_write(probe, payload), retry=quick)
+            back = self._call("probe read", probe, lambda: fs.cat_file(self.full_path(probe)), retry=quick)
+        except (StorageError, FileNotFoundError) as exc:
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} is not writable: {self.redact(str(exc))}. "
+                "Check the path, permissions and RunConfig.storage_options."
+            ) from None
+        finally:
+            try:
+                self._call("probe delete", probe, lambda: fs.rm_file(self.full_path(probe)), retry=quick)
+            except Exception:  # noqa: BLE001 - a stray probe file is harmless
+                logger.debug("could not delete probe %s", self.describe(probe))
+        if back != payload:
+            raise ConfigError(f"RunConfig.storage={self.location!r} returned different bytes than were written.")
+
+    def _probe_write(self, rel: str, data: bytes) -> None:
+        fs, _ = self._filesystem()
+        path = self.full_path(rel)
+        if not self.is_object_store:
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, data)
+
+    def _check_s3_credentials(self) -> None:
+        """Resolve credentials the way s3fs/botocore would, without a network round trip to S3.
+
+        Without this, missing credentials surface as a slow retry loop or a vague 403 mid-training.
+        """
+        opts = self.storage_options
+        if opts.get("anon"):
+            return
+        key = opts.get("key") or opts.get("username") or opts.get("aws_access_key_id")
+        secret = opts.get("secret") or opts.get("password") or opts.get("aws_secret_access_key")
+        client_kwargs = opts.get("client_kwargs") or {}
+        key = key or client_kwargs.get("aws_access_key_id")
+        secret = secret or client_kwargs.get("aws_secret_access_key")
+        if key and secret:
+            return
+        if bool(key) != bool(secret):
+            missing = "secret" if key else "key"
+            raise ConfigError(
+                f"RunConfig.storage_options for {self.location!r} has an S3 access key or secret but not both; "
+                f"add storage_options[{missing!r}]."
+            )
+        try:
+            import botocore.session
+            from botocore.exceptions import BotoCoreError
+
+            session = botocore.session.Session(profile=opts.get("profile"))
+            creds = session.get_credentials()
+        except BotoCoreError as exc:  # e.g. ProfileNotFound
+            raise ConfigError(
+                f"RunConfig.storage_options for {self.location!r}: cannot load AWS credentials "
+                f"({type(exc).__name__}: {self.redact(str(exc))})."
+            ) from None
+        if creds is None:
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r}: no AWS credentials found. Pass "
+                "RunConfig.storage_options={'key': ..., 'secret': ...}, set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, configure an AWS profile (storage_options['profile']), "
+                "or use storage_options={'anon': True} for a public bucket."
+            )
+
+
+def _url_secrets(url: str) -> tuple[str, ...]:
+    """The user:password part of a URL, if any, so it is redacted wherever it shows up."""
+    m = re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://([^/@\s]*)@", url)
+    if not m:
+        return ()
+    return tuple(p for p in m.group(1).split(":") if p)

@@ -1,0 +1,196 @@
+"""User-facing configuration: stdlib dataclasses validated in ``__post_init__``.
+
+Every check here runs before any actor starts, and every message names the field to change.
+Checks that need the cluster (GPUs present, placement can fit) live in ``elastic.placement``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+AGGREGATIONS = ("all", "first_n")
+FAILURE_ACTIONS = ("replace", "shrink", "wait", "restart", "fail")
+
+
+class ConfigError(ValueError):
+    """A configuration value cannot work. The message names the field and what to change."""
+
+
+def _env_float(name: str, default: float) -> float:
+    """Timeouts may be overridden from the environment so tests can make them tiny."""
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass
+class ScalingConfig:
+    """How many workers, on what, and where.
+
+    ``num_workers`` ranks train; ``num_backups`` extra actors are kept. With ``aggregation="all"``
+    the backups are hot spares that take over a failed or evicted rank. With
+    ``aggregation="first_n"`` the backups train too (M = N + b replicas) and each step keeps the
+    first N gradients to arrive (Chen et al. 2016); hot spares for that mode are ``num_spares``.
+    """
+
+    num_workers: int = 1
+    num_backups: int = 0
+    use_gpu: bool = False
+    resources_per_worker: Mapping[str, float] = field(default_factory=dict)
+    placement_strategy: str = "PACK"
+    aggregation: str = "all"
+    num_spares: int = 0
+    placement_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_PLACEMENT_TIMEOUT_S", 60.0))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ConfigError(f"ScalingConfig.num_workers must be an integer >= 1, got {self.num_workers!r}.")
+        if not isinstance(self.num_backups, int) or self.num_backups < 0:
+            raise ConfigError(f"ScalingConfig.num_backups must be an integer >= 0, got {self.num_backups!r}.")
+        if not isinstance(self.num_spares, int) or self.num_spares < 0:
+            raise ConfigError(f"ScalingConfig.num_spares must be an integer >= 0, got {self.num_spares!r}.")
+        strategy = str(self.placement_strategy).upper()
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(
+                f"ScalingConfig.placement_strategy={self.placement_strategy!r} is unknown; "
+                f"use one of {', '.join(PLACEMENT_STRATEGIES)}."
+            )
+        self.placement_strategy = strategy
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(
+                f"ScalingConfig.aggregation={self.aggregation!r} is unknown; use 'all' or 'first_n'."
+            )
+        if self.aggregation == "first_n" and self.num_backups < 1:
+            raise ConfigError(
+                "ScalingConfig.aggregation='first_n' needs backups: with M = N there is nothing to drop. "
+                "Set num_backups >= 1 (M = num_workers + num_backups replicas compute each step)."
+            )
+        if self.aggregation == "all" and self.num_spares:
+            raise ConfigError(
+                "ScalingConfig.num_spares is for aggregation='first_n'; with aggregation='all' "
+                "the hot spares are num_backups. Move the value to num_backups."
+            )
+        resources = dict(self.resources_per_worker)
+        for key, value in resources.items():
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(
+                    f"ScalingConfig.resources_per_worker[{key!r}] must be a number >= 0, got {value!r}."
+                )
+        if "GPU" in resources and resources["GPU"] > 0 and not self.use_gpu:
+            raise ConfigError("ScalingConfig.resources_per_worker asks for GPU but use_gpu=False; set use_gpu=True.")
+        resources.setdefault("CPU", 1.0)
+        if self.use_gpu:
+            resources.setdefault("GPU", 1.0)
+            if resources["GPU"] <= 0:
+                raise ConfigError("ScalingConfig.use_gpu=True needs resources_per_worker['GPU'] > 0.")
+        self.resources_per_worker = resources
+        if self.placement_timeout_s <= 0:
+            raise ConfigError("ScalingConfig.placement_timeout_s must be > 0 seconds.")
+
+    @property
+    def num_replicas(self) -> int:
+        """Actors that compute a gradient every step (M)."""
+        return self.num_workers + (self.num_backups if self.aggregation == "first_n" else 0)
+
+    @property
+    def num_hot_spares(self) -> int:
+        return self.num_spares if self.aggregation == "first_n" else self.num_backups
+
+    def bundle(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.resources_per_worker.items() if v > 0}
+
+
+@dataclass
+class FailureConfig:
+    """What to do when a worker dies, hangs or straggles.
+
+    ``on_failure`` is the first choice when a rank is lost; spares are always used first when
+    ``on_failure="replace"``. When spares run out, ``when_no_spare`` decides.
+    """
+
+    max_failures: int = 3
+    on_failure: str = "replace"
+    when_no_spare: str = "wait"
+    allow_shrink: bool = False
+    min_workers: int | None = None
+    capacity_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_CAPACITY_TIMEOUT_S", 30.0))
+    heartbeat_interval_s: float = field(default_factory=lambda: _env_float("ELASTIC_HEARTBEAT_INTERVAL_S", 1.0))
+    heartbeat_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_HEARTBEAT_TIMEOUT_S", 10.0))
+    collective_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_COLLECTIVE_TIMEOUT_S", 60.0))
+    step_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_STEP_TIMEOUT_S", 120.0))
+    straggler_factor: float = 2.0
+    straggler_window: int = 5
+    evict_stragglers: bool = False
+    checksum_every_n_steps: int = 10
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_failures, int) or self.max_failures < 0:
+            raise ConfigError(f"FailureConfig.max_failures must be an integer >= 0, got {self.max_failures!r}.")
+        for name in ("on_failure", "when_no_spare"):
+            if getattr(self, name) not in FAILURE_ACTIONS:
+                raise ConfigError(
+                    f"FailureConfig.{name}={getattr(self, name)!r} is unknown; use one of {', '.join(FAILURE_ACTIONS)}."
+                )
+        if self.when_no_spare == "replace":
+            raise ConfigError("FailureConfig.when_no_spare cannot be 'replace' (there is no spare); use wait, shrink, restart or fail.")
+        if "shrink" in (self.on_failure, self.when_no_spare) and not self.allow_shrink:
+            raise ConfigError("FailureConfig asks to shrink but allow_shrink=False; set allow_shrink=True.")
+        if self.min_workers is not None and (not isinstance(self.min_workers, int) or self.min_workers < 1):
+            raise ConfigError(f"FailureConfig.min_workers must be an integer >= 1 or None, got {self.min_workers!r}.")
+        for name in ("capacity_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "step_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"FailureConfig.{name} must be > 0 seconds.")
+        if self.straggler_factor <= 1.0:
+            raise ConfigError(
+                f"FailureConfig.straggler_factor must be > 1 (a rank is a straggler above factor x median), got {self.straggler_factor!r}."
+            )
+        if not isinstance(self.straggler_window, int) or self.straggler_window < 1:
+            raise ConfigError(f"FailureConfig.straggler_window must be an integer >= 1, got {self.straggler_window!r}.")
+        if not isinstance(self.checksum_every_n_steps, int) or self.checksum_every_n_steps < 0:
+            raise ConfigError("FailureConfig.checksum_every_n_steps must be an integer >= 0 (0 turns the check off).")
+
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+@dataclass
+class CheckpointConfig:
+    """Per-step checkpoints. ``every_n_steps=0`` turns them off."""
+
+    every_n_steps: int = 1
+    blocking: bool = False
+    keep_last: int = 3
+    keep_every: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
+            raise ConfigError("CheckpointConfig.every_n_steps must be an integer >= 0 (0 turns checkpoints off).")
+        if not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise ConfigError("CheckpointConfig.keep_last must be an integer >= 1 (the newest committed step is always kept).")
+        if not isinstance(self.keep_every, int) or self.keep_every < 0:
+            raise ConfigError("CheckpointConfig.keep_every must be an integer >= 0 (0 keeps no extra steps).")
+
+
+@dataclass
+class RunConfig:
+    """Run identity and storage. ``storage`` is an fsspec URL or a plain path; None means no checkpoints."""
+
+    name: str = "elastic-run"
+    storage: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    seed: int = 0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _RUN_NAME.match(self.name):
+            raise ConfigError(
+                f"RunConfig.name={self.name!r} must be 1-100 characters of letters, digits, '_', '.', '-', starting with a letter or digit."
+            )
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"RunConfig.seed must be an integer, got {self.seed!r}.")
+        if self.storage is not None and not isinstance(self.storage, str):
+            raise ConfigError("RunConfig.storage must be a string URL (file://, memory://, s3://) or a path.")

@@ -1,0 +1,801 @@
+"""The controller: an explicit state machine that drives every step and carries out decisions.
+
+It sends each step to the workers, collects per-rank results, asks the policies what to do, and
+acts on the answer: rebuild the ring with spares, shrink, wait for capacity, restart from a
+checkpoint, evict a straggler, or fail. Every transition and decision lands in the event log.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import ray
+
+from elastic.actors.worker import CollectiveError, TrainingSpec
+from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits
+from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
+from elastic.data import DataPosition, SampleLedger, ShardPlan
+from elastic.policies import (
+    Continue,
+    EvictStraggler,
+    Fail,
+    FailurePolicy,
+    FailureView,
+    ReplaceWithSpares,
+    RestartFromCheckpoint,
+    Shrink,
+    StragglerPolicy,
+    WaitForCapacity,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    SCHEDULING = "scheduling"
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    FINISHED = "finished"
+    ERRORED = "errored"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (State.FINISHED, State.ERRORED)
+
+
+class TrainingFailed(RuntimeError):
+    """The run stopped. The message says why and names the latest committed checkpoint, if any."""
+
+
+class WorkerError(RuntimeError):
+    """User code raised on a worker; carries the rank and the original traceback."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"worker rank {rank} raised:\n{message}")
+        self.rank = rank
+
+
+class ReplicaDivergence(RuntimeError):
+    """Replicas that must be identical are not. Never ignored."""
+
+
+@dataclass
+class Event:
+    time: float
+    step: int
+    kind: str
+    message: str
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class Failure(Exception):
+    """Ranks lost during a step, found by the controller's gather."""
+
+    dead: set[int]
+    kind: str
+    completed: dict[int, Any] = field(default_factory=dict)
+    detect_s: float = 0.0
+
+    def __str__(self) -> str:
+        return f"{self.kind}: ranks {sorted(self.dead)}"
+
+
+@dataclass
+class StepRecord:
+    step: int
+    epoch: int
+    loss: float
+    step_time_s: float
+    controller_time_s: float
+    world_size: int
+    samples: int
+    dropped: int = 0
+    ranks: list[int] = field(default_factory=list)
+
+
+class Controller:
+    """Drives one run. ``worker_group_cls`` is the seam tests use to put in a fake group."""
+
+    worker_group_cls = WorkerGroup
+
+    def __init__(self, spec: TrainingSpec, scaling: ScalingConfig, run: RunConfig, failure: FailureConfig,
+                 global_batch_size: int, checkpoint_store=None, metrics=None, fault_plan: list | None = None,
+                 on_step: Callable[[StepRecord, "Controller"], None] | None = None, requeue_dropped: bool = False):
+        self.spec = spec
+        self.scaling = scaling
+        self.run_config = run
+        self.failure_config = failure
+        self.global_batch_size = global_batch_size
+        self.store = checkpoint_store
+        self.metrics = metrics
+        self.fault_plan = list(fault_plan or [])
+        self.on_step = on_step
+        self.state = State.SCHEDULING
+        self.events: list[Event] = []
+        self.history: list[StepRecord] = []
+        self.ledger = SampleLedger()
+        self.failure_policy = FailurePolicy(failure, scaling.num_workers)
+        self.straggler_policy = StragglerPolicy(failure.straggler_factor, failure.straggler_window,
+                                                failure.evict_stragglers)
+        self.group: Any = None
+        self.generation = 0
+        self.step = 0  # last completed step
+        self.failures = 0
+        self.recoveries: list[dict] = []
+        self.plan: ShardPlan | None = None
+        self.committer = None
+        self.dataset_size = 0
+        self._per_worker = 0
+        self._busy: dict[int, Any] = {}  # first-N: rank -> its newest outstanding ref
+        self._late_compute: dict[Any, int] = {}  # first-N: late compute refs -> rank
+        self._checksum_pending: tuple[int, list] | None = None
+        self._last_results: dict[int, Any] = {}
+        self._last_beat: dict[int, float] = {}
+        self.restored_from: int | None = None
+        self.total_steps = 0
+        self._pending_shards: tuple | None = None
+        self.requeue_dropped = requeue_dropped
+
+    # ---- event log and state machine ------------------------------------------------------
+    def log(self, kind: str, message: str, **details) -> None:
+        self.events.append(Event(time.time(), self.step, kind, message, details))
+        logger.info("[%s] step %d %s: %s", self.run_config.name, self.step, kind, message)
+        if self.metrics is not None:
+            self.metrics.on_event(kind, details)
+
+    def transition(self, new: State, reason: str) -> None:
+        old = self.state
+        self.state = new
+        self.log("transition", f"{old.value} -> {new.value}: {reason}", old=old.value, new=new.value)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def run_for(self, steps: int | None = None, epochs: int | None = None) -> None:
+        """Train until ``steps`` steps (or ``epochs`` epochs) are complete, counting resumed ones."""
+        try:
+            self._schedule()
+            self._start()
+            total_steps = steps if steps is not None else epochs * self.plan.steps_per_epoch(self.global_batch_size)
+            self.total_steps = total_steps
+            self.transition(State.RUNNING, f"{len(self.group.members)} ranks joined generation {self.generation}; "
+                            f"training to step {total_steps}")
+            while self.step < total_steps:
+                self._run_one_step()
+            self._finish_checkpoints()
+            self.transition(State.FINISHED, f"completed {self.step} steps")
+        except BaseException as exc:
+            if not self.state.is_terminal:
+                self.transition(State.ERRORED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            raise
+        finally:
+            if self.committer is not None:
+                self.committer.close()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            try:
+                ray.get([m.actor.shutdown.remote() for m in self.group.members], timeout=10)
+            except Exception:
+                logger.debug("worker shutdown failed", exc_info=True)
+            self.group.shutdown()
+
+    def _schedule(self) -> None:
+        total = self.scaling.num_replicas + self.scaling.num_hot_spares
+        check_cluster_fits(self.scaling, total)
+        self.log("schedule", f"placing {self.scaling.num_replicas} rank(s) and {self.scaling.num_hot_spares} "
+                 f"spare(s), strategy {self.scaling.placement_strategy}", bundle=self.scaling.bundle())
+
+    def _start(self) -> None:
+        self.transition(State.STARTING, "placement ready, starting worker actors")
+        self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
+        self.group.start(self.scaling.num_replicas)
+        for m in self.group.members:
+            self.log("placed", f"rank {m.rank} on node {m.info.get('node_ip')} (node rank {m.node_rank}, "
+                     f"local rank {m.local_rank})", rank=m.rank, node_id=m.info.get("node_id"))
+        self.log("spares", f"{len(self.group.spares)} hot spare(s) ready", ready=len(self.group.spares))
+        self.dataset_size = ray.get(self.group.members[0].actor.dataset_size.remote())
+        self._setup_data_and_checkpoints()
+        self._form_group("initial rendezvous")
+        self._apply_fault_plan()
+
+    def _setup_data_and_checkpoints(self) -> None:
+        position = None
+        if self.store is not None:
+            position = self._restore_latest()
+        n = self.scaling.num_workers
+        self._per_worker = self.global_batch_size // n
+        self.plan = ShardPlan(self.dataset_size, self.run_config.seed, position)
+        if self.store is not None:
+            from elastic.checkpoint import CheckpointCommitter
+
+            self.committer = CheckpointCommitter(self.store, self.run_config.checkpoint)
+            ckpt = self.run_config.checkpoint
+            ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options,
+                                                         self.run_config.name, ckpt.every_n_steps, ckpt.blocking)
+                     for m in self._all_actors()])
+
+    def _restore_latest(self) -> DataPosition | None:
+        step = self.store.latest_valid()
+        if step is None:
+            self.log("checkpoint", f"no committed checkpoint under {self.store.location}; starting fresh")
+            return None
+        refs = [m.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options, self.run_config.name,
+                                                  step) for m in self.group.members]
+        metas = ray.get(refs)
+        meta = metas[0]
+        self.step = step
+        self.restored_from = step
+        self.log("resume", f"resumed from committed step {step} at {self.store.location}", step=step)
+        return DataPosition.from_dict(meta["data_position"])
+
+    def _all_actors(self) -> list[Member]:
+        return list(self.group.members) + list(self.group.spares)
+
+    def _form_group(self, reason: str) -> None:
+        """New rendezvous (fresh port, fresh store) and every current rank joins it."""
+        self.generation += 1
+        addr, port = self.group.rendezvous()
+        world = len(self.group.members)
+        first_n = self.scaling.aggregation == "first_n"
+        t0 = time.time()
+        refs = [m.actor.join.remote(m.rank, world, addr, port, self.generation,
+                                    self.failure_config.collective_timeout_s, not first_n,
+                                    self.scaling.num_workers if first_n else 0)
+                for m in self.group.members]
+        ray.get(refs, timeout=self.failure_config.collective_timeout_s + 30)
+        self._busy.clear()
+        self._late_compute.clear()
+        self.log("rendezvous", f"generation {self.generation}: {world} rank(s) at {addr}:{port} ({reason})",
+                 generation=self.generation, world_size=world, seconds=time.time() - t0)
+
+    def _apply_fault_plan(self) -> None:
+        for fault in self.fault_plan:
+            if fault["kind"] == "slow":
+                m = self.group.members[fault["rank"]]
+                ray.get(m.actor.inject_slowdown.remote(fault["factor"], fault["from_step"]))
+                self.log("fault_injection", f"rank {fault['rank']} slowed {fault['factor']}x from step "
+                         f"{fault['from_step']} (test/demo aid)", **fault)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _run_one_step(self) -> None:
+        step = self.step + 1
+        try:
+            if self.scaling.aggregation == "first_n":
+                record = self._step_first_n(step)
+            else:
+                record = self._step_all(step)
+        except Failure as failure:
+            self._recover(failure)
+            return
+        self.step = step
+        self.history.append(record)
+        self._after_step(record)
+
+    def _shards_for(self, step: int, n: int) -> tuple[int, list[list[int]]]:
+        """The step's shards. A replayed step reuses the exact samples it was first given."""
+        pending = self._pending_shards
+        if pending is not None and pending[0] == step:
+            epoch, shards = pending[1], pending[2]
+            flat = [i for s in shards for i in s]
+            if len(shards) != n:
+                per = len(flat) // n
+                shards = [flat[i * per:(i + 1) * per] for i in range(n)]
+            return epoch, shards
+        epoch, shards = self.plan.take(n, self._per_worker)
+        self._pending_shards = (step, epoch, shards)
+        return epoch, shards
+
+    def _step_all(self, step: int) -> StepRecord:
+        members = self.group.members
+        epoch, shards = self._shards_for(step, len(members))
+        t0 = time.perf_counter()
+        refs = [m.actor.train_step.remote(step, shards[i]) for i, m in enumerate(members)]
+        results = self._gather(refs, [m.rank for m in members], step)
+        wall = time.perf_counter() - t0
+        for r, res in results.items():
+            self.ledger.record(step, epoch, r, shards[r], used=True)
+            self.straggler_policy.observe(r, res.extra.get("local_time_s", res.compute_time_s))
+        self._last_results = results
+        worker_time = max(res.step_time_s for res in results.values())
+        return StepRecord(step, epoch, statistics.fmean(res.loss for res in results.values()), wall,
+                          max(0.0, wall - worker_time), len(members), sum(res.samples for res in results.values()),
+                          0, sorted(results))
+
+    def _step_first_n(self, step: int) -> StepRecord:
+        members = self.group.members
+        n = self.scaling.num_workers
+        self._reap_late()
+        free = [m.rank for m in members if m.rank not in self._busy]
+        if len(free) < n:
+            self._wait_for_free(n)
+            free = [m.rank for m in members if m.rank not in self._busy]
+        epoch, shards = self._shards_for(step, len(free))
+        shard_of = dict(zip(free, shards))
+        t0 = time.perf_counter()
+        refs = {members[r].actor.compute_grad.remote(step, shard_of[r]): r for r in free}
+        fast_results = self._gather(list(refs), list(refs.values()), step, need=n)
+        fast = sorted(fast_results)
+        late = [r for r in free if r not in fast_results]
+        for ref, r in refs.items():
+            if r in late:
+                self._late_compute[ref] = r
+        publish = len(fast) < len(members)
+        out = {}
+        flat_ref = None
+        for r in fast:
+            info_ref, f_ref = members[r].actor.reduce_apply.options(num_returns=2).remote(step, fast, publish and r == fast[0])
+            out[info_ref] = r
+            if publish and r == fast[0]:
+                flat_ref = f_ref
+        if flat_ref is not None:
+            for m in members:
+                if m.rank not in fast_results:
+                    self._busy[m.rank] = m.actor.apply_update.remote(step, flat_ref)
+        applied = self._gather(list(out), list(out.values()), step)
+        wall = time.perf_counter() - t0
+        for r in fast:
+            self.ledger.record(step, epoch, r, shard_of[r], used=True)
+            self.straggler_policy.observe(r, fast_results[r].compute_time_s)
+            self._merge_ckpt(r, applied[r])
+        dropped = 0
+        for r in late:
+            self.ledger.record(step, epoch, r, shard_of[r], used=False)
+            dropped += len(shard_of[r])
+            if self.requeue_dropped:
+                self.plan.requeue(shard_of[r])
+        worker_time = max(res.step_time_s for res in fast_results.values())
+        self._last_results = fast_results
+        return StepRecord(step, epoch, statistics.fmean(fast_results[r].loss for r in fast), wall,
+                          max(0.0, wall - worker_time), len(members), sum(len(shard_of[r]) for r in fast),
+                          dropped, fast)
+
+    def _reap_late(self) -> None:
+        """Collect late gradients' timings (they feed the straggler score) and free ranks."""
+        if self._late_compute:
+            done, _ = ray.wait(list(self._late_compute), num_returns=len(self._late_compute), timeout=0)
+            for ref in done:
+                r = self._late_compute.pop(ref)
+                try:
+                    res = ray.get(ref)
+                    self.straggler_policy.observe(r, res.compute_time_s)
+                except ray.exceptions.RayError:
+                    pass  # a death shows up on the rank's busy ref below
+        if self._busy:
+            refs = list(self._busy.values())
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            done_set = set(done)
+            for r, ref in list(self._busy.items()):
+                if ref in done_set:
+                    del self._busy[r]
+                    try:
+                        self._merge_ckpt(r, ray.get(ref))
+                    except ray.exceptions.RayActorError:
+                        raise Failure({r}, "actor_died")
+
+    def _wait_for_free(self, n: int) -> None:
+        while len(self.group.members) - len(self._busy) < n:
+            refs = list(self._busy.values())
+            ray.wait(refs, num_returns=1, timeout=self.failure_config.step_timeout_s)
+            self._reap_late()
+
+    def _merge_ckpt(self, rank: int, result: Any) -> None:
+        extra = result.extra if hasattr(result, "extra") else (result or {})
+        if self.committer is None or not extra:
+            return
+        for step, entries in extra.get("ckpt_done", []):
+            self.committer.add(step, rank, extra.get("world_size", len(self.group.members)), entries)
+        for ev in extra.get("ckpt_events", []):
+            self.log("checkpoint_storage", ev.get("message", str(ev)), rank=rank, **{k: v for k, v in ev.items() if k != "message"})
+
+    # ---- gathering and failure detection ----------------------------------------------------
+    def _gather(self, refs: list, ranks: list[int], step: int, need: int | None = None) -> dict[int, Any]:
+        """Wait for results; return when ``need`` (default all) arrived. Raise ``Failure`` on loss.
+
+        Deaths are seen through the refs (Ray reports a dead actor in tens of milliseconds). A
+        hang is seen through heartbeats answered from a separate thread, and through the step
+        timeout; a hung actor is killed so its peers' sockets close and they unblock.
+        """
+        need = len(refs) if need is None else need
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        dead: set[int] = set()
+        collective_failed: set[int] = set()
+        user_error: tuple[int, str] | None = None
+        cfg = self.failure_config
+        t0 = time.time()
+        first_problem: float | None = None
+        beats: dict[int, Any] = {}
+        while pending:
+            timeout = cfg.heartbeat_interval_s
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout) if need == len(refs) \
+                else ray.wait(list(pending), num_returns=1, timeout=timeout)
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    results[r] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.add(r)
+                except ray.exceptions.RayTaskError as exc:
+                    cause = exc.cause if hasattr(exc, "cause") else None
+                    if isinstance(cause, CollectiveError):
+                        collective_failed.add(r)
+                    else:
+                        user_error = user_error or (r, str(exc))
+                if (dead or collective_failed or user_error) and first_problem is None:
+                    first_problem = time.time()
+            if not (dead or collective_failed or user_error) and len(results) >= need:
+                now = time.time()
+                for r in results:
+                    self._last_beat[r] = now
+                return results  # first-N: the caller keeps the late refs
+            if not pending:
+                break
+            now = time.time()
+            if first_problem is not None and now - first_problem > cfg.collective_timeout_s:
+                self._kill_hung(pending, "did not leave a broken collective")
+                continue
+            if now - t0 > cfg.step_timeout_s:
+                self._kill_hung(pending, f"step exceeded step_timeout_s={cfg.step_timeout_s:g}")
+                continue
+            if not ready and now - t0 > cfg.heartbeat_interval_s:
+                self._check_heartbeats(pending, beats)
+        if user_error is not None and not dead:
+            raise WorkerError(*user_error)
+        if not dead and not collective_failed:
+            return results
+        if not dead:
+            # A collective broke but every actor lives: a worker hung and was killed, or the
+            # network dropped. Ask who is alive.
+            dead = self._probe_dead()
+        kind = "hang" if any(r in self._hung for r in dead) else "actor_died"
+        if len({self.group.members[r].info.get("node_id") for r in dead}) >= 1 and self._node_gone(dead):
+            kind = "node_lost"
+        raise Failure(dead, kind, results, detect_s=(first_problem or time.time()) - t0)
+
+    _hung: set = set()
+
+    def _kill_hung(self, pending: dict, why: str) -> None:
+        for ref, r in pending.items():
+            self.log("hang", f"rank {r} {why}; killing it so its peers unblock", rank=r)
+            self._hung = set(self._hung) | {r}
+            ray.kill(self.group.members[r].actor, no_restart=True)
+
+    def _check_heartbeats(self, pending: dict, beats: dict) -> None:
+        cfg = self.failure_config
+        for ref, r in pending.items():
+            if r not in beats:
+                beats[r] = (self.group.members[r].actor.heartbeat.remote(), time.time())
+        for r, (bref, sent) in list(beats.items()):
+            ready, _ = ray.wait([bref], timeout=0)
+            if ready:
+                try:
+                    ray.get(bref)
+                    self._last_beat[r] = time.time()
+                except ray.exceptions.RayError:
+                    pass
+                del beats[r]
+            elif time.time() - sent > cfg.heartbeat_timeout_s:
+                stuck = {k: v for k, v in pending.items() if v == r}
+                self._kill_hung(stuck, f"missed heartbeats for {cfg.heartbeat_timeout_s:g}s")
+                del beats[r]
+
+    def _probe_dead(self) -> set[int]:
+        refs = {m.actor.heartbeat.remote(): m.rank for m in self.group.members}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)
+        dead = set(refs.values())
+        for ref in ready:
+            try:
+                ray.get(ref)
+                dead.discard(refs[ref])
+            except ray.exceptions.RayError:
+                pass
+        return dead
+
+    def _node_gone(self, dead: set[int]) -> bool:
+        nodes = {self.group.members[r].info.get("node_id") for r in dead}
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return any(n not in alive for n in nodes)
+
+    # ---- recovery ---------------------------------------------------------------------------
+    def _recover(self, failure: Failure) -> None:
+        t0 = time.time()
+        self.failures += 1
+        self.transition(State.RECOVERING, f"{failure.kind} of rank(s) {sorted(failure.dead)} in step {self.step + 1}")
+        if self.metrics is not None:
+            self.metrics.on_failure(failure.kind)
+        self._settle_survivors(failure.dead)
+        lost = tuple(sorted(failure.dead))
+        waited = False
+        while True:
+            self._refresh_spares()
+            view = FailureView(lost, failure.kind, len(self.group.members), len(self.group.spares),
+                               self.group.pending_spares, self.failures, waited)
+            decision = self.failure_policy.decide(view)
+            self.log("decision", f"{type(decision).__name__}: {decision.reason}", decision=type(decision).__name__,
+                     lost=list(lost))
+            if isinstance(decision, ReplaceWithSpares):
+                self._replace(lost)
+                break
+            if isinstance(decision, WaitForCapacity):
+                missing = len(lost) - len(self.group.spares) - self.group.pending_spares
+                for _ in range(max(0, missing)):
+                    self.group.request_spare()
+                self.group.collect_spares(block=True, timeout_s=decision.timeout_s)
+                if len(self.group.spares) >= len(lost):
+                    self._replace(lost)
+                    break
+                waited = True
+                continue
+            if isinstance(decision, Shrink):
+                self._shrink(lost)
+                break
+            if isinstance(decision, RestartFromCheckpoint):
+                self._restart_all()
+                break
+            raise TrainingFailed(self._fail_message(decision.reason))
+        self._sync_state()
+        self._form_group(f"recovered from {failure.kind}")
+        seconds = time.time() - t0
+        self.recoveries.append({"kind": failure.kind, "ranks": list(lost), "detect_s": failure.detect_s,
+                                "rebuild_s": seconds, "step": self.step + 1})
+        if self.metrics is not None:
+            self.metrics.on_recovery(failure.kind, seconds)
+        for _ in range(max(0, self.scaling.num_hot_spares - len(self.group.spares) - self.group.pending_spares)):
+            self.group.request_spare()
+            self.log("spares", "requested a replacement spare in the background")
+        self.transition(State.RUNNING, f"rebuilt in {seconds:.2f}s; resuming at step {self.step + 1}")
+
+    def _fail_message(self, reason: str) -> str:
+        latest = self.committer.latest_committed if self.committer is not None else None
+        where = (f"latest committed checkpoint: step {latest} at {self.store.location}" if latest is not None
+                 else "no checkpoint was committed")
+        return f"training stopped at step {self.step}: {reason}; {where}"
+
+    def _settle_survivors(self, dead: set[int]) -> None:
+        """Make every survivor leave the broken group (they are unblocked by now)."""
+        survivors = [m for m in self.group.members if m.rank not in dead]
+        refs = [m.actor.leave.remote() for m in survivors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.collective_timeout_s)
+        for m, ref in zip(survivors, refs):
+            if ref not in ready:
+                raise TrainingFailed(self._fail_message(f"rank {m.rank} did not leave the broken group"))
+        for m in self.group.members:
+            if m.rank in dead:
+                self.group.evict(m)
+        self._busy.clear()
+        self._late_compute.clear()
+
+    def _refresh_spares(self) -> None:
+        self.group.collect_spares()
+        if not self.group.spares:
+            return
+        refs = [m.actor.heartbeat.remote() for m in self.group.spares]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)
+        alive = []
+        for ref in refs:
+            ok = ref in ready
+            if ok:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:
+                    ok = False
+            alive.append(ok)
+        for m in self.group.drop_dead_spares(alive):
+            self.log("spare_lost", f"spare {m.name} died; dropping it")
+
+    def _replace(self, lost: tuple[int, ...]) -> None:
+        for r in lost:
+            spare = self.group.promote_spare(r)
+            self.straggler_policy.forget(r)
+            self.log("replace", f"spare {spare.name} takes rank {r} on node {spare.info.get('node_ip')}",
+                     rank=r, spare=spare.name)
+
+    def _shrink(self, lost: tuple[int, ...]) -> None:
+        remaining = len(self.group.members) - len(lost)
+        if self.scaling.aggregation == "first_n":
+            raise TrainingFailed(self._fail_message("shrinking is not supported with aggregation='first_n'"))
+        if self.global_batch_size % remaining:
+            raise TrainingFailed(self._fail_message(
+                f"cannot shrink to {remaining} workers: global batch {self.global_batch_size} is not divisible"))
+        self.group.remove_ranks(list(lost))
+        self._per_worker = self.global_batch_size // remaining
+        for r in lost:
+            self.straggler_policy.forget(r)
+        self.log("shrink", f"continuing with {remaining} worker(s), {self._per_worker} samples each",
+                 world_size=remaining)
+
+    def _restart_all(self) -> None:
+        if self.store is None:
+            raise TrainingFailed(self._fail_message("restart asked for but RunConfig.storage is not set"))
+        if self.committer is not None:
+            self.committer.flush(timeout_s=30)
+        self.group.shutdown()
+        self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
+        self.group.start(self.scaling.num_replicas)
+        ckpt = self.run_config.checkpoint
+        ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options,
+                                                     self.run_config.name, ckpt.every_n_steps, ckpt.blocking)
+                 for m in self._all_actors()])
+        position = self._restore_latest()
+        self.plan = ShardPlan(self.dataset_size, self.run_config.seed, position)
+        self._pending_shards = None
+        if position is None:
+            self.step = 0
+        self.log("restart", f"every rank restarted from step {self.step}")
+
+    def _sync_state(self) -> None:
+        """Bring every rank to the newest state a survivor holds, through the object store."""
+        refs = [m.actor.completed.remote() for m in self.group.members]
+        steps = ray.get(refs)
+        newest = max(steps)
+        source = self.group.members[steps.index(newest)]
+        behind = [m for m, s in zip(self.group.members, steps) if s != newest]
+        if behind:
+            state_ref = source.actor.get_state.remote()
+            ray.get([m.actor.set_state.remote(state_ref) for m in behind])
+            self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "
+                     f"{[m.rank for m in behind]} through the object store", source=source.rank)
+        if newest > self.step:
+            # The interrupted step finished on some ranks before the failure: it stands.
+            self._account_completed_step(newest)
+        self.step = newest
+
+    def _account_completed_step(self, step: int) -> None:
+        pending = self._pending_shards
+        if pending is not None and pending[0] == step:
+            for r, shard in enumerate(pending[2]):
+                self.ledger.record(step, pending[1], r, shard, used=True)
+            self.history.append(StepRecord(step, pending[1], float("nan"), 0.0, 0.0, len(pending[2]),
+                                           sum(len(s) for s in pending[2]), 0, list(range(len(pending[2])))))
+        self.log("step_kept", f"step {step} completed on a survivor before the failure; not replayed")
+
+    # ---- after each step --------------------------------------------------------------------
+    def _after_step(self, record: StepRecord) -> None:
+        self._pending_shards = None
+        if self.committer is not None:
+            if self.scaling.aggregation == "all":
+                for r, res in self._last_results.items():
+                    self._merge_ckpt(r, res)
+            self.committer.set_meta(record.step, {
+                "data_position": self.plan.position.to_dict(),
+                "world_size": record.world_size,
+                "global_batch_size": self.global_batch_size,
+                "generation": self.generation,
+            })
+        if self.metrics is not None:
+            self.metrics.on_step(record, self)
+        self._check_replicas(record.step)
+        decision = self.straggler_policy.decide(len(self.group.spares))
+        if isinstance(decision, EvictStraggler):
+            self._evict(decision)
+        if self.on_step is not None:
+            self.on_step(record, self)
+        if self.step % 10 == 0:
+            self.group.collect_spares()
+
+    def _check_replicas(self, step: int) -> None:
+        k = self.failure_config.checksum_every_n_steps
+        if self._checksum_pending is not None:
+            cstep, refs = self._checksum_pending
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) == len(refs):
+                sums = ray.get(refs)
+                self._checksum_pending = None
+                if len(set(sums)) != 1:
+                    raise ReplicaDivergence(f"replicas differ after step {cstep}: checksums {sums}")
+                self.log("checksum", f"all {len(sums)} replicas identical after step {cstep}", step=cstep)
+        if k and step % k == 0 and self._checksum_pending is None:
+            # Queued behind each replica's own update for this step, so every replica reports its
+            # state after the same step, without the controller waiting for the slowest.
+            self._checksum_pending = (step, [m.actor.param_checksum.remote() for m in self.group.members])
+
+    def verify_replicas(self) -> list[int]:
+        sums = ray.get([m.actor.param_checksum.remote() for m in self.group.members])
+        if len(set(sums)) != 1:
+            raise ReplicaDivergence(f"replicas differ at step {self.step}: checksums {sums}")
+        return sums
+
+    def _evict(self, decision: EvictStraggler) -> None:
+        r = decision.rank
+        self.transition(State.RECOVERING, f"evicting straggler rank {r}: {decision.reason}")
+        self.log("decision", f"EvictStraggler: {decision.reason}", decision="EvictStraggler", rank=r)
+        t0 = time.time()
+        # Let queued updates land so the survivors hold the newest state, then rebuild.
+        outstanding = [ref for rr, ref in self._busy.items() if rr != r]
+        if outstanding:
+            ray.wait(outstanding, num_returns=len(outstanding), timeout=self.failure_config.step_timeout_s)
+        self._reap_late_safely()
+        victim = self.group.members[r]
+        self.group.evict(victim)
+        self._busy.pop(r, None)
+        self._late_compute = {ref: rr for ref, rr in self._late_compute.items() if rr != r}
+        ray.get([m.actor.leave.remote() for m in self.group.members if m.rank != r])
+        self._replace((r,))
+        self._sync_state()
+        self._form_group(f"evicted straggler rank {r}")
+        if self.metrics is not None:
+            self.metrics.on_recovery("straggler", time.time() - t0)
+        self.group.request_spare()
+        self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
+
+    def _reap_late_safely(self) -> None:
+        try:
+            self._reap_late()
+        except Failure:
+            pass
+
+    def _finish_checkpoints(self) -> None:
+        if self.committer is None:
+            return
+        if self._busy:
+            ray.wait(list(self._busy.values()), num_returns=len(self._busy), timeout=self.failure_config.step_timeout_s)
+            self._reap_late_safely()
+        refs = [m.actor.flush_checkpoint.remote() for m in self.group.members]
+        for r, extra in enumerate(ray.get(refs)):
+            self._merge_ckpt(r, extra)
+        self.committer.flush(timeout_s=60)
+        for ev in self.committer.drain_events():
+            self.log("checkpoint", ev.get("message", str(ev)))
+
+    def result(self, include_state: bool) -> dict:
+        out = {
+            "steps": self.step,
+            "history": [asdict(h) for h in self.history],
+            "events": [asdict(e) for e in self.events],
+            "recoveries": list(self.recoveries),
+            "failures": self.failures,
+            "ledger": [asdict(e) for e in self.ledger.entries],
+            "dropped_samples": self.ledger.dropped(),
+            "restored_from": self.restored_from,
+            "checkpoint": None,
+            "state": self.state.value,
+            "world_size": len(self.group.members) if self.group else 0,
+        }
+        if self.committer is not None:
+            out["checkpoint"] = {"location": self.store.location, "latest_step": self.committer.latest_committed}
+        if include_state and self.group is not None and self.group.members:
+            out["model_state"] = ray.get(self.group.members[0].actor.get_state.remote())["model"]
+            out["replica_checksums"] = self.verify_replicas()
+        return out
+
+    # ---- status for the CLI and dashboard ---------------------------------------------------
+    def rank_rows(self) -> list[dict]:
+        scores = self.straggler_policy.scores()
+        now = time.time()
+        rows = []
+        if self.group is None:
+            return rows
+        for m in self.group.members:
+            res = self._last_results.get(m.rank)
+            rows.append({
+                "rank": m.rank, "name": m.name, "node_ip": m.info.get("node_ip"), "node_rank": m.node_rank,
+                "local_rank": m.local_rank, "pid": m.info.get("pid"), "role": "active",
+                "state": "late" if m.rank in self._busy else self.state.value, "step": self.step,
+                "step_time_s": getattr(res, "step_time_s", None),
+                "heartbeat_age_s": now - self._last_beat.get(m.rank, now),
+                "straggler_score": scores.get(m.rank, 1.0),
+            })
+        for m in self.group.spares:
+            rows.append({"rank": None, "name": m.name, "node_ip": m.info.get("node_ip"), "node_rank": None,
+                         "local_rank": None, "pid": m.info.get("pid"), "role": "spare", "state": "ready",
+                         "step": None, "step_time_s": None, "heartbeat_age_s": None, "straggler_score": None})
+        return rows
+
+    def status(self) -> dict:
+        last = self.history[-1] if self.history else None
+        return {
+            "run": self.run_config.name, "state": self.state.value, "step": self.step,
+            "total_steps": self.total_steps, "loss": last.loss if last else None,
+            "samples_per_s": (last.samples / last.step_time_s) if last and last.step_time_s else None,
+            "world_size": len(self.group.members) if self.group else 0,
+            "spares": len(self.group.spares) if self.group else 0,
+            "failures": self.failures, "recoveries": len(self.recoveries), "ranks": self.rank_rows(),
+            "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
+                           "lag": self.committer.lag(self.step) if self.committer else None},
+        }

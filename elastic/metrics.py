@@ -1,0 +1,100 @@
+"""Dashboard metrics through ``ray.util.metrics``, tagged with run and rank.
+
+Ray exports custom metrics with a ``ray_`` prefix, so ``elastic_step_time_s`` shows up as
+``ray_elastic_step_time_s`` in Prometheus and in the dashboard's Metrics view. Only numbers and
+run/rank/kind tags leave here: never a storage URL or a credential.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+class RunMetrics:
+    """Created lazily inside the controller actor (metrics objects are per process)."""
+
+    def __init__(self, run: str):
+        self.run = run
+        self._m = None
+
+    def __getstate__(self):
+        return {"run": self.run, "_m": None}
+
+    def _metrics(self):
+        if self._m is None:
+            from ray.util.metrics import Counter, Gauge, Histogram
+
+            rank_tags = ("run", "rank")
+            self._m = {
+                "step_time": Histogram("elastic_step_time_s", "Wall time of a training step (s)",
+                                       boundaries=STEP_BUCKETS, tag_keys=("run",)),
+                "samples": Gauge("elastic_samples_per_s", "Training throughput (samples/s)", tag_keys=("run",)),
+                "heartbeat_age": Gauge("elastic_heartbeat_age_s", "Seconds since a rank last answered",
+                                       tag_keys=rank_tags),
+                "straggler": Gauge("elastic_straggler_score", "Rank step time / median step time",
+                                   tag_keys=rank_tags),
+                "rank_step_time": Gauge("elastic_rank_step_time_s", "Last step time of a rank (s)", tag_keys=rank_tags),
+                "world_size": Gauge("elastic_world_size", "Active ranks", tag_keys=("run",)),
+                "spares": Gauge("elastic_spares_available", "Hot spares ready to join", tag_keys=("run",)),
+                "step": Gauge("elastic_step", "Last completed step", tag_keys=("run",)),
+                "failures": Counter("elastic_failures_total", "Worker failures by kind", tag_keys=("run", "kind")),
+                "recoveries": Counter("elastic_recoveries_total", "Completed recoveries by kind",
+                                      tag_keys=("run", "kind")),
+                "recovery_s": Gauge("elastic_recovery_seconds", "Seconds the last recovery took",
+                                    tag_keys=("run", "kind")),
+                "persist_s": Gauge("elastic_checkpoint_persist_seconds", "Seconds the last checkpoint commit took",
+                                   tag_keys=("run",)),
+                "ckpt_lag": Gauge("elastic_checkpoint_lag_steps", "Steps since the newest committed checkpoint",
+                                  tag_keys=("run",)),
+                "dropped": Counter("elastic_dropped_samples_total", "Samples whose gradient was dropped (first-N)",
+                                   tag_keys=("run",)),
+            }
+        return self._m
+
+    def _safe(self, fn) -> None:
+        try:
+            fn(self._metrics())
+        except Exception:  # metrics must never stop training
+            logger.debug("metrics update failed", exc_info=True)
+
+    def on_step(self, record, controller) -> None:
+        def update(m):
+            run = {"run": self.run}
+            m["step_time"].observe(record.step_time_s, tags=run)
+            if record.step_time_s > 0:
+                m["samples"].set(record.samples / record.step_time_s, tags=run)
+            m["world_size"].set(record.world_size, tags=run)
+            m["spares"].set(len(controller.group.spares), tags=run)
+            m["step"].set(record.step, tags=run)
+            if record.dropped:
+                m["dropped"].inc(record.dropped, tags=run)
+            for row in controller.rank_rows():
+                tags = {"run": self.run, "rank": str(row["rank"])}
+                m["heartbeat_age"].set(row["heartbeat_age_s"], tags=tags)
+                m["straggler"].set(row["straggler_score"], tags=tags)
+                if row["step_time_s"] is not None:
+                    m["rank_step_time"].set(row["step_time_s"], tags=tags)
+            if controller.committer is not None:
+                m["ckpt_lag"].set(controller.committer.lag(record.step), tags=run)
+        self._safe(update)
+
+    def on_failure(self, kind: str) -> None:
+        self._safe(lambda m: m["failures"].inc(1, tags={"run": self.run, "kind": kind}))
+
+    def on_recovery(self, kind: str, seconds: float) -> None:
+        def update(m):
+            tags = {"run": self.run, "kind": kind}
+            m["recoveries"].inc(1, tags=tags)
+            m["recovery_s"].set(seconds, tags=tags)
+        self._safe(update)
+
+    def on_checkpoint(self, persist_s: float) -> None:
+        self._safe(lambda m: m["persist_s"].set(persist_s, tags={"run": self.run}))
+
+    def on_event(self, kind: str, details: dict) -> None:
+        if kind == "checkpoint_commit" and "persist_s" in details:
+            self.on_checkpoint(details["persist_s"])

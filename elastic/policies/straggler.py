@@ -1,0 +1,57 @@
+"""Straggler policy: score each rank's speed and name a persistent straggler for eviction.
+
+A rank's score is the median of its recent local step times divided by the median over all ranks.
+A rank whose score stays above ``straggler_factor`` for a whole window is persistent. The policy
+only decides; the controller evicts the rank and puts a hot spare in its place.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+
+from elastic.policies.decisions import Continue, Decision, EvictStraggler
+
+
+class StragglerPolicy:
+    def __init__(self, factor: float, window: int, evict: bool):
+        if factor <= 1.0:
+            raise ValueError("straggler factor must be > 1")
+        self.factor = factor
+        self.window = window
+        self.evict = evict
+        self._times: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
+        self._over: dict[int, int] = defaultdict(int)
+
+    def observe(self, rank: int, local_time_s: float) -> None:
+        self._times[rank].append(local_time_s)
+
+    def forget(self, rank: int) -> None:
+        """A rank got a new actor: its history no longer describes it."""
+        self._times.pop(rank, None)
+        self._over.pop(rank, None)
+
+    def scores(self) -> dict[int, float]:
+        medians = {r: statistics.median(t) for r, t in self._times.items() if t}
+        if not medians:
+            return {}
+        overall = statistics.median(medians.values())
+        if overall <= 0:
+            return {r: 1.0 for r in medians}
+        return {r: m / overall for r, m in medians.items()}
+
+    def decide(self, spares_ready: int) -> Decision:
+        scores = self.scores()
+        for rank, score in scores.items():
+            self._over[rank] = self._over[rank] + 1 if score > self.factor else 0
+        if not self.evict:
+            return Continue()
+        candidates = [r for r, n in self._over.items() if n >= self.window and len(self._times[r]) >= self.window]
+        if not candidates:
+            return Continue()
+        worst = max(candidates, key=lambda r: scores.get(r, 0.0))
+        if spares_ready < 1:
+            return Continue(f"rank {worst} is a persistent straggler (score {scores[worst]:.2f}) but no spare is ready")
+        return EvictStraggler(
+            f"rank {worst} step time {scores[worst]:.2f}x the median for {self.window} steps "
+            f"(threshold {self.factor:g}x)", worst)

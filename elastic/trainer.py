@@ -1,0 +1,226 @@
+"""``Trainer``: the user's entry point. Validates everything, connects to Ray, runs the controller.
+
+The user hands over the pieces of training (factories, loss, batch size), never a loop. ``fit``
+validates config and storage before any actor starts, starts the named controller actor, shows
+progress while it drives the workers, and returns a ``Result``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+
+from elastic.actors.controller_actor import ControllerActor
+from elastic.actors.worker import TrainingSpec
+from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
+from elastic.controller import TrainingFailed, WorkerError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Result:
+    """What a run produced."""
+
+    metrics: dict
+    history: list[dict]
+    events: list[dict]
+    checkpoint: dict | None
+    recoveries: list[dict]
+    ledger: list[dict]
+    model_state: dict | None = None
+    replica_checksums: list[int] = field(default_factory=list)
+
+    def events_of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["kind"] == kind]
+
+
+def connect(address: str | None, min_cpus: float = 0) -> bool:
+    """Join or start Ray. Returns True when this call started an embedded local instance.
+
+    ``None``: reuse an initialised Ray; else join the cluster named by ``RAY_ADDRESS`` (set by
+    ``ray job submit``); else start an embedded local Ray sized to hold the run.
+    """
+    if ray.is_initialized():
+        return False
+    if address is None and os.environ.get("RAY_ADDRESS"):
+        address = "auto"
+    if address is None:
+        cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
+        # Workers of an embedded Ray run on this machine: give them the driver's import path, so
+        # factories defined in the user's own modules unpickle there.
+        env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+                 configure_logging=False, runtime_env={"env_vars": env})
+        return True
+    ray.init(address=address, log_to_driver=True)
+    return False
+
+
+class Trainer:
+    """Synchronous data-parallel training on Ray that survives failures and stragglers."""
+
+    def __init__(
+        self,
+        model_fn: Callable[[], Any],
+        optimizer_fn: Callable[[Any], Any],
+        dataset_fn: Callable[[], Any],
+        loss_fn: Callable[[Any, Any], Any],
+        global_batch_size: int,
+        scaling: ScalingConfig | None = None,
+        run: RunConfig | None = None,
+        failure: FailureConfig | None = None,
+        step_fn: Callable[[Any, Any], Any] | None = None,
+        scheduler_fn: Callable[[Any], Any] | None = None,
+        address: str | None = None,
+        requeue_dropped: bool = False,
+        faults: list[dict] | None = None,
+    ):
+        self.scaling = scaling or ScalingConfig()
+        self.run = run or RunConfig()
+        self.failure = failure or FailureConfig()
+        for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("dataset_fn", dataset_fn),
+                         ("loss_fn", loss_fn)):
+            if not callable(fn):
+                raise ConfigError(f"Trainer.{name} must be callable, got {type(fn).__name__}.")
+        for name, fn in (("step_fn", step_fn), ("scheduler_fn", scheduler_fn)):
+            if fn is not None and not callable(fn):
+                raise ConfigError(f"Trainer.{name} must be callable or None.")
+        n = self.scaling.num_workers
+        if not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise ConfigError(f"Trainer.global_batch_size must be an integer >= 1, got {global_batch_size!r}.")
+        if global_batch_size % n:
+            raise ConfigError(
+                f"Trainer.global_batch_size={global_batch_size} is not divisible by ScalingConfig.num_workers={n}; "
+                f"use a multiple of {n} (e.g. {global_batch_size - global_batch_size % n or n})."
+            )
+        mw = self.failure.min_workers
+        if mw is not None and mw > n:
+            raise ConfigError(f"FailureConfig.min_workers={mw} is larger than ScalingConfig.num_workers={n}; lower it.")
+        if self.scaling.aggregation == "first_n" and self.failure.allow_shrink:
+            raise ConfigError("FailureConfig.allow_shrink is not supported with aggregation='first_n'; set it False.")
+        self.spec = TrainingSpec(
+            model_fn=model_fn, optimizer_fn=optimizer_fn, dataset_fn=dataset_fn, loss_fn=loss_fn, step_fn=step_fn,
+            scheduler_fn=scheduler_fn, seed=self.run.seed, use_gpu=self.scaling.use_gpu,
+            cpus_per_worker=self.scaling.resources_per_worker.get("CPU", 1.0),
+        )
+        self.global_batch_size = global_batch_size
+        self.address = address
+        self.requeue_dropped = requeue_dropped
+        self.faults = list(faults or [])
+        for f in self.faults:
+            if f.get("kind") != "slow" or not (0 <= f.get("rank", -1) < self.scaling.num_replicas):
+                raise ConfigError(f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x, 'from_step': s}} with a valid rank.")
+        self._store = None
+        if self.run.storage is not None:
+            from elastic.checkpoint import CheckpointStore
+
+            self._store = CheckpointStore(self.run.storage, self.run.name, self.run.storage_options)
+            self._store.validate()
+        self.controller = None  # the actor handle while fit() runs
+
+    @property
+    def namespace(self) -> str:
+        return f"elastic-{self.run.name}"
+
+    def fit(self, steps: int | None = None, epochs: int | None = None) -> Result:
+        if (steps is None) == (epochs is None):
+            raise ConfigError("Trainer.fit needs exactly one of steps=... or epochs=...")
+        for name, v in (("steps", steps), ("epochs", epochs)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"Trainer.fit({name}={v!r}) must be an integer >= 1.")
+        total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
+            self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
+        started = connect(self.address, total_cpu)
+        try:
+            return self._fit(steps, epochs)
+        finally:
+            if started:
+                ray.shutdown()
+
+    def _fit(self, steps: int | None, epochs: int | None) -> Result:
+        from elastic.metrics import RunMetrics
+
+        kwargs = dict(spec=self.spec, scaling=self.scaling, run=self.run, failure=self.failure,
+                      global_batch_size=self.global_batch_size, checkpoint_store=self._store,
+                      metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped)
+        actor_cls = ray.remote(concurrency_groups={"status": 1})(ControllerActor)
+        try:
+            old = ray.get_actor("controller", namespace=self.namespace)
+            ray.kill(old, no_restart=True)  # a dead driver's leftover of the same run name
+        except ValueError:
+            pass
+        self.controller = actor_cls.options(
+            name="controller", namespace=self.namespace, num_cpus=0,
+            max_restarts=0, lifetime=None,
+        ).remote(kwargs)
+        ref = self.controller.run.remote(steps, epochs)
+        out = self._wait_with_progress(ref)
+        ray.kill(self.controller, no_restart=True)
+        self.controller = None
+        if "error" in out:
+            err = out["error"]
+            if err["type"] == "WorkerError":
+                raise WorkerError(-1, err["message"]) if "rank" not in err["message"] else _worker_error(err["message"])
+            if err["type"] == "ConfigError":
+                raise ConfigError(err["message"])
+            raise TrainingFailed(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
+        hist = out["history"]
+        timed = [h for h in hist if h["step_time_s"] > 0]
+        total_time = sum(h["step_time_s"] for h in timed)
+        metrics = {
+            "steps": out["steps"],
+            "loss": hist[-1]["loss"] if hist else None,
+            "samples_per_s": sum(h["samples"] for h in timed) / total_time if total_time else 0.0,
+            "mean_step_time_s": total_time / len(timed) if timed else 0.0,
+            "dropped_samples": out["dropped_samples"],
+            "failures": out["failures"],
+            "world_size": out["world_size"],
+            "restored_from": out["restored_from"],
+        }
+        return Result(metrics=metrics, history=hist, events=out["events"], checkpoint=out["checkpoint"],
+                      recoveries=out["recoveries"], ledger=out["ledger"], model_state=out.get("model_state"),
+                      replica_checksums=out.get("replica_checksums", []))
+
+    def _wait_with_progress(self, ref) -> dict:
+        if not self.run.progress:
+            return ray.get(ref)
+        from tqdm import tqdm
+
+        bar = tqdm(total=None, unit="step", dynamic_ncols=True)
+        try:
+            while True:
+                ready, _ = ray.wait([ref], timeout=0.25)
+                if ready:
+                    break
+                try:
+                    st = ray.get(self.controller.status.remote(), timeout=2)
+                except Exception:
+                    continue
+                bar.total = st.get("total_steps") or bar.total
+                bar.n = st["step"]
+                bar.set_postfix(loss=_fmt(st.get("loss")), samples_s=_fmt(st.get("samples_per_s")),
+                                world=st["world_size"], spares=st["spares"], state=st["state"], refresh=False)
+                bar.refresh()
+            return ray.get(ref)
+        finally:
+            bar.close()
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def _worker_error(message: str) -> WorkerError:
+    import re
+
+    m = re.search(r"worker rank (\d+) raised", message)
+    rank = int(m.group(1)) if m else -1
+    body = message.split("raised:\n", 1)[-1]
+    return WorkerError(rank, body)
