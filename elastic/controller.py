@@ -255,12 +255,19 @@ class Controller:
                  generation=self.generation, world_size=world, seconds=time.time() - t0)
 
     def _apply_fault_plan(self) -> None:
+        """Deterministic fault injection keyed by (rank, step): a test, benchmark and demo aid."""
         for fault in self.fault_plan:
+            m = self.group.members[fault["rank"]]
             if fault["kind"] == "slow":
-                m = self.group.members[fault["rank"]]
                 ray.get(m.actor.inject_slowdown.remote(fault["factor"], fault["from_step"]))
-                self.log("fault_injection", f"rank {fault['rank']} slowed {fault['factor']}x from step "
-                         f"{fault['from_step']} (test/demo aid)", **fault)
+                what = f"slowed {fault['factor']}x from step {fault['from_step']}"
+            elif fault["kind"] == "kill":
+                ray.get(m.actor.inject_kill.remote(fault["at_step"]))
+                what = f"SIGKILLs itself in step {fault['at_step']}"
+            else:
+                ray.get(m.actor.inject_hang.remote(fault["at_step"]))
+                what = f"hangs in step {fault['at_step']}"
+            self.log("fault_injection", f"rank {fault['rank']} {what} (test/demo aid)", **fault)
 
     # ---- one step ---------------------------------------------------------------------------
     def _run_one_step(self) -> None:

@@ -115,8 +115,13 @@ class Trainer:
         self.requeue_dropped = requeue_dropped
         self.faults = list(faults or [])
         for f in self.faults:
-            if f.get("kind") != "slow" or not (0 <= f.get("rank", -1) < self.scaling.num_replicas):
-                raise ConfigError(f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x, 'from_step': s}} with a valid rank.")
+            ok = 0 <= f.get("rank", -1) < self.scaling.num_replicas and (
+                (f.get("kind") == "slow" and f.get("factor", 0) >= 1 and "from_step" in f)
+                or (f.get("kind") in ("kill", "hang") and "at_step" in f))
+            if not ok:
+                raise ConfigError(
+                    f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1, 'from_step': s}} "
+                    "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} with 0 <= r < number of replicas.")
         self._store = None
         if self.run.storage is not None:
             from elastic.checkpoint import CheckpointStore

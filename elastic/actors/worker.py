@@ -122,6 +122,7 @@ class TrainWorker:
         self._pending_flat: torch.Tensor | None = None
         self._slow: tuple[float, int] | None = None  # (factor, from_step) fault injection
         self._hang_at: int | None = None
+        self._kill_at: int | None = None
         self._compute_ema: float | None = None
         self._ckpt = None
 
@@ -162,8 +163,14 @@ class TrainWorker:
         """Stop answering inside step ``at_step`` (sleeps far past every timeout). A test aid."""
         self._hang_at = int(at_step)
 
+    def inject_kill(self, at_step: int) -> None:
+        """SIGKILL this worker's own process in the middle of step ``at_step``. A test and bench aid."""
+        self._kill_at = int(at_step)
+
     def _injected_delay(self, step: int) -> float:
         """Sleep that makes this rank ``factor`` times slower than its own measured compute."""
+        if self._kill_at is not None and step == self._kill_at:
+            os.kill(os.getpid(), 9)
         if self._hang_at is not None and step >= self._hang_at:
             time.sleep(3600)
         if not self._slow or step < self._slow[1] or self._slow[0] <= 1 or self._compute_ema is None:

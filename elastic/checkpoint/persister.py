@@ -1,0 +1,235 @@
+"""Writes snapshots in one background thread so training never waits on storage.
+
+At most one snapshot waits: a newer one replaces it. During a storage outage the thread keeps
+retrying with backoff, moving on to the newest snapshot between tries, and records when the outage
+started and ended. Nothing here raises into the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from elastic.checkpoint.storage import StorageError
+
+logger = logging.getLogger(__name__)
+
+_MAX_ERROR_CHARS = 300
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+class OutageTracker:
+    """Turns a stream of write failures and successes into outage start/end events."""
+
+    def __init__(self, events: deque, what: str):
+        self._events = events
+        self._what = what
+        self.started_at: float | None = None
+        self.failures = 0
+
+    @property
+    def active(self) -> bool:
+        return self.started_at is not None
+
+    def failed(self, step: int, exc: BaseException) -> None:
+        self.failures += 1
+        if self.started_at is None:
+            self.started_at = time.time()
+            logger.warning("%s of step %d failed; storage outage started, retrying in the background: %s",
+                           self._what, step, _short(exc))
+            self._events.append({"event": "storage_outage", "what": self._what, "step": step,
+                                 "time": self.started_at, "error": _short(exc)})
+        else:
+            logger.debug("%s of step %d failed again: %s", self._what, step, _short(exc))
+
+    def succeeded(self, step: int) -> None:
+        if self.started_at is None:
+            return
+        now = time.time()
+        logger.warning("storage is back: %s of step %d succeeded after %.1fs and %d failed attempts",
+                       self._what, step, now - self.started_at, self.failures)
+        self._events.append({"event": "storage_recovered", "what": self._what, "step": step, "time": now,
+                             "outage_s": round(now - self.started_at, 3), "failed_attempts": self.failures})
+        self.started_at, self.failures = None, 0
+
+
+class AsyncPersister:
+    """Runs ``write_fn(payload) -> entries`` for the newest submitted payload, one at a time.
+
+    ``submit`` returns at once (or writes inline when ``blocking``). ``drain`` hands back
+    ``(step, entries)`` for every write completed since the last drain; ``drain_events`` the outage
+    start/end and failure events.
+    """
+
+    def __init__(self, write_fn: Callable[[Any], list], blocking: bool = False, name: str = "checkpoint write",
+                 retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256):
+        self._write_fn = write_fn
+        self.blocking = blocking
+        self.name = name
+        self.retry_min_s = retry_min_s if retry_min_s is not None else _env_float("ELASTIC_CKPT_RETRY_MIN_S", 0.5)
+        self.retry_max_s = retry_max_s if retry_max_s is not None else _env_float("ELASTIC_CKPT_RETRY_MAX_S", 30.0)
+        self._cond = threading.Condition()
+        self._waiting: tuple[int, Any] | None = None
+        self._inflight: int | None = None
+        self._done: list[tuple[int, list]] = []
+        self._events: deque = deque(maxlen=max_events)
+        self._outage = OutageTracker(self._events, name)
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._abort = False
+        self.superseded = 0  # snapshots replaced before they were written
+
+    # ---- caller side ------------------------------------------------------------------------
+    def submit(self, step: int, payload: Any) -> None:
+        """Hand over a snapshot the caller already copied; the persister now owns it."""
+        if self.blocking:
+            self._write_inline(step, payload)
+            return
+        with self._cond:
+            if self._closing:
+                logger.debug("persister closed; dropping step %d", step)
+                return
+            if self._waiting is not None:
+                self.superseded += 1
+                logger.debug("step %d replaces waiting step %d", step, self._waiting[0])
+            self._waiting = (step, payload)  # one slot, never a queue: memory stays bounded
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"elastic-{self.name}", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def drain(self) -> list[tuple[int, list]]:
+        with self._cond:
+            done, self._done = self._done, []
+        return done
+
+    def drain_events(self) -> list[dict]:
+        with self._cond:
+            events = list(self._events)
+            self._events.clear()
+        return events
+
+    @property
+    def waiting_step(self) -> int | None:
+        with self._cond:
+            return self._waiting[0] if self._waiting else None
+
+    @property
+    def inflight_step(self) -> int | None:
+        return self._inflight
+
+    @property
+    def in_outage(self) -> bool:
+        return self._outage.active
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until nothing is waiting or being written; False on timeout."""
+        if self.blocking:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self._waiting is None and self._inflight is None, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Write what is waiting (up to ``timeout_s``), then stop the thread. True if everything was written."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout_s)
+        clean = not thread.is_alive()
+        if not clean:
+            # Storage is still down: give up on the last snapshot rather than hang shutdown.
+            with self._cond:
+                self._abort = True
+                dropped = self._waiting[0] if self._waiting else self._inflight
+                self._waiting = None
+                self._cond.notify_all()
+            logger.warning("%s: gave up on step %s at close after %.1fs", self.name, dropped, timeout_s)
+            thread.join(5.0)
+        return clean
+
+    # ---- writer side ------------------------------------------------------------------------
+    def _write_inline(self, step: int, payload: Any) -> None:
+        """Blocking mode: one write (the storage layer retries transient errors); a failure is recorded,
+        never raised, and the next step tries again."""
+        try:
+            entries = self._write_fn(payload)
+        except StorageError as exc:
+            with self._cond:
+                self._outage.failed(step, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a checkpoint bug must not kill training
+            self._record_failure(step, exc)
+            return
+        with self._cond:
+            self._outage.succeeded(step)
+            self._done.append((step, entries))
+
+    def _record_failure(self, step: int, exc: BaseException) -> None:
+        logger.error("%s of step %d failed and is dropped: %s", self.name, step, _short(exc), exc_info=exc)
+        with self._cond:
+            self._events.append({"event": "checkpoint_failed", "what": self.name, "step": step,
+                                 "time": time.time(), "error": _short(exc)})
+
+    def _backoff_s(self, attempt: int) -> float:
+        return min(self.retry_max_s, self.retry_min_s * (2 ** min(attempt, 30))) * random.uniform(0.5, 1.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._waiting is not None or self._closing)
+                if self._waiting is None:
+                    return  # closing and nothing left
+                step, payload = self._waiting
+                self._waiting = None
+                self._inflight = step
+            try:
+                self._persist(step, payload)
+            finally:
+                with self._cond:
+                    self._inflight = None
+                    self._cond.notify_all()
+
+    def _persist(self, step: int, payload: Any) -> None:
+        attempt = 0
+        while True:
+            try:
+                entries = self._write_fn(payload)
+            except StorageError as exc:
+                with self._cond:
+                    self._outage.failed(step, exc)
+                    # Sleep, but wake for close; a newer snapshot waits for the next try so an
+                    # outage does not turn every training step into a storage request.
+                    self._cond.wait_for(lambda: self._abort, timeout=self._backoff_s(attempt))
+                    if self._abort:
+                        return
+                    if self._waiting is not None:
+                        self.superseded += 1
+                        step, payload = self._waiting
+                        self._waiting = None
+                        self._inflight = step
+                attempt += 1
+                continue
+            except Exception as exc:  # noqa: BLE001 - never let the thread die silently
+                self._record_failure(step, exc)
+                return
+            with self._cond:
+                self._outage.succeeded(step)
+                self._done.append((step, entries))
+            return

@@ -1,0 +1,433 @@
+"""The on-storage checkpoint layout of one run: per-rank shard files, a manifest written last, and cleanup.
+
+A step is committed iff ``step-XXXXXXXXX/manifest.json`` exists and its self-checksum matches; it is
+valid iff, in addition, every file it lists has the recorded size and sha256. No renames anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from elastic.checkpoint.codec import (
+    canonical_json,
+    decode_tensors,
+    encode_tensors,
+    flatten_state,
+    rank_share,
+    sha256,
+    skeleton_tensor_names,
+    tensor_nbytes,
+    unflatten_state,
+)
+from elastic.checkpoint.storage import RetryPolicy, Storage, StorageError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "elastic-checkpoint"
+VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A committed step whose manifest or files do not match what was recorded. Names the file."""
+
+    def __init__(self, step: int, path: str, reason: str):
+        super().__init__(f"checkpoint step {step} is corrupt: {path}: {reason}")
+        self.step, self.path, self.reason = step, path, reason
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One written file, ``path`` relative to the run directory."""
+
+    path: str
+    size: int
+    sha256: str
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, d: "dict | FileEntry") -> "FileEntry":
+        if isinstance(d, FileEntry):
+            return d
+        return cls(path=str(d["path"]), size=int(d["size"]), sha256=str(d["sha256"]))
+
+
+@dataclass
+class Snapshot:
+    """What one rank writes for one step: its share of tensors (host copies), RNG, and on rank 0 the
+    JSON skeleton of the whole state."""
+
+    step: int
+    rank: int
+    world_size: int
+    tensors: dict[str, torch.Tensor]
+    skeleton: Any = None
+    rng: dict | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor_nbytes(t) for t in self.tensors.values())
+
+
+@dataclass
+class StepInfo:
+    """One step directory, for listings (``elastic checkpoints URL``).
+
+    ``status``: "valid" (manifest and every file check out), "committed" (manifest checks out, files
+    not verified), "corrupt" (manifest or a file does not match) or "partial" (no manifest: torn write
+    or still being written).
+    """
+
+    step: int
+    status: str
+    size_bytes: int
+    num_files: int
+    committed_at: float | None = None
+    world_size: int | None = None
+    problem: str | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class CleanupReport:
+    """Steps removed by retention or GC, and the ones whose delete failed (retried on the next call)."""
+
+    deleted: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    error: str | None = None  # the listing itself failed; nothing was decided
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def shard_name(step: int, rank: int, world_size: int) -> str:
+    return f"{step_dir(step)}/shard-r{rank}-of-{world_size}.safetensors"
+
+
+def meta_name(step: int, rank: int) -> str:
+    return f"{step_dir(step)}/meta-r{rank}.json"
+
+
+def join_url(url: str, name: str) -> str:
+    """``<url>/<name>`` as a string; never through pathlib, which would mangle ``s3://``."""
+    return url + name if url.endswith("/") else f"{url}/{name}"
+
+
+class CheckpointStore:
+    """Checkpoints of one run under ``<url>/<run_name>``."""
+
+    def __init__(self, url: str, run_name: str, storage_options: dict | None = None,
+                 retry: RetryPolicy | None = None):
+        self.url = url
+        self.run_name = run_name
+        self.storage = Storage(join_url(url, run_name), storage_options, retry=retry)
+        self._retry_deletes: set[int] = set()
+
+    @property
+    def location(self) -> str:
+        """The run directory with credentials removed; safe to log and show."""
+        return self.storage.location
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.location!r})"
+
+    def validate(self) -> None:
+        """Raise ConfigError now if the storage cannot work (scheme, credentials, bucket, write access)."""
+        self.storage.validate()
+
+    # ---- writing ----------------------------------------------------------------------------
+    def write_rank_files(self, step: int, rank: int, world_size: int, state: dict, rng: dict | None = None
+                         ) -> list[FileEntry]:
+        """Write this rank's share of ``state`` (a ``get_state()`` dict) and its RNG; blocking."""
+        tensors, skeleton = flatten_state(state)
+        share = rank_share(tensors, rank, world_size)
+        snapshot = Snapshot(step, rank, world_size, {n: tensors[n] for n in share},
+                            skeleton if rank == 0 else None, rng)
+        return self.write_snapshot(snapshot)
+
+    def write_snapshot(self, snap: Snapshot) -> list[FileEntry]:
+        """Write one rank's shard and meta file; returns their FileEntry records."""
+        if not 0 <= snap.rank < snap.world_size:
+            raise ValueError(f"rank {snap.rank} is outside world_size {snap.world_size}")
+        shard = encode_tensors(snap.tensors)
+        meta: dict[str, Any] = {
+            "format": FORMAT + "-rank-meta",
+            "version": VERSION,
+            "step": snap.step,
+            "rank": snap.rank,
+            "world_size": snap.world_size,
+            "tensors": sorted(snap.tensors),
+            "rng": snap.rng,
+        }
+        if snap.rank == 0:
+            if snap.skeleton is None:
+                raise ValueError("rank 0 must write the state skeleton (the non-tensor state)")
+            meta["state"] = snap.skeleton
+        meta_bytes = canonical_json(meta)
+        entries = []
+        for rel, data in ((shard_name(snap.step, snap.rank, snap.world_size), shard),
+                          (meta_name(snap.step, snap.rank), meta_bytes)):
+            self.storage.write_bytes(rel, data)
+            entries.append(FileEntry(rel, len(data), sha256(data)))
+        return entries
+
+    def commit(self, step: int, entries: Iterable[FileEntry | dict], world_size: int,
+               meta: dict | None = None) -> dict:
+        """Write the manifest: the step becomes committed the moment this write completes.
+
+        ``entries`` are every rank's FileEntry records; each rank's shard and meta file must be among them.
+        """
+        files = sorted((FileEntry.from_dict(e) for e in entries), key=lambda e: e.path)
+        paths = {e.path for e in files}
+        expected = {shard_name(step, r, world_size) for r in range(world_size)}
+        expected |= {meta_name(step, r) for r in range(world_size)}
+        missing = sorted(expected - paths)
+        if missing:
+            raise ValueError(f"cannot commit step {step}: missing files {missing}")
+        stray = [p for p in paths if not p.startswith(step_dir(step) + "/")]
+        if stray:
+            raise ValueError(f"cannot commit step {step}: files outside its directory {stray}")
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": int(step),
+            "world_size": int(world_size),
+            "created_at": time.time(),
+            "files": [e.to_dict() for e in files],
+            "meta": dict(meta or {}),
+        }
+        try:
+            checksum = sha256(canonical_json(body))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"checkpoint meta for step {step} must be plain JSON data: {exc}") from None
+        manifest = {**body, "checksum": checksum}
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        self.storage.write_bytes(f"{step_dir(step)}/{MANIFEST}", data)
+        return manifest
+
+    # ---- reading ----------------------------------------------------------------------------
+    def step_dirs(self) -> list[int]:
+        """Every step that has a directory, committed or not, oldest first."""
+        steps = []
+        for name in self.storage.list_dir(""):
+            m = _STEP_DIR.match(name)
+            if m:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def load_manifest(self, step: int) -> dict:
+        """The parsed manifest of ``step``. FileNotFoundError if absent, CorruptCheckpoint if it does not check."""
+        rel = f"{step_dir(step)}/{MANIFEST}"
+        data = self.storage.read_bytes(rel)
+        where = self.storage.describe(rel)
+        try:
+            manifest = json.loads(data)
+            body = {k: v for k, v in manifest.items() if k != "checksum"}
+            recorded = manifest["checksum"]
+            actual = sha256(canonical_json(body))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpoint(step, where, f"manifest does not parse ({type(exc).__name__}: {exc})") from None
+        if recorded != actual:
+            raise CorruptCheckpoint(step, where, "manifest checksum mismatch (truncated or edited)")
+        if manifest.get("format") != FORMAT or manifest.get("step") != step:
+            raise CorruptCheckpoint(step, where, f"manifest is for step {manifest.get('step')!r}, "
+                                                 f"format {manifest.get('format')!r}")
+        return manifest
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose manifest exists and checks out (files not verified), oldest first."""
+        out = []
+        for step in self.step_dirs():
+            try:
+                self.load_manifest(step)
+            except FileNotFoundError:
+                continue
+            except CorruptCheckpoint as exc:
+                logger.warning("%s", exc)
+                continue
+            out.append(step)
+        return out
+
+    def _read_verified(self, step: int, entry: FileEntry) -> bytes:
+        where = self.storage.describe(entry.path)
+        try:
+            data = self.storage.read_bytes(entry.path)
+        except FileNotFoundError:
+            raise CorruptCheckpoint(step, where, "file is missing") from None
+        if len(data) != entry.size:
+            raise CorruptCheckpoint(step, where, f"size {len(data)} != recorded {entry.size} (truncated?)")
+        if sha256(data) != entry.sha256:
+            raise CorruptCheckpoint(step, where, "sha256 mismatch (bytes changed)")
+        return data
+
+    def verify(self, step: int) -> dict:
+        """Check the manifest and every file of ``step``; returns the manifest or raises CorruptCheckpoint."""
+        manifest = self.load_manifest(step)
+        for entry in manifest["files"]:
+            self._read_verified(step, FileEntry.from_dict(entry))
+        return manifest
+
+    def latest_valid(self) -> int | None:
+        """The newest committed step whose files all check out; corrupt steps are skipped with a warning."""
+        for step in reversed(self.step_dirs()):
+            try:
+                self.verify(step)
+            except FileNotFoundError:
+                logger.debug("step %d has no manifest (uncommitted); ignoring it", step)
+                continue
+            except CorruptCheckpoint as exc:
+                logger.warning("skipping %s; trying an older step", exc)
+                continue
+            return step
+        return None
+
+    def read_state(self, step: int | None = None) -> tuple[dict, dict]:
+        """``(state, meta)`` of a committed step (default: ``latest_valid()``), verifying checksums as it reads.
+
+        ``state`` has the shape of ``TrainWorker.get_state()`` whatever world size wrote it.
+        """
+        if step is None:
+            step = self.latest_valid()
+            if step is None:
+                raise FileNotFoundError(f"no valid checkpoint in {self.location}")
+        try:
+            manifest = self.load_manifest(step)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"checkpoint step {step} is not committed in {self.location}") from None
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = None
+        world_size = int(manifest["world_size"])
+        for raw in manifest["files"]:
+            entry = FileEntry.from_dict(raw)
+            data = self._read_verified(step, entry)
+            where = self.storage.describe(entry.path)
+            try:
+                if entry.path.endswith(".safetensors"):
+                    part = decode_tensors(data)
+                    overlap = set(part) & set(tensors)
+                    if overlap:
+                        raise CorruptCheckpoint(step, where, f"tensors written twice: {sorted(overlap)[:3]}")
+                    tensors.update(part)
+                elif entry.path == meta_name(step, 0):
+                    skeleton = json.loads(data)["state"]
+            except CorruptCheckpoint:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any decode failure of checksummed bytes is corruption
+                raise CorruptCheckpoint(step, where, f"cannot decode ({type(exc).__name__}: {exc})") from None
+        if skeleton is None:
+            raise CorruptCheckpoint(step, self.storage.describe(meta_name(step, 0)), "rank 0 meta is not listed")
+        needed = set(skeleton_tensor_names(skeleton))
+        if needed != set(tensors):
+            missing, extra = sorted(needed - set(tensors)), sorted(set(tensors) - needed)
+            raise CorruptCheckpoint(step, self.storage.describe(step_dir(step)),
+                                    f"shards of world size {world_size} do not match the state "
+                                    f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        state = unflatten_state(tensors, skeleton)
+        return state, manifest.get("meta", {})
+
+    def read_rng(self, step: int, rank: int) -> dict | None:
+        """The RNG state rank ``rank`` saved at ``step`` (verified against the manifest), or None."""
+        manifest = self.load_manifest(step)
+        for raw in manifest["files"]:
+            entry = FileEntry.from_dict(raw)
+            if entry.path == meta_name(step, rank):
+                return json.loads(self._read_verified(step, entry)).get("rng")
+        return None
+
+    # ---- cleanup ----------------------------------------------------------------------------
+    def _delete_step(self, step: int, report: CleanupReport) -> None:
+        """Manifest first: a step half-deleted by a failure is then merely uncommitted, never a
+        committed step with missing files; GC or the next call finishes the job."""
+        try:
+            self.storage.delete(f"{step_dir(step)}/{MANIFEST}")
+            self.storage.delete_tree(step_dir(step))
+        except (StorageError, OSError) as exc:
+            # One failed delete (a transient remote error) must not stop training or later cleanup.
+            self._retry_deletes.add(step)
+            report.failed[step] = str(exc)
+            logger.warning("could not delete checkpoint step %d (will retry): %s", step, exc)
+            return
+        self._retry_deletes.discard(step)
+        report.deleted.append(step)
+
+    def apply_retention(self, keep_last: int, keep_every: int = 0) -> CleanupReport:
+        """Keep the newest ``keep_last`` committed steps, every step divisible by ``keep_every`` (if > 0),
+        and always the newest committed step; delete the other committed steps. Never raises."""
+        report = CleanupReport()
+        try:
+            committed = self.committed_steps()
+        except (StorageError, OSError) as exc:
+            report.error = str(exc)
+            logger.warning("retention skipped: cannot list %s: %s", self.location, exc)
+            return report
+        keep = set(committed[-max(1, keep_last):])
+        if keep_every > 0:
+            keep |= {s for s in committed if s % keep_every == 0}
+        doomed = (set(committed) - keep) | {s for s in self._retry_deletes if committed and s < committed[-1]}
+        doomed -= keep
+        for step in sorted(doomed):
+            self._delete_step(step, report)
+        return report
+
+    def gc_uncommitted(self, older_than: int | None = None, keep: Iterable[int] = ()) -> CleanupReport:
+        """Delete step directories without a valid manifest that are older than ``older_than`` (default:
+        the newest committed step). Steps in ``keep`` (still being written) are left alone. Never raises."""
+        report = CleanupReport()
+        keep = set(keep)
+        try:
+            dirs = self.step_dirs()
+            if older_than is None:
+                committed = self.committed_steps()
+                older_than = committed[-1] if committed else None
+            if older_than is None:
+                return report
+            for step in dirs:
+                if step >= older_than or step in keep:
+                    continue
+                try:
+                    self.load_manifest(step)
+                    continue  # committed: retention's business, not GC's
+                except (FileNotFoundError, CorruptCheckpoint):
+                    pass
+                logger.info("removing uncommitted checkpoint directory %s", self.storage.describe(step_dir(step)))
+                self._delete_step(step, report)
+        except (StorageError, OSError) as exc:
+            report.error = str(exc)
+            logger.warning("GC of uncommitted steps in %s failed (will retry): %s", self.location, exc)
+        return report
+
+    def list_steps(self, verify: bool = True) -> list[StepInfo]:
+        """Every step directory with its status, total size and commit time, oldest first."""
+        out = []
+        for step in self.step_dirs():
+            listing = self.storage.list_dir(step_dir(step), detail=True)
+            files = [e for e in listing if e["type"] != "directory"]
+            info = StepInfo(step=step, status="partial", size_bytes=sum(e["size"] for e in files),
+                            num_files=len(files))
+            try:
+                manifest = self.verify(step) if verify else self.load_manifest(step)
+            except FileNotFoundError:
+                out.append(info)
+                continue
+            except CorruptCheckpoint as exc:
+                info.status, info.problem = "corrupt", str(exc)
+                out.append(info)
+                continue
+            info.status = "valid" if verify else "committed"
+            info.committed_at = manifest.get("created_at")
+            info.world_size = manifest.get("world_size")
+            out.append(info)
+        return out

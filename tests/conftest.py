@@ -1,0 +1,54 @@
+"""Shared fixtures: a real Ray cluster per test module, always started here with its own address.
+
+Never a bare ``ray.init()``: that can join a stale cluster recorded in Ray's temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+# Small intervals so failure tests finish in seconds; each may be overridden from outside.
+os.environ.setdefault("ELASTIC_HEARTBEAT_INTERVAL_S", "0.5")
+os.environ.setdefault("ELASTIC_HEARTBEAT_TIMEOUT_S", "5")
+os.environ.setdefault("ELASTIC_COLLECTIVE_TIMEOUT_S", "20")
+os.environ.setdefault("ELASTIC_PLACEMENT_TIMEOUT_S", "20")
+
+
+def worker_env() -> dict:
+    """Workers import the test helpers and examples from this checkout."""
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")])
+    return {"env_vars": {"PYTHONPATH": path, "ELASTIC_LOG_LEVEL": "WARNING"}}
+
+
+def start_cluster(num_nodes: int = 1, cpus_per_node: int = 8):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False})
+    for _ in range(num_nodes - 1):
+        cluster.add_node(num_cpus=cpus_per_node)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env=worker_env(), log_to_driver=False)
+    return cluster
+
+
+def stop_cluster(cluster) -> None:
+    import ray
+
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    cluster = start_cluster()
+    yield cluster
+    stop_cluster(cluster)
