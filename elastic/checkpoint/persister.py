@@ -76,8 +76,10 @@ class AsyncPersister:
     """
 
     def __init__(self, write_fn: Callable[[Any], list], blocking: bool = False, name: str = "checkpoint write",
-                 retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256):
+                 retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256,
+                 keep_done: bool = True):
         self._write_fn = write_fn
+        self._keep_done = keep_done  # False when nobody calls drain(): the list must not grow forever
         self.blocking = blocking
         self.name = name
         self.retry_min_s = retry_min_s if retry_min_s is not None else _env_float("ELASTIC_CKPT_RETRY_MIN_S", 0.5)
@@ -179,7 +181,8 @@ class AsyncPersister:
             return
         with self._cond:
             self._outage.succeeded(step)
-            self._done.append((step, entries))
+            if self._keep_done:
+                self._done.append((step, entries))
 
     def _record_failure(self, step: int, exc: BaseException) -> None:
         logger.error("%s of step %d failed and is dropped: %s", self.name, step, _short(exc), exc_info=exc)
@@ -231,5 +234,6 @@ class AsyncPersister:
                 return
             with self._cond:
                 self._outage.succeeded(step)
-                self._done.append((step, entries))
+                if self._keep_done:
+                    self._done.append((step, entries))
             return

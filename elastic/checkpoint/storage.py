@@ -338,7 +338,7 @@ class Storage:
             if not bucket:
                 raise ConfigError(f"RunConfig.storage={self.location!r} names no bucket; use s3://BUCKET/prefix.")
             try:
-                found = self._call("check bucket", "", lambda: fs.exists(bucket), retry=quick)
+                found = self._call("check bucket", "", lambda: self._bucket_exists(fs, bucket), retry=quick)
             except StorageError as exc:
                 raise ConfigError(
                     f"RunConfig.storage={self.location!r}: cannot reach bucket {bucket!r}: {exc}. "
@@ -366,6 +366,19 @@ class Storage:
                 logger.debug("could not delete probe %s", self.describe(probe))
         if back != payload:
             raise ConfigError(f"RunConfig.storage={self.location!r} returned different bytes than were written.")
+
+    @staticmethod
+    def _bucket_exists(fs: Any, bucket: str) -> bool:
+        """HEAD the bucket. ``fs.exists`` would answer False for an unreachable endpoint too, which
+        would blame the bucket for a network problem."""
+        call_s3 = getattr(fs, "call_s3", None)
+        if call_s3 is None:
+            return bool(fs.exists(bucket))
+        try:
+            call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _probe_write(self, rel: str, data: bytes) -> None:
         fs, _ = self._filesystem()

@@ -1,0 +1,172 @@
+"""The controller side of checkpointing: collects every rank's written files per step and, once a step is
+complete and its meta is known, writes its manifest in a background thread, then applies retention and GC.
+
+Newer complete steps supersede older waiting ones; pending bookkeeping is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Iterable
+
+from elastic.checkpoint.persister import AsyncPersister
+from elastic.checkpoint.store import CheckpointStore, FileEntry
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointCommitter:
+    """Turns per-rank write reports into committed steps.
+
+    ``add`` and ``set_meta`` return at once; the manifest write, retention and GC run on one thread.
+    """
+
+    def __init__(self, store: CheckpointStore, keep_last: int = 3, keep_every: int = 0,
+                 latest_committed: int | None = None, *, retry_min_s: float | None = None,
+                 retry_max_s: float | None = None, max_pending_steps: int = 64, max_events: int = 256):
+        self.store = store
+        self.keep_last = max(1, keep_last)
+        self.keep_every = keep_every
+        self.max_pending_steps = max_pending_steps
+        self._lock = threading.Lock()
+        self._reports: dict[int, dict] = {}  # step -> {"world_size": w, "ranks": {rank: [FileEntry]}}
+        self._metas: dict[int, dict] = {}
+        self._latest = latest_committed
+        self._submitted: int | None = None  # newest step handed to the commit thread
+        self._events: deque = deque(maxlen=max_events)
+        self._persister = AsyncPersister(self._commit, name="checkpoint commit",
+                                         retry_min_s=retry_min_s, retry_max_s=retry_max_s, max_events=max_events,
+                                         keep_done=False)
+
+    # ---- reports ----------------------------------------------------------------------------
+    def add(self, step: int, rank: int, world_size: int, entries: Iterable[FileEntry | dict]) -> None:
+        """Rank ``rank`` of ``world_size`` finished writing ``entries`` for ``step``."""
+        files = [FileEntry.from_dict(e) for e in entries]
+        with self._lock:
+            if self._is_stale(step):
+                return
+            record = self._reports.get(step)
+            if record is None or record["world_size"] != world_size:
+                if record is not None:
+                    # Reports from two world sizes cannot form one checkpoint (the sharding differs);
+                    # the newest world size is the one still training.
+                    logger.warning("step %d: report from world size %d replaces reports from world size %d",
+                                   step, world_size, record["world_size"])
+                record = {"world_size": world_size, "ranks": {}}
+                self._reports[step] = record
+            record["ranks"][rank] = files
+            self._bound(self._reports)
+            self._maybe_submit(step)
+
+    def set_meta(self, step: int, meta: dict) -> None:
+        """The controller's data for ``step`` (data position, etc.); stored in the manifest."""
+        with self._lock:
+            if self._is_stale(step):
+                return
+            self._metas[step] = dict(meta)
+            self._bound(self._metas)
+            self._maybe_submit(step)
+
+    def rewind(self, step: int | None) -> None:
+        """Training restarted from ``step``: forget reports and metas of later steps (their state is gone)."""
+        with self._lock:
+            for table in (self._reports, self._metas):
+                for s in [s for s in table if step is None or s > step]:
+                    del table[s]
+            if self._submitted is not None and (step is None or self._submitted > step):
+                self._submitted = step
+            if self._latest is not None and (step is None or self._latest > step):
+                # Later steps will be written again and committed over the old ones.
+                self._latest = step
+
+    def _is_stale(self, step: int) -> bool:
+        return (self._submitted is not None and step <= self._submitted) or (
+            self._latest is not None and step <= self._latest)
+
+    def _bound(self, table: dict) -> None:
+        while len(table) > self.max_pending_steps:
+            oldest = min(table)
+            del table[oldest]
+            logger.debug("dropping pending checkpoint bookkeeping for step %d (too many pending)", oldest)
+
+    def _maybe_submit(self, step: int) -> None:
+        record = self._reports.get(step)
+        if record is None or step not in self._metas:
+            return
+        world_size = record["world_size"]
+        if set(record["ranks"]) != set(range(world_size)):
+            return
+        entries = [e for rank in sorted(record["ranks"]) for e in record["ranks"][rank]]
+        meta = self._metas[step]
+        # Every rank writes in step order, so an older step that is still incomplete now never will be.
+        for table in (self._reports, self._metas):
+            for s in [s for s in table if s <= step]:
+                del table[s]
+        self._submitted = step
+        self._persister.submit(step, (step, entries, world_size, meta))
+
+    # ---- the commit thread ------------------------------------------------------------------
+    def _commit(self, payload: tuple[int, list[FileEntry], int, dict]) -> list[FileEntry]:
+        step, entries, world_size, meta = payload
+        t0 = time.perf_counter()
+        self.store.commit(step, entries, world_size, meta)  # StorageError -> the persister retries
+        commit_s = time.perf_counter() - t0
+        with self._lock:
+            if self._latest is None or step > self._latest:
+                self._latest = step
+            pending = set(self._reports)
+        logger.info("committed checkpoint step %d to %s (%d files, %.3fs)", step, self.store.location,
+                    len(entries), commit_s)
+        retention = self.store.apply_retention(self.keep_last, self.keep_every)
+        gc = self.store.gc_uncommitted(older_than=step, keep=pending)
+        now = time.time()
+        with self._lock:
+            self._events.append({"event": "checkpoint_committed", "step": step, "time": now,
+                                 "files": len(entries), "bytes": sum(e.size for e in entries),
+                                 "commit_s": round(commit_s, 4), "deleted": sorted(retention.deleted + gc.deleted)})
+            for failed_step, error in {**retention.failed, **gc.failed}.items():
+                self._events.append({"event": "checkpoint_delete_failed", "step": failed_step, "time": now,
+                                     "error": error[:300]})
+            for error in (retention.error, gc.error):
+                if error:
+                    self._events.append({"event": "checkpoint_cleanup_failed", "time": now, "error": error[:300]})
+        return entries
+
+    # ---- status -----------------------------------------------------------------------------
+    @property
+    def latest_committed(self) -> int | None:
+        with self._lock:
+            return self._latest
+
+    def lag(self, current_step: int) -> int:
+        """How many steps of training would be lost if everything failed now."""
+        latest = self.latest_committed
+        return max(0, current_step - (latest if latest is not None else 0))
+
+    @property
+    def in_outage(self) -> bool:
+        return self._persister.in_outage
+
+    def drain_events(self) -> list[dict]:
+        """Commits, storage outages (start/end), failed deletes; oldest first. Never carries credentials."""
+        with self._lock:
+            own = list(self._events)
+            self._events.clear()
+        events = own + self._persister.drain_events()
+        return sorted(events, key=lambda e: e.get("time", 0.0))
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every complete step handed over so far is committed (or superseded); False on timeout."""
+        return self._persister.flush(timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        return self._persister.close(timeout_s)
+
+    def __enter__(self) -> "CheckpointCommitter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

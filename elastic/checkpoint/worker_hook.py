@@ -1,0 +1,98 @@
+"""The worker side of checkpointing: after an optimizer step, copy this rank's share of the state to host
+memory and hand it to a background writer.
+
+Returns small, JSON-friendly reports (finished writes and storage events) for the controller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from elastic.checkpoint.codec import capture_rng, flatten_state, host_copy, rank_share
+from elastic.checkpoint.persister import AsyncPersister
+from elastic.checkpoint.storage import RetryPolicy
+from elastic.checkpoint.store import CheckpointStore, Snapshot
+
+logger = logging.getLogger(__name__)
+
+
+def live_state(worker: Any) -> dict:
+    """The same shape as ``TrainWorker.get_state()`` but referencing live tensors (no copies yet), so
+    only this rank's share is ever copied."""
+    return {
+        "model": worker.model.state_dict(),
+        "optimizer": worker.optimizer.state_dict(),
+        "scheduler": worker.scheduler.state_dict() if getattr(worker, "scheduler", None) is not None else None,
+        "completed_step": int(worker.completed_step),
+    }
+
+
+def take_snapshot(worker: Any, step: int) -> Snapshot:
+    """This rank's share of tensors (private host copies), its RNG, and on rank 0 the state skeleton."""
+    rank, world_size = int(worker.rank), int(worker.world_size)
+    tensors, skeleton = flatten_state(live_state(worker))
+    share = rank_share(tensors, rank, world_size)
+    copies = {name: host_copy(tensors[name]) for name in share}
+    return Snapshot(step, rank, world_size, copies, skeleton if rank == 0 else None, capture_rng())
+
+
+class WorkerCheckpointer:
+    """Installed on a TrainWorker as ``worker._ckpt``; ``after_step`` runs after every optimizer step."""
+
+    def __init__(self, url: str, storage_options: dict | None, run_name: str, every_n_steps: int,
+                 blocking: bool = False, *, retry: RetryPolicy | None = None,
+                 retry_min_s: float | None = None, retry_max_s: float | None = None,
+                 close_timeout_s: float = 30.0):
+        if not isinstance(every_n_steps, int) or every_n_steps < 0:
+            raise ValueError(f"every_n_steps must be an integer >= 0, got {every_n_steps!r}")
+        self.store = CheckpointStore(url, run_name, storage_options, retry=retry)
+        self.every_n_steps = every_n_steps
+        self.close_timeout_s = close_timeout_s
+        self.persister = AsyncPersister(self.store.write_snapshot, blocking=blocking, name="checkpoint write",
+                                        retry_min_s=retry_min_s, retry_max_s=retry_max_s)
+        self.last_snapshot_s = 0.0
+        self._rank: int | None = None
+        self._snapshot_error: str | None = None
+
+    def due(self, step: int) -> bool:
+        return self.every_n_steps > 0 and step % self.every_n_steps == 0
+
+    def after_step(self, worker: Any, step: int) -> dict:
+        """Snapshot and submit when the step is due; always report what finished since the last call."""
+        self._rank = int(worker.rank)
+        events: list[dict] = []
+        if self.due(step):
+            t0 = time.perf_counter()
+            try:
+                snapshot = take_snapshot(worker, step)
+            except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
+                text = f"{type(exc).__name__}: {exc}"
+                if text != self._snapshot_error:  # log a repeating error once, not every step
+                    logger.exception("rank %s: cannot snapshot step %d for checkpointing", worker.rank, step)
+                    self._snapshot_error = text
+                events.append({"event": "checkpoint_failed", "what": "snapshot", "step": step,
+                               "time": time.time(), "error": text[:300]})
+            else:
+                self.last_snapshot_s = time.perf_counter() - t0
+                self.persister.submit(step, snapshot)
+        return self._report(events)
+
+    def _report(self, extra_events: list[dict] | None = None) -> dict:
+        done = [(step, [e.to_dict() for e in entries]) for step, entries in self.persister.drain()]
+        events = self.persister.drain_events() + list(extra_events or [])
+        for event in events:
+            event.setdefault("rank", self._rank)
+        return {"ckpt_done": done, "ckpt_events": events}
+
+    def poll(self) -> dict:
+        """What finished since the last call, without taking a snapshot (e.g. at the end of training)."""
+        return self._report()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return self.persister.flush(timeout_s)
+
+    def close(self) -> None:
+        """Write what is waiting (bounded by close_timeout_s) and stop the thread."""
+        self.persister.close(self.close_timeout_s)

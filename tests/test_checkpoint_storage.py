@@ -1,0 +1,224 @@
+"""Storage contract test: one set of checks run against file://, a plain path, memory:// and a real S3
+endpoint (moto's server), plus validate() and credential redaction."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastic.checkpoint.storage import (
+    Redactor,
+    RetryPolicy,
+    Storage,
+    StorageError,
+    StorageUnavailable,
+    redact_url,
+    resolve_url,
+)
+from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
+from elastic.config import ConfigError
+
+FAST = RetryPolicy(attempts=3, base_s=0.01, max_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def moto_s3():
+    server = MotoS3().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path):
+    moto = request.getfixturevalue("moto_s3") if request.param == "s3" else None
+    url, options = backend_url(request.param, str(tmp_path), moto)
+    yield url, options
+    if request.param == "memory":
+        clear_memory(url)
+
+
+@pytest.fixture
+def no_aws_env(monkeypatch, tmp_path):
+    """No credentials anywhere botocore looks: env, shared files, instance metadata."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                 "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+# ---- contract ----------------------------------------------------------------------------------
+def test_write_read_list_delete(backend):
+    url, options = backend
+    storage = Storage(url, options, retry=FAST)
+    storage.validate()
+    assert storage.list_dir("") == []
+    storage.write_bytes("step-000000001/a.bin", b"alpha")
+    storage.write_bytes("step-000000001/b.bin", b"")
+    storage.write_bytes("step-000000002/a.bin", b"x" * 1000)
+    assert storage.read_bytes("step-000000001/a.bin") == b"alpha"
+    assert storage.read_bytes("step-000000001/b.bin") == b""
+    assert storage.exists("step-000000002/a.bin")
+    assert not storage.exists("step-000000002/missing.bin")
+    assert storage.list_dir("") == ["step-000000001", "step-000000002"]
+    detail = storage.list_dir("step-000000001", detail=True)
+    assert [(e["name"], e["size"]) for e in detail] == [("a.bin", 5), ("b.bin", 0)]
+    assert storage.list_dir("no-such-dir") == []
+
+    storage.write_bytes("step-000000001/a.bin", b"overwritten")
+    assert storage.read_bytes("step-000000001/a.bin") == b"overwritten"
+
+    storage.delete("step-000000001/b.bin")
+    storage.delete("step-000000001/b.bin")  # missing is fine
+    assert storage.list_dir("step-000000001") == ["a.bin"]
+    storage.delete_tree("step-000000001")
+    storage.delete_tree("step-000000001")  # missing is fine
+    assert storage.list_dir("") == ["step-000000002"]
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes("step-000000001/a.bin")
+    with pytest.raises(ValueError):
+        storage.delete_tree("")
+
+
+def test_two_instances_see_each_others_writes(backend):
+    """Workers and the controller are different processes: no stale listing caches."""
+    url, options = backend
+    a, b = Storage(url, options, retry=FAST), Storage(url, options, retry=FAST)
+    assert b.list_dir("") == []
+    a.write_bytes("step-000000003/x", b"1")
+    assert b.list_dir("") == ["step-000000003"]
+    b.delete_tree("step-000000003")
+    assert a.list_dir("") == []
+
+
+def test_storage_pickles_without_filesystem(backend):
+    import pickle
+
+    url, options = backend
+    storage = Storage(url, options, retry=FAST)
+    storage.write_bytes("f", b"data")
+    clone = pickle.loads(pickle.dumps(storage))
+    assert clone._fs is None
+    assert clone.read_bytes("f") == b"data"
+
+
+# ---- retries against a real endpoint that goes away and comes back -----------------------------
+def test_transient_errors_are_retried_until_the_endpoint_returns():
+    server = MotoS3().start()
+    try:
+        bucket = server.create_bucket()
+        storage = Storage(f"s3://{bucket}/run", server.storage_options(),
+                          retry=RetryPolicy(attempts=30, base_s=0.05, max_s=0.1))
+        storage.write_bytes("before", b"1")
+        server.stop()
+        restart = threading.Timer(0.4, server.start)
+        restart.start()
+        t0 = time.monotonic()
+        storage.write_bytes("during", b"2")  # fails until the server is back, then succeeds
+        assert time.monotonic() - t0 >= 0.3
+        restart.join()
+        assert storage.read_bytes("before") == b"1"  # moto's backend kept the bucket across restarts
+        assert storage.read_bytes("during") == b"2"
+    finally:
+        server.stop()
+
+
+def test_retries_are_bounded_and_errors_redacted():
+    server = MotoS3().start()
+    bucket = server.create_bucket()
+    options = server.storage_options()
+    server.stop()
+    storage = Storage(f"s3://{bucket}/run", options, retry=RetryPolicy(attempts=3, base_s=0.01, max_s=0.02))
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailable) as info:
+        storage.write_bytes("x", b"1")
+    assert time.monotonic() - t0 < 3.0
+    assert "after 3 attempts" in str(info.value)
+    assert TEST_SECRET not in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+# ---- validate ----------------------------------------------------------------------------------
+def test_validate_unknown_scheme():
+    with pytest.raises(ConfigError, match=r"unknown URL scheme 'foo://'.*file://, memory://, s3://"):
+        Storage("foo://x/y").validate()
+
+
+def test_validate_s3_without_credentials_is_fast_and_clear(no_aws_env, moto_s3):
+    bucket = moto_s3.create_bucket()
+    options = {"anon": False, "endpoint_url": moto_s3.endpoint_url}
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="no AWS credentials found") as info:
+        Storage(f"s3://{bucket}/run", options).validate()
+    assert time.monotonic() - t0 < 2.0
+    assert "storage_options" in str(info.value)
+
+
+def test_validate_s3_key_without_secret(no_aws_env, moto_s3):
+    with pytest.raises(ConfigError, match=r"storage_options\['secret'\]"):
+        Storage("s3://b/run", {"key": "AKIAEXAMPLE", "endpoint_url": moto_s3.endpoint_url}).validate()
+
+
+def test_validate_s3_missing_bucket_never_shows_the_secret(moto_s3):
+    options = moto_s3.storage_options()
+    with pytest.raises(ConfigError, match="bucket 'no-such-bucket-elastic' does not exist") as info:
+        Storage("s3://no-such-bucket-elastic/run", options, retry=FAST).validate()
+    assert TEST_SECRET not in str(info.value)
+
+
+def test_validate_s3_unreachable_endpoint_is_bounded():
+    server = MotoS3().start()
+    options = server.storage_options()
+    server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="cannot reach bucket") as info:
+        Storage("s3://some-bucket/run", options, retry=FAST).validate()
+    assert time.monotonic() - t0 < 3.0
+    assert TEST_SECRET not in str(info.value)
+
+
+def test_validate_local_path_that_cannot_be_a_directory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="not writable"):
+        Storage(f"{blocker}/run", retry=FAST).validate()
+
+
+def test_validate_leaves_no_probe_behind(backend):
+    url, options = backend
+    storage = Storage(url, options, retry=FAST)
+    storage.validate()
+    assert storage.list_dir("") == []
+
+
+# ---- redaction ---------------------------------------------------------------------------------
+def test_location_and_messages_never_carry_credentials(moto_s3):
+    options = moto_s3.storage_options()
+    storage = Storage("s3://user:hunter2pass@bucket/run?X-Amz-Signature=abc", options)
+    assert storage.location == "s3://***@bucket/run"
+    assert "hunter2pass" not in repr(storage)
+    assert TEST_SECRET not in storage.redact(f"boom {TEST_SECRET} and hunter2pass")
+    redact = Redactor({"client_kwargs": {"aws_secret_access_key": "nested-secret-value"}, "token": "tok-123456"})
+    assert redact("a nested-secret-value b tok-123456") == "a *** b ***"
+    assert redact_url("https://u:p@host/x?sig=1") == "https://***@host/x"
+
+
+def test_resolve_url_makes_plain_paths_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_url("ckpts") == f"{tmp_path}/ckpts"
+    assert resolve_url("s3://b/p") == "s3://b/p"
+    assert resolve_url("memory://x") == "memory://x"
+
+
+def test_permanent_errors_are_not_retried(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    storage = Storage(str(blocker), retry=RetryPolicy(attempts=50, base_s=0.5, max_s=1.0))
+    t0 = time.monotonic()
+    with pytest.raises(StorageError):
+        storage.write_bytes("sub/x", b"1")  # parent is a file: NotADirectoryError/FileExistsError
+    assert time.monotonic() - t0 < 1.0

@@ -1,0 +1,83 @@
+"""Config validation: every rejection happens before any actor starts and names the field."""
+
+from __future__ import annotations
+
+import pytest
+
+import elastic
+from elastic.actors.worker import choose_device_and_backend
+from elastic.config import ConfigError, FailureConfig, ScalingConfig
+from helpers import loss_fn, make_dataset, make_model, make_sgd
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num_workers": 0}, "num_workers"),
+    ({"num_workers": 2, "num_backups": -1}, "num_backups"),
+    ({"placement_strategy": "DIAGONAL"}, "placement_strategy"),
+    ({"aggregation": "first_n", "num_backups": 0}, "needs backups"),
+    ({"aggregation": "best_of"}, "aggregation"),
+    ({"resources_per_worker": {"CPU": -1}}, "resources_per_worker"),
+    ({"use_gpu": True, "resources_per_worker": {"GPU": 0}}, "GPU"),
+])
+def test_scaling_rejects(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        ScalingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"straggler_factor": 1.0}, "straggler_factor"),
+    ({"straggler_factor": 0.5}, "straggler_factor"),
+    ({"max_failures": -1}, "max_failures"),
+    ({"on_failure": "pray"}, "on_failure"),
+    ({"on_failure": "shrink"}, "allow_shrink"),
+    ({"min_workers": 0}, "min_workers"),
+    ({"heartbeat_timeout_s": 0}, "heartbeat_timeout_s"),
+])
+def test_failure_rejects(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        FailureConfig(**kwargs)
+
+
+def test_placement_strategy_is_normalised():
+    assert ScalingConfig(placement_strategy="spread").placement_strategy == "SPREAD"
+
+
+def _trainer(**kw):
+    args = dict(model_fn=make_model, optimizer_fn=make_sgd, dataset_fn=make_dataset, loss_fn=loss_fn,
+                global_batch_size=32, scaling=ScalingConfig(num_workers=4))
+    args.update(kw)
+    return elastic.Trainer(**args)
+
+
+def test_batch_not_divisible():
+    with pytest.raises(ConfigError, match="global_batch_size=30 is not divisible by ScalingConfig.num_workers=4"):
+        _trainer(global_batch_size=30)
+
+
+def test_min_workers_above_num_workers():
+    with pytest.raises(ConfigError, match="min_workers=5"):
+        _trainer(failure=FailureConfig(min_workers=5))
+
+
+def test_bad_fault_plan():
+    with pytest.raises(ConfigError, match="faults"):
+        _trainer(faults=[{"kind": "slow", "rank": 9, "factor": 3, "from_step": 1}])
+
+
+def test_fit_needs_steps_or_epochs():
+    with pytest.raises(ConfigError, match="exactly one"):
+        _trainer().fit()
+
+
+def test_bad_run_name():
+    with pytest.raises(ConfigError, match="RunConfig.name"):
+        elastic.RunConfig(name="bad/name")
+
+
+def test_device_choice_without_gpu():
+    assert choose_device_and_backend(False, [], False) == ("cpu", "gloo")
+    assert choose_device_and_backend(True, [0], True) == ("cuda:0", "nccl")
+    with pytest.raises(RuntimeError, match="assigned no GPU"):
+        choose_device_and_backend(True, [], True)
+    with pytest.raises(RuntimeError, match="not available"):
+        choose_device_and_backend(True, [1], False)

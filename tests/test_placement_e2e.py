@@ -1,0 +1,68 @@
+"""Placement on real Ray: rank order by node on a 2-node cluster, and cluster-level rejections."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+import elastic
+from conftest import start_cluster, stop_cluster
+from elastic.actors.worker import TrainingSpec
+from elastic.actors.worker_group import PlacementTimeout, WorkerGroup
+from helpers import loss_fn, make_dataset, make_model, make_sgd
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    cluster = start_cluster(num_nodes=2, cpus_per_node=3)
+    yield cluster
+    stop_cluster(cluster)
+
+
+def spec():
+    return TrainingSpec(make_model, make_sgd, make_dataset, loss_fn)
+
+
+def test_ranks_grouped_by_node(two_nodes):
+    scaling = elastic.ScalingConfig(num_workers=4, placement_strategy="SPREAD")
+    group = WorkerGroup(scaling, spec(), "elastic-placement")
+    try:
+        group.start(4)
+        members = group.members
+        nodes = [m.info["node_id"] for m in members]
+        assert len(set(nodes)) == 2
+        # ranks on the same node are contiguous, node ranks count up, local ranks restart per node
+        assert nodes == sorted(nodes, key=nodes.index)
+        assert [m.node_rank for m in members] == [0, 0, 1, 1]
+        assert [m.local_rank for m in members] == [0, 1, 0, 1]
+        assert [m.rank for m in members] == [0, 1, 2, 3]
+        # actor names match ranks in the run's namespace
+        for m in members:
+            assert ray.get_actor(f"rank-{m.rank}", namespace="elastic-placement") is not None
+    finally:
+        group.shutdown()
+
+
+def test_gpu_on_cluster_without_gpus(two_nodes):
+    t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 8,
+                        scaling=elastic.ScalingConfig(num_workers=1, use_gpu=True))
+    with pytest.raises(elastic.ConfigError, match="no GPUs"):
+        t.fit(steps=1)
+
+
+def test_more_than_cluster_has(two_nodes):
+    t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 8,
+                        scaling=elastic.ScalingConfig(num_workers=8))
+    with pytest.raises(elastic.ConfigError, match="cluster has 6"):
+        t.fit(steps=1)
+
+
+def test_placement_that_never_fits_times_out(two_nodes):
+    # 4 CPUs fit in the cluster's 6 in total, but not on one node: STRICT_PACK can never be placed.
+    scaling = elastic.ScalingConfig(num_workers=4, placement_strategy="STRICT_PACK", placement_timeout_s=3)
+    group = WorkerGroup(scaling, spec(), "elastic-nofit")
+    with pytest.raises(PlacementTimeout, match="placement_timeout_s"):
+        group.start(4)
+    group.shutdown()
