@@ -140,6 +140,7 @@ class Controller:
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
         self.total_steps = 0
+        self.dispatches = 0  # step attempts; minus completed steps = steps recomputed
         self._pending_shards: tuple | None = None
         self.requeue_dropped = requeue_dropped
 
@@ -257,6 +258,8 @@ class Controller:
     def _apply_fault_plan(self) -> None:
         """Deterministic fault injection keyed by (rank, step): a test, benchmark and demo aid."""
         for fault in self.fault_plan:
+            if fault["kind"] == "kill_spare":
+                continue  # applied by _maybe_kill_spare_during_recovery
             m = self.group.members[fault["rank"]]
             if fault["kind"] == "slow":
                 ray.get(m.actor.inject_slowdown.remote(fault["factor"], fault["from_step"]))
@@ -267,7 +270,7 @@ class Controller:
             else:
                 ray.get(m.actor.inject_hang.remote(fault["at_step"]))
                 what = f"hangs in step {fault['at_step']}"
-            self.log("fault_injection", f"rank {fault['rank']} {what} (test/demo aid)", **fault)
+            self.log("fault_injection", f"rank {fault['rank']} {what} (test/demo aid)", fault=dict(fault))
 
     # ---- one step ---------------------------------------------------------------------------
     def _run_one_step(self) -> None:
@@ -302,6 +305,7 @@ class Controller:
         members = self.group.members
         epoch, shards = self._shards_for(step, len(members))
         t0 = time.perf_counter()
+        self.dispatches += 1
         refs = [m.actor.train_step.remote(step, shards[i]) for i, m in enumerate(members)]
         results = self._gather(refs, [m.rank for m in members], step)
         wall = time.perf_counter() - t0
@@ -325,6 +329,7 @@ class Controller:
         epoch, shards = self._shards_for(step, len(free))
         shard_of = dict(zip(free, shards))
         t0 = time.perf_counter()
+        self.dispatches += 1
         refs = {members[r].actor.compute_grad.remote(step, shard_of[r]): r for r in free}
         fast_results = self._gather(list(refs), list(refs.values()), step, need=n)
         fast = sorted(fast_results)
@@ -448,7 +453,8 @@ class Controller:
                 self._kill_hung(pending, "did not leave a broken collective")
                 continue
             if now - t0 > cfg.step_timeout_s:
-                self._kill_hung(pending, f"step exceeded step_timeout_s={cfg.step_timeout_s:g}")
+                self._kill_hung(self._culprits(pending), f"step exceeded step_timeout_s={cfg.step_timeout_s:g}")
+                t0 = time.time()  # the peers of a killed rank get a fresh step timeout to fail over
                 continue
             if not ready and now - t0 > cfg.heartbeat_interval_s:
                 self._check_heartbeats(pending, beats)
@@ -466,6 +472,33 @@ class Controller:
         raise Failure(dead, kind, results, detect_s=(first_problem or time.time()) - t0)
 
     _hung: set = set()
+
+    def _culprits(self, pending: dict) -> dict:
+        """Which pending ranks are stuck in their own code rather than waiting on a peer.
+
+        A rank that never reached its collective (phase "compute") holds everyone else up; a
+        rank that does not answer its heartbeat is stuck outright. If every pending rank waits
+        in a collective (a dead link, say), the one that entered it last is blamed.
+        """
+        refs = {ref: r for ref, r in pending.items()}
+        beats = {r: self.group.members[r].actor.heartbeat.remote() for r in refs.values()}
+        ready, _ = ray.wait(list(beats.values()), num_returns=len(beats),
+                            timeout=self.failure_config.heartbeat_timeout_s)
+        info = {}
+        for r, b in beats.items():
+            if b in ready:
+                try:
+                    info[r] = ray.get(b)
+                except ray.exceptions.RayError:
+                    pass
+        silent = {ref: r for ref, r in refs.items() if r not in info}
+        if silent:
+            return silent
+        own = {ref: r for ref, r in refs.items() if "allreduce" not in info[r]["phase"]}
+        if own:
+            return own
+        last = max(info, key=lambda r: info[r]["phase_since"])
+        return {ref: r for ref, r in refs.items() if r == last}
 
     def _kill_hung(self, pending: dict, why: str) -> None:
         for ref, r in pending.items():
@@ -511,45 +544,35 @@ class Controller:
 
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self, failure: Failure) -> None:
+        """Heal the ring: decide, change membership, sync state, rendezvous. No survivor restarts.
+
+        A second failure while healing (a spare or survivor dying during state sync or the new
+        rendezvous) goes round the loop again with the newly lost ranks, and counts as a failure.
+        """
         t0 = time.time()
-        self.failures += 1
-        self.transition(State.RECOVERING, f"{failure.kind} of rank(s) {sorted(failure.dead)} in step {self.step + 1}")
-        if self.metrics is not None:
-            self.metrics.on_failure(failure.kind)
-        self._settle_survivors(failure.dead)
         lost = tuple(sorted(failure.dead))
-        waited = False
+        kind = failure.kind
+        self.transition(State.RECOVERING, f"{kind} of rank(s) {list(lost)} in step {self.step + 1}")
         while True:
-            self._refresh_spares()
-            view = FailureView(lost, failure.kind, len(self.group.members), len(self.group.spares),
-                               self.group.pending_spares, self.failures, waited)
-            decision = self.failure_policy.decide(view)
-            self.log("decision", f"{type(decision).__name__}: {decision.reason}", decision=type(decision).__name__,
-                     lost=list(lost))
-            if isinstance(decision, ReplaceWithSpares):
-                self._replace(lost)
+            self.failures += 1
+            if self.metrics is not None:
+                self.metrics.on_failure(kind)
+            self._settle_survivors(set(lost))
+            self._decide_and_apply(lost, kind)
+            try:
+                self._maybe_kill_spare_during_recovery()
+                self._sync_state()
+                self._form_group(f"recovered from {kind}")
                 break
-            if isinstance(decision, WaitForCapacity):
-                missing = len(lost) - len(self.group.spares) - self.group.pending_spares
-                for _ in range(max(0, missing)):
-                    self.group.request_spare()
-                self.group.collect_spares(block=True, timeout_s=decision.timeout_s)
-                if len(self.group.spares) >= len(lost):
-                    self._replace(lost)
-                    break
-                waited = True
-                continue
-            if isinstance(decision, Shrink):
-                self._shrink(lost)
-                break
-            if isinstance(decision, RestartFromCheckpoint):
-                self._restart_all()
-                break
-            raise TrainingFailed(self._fail_message(decision.reason))
-        self._sync_state()
-        self._form_group(f"recovered from {failure.kind}")
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                newly = self._probe_dead()
+                if not newly:
+                    raise TrainingFailed(self._fail_message(f"rebuild failed without a lost rank: {exc}")) from exc
+                lost, kind = tuple(sorted(newly)), "failure_during_recovery"
+                self.log("failure", f"rank(s) {list(lost)} lost while healing: {type(exc).__name__}",
+                         ranks=list(lost))
         seconds = time.time() - t0
-        self.recoveries.append({"kind": failure.kind, "ranks": list(lost), "detect_s": failure.detect_s,
+        self.recoveries.append({"kind": failure.kind, "ranks": sorted(failure.dead), "detect_s": failure.detect_s,
                                 "rebuild_s": seconds, "step": self.step + 1})
         if self.metrics is not None:
             self.metrics.on_recovery(failure.kind, seconds)
@@ -557,6 +580,44 @@ class Controller:
             self.group.request_spare()
             self.log("spares", "requested a replacement spare in the background")
         self.transition(State.RUNNING, f"rebuilt in {seconds:.2f}s; resuming at step {self.step + 1}")
+
+    def _decide_and_apply(self, lost: tuple[int, ...], kind: str) -> None:
+        waited = False
+        while True:
+            self._refresh_spares()
+            view = FailureView(lost, kind, len(self.group.members), len(self.group.spares),
+                               self.group.pending_spares, self.failures, waited)
+            decision = self.failure_policy.decide(view)
+            self.log("decision", f"{type(decision).__name__}: {decision.reason}", decision=type(decision).__name__,
+                     lost=list(lost))
+            if isinstance(decision, ReplaceWithSpares):
+                self._replace(lost)
+                return
+            if isinstance(decision, WaitForCapacity):
+                missing = len(lost) - len(self.group.spares) - self.group.pending_spares
+                for _ in range(max(0, missing)):
+                    self.group.request_spare()
+                self.group.collect_spares(block=True, timeout_s=decision.timeout_s)
+                waited = True
+                continue
+            if isinstance(decision, Shrink):
+                self._shrink(lost)
+                return
+            if isinstance(decision, RestartFromCheckpoint):
+                self._restart_all()
+                return
+            raise TrainingFailed(self._fail_message(decision.reason))
+
+    def _maybe_kill_spare_during_recovery(self) -> None:
+        """Fault injection: a promoted spare dies while healing (a double-fault test aid)."""
+        for fault in self.fault_plan:
+            if fault["kind"] == "kill_spare" and fault.get("recovery", 1) == len(self.recoveries) + 1 \
+                    and not fault.get("_done"):
+                fault["_done"] = True
+                victim = self.group.members[fault["rank"]]
+                self.log("fault_injection", f"killing {victim.name}, now rank {victim.rank}, while healing "
+                         "(test aid)", rank=victim.rank)
+                ray.kill(victim.actor, no_restart=True)
 
     def _fail_message(self, reason: str) -> str:
         latest = self.committer.latest_committed if self.committer is not None else None
@@ -757,6 +818,7 @@ class Controller:
             "events": [asdict(e) for e in self.events],
             "recoveries": list(self.recoveries),
             "failures": self.failures,
+            "dispatches": self.dispatches,
             "ledger": [asdict(e) for e in self.ledger.entries],
             "dropped_samples": self.ledger.dropped(),
             "restored_from": self.restored_from,

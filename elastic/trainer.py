@@ -117,7 +117,8 @@ class Trainer:
         for f in self.faults:
             ok = 0 <= f.get("rank", -1) < self.scaling.num_replicas and (
                 (f.get("kind") == "slow" and f.get("factor", 0) >= 1 and "from_step" in f)
-                or (f.get("kind") in ("kill", "hang") and "at_step" in f))
+                or (f.get("kind") in ("kill", "hang") and "at_step" in f)
+                or f.get("kind") == "kill_spare")
             if not ok:
                 raise ConfigError(
                     f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1, 'from_step': s}} "
@@ -186,6 +187,7 @@ class Trainer:
             "mean_step_time_s": total_time / len(timed) if timed else 0.0,
             "dropped_samples": out["dropped_samples"],
             "failures": out["failures"],
+            "dispatches": out["dispatches"],
             "world_size": out["world_size"],
             "restored_from": out["restored_from"],
         }

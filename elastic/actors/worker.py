@@ -124,6 +124,7 @@ class TrainWorker:
         self._hang_at: int | None = None
         self._kill_at: int | None = None
         self._compute_ema: float | None = None
+        self.phase, self.phase_since = "idle", time.time()
         self._ckpt = None
 
     # ---- identity and liveness -------------------------------------------------------------
@@ -143,7 +144,12 @@ class TrainWorker:
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> dict:
         """Answered from its own thread, so a worker busy in a long step still answers."""
-        return {"time": time.time(), "step": self.current_step, "completed_step": self.completed_step, "rank": self.rank}
+        return {"time": time.time(), "step": self.current_step, "completed_step": self.completed_step,
+                "rank": self.rank, "phase": self.phase, "phase_since": self.phase_since}
+
+    def _enter(self, phase: str) -> None:
+        """Phases let the controller tell a rank stuck in its own code from one waiting on peers."""
+        self.phase, self.phase_since = phase, time.time()
 
     def free_port(self) -> int:
         """A port that is free on this node right now; rank 0 hosts the rendezvous store on it."""
@@ -238,6 +244,7 @@ class TrainWorker:
         is the compute estimate); without a collective the whole forward+backward counts.
         """
         t0 = time.perf_counter()
+        self._enter("compute")
         delay = self._injected_delay(step)
         t1 = time.perf_counter()
         if self.spec.step_fn is not None:
@@ -247,6 +254,7 @@ class TrainWorker:
             return loss, time.perf_counter() - t0
         loss = self.spec.loss_fn(model, batch)
         fwd = time.perf_counter() - t1
+        self._enter("backward+allreduce" if has_collective else "backward")
         loss.backward()
         both = time.perf_counter() - t1
         if has_collective:
@@ -265,8 +273,11 @@ class TrainWorker:
         raise in turn, and the failure cascades round the ring in well under a second.
         """
         try:
-            return fn()
+            out = fn()
+            self._enter("idle")
+            return out
         except Exception as exc:
+            self._enter("failed")
             self.current_step = None
             msg = f"rank {self.rank} failed: {exc}\n{traceback.format_exc()}"
             collective = isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
@@ -327,6 +338,7 @@ class TrainWorker:
             if flat is None:
                 raise RuntimeError(f"rank {self.rank}: reduce_apply({step}) without compute_grad")
             group = self._subgroups.get(tuple(fast)) if len(fast) < self.world_size else None
+            self._enter("allreduce")
             dist.all_reduce(flat, group=group)
             flat.div_(len(fast))
             self._apply_flat(step, flat)

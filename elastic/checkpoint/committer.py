@@ -13,7 +13,8 @@ from collections import deque
 from typing import Any, Iterable
 
 from elastic.checkpoint.persister import AsyncPersister
-from elastic.checkpoint.store import CheckpointStore, FileEntry
+from elastic.checkpoint.store import CheckpointStore, CleanupReport, FileEntry
+from elastic.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +25,18 @@ class CheckpointCommitter:
     ``add`` and ``set_meta`` return at once; the manifest write, retention and GC run on one thread.
     """
 
-    def __init__(self, store: CheckpointStore, keep_last: int = 3, keep_every: int = 0,
-                 latest_committed: int | None = None, *, retry_min_s: float | None = None,
-                 retry_max_s: float | None = None, max_pending_steps: int = 64, max_events: int = 256):
+    def __init__(self, store: CheckpointStore, config: CheckpointConfig | None = None, *,
+                 keep_last: int | None = None, keep_every: int | None = None,
+                 latest_committed: int | None = None, retry_min_s: float | None = None,
+                 retry_max_s: float | None = None, max_pending_steps: int = 10_000, max_events: int = 256):
+        config = config or CheckpointConfig()
         self.store = store
-        self.keep_last = max(1, keep_last)
-        self.keep_every = keep_every
+        self.every_n_steps = config.every_n_steps
+        self.keep_last = max(1, config.keep_last if keep_last is None else keep_last)
+        self.keep_every = config.keep_every if keep_every is None else keep_every
+        # Writes can lag training by many steps (slow storage, fast steps, an outage), and the meta of
+        # the step a writer finally persists must still be here: the cap is generous and only a
+        # backstop; steps that can no longer complete are pruned as soon as that is known.
         self.max_pending_steps = max_pending_steps
         self._lock = threading.Lock()
         self._reports: dict[int, dict] = {}  # step -> {"world_size": w, "ranks": {rank: [FileEntry]}}
@@ -58,11 +65,14 @@ class CheckpointCommitter:
                 record = {"world_size": world_size, "ranks": {}}
                 self._reports[step] = record
             record["ranks"][rank] = files
+            self._prune_skipped(step, rank)
             self._bound(self._reports)
             self._maybe_submit(step)
 
     def set_meta(self, step: int, meta: dict) -> None:
         """The controller's data for ``step`` (data position, etc.); stored in the manifest."""
+        if self.every_n_steps > 0 and step % self.every_n_steps:
+            return  # not a checkpoint step: no rank will write it
         with self._lock:
             if self._is_stale(step):
                 return
@@ -85,6 +95,15 @@ class CheckpointCommitter:
     def _is_stale(self, step: int) -> bool:
         return (self._submitted is not None and step <= self._submitted) or (
             self._latest is not None and step <= self._latest)
+
+    def _prune_skipped(self, step: int, rank: int) -> None:
+        """A rank writes its steps in order and skips superseded ones, so once it reports ``step``, every
+        older pending step it has not reported can never complete."""
+        for table in (self._reports, self._metas):
+            for s in [s for s in table if s < step]:
+                record = self._reports.get(s)
+                if record is None or rank not in record["ranks"]:
+                    table.pop(s, None)
 
     def _bound(self, table: dict) -> None:
         while len(table) > self.max_pending_steps:
@@ -120,19 +139,30 @@ class CheckpointCommitter:
             pending = set(self._reports)
         logger.info("committed checkpoint step %d to %s (%d files, %.3fs)", step, self.store.location,
                     len(entries), commit_s)
-        retention = self.store.apply_retention(self.keep_last, self.keep_every)
-        gc = self.store.gc_uncommitted(older_than=step, keep=pending)
+        try:
+            retention = self.store.apply_retention(self.keep_last, self.keep_every)
+            gc = self.store.gc_uncommitted(older_than=step, keep=pending)
+        except Exception as exc:  # noqa: BLE001 - the step is committed; a cleanup bug must not undo that
+            logger.exception("checkpoint cleanup after step %d failed", step)
+            retention, gc = CleanupReport(error=f"{type(exc).__name__}: {exc}"), CleanupReport()
         now = time.time()
         with self._lock:
-            self._events.append({"event": "checkpoint_committed", "step": step, "time": now,
-                                 "files": len(entries), "bytes": sum(e.size for e in entries),
-                                 "commit_s": round(commit_s, 4), "deleted": sorted(retention.deleted + gc.deleted)})
+            deleted = sorted(retention.deleted + gc.deleted)
+            nbytes = sum(e.size for e in entries)
+            self._events.append({
+                "event": "checkpoint_committed", "step": step, "time": now, "files": len(entries),
+                "bytes": nbytes, "commit_s": round(commit_s, 4), "deleted": deleted,
+                "message": f"committed step {step} ({len(entries)} files, {nbytes / 1e6:.2f} MB)"
+                           + (f"; deleted steps {deleted}" if deleted else ""),
+            })
             for failed_step, error in {**retention.failed, **gc.failed}.items():
                 self._events.append({"event": "checkpoint_delete_failed", "step": failed_step, "time": now,
-                                     "error": error[:300]})
+                                     "error": error[:300],
+                                     "message": f"could not delete step {failed_step} (will retry): {error[:300]}"})
             for error in (retention.error, gc.error):
                 if error:
-                    self._events.append({"event": "checkpoint_cleanup_failed", "time": now, "error": error[:300]})
+                    self._events.append({"event": "checkpoint_cleanup_failed", "time": now, "error": error[:300],
+                                         "message": f"checkpoint cleanup skipped (will retry): {error[:300]}"})
         return entries
 
     # ---- status -----------------------------------------------------------------------------

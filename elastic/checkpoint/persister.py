@@ -52,7 +52,9 @@ class OutageTracker:
             logger.warning("%s of step %d failed; storage outage started, retrying in the background: %s",
                            self._what, step, _short(exc))
             self._events.append({"event": "storage_outage", "what": self._what, "step": step,
-                                 "time": self.started_at, "error": _short(exc)})
+                                 "time": self.started_at, "error": _short(exc),
+                                 "message": f"storage outage: {self._what} of step {step} failed; "
+                                            f"retrying in the background ({_short(exc)})"})
         else:
             logger.debug("%s of step %d failed again: %s", self._what, step, _short(exc))
 
@@ -62,8 +64,11 @@ class OutageTracker:
         now = time.time()
         logger.warning("storage is back: %s of step %d succeeded after %.1fs and %d failed attempts",
                        self._what, step, now - self.started_at, self.failures)
+        outage_s = round(now - self.started_at, 3)
         self._events.append({"event": "storage_recovered", "what": self._what, "step": step, "time": now,
-                             "outage_s": round(now - self.started_at, 3), "failed_attempts": self.failures})
+                             "outage_s": outage_s, "failed_attempts": self.failures,
+                             "message": f"storage is back after {outage_s:.1f}s: {self._what} of step {step} "
+                                        f"succeeded after {self.failures} failed attempts"})
         self.started_at, self.failures = None, 0
 
 
@@ -188,7 +193,8 @@ class AsyncPersister:
         logger.error("%s of step %d failed and is dropped: %s", self.name, step, _short(exc), exc_info=exc)
         with self._cond:
             self._events.append({"event": "checkpoint_failed", "what": self.name, "step": step,
-                                 "time": time.time(), "error": _short(exc)})
+                                 "time": time.time(), "error": _short(exc),
+                                 "message": f"{self.name} of step {step} failed and was dropped: {_short(exc)}"})
 
     def _backoff_s(self, attempt: int) -> float:
         return min(self.retry_max_s, self.retry_min_s * (2 ** min(attempt, 30))) * random.uniform(0.5, 1.0)

@@ -158,28 +158,30 @@ class Storage:
     # ---- filesystem -------------------------------------------------------------------------
     def _filesystem(self) -> tuple[Any, str]:
         if self._fs is None:
+            self._check_scheme()
             try:
                 fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
-            except ValueError as exc:
-                raise ConfigError(self._scheme_message(exc)) from None
-            except ImportError as exc:
+            except (TypeError, ValueError) as exc:
                 raise ConfigError(
-                    f"RunConfig.storage={self.location!r} needs a package that is not installed "
-                    f"({self.redact(str(exc))}); for s3:// install s3fs."
-                ) from None
-            except TypeError as exc:
-                raise ConfigError(
-                    f"RunConfig.storage_options are not accepted by the {self.protocol}:// filesystem: "
-                    f"{self.redact(str(exc))}"
+                    f"RunConfig.storage_options are not accepted by the {self.protocol}:// filesystem "
+                    f"for {self.location!r}: {self.redact(str(exc))}"
                 ) from None
             self._fs, self._root = fs, root.rstrip("/") if root not in ("/", "") else root
         return self._fs, self._root  # type: ignore[return-value]
 
-    def _scheme_message(self, exc: Exception) -> str:
-        return (
-            f"RunConfig.storage={self.location!r} has an unknown URL scheme {self.protocol + '://'!r} "
-            f"({self.redact(str(exc))}); use file://, memory://, s3:// or a plain path."
-        )
+    def _check_scheme(self) -> None:
+        try:
+            fsspec.get_filesystem_class(self.protocol)
+        except ValueError as exc:
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} has an unknown URL scheme {self.protocol + '://'!r} "
+                f"({self.redact(str(exc))}); use file://, memory://, s3:// or a plain path."
+            ) from None
+        except ImportError as exc:
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} needs a package that is not installed "
+                f"({self.redact(str(exc))}); for s3:// run `pip install s3fs`."
+            ) from None
 
     @property
     def is_object_store(self) -> bool:
@@ -319,16 +321,7 @@ class Storage:
         Checks the scheme, S3 credentials and bucket, then writes, reads back and deletes a small
         probe file under ``probe_dir`` so permission problems show up now rather than at step 1000.
         """
-        try:
-            cls = fsspec.get_filesystem_class(self.protocol)
-        except ValueError as exc:
-            raise ConfigError(self._scheme_message(exc)) from None
-        except ImportError as exc:
-            raise ConfigError(
-                f"RunConfig.storage={self.location!r} needs a package that is not installed "
-                f"({self.redact(str(exc))}); for s3:// run `pip install s3fs`."
-            ) from None
-        del cls
+        self._check_scheme()
         if self.protocol in _S3:
             self._check_s3_credentials()
         fs, root = self._filesystem()

@@ -26,7 +26,8 @@ from elastic.checkpoint.codec import (
     tensor_nbytes,
     unflatten_state,
 )
-from elastic.checkpoint.storage import RetryPolicy, Storage, StorageError
+from elastic.checkpoint.storage import RetryPolicy, Storage, StorageError, resolve_url
+from elastic.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +132,19 @@ class CheckpointStore:
 
     def __init__(self, url: str, run_name: str, storage_options: dict | None = None,
                  retry: RetryPolicy | None = None):
-        self.url = url
+        # A relative plain path is made absolute here, in the process that configures the run, so
+        # workers (each with its own cwd) that get ``store.url`` write to the same place.
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"RunConfig.storage must be a non-empty string URL or path, got {url!r}.")
+        self.url = resolve_url(url)
         self.run_name = run_name
-        self.storage = Storage(join_url(url, run_name), storage_options, retry=retry)
+        self.storage = Storage(join_url(self.url, run_name), storage_options, retry=retry)
         self._retry_deletes: set[int] = set()
+
+    @property
+    def storage_options(self) -> dict:
+        """The options to build the same store elsewhere (e.g. on a worker). Holds credentials: never log it."""
+        return dict(self.storage.storage_options)
 
     @property
     def location(self) -> str:
@@ -289,7 +299,7 @@ class CheckpointStore:
                 logger.debug("step %d has no manifest (uncommitted); ignoring it", step)
                 continue
             except CorruptCheckpoint as exc:
-                logger.warning("skipping %s; trying an older step", exc)
+                logger.warning("%s; falling back to an older step", exc)
                 continue
             return step
         return None

@@ -53,7 +53,6 @@ class WorkerCheckpointer:
         self.persister = AsyncPersister(self.store.write_snapshot, blocking=blocking, name="checkpoint write",
                                         retry_min_s=retry_min_s, retry_max_s=retry_max_s)
         self.last_snapshot_s = 0.0
-        self._rank: int | None = None
         self._snapshot_error: str | None = None
 
     def due(self, step: int) -> bool:
@@ -61,7 +60,6 @@ class WorkerCheckpointer:
 
     def after_step(self, worker: Any, step: int) -> dict:
         """Snapshot and submit when the step is due; always report what finished since the last call."""
-        self._rank = int(worker.rank)
         events: list[dict] = []
         if self.due(step):
             t0 = time.perf_counter()
@@ -73,25 +71,28 @@ class WorkerCheckpointer:
                     logger.exception("rank %s: cannot snapshot step %d for checkpointing", worker.rank, step)
                     self._snapshot_error = text
                 events.append({"event": "checkpoint_failed", "what": "snapshot", "step": step,
-                               "time": time.time(), "error": text[:300]})
+                               "time": time.time(), "error": text[:300],
+                               "message": f"cannot snapshot step {step} for a checkpoint: {text[:300]}"})
             else:
                 self.last_snapshot_s = time.perf_counter() - t0
                 self.persister.submit(step, snapshot)
         return self._report(events)
 
     def _report(self, extra_events: list[dict] | None = None) -> dict:
+        # Events carry no rank: the controller knows which rank it asked, and a rank field would
+        # collide with the controller's own.
         done = [(step, [e.to_dict() for e in entries]) for step, entries in self.persister.drain()]
         events = self.persister.drain_events() + list(extra_events or [])
-        for event in events:
-            event.setdefault("rank", self._rank)
         return {"ckpt_done": done, "ckpt_events": events}
 
-    def poll(self) -> dict:
+    def drain(self) -> dict:
         """What finished since the last call, without taking a snapshot (e.g. at the end of training)."""
         return self._report()
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        return self.persister.flush(timeout_s)
+        """Wait for the pending write; at most ``timeout_s`` (default close_timeout_s) so an outage at
+        the end of training cannot hang the worker. False if it timed out."""
+        return self.persister.flush(self.close_timeout_s if timeout_s is None else timeout_s)
 
     def close(self) -> None:
         """Write what is waiting (bounded by close_timeout_s) and stop the thread."""

@@ -1,0 +1,231 @@
+"""Issue #3: the cost of a checkpoint every step, on file:// and on S3 (moto on loopback), and against
+Ray Train's ``train.report(checkpoint=...)`` every step.
+
+    python benchmarks/checkpoint_overhead.py [--steps 60 --warmup 10] [--skip-s3]
+
+Four runs on the MLP workload, 4 ranks, in one Ray: ours without checkpoints, ours with a
+checkpoint every step to file:// and to s3:// (a ``moto`` server on 127.0.0.1 in this process),
+and Ray Train's TorchTrainer saving model + optimizer from rank 0 and reporting it every step
+(SYNC upload to a local storage_path, ``num_to_keep=3`` like our ``keep_last=3``).
+
+Overhead = mean controller step wall time with checkpoints / without, over the steps after
+``warmup``. Steps/s against Ray Train: ours by the wall clock from the end of step ``warmup`` to the
+FINISHED transition (which waits for the last commit), theirs timed on rank 0 over the same steps.
+
+Checkpoint lag (steps training is ahead of the newest committed checkpoint), in order of preference:
+``checkpoint_commit`` events' ``details["lag"]``; else commit events' times against the step
+timeline (RUNNING + cumulative step wall times); else the controller's ``status()`` polled every
+``--poll-s`` during the run (``checkpoint.lag``). The source used is printed with the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+import logging
+import re
+import shutil
+import tempfile
+import threading
+import time
+
+import elastic
+from common import (add_workload_args, claim_stdout, elastic_trainer, emit, events_of, quiet_ray_train, ratio,
+                    run_raytrain, running_since, span_throughput, start_ray, step_throughput, workload_from_args)
+
+logger = logging.getLogger("bench.checkpoint")
+
+BUCKET = "elastic-bench"
+
+
+class StatusPoller(threading.Thread):
+    """Samples the controller's ``status()`` (its own thread in the actor) while ``fit`` runs."""
+
+    def __init__(self, trainer, interval_s: float):
+        super().__init__(daemon=True, name="status-poller")
+        self.trainer, self.interval_s = trainer, interval_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        import ray
+
+        while not self._stop.is_set():
+            handle = self.trainer.controller
+            if handle is not None:
+                try:
+                    st = ray.get(handle.status.remote(), timeout=2)
+                except Exception:  # the actor is starting or gone; try again next tick
+                    st = None
+                if st and st.get("state") == "running" and st.get("checkpoint"):
+                    self.samples.append({"time": time.time(), "step": st["step"], **st["checkpoint"]})
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self.join(timeout=5)
+        return self.samples
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))]
+
+
+def step_end_times(res) -> list[tuple[float, int]]:
+    """(time step ended, step) from RUNNING + cumulative step wall times (between-step gaps left out)."""
+    t, out = running_since(res), []
+    for h in res.history:
+        t += h["step_time_s"]
+        out.append((t, h["step"]))
+    return out
+
+
+def commit_readings(res, poll: list[dict]) -> dict:
+    """Lag per commit, persist seconds and sizes, from whatever the event log carries (see docstring)."""
+    commits = [e for e in events_of(res, "checkpoint_commit") if "step" in e["details"]]
+    out: dict = {"lags": [], "lag_source": None, "persist_s": [], "persist_source": None, "sizes": []}
+    if commits:
+        details = [e["details"] for e in commits]
+        if all("lag" in d for d in details):
+            out["lags"], out["lag_source"] = [d["lag"] for d in details], "checkpoint_commit details.lag"
+        ends = step_end_times(res)
+        end_of = {s: t for t, s in ends}
+        times = [t for t, _ in ends]
+        if not out["lags"]:
+            # steps finished by commit time, minus the committed step
+            out["lags"] = [max(0, bisect.bisect_right(times, d.get("time", e["time"])) - d["step"])
+                           for d, e in zip(details, commits)]
+            out["lag_source"] = "checkpoint_commit times vs history step times"
+        if all("persist_s" in d for d in details):
+            out["persist_s"], out["persist_source"] = [d["persist_s"] for d in details], "checkpoint_commit details.persist_s"
+        else:
+            out["persist_s"] = [d.get("time", e["time"]) - end_of[d["step"]] for d, e in zip(details, commits)
+                                if d["step"] in end_of]
+            out["persist_source"] = "commit time minus the step's end"
+        out["sizes"] = [d["bytes"] for d in details if "bytes" in d]
+    if not out["lags"] and poll:
+        out["lags"], out["lag_source"] = [p["lag"] for p in poll if p.get("lag") is not None], \
+            f"controller status() polled ({len(poll)} samples)"
+    if not out["sizes"]:
+        # The committer's messages, logged when training finishes: "committed step N (F files, X MB)".
+        for e in res.events:
+            m = re.search(r"committed step \d+ \(\d+ files, ([\d.]+) MB\)", e["message"])
+            if m:
+                out["sizes"].append(float(m.group(1)) * 1e6)
+    return out
+
+
+def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options: dict, poll_s: float) -> dict:
+    run = elastic.RunConfig(name=name, storage=storage, storage_options=options, seed=w.seed,
+                            checkpoint=elastic.CheckpointConfig(every_n_steps=1 if storage else 0))
+    trainer = elastic_trainer(w, name, run=run)
+    poller = StatusPoller(trainer, poll_s) if storage else None
+    if poller:
+        poller.start()
+    t_call = time.time()
+    try:
+        res = trainer.fit(steps=steps)
+    finally:
+        samples = poller.stop() if poller else []
+    out = {"fit_wall_s": time.time() - t_call, **step_throughput(res, after_step=warmup),
+           "span": span_throughput(res, warmup), "checkpoint": res.checkpoint}
+    if storage:
+        out.update(commit_readings(res, samples))
+        try:
+            from elastic.checkpoint import CheckpointStore
+
+            infos = CheckpointStore(storage, name, options).list_steps(verify=False)
+            out["stored_steps"] = [i.to_dict() for i in infos]
+        except Exception as exc:  # noqa: BLE001 - a listing problem must not lose the timings
+            logger.warning("could not list %s: %s", storage, exc)
+            out["stored_steps"] = []
+    logger.info("ours %s: %s", name, {k: v for k, v in out.items() if k not in ("lags", "persist_s", "sizes")})
+    return out
+
+
+def start_moto():
+    """An S3 endpoint on loopback with an empty bucket; returns (server, endpoint_url)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=url, aws_access_key_id="testing", aws_secret_access_key="testing",
+                 region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    return server, url
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(p, steps=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--poll-s", type=float, default=0.2, help="controller status() poll interval (lag fallback)")
+    p.add_argument("--skip-s3", action="store_true")
+    args = p.parse_args(argv)
+    claim_stdout()
+    quiet_ray_train()
+    w = workload_from_args(args)
+    start_ray(args.num_cpus)
+    tmp = tempfile.mkdtemp(prefix="elastic-ckpt-bench-")
+    server = None
+    try:
+        none = run_ours(w, args.steps, args.warmup, "ckpt-none", None, {}, args.poll_s)
+        file_ = run_ours(w, args.steps, args.warmup, "ckpt-file", f"file://{tmp}/ours", {}, args.poll_s)
+        s3 = None
+        if not args.skip_s3:
+            server, url = start_moto()
+            opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": url}}
+            s3 = run_ours(w, args.steps, args.warmup, "ckpt-s3", f"s3://{BUCKET}/ours", opts, args.poll_s)
+        theirs = run_raytrain(w, args.steps, args.warmup, ckpt_every=1, storage_path=f"{tmp}/raytrain",
+                              name="ckpt-raytrain")
+        logger.info("ray train: %s", theirs)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
+              "steps": args.steps, "warmup": args.warmup}
+    for label, run in (("file", file_), ("s3", s3)):
+        if run is None:
+            continue
+        emit(f"ckpt_every_step_overhead_{label}", ratio(run["mean_step_time_s"], none["mean_step_time_s"]), "ratio",
+             mean_step_time_s=run["mean_step_time_s"], baseline_mean_step_time_s=none["mean_step_time_s"],
+             span_steps_per_s=run["span"]["steps_per_s"], baseline_span_steps_per_s=none["span"]["steps_per_s"],
+             **common)
+    emit("ckpt_step_throughput_ratio_vs_raytrain", ratio(file_["span"]["steps_per_s"], theirs["steps_per_s"]), "ratio",
+         ours_steps_per_s=file_["span"]["steps_per_s"], raytrain_steps_per_s=theirs["steps_per_s"],
+         raytrain_mean_report_s=theirs.get("mean_ckpt_report_s"), ours_storage="file://", raytrain_storage="local path",
+         **common)
+    for label, run in (("file", file_), ("s3", s3)):
+        if run is None:
+            continue
+        lags = run["lags"]
+        fig = "ckpt_lag_steps_p95" if label == "file" else "ckpt_lag_steps_p95_s3"
+        emit(fig, percentile(lags, 95), "steps", storage=label, source=run["lag_source"], samples=len(lags),
+             max=max(lags) if lags else None, latest_committed=(run["checkpoint"] or {}).get("latest_step"),
+             **common)
+        sizes = run["sizes"] or [s["size_bytes"] for s in run.get("stored_steps", []) if s.get("status") != "partial"]
+        emit(f"ckpt_size_bytes_{label}", statistics_median(sizes), "bytes", samples=len(sizes), **common)
+        persist = run["persist_s"]
+        emit(f"ckpt_persist_seconds_{label}", statistics_median(persist), "s", p95=percentile(persist, 95),
+             samples=len(persist), source=run["persist_source"], **common)
+    emit("ckpt_report_seconds_raytrain", theirs.get("mean_ckpt_report_s"), "s",
+         note="mean time in save + train.report(checkpoint=...) per step on rank 0", **common)
+
+
+def statistics_median(values: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""Shared pieces of the benchmarks: the workload (MLP, synthetic data), Ray start-up, JSON output,
+readings taken from a ``Result``, and the peer run on Ray Train (``TorchTrainer``, DDP on gloo).
+
+Imported by the benchmark drivers and by Ray workers (``benchmarks/`` is on their PYTHONPATH).
+Every figure goes to stdout as one JSON line; everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH_DIR)
+EXAMPLES_DIR = os.path.join(ROOT, "examples")
+for _p in (ROOT, BENCH_DIR, EXAMPLES_DIR):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+logger = logging.getLogger("bench")
+
+# ---- output -------------------------------------------------------------------------------------
+_FIGURES = sys.stdout
+
+
+def claim_stdout() -> None:
+    """Keep the real stdout for figures only; point fd 1 at stderr.
+
+    Ray forwards worker output and Ray Train prints status lines to the driver's stdout; at the
+    file-descriptor level nothing but our JSON lines can reach the real stdout.
+    """
+    global _FIGURES
+    sys.stdout.flush()
+    _FIGURES = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s bench %(message)s")
+
+
+def emit(figure: str, value: float | None, unit: str, **details: Any) -> None:
+    """One figure, one JSON line on the real stdout."""
+    if value is not None and not math.isfinite(value):
+        value = None
+    _FIGURES.write(json.dumps({"figure": figure, "value": value, "unit": unit, **details}, default=str) + "\n")
+    _FIGURES.flush()
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# ---- Ray ----------------------------------------------------------------------------------------
+def start_ray(num_cpus: int = 8, extra_env: dict | None = None) -> None:
+    """An embedded Ray of our own (never a bare ``ray.init()``, which can join a stale cluster)."""
+    import ray
+
+    env = {
+        "PYTHONPATH": os.pathsep.join([ROOT, BENCH_DIR, EXAMPLES_DIR]),
+        # Ray Train's PlacementGroupCleaner asks the state API whether its controller lives. With
+        # no dashboard here it would auto-detect "the latest cluster" on this machine, which may
+        # be someone else's, fail to find our controller there and remove our placement group.
+        # A dead API address makes each query fail, and on failure it keeps monitoring.
+        "RAY_API_SERVER_ADDRESS": "http://127.0.0.1:9",
+        **(extra_env or {}),
+    }
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+             configure_logging=False, runtime_env={"env_vars": env})
+
+
+def quiet_ray_train() -> None:
+    """Ray Train v2 prints progress tables; keep the driver's log readable."""
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+
+
+# ---- the workload -------------------------------------------------------------------------------
+def make_mlp(in_dim: int, hidden: int, classes: int) -> torch.nn.Module:
+    """The default model: Linear in->h, ReLU, h->h, ReLU, h->classes."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(in_dim, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, classes),
+    )
+
+
+def synthetic_dataset(size: int, in_dim: int, classes: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(size, in_dim, generator=g), torch.randint(0, classes, (size,), generator=g))
+
+
+def make_sgd(params, lr: float = 0.05):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+@dataclass
+class Workload:
+    """Model, data and batch shared by our run and the peer run. Picklable: workers rebuild it."""
+
+    workers: int = 4
+    batch_per_worker: int = 64
+    in_dim: int = 256
+    hidden: int = 512
+    classes: int = 10
+    dataset_size: int = 32768
+    seed: int = 0
+    lr: float = 0.05
+
+    @property
+    def global_batch(self) -> int:
+        return self.workers * self.batch_per_worker
+
+    @property
+    def model_fn(self):
+        return functools.partial(make_mlp, self.in_dim, self.hidden, self.classes)
+
+    @property
+    def dataset_fn(self):
+        return functools.partial(synthetic_dataset, self.dataset_size, self.in_dim, self.classes, self.seed)
+
+    @property
+    def optimizer_fn(self):
+        return functools.partial(make_sgd, lr=self.lr)
+
+    def describe(self) -> dict:
+        return {"model": f"MLP {self.in_dim}-{self.hidden}-{self.hidden}-{self.classes}", **asdict(self)}
+
+
+def add_workload_args(p, steps: int) -> None:
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--batch-per-worker", type=int, default=64)
+    p.add_argument("--in-dim", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the embedded Ray")
+
+
+def workload_from_args(args, min_steps: int | None = None) -> Workload:
+    w = Workload(workers=args.workers, batch_per_worker=args.batch_per_worker, in_dim=args.in_dim,
+                 hidden=args.hidden, classes=args.classes, seed=args.seed)
+    steps = min_steps or args.steps
+    w.dataset_size = max(4096, steps * w.global_batch)  # every step sees fresh samples
+    return w
+
+
+def elastic_trainer(w: Workload, name: str, *, scaling=None, run=None, failure=None, faults=None, **kw):
+    import elastic
+
+    scaling = scaling or elastic.ScalingConfig(num_workers=w.workers, resources_per_worker={"CPU": 1})
+    run = run or elastic.RunConfig(name=name, seed=w.seed)
+    return elastic.Trainer(w.model_fn, w.optimizer_fn, w.dataset_fn, loss_fn, w.global_batch,
+                           scaling=scaling, run=run, failure=failure, faults=faults, **kw)
+
+
+# ---- readings from an elastic Result ------------------------------------------------------------
+def running_since(res) -> float:
+    """Time of the transition into RUNNING: the controller sends step 1 right after it."""
+    for e in res.events:
+        if e["kind"] == "transition" and e["details"].get("new") == "running":
+            return e["time"]
+    raise ValueError("no transition into RUNNING in the event log")
+
+
+def finished_at(res) -> float:
+    for e in reversed(res.events):
+        if e["kind"] == "transition" and e["details"].get("new") == "finished":
+            return e["time"]
+    raise ValueError("no transition into FINISHED in the event log")
+
+
+def first_step_done(res) -> float:
+    """Wall-clock time step 1 finished: RUNNING transition + step 1's wall time."""
+    return running_since(res) + res.history[0]["step_time_s"]
+
+
+def timed_steps(res, after_step: int = 0) -> list[dict]:
+    """Steps the controller timed (a step kept from before a failure has step_time_s 0)."""
+    return [h for h in res.history if h["step"] > after_step and h["step_time_s"] > 0]
+
+
+def step_throughput(res, after_step: int = 0) -> dict:
+    """Samples/s and steps/s over the steps after ``after_step``, from per-step controller wall times."""
+    hs = timed_steps(res, after_step)
+    total = sum(h["step_time_s"] for h in hs)
+    return {
+        "steps": len(hs),
+        "samples_per_s": sum(h["samples"] for h in hs) / total if total else None,
+        "steps_per_s": len(hs) / total if total else None,
+        "mean_step_time_s": total / len(hs) if hs else None,
+        "median_step_time_s": statistics.median(h["step_time_s"] for h in hs) if hs else None,
+        "mean_controller_time_s": statistics.fmean(h["controller_time_s"] for h in hs) if hs else None,
+    }
+
+
+def span_throughput(res, warmup: int) -> dict:
+    """Samples/s over steps warmup+1..end by the wall clock, between-step work included.
+
+    The steady span starts when step ``warmup`` ended (RUNNING + the warm-up steps' wall times;
+    the small gaps between warm-up steps are left out, which lengthens the span: conservative)
+    and ends at the FINISHED transition.
+    """
+    t0 = running_since(res) + sum(h["step_time_s"] for h in res.history if h["step"] <= warmup)
+    span = finished_at(res) - t0
+    samples = sum(h["samples"] for h in res.history if h["step"] > warmup)
+    steps = sum(1 for h in res.history if h["step"] > warmup)
+    return {"samples_per_s": samples / span if span > 0 else None, "steps_per_s": steps / span if span > 0 else None,
+            "span_s": span, "steps": steps}
+
+
+def events_of(res, kind: str) -> list[dict]:
+    return [e for e in res.events if e["kind"] == kind]
+
+
+# ---- the peer: Ray Train TorchTrainer, DDP on gloo ----------------------------------------------
+def _raytrain_loop(cfg: dict) -> None:
+    """Per-worker loop. Same model init, same shards (``elastic.data.ShardPlan``), same per-item
+    indexing + ``default_collate`` as our workers, one report at the end (plus one per step
+    with a checkpoint when ``ckpt_every``)."""
+    import ray.train
+    import ray.train.torch
+    from torch.utils.data import default_collate
+
+    from elastic.data import ShardPlan
+
+    w = Workload(**cfg["workload"])
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(w.seed)
+    model = ray.train.torch.prepare_model(w.model_fn())  # DDP on gloo (CPU)
+    opt = w.optimizer_fn(model.parameters())
+    ds = w.dataset_fn()
+    plan = ShardPlan(len(ds), w.seed)
+    start = 0
+    t_run_first = None  # end of step 1 in the first attempt; carried through checkpoints
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start, t_run_first = state["step"], state["first_step_time"]
+    for _ in range(start):
+        plan.take(world, w.batch_per_worker)
+    steps, warmup = cfg["steps"], cfg["warmup"]
+    t_first = t_warm = None
+    t_attempt = time.time()
+    ckpt_s = 0.0
+    loss_v = float("nan")
+    for step in range(start + 1, steps + 1):
+        if cfg.get("kill_step") == step and rank == cfg.get("kill_rank") and not os.path.exists(cfg["marker"]):
+            open(cfg["marker"], "w").close()  # first attempt only
+            os.kill(os.getpid(), signal.SIGKILL)
+        _, shards = plan.take(world, w.batch_per_worker)
+        batch = default_collate([ds[i] for i in shards[rank]])
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        loss_v = float(loss.detach())
+        if step == 1:
+            t_first = t_run_first = time.time()
+        if step == warmup:
+            t_warm = time.perf_counter()
+        every = cfg.get("ckpt_every", 0)
+        if every and step % every == 0:
+            t0 = time.perf_counter()
+            with tempfile.TemporaryDirectory() as d:
+                checkpoint = None
+                if rank == 0:
+                    torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                                "first_step_time": t_run_first}, os.path.join(d, "state.pt"))
+                    checkpoint = ray.train.Checkpoint.from_directory(d)
+                ray.train.report({"step": step, "loss": loss_v}, checkpoint=checkpoint)
+            ckpt_s += time.perf_counter() - t0
+    t_end, end_time = time.perf_counter(), time.time()
+    done = steps - max(start, warmup)
+    span = t_end - t_warm if t_warm is not None else None
+    metrics = {
+        "loss": loss_v, "start_step": start, "first_step_time": t_first, "attempt_start_time": t_attempt,
+        "run_first_step_time": t_run_first, "end_time": end_time,
+        "steady_steps": done, "steady_s": span,
+        "samples_per_s": done * w.global_batch / span if span else None,
+        "steps_per_s": done / span if span else None,
+        "mean_ckpt_report_s": ckpt_s / max(1, steps - start) if cfg.get("ckpt_every") else None,
+    }
+    # Ray Train v2's Result.metrics are those attached to the newest checkpoint, so the one
+    # report at the end carries a tiny checkpoint (after the timed loop; it costs every run alike).
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if rank == 0:
+            with open(os.path.join(d, "metrics.json"), "w") as f:
+                json.dump(metrics, f)
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def run_raytrain(w: Workload, steps: int, warmup: int = 0, *, ckpt_every: int = 0, storage_path: str | None = None,
+                 max_failures: int = 0, kill_rank: int | None = None, kill_step: int | None = None,
+                 name: str = "raytrain-bench") -> dict:
+    """Fit a ``TorchTrainer`` on the same workload; returns rank 0's last report plus timings."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    own_tmp = None
+    if storage_path is None:
+        own_tmp = storage_path = tempfile.mkdtemp(prefix="raytrain-bench-")
+    cfg = {"workload": asdict(w), "steps": steps, "warmup": warmup, "ckpt_every": ckpt_every,
+           "kill_rank": kill_rank, "kill_step": kill_step, "marker": os.path.join(storage_path, f"{name}.killed")}
+    trainer = TorchTrainer(
+        _raytrain_loop,
+        train_loop_config=cfg,
+        torch_config=ray.train.torch.TorchConfig(backend="gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=w.workers, use_gpu=False,
+                                               resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=3),
+        ),
+    )
+    t_call = time.time()
+    result = trainer.fit()
+    wall = time.time() - t_call
+    out = dict(result.metrics)
+    out["wall_s"] = wall
+    out["time_to_first_step_s"] = out["first_step_time"] - t_call if out.get("first_step_time") else None
+    out["train_span_s"] = out["end_time"] - out["run_first_step_time"]  # end of step 1 -> end of the loop
+    out["storage_path"] = storage_path
+    if own_tmp is not None:
+        import shutil
+
+        shutil.rmtree(own_tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,130 @@
+"""Issue #5: throughput with one rank slowed 3x, plain sync vs first-N-of-M vs first-N plus eviction.
+
+    python benchmarks/straggler.py [--steps 50 --slow-from 10 --factor 3 --digits-epochs 10]
+
+Four runs on the MLP workload, 4 active ranks: healthy plain sync; plain sync with rank 3 slowed
+``factor``x from step ``slow-from``; first-N-of-M (b=1, M=5) with the same slowdown; first-N plus
+eviction (one hot spare, ``evict_stragglers=True``). Throughput is samples/s over the controller's
+per-step wall times of the steps from ``slow-from`` on (for eviction: the steps after the
+eviction). Each ratio is over the healthy plain run. Two more runs on the digits example (same
+epochs) give the accuracy cost of dropping the late gradient: healthy plain minus first-N with
+the straggler. On digits the model is tiny, so the slowdown (a multiple of the rank's own compute
+time) is small; which gradient is dropped still follows arrival order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import elastic
+from common import (add_workload_args, claim_stdout, elastic_trainer, emit, events_of, finished_at, ratio,
+                    running_since, start_ray, step_throughput, workload_from_args)
+
+logger = logging.getLogger("bench.straggler")
+
+
+def eviction_step(res) -> int | None:
+    """The step after which the straggler was evicted (the decision's event step)."""
+    for e in events_of(res, "decision"):
+        if e["details"].get("decision") == "EvictStraggler":
+            return e["step"]
+    return None
+
+
+def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int) -> dict:
+    n = w.workers
+    faults = [] if mode.endswith("healthy") else [slow]
+    failure = None
+    if mode in ("healthy", "plain"):
+        scaling = elastic.ScalingConfig(num_workers=n, resources_per_worker={"CPU": 1})
+    elif mode in ("first_n", "first_n_healthy"):
+        scaling = elastic.ScalingConfig(num_workers=n, num_backups=1, aggregation="first_n",
+                                        resources_per_worker={"CPU": 1})
+    else:
+        scaling = elastic.ScalingConfig(num_workers=n, num_backups=1, aggregation="first_n", num_spares=1,
+                                        resources_per_worker={"CPU": 1})
+        failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=2.0, straggler_window=evict_window)
+    t_call = time.time()
+    res = elastic_trainer(w, f"straggler-{mode.replace('_', '-')}", scaling=scaling, failure=failure,
+                          faults=faults).fit(steps=steps)
+    wall = time.time() - t_call
+    after = slow["from_step"] - 1
+    evicted = None
+    if mode == "evict":
+        evicted = eviction_step(res)
+        if evicted is None:
+            logger.warning("evict run: no EvictStraggler decision in the event log")
+        else:
+            after = evicted
+    tp = step_throughput(res, after_step=after)
+    whole = finished_at(res) - running_since(res)
+    out = {"mode": mode, "measured_after_step": after, "evicted_after_step": evicted, **tp,
+           "whole_run_samples_per_s": sum(h["samples"] for h in res.history) / whole,
+           "dropped_samples": res.metrics["dropped_samples"], "wall_s": wall}
+    logger.info("%s: %s", mode, out)
+    return out
+
+
+def digits_accuracy(mode: str, workers: int, epochs: int, slow: dict) -> float:
+    import digits
+
+    if mode == "healthy":
+        scaling, faults = elastic.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}), []
+    else:
+        scaling = elastic.ScalingConfig(num_workers=workers, num_backups=1, aggregation="first_n",
+                                        resources_per_worker={"CPU": 1})
+        faults = [slow]
+    trainer = elastic.Trainer(digits.make_model, digits.make_optimizer, digits.train_dataset, digits.loss_fn,
+                              64, scaling=scaling, run=elastic.RunConfig(name=f"straggler-digits-{mode}", seed=0),
+                              faults=faults)
+    res = trainer.fit(epochs=epochs)
+    acc = digits.test_accuracy(res.model_state)
+    logger.info("digits %s: accuracy %.4f after %d steps, dropped %d samples", mode, acc, res.metrics["steps"],
+                res.metrics["dropped_samples"])
+    return acc
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(p, steps=50)
+    p.add_argument("--slow-rank", type=int, default=3)
+    p.add_argument("--factor", type=float, default=3.0)
+    p.add_argument("--slow-from", type=int, default=10)
+    p.add_argument("--evict-window", type=int, default=5, help="FailureConfig.straggler_window for the evict run")
+    p.add_argument("--digits-epochs", type=int, default=10)
+    p.add_argument("--first-n-healthy", action="store_true",
+                   help="also run first-N-of-M with no straggler (the cost of M = N + 1 replicas alone)")
+    p.add_argument("--skip-accuracy", action="store_true")
+    args = p.parse_args(argv)
+    claim_stdout()
+    w = workload_from_args(args)
+    start_ray(args.num_cpus)  # at most 5 replicas + 1 spare + 1 replacement spare hold a CPU
+    slow = {"kind": "slow", "rank": args.slow_rank, "factor": args.factor, "from_step": args.slow_from}
+
+    modes = ("healthy", "plain", "first_n", "evict") + (("first_n_healthy",) if args.first_n_healthy else ())
+    runs = {m: run_mode(w, m, args.steps, slow, args.evict_window) for m in modes}
+    base = runs["healthy"]["samples_per_s"]
+    common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
+              "steps": args.steps, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from}
+    for mode in ("plain", "first_n", "evict"):
+        r = runs[mode]
+        emit(f"straggler_throughput_ratio_{mode}", ratio(r["samples_per_s"], base), "ratio",
+             samples_per_s=r["samples_per_s"], healthy_samples_per_s=base, measured_after_step=r["measured_after_step"],
+             measured_steps=r["steps"], evicted_after_step=r["evicted_after_step"], **common)
+    for mode, r in runs.items():
+        emit(f"straggler_samples_per_s_{mode}", r["samples_per_s"], "samples/s",
+             mean_step_time_s=r["mean_step_time_s"], measured_after_step=r["measured_after_step"],
+             whole_run_samples_per_s=r["whole_run_samples_per_s"], dropped_samples=r["dropped_samples"], **common)
+
+    if not args.skip_accuracy:
+        healthy = digits_accuracy("healthy", w.workers, args.digits_epochs, slow)
+        first_n = digits_accuracy("first_n", w.workers, args.digits_epochs, slow)
+        emit("first_n_accuracy_delta", healthy - first_n, "accuracy", healthy_plain_accuracy=healthy,
+             first_n_straggler_accuracy=first_n, epochs=args.digits_epochs, dataset="sklearn digits",
+             workers=w.workers, global_batch=64, slow=slow)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Issue #2: data-parallel throughput and start-up against Ray Train's TorchTrainer (DDP on gloo).
+
+    python benchmarks/throughput.py [--steps 300 --warmup 20 --repeats 1]
+
+Same model, data, shards and worker count in one run. Ours: samples/s by the wall clock from the
+end of step ``warmup`` to the FINISHED transition. Theirs: the train loop times itself on rank 0
+over the same steps and reports once at the end. Time to first step is from the ``fit()`` call to
+the end of step 1 (ours: RUNNING transition + step 1's wall time; theirs: time.time() on rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+from common import (add_workload_args, claim_stdout, elastic_trainer, emit, first_step_done, quiet_ray_train, ratio,
+                    run_raytrain, span_throughput, start_ray, step_throughput, workload_from_args)
+
+logger = logging.getLogger("bench.throughput")
+
+
+def run_ours(w, steps: int, warmup: int, name: str) -> dict:
+    trainer = elastic_trainer(w, name)
+    t_call = time.time()
+    res = trainer.fit(steps=steps)
+    wall = time.time() - t_call
+    span = span_throughput(res, warmup)
+    per_step = step_throughput(res, after_step=warmup)
+    return {
+        "samples_per_s": span["samples_per_s"],
+        "samples_per_s_step_times": per_step["samples_per_s"],
+        "time_to_first_step_s": first_step_done(res) - t_call,
+        "dispatch_overhead_fraction": per_step["mean_controller_time_s"] / per_step["mean_step_time_s"],
+        "mean_step_time_s": per_step["mean_step_time_s"],
+        "mean_controller_time_s": per_step["mean_controller_time_s"],
+        "wall_s": wall,
+        "loss": res.metrics["loss"],
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(p, steps=300)
+    p.add_argument("--warmup", type=int, default=20, help="steps left out of the steady-state figures")
+    p.add_argument("--repeats", type=int, default=1, help="pairs run; the median of each figure is reported")
+    args = p.parse_args(argv)
+    claim_stdout()
+    quiet_ray_train()
+    w = workload_from_args(args)
+    start_ray(args.num_cpus)
+
+    ours, theirs = [], []
+    for i in range(args.repeats):
+        # Alternate the order (ABBA) so drift on a noisy machine does not favour one side.
+        order = ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")
+        for who in order:
+            if who == "ours":
+                ours.append(run_ours(w, args.steps, args.warmup, f"throughput-{i}"))
+                logger.info("ours: %s", ours[-1])
+            else:
+                theirs.append(run_raytrain(w, args.steps, args.warmup, name=f"throughput-{i}"))
+                logger.info("ray train: %s", theirs[-1])
+
+    def med(runs, key):
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
+              "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
+    ours_sps, their_sps = med(ours, "samples_per_s"), med(theirs, "samples_per_s")
+    ours_ttfs, their_ttfs = med(ours, "time_to_first_step_s"), med(theirs, "time_to_first_step_s")
+    emit("dp_throughput_ratio_vs_raytrain", ratio(ours_sps, their_sps), "ratio", ours_samples_per_s=ours_sps,
+         raytrain_samples_per_s=their_sps, **common)
+    emit("time_to_first_step_ratio_vs_raytrain", ratio(ours_ttfs, their_ttfs), "ratio",
+         ours_s=ours_ttfs, raytrain_s=their_ttfs, **common)
+    emit("dispatch_overhead_fraction", med(ours, "dispatch_overhead_fraction"), "fraction",
+         mean_step_time_s=med(ours, "mean_step_time_s"), mean_controller_time_s=med(ours, "mean_controller_time_s"),
+         **common)
+    emit("dp_samples_per_s_ours", ours_sps, "samples/s",
+         by_step_times=med(ours, "samples_per_s_step_times"), **common)
+    emit("dp_samples_per_s_raytrain", their_sps, "samples/s", **common)
+    emit("time_to_first_step_ours", ours_ttfs, "s", **common)
+    emit("time_to_first_step_raytrain", their_ttfs, "s", **common)
+
+
+if __name__ == "__main__":
+    main()

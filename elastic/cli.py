@@ -1,0 +1,691 @@
+"""The ``elastic`` command: live status of a run, checkpoint listings, and Ray Jobs submission.
+
+``status`` asks the named ``controller`` actor of namespace ``elastic-<run>``; ``checkpoints`` lists step
+directories through ``CheckpointStore``; ``submit`` wraps ``JobSubmissionClient``. Any failure ends the
+command with one line on stderr and a non-zero exit code, never a traceback (``-v`` shows it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import re
+import shlex
+import socket
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE_PREFIX = "elastic-"
+CONTROLLER_NAME = "controller"
+DEFAULT_TIMEOUT_S = 15.0
+# An unreachable address must fail in seconds; ray.init against a closed port retries for minutes.
+PROBE_TIMEOUT_S = 3.0
+# Entries of the working directory that never belong in a job package (Ray's own defaults cover
+# .git and .venv in recent versions; listing them keeps older clusters fast too).
+SUBMIT_EXCLUDES = [".git", ".venv", "venv", "__pycache__", ".pytest_cache", "*.egg-info"]
+
+app = typer.Typer(
+    name="elastic",
+    help="Inspect and launch elastic training runs on a Ray cluster.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _stdout() -> Console:
+    """A console on the current sys.stdout (test runners swap it), made per use.
+
+    Piped output (scripts, ``| grep``, tests) gets 200 columns instead of ellipsised table cells.
+    """
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=200 if wide else None)
+
+
+err_console = Console(stderr=True)
+
+_verbose = False
+
+
+class CliError(Exception):
+    """A failure the user can act on; printed as one line.
+
+    ``hard_exit``: a Ray call is still blocked in a background thread, so the process must exit
+    without running Ray's shutdown hooks (they would wait on that thread).
+    """
+
+    def __init__(self, message: str, code: int = 1, hard_exit: bool = False):
+        super().__init__(message)
+        self.code = code
+        self.hard_exit = hard_exit
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _fail(message: str, code: int, hard_exit: bool = False) -> None:
+    # soft_wrap: a long reason must stay on one line however narrow the terminal is.
+    err_console.print(f"elastic: error: {_one_line(message, 1000)}", markup=False, highlight=False, soft_wrap=True)
+    if hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise typer.Exit(code)
+
+
+def _friendly(fn: Callable) -> Callable:
+    """Turn every exception of a command into one line on stderr and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except CliError as exc:
+            _fail(str(exc), exc.code, exc.hard_exit)
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+        except Exception as exc:  # noqa: BLE001 - the CLI contract is one line, whatever broke
+            if _verbose:
+                raise
+            logger.debug("unexpected error", exc_info=True)
+            _fail(f"{type(exc).__name__}: {_one_line(str(exc))} (run with -v for the traceback)", 1)
+
+    return wrapper
+
+
+@app.callback()
+def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging; tracebacks on errors.")):
+    global _verbose
+    _verbose = verbose
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+# ---- formatting -------------------------------------------------------------------------------
+
+def _plain(line: str) -> None:
+    """One line as is: no markup, no highlighting, no wrapping (ids and URLs get copied)."""
+    _stdout().print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _seconds(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    if value < 1.0:
+        return f"{value * 1000:.1f} ms"
+    if value < 120:
+        return f"{value:.2f} s"
+    return f"{value / 60:.1f} min"
+
+
+def _number(value: Optional[float], fmt: str = ".4g") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _when(ts: Optional[float]) -> str:
+    return "-" if ts is None else datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _straggler(score: Optional[float]) -> str:
+    if score is None:
+        return "-"
+    text = f"{score:.2f}"
+    if score >= 2.0:
+        return f"[red]{text}[/]"
+    if score >= 1.5:
+        return f"[yellow]{text}[/]"
+    return text
+
+
+# ---- connecting to Ray ------------------------------------------------------------------------
+
+_AUTH_FAILURE = re.compile(r"Unauthenticated|InvalidAuthToken|AuthenticationError|authentication token", re.I)
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*(\S+:\d+:\s*)?")
+
+
+def _cluster_address(address: Optional[str]) -> str:
+    addr = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if addr.startswith(("http://", "https://")):
+        raise CliError(f"{addr} is a dashboard URL; `elastic status` needs the cluster address "
+                       "(HOST:6379, or ray://HOST:10001): pass --address", code=2)
+    return addr
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    """Fail in seconds when nothing listens at ``address``."""
+    if address == "auto":
+        return  # ray.init finds (or fails to find) the local cluster by itself, quickly
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise CliError(f"--address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379)", code=2)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise CliError(f"cannot reach a Ray cluster at {address}: {reason}") from None
+
+
+@contextlib.contextmanager
+def _captured_stderr():
+    """Send fd 2 to a temporary file; yields a function that returns what was written so far.
+
+    Ray's C++ core logs connection retries straight to fd 2, many lines each; the CLI reports one.
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 (embedded interpreters): capture nothing
+        yield lambda: ""
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+
+        def read() -> str:
+            # pread: the offset is shared with the writers, so never seek.
+            return os.pread(tmp.fileno(), 1 << 20, 0).decode(errors="replace")
+
+        try:
+            yield read
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _last_warning(captured: str) -> str:
+    lines = [_LOG_PREFIX.sub("", ln).strip() for ln in captured.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _auth_hint(address: str) -> str:
+    return (f"authentication failed at {address} (token missing or wrong): the cluster uses Ray token auth; "
+            "export RAY_AUTH_MODE=token and the cluster's token as RAY_AUTH_TOKEN (or in ~/.ray/auth_token; "
+            "`ray get-auth-token` prints it on the head node)")
+
+
+def _connect(address: str, namespace: str, timeout_s: float) -> str:
+    """``ray.init`` bounded by ``timeout_s``, with Ray's retry noise reduced to one reason.
+
+    Returns the cluster's GCS address (what ``auto`` resolved to), for messages.
+    """
+    import ray
+
+    outcome: dict[str, Any] = {}
+
+    def init() -> None:
+        try:
+            ray.init(address=address, namespace=namespace, logging_level="ERROR", log_to_driver=False)
+            outcome["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            outcome["error"] = exc
+
+    with _captured_stderr() as captured:
+        thread = threading.Thread(target=init, name="elastic-ray-init", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(0.2)
+            # Ray retries a rejected token for ~20 s before giving up; the first rejection is enough.
+            if _AUTH_FAILURE.search(captured()):
+                break
+        noise = captured()
+    if outcome.get("ok"):
+        try:
+            return ray.get_runtime_context().gcs_address
+        except Exception:  # noqa: BLE001 - only used in messages
+            return address
+    error = outcome.get("error")
+    still_running = thread.is_alive()
+    if _AUTH_FAILURE.search(noise) or type(error).__name__ == "AuthenticationError":
+        raise CliError(_auth_hint(address), hard_exit=still_running)
+    if still_running:
+        detail = _last_warning(noise)
+        raise CliError(f"no answer from the Ray cluster at {address} within {timeout_s:g} s"
+                       + (f" ({detail})" if detail else ""), hard_exit=True)
+    detail = _one_line(str(error)) or _last_warning(noise)
+    raise CliError(f"cannot connect to the Ray cluster at {address}: {detail}")
+
+
+def _live_runs(timeout_s: float) -> list[str]:
+    """Runs with a live controller: actors named ``controller`` in namespaces ``elastic-*``."""
+    import ray
+
+    try:
+        from ray.util.state import list_actors
+
+        actors = list_actors(filters=[("name", "=", CONTROLLER_NAME), ("state", "=", "ALIVE")],
+                             limit=10_000, timeout=max(1, int(timeout_s)), raise_on_missing_output=False)
+        namespaces = [a.ray_namespace for a in actors]
+    except Exception:  # noqa: BLE001 - a cluster without a dashboard has no state API
+        logger.debug("state API unavailable; asking the GCS for named actors", exc_info=True)
+        namespaces = [a.get("namespace") for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a.get("name") == CONTROLLER_NAME]
+    return sorted({ns[len(NAMESPACE_PREFIX):] for ns in namespaces if ns and ns.startswith(NAMESPACE_PREFIX)})
+
+
+def _controller_status(run: str, address: str, timeout_s: float) -> dict:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    namespace = NAMESPACE_PREFIX + run
+    try:
+        actor = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+    except ValueError:
+        others = [r for r in _live_runs(timeout_s) if r != run]
+        hint = f"; live runs: {', '.join(others)}" if others else "; no elastic run is live there"
+        raise CliError(f"no run {run!r} on the cluster at {address} "
+                       f"(no actor {CONTROLLER_NAME!r} in namespace {namespace!r}){hint}") from None
+    try:
+        return ray.get(actor.status.remote(), timeout=timeout_s)
+    except GetTimeoutError:
+        raise CliError(f"the controller of run {run!r} did not answer within {timeout_s:g} s") from None
+    except RayActorError:
+        raise CliError(f"the controller of run {run!r} has exited (the run ended or its driver died)") from None
+
+
+# ---- status -----------------------------------------------------------------------------------
+
+def _summary(st: dict) -> str:
+    total = st.get("total_steps")
+    step = f"{st.get('step')}/{total}" if total else _dash(st.get("step"))
+    ckpt = st.get("checkpoint") or {}
+    parts = [
+        f"[bold]run[/] {st.get('run')}", f"[bold]state[/] {st.get('state')}", f"[bold]step[/] {step}",
+        f"[bold]loss[/] {_number(st.get('loss'))}", f"[bold]samples/s[/] {_number(st.get('samples_per_s'), '.0f')}",
+        f"[bold]world[/] {st.get('world_size')}", f"[bold]spares[/] {st.get('spares')}",
+        f"[bold]failures[/] {st.get('failures')}", f"[bold]recoveries[/] {st.get('recoveries')}",
+    ]
+    if ckpt.get("latest") is not None or ckpt.get("lag") is not None:
+        parts.append(f"[bold]checkpoint[/] {_dash(ckpt.get('latest'))} (lag {_dash(ckpt.get('lag'))})")
+    return "  ".join(parts)
+
+
+def _node(row: dict) -> str:
+    node = _dash(row.get("node_ip"))
+    if row.get("node_rank") is not None:
+        node += f" n{row['node_rank']}/l{_dash(row.get('local_rank'))}"
+    return node
+
+
+def _ranks_table(st: dict) -> Table:
+    table = Table(title=None, header_style="bold", expand=False)
+    for header, justify in (("rank", "right"), ("name", "left"), ("role", "left"), ("node", "left"),
+                            ("pid", "right"), ("state", "left"), ("step", "right"), ("step time", "right"),
+                            ("heartbeat age", "right"), ("straggler", "right")):
+        table.add_column(header, justify=justify, no_wrap=True)
+    for row in st.get("ranks", []):
+        spare = row.get("role") == "spare"
+        table.add_row(
+            _dash(row.get("rank")), _dash(row.get("name")), "[cyan]spare[/]" if spare else "active", _node(row),
+            _dash(row.get("pid")), _dash(row.get("state")), _dash(row.get("step")),
+            _seconds(row.get("step_time_s")), _seconds(row.get("heartbeat_age_s")),
+            _straggler(row.get("straggler_score")),
+        )
+    return table
+
+
+def _runs_table(rows: list[tuple[str, Optional[dict]]]) -> Table:
+    table = Table(header_style="bold")
+    for header in ("run", "state", "step", "world", "spares", "failures"):
+        table.add_column(header, no_wrap=True)
+    for run, st in rows:
+        if st is None:
+            table.add_row(run, "[red]no answer[/]", "-", "-", "-", "-")
+            continue
+        total = st.get("total_steps")
+        table.add_row(run, _dash(st.get("state")), f"{st.get('step')}/{total}" if total else _dash(st.get("step")),
+                      _dash(st.get("world_size")), _dash(st.get("spares")), _dash(st.get("failures")))
+    return table
+
+
+@app.command()
+@_friendly
+def status(
+    run: Optional[str] = typer.Argument(None, help="Run name (RunConfig.name); default: the only live run."),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="Cluster address HOST:PORT or ray://HOST:10001; default: RAY_ADDRESS or the local "
+                                "cluster."),
+    timeout_s: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", help="Seconds to wait for the cluster and the "
+                                                                          "controller."),
+    as_json: bool = typer.Option(False, "--json", help="Print the controller's status dict as JSON."),
+) -> None:
+    """Show the ranks of a live run: node, state, step, step time, heartbeat age, straggler score, spares."""
+    import ray
+
+    addr = _cluster_address(address)
+    _probe(addr, min(PROBE_TIMEOUT_S, timeout_s))
+    addr = _connect(addr, NAMESPACE_PREFIX + (run or "cli"), timeout_s)
+    try:
+        if run is None:
+            runs = _live_runs(timeout_s)
+            if not runs:
+                raise CliError(f"no elastic run is live on the cluster at {addr}")
+            if len(runs) > 1:
+                rows = []
+                for name in runs:
+                    try:
+                        rows.append((name, _controller_status(name, addr, timeout_s)))
+                    except CliError:
+                        rows.append((name, None))
+                if as_json:
+                    _stdout().print_json(json.dumps({name: st for name, st in rows}, default=str))
+                else:
+                    _stdout().print(_runs_table(rows))
+                    _stdout().print(f"{len(runs)} live runs; `elastic status RUN` shows one.", highlight=False)
+                return
+            run = runs[0]
+        st = _controller_status(run, addr, timeout_s)
+        if as_json:
+            _stdout().print_json(json.dumps(st, default=str))
+            return
+        out = _stdout()
+        out.print(_summary(st), highlight=False)
+        if st.get("ranks"):
+            out.print(_ranks_table(st))
+        else:
+            out.print("no ranks yet (the controller is still placing workers)", highlight=False)
+    finally:
+        ray.shutdown()
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_storage_options(pairs: list[str]) -> dict:
+    """``["k=v", "client_kwargs.region_name=eu-west-1"]`` -> nested dict; values parsed as JSON when they parse."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"--storage-option {pair!r} is not KEY=VALUE", code=2)
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise CliError(f"--storage-option {pair!r} conflicts with an earlier value of {part!r}", code=2)
+        node[leaf] = _parse_value(value)
+    return out
+
+
+def _interactive_options(url: str, options: dict) -> dict:
+    """A listing is interactive: bound botocore's connect retries so an unreachable endpoint fails in
+    seconds rather than minutes. Values the user gave win."""
+    import fsspec.core
+
+    protocol = fsspec.core.split_protocol(url)[0]
+    if protocol not in ("s3", "s3a"):
+        return options
+    opts = dict(options)
+    config = dict(opts.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", 3)
+    config.setdefault("read_timeout", 30)
+    config.setdefault("retries", {"max_attempts": 2})
+    opts["config_kwargs"] = config
+    return opts
+
+
+def _storage_error(exc: Exception, location: str) -> CliError:
+    text = _one_line(str(exc))
+    return CliError(text if location in text else f"cannot list {location}: {text}")
+
+
+def _step_status(status_: str) -> str:
+    colour = {"valid": "green", "committed": "green", "partial": "yellow", "corrupt": "red"}.get(status_)
+    return f"[{colour}]{status_}[/]" if colour else status_
+
+
+def _problem(text: Optional[str]) -> str:
+    """``checkpoint step 2 is corrupt: s3://b/p/run/step-000000002/x: why`` -> ``step-000000002/x: why``."""
+    if not text:
+        return ""
+    return re.sub(r"^checkpoint step \d+ is corrupt: \S*?(step-\d+/)", r"\1", text)
+
+
+def _steps_table(steps: list) -> Table:
+    table = Table(header_style="bold")
+    for header, justify in (("step", "right"), ("status", "left"), ("size", "right"), ("files", "right"),
+                            ("world", "right"), ("committed at", "left"), ("problem", "left")):
+        table.add_column(header, justify=justify, no_wrap=header != "problem")
+    for s in steps:
+        table.add_row(str(s.step), _step_status(s.status), _size(s.size_bytes), str(s.num_files),
+                      _dash(s.world_size), _when(s.committed_at), _problem(s.problem))
+    return table
+
+
+def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, retry) -> None:
+    from elastic.checkpoint import CheckpointStore, StorageError
+
+    store = CheckpointStore(url, run, options, retry=retry)
+    try:
+        steps = store.list_steps(verify=verify)
+    except (StorageError, OSError) as exc:
+        raise _storage_error(exc, store.location) from None
+    if as_json:
+        _stdout().print_json(json.dumps([s.to_dict() for s in steps]))
+        return
+    if not steps:
+        _stdout().print(f"no checkpoints for run {run!r} in {store.location}", highlight=False)
+        return
+    _stdout().print(_steps_table(steps))
+    good = [s.step for s in steps if s.status in ("valid", "committed")]
+    counts = {k: sum(1 for s in steps if s.status == k) for k in ("valid", "committed", "partial", "corrupt")}
+    summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+    latest = f"; latest usable: step {good[-1]}" if good else "; no usable step"
+    _stdout().print(f"{store.location}: {len(steps)} step(s): {summary}{latest}", highlight=False)
+
+
+def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
+    from elastic.checkpoint import CheckpointStore, Storage, StorageError
+
+    root = Storage(url, options, retry=retry)
+    try:
+        entries = root.list_dir("", detail=True)
+    except (StorageError, OSError) as exc:
+        raise _storage_error(exc, root.location) from None
+    if any(re.match(r"^step-\d{9,}$", e["name"]) for e in entries):
+        # The URL is a run directory itself: list it as <parent> --run <name>.
+        parent, _, name = url.rstrip("/").rpartition("/")
+        if parent and name:
+            _list_run(parent, name, options, True, as_json, retry)
+            return
+    rows = []
+    for entry in entries:
+        if entry["type"] != "directory":
+            continue
+        store = CheckpointStore(url, entry["name"], options, retry=retry)
+        try:
+            steps = store.list_steps(verify=False)
+        except (StorageError, OSError) as exc:
+            raise _storage_error(exc, store.location) from None
+        if steps:
+            rows.append((entry["name"], steps))
+    if as_json:
+        _stdout().print_json(json.dumps({name: [s.to_dict() for s in steps] for name, steps in rows}))
+        return
+    if not rows:
+        _stdout().print(f"no checkpoints in {root.location}", highlight=False)
+        return
+    table = Table(header_style="bold")
+    for header, justify in (("run", "left"), ("steps", "right"), ("committed", "right"), ("partial", "right"),
+                            ("corrupt", "right"), ("latest committed", "right"), ("size", "right"),
+                            ("committed at", "left")):
+        table.add_column(header, justify=justify, no_wrap=True)
+    for name, steps in rows:
+        committed = [s for s in steps if s.status in ("valid", "committed")]
+        table.add_row(name, str(len(steps)), str(len(committed)),
+                      str(sum(1 for s in steps if s.status == "partial")),
+                      str(sum(1 for s in steps if s.status == "corrupt")),
+                      str(committed[-1].step) if committed else "-", _size(sum(s.size_bytes for s in steps)),
+                      _when(committed[-1].committed_at) if committed else "-")
+    _stdout().print(table)
+    _stdout().print(f"`elastic checkpoints {url} --run RUN` lists one run's steps and verifies their files.",
+                  highlight=False, markup=False)
+
+
+@app.command()
+@_friendly
+def checkpoints(
+    url: str = typer.Argument(..., help="Checkpoint root, as RunConfig.storage: /path, file:///path, s3://bucket/prefix."),
+    run: Optional[str] = typer.Option(None, "--run", "-r", help="Run name; default: list the runs under URL."),
+    storage_option: list[str] = typer.Option(
+        [], "--storage-option", "-o", help="KEY=VALUE for fsspec (repeatable); dotted keys nest "
+                                           "(client_kwargs.region_name=eu-west-1); values parse as JSON if they can."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Read every file and check its size and sha256."),
+    as_json: bool = typer.Option(False, "--json", help="Print the listing as JSON."),
+) -> None:
+    """List committed checkpoint steps with sizes and commit times; mark partial and corrupt steps.
+
+    Exits 0 when the storage answers (even if it holds nothing), non-zero when it cannot be read.
+    """
+    import fsspec.core
+
+    from elastic.checkpoint import RetryPolicy, resolve_url
+
+    url = resolve_url(url)
+    options = _interactive_options(url, parse_storage_options(storage_option))
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    if protocol in ("file", "local"):
+        local = url.split("://", 1)[-1] if "://" in url else url
+        if not os.path.isdir(local):
+            raise CliError(f"{local} does not exist or is not a directory")
+    retry = RetryPolicy(attempts=2, base_s=0.2, max_s=1.0)
+    if run:
+        _list_run(url, run, options, verify, as_json, retry)
+    else:
+        _list_runs(url, options, as_json, retry)
+
+
+# ---- submit -----------------------------------------------------------------------------------
+
+def _quiet_ray_logs() -> None:
+    """Ray logs every packaging step of the upload at INFO on import-time handlers; -v keeps them."""
+    if not _verbose:
+        for name in ("ray", "ray.dashboard.modules.dashboard_sdk"):  # the latter sets its own level
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _job_address(address: Optional[str]) -> Optional[str]:
+    """Like ``ray job submit``: --address, then RAY_API_SERVER_ADDRESS, then RAY_ADDRESS, then the local cluster."""
+    return address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or None
+
+
+def _script_in(working_dir: str, script: str) -> str:
+    """The script's path relative to the working directory (the job's cwd on the cluster)."""
+    wd = os.path.abspath(working_dir)
+    path = os.path.abspath(script if os.path.isabs(script) else os.path.join(wd, script))
+    if not os.path.isfile(path):
+        raise CliError(f"{script} not found in the working directory {wd}", code=2)
+    rel = os.path.relpath(path, wd)
+    if rel.startswith(".."):
+        raise CliError(f"{script} is outside the working directory {wd}; it would not be uploaded", code=2)
+    return rel
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_friendly
+def submit(
+    script: str = typer.Argument(..., help="Python script, relative to the working directory."),
+    args: Optional[list[str]] = typer.Argument(None, help="Arguments for the script (put them after --)."),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="Dashboard URL, e.g. http://HEAD:8265; default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS "
+                                "or the local cluster."),
+    working_dir: str = typer.Option(".", "--working-dir", help="Directory uploaded as the job's working_dir."),
+    submission_id: Optional[str] = typer.Option(None, "--submission-id", help="Job id to use (default: generated)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Stream the job's logs and exit with its outcome."),
+) -> None:
+    """Submit SCRIPT as a Ray job, uploading the working directory (runtime_env working_dir)."""
+    from ray.job_submission import JobSubmissionClient
+
+    _quiet_ray_logs()
+    if not os.path.isdir(working_dir):
+        raise CliError(f"--working-dir {working_dir} is not a directory", code=2)
+    rel = _script_in(working_dir, script)
+    entrypoint = shlex.join(["python", rel, *(args or [])])
+    target = _job_address(address)
+    try:
+        client = JobSubmissionClient(target)
+    except Exception as exc:  # noqa: BLE001 - ConnectionError, auth or version errors: one line each
+        where = target or "the local cluster"
+        text = str(exc)
+        if _AUTH_FAILURE.search(text) or "401" in text or "403" in text:
+            raise CliError(_auth_hint(where)) from None
+        raise CliError(f"cannot reach the Ray dashboard at {where}: {_one_line(text)}") from None
+    runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id)
+    dashboard = client.get_address().rstrip("/")
+    for line in (f"job: {job_id}", f"entrypoint: {entrypoint}", f"dashboard: {dashboard}/#/jobs/{job_id}"):
+        _plain(line)
+    if not follow:
+        _plain(f"logs: ray job logs --follow --address {dashboard} {job_id}")
+        return
+    _follow(client, job_id)
+
+
+def _follow(client, job_id: str) -> None:
+    import asyncio
+
+    from ray.job_submission import JobStatus
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    asyncio.run(tail())
+    final = client.get_job_status(job_id)
+    while not final.is_terminal():  # the log stream can end a moment before the status flips
+        time.sleep(0.5)
+        final = client.get_job_status(job_id)
+    _plain(f"job {job_id}: {final.value}")
+    if final != JobStatus.SUCCEEDED:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    """Entry point of the ``elastic`` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

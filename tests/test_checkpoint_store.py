@@ -1,0 +1,671 @@
+"""Checkpoint store contract (file://, plain path, memory://, S3 via moto): sharded round trip, torn
+writes, corruption, retention and GC; then the background persister, the worker hook, the committer,
+and a storage outage against a real S3 endpoint that goes away and comes back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from elastic.checkpoint import (
+    AsyncPersister,
+    CheckpointCommitter,
+    CheckpointStore,
+    CorruptCheckpoint,
+    RetryPolicy,
+    StorageError,
+    WorkerCheckpointer,
+    restore_rng,
+)
+from elastic.checkpoint.codec import assign_shards, capture_rng, decode_tensors, flatten_state, tensor_nbytes
+from elastic.checkpoint.store import shard_name, step_dir
+from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
+from elastic.config import CheckpointConfig, ConfigError
+
+FAST = RetryPolicy(attempts=3, base_s=0.01, max_s=0.05)
+RUN = "run-1"
+
+
+@pytest.fixture(scope="module")
+def moto_s3():
+    server = MotoS3().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path):
+    moto = request.getfixturevalue("moto_s3") if request.param == "s3" else None
+    url, options = backend_url(request.param, str(tmp_path), moto)
+    yield request.param, url, options
+    if request.param == "memory":
+        clear_memory(url)
+
+
+def make_store(backend) -> CheckpointStore:
+    _, url, options = backend
+    return CheckpointStore(url, RUN, options, retry=FAST)
+
+
+# ---- a stand-in for TrainWorker: the same attributes and the same get_state/set_state ------------
+class FakeWorker:
+    def __init__(self, rank: int = 0, world_size: int = 1, seed: int = 0):
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
+        self.rank, self.world_size, self.completed_step = rank, world_size, 0
+
+    def train(self, step: int) -> None:
+        gen = torch.Generator().manual_seed(1000 + step)  # same batch on every replica
+        x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
+        self.optimizer.zero_grad()
+        torch.nn.functional.mse_loss(self.model(x), y).backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.completed_step = step
+
+    def get_state(self) -> dict:  # as TrainWorker.get_state
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": _clone(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "completed_step": self.completed_step,
+        }
+
+    def set_state(self, state: dict) -> int:  # as TrainWorker.set_state
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.completed_step = int(state["completed_step"])
+        return self.completed_step
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone(v) for v in obj)
+    return obj
+
+
+def assert_same(a, b, path="state"):
+    """Exact equality, including container and scalar types (tuple stays tuple, int stays int)."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b) or set(a) == set(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def trained_worker(steps: int = 2, rank: int = 0, world_size: int = 1) -> FakeWorker:
+    worker = FakeWorker(rank, world_size)
+    for step in range(1, steps + 1):
+        worker.train(step)
+    return worker
+
+
+def write_step(store: CheckpointStore, worker: FakeWorker, step: int, world_size: int = 2,
+               commit: bool = True, meta: dict | None = None) -> list:
+    state = worker.get_state()
+    entries = []
+    for rank in range(world_size):
+        entries += store.write_rank_files(step, rank, world_size, state, capture_rng())
+    if commit:
+        store.commit(step, entries, world_size, meta or {"data": {"epoch": 0, "cursor": step * 10}})
+    return entries
+
+
+# ---- round trip --------------------------------------------------------------------------------
+def test_sharded_round_trip_restores_model_and_adam(backend):
+    store = make_store(backend)
+    store.validate()
+    worker = trained_worker(steps=2)
+    expected = worker.get_state()
+    assert store.latest_valid() is None
+    entries = write_step(store, worker, step=2, world_size=2, meta={"data": {"epoch": 1, "cursor": 7}})
+
+    assert store.committed_steps() == [2]
+    assert store.latest_valid() == 2
+    state, meta = store.read_state(2)
+    assert meta == {"data": {"epoch": 1, "cursor": 7}}
+    assert_same(state, expected)
+    assert torch.is_tensor(state["optimizer"]["state"][0]["step"])  # Adam's step stays a tensor
+    assert isinstance(state["optimizer"]["param_groups"][0]["betas"], tuple)
+
+    # The restored state is usable: a fresh replica loads it and then trains in lockstep.
+    fresh = FakeWorker(seed=123)
+    assert fresh.set_state(state) == 2
+    worker.train(3)
+    fresh.train(3)
+    for p, q in zip(worker.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(p, q)
+
+    # Dedup: each tensor is written exactly once, split by bytes across the two ranks.
+    paths = {e.path: e for e in entries}
+    assert set(paths) == {f"{step_dir(2)}/shard-r0-of-2.safetensors", f"{step_dir(2)}/shard-r1-of-2.safetensors",
+                          f"{step_dir(2)}/meta-r0.json", f"{step_dir(2)}/meta-r1.json"}
+    shards = [decode_tensors(store.storage.read_bytes(shard_name(2, r, 2))) for r in range(2)]
+    all_tensors, _ = flatten_state(expected)
+    assert not set(shards[0]) & set(shards[1])
+    assert set(shards[0]) | set(shards[1]) == set(all_tensors)
+    loads = [sum(tensor_nbytes(t) for t in s.values()) for s in shards]
+    assert max(loads) - min(loads) <= max(tensor_nbytes(t) for t in all_tensors.values())
+    assert store.read_rng(2, 1) is not None
+
+
+def test_read_state_with_a_different_world_size(backend):
+    """Three ranks wrote it; anyone can read it (resize between runs)."""
+    store = make_store(backend)
+    worker = trained_worker(steps=3)
+    write_step(store, worker, step=3, world_size=3)
+    state, _ = store.read_state()
+    assert_same(state, worker.get_state())
+
+
+def test_assign_shards_is_deterministic_and_balanced():
+    sizes = {f"t{i}": (i * 37) % 101 + 1 for i in range(40)}
+    a = assign_shards(sizes, 4)
+    b = assign_shards(dict(reversed(list(sizes.items()))), 4)
+    assert a == b
+    loads = [sum(sizes[n] for n in s) for s in a]
+    assert max(loads) - min(loads) <= max(sizes.values())
+    assert sorted(n for s in a for n in s) == sorted(sizes)
+    assert assign_shards({"only": 5}, 3) == [["only"], [], []]  # an empty shard is fine
+
+
+def test_empty_shard_round_trip(backend):
+    """More ranks than tensors: some ranks write an empty shard."""
+    store = make_store(backend)
+    state = {"model": {"w": torch.arange(3.0)}, "optimizer": {"state": {}, "param_groups": []},
+             "scheduler": None, "completed_step": 5}
+    entries = []
+    for rank in range(3):
+        entries += store.write_rank_files(5, rank, 3, state)
+    store.commit(5, entries, 3, {})
+    got, _ = store.read_state(5)
+    assert_same(got, state)
+
+
+def test_commit_refuses_missing_rank_files(backend):
+    store = make_store(backend)
+    worker = trained_worker(steps=1)
+    entries = store.write_rank_files(1, 0, 2, worker.get_state())
+    with pytest.raises(ValueError, match="shard-r1-of-2"):
+        store.commit(1, entries, 2, {})
+    with pytest.raises(ValueError, match="plain JSON"):
+        store.commit(1, entries + store.write_rank_files(1, 1, 2, worker.get_state()), 2, {"x": object()})
+    assert store.latest_valid() is None
+
+
+# ---- torn writes -------------------------------------------------------------------------------
+def _torn_writer(url: str, options: dict, step: int) -> None:
+    """Child process: write every rank's shards for ``step``, then die before the manifest."""
+    store = CheckpointStore(url, RUN, options, retry=FAST)
+    worker = trained_worker(steps=step)
+    state = worker.get_state()
+    for rank in range(2):
+        store.write_rank_files(step, rank, 2, state, capture_rng())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_torn_write_is_never_used_and_is_collected(backend):
+    kind, url, options = backend
+    store = make_store(backend)
+    write_step(store, trained_worker(steps=2), step=2)
+    if kind == "file":
+        # A real kill: a spawned process writes every shard and dies by SIGKILL before the manifest.
+        # (One backend only: a spawned interpreter costs seconds of imports.)
+        proc = multiprocessing.get_context("spawn").Process(target=_torn_writer, args=(url, options, 4))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == -signal.SIGKILL
+    else:
+        # The same files, written here and never committed: what a killed writer leaves behind.
+        state = trained_worker(steps=4).get_state()
+        for rank in range(2):
+            store.write_rank_files(4, rank, 2, state)
+    assert store.step_dirs() == [2, 4]
+    assert len(store.storage.list_dir(step_dir(4))) == 4  # every shard and meta is there ...
+    assert store.latest_valid() == 2  # ... but without a manifest the step does not exist
+    assert store.committed_steps() == [2]
+    state, _ = store.read_state()
+    assert state["completed_step"] == 2
+    with pytest.raises(FileNotFoundError, match="not committed"):
+        store.read_state(4)
+    assert {i.step: i.status for i in store.list_steps()} == {2: "valid", 4: "partial"}
+
+    # GC only collects uncommitted steps older than the newest committed one.
+    assert store.gc_uncommitted().deleted == []
+    write_step(store, trained_worker(steps=6), step=6)
+    report = store.gc_uncommitted()
+    assert report.deleted == [4] and not report.failed
+    assert store.step_dirs() == [2, 6]
+
+
+# ---- corruption --------------------------------------------------------------------------------
+def test_corrupt_and_truncated_files_are_skipped_with_a_warning(backend, caplog):
+    store = make_store(backend)
+    for step in (2, 4, 6):
+        write_step(store, trained_worker(steps=step), step=step)
+    shard6 = shard_name(6, 1, 2)
+    data = bytearray(store.storage.read_bytes(shard6))
+    data[len(data) // 2] ^= 0xFF  # flip one byte in the tensor payload; the size stays the same
+    store.storage.write_bytes(shard6, bytes(data))
+    meta4 = f"{step_dir(4)}/meta-r0.json"
+    store.storage.write_bytes(meta4, store.storage.read_bytes(meta4)[:-10])  # truncated
+
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.store"):
+        assert store.latest_valid() == 2
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "shard-r1-of-2.safetensors" in warnings and "sha256 mismatch" in warnings
+    assert "meta-r0.json" in warnings and "truncated" in warnings
+    assert TEST_SECRET not in warnings
+
+    with pytest.raises(CorruptCheckpoint, match="shard-r1-of-2.safetensors") as info:
+        store.read_state(6)
+    assert info.value.step == 6
+    state, _ = store.read_state()
+    assert state["completed_step"] == 2
+    statuses = {i.step: i.status for i in store.list_steps()}
+    assert statuses == {2: "valid", 4: "corrupt", 6: "corrupt"}
+
+
+def test_corrupt_manifest_means_uncommitted(backend):
+    store = make_store(backend)
+    write_step(store, trained_worker(steps=1), step=1)
+    write_step(store, trained_worker(steps=2), step=2)
+    manifest = f"{step_dir(2)}/manifest.json"
+    doc = json.loads(store.storage.read_bytes(manifest))
+    doc["meta"]["data"]["cursor"] = 999  # edited without updating the checksum
+    store.storage.write_bytes(manifest, json.dumps(doc).encode())
+    assert store.committed_steps() == [1]
+    assert store.latest_valid() == 1
+    store.storage.write_bytes(manifest, b'{"format": "elastic-checkpoint", "ste')  # torn manifest
+    assert store.latest_valid() == 1
+    assert store.gc_uncommitted(older_than=3).deleted == [2]
+
+
+# ---- retention ---------------------------------------------------------------------------------
+def tiny_state(step: int) -> dict:
+    return {"model": {"w": torch.full((2,), float(step))}, "optimizer": {"state": {}, "param_groups": []},
+            "scheduler": None, "completed_step": step}
+
+
+def commit_tiny(store: CheckpointStore, step: int) -> None:
+    entries = store.write_rank_files(step, 0, 1, tiny_state(step))
+    store.commit(step, entries, 1, {})
+
+
+@pytest.mark.parametrize("keep_last,keep_every,expected", [
+    (3, 0, [8, 9, 10]),
+    (1, 0, [10]),
+    (2, 4, [4, 8, 9, 10]),
+    (1, 3, [3, 6, 9, 10]),
+    (20, 0, list(range(1, 11))),
+])
+def test_retention_keeps_exactly_what_it_promises(tmp_path, keep_last, keep_every, expected):
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    for step in range(1, 11):
+        commit_tiny(store, step)
+    store.write_rank_files(11, 0, 1, tiny_state(11))  # in flight: retention must not touch it
+    report = store.apply_retention(keep_last, keep_every)
+    assert store.committed_steps() == expected
+    assert sorted(report.deleted) == sorted(set(range(1, 11)) - set(expected))
+    assert store.step_dirs() == expected + [11]
+    assert store.apply_retention(keep_last, keep_every).deleted == []  # idempotent
+
+
+def test_retention_on_every_backend_never_deletes_the_newest(backend):
+    store = make_store(backend)
+    for step in (1, 2, 3):
+        commit_tiny(store, step)
+    store.apply_retention(keep_last=1, keep_every=0)
+    assert store.committed_steps() == [3]
+    assert store.step_dirs() == [3]
+    state, _ = store.read_state()
+    assert state["completed_step"] == 3
+
+
+def test_retention_during_an_outage_never_raises_and_catches_up():
+    server = MotoS3().start()
+    try:
+        bucket = server.create_bucket()
+        store = CheckpointStore(f"s3://{bucket}", RUN, server.storage_options(), retry=FAST)
+        for step in (1, 2, 3):
+            commit_tiny(store, step)
+        server.stop()
+        report = store.apply_retention(keep_last=1)
+        assert report.error and not report.deleted and TEST_SECRET not in report.error
+        assert store.gc_uncommitted().error
+        server.start()
+        assert store.apply_retention(keep_last=1).deleted == [1, 2]
+    finally:
+        server.stop()
+
+
+# ---- AsyncPersister ----------------------------------------------------------------------------
+class SlowWriter:
+    """A write function that blocks until released, to hold the persister busy."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.written: list[int] = []
+
+    def __call__(self, payload):
+        self.started.set()
+        assert self.release.wait(10)
+        self.written.append(payload)
+        return [f"file-{payload}"]
+
+
+def test_newest_snapshot_replaces_the_waiting_one():
+    writer = SlowWriter()
+    persister = AsyncPersister(writer)
+    persister.submit(1, 1)
+    assert writer.started.wait(5)
+    t0 = time.monotonic()
+    for step in range(2, 51):
+        persister.submit(step, step)
+        assert persister.waiting_step == step  # one slot: the newest, never a queue
+        assert persister.inflight_step == 1
+    assert time.monotonic() - t0 < 0.5  # submit never waits for the write
+    assert persister.superseded == 48
+    writer.release.set()
+    assert persister.flush(5)
+    assert writer.written == [1, 50]
+    assert persister.drain() == [(1, ["file-1"]), (50, ["file-50"])]
+    assert persister.drain() == []
+    assert persister.close(5)
+
+
+def test_blocking_mode_writes_inline_and_never_raises():
+    calls = []
+    fail = {"on": False}
+
+    def write(payload):
+        if fail["on"]:
+            raise StorageError("storage is down")
+        calls.append(payload)
+        return [payload]
+
+    persister = AsyncPersister(write, blocking=True)
+    persister.submit(1, "a")
+    assert calls == ["a"] and persister.drain() == [(1, ["a"])]  # written before submit returned
+    fail["on"] = True
+    persister.submit(2, "b")  # does not raise
+    persister.submit(3, "c")
+    fail["on"] = False
+    persister.submit(4, "d")
+    assert persister.drain() == [(4, ["d"])]
+    events = persister.drain_events()
+    assert [e["event"] for e in events] == ["storage_outage", "storage_recovered"]
+    assert events[0]["step"] == 2 and events[1]["step"] == 4 and events[1]["failed_attempts"] == 2
+    assert persister._thread is None  # no thread in blocking mode
+
+
+def test_a_bug_in_the_write_is_reported_not_raised():
+    def write(payload):
+        raise TypeError("cannot serialise")
+
+    persister = AsyncPersister(write)
+    persister.submit(1, None)
+    assert persister.flush(5)
+    events = persister.drain_events()
+    assert events[0]["event"] == "checkpoint_failed" and "cannot serialise" in events[0]["error"]
+    persister.close(1)
+
+
+def test_outage_retries_then_writes_the_newest():
+    state = {"down": True, "attempts": 0}
+
+    def write(payload):
+        state["attempts"] += 1
+        if state["down"]:
+            raise StorageError("down")
+        return [payload]
+
+    persister = AsyncPersister(write, retry_min_s=0.01, retry_max_s=0.02)
+    persister.submit(1, 1)
+    deadline = time.monotonic() + 5
+    while state["attempts"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert persister.in_outage
+    persister.submit(2, 2)
+    persister.submit(3, 3)
+    state["down"] = False
+    assert persister.flush(5)
+    assert persister.drain() == [(3, [3])]  # 1 and 2 were superseded while storage was down
+    kinds = [e["event"] for e in persister.drain_events()]
+    assert kinds == ["storage_outage", "storage_recovered"]
+    persister.close(1)
+
+
+def test_close_gives_up_when_storage_stays_down():
+    def write(payload):
+        raise StorageError("down")
+
+    persister = AsyncPersister(write, retry_min_s=0.01, retry_max_s=0.02)
+    persister.submit(1, 1)
+    t0 = time.monotonic()
+    assert persister.close(0.2) is False
+    assert time.monotonic() - t0 < 2
+    assert not persister._thread.is_alive()
+
+
+# ---- worker hook + committer -------------------------------------------------------------------
+def run_training(workers, hooks, committer, steps, meta_fn=lambda s: {"data": {"cursor": s}}):
+    reports = []
+    for step in steps:
+        for worker, hook in zip(workers, hooks):
+            worker.train(step)
+            out = hook.after_step(worker, step)
+            reports.append(out)
+            for done_step, entries in out["ckpt_done"]:
+                committer.add(done_step, worker.rank, worker.world_size, entries)
+        committer.set_meta(step, meta_fn(step))
+    return reports
+
+
+def finish(workers, hooks, committer) -> list[dict]:
+    """End of training: wait for the writers, hand their last reports over, wait for the commit."""
+    events = []
+    for worker, hook in zip(workers, hooks):
+        assert hook.flush(10)
+        out = hook.drain()
+        events += out["ckpt_events"]
+        for done_step, entries in out["ckpt_done"]:
+            committer.add(done_step, worker.rank, worker.world_size, entries)
+    assert committer.flush(10)
+    return events
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_worker_hook_and_committer_end_to_end(backend, blocking):
+    _, url, options = backend
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = [WorkerCheckpointer(url, options, RUN, every_n_steps=2, blocking=blocking, retry=FAST) for _ in workers]
+    store = make_store(backend)
+    committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=2, keep_last=2))
+    try:
+        reports = run_training(workers, hooks, committer, range(1, 5))
+        expected = workers[0].get_state()
+        # Train on before the background writes finish: the snapshot must be a copy.
+        run_training(workers, hooks, committer, [5])
+        finish(workers, hooks, committer)
+        assert committer.latest_committed == 4
+        assert committer.lag(5) == 1
+        # In the background, step 2 may be superseded by step 4 before it is written: that is the point.
+        assert store.committed_steps() == [2, 4] if blocking else store.committed_steps()[-1] == 4
+        state, meta = store.read_state(store.latest_valid())
+        assert meta == {"data": {"cursor": 4}}
+        assert_same(state, expected)
+        for out in reports:
+            assert set(out) == {"ckpt_done", "ckpt_events"}
+            json.dumps(out)  # small and JSON-friendly
+        if blocking:
+            assert reports[2]["ckpt_done"][0][0] == 2  # rank 0, step 2: written inline, reported by the same call
+        committed = [e["step"] for e in committer.drain_events() if e["event"] == "checkpoint_committed"]
+        assert committed == store.committed_steps()
+
+        # Step 6 makes step 2 fall out of keep_last=2.
+        run_training(workers, hooks, committer, [6])
+        finish(workers, hooks, committer)
+        assert store.committed_steps() == [4, 6]
+    finally:
+        for hook in hooks:
+            hook.close()
+        committer.close()
+
+
+def test_rng_is_saved_per_rank(tmp_path):
+    url = f"file://{tmp_path}"
+    worker = FakeWorker(rank=0, world_size=1)
+    hook = WorkerCheckpointer(url, {}, RUN, every_n_steps=1, blocking=True)
+    torch.manual_seed(42)
+    expected = torch.rand(3)
+    torch.manual_seed(42)
+    worker.completed_step = 1
+    out = hook.after_step(worker, 1)
+    (step, entries), = out["ckpt_done"]
+    store = CheckpointStore(url, RUN)
+    store.commit(step, entries, 1, {})
+    torch.manual_seed(0)
+    restore_rng(store.read_rng(1, 0))
+    assert torch.equal(torch.rand(3), expected)
+    hook.close()
+
+
+def test_committer_waits_for_every_rank_and_the_meta(tmp_path):
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    committer = CheckpointCommitter(store)
+    state = tiny_state(3)
+    e0 = store.write_rank_files(3, 0, 2, state)
+    e1 = store.write_rank_files(3, 1, 2, state)
+    committer.add(3, 0, 2, e0)
+    committer.set_meta(3, {"cursor": 3})
+    assert committer.flush(5) and committer.latest_committed is None  # rank 1 missing
+    committer.add(3, 1, 2, [e.to_dict() for e in e1])
+    assert committer.flush(5) and committer.latest_committed == 3
+    committer.add(3, 1, 2, e1)  # a late duplicate is ignored
+    assert committer.lag(10) == 7
+    committer.close()
+
+
+def test_committer_keeps_the_meta_of_a_step_written_long_ago(tmp_path):
+    """Slow storage and fast steps: the report for step 100 arrives 200 steps later."""
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    committer = CheckpointCommitter(store)
+    for step in range(1, 301):
+        committer.set_meta(step, {"cursor": step})
+    entries = {r: store.write_rank_files(100, r, 2, tiny_state(100)) for r in range(2)}
+    committer.add(100, 0, 2, entries[0])
+    committer.add(100, 1, 2, entries[1])
+    assert committer.flush(5) and committer.latest_committed == 100
+    assert store.read_state(100)[1] == {"cursor": 100}
+    committer.close()
+
+
+def test_committer_prunes_steps_a_rank_skipped(tmp_path):
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=2))
+    for step in range(1, 11):
+        committer.set_meta(step, {"cursor": step})
+    assert sorted(committer._metas) == [2, 4, 6, 8, 10]  # only checkpoint steps are kept
+    e4 = {r: store.write_rank_files(4, r, 2, tiny_state(4)) for r in range(2)}
+    e6 = {r: store.write_rank_files(6, r, 2, tiny_state(6)) for r in range(2)}
+    committer.add(4, 0, 2, e4[0])
+    committer.add(6, 1, 2, e6[1])  # rank 1 skipped 4 (superseded): 4 can never complete
+    assert sorted(committer._metas) == [6, 8, 10] and sorted(committer._reports) == [6]
+    committer.add(6, 0, 2, e6[0])
+    assert committer.flush(5) and committer.latest_committed == 6
+    assert sorted(committer._metas) == [8, 10] and committer._reports == {}
+    committer.close()
+
+
+def test_snapshot_failure_does_not_stop_training(tmp_path):
+    worker = FakeWorker()
+    worker.scheduler.state_dict = lambda: {"fn": object()}  # cannot be saved without pickle
+    hook = WorkerCheckpointer(f"file://{tmp_path}", {}, RUN, every_n_steps=1, blocking=True)
+    out = hook.after_step(worker, 1)
+    assert out["ckpt_done"] == []
+    assert out["ckpt_events"][0]["event"] == "checkpoint_failed" and "object" in out["ckpt_events"][0]["error"]
+    hook.close()
+
+
+def test_store_validate(tmp_path):
+    CheckpointStore(f"file://{tmp_path}", RUN).validate()
+    with pytest.raises(ConfigError, match="unknown URL scheme"):
+        CheckpointStore("foo://bucket", RUN).validate()
+
+
+# ---- a storage outage against a real S3 endpoint -----------------------------------------------
+def test_s3_outage_is_survived_and_the_newest_step_commits():
+    server = MotoS3().start()
+    bucket = server.create_bucket()
+    url, options = f"s3://{bucket}", server.storage_options()
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = [WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST, retry_min_s=0.02, retry_max_s=0.1)
+             for _ in workers]
+    store = CheckpointStore(url, RUN, options, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=2, retry_min_s=0.02, retry_max_s=0.1)
+    try:
+        store.validate()
+        run_training(workers, hooks, committer, [1, 2])
+        finish(workers, hooks, committer)
+        assert committer.latest_committed == 2
+
+        server.stop()
+        reports = run_training(workers, hooks, committer, range(3, 9))
+        time.sleep(0.3)
+        reports += run_training(workers, hooks, committer, [9, 10])
+        expected = workers[0].get_state()
+        assert all(out["ckpt_done"] == [] for out in reports)  # training went on; nothing was written
+        # The next retry moves each writer on to the newest snapshot.
+        deadline = time.monotonic() + 10
+        while not all(h.persister.inflight_step == 10 for h in hooks) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(h.persister.in_outage and h.persister.inflight_step == 10 for h in hooks)
+        assert committer.latest_committed == 2
+
+        server.start()  # the same port; moto kept the bucket
+        events = finish(workers, hooks, committer)
+        assert committer.latest_committed == 10
+        assert store.latest_valid() == 10
+        state, meta = store.read_state(10)
+        assert_same(state, expected)
+        assert meta == {"data": {"cursor": 10}}
+        assert store.committed_steps() == [2, 10]  # keep_last=2; nothing in between was committed
+
+        events += [e for out in reports for e in out["ckpt_events"]]
+        kinds = [e["event"] for e in events]
+        assert kinds.count("storage_outage") == 2 and kinds.count("storage_recovered") == 2
+        assert all(e["message"] for e in events)
+        assert TEST_SECRET not in json.dumps(events) + json.dumps(committer.drain_events())
+    finally:
+        for hook in hooks:
+            hook.close()
+        committer.close()
+        server.stop()
