@@ -1,28 +1,34 @@
 """Issue #3: the cost of a checkpoint every step, on file:// and on S3 (moto on loopback), and against
 Ray Train's ``train.report(checkpoint=...)`` every step.
 
-    python benchmarks/checkpoint_overhead.py [--steps 60 --warmup 10] [--skip-s3]
+    python benchmarks/checkpoint_overhead.py [--steps 150 --warmup 10 --raytrain-steps 20] [--skip-s3]
 
-Four runs on the MLP workload, 4 ranks, in one Ray: ours without checkpoints, ours with a
-checkpoint every step to file:// and to s3:// (a ``moto`` server on 127.0.0.1 in this process),
+Five runs on the MLP workload, 4 ranks, in one Ray: ours without checkpoints (before and after the
+two below, so load drift on a shared machine hits baseline and checkpointed runs alike), ours with
+a checkpoint every step to file:// and to s3:// (a ``moto`` server on 127.0.0.1 in this process),
 and Ray Train's TorchTrainer saving model + optimizer from rank 0 and reporting it every step
-(SYNC upload to a local storage_path, ``num_to_keep=3`` like our ``keep_last=3``).
+(SYNC upload to a local storage_path, ``num_to_keep=3`` like our ``keep_last=3``). Ray Train's
+``report`` puts into a queue of one that its controller drains every health-check interval (2 s by
+default), so with a report every step its rate is set by that interval; it runs ``--raytrain-steps``
+steps (fewer than ours, to keep the run short; both are rates over steady-state steps).
 
-Overhead = mean controller step wall time with checkpoints / without, over the steps after
-``warmup``. Steps/s against Ray Train: ours by the wall clock from the end of step ``warmup`` to the
+Overhead = mean controller step wall time with checkpoints / without (the mean of the two baseline
+runs), over the steps after ``warmup``. Steps/s against Ray Train: ours by the wall clock from the end of step ``warmup`` to the
 FINISHED transition (which waits for the last commit), theirs timed on rank 0 over the same steps.
 
 Checkpoint lag (steps training is ahead of the newest committed checkpoint), in order of preference:
 ``checkpoint_commit`` events' ``details["lag"]``; else commit events' times against the step
 timeline (RUNNING + cumulative step wall times); else the controller's ``status()`` polled every
-``--poll-s`` during the run (``checkpoint.lag``). The source used is printed with the figure.
+``--poll-s`` during the run (``checkpoint.lag``). Persist seconds (step end -> commit): from
+``checkpoint_commit`` details ``persist_s``; else commit event times against the step timeline;
+else the retained steps' manifest ``created_at`` (``keep_last`` of them). Size: the retained
+committed steps' bytes on storage. The source used is printed with each figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
-import itertools
 import logging
 import re
 import shutil
@@ -31,8 +37,9 @@ import threading
 import time
 
 import elastic
-from common import (add_workload_args, claim_stdout, elastic_trainer, emit, events_of, quiet_ray_train, ratio,
-                    run_raytrain, running_since, span_throughput, start_ray, step_throughput, workload_from_args)
+from common import (add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain, elastic_trainer, emit,
+                    events_of, ratio, run_raytrain, running_since, span_throughput, start_ray, step_throughput,
+                    workload_from_args)
 
 logger = logging.getLogger("bench.checkpoint")
 
@@ -46,12 +53,12 @@ class StatusPoller(threading.Thread):
         super().__init__(daemon=True, name="status-poller")
         self.trainer, self.interval_s = trainer, interval_s
         self.samples: list[dict] = []
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
         import ray
 
-        while not self._stop.is_set():
+        while not self._done.is_set():
             handle = self.trainer.controller
             if handle is not None:
                 try:
@@ -60,10 +67,10 @@ class StatusPoller(threading.Thread):
                     st = None
                 if st and st.get("state") == "running" and st.get("checkpoint"):
                     self.samples.append({"time": time.time(), "step": st["step"], **st["checkpoint"]})
-            self._stop.wait(self.interval_s)
+            self._done.wait(self.interval_s)
 
     def stop(self) -> list[dict]:
-        self._stop.set()
+        self._done.set()
         self.join(timeout=5)
         return self.samples
 
@@ -141,6 +148,11 @@ def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options
 
             infos = CheckpointStore(storage, name, options).list_steps(verify=False)
             out["stored_steps"] = [i.to_dict() for i in infos]
+            if not out["persist_s"]:
+                end_of = {st: t for t, st in step_end_times(res)}
+                out["persist_s"] = [i.committed_at - end_of[i.step] for i in infos
+                                    if i.committed_at and i.step in end_of]
+                out["persist_source"] = f"manifest created_at minus the step's end ({len(out['persist_s'])} retained steps)"
         except Exception as exc:  # noqa: BLE001 - a listing problem must not lose the timings
             logger.warning("could not list %s: %s", storage, exc)
             out["stored_steps"] = []
@@ -164,13 +176,16 @@ def start_moto():
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p, steps=60)
+    add_workload_args(p, steps=150)
+    add_raytrain_args(p)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--raytrain-steps", type=int, default=20)
+    p.add_argument("--raytrain-warmup", type=int, default=5)
     p.add_argument("--poll-s", type=float, default=0.2, help="controller status() poll interval (lag fallback)")
     p.add_argument("--skip-s3", action="store_true")
     args = p.parse_args(argv)
     claim_stdout()
-    quiet_ray_train()
+    peer = configure_raytrain(args)
     w = workload_from_args(args)
     start_ray(args.num_cpus)
     tmp = tempfile.mkdtemp(prefix="elastic-ckpt-bench-")
@@ -183,26 +198,30 @@ def main(argv=None) -> None:
             server, url = start_moto()
             opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": url}}
             s3 = run_ours(w, args.steps, args.warmup, "ckpt-s3", f"s3://{BUCKET}/ours", opts, args.poll_s)
-        theirs = run_raytrain(w, args.steps, args.warmup, ckpt_every=1, storage_path=f"{tmp}/raytrain",
-                              name="ckpt-raytrain")
+        none_after = run_ours(w, args.steps, args.warmup, "ckpt-none-after", None, {}, args.poll_s)
+        theirs = run_raytrain(w, args.raytrain_steps, args.raytrain_warmup, ckpt_every=1,
+                              storage_path=f"{tmp}/raytrain", name="ckpt-raytrain")
         logger.info("ray train: %s", theirs)
     finally:
         if server is not None:
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
+    common = {**peer, "workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
               "steps": args.steps, "warmup": args.warmup}
+    base_step_s = (none["mean_step_time_s"] + none_after["mean_step_time_s"]) / 2
+    base_span = (none["span"]["steps_per_s"] + none_after["span"]["steps_per_s"]) / 2
     for label, run in (("file", file_), ("s3", s3)):
         if run is None:
             continue
-        emit(f"ckpt_every_step_overhead_{label}", ratio(run["mean_step_time_s"], none["mean_step_time_s"]), "ratio",
-             mean_step_time_s=run["mean_step_time_s"], baseline_mean_step_time_s=none["mean_step_time_s"],
-             span_steps_per_s=run["span"]["steps_per_s"], baseline_span_steps_per_s=none["span"]["steps_per_s"],
-             **common)
+        emit(f"ckpt_every_step_overhead_{label}", ratio(run["mean_step_time_s"], base_step_s), "ratio",
+             mean_step_time_s=run["mean_step_time_s"], baseline_mean_step_time_s=base_step_s,
+             baseline_runs_mean_step_time_s=[none["mean_step_time_s"], none_after["mean_step_time_s"]],
+             span_steps_per_s=run["span"]["steps_per_s"], baseline_span_steps_per_s=base_span, **common)
     emit("ckpt_step_throughput_ratio_vs_raytrain", ratio(file_["span"]["steps_per_s"], theirs["steps_per_s"]), "ratio",
          ours_steps_per_s=file_["span"]["steps_per_s"], raytrain_steps_per_s=theirs["steps_per_s"],
          raytrain_mean_report_s=theirs.get("mean_ckpt_report_s"), ours_storage="file://", raytrain_storage="local path",
+         raytrain_steps=args.raytrain_steps, raytrain_warmup=args.raytrain_warmup,
          **common)
     for label, run in (("file", file_), ("s3", s3)):
         if run is None:
@@ -212,8 +231,11 @@ def main(argv=None) -> None:
         emit(fig, percentile(lags, 95), "steps", storage=label, source=run["lag_source"], samples=len(lags),
              max=max(lags) if lags else None, latest_committed=(run["checkpoint"] or {}).get("latest_step"),
              **common)
-        sizes = run["sizes"] or [s["size_bytes"] for s in run.get("stored_steps", []) if s.get("status") != "partial"]
-        emit(f"ckpt_size_bytes_{label}", statistics_median(sizes), "bytes", samples=len(sizes), **common)
+        stored = [s["size_bytes"] for s in run.get("stored_steps", []) if s.get("status") != "partial"]
+        sizes, size_source = (stored, "retained committed steps on storage") if stored else \
+            (run["sizes"], "commit events/messages")
+        emit(f"ckpt_size_bytes_{label}", statistics_median(sizes), "bytes", samples=len(sizes), source=size_source,
+             **common)
         persist = run["persist_s"]
         emit(f"ckpt_persist_seconds_{label}", statistics_median(persist), "s", p95=percentile(persist, 95),
              samples=len(persist), source=run["persist_source"], **common)

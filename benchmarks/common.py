@@ -48,7 +48,9 @@ def claim_stdout() -> None:
     _FIGURES = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s bench %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("werkzeug", "botocore", "s3fs", "aiobotocore", "urllib3"):  # moto's request log, S3 clients
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def emit(figure: str, value: float | None, unit: str, **details: Any) -> None:
@@ -84,6 +86,21 @@ def start_ray(num_cpus: int = 8, extra_env: dict | None = None) -> None:
 def quiet_ray_train() -> None:
     """Ray Train v2 prints progress tables; keep the driver's log readable."""
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+
+
+def add_raytrain_args(p) -> None:
+    p.add_argument("--raytrain-poll-s", type=float, default=None,
+                   help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for the peer (Ray's default, 2 s, when not given). "
+                        "Its controller polls workers this often: that paces train.report() (a queue of one "
+                        "result) and bounds how fast it sees a dead worker")
+
+
+def configure_raytrain(args) -> dict:
+    """Environment for the peer, set before TorchTrainer is built (Ray Train propagates it)."""
+    quiet_ray_train()
+    if args.raytrain_poll_s is not None:
+        os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.raytrain_poll_s)
+    return {"raytrain_poll_s": float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0))}
 
 
 # ---- the workload -------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Issue #4: time lost to one SIGKILLed worker, ours (hot spare) vs Ray Train (restart from checkpoint).
 
-    python benchmarks/recovery.py [--steps 40 --kill-step 20 --kill-rank 1]
+    python benchmarks/recovery.py [--steps 24 --kill-step 12 --kill-rank 1] [--raytrain-poll-s 2]
 
 Four runs on the MLP workload, 4 ranks, in one Ray: ours clean and with rank ``kill-rank``
 SIGKILLed in step ``kill-step`` (``ScalingConfig(num_backups=1)``: one hot spare, no storage), and
@@ -27,8 +27,8 @@ import logging
 import time
 
 import elastic
-from common import (add_workload_args, claim_stdout, elastic_trainer, emit, finished_at, first_step_done,
-                    quiet_ray_train, ratio, run_raytrain, start_ray, workload_from_args)
+from common import (add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain, elastic_trainer, emit,
+                    finished_at, first_step_done, ratio, run_raytrain, start_ray, workload_from_args)
 
 logger = logging.getLogger("bench.recovery")
 
@@ -59,12 +59,13 @@ def run_ours(w, steps: int, kill: dict | None) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p, steps=40)
-    p.add_argument("--kill-step", type=int, default=20)
+    add_workload_args(p, steps=24)
+    add_raytrain_args(p)
+    p.add_argument("--kill-step", type=int, default=12)
     p.add_argument("--kill-rank", type=int, default=1)
     args = p.parse_args(argv)
     claim_stdout()
-    quiet_ray_train()
+    peer = configure_raytrain(args)
     w = workload_from_args(args)
     start_ray(args.num_cpus)
     kill = {"kind": "kill", "rank": args.kill_rank, "at_step": args.kill_step}
@@ -80,7 +81,7 @@ def main(argv=None) -> None:
 
     ours_lost = ours_crash["train_span_s"] - ours_clean["train_span_s"]
     their_lost = their_crash["train_span_s"] - their_clean["train_span_s"]
-    common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
+    common = {**peer, "workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
               "steps": args.steps, "kill_step": args.kill_step, "kill_rank": args.kill_rank}
     if ours_crash["failures"] != 1 or not ours_crash["recoveries"]:
         logger.error("ours: expected exactly one failure and recovery, got %s", ours_crash)

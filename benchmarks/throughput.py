@@ -15,8 +15,9 @@ import logging
 import statistics
 import time
 
-from common import (add_workload_args, claim_stdout, elastic_trainer, emit, first_step_done, quiet_ray_train, ratio,
-                    run_raytrain, span_throughput, start_ray, step_throughput, workload_from_args)
+from common import (add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain, elastic_trainer, emit,
+                    first_step_done, ratio, run_raytrain, span_throughput, start_ray, step_throughput,
+                    workload_from_args)
 
 logger = logging.getLogger("bench.throughput")
 
@@ -43,11 +44,12 @@ def run_ours(w, steps: int, warmup: int, name: str) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(p, steps=300)
+    add_raytrain_args(p)
     p.add_argument("--warmup", type=int, default=20, help="steps left out of the steady-state figures")
     p.add_argument("--repeats", type=int, default=1, help="pairs run; the median of each figure is reported")
     args = p.parse_args(argv)
     claim_stdout()
-    quiet_ray_train()
+    peer = configure_raytrain(args)
     w = workload_from_args(args)
     start_ray(args.num_cpus)
 
@@ -67,7 +69,7 @@ def main(argv=None) -> None:
         vals = [r[key] for r in runs if r.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
+    common = {**peer, "workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
               "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
     ours_sps, their_sps = med(ours, "samples_per_s"), med(theirs, "samples_per_s")
     ours_ttfs, their_ttfs = med(ours, "time_to_first_step_s"), med(theirs, "time_to_first_step_s")

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ def _stdout() -> Console:
 err_console = Console(stderr=True)
 
 _verbose = False
+# True only under main(): a hard exit must never end a process that merely calls ``app`` (tests).
+_standalone = False
 
 
 class CliError(Exception):
@@ -82,7 +85,7 @@ def _one_line(text: str, limit: int = 400) -> str:
 def _fail(message: str, code: int, hard_exit: bool = False) -> None:
     # soft_wrap: a long reason must stay on one line however narrow the terminal is.
     err_console.print(f"elastic: error: {_one_line(message, 1000)}", markup=False, highlight=False, soft_wrap=True)
-    if hard_exit:
+    if hard_exit and _standalone:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -127,7 +130,8 @@ def _plain(line: str) -> None:
 
 
 def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
+    """A table or summary cell: '-' for None, and never read as rich markup (run names are free text)."""
+    return "-" if value is None else escape(str(value))
 
 
 def _seconds(value: Optional[float]) -> str:
@@ -321,10 +325,10 @@ def _controller_status(run: str, address: str, timeout_s: float) -> dict:
 
 def _summary(st: dict) -> str:
     total = st.get("total_steps")
-    step = f"{st.get('step')}/{total}" if total else _dash(st.get("step"))
+    step = f"{_dash(st.get('step'))}/{total}" if total else _dash(st.get("step"))
     ckpt = st.get("checkpoint") or {}
     parts = [
-        f"[bold]run[/] {st.get('run')}", f"[bold]state[/] {st.get('state')}", f"[bold]step[/] {step}",
+        f"[bold]run[/] {_dash(st.get('run'))}", f"[bold]state[/] {_dash(st.get('state'))}", f"[bold]step[/] {step}",
         f"[bold]loss[/] {_number(st.get('loss'))}", f"[bold]samples/s[/] {_number(st.get('samples_per_s'), '.0f')}",
         f"[bold]world[/] {st.get('world_size')}", f"[bold]spares[/] {st.get('spares')}",
         f"[bold]failures[/] {st.get('failures')}", f"[bold]recoveries[/] {st.get('recoveries')}",
@@ -364,10 +368,10 @@ def _runs_table(rows: list[tuple[str, Optional[dict]]]) -> Table:
         table.add_column(header, no_wrap=True)
     for run, st in rows:
         if st is None:
-            table.add_row(run, "[red]no answer[/]", "-", "-", "-", "-")
+            table.add_row(_dash(run), "[red]no answer[/]", "-", "-", "-", "-")
             continue
         total = st.get("total_steps")
-        table.add_row(run, _dash(st.get("state")), f"{st.get('step')}/{total}" if total else _dash(st.get("step")),
+        table.add_row(_dash(run), _dash(st.get("state")), f"{st.get('step')}/{total}" if total else _dash(st.get("step")),
                       _dash(st.get("world_size")), _dash(st.get("spares")), _dash(st.get("failures")))
     return table
 
@@ -479,7 +483,7 @@ def _problem(text: Optional[str]) -> str:
     """``checkpoint step 2 is corrupt: s3://b/p/run/step-000000002/x: why`` -> ``step-000000002/x: why``."""
     if not text:
         return ""
-    return re.sub(r"^checkpoint step \d+ is corrupt: \S*?(step-\d+/)", r"\1", text)
+    return escape(re.sub(r"^checkpoint step \d+ is corrupt: \S*?(step-\d+/)", r"\1", text))
 
 
 def _steps_table(steps: list) -> Table:
@@ -553,7 +557,7 @@ def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
         table.add_column(header, justify=justify, no_wrap=True)
     for name, steps in rows:
         committed = [s for s in steps if s.status in ("valid", "committed")]
-        table.add_row(name, str(len(steps)), str(len(committed)),
+        table.add_row(_dash(name), str(len(steps)), str(len(committed)),
                       str(sum(1 for s in steps if s.status == "partial")),
                       str(sum(1 for s in steps if s.status == "corrupt")),
                       str(committed[-1].step) if committed else "-", _size(sum(s.size_bytes for s in steps)),
@@ -684,6 +688,8 @@ def _follow(client, job_id: str) -> None:
 
 def main() -> None:
     """Entry point of the ``elastic`` console script."""
+    global _standalone
+    _standalone = True
     app()
 
 

@@ -187,8 +187,8 @@ class Controller:
             self.group.shutdown()
 
     def _schedule(self) -> None:
-        total = self.scaling.num_replicas + self.scaling.num_hot_spares
-        check_cluster_fits(self.scaling, total)
+        # Only the ranks must fit now; spares may wait for capacity an autoscaler will add.
+        check_cluster_fits(self.scaling, self.scaling.num_replicas)
         self.log("schedule", f"placing {self.scaling.num_replicas} rank(s) and {self.scaling.num_hot_spares} "
                  f"spare(s), strategy {self.scaling.placement_strategy}", bundle=self.scaling.bundle())
 
@@ -843,7 +843,8 @@ class Controller:
         for m in self.group.members:
             res = self._last_results.get(m.rank)
             rows.append({
-                "rank": m.rank, "name": m.name, "node_ip": m.info.get("node_ip"), "node_rank": m.node_rank,
+                "rank": m.rank, "name": m.name, "node_ip": m.info.get("node_ip"), "node_id": m.info.get("node_id"),
+                "node_rank": m.node_rank,
                 "local_rank": m.local_rank, "pid": m.info.get("pid"), "role": "active",
                 "state": "late" if m.rank in self._busy else self.state.value, "step": self.step,
                 "step_time_s": getattr(res, "step_time_s", None),
@@ -851,7 +852,8 @@ class Controller:
                 "straggler_score": scores.get(m.rank, 1.0),
             })
         for m in self.group.spares:
-            rows.append({"rank": None, "name": m.name, "node_ip": m.info.get("node_ip"), "node_rank": None,
+            rows.append({"rank": None, "name": m.name, "node_ip": m.info.get("node_ip"),
+                         "node_id": m.info.get("node_id"), "node_rank": None,
                          "local_rank": None, "pid": m.info.get("pid"), "role": "spare", "state": "ready",
                          "step": None, "step_time_s": None, "heartbeat_age_s": None, "straggler_score": None})
         return rows

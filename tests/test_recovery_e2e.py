@@ -46,7 +46,7 @@ def recomputed(result) -> int:
 
 def test_sigkill_from_outside_mid_step(ray_cluster, clean_weights):
     # Slow every step down a little so the kill lands inside one.
-    trainer = make_trainer("sigkill", faults=[{"kind": "slow", "rank": 0, "factor": 1.0, "from_step": 1}])
+    trainer = make_trainer("sigkill", faults=[{"kind": "slow", "rank": 0, "factor": 30.0, "from_step": 1}])
     box = {}
     th = threading.Thread(target=lambda: box.setdefault("result", trainer.fit(steps=STEPS)))
     th.start()

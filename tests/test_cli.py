@@ -1,0 +1,206 @@
+"""The ``elastic`` CLI: one-line errors with a non-zero exit and no traceback, in bounded time.
+
+``status`` and ``submit`` against a cluster run as subprocesses (Ray's C++ core writes straight to
+fd 2, and the token reaches Ray the normal way, through the environment); the rest runs in-process
+through Typer's CliRunner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from elastic.checkpoint import CheckpointStore
+from elastic.cli import app, parse_storage_options
+from test_jobs_e2e import ROOT, RayHead, free_ports
+
+runner = CliRunner(env={"COLUMNS": "200"})  # tables unabridged whatever the terminal
+
+
+def run_cli(args: list[str], env: dict | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ if env is None else env, COLUMNS="200")  # tables unabridged whatever the terminal
+    return subprocess.run([sys.executable, "-m", "elastic.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def one_line_error(returncode: int, stdout: str, stderr: str) -> str:
+    """The single error line; fails unless the exit is non-zero and nothing else went to stderr."""
+    assert returncode != 0, stdout
+    assert "Traceback" not in stdout + stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("elastic: error: "), lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    head = RayHead(num_cpus=2).start()
+    yield head
+    head.stop()
+
+
+# ---- status -----------------------------------------------------------------------------------
+
+def test_status_unreachable_address_fails_fast():
+    port = free_ports(1)[0]  # closed again by the time the CLI connects
+    start = time.monotonic()
+    result = runner.invoke(app, ["status", "--address", f"127.0.0.1:{port}", "digits"])
+    assert time.monotonic() - start < 10
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert f"cannot reach a Ray cluster at 127.0.0.1:{port}" in line
+
+
+def test_status_unreachable_address_subprocess_one_line():
+    port = free_ports(1)[0]
+    out = run_cli(["status", "--address", f"127.0.0.1:{port}", "digits"])
+    assert "cannot reach a Ray cluster" in one_line_error(out.returncode, out.stdout, out.stderr)
+
+
+def test_status_rejects_dashboard_url():
+    result = runner.invoke(app, ["status", "--address", "http://127.0.0.1:8265", "digits"])
+    assert result.exit_code == 2
+    assert "dashboard URL" in one_line_error(result.exit_code, result.stdout, result.stderr)
+
+
+def test_status_unknown_run_on_a_real_cluster(ray_head):
+    out = run_cli(["status", "--address", ray_head.gcs_address, "no-such-run"], env=ray_head.env())
+    line = one_line_error(out.returncode, out.stdout, out.stderr)
+    assert "no run 'no-such-run'" in line and "elastic-no-such-run" in line
+
+
+def test_status_without_a_run_name_and_no_runs(ray_head):
+    out = run_cli(["status", "--address", ray_head.gcs_address], env=ray_head.env())
+    assert "no elastic run is live" in one_line_error(out.returncode, out.stdout, out.stderr)
+
+
+def test_status_without_the_token_says_how_to_pass_it(ray_head):
+    start = time.monotonic()
+    out = run_cli(["status", "--address", ray_head.gcs_address, "--timeout", "20", "digits"],
+                  env=ray_head.env(auth=False))
+    line = one_line_error(out.returncode, out.stdout, out.stderr)
+    assert "authentication failed" in line and "RAY_AUTH_MODE=token" in line and "RAY_AUTH_TOKEN" in line
+    assert ray_head.token not in out.stdout + out.stderr
+    assert time.monotonic() - start < 90  # torch import + at most --timeout
+
+
+# ---- submit -----------------------------------------------------------------------------------
+
+def test_submit_unreachable_dashboard():
+    port = free_ports(1)[0]
+    result = runner.invoke(app, ["submit", "--address", f"http://127.0.0.1:{port}", "examples/digits.py"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert f"127.0.0.1:{port}" in line
+
+
+def test_submit_missing_script(tmp_path):
+    result = runner.invoke(app, ["submit", "--working-dir", str(tmp_path), "nope.py"])
+    assert result.exit_code == 2
+    assert "nope.py not found" in one_line_error(result.exit_code, result.stdout, result.stderr)
+
+
+def test_submit_runs_a_script_with_its_working_dir(ray_head, tmp_path):
+    (tmp_path / "hello.py").write_text("import sys\nprint('hello from', sys.argv[1:])\n")
+    out = run_cli(["submit", "--address", ray_head.dashboard_url, "--working-dir", str(tmp_path), "--follow",
+                   "hello.py", "--", "--flag", "x"], env=ray_head.env(), timeout_s=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "job: raysubmit_" in out.stdout
+    assert f"dashboard: {ray_head.dashboard_url}/#/jobs/raysubmit_" in out.stdout
+    assert "hello from ['--flag', 'x']" in out.stdout
+    assert "SUCCEEDED" in out.stdout
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+def write_run(root: str, run: str, steps: dict[int, str]) -> None:
+    """Steps of a 2-rank run: ``committed`` (manifest written), ``partial`` (no manifest) or ``corrupt``
+    (committed, then one shard byte flipped)."""
+    store = CheckpointStore(root, run)
+    state = {"model": {"w": torch.arange(16, dtype=torch.float32).reshape(4, 4)}, "step": 0}
+    for step, kind in steps.items():
+        entries = []
+        for rank in range(2):
+            entries += store.write_rank_files(step, rank, 2, state)
+        if kind != "partial":
+            store.commit(step, entries, 2)
+        if kind == "corrupt":
+            path = os.path.join(root, run, f"step-{step:09d}", "shard-r0-of-2.safetensors")
+            data = bytearray(open(path, "rb").read())
+            data[-1] ^= 0xFF
+            open(path, "wb").write(bytes(data))
+
+
+def test_checkpoints_lists_steps_and_marks_partial_and_corrupt(tmp_path):
+    write_run(str(tmp_path), "digits", {10: "committed", 20: "corrupt", 30: "partial"})
+    result = runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "digits"])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    rows = {ln.split("│")[1].strip(): ln for ln in result.stdout.splitlines() if ln.count("│") > 3}
+    assert "valid" in rows["10"]
+    assert "corrupt" in rows["20"] and "sha256 mismatch" in rows["20"]
+    assert "partial" in rows["30"]
+    assert "latest usable: step 10" in result.stdout
+
+    as_json = runner.invoke(app, ["checkpoints", f"file://{tmp_path}", "--run", "digits", "--json"])
+    steps = {s["step"]: s for s in json.loads(as_json.stdout)}
+    assert [steps[s]["status"] for s in (10, 20, 30)] == ["valid", "corrupt", "partial"]
+    assert steps[10]["size_bytes"] > 0 and steps[10]["committed_at"] and steps[10]["world_size"] == 2
+
+
+def test_checkpoints_without_run_lists_runs(tmp_path):
+    write_run(str(tmp_path), "a", {1: "committed", 2: "partial"})
+    write_run(str(tmp_path), "b", {5: "committed"})
+    (tmp_path / "not-a-run").mkdir()
+    result = runner.invoke(app, ["checkpoints", str(tmp_path)])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    rows = {ln.split("│")[1].strip(): ln for ln in result.stdout.splitlines() if ln.count("│") > 3}
+    assert set(rows) == {"a", "b"}
+    # Given a run directory itself, it lists that run.
+    run_dir = runner.invoke(app, ["checkpoints", str(tmp_path / "b")])
+    assert run_dir.exit_code == 0 and "latest usable: step 5" in run_dir.stdout
+
+
+def test_checkpoints_empty_dir(tmp_path):
+    result = runner.invoke(app, ["checkpoints", str(tmp_path)])
+    assert result.exit_code == 0
+    assert "no checkpoints" in result.stdout
+    result = runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "digits"])
+    assert result.exit_code == 0
+    assert "no checkpoints for run 'digits'" in result.stdout
+
+
+def test_checkpoints_missing_local_dir(tmp_path):
+    result = runner.invoke(app, ["checkpoints", str(tmp_path / "nowhere")])
+    assert "does not exist" in one_line_error(result.exit_code, result.stdout, result.stderr)
+
+
+def test_checkpoints_unreachable_s3_fails_fast():
+    port = free_ports(1)[0]
+    secret = "cli-test-secret-0123456789"
+    start = time.monotonic()
+    result = runner.invoke(app, ["checkpoints", "s3://bucket/prefix", "-o", "key=testing", "-o", f"secret={secret}",
+                                 "-o", f"endpoint_url=http://127.0.0.1:{port}",
+                                 "-o", "client_kwargs.region_name=us-east-1"])
+    assert time.monotonic() - start < 30
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert "s3://bucket/prefix" in line
+    assert secret not in result.stdout + result.stderr
+
+
+def test_checkpoints_bad_storage_option():
+    result = runner.invoke(app, ["checkpoints", "/tmp", "-o", "novalue"])
+    assert result.exit_code == 2
+    assert "KEY=VALUE" in one_line_error(result.exit_code, result.stdout, result.stderr)
+
+
+def test_parse_storage_options_nests_and_parses_json():
+    opts = parse_storage_options(["anon=true", "client_kwargs.region_name=eu-west-1",
+                                  "config_kwargs.retries={\"max_attempts\": 1}", "key=abc"])
+    assert opts == {"anon": True, "client_kwargs": {"region_name": "eu-west-1"},
+                    "config_kwargs": {"retries": {"max_attempts": 1}}, "key": "abc"}

@@ -1,0 +1,135 @@
+"""deploy/: every YAML parses, every job entrypoint names a script of this repository with flags it
+accepts, auth stays on, and the Dockerfile builds what the manifests run. No Kubernetes needed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEPLOY = os.path.join(ROOT, "deploy")
+YAMLS = sorted(glob.glob(os.path.join(DEPLOY, "**", "*.y*ml"), recursive=True))
+
+
+def documents(path: str) -> list[dict]:
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def entrypoints(doc: dict) -> list[str]:
+    """RayJob ``spec.entrypoint``; any other ``entrypoint`` key found in the document, too."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "entrypoint" and isinstance(value, str):
+                    found.append(value)
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(doc)
+    return found
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+    groups = [spec["headGroupSpec"], *spec.get("workerGroupSpecs", [])]
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
+def test_deploy_has_the_expected_files():
+    names = {os.path.relpath(p, DEPLOY) for p in glob.glob(os.path.join(DEPLOY, "*"))}
+    assert {"rayjob-digits.yaml", "raycluster-gpu.yaml", "Dockerfile", "README.md"} <= names
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[os.path.relpath(p, ROOT) for p in YAMLS])
+def test_yaml_parses_into_kubernetes_objects(path):
+    docs = documents(path)
+    assert docs, f"{path} is empty"
+    for doc in docs:
+        assert doc.get("apiVersion") and doc.get("kind") and doc.get("metadata", {}).get("name"), doc
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[os.path.relpath(p, ROOT) for p in YAMLS])
+def test_entrypoints_name_scripts_in_the_repo(path):
+    for doc in documents(path):
+        for entrypoint in entrypoints(doc):
+            args = shlex.split(entrypoint)
+            scripts = [a for a in args if a.endswith(".py")]
+            assert args[0].startswith("python") and scripts, entrypoint
+            script = os.path.join(ROOT, scripts[0])
+            assert os.path.isfile(script), f"{entrypoint!r} names {scripts[0]}, which is not in the repository"
+            # Every --flag must be one the script's argparse declares.
+            source = open(script).read()
+            declared = set(re.findall(r"add_argument\(\s*[\"'](--[\w-]+)", source))
+            used = {a.split("=", 1)[0] for a in args[args.index(scripts[0]) + 1:] if a.startswith("--")}
+            assert used <= declared, f"{entrypoint!r}: {sorted(used - declared)} not accepted by {scripts[0]}"
+
+
+def test_rayjob_runs_digits_with_workers_and_spares():
+    (job,) = documents(os.path.join(DEPLOY, "rayjob-digits.yaml"))
+    assert job["kind"] == "RayJob"
+    args = shlex.split(job["spec"]["entrypoint"])
+    assert args[:2] == ["python", "examples/digits.py"]
+    flags = dict(zip(args[2::1], args[3::1]))
+    assert int(flags["--workers"]) >= 2 and int(flags["--spares"]) >= 1
+    assert "--storage" in flags
+
+
+@pytest.mark.parametrize("name", ["rayjob-digits.yaml", "raycluster-gpu.yaml"])
+def test_manifests_keep_token_auth_on(name):
+    (doc,) = documents(os.path.join(DEPLOY, name))
+    spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+    assert spec.get("authOptions", {}).get("mode") == "token"
+    for c in containers(doc):
+        for env in c.get("env", []):
+            assert not (env["name"] == "RAY_AUTH_MODE" and env.get("value") == "disabled")
+
+
+def test_raycluster_has_a_gpu_worker_group():
+    (cluster,) = documents(os.path.join(DEPLOY, "raycluster-gpu.yaml"))
+    assert cluster["kind"] == "RayCluster"
+    gpu_groups = [g for g in cluster["spec"]["workerGroupSpecs"]
+                  if any("nvidia.com/gpu" in c.get("resources", {}).get("limits", {})
+                         for c in g["template"]["spec"]["containers"])]
+    assert gpu_groups
+
+
+def test_manifests_use_the_image_the_dockerfile_builds():
+    images = {c["image"] for name in ("rayjob-digits.yaml", "raycluster-gpu.yaml")
+              for c in containers(documents(os.path.join(DEPLOY, name))[0])}
+    assert len(images) == 1, images
+    dockerfile = open(os.path.join(DEPLOY, "Dockerfile")).read()
+    assert re.search(r"^FROM python:3\.11", dockerfile, re.M)
+    assert "TORCH_VERSION=2.13.0" in dockerfile and "torch==${TORCH_VERSION}" in dockerfile
+    assert re.search(r"pip install \.", dockerfile)
+    assert dockerfile.index("torch==") < dockerfile.index("pip install .")
+
+
+def declared_metrics() -> set[str]:
+    """Prometheus names of the metrics elastic/metrics.py declares (Ray adds the ``ray_`` prefix)."""
+    source = open(os.path.join(ROOT, "elastic", "metrics.py")).read()
+    return {f"ray_{name}" for name in re.findall(r"(?:Histogram|Gauge|Counter)\(\s*\"(elastic_\w+)\"", source)}
+
+
+def test_grafana_dashboard_queries_only_declared_metrics_and_all_of_them():
+    import json
+
+    with open(os.path.join(DEPLOY, "grafana-elastic.json")) as f:
+        dashboard = json.load(f)
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"ray_elastic_\w+", e)}
+    declared = declared_metrics()
+    assert declared, "no metrics found in elastic/metrics.py"
+    assert used <= declared, f"panels query undeclared metrics: {sorted(used - declared)}"
+    assert declared <= used, f"metrics without a panel: {sorted(declared - used)}"

@@ -1,0 +1,84 @@
+"""Node loss on a real multi-node Ray cluster: a raylet removed while two ranks live on it.
+
+Both ranks are replaced in one rebuild from the hot spares on the surviving node, no survivor
+restarts, and the final weights equal a failure-free run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import elastic
+from conftest import worker_env
+from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Head: no CPUs (driver and controller only). Nodes A and B: room for two ranks each, so the
+    # four ranks land two and two. The spares' node C joins once the ranks are placed.
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    node_a = c.add_node(num_cpus=2)
+    c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    ray.init(address=c.address, runtime_env=worker_env(), log_to_driver=False)
+    yield c, node_a
+    ray.shutdown()
+    c.shutdown()
+
+
+def trainer(name, backups):
+    return elastic.Trainer(
+        make_model, make_sgd, make_dataset, loss_fn, 32,
+        scaling=elastic.ScalingConfig(num_workers=4, num_backups=backups),
+        run=elastic.RunConfig(name=name, seed=0),
+        faults=[{"kind": "slow", "rank": 0, "factor": 30.0, "from_step": 1}])
+
+
+def test_remove_node_with_two_ranks(cluster):
+    c, node_a = cluster
+    clean = trainer("nodeclean", backups=0).fit(steps=STEPS).model_state
+
+    t = trainer("nodeloss", backups=2)
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("r", t.fit(steps=STEPS)))
+    th.start()
+    removed_ranks = None
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        pgs = ray.util.placement_group_table().values()
+        if any(p["name"] == "elastic-nodeloss/ranks" and p["state"] == "CREATED" for p in pgs):
+            break
+        time.sleep(0.1)
+    c.add_node(num_cpus=2)
+    while time.time() < deadline and th.is_alive():
+        try:
+            st = ray.get(ray.get_actor("controller", namespace="elastic-nodeloss").status.remote())
+        except Exception:
+            time.sleep(0.05)
+            continue
+        if st["step"] >= 3 and st["state"] == "running":
+            removed_ranks = [r["rank"] for r in st["ranks"] if r["role"] == "active" and r["node_id"] == node_a.node_id]
+            c.remove_node(node_a, allow_graceful=False)
+            break
+        time.sleep(0.02)
+    th.join(timeout=180)
+    result = box["r"]
+    assert removed_ranks is not None and len(removed_ranks) == 2
+    assert result.metrics["steps"] == STEPS
+    # one rebuild for the whole node
+    assert len(result.recoveries) == 1
+    assert sorted(result.recoveries[0]["ranks"]) == sorted(removed_ranks)
+    replaced = [e["details"]["rank"] for e in result.events if e["kind"] == "replace"]
+    assert sorted(replaced) == sorted(removed_ranks)
+    assert result.metrics["dispatches"] - result.metrics["steps"] <= 1
+    assert_weights_close(result.model_state, clean, atol=1e-6)
