@@ -1,7 +1,7 @@
 """Issue #3: the cost of a checkpoint every step, on file:// and on S3 (moto on loopback), and against
 Ray Train's ``train.report(checkpoint=...)`` every step.
 
-    python benchmarks/checkpoint_overhead.py [--steps 150 --warmup 10 --raytrain-steps 20] [--skip-s3]
+    python benchmarks/checkpoint_overhead.py [--steps 100 --warmup 10 --raytrain-steps 20] [--skip-s3]
 
 Five runs on the MLP workload, 4 ranks, in one Ray: ours without checkpoints (before and after the
 two below, so load drift on a shared machine hits baseline and checkpointed runs alike), ours with
@@ -12,17 +12,18 @@ and Ray Train's TorchTrainer saving model + optimizer from rank 0 and reporting 
 default), so with a report every step its rate is set by that interval; it runs ``--raytrain-steps``
 steps (fewer than ours, to keep the run short; both are rates over steady-state steps).
 
-Overhead = mean controller step wall time with checkpoints / without (the mean of the two baseline
-runs), over the steps after ``warmup``. Steps/s against Ray Train: ours by the wall clock from the end of step ``warmup`` to the
-FINISHED transition (which waits for the last commit), theirs timed on rank 0 over the same steps.
+Overhead = mean controller step wall time with checkpoints / without (the mean of the two
+baseline runs), over the steps after ``warmup``. Steps/s against Ray Train: ours by the wall clock
+from the end of step ``warmup`` to the FINISHED transition (which waits for the last commit),
+theirs timed on rank 0 over its steady-state steps.
 
-Checkpoint lag (steps training is ahead of the newest committed checkpoint), in order of preference:
-``checkpoint_commit`` events' ``details["lag"]``; else commit events' times against the step
-timeline (RUNNING + cumulative step wall times); else the controller's ``status()`` polled every
-``--poll-s`` during the run (``checkpoint.lag``). Persist seconds (step end -> commit): from
-``checkpoint_commit`` details ``persist_s``; else commit event times against the step timeline;
-else the retained steps' manifest ``created_at`` (``keep_last`` of them). Size: the retained
-committed steps' bytes on storage. The source used is printed with each figure.
+Checkpoint lag (steps training is ahead of the newest committed checkpoint), in order of
+preference: ``checkpoint_commit`` events' ``details["lag"]``; else commit events' times against
+the step timeline (RUNNING + cumulative step wall times); else the controller's ``status()``
+(``checkpoint.lag``) polled every ``--poll-s`` during every run, baselines included. Persist
+seconds (step end -> commit): ``checkpoint_commit`` details ``persist_s``; else commit event times
+against the step timeline; else the retained steps' manifest ``created_at`` (``keep_last`` of
+them). Size: the retained committed steps' bytes on storage. Each figure names its source.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def commit_readings(res, poll: list[dict]) -> dict:
                            for d, e in zip(details, commits)]
             out["lag_source"] = "checkpoint_commit times vs history step times"
         if all("persist_s" in d for d in details):
-            out["persist_s"], out["persist_source"] = [d["persist_s"] for d in details], "checkpoint_commit details.persist_s"
+            out["persist_s"] = [d["persist_s"] for d in details]
+            out["persist_source"] = "checkpoint_commit details.persist_s"
         else:
             out["persist_s"] = [d.get("time", e["time"]) - end_of[d["step"]] for d, e in zip(details, commits)
                                 if d["step"] in end_of]
@@ -131,14 +133,15 @@ def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options
     run = elastic.RunConfig(name=name, storage=storage, storage_options=options, seed=w.seed,
                             checkpoint=elastic.CheckpointConfig(every_n_steps=1 if storage else 0))
     trainer = elastic_trainer(w, name, run=run)
-    poller = StatusPoller(trainer, poll_s) if storage else None
-    if poller:
-        poller.start()
+    # Every run is polled, baselines too: polling is not free for the controller (on this machine
+    # runs with it were, if anything, faster), so all runs must carry it alike.
+    poller = StatusPoller(trainer, poll_s)
+    poller.start()
     t_call = time.time()
     try:
         res = trainer.fit(steps=steps)
     finally:
-        samples = poller.stop() if poller else []
+        samples = poller.stop()
     out = {"fit_wall_s": time.time() - t_call, **step_throughput(res, after_step=warmup),
            "span": span_throughput(res, warmup), "checkpoint": res.checkpoint}
     if storage:
@@ -152,7 +155,8 @@ def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options
                 end_of = {st: t for t, st in step_end_times(res)}
                 out["persist_s"] = [i.committed_at - end_of[i.step] for i in infos
                                     if i.committed_at and i.step in end_of]
-                out["persist_source"] = f"manifest created_at minus the step's end ({len(out['persist_s'])} retained steps)"
+                out["persist_source"] = (f"manifest created_at minus the step's end "
+                                         f"({len(out['persist_s'])} retained steps)")
         except Exception as exc:  # noqa: BLE001 - a listing problem must not lose the timings
             logger.warning("could not list %s: %s", storage, exc)
             out["stored_steps"] = []
@@ -176,7 +180,7 @@ def start_moto():
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p, steps=150)
+    add_workload_args(p, steps=100)
     add_raytrain_args(p)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--raytrain-steps", type=int, default=20)

@@ -103,8 +103,8 @@ def main(argv=None) -> None:
          else None, **common)
     recs = ours_crash["recoveries"]
     emit("time_to_detect_seconds", recs[0]["detect_s"] if recs else None, "s",
-         note="from dispatch of the failed step to the controller seeing the death", kind=recs[0]["kind"] if recs else None,
-         **common)
+         note="from dispatch of the failed step to the controller seeing the death",
+         kind=recs[0]["kind"] if recs else None, **common)
     emit("time_to_rebuild_seconds", recs[0]["rebuild_s"] if recs else None, "s",
          note="from the failure to the rebuilt group (spare promoted, state synced, rendezvous)", **common)
 

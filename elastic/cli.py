@@ -371,8 +371,9 @@ def _runs_table(rows: list[tuple[str, Optional[dict]]]) -> Table:
             table.add_row(_dash(run), "[red]no answer[/]", "-", "-", "-", "-")
             continue
         total = st.get("total_steps")
-        table.add_row(_dash(run), _dash(st.get("state")), f"{st.get('step')}/{total}" if total else _dash(st.get("step")),
-                      _dash(st.get("world_size")), _dash(st.get("spares")), _dash(st.get("failures")))
+        step = f"{_dash(st.get('step'))}/{total}" if total else _dash(st.get("step"))
+        table.add_row(_dash(run), _dash(st.get("state")), step, _dash(st.get("world_size")), _dash(st.get("spares")),
+                      _dash(st.get("failures")))
     return table
 
 
@@ -570,7 +571,8 @@ def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
 @app.command()
 @_friendly
 def checkpoints(
-    url: str = typer.Argument(..., help="Checkpoint root, as RunConfig.storage: /path, file:///path, s3://bucket/prefix."),
+    url: str = typer.Argument(..., help="Checkpoint root, as RunConfig.storage: /path, file:///path, "
+                                        "s3://bucket/prefix."),
     run: Optional[str] = typer.Option(None, "--run", "-r", help="Run name; default: list the runs under URL."),
     storage_option: list[str] = typer.Option(
         [], "--storage-option", "-o", help="KEY=VALUE for fsspec (repeatable); dotted keys nest "

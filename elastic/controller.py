@@ -215,7 +215,8 @@ class Controller:
         if self.store is not None:
             from elastic.checkpoint import CheckpointCommitter
 
-            self.committer = CheckpointCommitter(self.store, self.run_config.checkpoint)
+            self.committer = CheckpointCommitter(self.store, self.run_config.checkpoint,
+                                                 latest_committed=self.restored_from)
             ckpt = self.run_config.checkpoint
             ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options,
                                                          self.run_config.name, ckpt.every_n_steps, ckpt.blocking)
@@ -403,7 +404,17 @@ class Controller:
         for step, entries in extra.get("ckpt_done", []):
             self.committer.add(step, rank, extra.get("world_size", len(self.group.members)), entries)
         for ev in extra.get("ckpt_events", []):
-            self.log("checkpoint_storage", ev.get("message", str(ev)), rank=rank, **{k: v for k, v in ev.items() if k != "message"})
+            self._log_storage_event(ev, rank)
+
+    def _log_storage_event(self, ev: dict, rank: int | None = None) -> None:
+        details = {k: v for k, v in ev.items() if k not in ("message", "rank")}
+        if ev.get("event") == "checkpoint_committed":
+            details["lag"] = max(0, self.step - int(ev["step"]))
+            self.log("checkpoint_commit", ev.get("message", ""), **details)
+            if self.metrics is not None:
+                self.metrics.on_checkpoint(float(ev.get("commit_s", 0.0)))
+        else:
+            self.log("checkpoint_storage", ev.get("message", str(ev)), rank=rank, **details)
 
     # ---- gathering and failure detection ----------------------------------------------------
     def _gather(self, refs: list, ranks: list[int], step: int, need: int | None = None) -> dict[int, Any]:
@@ -695,7 +706,15 @@ class Controller:
         self._pending_shards = None
         if position is None:
             self.step = 0
+        # Steps after the restored one will be trained (and committed) again.
+        self.committer.rewind(self.step if position is not None else None)
+        self._truncate_history(self.step)
         self.log("restart", f"every rank restarted from step {self.step}")
+
+    def _truncate_history(self, step: int) -> None:
+        """After a restart from a checkpoint, steps past it are trained again: forget them once."""
+        self.history = [h for h in self.history if h.step <= step]
+        self.ledger.entries = [e for e in self.ledger.entries if e.step <= step]
 
     def _sync_state(self) -> None:
         """Bring every rank to the newest state a survivor holds, through the object store."""
@@ -730,6 +749,8 @@ class Controller:
             if self.scaling.aggregation == "all":
                 for r, res in self._last_results.items():
                     self._merge_ckpt(r, res)
+            for ev in self.committer.drain_events():
+                self._log_storage_event(ev)
             self.committer.set_meta(record.step, {
                 "data_position": self.plan.position.to_dict(),
                 "world_size": record.world_size,
@@ -807,9 +828,10 @@ class Controller:
         refs = [m.actor.flush_checkpoint.remote() for m in self.group.members]
         for r, extra in enumerate(ray.get(refs)):
             self._merge_ckpt(r, extra)
-        self.committer.flush(timeout_s=60)
+        if not self.committer.flush(timeout_s=60):
+            self.log("checkpoint_storage", "final checkpoint not committed within 60s; storage may be down")
         for ev in self.committer.drain_events():
-            self.log("checkpoint", ev.get("message", str(ev)))
+            self._log_storage_event(ev)
 
     def result(self, include_state: bool) -> dict:
         out = {

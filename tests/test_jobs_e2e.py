@@ -53,7 +53,8 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "
         except Exception as exc:  # noqa: BLE001 - retried until the deadline
             last_exc = exc
         time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+    detail = f" (last error: {last_exc!r})" if last_exc else ""
+    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}{detail}")
 
 
 def _session_id(pid: int) -> int | None:
