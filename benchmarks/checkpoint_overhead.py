@@ -34,46 +34,16 @@ import logging
 import re
 import shutil
 import tempfile
-import threading
 import time
 
 import elastic
-from common import (add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain, elastic_trainer, emit,
-                    events_of, ratio, run_raytrain, running_since, span_throughput, start_ray, step_throughput,
-                    workload_from_args)
+from common import (StatusPoller, add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain,
+                    elastic_trainer, emit, events_of, ratio, run_raytrain, running_since, span_throughput, start_ray,
+                    step_throughput, workload_from_args)
 
 logger = logging.getLogger("bench.checkpoint")
 
 BUCKET = "elastic-bench"
-
-
-class StatusPoller(threading.Thread):
-    """Samples the controller's ``status()`` (its own thread in the actor) while ``fit`` runs."""
-
-    def __init__(self, trainer, interval_s: float):
-        super().__init__(daemon=True, name="status-poller")
-        self.trainer, self.interval_s = trainer, interval_s
-        self.samples: list[dict] = []
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        import ray
-
-        while not self._done.is_set():
-            handle = self.trainer.controller
-            if handle is not None:
-                try:
-                    st = ray.get(handle.status.remote(), timeout=2)
-                except Exception:  # the actor is starting or gone; try again next tick
-                    st = None
-                if st and st.get("state") == "running" and st.get("checkpoint"):
-                    self.samples.append({"time": time.time(), "step": st["step"], **st["checkpoint"]})
-            self._done.wait(self.interval_s)
-
-    def stop(self) -> list[dict]:
-        self._done.set()
-        self.join(timeout=5)
-        return self.samples
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -118,8 +88,9 @@ def commit_readings(res, poll: list[dict]) -> dict:
             out["persist_source"] = "commit time minus the step's end"
         out["sizes"] = [d["bytes"] for d in details if "bytes" in d]
     if not out["lags"] and poll:
-        out["lags"], out["lag_source"] = [p["lag"] for p in poll if p.get("lag") is not None], \
-            f"controller status() polled ({len(poll)} samples)"
+        running = [p for p in poll if p["state"] == "running" and p["lag"] is not None]
+        out["lags"], out["lag_source"] = [p["lag"] for p in running], \
+            f"controller status() polled ({len(running)} samples while running)"
     if not out["sizes"]:
         # The committer's messages, logged when training finishes: "committed step N (F files, X MB)".
         for e in res.events:

@@ -16,6 +16,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -241,6 +242,42 @@ def span_throughput(res, warmup: int) -> dict:
     steps = sum(1 for h in res.history if h["step"] > warmup)
     return {"samples_per_s": samples / span if span > 0 else None, "steps_per_s": steps / span if span > 0 else None,
             "span_s": span, "steps": steps}
+
+
+class StatusPoller(threading.Thread):
+    """Samples the controller's ``status()`` (its own thread in the actor) while ``fit`` runs.
+
+    Each sample: time, step, state, spares and the checkpoint's latest/lag. Not free for the
+    controller, so a script polls all the runs it compares or none.
+    """
+
+    def __init__(self, trainer, interval_s: float):
+        super().__init__(daemon=True, name="status-poller")
+        self.trainer, self.interval_s = trainer, interval_s
+        self.samples: list[dict] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        import ray
+
+        while not self._done.is_set():
+            handle = self.trainer.controller
+            if handle is not None:
+                try:
+                    st = ray.get(handle.status.remote(), timeout=2)
+                except Exception:  # the actor is starting or gone; try again next tick
+                    st = None
+                if st:
+                    ckpt = st.get("checkpoint") or {}
+                    self.samples.append({"time": time.time(), "step": st["step"], "state": st["state"],
+                                         "spares": st.get("spares"), "world_size": st.get("world_size"),
+                                         "latest": ckpt.get("latest"), "lag": ckpt.get("lag")})
+            self._done.wait(self.interval_s)
+
+    def stop(self) -> list[dict]:
+        self._done.set()
+        self.join(timeout=5)
+        return self.samples
 
 
 def events_of(res, kind: str) -> list[dict]:

@@ -1,12 +1,14 @@
 """Issue #5: throughput with one rank slowed 3x, plain sync vs first-N-of-M vs first-N plus eviction.
 
-    python benchmarks/straggler.py [--steps 50 --slow-from 10 --factor 3 --digits-epochs 10]
+    python benchmarks/straggler.py [--steps 50 --evict-steps 150 --slow-from 10 --factor 3 --digits-epochs 6]
 
 Four runs on the MLP workload, 4 active ranks: healthy plain sync; plain sync with rank 3 slowed
 ``factor``x from step ``slow-from``; first-N-of-M (b=1, M=5) with the same slowdown; first-N plus
 eviction (one hot spare, ``evict_stragglers=True``). Throughput is samples/s over the controller's
 per-step wall times of the steps from ``slow-from`` on (for eviction: the steps after the
-eviction). Each ratio is over the healthy plain run. Two more runs on the digits example (same
+eviction; the eviction run is longer, and its figure also gives the ratio over the steps after
+the replacement spare is ready, since on one small machine that spare's start-up takes CPU from
+training). Each ratio is over the healthy plain run. Two more runs on the digits example (same
 epochs) give the accuracy cost of dropping the late gradient: healthy plain minus first-N with
 the straggler. On digits the model is tiny, so the slowdown (a multiple of the rank's own compute
 time) is small; which gradient is dropped still follows arrival order.
@@ -19,21 +21,34 @@ import logging
 import time
 
 import elastic
-from common import (add_workload_args, claim_stdout, elastic_trainer, emit, events_of, finished_at, ratio,
-                    running_since, start_ray, step_throughput, workload_from_args)
+from common import (StatusPoller, add_workload_args, claim_stdout, elastic_trainer, emit, events_of, finished_at,
+                    ratio, running_since, start_ray, step_throughput, workload_from_args)
 
 logger = logging.getLogger("bench.straggler")
 
 
-def eviction_step(res) -> int | None:
-    """The step after which the straggler was evicted (the decision's event step)."""
+def eviction(res) -> dict | None:
+    """The EvictStraggler decision event (its step: the last step before the eviction)."""
     for e in events_of(res, "decision"):
         if e["details"].get("decision") == "EvictStraggler":
-            return e["step"]
+            return e
     return None
 
 
-def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int) -> dict:
+def spare_ready_step(samples: list[dict], evicted_at: float) -> int | None:
+    """First polled step after the eviction at which a hot spare is ready again.
+
+    The controller requests a replacement spare after promoting one; on one small machine that
+    actor's start-up (a process, torch, the model) competes with training for CPU. The controller
+    notices a ready spare every 10 steps, so this step is late by up to 10.
+    """
+    for p in samples:
+        if p["time"] > evicted_at and p["state"] == "running" and (p["spares"] or 0) >= 1:
+            return p["step"]
+    return None
+
+
+def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: float) -> dict:
     n = w.workers
     faults = [] if mode.endswith("healthy") else [slow]
     failure = None
@@ -46,25 +61,45 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int) -> dict:
         scaling = elastic.ScalingConfig(num_workers=n, num_backups=1, aggregation="first_n", num_spares=1,
                                         resources_per_worker={"CPU": 1})
         failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=2.0, straggler_window=evict_window)
+    trainer = elastic_trainer(w, f"straggler-{mode.replace('_', '-')}", scaling=scaling, failure=failure,
+                              faults=faults)
+    poller = StatusPoller(trainer, poll_s)  # every run, so all carry its (small) cost alike
+    poller.start()
     t_call = time.time()
-    res = elastic_trainer(w, f"straggler-{mode.replace('_', '-')}", scaling=scaling, failure=failure,
-                          faults=faults).fit(steps=steps)
+    try:
+        res = trainer.fit(steps=steps)
+    finally:
+        samples = poller.stop()
     wall = time.time() - t_call
     after = slow["from_step"] - 1
-    evicted = None
+    evicted = ready = None
+    extra = {}
     if mode == "evict":
-        evicted = eviction_step(res)
-        if evicted is None:
+        ev = eviction(res)
+        if ev is None:
             logger.warning("evict run: no EvictStraggler decision in the event log")
         else:
-            after = evicted
+            after = evicted = ev["step"]
+            ready = spare_ready_step(samples, ev["time"])
+            if ready is not None:
+                extra = {"after_spare_ready": step_throughput(res, after_step=ready)}
     tp = step_throughput(res, after_step=after)
     whole = finished_at(res) - running_since(res)
-    out = {"mode": mode, "measured_after_step": after, "evicted_after_step": evicted, **tp,
+    out = {"mode": mode, "measured_after_step": after, "evicted_after_step": evicted, "spare_ready_step": ready,
+           **tp, **extra,
            "whole_run_samples_per_s": sum(h["samples"] for h in res.history) / whole,
            "dropped_samples": res.metrics["dropped_samples"], "wall_s": wall}
     logger.info("%s: %s", mode, out)
     return out
+
+
+def evict_details(run: dict, base: float) -> dict:
+    """For the eviction run: the same ratio over the steps after the replacement spare was ready."""
+    if "after_spare_ready" not in run:
+        return {}
+    later = run["after_spare_ready"]
+    return {"spare_ready_step": run["spare_ready_step"], "ratio_after_spare_ready": ratio(later["samples_per_s"], base),
+            "steps_after_spare_ready": later["steps"]}
 
 
 def digits_accuracy(mode: str, workers: int, epochs: int, slow: dict) -> float:
@@ -93,7 +128,10 @@ def main(argv=None) -> None:
     p.add_argument("--factor", type=float, default=3.0)
     p.add_argument("--slow-from", type=int, default=10)
     p.add_argument("--evict-window", type=int, default=5, help="FailureConfig.straggler_window for the evict run")
-    p.add_argument("--digits-epochs", type=int, default=10)
+    p.add_argument("--evict-steps", type=int, default=150,
+                   help="steps of the eviction run: long enough to measure well after the eviction")
+    p.add_argument("--poll-s", type=float, default=0.2, help="controller status() poll interval")
+    p.add_argument("--digits-epochs", type=int, default=6)
     p.add_argument("--first-n-healthy", action="store_true",
                    help="also run first-N-of-M with no straggler (the cost of M = N + 1 replicas alone)")
     p.add_argument("--skip-accuracy", action="store_true")
@@ -104,7 +142,8 @@ def main(argv=None) -> None:
     slow = {"kind": "slow", "rank": args.slow_rank, "factor": args.factor, "from_step": args.slow_from}
 
     modes = ("healthy", "plain", "first_n", "evict") + (("first_n_healthy",) if args.first_n_healthy else ())
-    runs = {m: run_mode(w, m, args.steps, slow, args.evict_window) for m in modes}
+    runs = {m: run_mode(w, m, args.evict_steps if m == "evict" else args.steps, slow, args.evict_window,
+                        args.poll_s) for m in modes}
     base = runs["healthy"]["samples_per_s"]
     common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
               "steps": args.steps, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from}
@@ -112,7 +151,8 @@ def main(argv=None) -> None:
         r = runs[mode]
         emit(f"straggler_throughput_ratio_{mode}", ratio(r["samples_per_s"], base), "ratio",
              samples_per_s=r["samples_per_s"], healthy_samples_per_s=base, measured_after_step=r["measured_after_step"],
-             measured_steps=r["steps"], evicted_after_step=r["evicted_after_step"], **common)
+             measured_steps=r["steps"], evicted_after_step=r["evicted_after_step"], **evict_details(r, base),
+             **common)
     for mode, r in runs.items():
         emit(f"straggler_samples_per_s_{mode}", r["samples_per_s"], "samples/s",
              mean_step_time_s=r["mean_step_time_s"], measured_after_step=r["measured_after_step"],

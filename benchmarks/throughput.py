@@ -1,6 +1,6 @@
 """Issue #2: data-parallel throughput and start-up against Ray Train's TorchTrainer (DDP on gloo).
 
-    python benchmarks/throughput.py [--steps 300 --warmup 20 --repeats 1]
+    python benchmarks/throughput.py [--steps 200 --warmup 20 --repeats 2]
 
 Same model, data, shards and worker count in one run. Ours: samples/s by the wall clock from the
 end of step ``warmup`` to the FINISHED transition. Theirs: the train loop times itself on rank 0
@@ -43,10 +43,12 @@ def run_ours(w, steps: int, warmup: int, name: str) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p, steps=300)
+    add_workload_args(p, steps=200)
     add_raytrain_args(p)
     p.add_argument("--warmup", type=int, default=20, help="steps left out of the steady-state figures")
-    p.add_argument("--repeats", type=int, default=1, help="pairs run; the median of each figure is reported")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="pairs run, in ABBA order; the median of each figure is reported. On a shared machine "
+                        "one pair's ratio can be off by 2x; use 4 or more for a decision")
     args = p.parse_args(argv)
     claim_stdout()
     peer = configure_raytrain(args)
@@ -73,10 +75,13 @@ def main(argv=None) -> None:
               "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
     ours_sps, their_sps = med(ours, "samples_per_s"), med(theirs, "samples_per_s")
     ours_ttfs, their_ttfs = med(ours, "time_to_first_step_s"), med(theirs, "time_to_first_step_s")
+    def per_pair(key):
+        return [ratio(a[key], b[key]) for a, b in zip(ours, theirs)]
+
     emit("dp_throughput_ratio_vs_raytrain", ratio(ours_sps, their_sps), "ratio", ours_samples_per_s=ours_sps,
-         raytrain_samples_per_s=their_sps, **common)
+         raytrain_samples_per_s=their_sps, per_pair=per_pair("samples_per_s"), **common)
     emit("time_to_first_step_ratio_vs_raytrain", ratio(ours_ttfs, their_ttfs), "ratio",
-         ours_s=ours_ttfs, raytrain_s=their_ttfs, **common)
+         ours_s=ours_ttfs, raytrain_s=their_ttfs, per_pair=per_pair("time_to_first_step_s"), **common)
     emit("dispatch_overhead_fraction", med(ours, "dispatch_overhead_fraction"), "fraction",
          mean_step_time_s=med(ours, "mean_step_time_s"), mean_controller_time_s=med(ours, "mean_controller_time_s"),
          **common)

@@ -135,7 +135,9 @@ class Controller:
         self._per_worker = 0
         self._busy: dict[int, Any] = {}  # first-N: rank -> its newest outstanding ref
         self._late_compute: dict[Any, int] = {}  # first-N: late compute refs -> rank
+        self._compute_started: dict[int, float] = {}  # first-N: when a late rank's compute began
         self._checksum_pending: tuple[int, list] | None = None
+        self._checksums_seen: dict = {}
         self._last_results: dict[int, Any] = {}
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
@@ -253,6 +255,7 @@ class Controller:
         ray.get(refs, timeout=self.failure_config.collective_timeout_s + 30)
         self._busy.clear()
         self._late_compute.clear()
+        self._checksum_pending = None  # it may name actors that just left
         self.log("rendezvous", f"generation {self.generation}: {world} rank(s) at {addr}:{port} ({reason})",
                  generation=self.generation, world_size=world, seconds=time.time() - t0)
 
@@ -335,9 +338,11 @@ class Controller:
         fast_results = self._gather(list(refs), list(refs.values()), step, need=n)
         fast = sorted(fast_results)
         late = [r for r in free if r not in fast_results]
+        now = time.time()
         for ref, r in refs.items():
             if r in late:
                 self._late_compute[ref] = r
+                self._compute_started[r] = now - (time.perf_counter() - t0)
         publish = len(fast) < len(members)
         out = {}
         flat_ref = None
@@ -374,11 +379,15 @@ class Controller:
             done, _ = ray.wait(list(self._late_compute), num_returns=len(self._late_compute), timeout=0)
             for ref in done:
                 r = self._late_compute.pop(ref)
+                self._compute_started.pop(r, None)
                 try:
                     res = ray.get(ref)
                     self.straggler_policy.observe(r, res.compute_time_s)
                 except ray.exceptions.RayError:
                     pass  # a death shows up on the rank's busy ref below
+            now = time.time()
+            for r in self._late_compute.values():
+                self.straggler_policy.observe_pending(r, now - self._compute_started.get(r, now))
         if self._busy:
             refs = list(self._busy.values())
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -769,25 +778,34 @@ class Controller:
             self.group.collect_spares()
 
     def _check_replicas(self, step: int) -> None:
+        """Every K steps compare a parameter checksum of every replica, without waiting on any.
+
+        Each checksum call is queued behind that replica's own update for the step, so a late
+        replica reports its state after the same step when it gets there. Checksums are compared
+        as they arrive; a mismatch is an error, never ignored.
+        """
         k = self.failure_config.checksum_every_n_steps
         if self._checksum_pending is not None:
             cstep, refs = self._checksum_pending
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            if len(ready) == len(refs):
-                sums = ray.get(refs)
+            pending = [ref for ref in refs if ref not in self._checksums_seen]
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            for ref in ready:
+                self._checksums_seen[ref] = ray.get(ref)
+            if len(set(self._checksums_seen.values())) > 1:
+                raise ReplicaDivergence(f"replicas differ after step {cstep}: checksums "
+                                        f"{sorted(set(self._checksums_seen.values()))}")
+            if len(self._checksums_seen) == len(refs):
                 self._checksum_pending = None
-                if len(set(sums)) != 1:
-                    raise ReplicaDivergence(f"replicas differ after step {cstep}: checksums {sums}")
-                self.log("checksum", f"all {len(sums)} replicas identical after step {cstep}", step=cstep)
+                self.log("checksum", f"all {len(refs)} replicas identical after step {cstep}", step=cstep)
         if k and step % k == 0 and self._checksum_pending is None:
-            # Queued behind each replica's own update for this step, so every replica reports its
-            # state after the same step, without the controller waiting for the slowest.
+            self._checksums_seen: dict = {}
             self._checksum_pending = (step, [m.actor.param_checksum.remote() for m in self.group.members])
 
     def verify_replicas(self) -> list[int]:
         sums = ray.get([m.actor.param_checksum.remote() for m in self.group.members])
         if len(set(sums)) != 1:
             raise ReplicaDivergence(f"replicas differ at step {self.step}: checksums {sums}")
+        self.log("checksum", f"all {len(sums)} replicas identical at the end (step {self.step})", step=self.step)
         return sums
 
     def _evict(self, decision: EvictStraggler) -> None:
@@ -834,6 +852,10 @@ class Controller:
             self._log_storage_event(ev)
 
     def result(self, include_state: bool) -> dict:
+        final = {}
+        if include_state and self.group is not None and self.group.members:
+            final["replica_checksums"] = self.verify_replicas()  # waits for late replicas to catch up
+            final["model_state"] = ray.get(self.group.members[0].actor.get_state.remote())["model"]
         out = {
             "steps": self.step,
             "history": [asdict(h) for h in self.history],
@@ -850,9 +872,7 @@ class Controller:
         }
         if self.committer is not None:
             out["checkpoint"] = {"location": self.store.location, "latest_step": self.committer.latest_committed}
-        if include_state and self.group is not None and self.group.members:
-            out["model_state"] = ray.get(self.group.members[0].actor.get_state.remote())["model"]
-            out["replica_checksums"] = self.verify_replicas()
+        out.update(final)
         return out
 
     # ---- status for the CLI and dashboard ---------------------------------------------------

@@ -245,23 +245,24 @@ class TrainWorker:
         """
         t0 = time.perf_counter()
         self._enter("compute")
-        delay = self._injected_delay(step)
+        first = self._compute_ema is None  # nothing measured yet: slow down after this compute
+        delay = 0.0 if first else self._injected_delay(step)
         t1 = time.perf_counter()
         if self.spec.step_fn is not None:
             loss = self.spec.step_fn(model, batch)
-            fwd = time.perf_counter() - t1
-            self._note_compute(fwd)
+            self._note_compute(time.perf_counter() - t1)
+            if first:
+                delay = self._injected_delay(step)
             return loss, time.perf_counter() - t0
         loss = self.spec.loss_fn(model, batch)
         fwd = time.perf_counter() - t1
         self._enter("backward+allreduce" if has_collective else "backward")
         loss.backward()
         both = time.perf_counter() - t1
-        if has_collective:
-            self._note_compute(3 * fwd)
-            return loss, fwd + delay
-        self._note_compute(both)
-        return loss, both + delay
+        self._note_compute(3 * fwd if has_collective else both)
+        if first:
+            delay = self._injected_delay(step)
+        return loss, (fwd if has_collective else both) + delay
 
     def _run_guarded(self, fn: Callable[[], Any]) -> Any:
         """Run a step; a collective failure tears the group down at once so peers unblock.

@@ -1,8 +1,10 @@
 """Straggler policy: score each rank's speed and name a persistent straggler for eviction.
 
 A rank's score is the median of its recent local step times divided by the median over all ranks.
-A rank whose score stays above ``straggler_factor`` for a whole window is persistent. The policy
-only decides; the controller evicts the rank and puts a hot spare in its place.
+A rank whose score stays above ``straggler_factor`` for ``window`` consecutive steps is persistent.
+A rank still busy with an old step (first-N mode skips it until it catches up) is scored by how
+long it has been busy so far, so it does not look healthy just because it has not reported. The
+policy only decides; the controller evicts the rank and puts a hot spare in its place.
 """
 
 from __future__ import annotations
@@ -22,17 +24,26 @@ class StragglerPolicy:
         self.evict = evict
         self._times: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
         self._over: dict[int, int] = defaultdict(int)
+        self._busy_for: dict[int, float] = {}
 
     def observe(self, rank: int, local_time_s: float) -> None:
         self._times[rank].append(local_time_s)
+        self._busy_for.pop(rank, None)
+
+    def observe_pending(self, rank: int, elapsed_s: float) -> None:
+        """``rank`` has been computing one step for ``elapsed_s`` and has not finished."""
+        self._busy_for[rank] = elapsed_s
 
     def forget(self, rank: int) -> None:
         """A rank got a new actor: its history no longer describes it."""
         self._times.pop(rank, None)
         self._over.pop(rank, None)
+        self._busy_for.pop(rank, None)
 
     def scores(self) -> dict[int, float]:
         medians = {r: statistics.median(t) for r, t in self._times.items() if t}
+        for r, busy in self._busy_for.items():
+            medians[r] = max(medians.get(r, 0.0), busy)
         if not medians:
             return {}
         overall = statistics.median(medians.values())
@@ -46,7 +57,7 @@ class StragglerPolicy:
             self._over[rank] = self._over[rank] + 1 if score > self.factor else 0
         if not self.evict:
             return Continue()
-        candidates = [r for r, n in self._over.items() if n >= self.window and len(self._times[r]) >= self.window]
+        candidates = [r for r, n in self._over.items() if n >= self.window]
         if not candidates:
             return Continue()
         worst = max(candidates, key=lambda r: scores.get(r, 0.0))
