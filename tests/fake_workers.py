@@ -1,0 +1,75 @@
+"""A fake worker group for controller tests: real Ray actors, no torch model, no process group.
+
+Each fake rank answers the controller's calls the way a TrainWorker would, and can be told to die
+at a step. The controller under test is the real one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+
+from elastic.actors.worker import StepResult
+from elastic.actors.worker_group import WorkerGroup
+
+
+class FakeWorker:
+    def __init__(self, spec, name=""):
+        self.name, self.rank, self.world, self.done = name, -1, 0, 0
+        self.kill_at = None
+
+    def info(self):
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "node_ip": "127.0.0.1", "pid": os.getpid(), "gpu_ids": [],
+                "device": "cpu", "backend": "gloo", "name": self.name}
+
+    @ray.method(concurrency_group="control")
+    def heartbeat(self):
+        return {"time": time.time(), "step": None, "completed_step": self.done, "rank": self.rank,
+                "phase": "idle", "phase_since": time.time()}
+
+    def free_port(self):
+        return 1
+
+    def dataset_size(self):
+        return 64
+
+    def join(self, rank, world, *args):
+        self.rank, self.world = rank, world
+        return {"rank": rank}
+
+    def leave(self):
+        return None
+
+    def inject_kill(self, at_step):
+        self.kill_at = at_step
+
+    def train_step(self, step, indices):
+        if step == self.kill_at:
+            os._exit(1)
+        self.done = step
+        return StepResult(self.rank, step, 1.0 / step, 0.001, 0.001, len(indices), step, {"local_time_s": 0.001})
+
+    def get_state(self):
+        return {"completed_step": self.done}
+
+    def set_state(self, state):
+        self.done = state["completed_step"]
+        return self.done
+
+    def completed(self):
+        return self.done
+
+    def param_checksum(self):
+        return 7
+
+    def shutdown(self):
+        return None
+
+
+class FakeGroup(WorkerGroup):
+    def __init__(self, scaling, spec, namespace):
+        super().__init__(scaling, spec, namespace)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(FakeWorker)

@@ -1,0 +1,119 @@
+"""Policies alone: no Ray, no actors. Each decision and its reason for every situation."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.config import FailureConfig
+from elastic.data import ShardPlan, epoch_order
+from elastic.policies import (
+    Continue,
+    EvictStraggler,
+    Fail,
+    FailurePolicy,
+    FailureView,
+    ReplaceWithSpares,
+    RestartFromCheckpoint,
+    Shrink,
+    StragglerPolicy,
+    WaitForCapacity,
+)
+
+
+def view(lost=(1,), active=4, ready=0, pending=0, failures=1, waited=False):
+    return FailureView(tuple(lost), "actor_died", active, ready, pending, failures, waited)
+
+
+@pytest.mark.parametrize("cfg, v, expected", [
+    (FailureConfig(), view(ready=1), ReplaceWithSpares),
+    (FailureConfig(), view(lost=(1, 2), ready=2), ReplaceWithSpares),
+    (FailureConfig(), view(lost=(1, 2), ready=1), WaitForCapacity),
+    (FailureConfig(), view(ready=0), WaitForCapacity),
+    (FailureConfig(), view(ready=0, waited=True), Fail),
+    (FailureConfig(when_no_spare="fail"), view(), Fail),
+    (FailureConfig(when_no_spare="restart"), view(), RestartFromCheckpoint),
+    (FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=3), view(), Shrink),
+    (FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=4), view(), Fail),
+    (FailureConfig(when_no_spare="shrink", allow_shrink=True), view(), Fail),  # min_workers defaults to all
+    (FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=1), view(ready=3), Shrink),
+    (FailureConfig(on_failure="restart"), view(ready=3), RestartFromCheckpoint),
+    (FailureConfig(max_failures=1), view(ready=1, failures=2), Fail),
+])
+def test_failure_policy(cfg, v, expected):
+    decision = FailurePolicy(cfg, num_workers=4).decide(v)
+    assert isinstance(decision, expected)
+    assert decision.reason
+
+
+def test_failure_policy_reasons_name_the_limit():
+    d = FailurePolicy(FailureConfig(max_failures=0), 4).decide(view(ready=1))
+    assert "max_failures=0" in d.reason
+    d = FailurePolicy(FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=4), 4).decide(view())
+    assert "min_workers=4" in d.reason
+
+
+def test_straggler_scores_and_persistence():
+    p = StragglerPolicy(factor=2.0, window=3, evict=True)
+    for _ in range(2):
+        for r in range(4):
+            p.observe(r, 0.3 if r == 2 else 0.1)
+        assert isinstance(p.decide(spares_ready=1), Continue)
+    assert p.scores()[2] == pytest.approx(3.0)
+    for r in range(4):
+        p.observe(r, 0.3 if r == 2 else 0.1)
+    d = p.decide(spares_ready=1)
+    assert isinstance(d, EvictStraggler) and d.rank == 2 and "3.00x" in d.reason
+
+
+def test_straggler_not_evicted_without_spare_or_when_off():
+    p = StragglerPolicy(factor=2.0, window=1, evict=True)
+    for r in range(3):
+        p.observe(r, 1.0 if r == 0 else 0.1)
+    assert isinstance(p.decide(spares_ready=0), Continue)
+    off = StragglerPolicy(factor=2.0, window=1, evict=False)
+    for r in range(3):
+        off.observe(r, 1.0 if r == 0 else 0.1)
+    assert isinstance(off.decide(spares_ready=1), Continue)
+
+
+def test_one_slow_step_is_not_persistent():
+    p = StragglerPolicy(factor=2.0, window=3, evict=True)
+    for step in range(6):
+        for r in range(4):
+            p.observe(r, 0.5 if (r == 1 and step == 2) else 0.1)
+        assert isinstance(p.decide(spares_ready=1), Continue)
+
+
+def test_pending_time_counts_for_a_busy_rank():
+    p = StragglerPolicy(factor=2.0, window=2, evict=True)
+    for r in range(4):
+        p.observe(r, 0.1)
+    p.observe_pending(3, 1.0)  # busy for 1 s with a step the others did in 0.1 s
+    assert p.scores()[3] == pytest.approx(10.0)
+    p.decide(1)
+    assert isinstance(p.decide(1), EvictStraggler)
+    p.forget(3)
+    assert 3 not in p.scores()
+
+
+def test_straggler_factor_must_exceed_one():
+    with pytest.raises(ValueError):
+        StragglerPolicy(factor=1.0, window=3, evict=True)
+
+
+def test_shard_plan_is_deterministic_and_requeues_first():
+    a, b = ShardPlan(100, seed=7), ShardPlan(100, seed=7)
+    assert a.take(4, 5) == b.take(4, 5)
+    assert epoch_order(100, 7, 0) != epoch_order(100, 7, 1)
+    epoch, shards = a.take(2, 5)
+    a.requeue(shards[1])
+    _, nxt = a.take(1, 5)
+    assert nxt[0] == shards[1]
+
+
+def test_shard_plan_epoch_rollover_drops_tail():
+    p = ShardPlan(10, seed=0)
+    seen = [p.take(2, 2) for _ in range(3)]
+    assert [e for e, _ in seen] == [0, 0, 1]
+    first_epoch = [i for _, s in seen[:2] for sh in s for i in sh]
+    assert len(set(first_epoch)) == 8
