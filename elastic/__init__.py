@@ -1,22 +1,38 @@
-"""elastic: synchronous PyTorch training on Ray that keeps going when machines fail or slow down."""
+"""elastic: synchronous PyTorch training on Ray that keeps going when machines fail or slow down.
 
-from elastic.config import CheckpointConfig, ConfigError, FailureConfig, RunConfig, ScalingConfig
-from elastic.controller import ReplicaDivergence, State, TrainingFailed, WorkerError
-from elastic.trainer import Result, Trainer
+Names are imported lazily, so ``elastic.cli`` (and ``import elastic``) start without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointConfig",
-    "ConfigError",
-    "FailureConfig",
-    "ReplicaDivergence",
-    "Result",
-    "RunConfig",
-    "ScalingConfig",
-    "State",
-    "Trainer",
-    "TrainingFailed",
-    "WorkerError",
-    "__version__",
-]
+_EXPORTS = {
+    "CheckpointConfig": "elastic.config",
+    "ConfigError": "elastic.config",
+    "FailureConfig": "elastic.config",
+    "RunConfig": "elastic.config",
+    "ScalingConfig": "elastic.config",
+    "ReplicaDivergence": "elastic.controller",
+    "State": "elastic.controller",
+    "TrainingFailed": "elastic.controller",
+    "WorkerError": "elastic.controller",
+    "Result": "elastic.trainer",
+    "Trainer": "elastic.trainer",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -150,8 +150,6 @@ class Controller:
     def log(self, kind: str, message: str, **details) -> None:
         self.events.append(Event(time.time(), self.step, kind, message, details))
         logger.info("[%s] step %d %s: %s", self.run_config.name, self.step, kind, message)
-        if self.metrics is not None:
-            self.metrics.on_event(kind, details)
 
     def transition(self, new: State, reason: str) -> None:
         old = self.state

@@ -94,7 +94,3 @@ class RunMetrics:
 
     def on_checkpoint(self, persist_s: float) -> None:
         self._safe(lambda m: m["persist_s"].set(persist_s, tags={"run": self.run}))
-
-    def on_event(self, kind: str, details: dict) -> None:
-        if kind == "checkpoint_commit" and "persist_s" in details:
-            self.on_checkpoint(details["persist_s"])
