@@ -718,6 +718,22 @@ class Controller:
         self._truncate_history(self.step)
         self.log("restart", f"every rank restarted from step {self.step}")
 
+    def _restore_members_from_checkpoint(self) -> None:
+        if self.store is None:
+            raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
+                                                    "RunConfig.storage is not set"))
+        if self.committer is not None:
+            self.committer.flush(timeout_s=30)
+        position = self._restore_latest()
+        if position is None:
+            raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
+                                                    "no checkpoint is committed"))
+        self.plan = ShardPlan(self.dataset_size, self.run_config.seed, position)
+        self._pending_shards = None
+        self.committer.rewind(self.step)
+        self._truncate_history(self.step)
+        self.log("state_sync", f"no peer held the state: every rank loaded committed step {self.step}")
+
     def _truncate_history(self, step: int) -> None:
         """After a restart from a checkpoint, steps past it are trained again: forget them once."""
         self.history = [h for h in self.history if h.step <= step]
@@ -728,6 +744,11 @@ class Controller:
         refs = [m.actor.completed.remote() for m in self.group.members]
         steps = ray.get(refs)
         newest = max(steps)
+        if newest < self.step:
+            # No member holds the current state (every holder died): fall back to the newest
+            # committed checkpoint, and replay from there.
+            self._restore_members_from_checkpoint()
+            return
         source = self.group.members[steps.index(newest)]
         behind = [m for m, s in zip(self.group.members, steps) if s != newest]
         if behind:

@@ -22,10 +22,16 @@ os.environ.setdefault("ELASTIC_COLLECTIVE_TIMEOUT_S", "20")
 os.environ.setdefault("ELASTIC_PLACEMENT_TIMEOUT_S", "20")
 
 
+_PATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")])
+# Workers import the test helpers and examples from this checkout. Set in the environment the
+# raylets inherit, rather than as a runtime_env, so worker processes start without a runtime-env
+# setup step (seconds per actor on a 2-core machine).
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_PATH, os.environ.get("PYTHONPATH", "")) if p)
+
+
 def worker_env() -> dict:
-    """Workers import the test helpers and examples from this checkout."""
-    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")])
-    return {"env_vars": {"PYTHONPATH": path, "ELASTIC_LOG_LEVEL": "WARNING"}}
+    """Extra runtime_env for ray.init; empty because the environment already carries the path."""
+    return {}
 
 
 def start_cluster(num_nodes: int = 1, cpus_per_node: int = 8):
@@ -36,7 +42,7 @@ def start_cluster(num_nodes: int = 1, cpus_per_node: int = 8):
     for _ in range(num_nodes - 1):
         cluster.add_node(num_cpus=cpus_per_node)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env=worker_env(), log_to_driver=False)
+    ray.init(address=cluster.address, log_to_driver=False)
     return cluster
 
 

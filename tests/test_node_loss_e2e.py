@@ -14,7 +14,6 @@ import ray
 from ray.cluster_utils import Cluster
 
 import elastic
-from conftest import worker_env
 from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd
 
 pytestmark = pytest.mark.slow
@@ -30,7 +29,7 @@ def cluster():
     node_a = c.add_node(num_cpus=2)
     c.add_node(num_cpus=2)
     c.wait_for_nodes()
-    ray.init(address=c.address, runtime_env=worker_env(), log_to_driver=False)
+    ray.init(address=c.address, log_to_driver=False)
     yield c, node_a
     ray.shutdown()
     c.shutdown()
