@@ -117,3 +117,11 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
             assert TEST_SECRET not in str(e)
     finally:
         s3.stop()
+
+
+def test_every_rank_lost_spares_load_the_checkpoint(ray_cluster, tmp_path, uninterrupted):
+    faults = [{"kind": "kill", "rank": 0, "at_step": 6}, {"kind": "kill", "rank": 1, "at_step": 6}]
+    result = trainer("allgone", f"file://{tmp_path}/ckpt", backups=2, blocking=True, faults=faults).fit(steps=12)
+    assert any("no peer held the state" in e["message"] for e in result.events_of("state_sync"))
+    assert [h["step"] for h in result.history] == list(range(1, 13))
+    assert_weights_close(result.model_state, uninterrupted, atol=1e-6)
