@@ -80,13 +80,14 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
             logger.warning("evict run: no EvictStraggler decision in the event log")
         else:
             after = evicted = ev["step"]
+            extra = {"evicted_rank": ev["details"].get("rank"), "evict_reason": ev["message"]}
             ready = spare_ready_step(samples, ev["time"])
             if ready is not None:
-                extra = {"after_spare_ready": step_throughput(res, after_step=ready)}
+                extra["after_spare_ready"] = step_throughput(res, after_step=ready)
     tp = step_throughput(res, after_step=after)
     whole = finished_at(res) - running_since(res)
-    out = {"mode": mode, "measured_after_step": after, "evicted_after_step": evicted, "spare_ready_step": ready,
-           **tp, **extra,
+    out = {"mode": mode, "run_steps": steps, "measured_after_step": after, "evicted_after_step": evicted,
+           "spare_ready_step": ready, **tp, **extra,
            "whole_run_samples_per_s": sum(h["samples"] for h in res.history) / whole,
            "dropped_samples": res.metrics["dropped_samples"], "wall_s": wall}
     logger.info("%s: %s", mode, out)
@@ -94,12 +95,17 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
 
 
 def evict_details(run: dict, base: float) -> dict:
-    """For the eviction run: the same ratio over the steps after the replacement spare was ready."""
-    if "after_spare_ready" not in run:
+    """For the eviction run: who was evicted and why, its length, and the ratio over the steps
+    after the replacement spare was ready."""
+    if run["mode"] != "evict":
         return {}
-    later = run["after_spare_ready"]
-    return {"spare_ready_step": run["spare_ready_step"], "ratio_after_spare_ready": ratio(later["samples_per_s"], base),
-            "steps_after_spare_ready": later["steps"]}
+    out = {"run_steps": run["run_steps"], "evicted_rank": run.get("evicted_rank"),
+           "evict_reason": run.get("evict_reason")}
+    if "after_spare_ready" in run:
+        later = run["after_spare_ready"]
+        out.update(spare_ready_step=run["spare_ready_step"], steps_after_spare_ready=later["steps"],
+                   ratio_after_spare_ready=ratio(later["samples_per_s"], base))
+    return out
 
 
 def digits_accuracy(mode: str, workers: int, epochs: int, slow: dict) -> float:

@@ -123,6 +123,7 @@ class FailureConfig:
     step_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_STEP_TIMEOUT_S", 120.0))
     straggler_factor: float = 2.0
     straggler_window: int = 5
+    straggler_warmup_steps: int = 5
     evict_stragglers: bool = False
     checksum_every_n_steps: int = 10
 
@@ -149,6 +150,8 @@ class FailureConfig:
             )
         if not isinstance(self.straggler_window, int) or self.straggler_window < 1:
             raise ConfigError(f"FailureConfig.straggler_window must be an integer >= 1, got {self.straggler_window!r}.")
+        if not isinstance(self.straggler_warmup_steps, int) or self.straggler_warmup_steps < 0:
+            raise ConfigError("FailureConfig.straggler_warmup_steps must be an integer >= 0.")
         if not isinstance(self.checksum_every_n_steps, int) or self.checksum_every_n_steps < 0:
             raise ConfigError("FailureConfig.checksum_every_n_steps must be an integer >= 0 (0 turns the check off).")
 

@@ -123,7 +123,7 @@ class Controller:
         self.ledger = SampleLedger()
         self.failure_policy = FailurePolicy(failure, scaling.num_workers)
         self.straggler_policy = StragglerPolicy(failure.straggler_factor, failure.straggler_window,
-                                                failure.evict_stragglers)
+                                                failure.evict_stragglers, failure.straggler_warmup_steps)
         self.group: Any = None
         self.generation = 0
         self.step = 0  # last completed step
@@ -133,7 +133,7 @@ class Controller:
         self.committer = None
         self.dataset_size = 0
         self._per_worker = 0
-        self._busy: dict[int, Any] = {}  # first-N: rank -> its newest outstanding ref
+        self._applies: dict[int, list] = {}  # first-N: rank -> its queued apply_update refs
         self._late_compute: dict[Any, int] = {}  # first-N: late compute refs -> rank
         self._compute_started: dict[int, float] = {}  # first-N: when a late rank's compute began
         self._checksum_pending: tuple[int, list] | None = None
@@ -142,6 +142,7 @@ class Controller:
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
         self.total_steps = 0
+        self._hung: set[int] = set()  # ranks the controller killed as hung
         self.dispatches = 0  # step attempts; minus completed steps = steps recomputed
         self._pending_shards: tuple | None = None
         self.requeue_dropped = requeue_dropped
@@ -251,9 +252,10 @@ class Controller:
                                     self.scaling.num_workers if first_n else 0)
                 for m in self.group.members]
         ray.get(refs, timeout=self.failure_config.collective_timeout_s + 30)
-        self._busy.clear()
+        self._applies.clear()
         self._late_compute.clear()
         self._checksum_pending = None  # it may name actors that just left
+        self.straggler_policy.reset()
         self.log("rendezvous", f"generation {self.generation}: {world} rank(s) at {addr}:{port} ({reason})",
                  generation=self.generation, world_size=world, seconds=time.time() - t0)
 
@@ -324,10 +326,10 @@ class Controller:
         members = self.group.members
         n = self.scaling.num_workers
         self._reap_late()
-        free = [m.rank for m in members if m.rank not in self._busy]
+        free = self._free_ranks()
         if len(free) < n:
             self._wait_for_free(n)
-            free = [m.rank for m in members if m.rank not in self._busy]
+            free = self._free_ranks()
         epoch, shards = self._shards_for(step, len(free))
         shard_of = dict(zip(free, shards))
         t0 = time.perf_counter()
@@ -352,7 +354,9 @@ class Controller:
         if flat_ref is not None:
             for m in members:
                 if m.rank not in fast_results:
-                    self._busy[m.rank] = m.actor.apply_update.remote(step, flat_ref)
+                    # Queued behind the rank's own late step: actor calls run in order, so it
+                    # applies every agreed update in step order and never misses one.
+                    self._applies.setdefault(m.rank, []).append(m.actor.apply_update.remote(step, flat_ref))
         applied = self._gather(list(out), list(out.values()), step)
         wall = time.perf_counter() - t0
         for r in fast:
@@ -386,23 +390,34 @@ class Controller:
             now = time.time()
             for r in self._late_compute.values():
                 self.straggler_policy.observe_pending(r, now - self._compute_started.get(r, now))
-        if self._busy:
-            refs = list(self._busy.values())
+        for r, refs in list(self._applies.items()):
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            done_set = set(done)
-            for r, ref in list(self._busy.items()):
-                if ref in done_set:
-                    del self._busy[r]
-                    try:
-                        self._merge_ckpt(r, ray.get(ref))
-                    except ray.exceptions.RayActorError:
-                        raise Failure({r}, "actor_died")
+            for ref in done:
+                refs.remove(ref)
+                try:
+                    self._merge_ckpt(r, ray.get(ref))
+                except ray.exceptions.RayActorError:
+                    raise Failure({r}, "actor_died")
+            if not refs:
+                del self._applies[r]
+
+    def _free_ranks(self) -> list[int]:
+        """Ranks with no step still computing. Queued updates do not count: a new step queues
+        behind them in the actor and runs after them."""
+        late = set(self._late_compute.values())
+        return [m.rank for m in self.group.members if m.rank not in late]
 
     def _wait_for_free(self, n: int) -> None:
-        while len(self.group.members) - len(self._busy) < n:
-            refs = list(self._busy.values())
-            ray.wait(refs, num_returns=1, timeout=self.failure_config.step_timeout_s)
+        while len(self._free_ranks()) < n:
+            ray.wait(list(self._late_compute), num_returns=1, timeout=self.failure_config.step_timeout_s)
             self._reap_late()
+
+    def _outstanding(self, exclude: int | None = None) -> list:
+        refs = [ref for ref, r in self._late_compute.items() if r != exclude]
+        for r, applied in self._applies.items():
+            if r != exclude:
+                refs.extend(applied)
+        return refs
 
     def _merge_ckpt(self, rank: int, result: Any) -> None:
         extra = result.extra if hasattr(result, "extra") else (result or {})
@@ -468,7 +483,8 @@ class Controller:
                 break
             now = time.time()
             if first_problem is not None and now - first_problem > cfg.collective_timeout_s:
-                self._kill_hung(pending, "did not leave a broken collective")
+                self._kill_hung(self._culprits(pending), "did not leave a broken collective")
+                first_problem = time.time()
                 continue
             if now - t0 > cfg.step_timeout_s:
                 self._kill_hung(self._culprits(pending), f"step exceeded step_timeout_s={cfg.step_timeout_s:g}")
@@ -481,15 +497,18 @@ class Controller:
         if not dead and not collective_failed:
             return results
         if not dead:
-            # A collective broke but every actor lives: a worker hung and was killed, or the
-            # network dropped. Ask who is alive.
+            # A collective broke but no actor was seen dying: ask who is alive. If everyone is,
+            # the group itself broke (a dropped link): rebuild it with the same members.
             dead = self._probe_dead()
-        kind = "hang" if any(r in self._hung for r in dead) else "actor_died"
-        if len({self.group.members[r].info.get("node_id") for r in dead}) >= 1 and self._node_gone(dead):
+        if not dead:
+            kind = "collective"
+        elif dead & self._hung:
+            kind = "hang"
+        elif self._node_gone(dead):
             kind = "node_lost"
+        else:
+            kind = "actor_died"
         raise Failure(dead, kind, results, detect_s=(first_problem or time.time()) - t0)
-
-    _hung: set = set()
 
     def _culprits(self, pending: dict) -> dict:
         """Which pending ranks are stuck in their own code rather than waiting on a peer.
@@ -521,7 +540,7 @@ class Controller:
     def _kill_hung(self, pending: dict, why: str) -> None:
         for ref, r in pending.items():
             self.log("hang", f"rank {r} {why}; killing it so its peers unblock", rank=r)
-            self._hung = set(self._hung) | {r}
+            self._hung.add(r)
             ray.kill(self.group.members[r].actor, no_restart=True)
 
     def _check_heartbeats(self, pending: dict, beats: dict) -> None:
@@ -654,7 +673,7 @@ class Controller:
         for m in self.group.members:
             if m.rank in dead:
                 self.group.evict(m)
-        self._busy.clear()
+        self._applies.clear()
         self._late_compute.clear()
 
     def _refresh_spares(self) -> None:
@@ -833,13 +852,13 @@ class Controller:
         self.log("decision", f"EvictStraggler: {decision.reason}", decision="EvictStraggler", rank=r)
         t0 = time.time()
         # Let queued updates land so the survivors hold the newest state, then rebuild.
-        outstanding = [ref for rr, ref in self._busy.items() if rr != r]
+        outstanding = self._outstanding(exclude=r)
         if outstanding:
             ray.wait(outstanding, num_returns=len(outstanding), timeout=self.failure_config.step_timeout_s)
         self._reap_late_safely()
         victim = self.group.members[r]
         self.group.evict(victim)
-        self._busy.pop(r, None)
+        self._applies.pop(r, None)
         self._late_compute = {ref: rr for ref, rr in self._late_compute.items() if rr != r}
         ray.get([m.actor.leave.remote() for m in self.group.members if m.rank != r])
         self._replace((r,))
@@ -859,8 +878,9 @@ class Controller:
     def _finish_checkpoints(self) -> None:
         if self.committer is None:
             return
-        if self._busy:
-            ray.wait(list(self._busy.values()), num_returns=len(self._busy), timeout=self.failure_config.step_timeout_s)
+        outstanding = self._outstanding()
+        if outstanding:
+            ray.wait(outstanding, num_returns=len(outstanding), timeout=self.failure_config.step_timeout_s)
             self._reap_late_safely()
         refs = [m.actor.flush_checkpoint.remote() for m in self.group.members]
         for r, extra in enumerate(ray.get(refs)):
@@ -907,7 +927,8 @@ class Controller:
                 "rank": m.rank, "name": m.name, "node_ip": m.info.get("node_ip"), "node_id": m.info.get("node_id"),
                 "node_rank": m.node_rank,
                 "local_rank": m.local_rank, "pid": m.info.get("pid"), "role": "active",
-                "state": "late" if m.rank in self._busy else self.state.value, "step": self.step,
+                "state": "late" if m.rank in set(self._late_compute.values()) else self.state.value,
+                "step": self.step,
                 "step_time_s": getattr(res, "step_time_s", None),
                 "heartbeat_age_s": now - self._last_beat.get(m.rank, now),
                 "straggler_score": scores.get(m.rank, 1.0),

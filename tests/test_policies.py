@@ -117,3 +117,18 @@ def test_shard_plan_epoch_rollover_drops_tail():
     assert [e for e, _ in seen] == [0, 0, 1]
     first_epoch = [i for _, s in seen[:2] for sh in s for i in sh]
     assert len(set(first_epoch)) == 8
+
+
+def test_warmup_steps_are_ignored_and_reset_restarts_warmup():
+    p = StragglerPolicy(factor=2.0, window=1, evict=True, warmup_steps=2)
+    for _ in range(2):
+        for r in range(3):
+            p.observe(r, 1.0 if r == 0 else 0.1)  # a noisy start
+        assert isinstance(p.decide(1), Continue)
+    assert p.scores() == {}
+    for r in range(3):
+        p.observe(r, 1.0 if r == 0 else 0.1)
+    assert isinstance(p.decide(1), EvictStraggler)
+    p.reset()
+    p.observe(0, 1.0)
+    assert p.scores() == {}

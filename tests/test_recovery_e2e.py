@@ -44,9 +44,10 @@ def recomputed(result) -> int:
     return result.metrics["dispatches"] - result.metrics["steps"]
 
 
-def test_sigkill_from_outside_mid_step(ray_cluster, clean_weights):
-    # Slow every step down a little so the kill lands inside one.
-    trainer = make_trainer("sigkill", faults=[{"kind": "slow", "rank": 0, "factor": 30.0, "from_step": 1}])
+def run_and_signal(name, sig, at_step=3, **kw):
+    """Train in a thread; from outside the worker, send ``sig`` to rank 1's process mid-run."""
+    # Slow every step down a little so the signal lands inside one.
+    trainer = make_trainer(name, faults=[{"kind": "slow", "rank": 0, "factor": 30.0, "from_step": 1}], **kw)
     box = {}
     th = threading.Thread(target=lambda: box.setdefault("result", trainer.fit(steps=STEPS)))
     th.start()
@@ -54,24 +55,39 @@ def test_sigkill_from_outside_mid_step(ray_cluster, clean_weights):
     deadline = time.time() + 120
     while time.time() < deadline and th.is_alive():
         try:
-            controller = controller or ray.get_actor("controller", namespace="elastic-sigkill")
+            controller = controller or ray.get_actor("controller", namespace=f"elastic-{name}")
             st = ray.get(controller.status.remote())
         except Exception:
             time.sleep(0.05)
             continue
-        if st["step"] >= 3 and st["state"] == "running":
+        if st["step"] >= at_step and st["state"] == "running":
             pid = next(r["pid"] for r in st["ranks"] if r["rank"] == 1)
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
             break
         time.sleep(0.01)
     th.join(timeout=180)
-    result = box["result"]
+    return box["result"]
+
+
+def test_sigkill_from_outside_mid_step(ray_cluster, clean_weights):
+    result = run_and_signal("sigkill", signal.SIGKILL)
     assert result.metrics["steps"] == STEPS
     assert "ReplaceWithSpares" in decisions(result)
     assert len(result.recoveries) == 1 and result.recoveries[0]["kind"] == "actor_died"
+    assert result.recoveries[0]["detect_s"] < 5
     assert recomputed(result) <= 1
     assert_weights_close(result.model_state, clean_weights[4], atol=1e-6)
     assert result.events_of("replace") and result.events_of("state_sync")
+
+
+def test_worker_that_stops_answering(ray_cluster, clean_weights):
+    # SIGSTOP: the process lives but answers nothing, heartbeats included.
+    result = run_and_signal("sigstop", signal.SIGSTOP)
+    hangs = result.events_of("hang")
+    assert hangs and "missed heartbeats" in hangs[0]["message"]
+    assert result.recoveries[0]["kind"] == "hang"
+    assert recomputed(result) <= 1
+    assert_weights_close(result.model_state, clean_weights[4], atol=1e-6)
 
 
 def test_kill_at_step_exactly_once_accounting(ray_cluster, clean_weights):

@@ -16,7 +16,7 @@ from elastic.policies.decisions import Continue, Decision, EvictStraggler
 
 
 class StragglerPolicy:
-    def __init__(self, factor: float, window: int, evict: bool):
+    def __init__(self, factor: float, window: int, evict: bool, warmup_steps: int = 0):
         if factor <= 1.0:
             raise ValueError("straggler factor must be > 1")
         self.factor = factor
@@ -25,14 +25,28 @@ class StragglerPolicy:
         self._times: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
         self._over: dict[int, int] = defaultdict(int)
         self._busy_for: dict[int, float] = {}
+        # Early steps after a (re)start are noisy (allocators, caches, a spare warming up) and on
+        # a crowded machine vary by more than 2x; they would name healthy ranks as stragglers.
+        self.warmup_steps = warmup_steps
+        self._steps = 0
+
+    def reset(self) -> None:
+        """The group was rebuilt: old timings describe another ring. Start a new warm-up."""
+        self._times.clear()
+        self._over.clear()
+        self._busy_for.clear()
+        self._steps = 0
 
     def observe(self, rank: int, local_time_s: float) -> None:
+        if self._steps < self.warmup_steps:
+            return
         self._times[rank].append(local_time_s)
         self._busy_for.pop(rank, None)
 
     def observe_pending(self, rank: int, elapsed_s: float) -> None:
         """``rank`` has been computing one step for ``elapsed_s`` and has not finished."""
-        self._busy_for[rank] = elapsed_s
+        if self._steps >= self.warmup_steps:
+            self._busy_for[rank] = elapsed_s
 
     def forget(self, rank: int) -> None:
         """A rank got a new actor: its history no longer describes it."""
@@ -52,6 +66,7 @@ class StragglerPolicy:
         return {r: m / overall for r, m in medians.items()}
 
     def decide(self, spares_ready: int) -> Decision:
+        self._steps += 1
         scores = self.scores()
         for rank, score in scores.items():
             self._over[rank] = self._over[rank] + 1 if score > self.factor else 0
