@@ -37,7 +37,7 @@ import tempfile
 import time
 
 import elastic
-from common import (StatusPoller, add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain,
+from common import (fit_polled, add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain,
                     elastic_trainer, emit, events_of, ratio, run_raytrain, running_since, span_throughput, start_ray,
                     step_throughput, workload_from_args)
 
@@ -106,13 +106,7 @@ def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options
     trainer = elastic_trainer(w, name, run=run)
     # Every run is polled, baselines too: polling is not free for the controller (on this machine
     # runs with it were, if anything, faster), so all runs must carry it alike.
-    poller = StatusPoller(trainer, poll_s)
-    poller.start()
-    t_call = time.time()
-    try:
-        res = trainer.fit(steps=steps)
-    finally:
-        samples = poller.stop()
+    res, samples, t_call = fit_polled(trainer, steps, poll_s)
     out = {"fit_wall_s": time.time() - t_call, **step_throughput(res, after_step=warmup),
            "span": span_throughput(res, warmup), "checkpoint": res.checkpoint}
     if storage:

@@ -280,6 +280,18 @@ class StatusPoller(threading.Thread):
         return self.samples
 
 
+def fit_polled(trainer, steps: int, poll_s: float):
+    """``trainer.fit(steps)`` with a ``StatusPoller`` running; returns (result, samples, call time)."""
+    poller = StatusPoller(trainer, poll_s)
+    poller.start()
+    t_call = time.time()
+    try:
+        res = trainer.fit(steps=steps)
+    finally:
+        samples = poller.stop()
+    return res, samples, t_call
+
+
 def events_of(res, kind: str) -> list[dict]:
     return [e for e in res.events if e["kind"] == kind]
 

@@ -21,7 +21,7 @@ import logging
 import time
 
 import elastic
-from common import (StatusPoller, add_workload_args, claim_stdout, elastic_trainer, emit, events_of, finished_at,
+from common import (fit_polled, add_workload_args, claim_stdout, elastic_trainer, emit, events_of, finished_at,
                     ratio, running_since, start_ray, step_throughput, workload_from_args)
 
 logger = logging.getLogger("bench.straggler")
@@ -63,13 +63,8 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
         failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=2.0, straggler_window=evict_window)
     trainer = elastic_trainer(w, f"straggler-{mode.replace('_', '-')}", scaling=scaling, failure=failure,
                               faults=faults)
-    poller = StatusPoller(trainer, poll_s)  # every run, so all carry its (small) cost alike
-    poller.start()
-    t_call = time.time()
-    try:
-        res = trainer.fit(steps=steps)
-    finally:
-        samples = poller.stop()
+    # Every run is polled, so all carry its (small) cost alike.
+    res, samples, t_call = fit_polled(trainer, steps, poll_s)
     wall = time.time() - t_call
     after = slow["from_step"] - 1
     evicted = ready = None

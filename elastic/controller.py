@@ -18,12 +18,10 @@ import ray
 
 from elastic.actors.worker import CollectiveError, TrainingSpec
 from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits
-from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
+from elastic.config import FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan
 from elastic.policies import (
-    Continue,
     EvictStraggler,
-    Fail,
     FailurePolicy,
     FailureView,
     ReplaceWithSpares,

@@ -58,3 +58,13 @@ def ray_cluster():
     cluster = start_cluster()
     yield cluster
     stop_cluster(cluster)
+
+
+@pytest.fixture(scope="module")
+def moto_s3():
+    """A real S3-compatible endpoint on 127.0.0.1 (moto's threaded server, port 0)."""
+    from elastic.checkpoint.testing import MotoS3
+
+    server = MotoS3().start()
+    yield server
+    server.stop()

@@ -23,13 +23,6 @@ from elastic.config import ConfigError
 FAST = RetryPolicy(attempts=3, base_s=0.01, max_s=0.05)
 
 
-@pytest.fixture(scope="module")
-def moto_s3():
-    server = MotoS3().start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request, tmp_path):
     moto = request.getfixturevalue("moto_s3") if request.param == "s3" else None

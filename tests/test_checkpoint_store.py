@@ -34,13 +34,6 @@ FAST = RetryPolicy(attempts=3, base_s=0.01, max_s=0.05)
 RUN = "run-1"
 
 
-@pytest.fixture(scope="module")
-def moto_s3():
-    server = MotoS3().start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request, tmp_path):
     moto = request.getfixturevalue("moto_s3") if request.param == "s3" else None
