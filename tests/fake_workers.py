@@ -46,7 +46,7 @@ class FakeWorker:
     def inject_kill(self, at_step):
         self.kill_at = at_step
 
-    def train_step(self, step, indices):
+    def train_step(self, step, indices, generation):
         if step == self.kill_at:
             os._exit(1)
         self.done = step

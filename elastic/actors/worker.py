@@ -41,6 +41,10 @@ class CollectiveError(RuntimeError):
     """A collective failed because a peer vanished or the group was torn down."""
 
 
+class StaleStep(CollectiveError):
+    """A step queued for a group generation that no longer exists on this rank."""
+
+
 @dataclass
 class TrainingSpec:
     """The user's pieces of training, shipped to every worker."""
@@ -288,8 +292,16 @@ class TrainWorker:
                 raise CollectiveError(msg)
             raise
 
-    def train_step(self, step: int, indices: list[int]) -> StepResult:
-        """One synchronous DDP step on this rank's shard."""
+    def train_step(self, step: int, indices: list[int], generation: int) -> StepResult:
+        """One synchronous DDP step on this rank's shard, in group ``generation``.
+
+        A step queued for a group this rank has left (a failure happened while it waited in the
+        actor's queue) refuses to run: training without the group would update this replica alone.
+        """
+        if generation != self.generation or (self.ddp is None and self.world_size > 1):
+            raise StaleStep(f"rank {self.rank}: step {step} was queued for group generation {generation}, "
+                            f"but this rank is in generation {self.generation} "
+                            f"({'joined' if dist.is_initialized() else 'no group'})")
         return self._run_guarded(lambda: self._train_step(step, indices))
 
     def _train_step(self, step: int, indices: list[int]) -> StepResult:
