@@ -19,7 +19,7 @@ from helpers import assert_weights_close, loss_fn, make_adam, make_dataset, make
 
 pytestmark = pytest.mark.slow
 
-STEPS_OUTAGE = 200
+STEPS_OUTAGE = 150
 
 
 def trainer(name, storage, workers=2, backups=0, failure=None, faults=None, storage_options=None, **ckpt):
@@ -89,7 +89,7 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
             while time.time() < deadline:
                 try:
                     st = ray.get(ray.get_actor("controller", namespace="elastic-outage").status.remote())
-                    if st["step"] >= 10:
+                    if st["step"] >= 5:
                         break
                 except Exception:
                     pass
