@@ -6,6 +6,7 @@ Checks that need the cluster (GPUs present, placement can fit) live in ``elastic
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -67,6 +68,11 @@ class ScalingConfig:
             raise ConfigError(
                 "ScalingConfig.aggregation='first_n' needs backups: with M = N there is nothing to drop. "
                 "Set num_backups >= 1 (M = num_workers + num_backups replicas compute each step)."
+            )
+        if self.aggregation == "first_n" and math.comb(self.num_workers + self.num_backups, self.num_workers) > 256:
+            raise ConfigError(
+                f"ScalingConfig: first_n with {self.num_workers} of {self.num_workers + self.num_backups} replicas "
+                "needs one process subgroup per possible fast set (more than 256); lower num_backups."
             )
         if self.aggregation == "all" and self.num_spares:
             raise ConfigError(

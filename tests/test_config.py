@@ -16,6 +16,7 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"placement_strategy": "DIAGONAL"}, "placement_strategy"),
     ({"aggregation": "first_n", "num_backups": 0}, "needs backups"),
     ({"aggregation": "best_of"}, "aggregation"),
+    ({"num_workers": 16, "num_backups": 8, "aggregation": "first_n"}, "lower num_backups"),
     ({"resources_per_worker": {"CPU": -1}}, "resources_per_worker"),
     ({"use_gpu": True, "resources_per_worker": {"GPU": 0}}, "GPU"),
 ])

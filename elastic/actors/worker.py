@@ -228,8 +228,10 @@ class TrainWorker:
         if dist.is_initialized():
             try:
                 if self.backend == "nccl":
+                    # A blocked NCCL kernel never returns by itself: abort the communicators
+                    # first, then release the group.
                     dist.distributed_c10d._abort_process_group()
-                else:
+                if dist.is_initialized():
                     dist.destroy_process_group()
             except Exception:  # an already-broken group may refuse a clean destroy
                 logger.debug("destroy_process_group failed", exc_info=True)
