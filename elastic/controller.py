@@ -143,6 +143,7 @@ class Controller:
         self._hung: set[int] = set()  # ranks the controller killed as hung
         self.dispatches = 0  # step attempts; minus completed steps = steps recomputed
         self._planned: dict[int, tuple[int, list[list[int]]]] = {}  # step -> (epoch, shards) handed out
+        self._positions: dict[int, dict] = {}  # step -> sampler position right after that step
         self._inflight: dict[int, tuple[list, list[int], float]] = {}  # step -> (refs, ranks, dispatch time)
         self._last_done = 0.0
         self.requeue_dropped = requeue_dropped
@@ -302,6 +303,9 @@ class Controller:
             return epoch, shards
         epoch, shards = self.plan.take(n, self._per_worker)
         self._planned[step] = (epoch, shards)
+        # The sampler's place right after this step: a checkpoint of this step must carry it,
+        # not the place after the look-ahead step already handed out.
+        self._positions[step] = self.plan.position.to_dict()
         return epoch, shards
 
     def _dispatch_all(self, step: int) -> None:
@@ -752,6 +756,7 @@ class Controller:
         position = self._restore_latest()
         self.plan = ShardPlan(self.dataset_size, self.run_config.seed, position)
         self._planned.clear()
+        self._positions.clear()
         self._inflight.clear()
         if position is None:
             self.step = 0
@@ -772,6 +777,7 @@ class Controller:
                                                     "no checkpoint is committed"))
         self.plan = ShardPlan(self.dataset_size, self.run_config.seed, position)
         self._planned.clear()
+        self._positions.clear()
         self._inflight.clear()
         self.committer.rewind(self.step)
         self._truncate_history(self.step)
@@ -818,14 +824,17 @@ class Controller:
     # ---- after each step --------------------------------------------------------------------
     def _after_step(self, record: StepRecord) -> None:
         self._planned.pop(record.step, None)
+        for old_step in [s for s in self._positions if s < record.step]:
+            del self._positions[old_step]
         if self.committer is not None:
             if self.scaling.aggregation == "all":
                 for r, res in self._last_results.items():
                     self._merge_ckpt(r, res)
             for ev in self.committer.drain_events():
                 self._log_storage_event(ev)
+            position = self._positions.get(record.step) if self.scaling.aggregation == "all" else None
             self.committer.set_meta(record.step, {
-                "data_position": self.plan.position.to_dict(),
+                "data_position": position or self.plan.position.to_dict(),
                 "world_size": record.world_size,
                 "global_batch_size": self.global_batch_size,
                 "generation": self.generation,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.worker import TrainingSpec
@@ -161,8 +162,11 @@ class Trainer:
             ray.kill(old, no_restart=True)  # a dead driver's leftover of the same run name
         except ValueError:
             pass
+        # The controller lives beside the driver: a worker node that dies must not take the
+        # controller (and with it the run) along.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.controller = actor_cls.options(
-            name="controller", namespace=self.namespace, num_cpus=0,
+            name="controller", namespace=self.namespace, num_cpus=0, scheduling_strategy=here,
             max_restarts=0, lifetime=None,
         ).remote(kwargs)
         ref = self.controller.run.remote(steps, epochs)
