@@ -82,7 +82,7 @@ def test_sigkill_from_outside_mid_step(ray_cluster, clean_weights):
 
 def test_worker_that_stops_answering(ray_cluster, clean_weights):
     # SIGSTOP: the process lives but answers nothing, heartbeats included.
-    result = run_and_signal("sigstop", signal.SIGSTOP)
+    result = run_and_signal("sigstop", signal.SIGSTOP, failure=elastic.FailureConfig(heartbeat_timeout_s=2))
     hangs = result.events_of("hang")
     assert hangs and "missed heartbeats" in hangs[0]["message"]
     assert result.recoveries[0]["kind"] == "hang"
