@@ -127,6 +127,7 @@ class FailureConfig:
     heartbeat_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_HEARTBEAT_TIMEOUT_S", 10.0))
     collective_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_COLLECTIVE_TIMEOUT_S", 60.0))
     step_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_STEP_TIMEOUT_S", 120.0))
+    node_settle_s: float = field(default_factory=lambda: _env_float("ELASTIC_NODE_SETTLE_S", 3.0))
     straggler_factor: float = 2.0
     straggler_window: int = 5
     straggler_warmup_steps: int = 5
@@ -147,7 +148,8 @@ class FailureConfig:
             raise ConfigError("FailureConfig asks to shrink but allow_shrink=False; set allow_shrink=True.")
         if self.min_workers is not None and (not isinstance(self.min_workers, int) or self.min_workers < 1):
             raise ConfigError(f"FailureConfig.min_workers must be an integer >= 1 or None, got {self.min_workers!r}.")
-        for name in ("capacity_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "step_timeout_s"):
+        for name in ("capacity_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
+                     "step_timeout_s", "node_settle_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"FailureConfig.{name} must be > 0 seconds.")
         if self.straggler_factor <= 1.0:

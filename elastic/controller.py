@@ -482,6 +482,7 @@ class Controller:
         t0 = time.time()
         first_problem: float | None = None
         beats: dict[int, Any] = {}
+        node_suspect = False
         while pending:
             timeout = cfg.heartbeat_interval_s
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout) if need == len(refs) \
@@ -490,8 +491,9 @@ class Controller:
                 r = pending.pop(ref)
                 try:
                     results[r] = ray.get(ref)
-                except ray.exceptions.RayActorError:
+                except ray.exceptions.RayActorError as exc:
                     dead.add(r)
+                    node_suspect = node_suspect or _looks_like_node_death(exc)
                 except ray.exceptions.RayTaskError as exc:
                     cause = exc.cause if hasattr(exc, "cause") else None
                     if isinstance(cause, CollectiveError):
@@ -526,6 +528,8 @@ class Controller:
             # A collective broke but no actor was seen dying: ask who is alive. If everyone is,
             # the group itself broke (a dropped link): rebuild it with the same members.
             dead = self._probe_dead()
+        if dead:
+            dead |= self._co_located_losses(dead, settle=node_suspect)
         if not dead:
             kind = "collective"
         elif dead & self._hung:
@@ -535,6 +539,45 @@ class Controller:
         else:
             kind = "actor_died"
         raise Failure(dead, kind, results, detect_s=(first_problem or time.time()) - t0)
+
+    def _co_located_losses(self, dead: set[int], settle: bool) -> set[int]:
+        """Other ranks lost with the same node, so a node loss is healed in one rebuild.
+
+        When a raylet dies, its workers do not all die at the same instant: one may still answer
+        (or even fail its collective like a survivor) a moment before it exits. If a death looks
+        like a node's (or the node is already marked dead), wait up to ``node_settle_s`` for the
+        node's other ranks to be confirmed dead or alive.
+        """
+        nodes = {self.group.members[r].info.get("node_id") for r in dead}
+        others = [m for m in self.group.members if m.rank not in dead and m.info.get("node_id") in nodes]
+        if not others:
+            return set()
+        lost: set[int] = set()
+        deadline = time.time() + (self.failure_config.node_settle_s if settle else 0.0)
+        while others:
+            alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            gone = [m for m in others if m.info.get("node_id") not in alive_nodes]
+            if gone or settle:
+                for m in gone:
+                    lost.add(m.rank)
+                    ray.kill(m.actor, no_restart=True)
+                others = [m for m in others if m not in gone]
+                settle = True
+            if not others or time.time() >= deadline:
+                break
+            refs = {m.actor.heartbeat.remote(): m for m in others}
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.3)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:
+                    lost.add(refs[ref].rank)
+            others = [m for m in others if m.rank not in lost]
+            time.sleep(0.1)
+        if lost:
+            self.log("node_lost", f"rank(s) {sorted(lost)} went with the node of rank(s) {sorted(dead)}",
+                     ranks=sorted(lost))
+        return lost
 
     def _culprits(self, pending: dict) -> dict:
         """Which pending ranks are stuck in their own code rather than waiting on a peer.
@@ -987,3 +1030,13 @@ class Controller:
             "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
                            "lag": self.committer.lag(self.step) if self.committer else None},
         }
+
+
+_NODE_DEATH_MARKERS = ("node has died", "node died", "node is dead", "socket closed")
+
+
+def _looks_like_node_death(exc: BaseException) -> bool:
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        return True
+    text = str(exc).lower()
+    return any(m in text for m in _NODE_DEATH_MARKERS)

@@ -164,7 +164,7 @@ class Trainer:
             pass
         # The controller lives beside the driver: a worker node that dies must not take the
         # controller (and with it the run) along.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.controller = actor_cls.options(
             name="controller", namespace=self.namespace, num_cpus=0, scheduling_strategy=here,
             max_restarts=0, lifetime=None,
