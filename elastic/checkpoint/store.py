@@ -1,6 +1,6 @@
 """The on-storage checkpoint layout of one run: per-rank shard files, a manifest written last, and cleanup.
 
-A step is committed iff ``step-XXXXXXXXX/manifest.json`` exists and its self-checksum matches; it is
+A step is committed iff ``step-NNNNNNNNN/manifest.json`` exists and its self-checksum matches; it is
 valid iff, in addition, every file it lists has the recorded size and sha256. No renames anywhere.
 """
 
