@@ -78,7 +78,6 @@ class Failure(Exception):
 
     dead: set[int]
     kind: str
-    completed: dict[int, Any] = field(default_factory=dict)
     detect_s: float = 0.0
 
     def __str__(self) -> str:
@@ -332,7 +331,7 @@ class Controller:
         epoch, shards = self._planned[step]
         self.dispatches += 1
         try:
-            results = self._gather(refs, ranks, step)
+            results = self._gather(refs, ranks)
         except Failure:
             self._inflight.clear()  # queued steps of the broken generation fail on their own
             raise
@@ -361,7 +360,7 @@ class Controller:
         t0 = time.perf_counter()
         self.dispatches += 1
         refs = {members[r].actor.compute_grad.remote(step, shard_of[r]): r for r in free}
-        fast_results = self._gather(list(refs), list(refs.values()), step, need=n)
+        fast_results = self._gather(list(refs), list(refs.values()), need=n)
         fast = sorted(fast_results)
         late = [r for r in free if r not in fast_results]
         now = time.time()
@@ -383,7 +382,7 @@ class Controller:
                     # Queued behind the rank's own late step: actor calls run in order, so it
                     # applies every agreed update in step order and never misses one.
                     self._applies.setdefault(m.rank, []).append(m.actor.apply_update.remote(step, flat_ref))
-        applied = self._gather(list(out), list(out.values()), step)
+        applied = self._gather(list(out), list(out.values()))
         wall = time.perf_counter() - t0
         for r in fast:
             self.ledger.record(step, epoch, r, shard_of[r], used=True)
@@ -465,7 +464,7 @@ class Controller:
             self.log("checkpoint_storage", ev.get("message", str(ev)), rank=rank, **details)
 
     # ---- gathering and failure detection ----------------------------------------------------
-    def _gather(self, refs: list, ranks: list[int], step: int, need: int | None = None) -> dict[int, Any]:
+    def _gather(self, refs: list, ranks: list[int], need: int | None = None) -> dict[int, Any]:
         """Wait for results; return when ``need`` (default all) arrived. Raise ``Failure`` on loss.
 
         Deaths are seen through the refs (Ray reports a dead actor in tens of milliseconds). A
@@ -538,7 +537,7 @@ class Controller:
             kind = "node_lost"
         else:
             kind = "actor_died"
-        raise Failure(dead, kind, results, detect_s=(first_problem or time.time()) - t0)
+        raise Failure(dead, kind, detect_s=(first_problem or time.time()) - t0)
 
     def _co_located_losses(self, dead: set[int], settle: bool) -> set[int]:
         """Other ranks lost with the same node, so a node loss is healed in one rebuild.

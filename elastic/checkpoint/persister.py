@@ -184,6 +184,9 @@ class AsyncPersister:
         except Exception as exc:  # noqa: BLE001 - a checkpoint bug must not kill training
             self._record_failure(step, exc)
             return
+        self._record_success(step, entries)
+
+    def _record_success(self, step: int, entries: Any) -> None:
         with self._cond:
             self._outage.succeeded(step)
             if self._keep_done:
@@ -238,8 +241,5 @@ class AsyncPersister:
             except Exception as exc:  # noqa: BLE001 - never let the thread die silently
                 self._record_failure(step, exc)
                 return
-            with self._cond:
-                self._outage.succeeded(step)
-                if self._keep_done:
-                    self._done.append((step, entries))
+            self._record_success(step, entries)
             return
