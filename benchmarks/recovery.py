@@ -14,10 +14,10 @@ from the end of step 1 to the end of the last step (ours: RUNNING transition + s
 leaves out the start-up before step 1, the same work in both runs of a pair and the noisiest part
 on a loaded machine; the fit() wall-clock difference is printed alongside.
 
-Steps recomputed per failure (ours): a failure in step f (the RECOVERING transition's event step
-+ 1) that resumes at step r (``recoveries[i]["step"]``) dispatches steps r..f again, f - r + 1 of
-them (0 when the step completed on a survivor and was kept); cross-checked against the history,
-where every dispatched attempt that completed is one row.
+Steps recomputed per failure (ours): what the controller counted in ``recoveries[i]["recomputed"]``
+from the ranks' own reports: steps some rank had begun but no survivor completed, plus any rolled
+back to a checkpoint. Printed alongside: the history rows beyond one per step (a completed attempt
+seen twice), which must be 0.
 """
 
 from __future__ import annotations
@@ -33,14 +33,6 @@ from common import (add_raytrain_args, add_workload_args, claim_stdout, configur
 logger = logging.getLogger("bench.recovery")
 
 
-def steps_recomputed(res) -> list[int]:
-    """Per recovery: how many step numbers were dispatched again after it (see the docstring)."""
-    failed = [e["step"] + 1 for e in res.events
-              if e["kind"] == "transition" and e["details"].get("new") == "recovering"
-              and not e["message"].split(": ", 1)[-1].startswith("evicting")]
-    return [max(0, f - rec["step"] + 1) for f, rec in zip(failed, res.recoveries)]
-
-
 def run_ours(w, steps: int, kill: dict | None) -> dict:
     scaling = elastic.ScalingConfig(num_workers=w.workers, num_backups=1, resources_per_worker={"CPU": 1})
     name = "recovery-crash" if kill else "recovery-clean"
@@ -50,7 +42,7 @@ def run_ours(w, steps: int, kill: dict | None) -> dict:
     completed_rows = len(res.history)
     out = {"fit_wall_s": wall, "train_span_s": finished_at(res) - first_step_done(res), "steps": res.metrics["steps"],
            "failures": res.metrics["failures"], "recoveries": res.recoveries,
-           "recomputed": steps_recomputed(res), "history_rows": completed_rows,
+           "recomputed": [rec["recomputed"] for rec in res.recoveries], "history_rows": completed_rows,
            # rows beyond one per final step: completed attempts of a step number seen twice
            "duplicate_rows": completed_rows - len({h["step"] for h in res.history})}
     logger.info("ours %s: %s", name, out)

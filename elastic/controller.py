@@ -140,7 +140,7 @@ class Controller:
         self.restored_from: int | None = None
         self.total_steps = 0
         self._hung: set[int] = set()  # ranks the controller killed as hung
-        self.dispatches = 0  # step attempts; minus completed steps = steps recomputed
+        self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
         self._planned: dict[int, tuple[int, list[list[int]]]] = {}  # step -> (epoch, shards) handed out
         self._positions: dict[int, dict] = {}  # step -> sampler position right after that step
         self._inflight: dict[int, tuple[list, list[int], float]] = {}  # step -> (refs, ranks, dispatch time)
@@ -329,7 +329,6 @@ class Controller:
             self._dispatch_all(step + 1)
         refs, ranks, t_dispatch = self._inflight.pop(step)
         epoch, shards = self._planned[step]
-        self.dispatches += 1
         try:
             results = self._gather(refs, ranks)
         except Failure:
@@ -358,7 +357,6 @@ class Controller:
         epoch, shards = self._shards_for(step, len(free))
         shard_of = dict(zip(free, shards))
         t0 = time.perf_counter()
-        self.dispatches += 1
         refs = {members[r].actor.compute_grad.remote(step, shard_of[r]): r for r in free}
         fast_results = self._gather(list(refs), list(refs.values()), need=n)
         fast = sorted(fast_results)
@@ -655,6 +653,7 @@ class Controller:
         rendezvous) goes round the loop again with the newly lost ranks, and counts as a failure.
         """
         t0 = time.time()
+        recomputed_before = self.recomputed
         lost = tuple(sorted(failure.dead))
         kind = failure.kind
         self.transition(State.RECOVERING, f"{kind} of rank(s) {list(lost)} in step {self.step + 1}")
@@ -678,7 +677,8 @@ class Controller:
                          ranks=list(lost))
         seconds = time.time() - t0
         self.recoveries.append({"kind": failure.kind, "ranks": sorted(failure.dead), "detect_s": failure.detect_s,
-                                "rebuild_s": seconds, "step": self.step + 1})
+                                "rebuild_s": seconds, "step": self.step + 1,
+                                "recomputed": self.recomputed - recomputed_before})
         if self.metrics is not None:
             self.metrics.on_recovery(failure.kind, seconds)
         for _ in range(max(0, self.scaling.num_hot_spares - len(self.group.spares) - self.group.pending_spares)):
@@ -788,6 +788,7 @@ class Controller:
             raise TrainingFailed(self._fail_message("restart asked for but RunConfig.storage is not set"))
         if self.committer is not None:
             self.committer.flush(timeout_s=30)
+        lost_up_to = max(self._begun_by_survivors(), self.step)
         self.group.shutdown()
         self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
         self.group.start(self.scaling.num_replicas)
@@ -802,10 +803,23 @@ class Controller:
         self._inflight.clear()
         if position is None:
             self.step = 0
+        self.recomputed += lost_up_to - self.step
         # Steps after the restored one will be trained (and committed) again.
         self.committer.rewind(self.step if position is not None else None)
         self._truncate_history(self.step)
         self.log("restart", f"every rank restarted from step {self.step}")
+
+    def _begun_by_survivors(self) -> int:
+        """Newest step any reachable rank began (0 if none answers): work a restart throws away."""
+        refs = [m.actor.progress.remote() for m in self.group.members]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)
+        begun = 0
+        for ref in ready:
+            try:
+                begun = max(begun, ray.get(ref)[1])
+            except ray.exceptions.RayError:
+                pass  # a lost rank: its work is gone either way
+        return begun
 
     def _restore_members_from_checkpoint(self) -> None:
         if self.store is None:
@@ -831,15 +845,25 @@ class Controller:
         self.ledger.entries = [e for e in self.ledger.entries if e.step <= step]
 
     def _sync_state(self) -> None:
-        """Bring every rank to the newest state a survivor holds, through the object store."""
-        refs = [m.actor.completed.remote() for m in self.group.members]
-        steps = ray.get(refs)
+        """Bring every rank to the newest state a survivor holds, through the object store.
+
+        Work thrown away is counted here, from what the ranks themselves report (newest step
+        begun, newest completed), not from what the controller handed out: with step t+1
+        queued behind step t, a failure can land after a survivor finished step t (kept) but
+        began t+1 (lost), or before the queued step began at all (nothing lost).
+        """
+        progress = ray.get([m.actor.progress.remote() for m in self.group.members])
+        steps = [done for done, _ in progress]
+        begun = max(started for _, started in progress)
         newest = max(steps)
         if newest < self.step:
             # No member holds the current state (every holder died): fall back to the newest
             # committed checkpoint, and replay from there.
+            lost_up_to = max(begun, self.step)
             self._restore_members_from_checkpoint()
+            self.recomputed += lost_up_to - self.step
             return
+        self.recomputed += max(0, begun - newest)
         source = self.group.members[steps.index(newest)]
         behind = [m for m, s in zip(self.group.members, steps) if s != newest]
         if behind:
@@ -978,7 +1002,7 @@ class Controller:
             "events": [asdict(e) for e in self.events],
             "recoveries": list(self.recoveries),
             "failures": self.failures,
-            "dispatches": self.dispatches,
+            "recomputed_steps": self.recomputed,
             "ledger": [asdict(e) for e in self.ledger.entries],
             "dropped_samples": self.ledger.dropped(),
             "restored_from": self.restored_from,

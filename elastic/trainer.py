@@ -190,7 +190,7 @@ class Trainer:
             "mean_step_time_s": total_time / len(timed) if timed else 0.0,
             "dropped_samples": out["dropped_samples"],
             "failures": out["failures"],
-            "dispatches": out["dispatches"],
+            "recomputed_steps": out["recomputed_steps"],
             "world_size": out["world_size"],
             "restored_from": out["restored_from"],
         }

@@ -17,7 +17,7 @@ from elastic.actors.worker_group import WorkerGroup
 
 class FakeWorker:
     def __init__(self, spec, name=""):
-        self.name, self.rank, self.world, self.done = name, -1, 0, 0
+        self.name, self.rank, self.world, self.done, self.started = name, -1, 0, 0, 0
         self.kill_at = None
 
     def info(self):
@@ -47,6 +47,7 @@ class FakeWorker:
         self.kill_at = at_step
 
     def train_step(self, step, indices, generation):
+        self.started = step
         if step == self.kill_at:
             os._exit(1)
         self.done = step
@@ -56,11 +57,11 @@ class FakeWorker:
         return {"completed_step": self.done}
 
     def set_state(self, state):
-        self.done = state["completed_step"]
+        self.done = self.started = state["completed_step"]
         return self.done
 
-    def completed(self):
-        return self.done
+    def progress(self):
+        return self.done, self.started
 
     def param_checksum(self):
         return 7

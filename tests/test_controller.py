@@ -48,7 +48,7 @@ def test_failure_replaced_by_spare(ray_cluster):
     assert decisions == ["ReplaceWithSpares"]
     # Fake ranks have no collective, so rank 0 finished step 3 alone: the controller keeps a step
     # a survivor completed instead of replaying it.
-    assert c.dispatches <= 5 and any(e.kind == "step_kept" for e in c.events)
+    assert c.recomputed == 0 and any(e.kind == "step_kept" for e in c.events)
     assert [r["ranks"] for r in c.recoveries] == [[1]]
 
 

@@ -41,7 +41,9 @@ def decisions(result):
 
 
 def recomputed(result) -> int:
-    return result.metrics["dispatches"] - result.metrics["steps"]
+    """Steps begun on some rank and thrown away; the per-recovery figures add up to it."""
+    assert sum(r["recomputed"] for r in result.recoveries) == result.metrics["recomputed_steps"]
+    return result.metrics["recomputed_steps"]
 
 
 def run_and_signal(name, sig, at_step=3, **kw):

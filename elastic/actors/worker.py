@@ -120,6 +120,7 @@ class TrainWorker:
         self.world_size = 0
         self.generation = -1
         self.completed_step = 0
+        self.started_step = 0  # newest step this rank began computing; started - completed = work at risk
         self.current_step: int | None = None
         self.last_beat = time.time()
         self._subgroups: dict[tuple[int, ...], Any] = {}
@@ -308,7 +309,7 @@ class TrainWorker:
 
     def _train_step(self, step: int, indices: list[int]) -> StepResult:
         t0 = time.perf_counter()
-        self.current_step = step
+        self.current_step = self.started_step = step
         _seed_everything(step_seed(self.spec.seed, self.rank, step))
         batch = self._batch(indices)
         model = self.ddp if self.ddp is not None else self.model
@@ -331,7 +332,7 @@ class TrainWorker:
 
     def _compute_grad(self, step: int, indices: list[int]) -> StepResult:
         t0 = time.perf_counter()
-        self.current_step = step
+        self.current_step = self.started_step = step
         _seed_everything(step_seed(self.spec.seed, self.rank, step))
         batch = self._batch(indices)
         self.model.train()
@@ -401,12 +402,14 @@ class TrainWorker:
         self.optimizer.load_state_dict(_to_device(state["optimizer"], self.device))
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.completed_step = int(state["completed_step"])
+        self.completed_step = self.started_step = int(state["completed_step"])
         self._pending_flat = None
         return self.completed_step
 
-    def completed(self) -> int:
-        return self.completed_step
+    def progress(self) -> tuple[int, int]:
+        """(newest completed step, newest step begun). A step begun and not completed when the
+        group broke is work thrown away: the controller counts it as recomputed."""
+        return self.completed_step, self.started_step
 
     def param_checksum(self) -> int:
         """CRC32 over every parameter's bytes: equal only if replicas are bitwise identical."""
