@@ -608,6 +608,24 @@ class Controller:
             self.log("hang", f"rank {r} {why}; killing it so its peers unblock", rank=r)
             self._hung.add(r)
             ray.kill(self.group.members[r].actor, no_restart=True)
+            self._reap(self.group.members[r])
+
+    def _reap(self, hung: Member) -> None:
+        """SIGKILL a hung rank's process from a live actor on its node.
+
+        Why on top of ``ray.kill``: that asks the process to exit and force-kills it only after
+        Ray's ``kill_worker_timeout_milliseconds`` (5 s by default). A process that answers
+        nothing (stopped, stuck in the kernel) costs those seconds, and its peers stay blocked on
+        its open sockets meanwhile. A survivor or spare on the same node kills it at once from its
+        control thread; with none there, ``ray.kill`` alone finishes the job.
+        """
+        node, pid = hung.info.get("node_id"), hung.info.get("pid")
+        if not node or not pid:
+            return
+        for other in self._all_actors():
+            if other is not hung and other.info.get("node_id") == node and (other.spare or other.rank not in self._hung):
+                other.actor.reap.remote(pid)  # fire and forget: the death shows up on the refs
+                return
 
     def _check_heartbeats(self, pending: dict, beats: dict) -> None:
         cfg = self.failure_config

@@ -14,7 +14,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import elastic
-from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd
+from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd, reference_weights
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def trainer(name, backups):
 
 def test_remove_node_with_two_ranks(cluster):
     c, node_a = cluster
-    clean = trainer("nodeclean", backups=0).fit(steps=STEPS).model_state
+    clean = reference_weights(STEPS, 32, seed=0)  # one process, the same global batches, no failure
 
     t = trainer("nodeloss", backups=2)
     box = {}
@@ -80,4 +80,4 @@ def test_remove_node_with_two_ranks(cluster):
     replaced = [e["details"]["rank"] for e in result.events if e["kind"] == "replace"]
     assert sorted(replaced) == sorted(removed_ranks)
     assert result.metrics["recomputed_steps"] <= 1
-    assert_weights_close(result.model_state, clean, atol=1e-6)
+    assert_weights_close(result.model_state, clean, atol=1e-5)

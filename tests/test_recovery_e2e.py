@@ -1,7 +1,9 @@
 """Recovery on real Ray: killed processes, hung workers, failures while healing, spares running out.
 
-Each test compares the final weights with a failure-free run of the same seed and checks that the
-event log shows the decisions and that at most one step was recomputed per failure.
+Each test compares the final weights with one process training on the same global batches (a
+failure-free reference computed without Ray), and checks that the event log shows the decisions and
+that at most one step was recomputed per failure. Two ranks unless a test needs more: every worker
+process costs seconds of torch import on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 import ray
 
 import elastic
-from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd
+from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd, reference_weights
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +25,7 @@ STEPS = 8  # one epoch of the 256-sample data set
 BATCH = 32
 
 
-def make_trainer(name, workers=4, backups=1, failure=None, faults=None, **kw):
+def make_trainer(name, workers=2, backups=1, failure=None, faults=None, **kw):
     return elastic.Trainer(
         make_model, make_sgd, make_dataset, loss_fn, BATCH,
         scaling=elastic.ScalingConfig(num_workers=workers, num_backups=backups),
@@ -32,8 +34,8 @@ def make_trainer(name, workers=4, backups=1, failure=None, faults=None, **kw):
 
 
 @pytest.fixture(scope="module")
-def clean_weights(ray_cluster):
-    return {n: make_trainer(f"clean{n}", workers=n, backups=0).fit(steps=STEPS).model_state for n in (2, 4)}
+def clean_weights():
+    return reference_weights(STEPS, BATCH, seed=0)
 
 
 def decisions(result):
@@ -78,7 +80,7 @@ def test_sigkill_from_outside_mid_step(ray_cluster, clean_weights):
     assert len(result.recoveries) == 1 and result.recoveries[0]["kind"] == "actor_died"
     assert result.recoveries[0]["detect_s"] < 5
     assert recomputed(result) <= 1
-    assert_weights_close(result.model_state, clean_weights[4], atol=1e-6)
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)
     assert result.events_of("replace") and result.events_of("state_sync")
 
 
@@ -89,13 +91,14 @@ def test_worker_that_stops_answering(ray_cluster, clean_weights):
     assert hangs and "missed heartbeats" in hangs[0]["message"]
     assert result.recoveries[0]["kind"] == "hang"
     assert recomputed(result) <= 1
-    assert_weights_close(result.model_state, clean_weights[4], atol=1e-6)
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 
 
 def test_kill_at_step_exactly_once_accounting(ray_cluster, clean_weights):
-    result = make_trainer("killstep", faults=[{"kind": "kill", "rank": 2, "at_step": 5}]).fit(steps=STEPS)
+    # Four ranks here: the ring is rebuilt from several survivors, and the ledger covers all four.
+    result = make_trainer("killstep", workers=4, faults=[{"kind": "kill", "rank": 2, "at_step": 5}]).fit(steps=STEPS)
     assert recomputed(result) == 1
-    assert_weights_close(result.model_state, clean_weights[4], atol=1e-6)
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)
     # every step is in the ledger once per rank, and step 5 used the same samples as planned
     for step in range(1, STEPS + 1):
         rows = [e for e in result.ledger if e["step"] == step]
@@ -106,11 +109,11 @@ def test_kill_at_step_exactly_once_accounting(ray_cluster, clean_weights):
 
 def test_hung_worker_is_detected_and_replaced(ray_cluster, clean_weights):
     failure = elastic.FailureConfig(step_timeout_s=6)
-    result = make_trainer("hang", failure=failure, faults=[{"kind": "hang", "rank": 3, "at_step": 4}]).fit(steps=STEPS)
+    result = make_trainer("hang", failure=failure, faults=[{"kind": "hang", "rank": 1, "at_step": 4}]).fit(steps=STEPS)
     assert result.events_of("hang")
     assert "ReplaceWithSpares" in decisions(result)
     assert recomputed(result) <= 1
-    assert_weights_close(result.model_state, clean_weights[4], atol=1e-6)
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 
 
 def test_spare_dies_while_healing(ray_cluster, clean_weights):
@@ -120,7 +123,7 @@ def test_spare_dies_while_healing(ray_cluster, clean_weights):
     assert any(e["kind"] == "failure" and "while healing" in e["message"] for e in result.events)
     assert result.metrics["failures"] == 2
     assert recomputed(result) <= 1
-    assert_weights_close(result.model_state, clean_weights[4], atol=1e-6)
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 
 
 def test_no_spare_wait_for_capacity_then_replace(ray_cluster, clean_weights):
@@ -128,7 +131,7 @@ def test_no_spare_wait_for_capacity_then_replace(ray_cluster, clean_weights):
     result = make_trainer("wait", backups=0, failure=failure,
                           faults=[{"kind": "kill", "rank": 0, "at_step": 3}]).fit(steps=STEPS)
     assert decisions(result)[:1] == ["WaitForCapacity"] and "ReplaceWithSpares" in decisions(result)
-    assert_weights_close(result.model_state, clean_weights[4], atol=1e-6)
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 
 
 def test_no_spare_shrink(ray_cluster, clean_weights):
@@ -138,7 +141,7 @@ def test_no_spare_shrink(ray_cluster, clean_weights):
     assert "Shrink" in decisions(result)
     assert result.metrics["world_size"] == 1
     assert recomputed(result) <= 1
-    assert_weights_close(result.model_state, clean_weights[2], atol=1e-6)
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 
 
 def test_no_spare_fail(ray_cluster):

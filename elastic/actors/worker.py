@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import random
+import signal
 import socket
 import time
 import traceback
@@ -151,6 +152,15 @@ class TrainWorker:
         """Answered from its own thread, so a worker busy in a long step still answers."""
         return {"time": time.time(), "step": self.current_step, "completed_step": self.completed_step,
                 "rank": self.rank, "phase": self.phase, "phase_since": self.phase_since}
+
+    @ray.method(concurrency_group="control")
+    def reap(self, pid: int) -> bool:
+        """SIGKILL a hung peer's process on this node (the controller found it by its heartbeats)."""
+        try:
+            os.kill(pid, signal.SIGKILL)
+            return True
+        except ProcessLookupError:
+            return False
 
     def _enter(self, phase: str) -> None:
         """Phases let the controller tell a rank stuck in its own code from one waiting on peers."""
