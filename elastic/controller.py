@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -541,15 +542,27 @@ class Controller:
         """Other ranks lost with the same node, so a node loss is healed in one rebuild.
 
         When a raylet dies, its workers do not all die at the same instant: one may still answer
-        (or even fail its collective like a survivor) a moment before it exits. If a death looks
-        like a node's (or the node is already marked dead), wait up to ``node_settle_s`` for the
-        node's other ranks to be confirmed dead or alive.
+        (or even fail its collective like a survivor) a moment before it exits, and the GCS marks
+        the node dead only seconds later. So the node's raylet is asked directly: a raylet that
+        refuses connections (or does not answer within a second) means the node is gone, and
+        every rank on it is lost now, alive or not (a worker without its raylet has no object
+        store and exits). A raylet that answers means a single process died, the common case,
+        and costs one local TCP connect. If the death otherwise looks like a node's, wait up to
+        ``node_settle_s`` for the node's other ranks to be confirmed dead or alive.
         """
         nodes = {self.group.members[r].info.get("node_id") for r in dead}
         others = [m for m in self.group.members if m.rank not in dead and m.info.get("node_id") in nodes]
         if not others:
             return set()
         lost: set[int] = set()
+        down = {n for n in nodes if not _raylet_reachable(n)}
+        if down:
+            for m in others:
+                if m.info.get("node_id") in down:
+                    lost.add(m.rank)
+                    ray.kill(m.actor, no_restart=True)
+            others = [m for m in others if m.rank not in lost]
+            settle = True
         deadline = time.time() + (self.failure_config.node_settle_s if settle else 0.0)
         while others:
             alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
@@ -660,8 +673,7 @@ class Controller:
 
     def _node_gone(self, dead: set[int]) -> bool:
         nodes = {self.group.members[r].info.get("node_id") for r in dead}
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        return any(n not in alive for n in nodes)
+        return any(not _raylet_reachable(n) for n in nodes)
 
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self, failure: Failure) -> None:
@@ -1074,6 +1086,21 @@ class Controller:
 
 
 _NODE_DEATH_MARKERS = ("node has died", "node died", "node is dead", "socket closed")
+
+
+def _raylet_reachable(node_id: str | None, timeout_s: float = 1.0) -> bool:
+    """Whether the raylet of ``node_id`` accepts a TCP connection (the node is up)."""
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            if not node.get("Alive"):
+                return False
+            try:
+                with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])),
+                                              timeout=timeout_s):
+                    return True
+            except OSError:
+                return False
+    return False
 
 
 def _looks_like_node_death(exc: BaseException) -> bool:

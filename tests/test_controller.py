@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import ray
 
 import elastic
 from elastic.actors.worker import TrainingSpec
@@ -72,3 +73,10 @@ def test_max_failures_zero_fails_even_with_spare(ray_cluster):
             c.run_for(steps=4)
         finally:
             c.shutdown()
+
+
+def test_raylet_probe_tells_a_live_node_from_an_unknown_one(ray_cluster):
+    from elastic.controller import _raylet_reachable
+
+    assert _raylet_reachable(ray.get_runtime_context().get_node_id())
+    assert not _raylet_reachable("f" * 56)
