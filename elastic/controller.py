@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import ray
 
-from elastic.actors.worker import CollectiveError, TrainingSpec
+from elastic.actors.protocol import CollectiveError, PackedSpec, TrainingSpec
 from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits
 from elastic.config import FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan
@@ -103,7 +103,7 @@ class Controller:
 
     worker_group_cls = WorkerGroup
 
-    def __init__(self, spec: TrainingSpec, scaling: ScalingConfig, run: RunConfig, failure: FailureConfig,
+    def __init__(self, spec: TrainingSpec | PackedSpec, scaling: ScalingConfig, run: RunConfig, failure: FailureConfig,
                  global_batch_size: int, checkpoint_store=None, metrics=None, fault_plan: list | None = None,
                  on_step: Callable[[StepRecord, "Controller"], None] | None = None, requeue_dropped: bool = False):
         self.spec = spec
@@ -1025,7 +1025,12 @@ class Controller:
         final = {}
         if include_state and self.group is not None and self.group.members:
             final["replica_checksums"] = self.verify_replicas()  # waits for late replicas to catch up
-            final["model_state"] = ray.get(self.group.members[0].actor.get_state.remote())["model"]
+            # Handed on as a reference the driver resolves: deserializing tensors here would
+            # import torch into the controller (see elastic/_lazy.py). Waited for without
+            # fetching, so it exists before the workers are shut down.
+            ref = self.group.members[0].actor.model_state.remote()
+            ray.wait([ref], timeout=self.failure_config.step_timeout_s, fetch_local=False)
+            final["model_state_ref"] = [ref]  # in a list: Ray must not resolve it on the way out
         out = {
             "steps": self.step,
             "history": [asdict(h) for h in self.history],

@@ -10,14 +10,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
-    """The sample order of one epoch; the same on every machine and every run."""
-    gen = torch.Generator()
-    gen.manual_seed((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF)
-    return torch.randperm(num_samples, generator=gen).tolist()
+    """The sample order of one epoch; the same on every machine and every run.
+
+    numpy's PCG64 rather than ``torch.randperm``: the controller owns the plan and does not
+    import torch (see elastic/_lazy.py).
+    """
+    rng = np.random.Generator(np.random.PCG64((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF))
+    return rng.permutation(num_samples).tolist()
 
 
 @dataclass

@@ -17,7 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.actors.controller_actor import ControllerActor
-from elastic.actors.worker import TrainingSpec
+from elastic.actors.protocol import PackedSpec, TrainingSpec
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.controller import TrainingFailed, WorkerError
 
@@ -153,7 +153,8 @@ class Trainer:
     def _fit(self, steps: int | None, epochs: int | None) -> Result:
         from elastic.metrics import RunMetrics
 
-        kwargs = dict(spec=self.spec, scaling=self.scaling, run=self.run, failure=self.failure,
+        # Packed: the controller hands the spec on without unpickling the user's modules (torch).
+        kwargs = dict(spec=PackedSpec.pack(self.spec), scaling=self.scaling, run=self.run, failure=self.failure,
                       global_batch_size=self.global_batch_size, checkpoint_store=self._store,
                       metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped)
         actor_cls = ray.remote(concurrency_groups={"status": 1})(ControllerActor)
@@ -171,6 +172,10 @@ class Trainer:
         ).remote(kwargs)
         ref = self.controller.run.remote(steps, epochs)
         out = self._wait_with_progress(ref)
+        # The final weights are owned by the controller: fetch them before it goes.
+        state_ref = out.pop("model_state_ref", None)
+        if state_ref:
+            out["model_state"] = ray.get(state_ref[0])
         ray.kill(self.controller, no_restart=True)
         self.controller = None
         if "error" in out:

@@ -53,11 +53,34 @@ def stop_cluster(cluster) -> None:
     cluster.shutdown()
 
 
+_shared: dict = {"cluster": None}
+
+
+def release_shared_cluster() -> None:
+    """Stop the shared single-node cluster (a module about to start its own calls this first:
+    one driver connects to one cluster at a time)."""
+    if _shared["cluster"] is not None:
+        stop_cluster(_shared["cluster"])
+        _shared["cluster"] = None
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    cluster = start_cluster()
-    yield cluster
-    stop_cluster(cluster)
+    """One single-node cluster shared by every module that needs nothing special.
+
+    Starting and stopping a cluster costs ~8 s on a 2-core machine; the modules that use this one
+    only create and tear down their own named actors, so they can share it. It is stopped at
+    the end of the session, or earlier when a module needs a cluster of its own.
+    """
+    if _shared["cluster"] is None:
+        _shared["cluster"] = start_cluster()
+    return _shared["cluster"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_shared_cluster():
+    yield
+    release_shared_cluster()
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,9 @@ class FakeWorker:
         self.done = step
         return StepResult(self.rank, step, 1.0 / step, 0.001, 0.001, len(indices), step, {"local_time_s": 0.001})
 
+    def model_state(self):
+        return {}
+
     def get_state(self):
         return {"completed_step": self.done}
 

@@ -19,7 +19,7 @@ from helpers import assert_weights_close, loss_fn, make_adam, make_dataset, make
 
 pytestmark = pytest.mark.slow
 
-STEPS_OUTAGE = 60
+STEPS_OUTAGE = 40
 
 
 def trainer(name, storage, workers=2, backups=0, failure=None, faults=None, storage_options=None, **ckpt):
@@ -81,11 +81,11 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
         bucket = s3.create_bucket()
         url = f"s3://{bucket}/runs"
         t = trainer("outage", url, storage_options=s3.storage_options(), workers=2,
-                    faults=[{"kind": "slow", "rank": 0, "factor": 100.0, "from_step": 1}])
+                    faults=[{"kind": "slow", "rank": 0, "factor": 60.0, "from_step": 1}])
         seen = {}
 
-        # Stop the endpoint for 4 s once training is under way, then bring it back. Rank 0 is slowed
-        # so a step takes ~0.3 s: the run is still going when the endpoint returns.
+        # Stop the endpoint for 3 s once training is under way, then bring it back. Rank 0 is slowed
+        # so a step takes ~0.2 s: the run is still going when the endpoint returns.
         def outage():
             deadline = time.time() + 120
             while time.time() < deadline:
@@ -98,7 +98,7 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
                 time.sleep(0.1)
             s3.stop()
             seen["stopped_at"] = st["step"]
-            time.sleep(4)
+            time.sleep(3)
             s3.start()
             st = ray.get(ray.get_actor("controller", namespace="elastic-outage").status.remote())
             seen["restarted_at"] = st["step"]

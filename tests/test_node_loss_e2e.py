@@ -14,6 +14,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import elastic
+from conftest import release_shared_cluster
 from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd, reference_weights
 
 pytestmark = pytest.mark.slow
@@ -25,6 +26,7 @@ STEPS = 16
 def cluster():
     # Head: no CPUs (driver and controller only). Nodes A and B: room for two ranks each, so the
     # four ranks land two and two. The spares' node C joins once the ranks are placed.
+    release_shared_cluster()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     node_a = c.add_node(num_cpus=2)
     c.add_node(num_cpus=2)

@@ -6,7 +6,7 @@ import pytest
 import ray
 
 import elastic
-from conftest import start_cluster, stop_cluster
+from conftest import release_shared_cluster, start_cluster, stop_cluster
 from elastic.actors.worker import TrainingSpec
 from elastic.actors.worker_group import PlacementTimeout, WorkerGroup
 from helpers import loss_fn, make_dataset, make_model, make_sgd
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def two_nodes():
+    release_shared_cluster()
     cluster = start_cluster(num_nodes=2, cpus_per_node=3)
     yield cluster
     stop_cluster(cluster)

@@ -24,72 +24,32 @@ import socket
 import time
 import traceback
 import zlib
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-import numpy as np
 import ray
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import default_collate
+
+from elastic._lazy import LazyModule
+from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's call protocol)
+    CollectiveError,
+    PackedSpec,
+    StaleStep,
+    StepResult,
+    TrainingSpec,
+    choose_device_and_backend,
+    step_seed,
+    unpack_spec,
+)
+
+# Imported on first use, in the worker process: the controller imports this module to name the
+# actor class and must not pay for torch (see elastic/_lazy.py).
+torch = LazyModule("torch")
+dist = LazyModule("torch.distributed")
+np = LazyModule("numpy")
+torch_data = LazyModule("torch.utils.data")
+torch_parallel = LazyModule("torch.nn.parallel")
 
 logger = logging.getLogger(__name__)
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed because a peer vanished or the group was torn down."""
-
-
-class StaleStep(CollectiveError):
-    """A step queued for a group generation that no longer exists on this rank."""
-
-
-@dataclass
-class TrainingSpec:
-    """The user's pieces of training, shipped to every worker."""
-
-    model_fn: Callable[[], torch.nn.Module]
-    optimizer_fn: Callable[[Any], torch.optim.Optimizer]
-    dataset_fn: Callable[[], Any]
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
-    step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
-    scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None
-    seed: int = 0
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-
-
-@dataclass
-class StepResult:
-    rank: int
-    step: int
-    loss: float
-    step_time_s: float
-    compute_time_s: float
-    samples: int
-    completed_step: int
-    extra: dict = field(default_factory=dict)
-
-
-def choose_device_and_backend(use_gpu: bool, gpu_ids: list, cuda_available: bool) -> tuple[str, str]:
-    """NCCL on a GPU that Ray assigned to this actor, gloo on the CPU.
-
-    Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs, so the first visible device is ours.
-    """
-    if use_gpu:
-        if not gpu_ids:
-            raise RuntimeError("use_gpu=True but Ray assigned no GPU to this worker")
-        if not cuda_available:
-            raise RuntimeError(f"Ray assigned GPU(s) {gpu_ids} but torch.cuda is not available in this worker")
-        return "cuda:0", "nccl"
-    return "cpu", "gloo"
-
-
-def step_seed(seed: int, rank: int, step: int) -> int:
-    """RNG for (rank, step) is a pure function of the run seed, so replays and spares are exact."""
-    return (seed * 1_000_003 + rank * 10_007 + step) & 0x7FFF_FFFF
 
 
 def _seed_everything(value: int) -> None:
@@ -101,8 +61,8 @@ def _seed_everything(value: int) -> None:
 class TrainWorker:
     """The actor class. ``elastic.actors.worker_group`` wraps it with ``ray.remote``."""
 
-    def __init__(self, spec: TrainingSpec, actor_name: str = ""):
-        self.spec = spec
+    def __init__(self, spec: TrainingSpec | PackedSpec, actor_name: str = ""):
+        self.spec = spec = unpack_spec(spec)
         self.actor_name = actor_name
 
         self._gpu_ids = list(ray.get_gpu_ids()) if spec.use_gpu else []
@@ -116,7 +76,7 @@ class TrainWorker:
         self.optimizer = spec.optimizer_fn(self.model.parameters())
         self.scheduler = spec.scheduler_fn(self.optimizer) if spec.scheduler_fn else None
         self.dataset = spec.dataset_fn()
-        self.ddp: DDP | None = None
+        self.ddp = None  # DistributedDataParallel while in a group (aggregation "all")
         self.rank = -1
         self.world_size = 0
         self.generation = -1
@@ -222,7 +182,7 @@ class TrainWorker:
         )
         if use_ddp:
             device_ids = [0] if self.backend == "nccl" else None
-            self.ddp = DDP(self.model, device_ids=device_ids)
+            self.ddp = torch_parallel.DistributedDataParallel(self.model, device_ids=device_ids)
         if subgroup_size and subgroup_size < world_size:
             # Every rank must create every subgroup, in the same order: gloo's new_group is a
             # collective over the world (the use_local_synchronization variant hung in our probe).
@@ -250,7 +210,7 @@ class TrainWorker:
 
     # ---- training --------------------------------------------------------------------------
     def _batch(self, indices: list[int]):
-        batch = default_collate([self.dataset[i] for i in indices])
+        batch = torch_data.default_collate([self.dataset[i] for i in indices])
         return _to_device(batch, self.device)
 
     def _forward_backward(self, model, batch, step: int, has_collective: bool) -> tuple[torch.Tensor, float]:
@@ -401,11 +361,15 @@ class TrainWorker:
     def get_state(self) -> dict:
         """The full replicated training state, for a peer that has to catch up."""
         return {
-            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "model": self.model_state(),
             "optimizer": _to_device(self.optimizer.state_dict(), torch.device("cpu")),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "completed_step": self.completed_step,
         }
+
+    def model_state(self) -> dict:
+        """The model's state dict on the CPU (the final weights a ``Result`` carries)."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def set_state(self, state: dict) -> int:
         self.model.load_state_dict(state["model"])

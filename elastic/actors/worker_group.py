@@ -17,7 +17,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastic.actors.worker import TrainingSpec, TrainWorker
+from elastic.actors.protocol import PackedSpec, TrainingSpec
+from elastic.actors.worker import TrainWorker
 from elastic.config import ConfigError, ScalingConfig
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def _wait_ready(pg: PlacementGroup, timeout_s: float, what: str) -> None:
 class WorkerGroup:
     """Creates, orders and tears down worker actors."""
 
-    def __init__(self, scaling: ScalingConfig, spec: TrainingSpec, namespace: str):
+    def __init__(self, scaling: ScalingConfig, spec: TrainingSpec | PackedSpec, namespace: str):
         self.scaling = scaling
         self.spec = spec
         self.namespace = namespace  # "elastic-<run>": actors are "rank-3", "spare-0" in it

@@ -13,8 +13,12 @@ import random
 from typing import Any
 
 import numpy as np
-import safetensors.torch
-import torch
+
+from elastic._lazy import LazyModule
+
+# Loaded on first use: the controller commits manifests (sha256, JSON) and never touches tensors.
+torch = LazyModule("torch")
+safetensors_torch = LazyModule("safetensors.torch")
 
 # Skeleton markers. JSON objects only have string keys and no tuples, so dicts are stored as
 # lists of [key, value] pairs (keeping int keys such as optimizer state indices) and tuples
@@ -166,11 +170,11 @@ def encode_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
         if ptr != -1:
             seen.add(ptr)
         clean[name] = t
-    return safetensors.torch.save(clean)
+    return safetensors_torch.save(clean)
 
 
 def decode_tensors(data: bytes) -> dict[str, torch.Tensor]:
-    return safetensors.torch.load(data)
+    return safetensors_torch.load(data)
 
 
 def sha256(data: bytes) -> str:

@@ -11,9 +11,10 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from elastic.checkpoint.codec import (
     canonical_json,

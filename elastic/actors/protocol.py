@@ -1,0 +1,88 @@
+"""What the controller and the workers exchange, without torch.
+
+The controller imports this (and the worker module, whose torch is lazy) but never torch: it only
+passes the user's training pieces on, packed, to the workers that unpack and run them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray.cloudpickle
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed because a peer vanished or the group was torn down."""
+
+
+class StaleStep(CollectiveError):
+    """A step queued for a group generation that no longer exists on this rank."""
+
+
+@dataclass
+class TrainingSpec:
+    """The user's pieces of training, shipped to every worker."""
+
+    model_fn: Callable[[], torch.nn.Module]
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer]
+    dataset_fn: Callable[[], Any]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
+    scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None
+    seed: int = 0
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+
+
+@dataclass
+class StepResult:
+    rank: int
+    step: int
+    loss: float
+    step_time_s: float
+    compute_time_s: float
+    samples: int
+    completed_step: int
+    extra: dict = field(default_factory=dict)
+
+
+def choose_device_and_backend(use_gpu: bool, gpu_ids: list, cuda_available: bool) -> tuple[str, str]:
+    """NCCL on a GPU that Ray assigned to this actor, gloo on the CPU.
+
+    Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs, so the first visible device is ours.
+    """
+    if use_gpu:
+        if not gpu_ids:
+            raise RuntimeError("use_gpu=True but Ray assigned no GPU to this worker")
+        if not cuda_available:
+            raise RuntimeError(f"Ray assigned GPU(s) {gpu_ids} but torch.cuda is not available in this worker")
+        return "cuda:0", "nccl"
+    return "cpu", "gloo"
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """RNG for (rank, step) is a pure function of the run seed, so replays and spares are exact."""
+    return (seed * 1_000_003 + rank * 10_007 + step) & 0x7FFF_FFFF
+
+
+@dataclass(frozen=True)
+class PackedSpec:
+    """A ``TrainingSpec`` pickled in the driver and unpickled only in the workers.
+
+    Unpickling the user's factories imports the user's modules, and torch with them; the
+    controller only hands the spec on, so it keeps the bytes.
+    """
+
+    blob: bytes
+
+    @classmethod
+    def pack(cls, spec: TrainingSpec) -> "PackedSpec":
+        return cls(ray.cloudpickle.dumps(spec))
+
+    def unpack(self) -> TrainingSpec:
+        return ray.cloudpickle.loads(self.blob)
+
+
+def unpack_spec(spec: "TrainingSpec | PackedSpec") -> TrainingSpec:
+    return spec.unpack() if isinstance(spec, PackedSpec) else spec
