@@ -12,6 +12,7 @@ import logging
 import socket
 import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -144,7 +145,10 @@ class Controller:
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
         self._planned: dict[int, tuple[int, list[list[int]]]] = {}  # step -> (epoch, shards) handed out
         self._positions: dict[int, dict] = {}  # step -> sampler position right after that step
-        self._inflight: dict[int, tuple[list, list[int], float]] = {}  # step -> (refs, ranks, dispatch time)
+        # first step of a window -> (refs, ranks, dispatch time, steps in the window)
+        self._inflight: dict[int, tuple[list, list[int], float, int]] = {}
+        self._window = max(1, self.scaling.steps_per_dispatch)  # steps per call; tuned when automatic
+        self._step_times: deque = deque(maxlen=16)
         self._last_done = 0.0
         self.requeue_dropped = requeue_dropped
 
@@ -282,15 +286,20 @@ class Controller:
         step = self.step + 1
         try:
             if self.scaling.aggregation == "first_n":
-                record = self._step_first_n(step)
+                done = [(self._step_first_n(step), None)]
             else:
-                record = self._step_all(step)
+                done = self._step_all(step)
         except Failure as failure:
             self._recover(failure)
             return
-        self.step = step
-        self.history.append(record)
-        self._after_step(record)
+        for i, (record, results) in enumerate(done):
+            self.step = record.step
+            self.history.append(record)
+            if results is not None:
+                self._last_results = results
+            # Policies decide once per window, after its last step: an eviction rebuilds the
+            # group, and the window's other steps are already done on every rank.
+            self._after_step(record, decide=i == len(done) - 1)
 
     def _shards_for(self, step: int, n: int) -> tuple[int, list[list[int]]]:
         """The step's shards. A replayed step reuses the exact samples it was first given."""
@@ -308,44 +317,73 @@ class Controller:
         self._positions[step] = self.plan.position.to_dict()
         return epoch, shards
 
-    def _dispatch_all(self, step: int) -> None:
+    def _window_at(self, first: int) -> int:
+        return max(1, min(self._window, self.total_steps - first + 1))
+
+    def _dispatch_all(self, first: int) -> None:
+        """Hand steps ``first``.. (one window) to every rank; each step's shards planned here."""
         members = self.group.members
-        _, shards = self._shards_for(step, len(members))
-        refs = [m.actor.train_step.remote(step, shards[i], self.generation) for i, m in enumerate(members)]
-        self._inflight[step] = (refs, [m.rank for m in members], time.perf_counter())
+        k = self._window_at(first)
+        plans = [self._shards_for(first + i, len(members))[1] for i in range(k)]
+        refs = [m.actor.train_steps.remote(first, [p[i] for p in plans], self.generation)
+                for i, m in enumerate(members)]
+        self._inflight[first] = (refs, [m.rank for m in members], time.perf_counter(), k)
 
-    def _step_all(self, step: int) -> StepRecord:
-        """One DDP step, with the next one already queued on the workers.
+    def _step_all(self, first: int) -> list[tuple[StepRecord, dict]]:
+        """One window of DDP steps (one step unless ``steps_per_dispatch`` says more), with the
+        next window already queued on the workers. Returns a record and the per-rank results for
+        every step, in order.
 
-        Why the look-ahead: a Ray round trip per step leaves every worker idle while results
-        travel back and the next call travels out (4-5 ms a step on a loaded 2-core machine,
-        10% of a 40 ms step). Queuing step t+1 behind step t hides it. It is safe because every
+        Why the look-ahead: a Ray round trip per call leaves every worker idle while results
+        travel back and the next call travels out (4-5 ms on a loaded 2-core machine, 10% of a
+        40 ms step). Queuing the next window behind this one hides it. It is safe because every
         call names the group generation it belongs to: after a failure, a queued step finds its
         group gone (or blocks in a collective its peers have left) and raises without touching
-        the model, and its samples stay planned for the replay.
+        the model, and its samples stay planned for the replay. Steps of a window that finished
+        before a failure are kept (see ``_sync_state``).
         """
-        if step not in self._inflight:
-            self._dispatch_all(step)
-        if step + 1 <= self.total_steps and step + 1 not in self._inflight:
-            self._dispatch_all(step + 1)
-        refs, ranks, t_dispatch = self._inflight.pop(step)
-        epoch, shards = self._planned[step]
+        if first not in self._inflight:
+            self._dispatch_all(first)
+        refs, ranks, t_dispatch, k = self._inflight.pop(first)
+        if first + k <= self.total_steps and first + k not in self._inflight:
+            self._dispatch_all(first + k)
         try:
-            results = self._gather(refs, ranks)
+            per_rank = self._gather(refs, ranks)
         except Failure:
             self._inflight.clear()  # queued steps of the broken generation fail on their own
             raise
         now = time.perf_counter()
         wall = now - max(t_dispatch, self._last_done)
         self._last_done = now
-        for r, res in results.items():
-            self.ledger.record(step, epoch, r, shards[r], used=True)
-            self.straggler_policy.observe(r, res.extra.get("local_time_s", res.compute_time_s))
-        self._last_results = results
-        worker_time = max(res.step_time_s for res in results.values())
-        return StepRecord(step, epoch, statistics.fmean(res.loss for res in results.values()), wall,
-                          max(0.0, wall - worker_time), len(ranks), sum(res.samples for res in results.values()),
-                          0, sorted(results))
+        steps_out = []
+        worker_times = [max(res[i].step_time_s for res in per_rank.values()) for i in range(k)]
+        controller_share = max(0.0, wall - sum(worker_times)) / k
+        for i in range(k):
+            step = first + i
+            epoch, shards = self._planned[step]
+            results = {r: res[i] for r, res in per_rank.items()}
+            for r, res in results.items():
+                self.ledger.record(step, epoch, r, shards[r], used=True)
+                self.straggler_policy.observe(r, res.extra.get("local_time_s", res.compute_time_s))
+            steps_out.append((StepRecord(step, epoch, statistics.fmean(res.loss for res in results.values()),
+                                         worker_times[i] + controller_share, controller_share, len(ranks),
+                                         sum(res.samples for res in results.values()), 0, sorted(results)),
+                              results))
+        self._tune_window(worker_times)
+        return steps_out
+
+    def _tune_window(self, worker_times: list[float]) -> None:
+        """Automatic ``steps_per_dispatch``: one call spans about ``dispatch_target_s``.
+
+        Measured from the workers' own step times after a few single-step windows; capped at 16
+        steps so decisions (eviction, checkpoint commits) are never long behind the workers.
+        """
+        if self.scaling.steps_per_dispatch:
+            return
+        self._step_times.extend(worker_times)
+        if len(self._step_times) >= 4:
+            typical = statistics.median(self._step_times)
+            self._window = max(1, min(16, int(self.scaling.dispatch_target_s / max(typical, 1e-6))))
 
     def _step_first_n(self, step: int) -> StepRecord:
         members = self.group.members
@@ -915,10 +953,10 @@ class Controller:
                 self.ledger.record(step, epoch, r, shard, used=True)
             self.history.append(StepRecord(step, epoch, float("nan"), 0.0, 0.0, len(shards),
                                            sum(len(s) for s in shards), 0, list(range(len(shards)))))
-        self.log("step_kept", f"step {step} completed on a survivor before the rebuild; not replayed")
+        self.log("step_kept", f"step {step} completed on a survivor before the rebuild; not replayed", kept=step)
 
     # ---- after each step --------------------------------------------------------------------
-    def _after_step(self, record: StepRecord) -> None:
+    def _after_step(self, record: StepRecord, decide: bool = True) -> None:
         self._planned.pop(record.step, None)
         for old_step in [s for s in self._positions if s < record.step]:
             del self._positions[old_step]
@@ -936,9 +974,9 @@ class Controller:
                 "generation": self.generation,
             })
         if self.metrics is not None:
-            self.metrics.on_step(record, self)
+            self.metrics.on_step(record, self, per_rank=decide)
         self._check_replicas(record.step)
-        decision = self.straggler_policy.decide(len(self.group.spares))
+        decision = self.straggler_policy.decide(len(self.group.spares)) if decide else None
         if isinstance(decision, EvictStraggler):
             self._evict(decision)
         if self.on_step is not None:
@@ -983,7 +1021,7 @@ class Controller:
         self.log("decision", f"EvictStraggler: {decision.reason}", decision="EvictStraggler", rank=r)
         t0 = time.time()
         # Let queued updates land so the survivors hold the newest state, then rebuild.
-        outstanding = self._outstanding(exclude=r) + [ref for refs, _, _ in self._inflight.values() for ref in refs]
+        outstanding = self._outstanding(exclude=r) + [ref for refs, *_ in self._inflight.values() for ref in refs]
         if outstanding:
             ray.wait(outstanding, num_returns=len(outstanding), timeout=self.failure_config.step_timeout_s)
         self._reap_late_safely()

@@ -61,7 +61,10 @@ class RunMetrics:
         except Exception:  # metrics must never stop training
             logger.debug("metrics update failed", exc_info=True)
 
-    def on_step(self, record, controller) -> None:
+    def on_step(self, record, controller, per_rank: bool = True) -> None:
+        """Run-level figures for every step; the per-rank gauges only when ``per_rank`` (once per
+        dispatch window: they are sampled every few seconds, and setting ~3 per rank per step
+        costs the controller CPU the workers could use)."""
         def update(m):
             run = {"run": self.run}
             m["step_time"].observe(record.step_time_s, tags=run)
@@ -72,7 +75,7 @@ class RunMetrics:
             m["step"].set(record.step, tags=run)
             if record.dropped:
                 m["dropped"].inc(record.dropped, tags=run)
-            for row in controller.rank_rows():
+            for row in controller.rank_rows() if per_rank else ():
                 tags = {"run": self.run, "rank": str(row["rank"])}
                 m["heartbeat_age"].set(row["heartbeat_age_s"], tags=tags)
                 m["straggler"].set(row["straggler_score"], tags=tags)

@@ -56,6 +56,9 @@ class FakeWorker:
     def model_state(self):
         return {}
 
+    def train_steps(self, first, shards, generation):
+        return [self.train_step(first + i, indices, generation) for i, indices in enumerate(shards)]
+
     def get_state(self):
         return {"completed_step": self.done}
 

@@ -19,6 +19,9 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"num_workers": 16, "num_backups": 8, "aggregation": "first_n"}, "lower num_backups"),
     ({"resources_per_worker": {"CPU": -1}}, "resources_per_worker"),
     ({"use_gpu": True, "resources_per_worker": {"GPU": 0}}, "GPU"),
+    ({"steps_per_dispatch": -1}, "steps_per_dispatch"),
+    ({"num_workers": 2, "num_backups": 1, "aggregation": "first_n", "steps_per_dispatch": 4}, "steps_per_dispatch"),
+    ({"dispatch_target_s": 0}, "dispatch_target_s"),
 ])
 def test_scaling_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):

@@ -36,6 +36,18 @@ def test_dp_equivalence(ray_cluster, n):
     assert result.events_of("transition")[-1]["details"]["new"] == "finished"
 
 
+def test_several_steps_per_dispatch_equal_one_step_per_dispatch(ray_cluster):
+    steps = 7  # windows of 3: steps 1-3, 4-6, then a last window of 1
+    t = elastic.Trainer(model_fn=make_model, optimizer_fn=make_sgd, dataset_fn=make_dataset, loss_fn=loss_fn,
+                        global_batch_size=32, scaling=elastic.ScalingConfig(num_workers=2, steps_per_dispatch=3),
+                        run=elastic.RunConfig(name="window", seed=0))
+    result = t.fit(steps=steps)
+    assert [h["step"] for h in result.history] == list(range(1, steps + 1))
+    assert all(h["step_time_s"] > 0 and h["loss"] == h["loss"] for h in result.history)  # timed, not NaN
+    assert_weights_close(result.model_state, reference_weights(steps, 32, seed=0), atol=1e-5)
+    assert sorted({e["step"] for e in result.ledger}) == list(range(1, steps + 1))
+
+
 def bad_loss(model, batch):
     raise ValueError("boom from user code")
 

@@ -107,6 +107,19 @@ def test_kill_at_step_exactly_once_accounting(ray_cluster, clean_weights):
     assert sorted(used) == list(range(256))  # every sample of the epoch counted exactly once
 
 
+def test_kill_inside_a_window_keeps_the_steps_before_it(ray_cluster, clean_weights):
+    # Windows of 4 steps (5-8): rank 1 dies starting step 6, after every rank finished step 5.
+    result = elastic.Trainer(
+        make_model, make_sgd, make_dataset, loss_fn, BATCH,
+        scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, steps_per_dispatch=4),
+        run=elastic.RunConfig(name="window-kill", seed=0),
+        faults=[{"kind": "kill", "rank": 1, "at_step": 6}]).fit(steps=STEPS)
+    assert [e["details"]["kept"] for e in result.events_of("step_kept")] == [5]
+    assert recomputed(result) == 1  # step 6 only
+    assert [h["step"] for h in result.history] == list(range(1, STEPS + 1))
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)
+
+
 def test_hung_worker_is_detected_and_replaced(ray_cluster, clean_weights):
     failure = elastic.FailureConfig(step_timeout_s=6)
     result = make_trainer("hang", failure=failure, faults=[{"kind": "hang", "rank": 1, "at_step": 4}]).fit(steps=STEPS)

@@ -285,6 +285,17 @@ class TrainWorker:
                             f"({'joined' if dist.is_initialized() else 'no group'})")
         return self._run_guarded(lambda: self._train_step(step, indices))
 
+    def train_steps(self, first_step: int, shards: list[list[int]], generation: int) -> list[StepResult]:
+        """Several consecutive DDP steps in one call (``ScalingConfig.steps_per_dispatch``).
+
+        Each step is still the controller's: it chose every shard, and it gets one result per
+        step. What one call saves is Ray's per-call cost (task submission, a thread hand-off,
+        result serialisation: 1-3 ms of CPU per rank per call on a loaded 2-core machine) when
+        steps are only tens of milliseconds long. If a step fails, the steps before it stand:
+        this rank's ``progress()`` says how far it got, and the controller keeps them.
+        """
+        return [self.train_step(first_step + i, indices, generation) for i, indices in enumerate(shards)]
+
     def _train_step(self, step: int, indices: list[int]) -> StepResult:
         t0 = time.perf_counter()
         self.current_step = self.started_step = step
