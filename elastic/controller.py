@@ -88,6 +88,11 @@ class Failure(Exception):
 
 @dataclass
 class StepRecord:
+    """One completed step. ``step_time_s``: its wall time as the controller saw it (a window's
+    wall split over its steps by the workers' own step times). ``controller_time_s``: the
+    controller's busy time for it (dispatch, bookkeeping, policies, checkpoint commits), not
+    counting the time it waited on the workers."""
+
     step: int
     epoch: int
     loss: float
@@ -149,6 +154,7 @@ class Controller:
         self._inflight: dict[int, tuple[list, list[int], float, int]] = {}
         self._window = max(1, self.scaling.steps_per_dispatch)  # steps per call; tuned when automatic
         self._step_times: deque = deque(maxlen=16)
+        self._waited_s = 0.0  # time the current step spent blocked on the workers
         self._last_done = 0.0
         self.requeue_dropped = requeue_dropped
 
@@ -284,6 +290,7 @@ class Controller:
     # ---- one step ---------------------------------------------------------------------------
     def _run_one_step(self) -> None:
         step = self.step + 1
+        t0, self._waited_s = time.perf_counter(), 0.0
         try:
             if self.scaling.aggregation == "first_n":
                 done = [(self._step_first_n(step), None)]
@@ -300,6 +307,9 @@ class Controller:
             # Policies decide once per window, after its last step: an eviction rebuilds the
             # group, and the window's other steps are already done on every rank.
             self._after_step(record, decide=i == len(done) - 1)
+        busy = max(0.0, time.perf_counter() - t0 - self._waited_s) / len(done)
+        for record, _ in done:
+            record.controller_time_s = busy
 
     def _shards_for(self, step: int, n: int) -> tuple[int, list[list[int]]]:
         """The step's shards. A replayed step reuses the exact samples it was first given."""
@@ -366,7 +376,7 @@ class Controller:
                 self.ledger.record(step, epoch, r, shards[r], used=True)
                 self.straggler_policy.observe(r, res.extra.get("local_time_s", res.compute_time_s))
             steps_out.append((StepRecord(step, epoch, statistics.fmean(res.loss for res in results.values()),
-                                         worker_times[i] + controller_share, controller_share, len(ranks),
+                                         worker_times[i] + controller_share, 0.0, len(ranks),
                                          sum(res.samples for res in results.values()), 0, sorted(results)),
                               results))
         self._tune_window(worker_times)
@@ -383,7 +393,11 @@ class Controller:
         self._step_times.extend(worker_times)
         if len(self._step_times) >= 4:
             typical = statistics.median(self._step_times)
-            self._window = max(1, min(16, int(self.scaling.dispatch_target_s / max(typical, 1e-6))))
+            window = max(1, min(16, int(self.scaling.dispatch_target_s / max(typical, 1e-6))))
+            if window != self._window:
+                self._window = window
+                self.log("dispatch", f"{window} step(s) per call (median step {typical * 1e3:.1f} ms, "
+                         f"target {self.scaling.dispatch_target_s:g} s a call)", steps_per_dispatch=window)
 
     def _step_first_n(self, step: int) -> StepRecord:
         members = self.group.members
@@ -431,10 +445,9 @@ class Controller:
             dropped += len(shard_of[r])
             if self.requeue_dropped:
                 self.plan.requeue(shard_of[r])
-        worker_time = max(res.step_time_s for res in fast_results.values())
         self._last_results = fast_results
         return StepRecord(step, epoch, statistics.fmean(fast_results[r].loss for r in fast), wall,
-                          max(0.0, wall - worker_time), len(members), sum(len(shard_of[r]) for r in fast),
+                          0.0, len(members), sum(len(shard_of[r]) for r in fast),
                           dropped, fast)
 
     def _reap_late(self) -> None:
@@ -521,8 +534,10 @@ class Controller:
         node_suspect = False
         while pending:
             timeout = cfg.heartbeat_interval_s
+            t_wait = time.perf_counter()
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout) if need == len(refs) \
                 else ray.wait(list(pending), num_returns=1, timeout=timeout)
+            self._waited_s += time.perf_counter() - t_wait
             for ref in ready:
                 r = pending.pop(ref)
                 try:
