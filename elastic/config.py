@@ -52,7 +52,7 @@ class ScalingConfig:
     num_spares: int = 0
     placement_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_PLACEMENT_TIMEOUT_S", 60.0))
     steps_per_dispatch: int = 0
-    dispatch_target_s: float = 0.2
+    dispatch_target_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
