@@ -579,19 +579,22 @@ class Controller:
             # A collective broke but no actor was seen dying: ask who is alive. If everyone is,
             # the group itself broke (a dropped link): rebuild it with the same members.
             dead = self._probe_dead()
+        down: set = set()
         if dead:
-            dead |= self._co_located_losses(dead, settle=node_suspect)
+            down = _unreachable_nodes({self.group.members[r].info.get("node_id") for r in dead})
+            lost, down = self._co_located_losses(dead, down, settle=node_suspect)
+            dead |= lost
         if not dead:
             kind = "collective"
         elif dead & self._hung:
             kind = "hang"
-        elif self._node_gone(dead):
+        elif down:
             kind = "node_lost"
         else:
             kind = "actor_died"
         raise Failure(dead, kind, detect_s=(first_problem or time.time()) - t0)
 
-    def _co_located_losses(self, dead: set[int], settle: bool) -> set[int]:
+    def _co_located_losses(self, dead: set[int], down: set, settle: bool) -> tuple[set[int], set]:
         """Other ranks lost with the same node, so a node loss is healed in one rebuild.
 
         When a raylet dies, its workers do not all die at the same instant: one may still answer
@@ -601,31 +604,21 @@ class Controller:
         every rank on it is lost now, alive or not (a worker without its raylet has no object
         store and exits). A raylet that answers means a single process died, the common case,
         and costs one local TCP connect. If the death otherwise looks like a node's, wait up to
-        ``node_settle_s`` for the node's other ranks to be confirmed dead or alive.
+        ``node_settle_s`` for the node's other ranks to be confirmed dead or alive. ``down`` are
+        the dead ranks' nodes whose raylet is unreachable (probed once by the caller); returns the
+        ranks lost with them and the nodes found down, settling included.
         """
         nodes = {self.group.members[r].info.get("node_id") for r in dead}
         others = [m for m in self.group.members if m.rank not in dead and m.info.get("node_id") in nodes]
-        if not others:
-            return set()
         lost: set[int] = set()
-        down = {n for n in nodes if not _raylet_reachable(n)}
-        if down:
-            for m in others:
-                if m.info.get("node_id") in down:
-                    lost.add(m.rank)
-                    ray.kill(m.actor, no_restart=True)
-            others = [m for m in others if m.rank not in lost]
-            settle = True
+        settle = settle or bool(down)
         deadline = time.time() + (self.failure_config.node_settle_s if settle else 0.0)
         while others:
-            alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            gone = [m for m in others if m.info.get("node_id") not in alive_nodes]
-            if gone or settle:
-                for m in gone:
-                    lost.add(m.rank)
-                    ray.kill(m.actor, no_restart=True)
-                others = [m for m in others if m not in gone]
-                settle = True
+            gone = [m for m in others if m.info.get("node_id") in down]
+            for m in gone:
+                lost.add(m.rank)
+                ray.kill(m.actor, no_restart=True)
+            others = [m for m in others if m not in gone]
             if not others or time.time() >= deadline:
                 break
             refs = {m.actor.heartbeat.remote(): m for m in others}
@@ -637,10 +630,11 @@ class Controller:
                     lost.add(refs[ref].rank)
             others = [m for m in others if m.rank not in lost]
             time.sleep(0.1)
+            down |= _unreachable_nodes({m.info.get("node_id") for m in others})
         if lost:
             self.log("node_lost", f"rank(s) {sorted(lost)} went with the node of rank(s) {sorted(dead)}",
                      ranks=sorted(lost))
-        return lost
+        return lost, down
 
     def _culprits(self, pending: dict) -> dict:
         """Which pending ranks are stuck in their own code rather than waiting on a peer.
@@ -723,10 +717,6 @@ class Controller:
             except ray.exceptions.RayError:
                 pass
         return dead
-
-    def _node_gone(self, dead: set[int]) -> bool:
-        nodes = {self.group.members[r].info.get("node_id") for r in dead}
-        return any(not _raylet_reachable(n) for n in nodes)
 
     # ---- recovery ---------------------------------------------------------------------------
     def _recover(self, failure: Failure) -> None:
@@ -880,10 +870,7 @@ class Controller:
                                                      self.run_config.name, ckpt.every_n_steps, ckpt.blocking)
                  for m in self._all_actors()])
         position = self._restore_latest()
-        self.plan = ShardPlan(self.dataset_size, self.run_config.seed, position)
-        self._planned.clear()
-        self._positions.clear()
-        self._inflight.clear()
+        self._replan(position)
         if position is None:
             self.step = 0
         self.recomputed += lost_up_to - self.step
@@ -914,13 +901,17 @@ class Controller:
         if position is None:
             raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
                                                     "no checkpoint is committed"))
+        self._replan(position)
+        self.committer.rewind(self.step)
+        self._truncate_history(self.step)
+        self.log("state_sync", f"no peer held the state: every rank loaded committed step {self.step}")
+
+    def _replan(self, position: DataPosition | None) -> None:
+        """After loading a checkpoint: sample from its data position; nothing planned is pending."""
         self.plan = ShardPlan(self.dataset_size, self.run_config.seed, position)
         self._planned.clear()
         self._positions.clear()
         self._inflight.clear()
-        self.committer.rewind(self.step)
-        self._truncate_history(self.step)
-        self.log("state_sync", f"no peer held the state: every rank loaded committed step {self.step}")
 
     def _truncate_history(self, step: int) -> None:
         """After a restart from a checkpoint, steps past it are trained again: forget them once."""
@@ -1108,6 +1099,7 @@ class Controller:
         scores = self.straggler_policy.scores()
         now = time.time()
         rows = []
+        late = set(self._late_compute.values())
         if self.group is None:
             return rows
         for m in self.group.members:
@@ -1116,7 +1108,7 @@ class Controller:
                 "rank": m.rank, "name": m.name, "node_ip": m.info.get("node_ip"), "node_id": m.info.get("node_id"),
                 "node_rank": m.node_rank,
                 "local_rank": m.local_rank, "pid": m.info.get("pid"), "role": "active",
-                "state": "late" if m.rank in set(self._late_compute.values()) else self.state.value,
+                "state": "late" if m.rank in late else self.state.value,
                 "step": self.step,
                 "step_time_s": getattr(res, "step_time_s", None),
                 "heartbeat_age_s": now - self._last_beat.get(m.rank, now),
@@ -1146,19 +1138,23 @@ class Controller:
 _NODE_DEATH_MARKERS = ("node has died", "node died", "node is dead", "socket closed")
 
 
-def _raylet_reachable(node_id: str | None, timeout_s: float = 1.0) -> bool:
-    """Whether the raylet of ``node_id`` accepts a TCP connection (the node is up)."""
+def _unreachable_nodes(node_ids: set, timeout_s: float = 1.0) -> set:
+    """Those of ``node_ids`` whose raylet is marked dead, unknown, or refuses a TCP connection."""
+    down = set(node_ids)
     for node in ray.nodes():
-        if node.get("NodeID") == node_id:
-            if not node.get("Alive"):
-                return False
+        if node.get("NodeID") in down and node.get("Alive"):
             try:
                 with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])),
                                               timeout=timeout_s):
-                    return True
+                    down.discard(node["NodeID"])
             except OSError:
-                return False
-    return False
+                pass
+    return down
+
+
+def _raylet_reachable(node_id: str | None) -> bool:
+    """Whether the raylet of ``node_id`` accepts a TCP connection (the node is up)."""
+    return not _unreachable_nodes({node_id})
 
 
 def _looks_like_node_death(exc: BaseException) -> bool:

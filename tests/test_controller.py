@@ -53,14 +53,18 @@ def test_failure_replaced_by_spare(ray_cluster):
     assert [r["ranks"] for r in c.recoveries] == [[1]]
 
 
+def run_expecting_failure(c, steps, match):
+    with pytest.raises(TrainingFailed, match=match):
+        try:
+            c.run_for(steps=steps)
+        finally:
+            c.shutdown()
+
+
 def test_fail_names_checkpoint_state_and_errors(ray_cluster):
     c = controller("fake-fail", failure=elastic.FailureConfig(when_no_spare="fail"),
                    faults=[{"kind": "kill", "rank": 0, "at_step": 2}])
-    with pytest.raises(TrainingFailed, match="no checkpoint was committed"):
-        try:
-            c.run_for(steps=5)
-        finally:
-            c.shutdown()
+    run_expecting_failure(c, 5, "no checkpoint was committed")
     assert c.state is State.ERRORED
     assert transitions(c)[-1] == ("recovering", "errored")
 
@@ -68,11 +72,7 @@ def test_fail_names_checkpoint_state_and_errors(ray_cluster):
 def test_max_failures_zero_fails_even_with_spare(ray_cluster):
     c = controller("fake-max", backups=1, failure=elastic.FailureConfig(max_failures=0),
                    faults=[{"kind": "kill", "rank": 0, "at_step": 2}])
-    with pytest.raises(TrainingFailed, match="max_failures=0"):
-        try:
-            c.run_for(steps=4)
-        finally:
-            c.shutdown()
+    run_expecting_failure(c, 4, "max_failures=0")
 
 
 def test_raylet_probe_tells_a_live_node_from_an_unknown_one(ray_cluster):
