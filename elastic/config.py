@@ -36,7 +36,7 @@ class ScalingConfig:
     ``aggregation="first_n"`` the backups train too (M = N + b replicas) and each step keeps the
     first N gradients to arrive (Chen et al. 2016); hot spares for that mode are ``num_spares``.
 
-    ``steps_per_dispatch`` (aggregation "all" only) is how many consecutive steps go to the workers
+    ``steps_per_dispatch`` is how many consecutive steps go to the workers
     in one call, like Keras' ``steps_per_execution``. Every step's shards are still chosen by the
     controller and every step still reports back; one call per several steps saves Ray's per-call
     cost when a step is only tens of milliseconds. 0 (the default) picks it from the measured
@@ -77,6 +77,12 @@ class ScalingConfig:
                 "ScalingConfig.aggregation='first_n' needs backups: with M = N there is nothing to drop. "
                 "Set num_backups >= 1 (M = num_workers + num_backups replicas compute each step)."
             )
+        if self.aggregation == "first_n" and self.num_workers + self.num_backups > 48:
+            raise ConfigError(
+                f"ScalingConfig: first_n supports at most 48 replicas (num_workers + num_backups = "
+                f"{self.num_workers + self.num_backups}); the ranks agree on the fast set through one 64-bit "
+                "counter with a bit per replica. Lower num_workers or num_backups."
+            )
         if self.aggregation == "first_n" and math.comb(self.num_workers + self.num_backups, self.num_workers) > 256:
             raise ConfigError(
                 f"ScalingConfig: first_n with {self.num_workers} of {self.num_workers + self.num_backups} replicas "
@@ -85,9 +91,6 @@ class ScalingConfig:
         if not isinstance(self.steps_per_dispatch, int) or self.steps_per_dispatch < 0:
             raise ConfigError(f"ScalingConfig.steps_per_dispatch must be an integer >= 0 (0 = automatic), "
                               f"got {self.steps_per_dispatch!r}.")
-        if self.aggregation == "first_n" and self.steps_per_dispatch > 1:
-            raise ConfigError("ScalingConfig.steps_per_dispatch > 1 needs aggregation='all': first-N decides "
-                              "every step's update from who finished first. Set it to 0 or 1.")
         if not self.dispatch_target_s > 0:
             raise ConfigError(f"ScalingConfig.dispatch_target_s must be > 0 seconds, got {self.dispatch_target_s!r}.")
         if self.aggregation == "all" and self.num_spares:

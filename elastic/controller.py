@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import ray
 
-from elastic.actors.protocol import CollectiveError, PackedSpec, TrainingSpec
+from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, TrainingSpec
 from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits
 from elastic.config import FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan
@@ -137,11 +137,9 @@ class Controller:
         self.committer = None
         self.dataset_size = 0
         self._per_worker = 0
-        self._applies: dict[int, list] = {}  # first-N: rank -> its queued apply_update refs
-        self._late_compute: dict[Any, int] = {}  # first-N: late compute refs -> rank
-        self._compute_started: dict[int, float] = {}  # first-N: when a late rank's compute began
-        self._checksum_pending: tuple[int, list] | None = None
-        self._checksums_seen: dict = {}
+        # first-N: a late rank's window result, not waited for -> (rank, first step, time it was late from)
+        self._lagging: dict[Any, tuple[int, int, float]] = {}
+        self._checksums: dict[int, dict[int, int]] = {}  # step -> rank -> parameter checksum, until all agree
         self._last_results: dict[int, Any] = {}
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
@@ -156,6 +154,7 @@ class Controller:
         self._step_times: deque = deque(maxlen=16)
         self._waited_s = 0.0  # time the current step spent blocked on the workers
         self._last_done = 0.0
+        self._since_decide = 0  # steps since the straggler policy last decided
         self.requeue_dropped = requeue_dropped
 
     # ---- event log and state machine ------------------------------------------------------
@@ -180,6 +179,7 @@ class Controller:
                             f"training to step {total_steps}")
             while self.step < total_steps:
                 self._run_one_step()
+            self._wait_late()
             self._finish_checkpoints()
             self.transition(State.FINISHED, f"completed {self.step} steps")
         except BaseException as exc:
@@ -260,12 +260,12 @@ class Controller:
         t0 = time.time()
         refs = [m.actor.join.remote(m.rank, world, addr, port, self.generation,
                                     self.failure_config.collective_timeout_s, not first_n,
-                                    self.scaling.num_workers if first_n else 0)
+                                    self.scaling.num_workers if first_n else 0,
+                                    self.failure_config.checksum_every_n_steps)
                 for m in self.group.members]
         ray.get(refs, timeout=self.failure_config.collective_timeout_s + 30)
-        self._applies.clear()
-        self._late_compute.clear()
-        self._checksum_pending = None  # it may name actors that just left
+        self._lagging.clear()  # windows of the old generation
+        self._checksums.clear()  # they may name actors that just left
         self.straggler_policy.reset()
         self.log("rendezvous", f"generation {self.generation}: {world} rank(s) at {addr}:{port} ({reason})",
                  generation=self.generation, world_size=world, seconds=time.time() - t0)
@@ -292,18 +292,14 @@ class Controller:
         step = self.step + 1
         t0, self._waited_s = time.perf_counter(), 0.0
         try:
-            if self.scaling.aggregation == "first_n":
-                done = [(self._step_first_n(step), None)]
-            else:
-                done = self._step_all(step)
+            done = self._step_all(step)
         except Failure as failure:
             self._recover(failure)
             return
         for i, (record, results) in enumerate(done):
             self.step = record.step
             self.history.append(record)
-            if results is not None:
-                self._last_results = results
+            self._last_results = results
             # Policies decide once per window, after its last step: an eviction rebuilds the
             # group, and the window's other steps are already done on every rank.
             self._after_step(record, decide=i == len(done) - 1)
@@ -327,20 +323,36 @@ class Controller:
         self._positions[step] = self.plan.position.to_dict()
         return epoch, shards
 
+    @property
+    def _first_n(self) -> bool:
+        return self.scaling.aggregation == "first_n"
+
+    @property
+    def _look_ahead(self) -> bool:
+        """Requeued samples go into the next step's batch, so with ``requeue_dropped`` a step is
+        planned only once the previous step's drops are known: one step per call, none queued."""
+        return not (self._first_n and self.requeue_dropped)
+
     def _window_at(self, first: int) -> int:
-        return max(1, min(self._window, self.total_steps - first + 1))
+        window = self._window if self._look_ahead else 1
+        return max(1, min(window, self.total_steps - first + 1))
 
     def _dispatch_all(self, first: int) -> None:
-        """Hand steps ``first``.. (one window) to every rank; each step's shards planned here."""
+        """Hand steps ``first``.. (one window) to every rank; each step's shards planned here.
+
+        First-N: every one of the M replicas gets a shard every step; the shards of the ranks
+        that turn out late are the step's dropped samples.
+        """
         members = self.group.members
         k = self._window_at(first)
         plans = [self._shards_for(first + i, len(members))[1] for i in range(k)]
-        refs = [m.actor.train_steps.remote(first, [p[i] for p in plans], self.generation)
+        method = "first_n_steps" if self._first_n else "train_steps"
+        refs = [getattr(m.actor, method).remote(first, [p[i] for p in plans], self.generation)
                 for i, m in enumerate(members)]
         self._inflight[first] = (refs, [m.rank for m in members], time.perf_counter(), k)
 
     def _step_all(self, first: int) -> list[tuple[StepRecord, dict]]:
-        """One window of DDP steps (one step unless ``steps_per_dispatch`` says more), with the
+        """One window of steps (one step unless ``steps_per_dispatch`` says more), with the
         next window already queued on the workers. Returns a record and the per-rank results for
         every step, in order.
 
@@ -351,18 +363,33 @@ class Controller:
         group gone (or blocks in a collective its peers have left) and raises without touching
         the model, and its samples stay planned for the replay. Steps of a window that finished
         before a failure are kept (see ``_sync_state``).
+
+        First-N: the window is done once N ranks have returned it (each result names every
+        step's fast set); a rank still busy with it is late, and its result is collected in a
+        later window (see ``_collect_late``) without anyone waiting for it.
         """
         if first not in self._inflight:
             self._dispatch_all(first)
         refs, ranks, t_dispatch, k = self._inflight.pop(first)
-        if first + k <= self.total_steps and first + k not in self._inflight:
+        if self._look_ahead and first + k <= self.total_steps and first + k not in self._inflight:
             self._dispatch_all(first + k)
+        self._check_late_hung()
+        lagging = {ref: r for ref, (r, *_) in self._lagging.items()}
+        need = self.scaling.num_workers if self._first_n else None
         try:
-            per_rank = self._gather(refs, ranks)
+            got = self._gather(refs, ranks, need=need, lagging=lagging)
         except Failure:
             self._inflight.clear()  # queued steps of the broken generation fail on their own
             raise
         now = time.perf_counter()
+        per_rank = {r: got[ref] for ref, r in zip(refs, ranks) if ref in got}
+        for ref, r in zip(refs, ranks):
+            if ref not in got:
+                self._lagging[ref] = (r, first, time.time())
+        for ref in lagging:
+            if ref in got:
+                r, late_first, _ = self._lagging.pop(ref)
+                self._collect_late(r, got[ref])
         wall = now - max(t_dispatch, self._last_done)
         self._last_done = now
         steps_out = []
@@ -370,17 +397,71 @@ class Controller:
         controller_share = max(0.0, wall - sum(worker_times)) / k
         for i in range(k):
             step = first + i
-            epoch, shards = self._planned[step]
             results = {r: res[i] for r, res in per_rank.items()}
-            for r, res in results.items():
-                self.ledger.record(step, epoch, r, shards[r], used=True)
-                self.straggler_policy.observe(r, res.extra.get("local_time_s", res.compute_time_s))
-            steps_out.append((StepRecord(step, epoch, statistics.fmean(res.loss for res in results.values()),
-                                         worker_times[i] + controller_share, 0.0, len(ranks),
-                                         sum(res.samples for res in results.values()), 0, sorted(results)),
-                              results))
+            steps_out.append((self._record_step(step, results, worker_times[i] + controller_share), results))
         self._tune_window(worker_times)
         return steps_out
+
+    def _record_step(self, step: int, results: dict, step_time_s: float) -> StepRecord:
+        """Ledger, straggler timings and the step's record, from the results in hand."""
+        epoch, shards = self._planned[step]
+        used = set(results)
+        loss = statistics.fmean(res.loss for res in results.values())
+        if self._first_n:
+            # Every returned rank names the same fast set: they read it from the same store keys.
+            used = set(next(iter(results.values())).extra["fast"])
+            loss = next(iter(results.values())).loss  # the averaged loss, the same on every replica
+        dropped = 0
+        for r, shard in enumerate(shards):
+            self.ledger.record(step, epoch, r, shard, used=r in used)
+            if r not in used:
+                dropped += len(shard)
+                if self.requeue_dropped:
+                    self.plan.requeue(shard, epoch)
+        for r, res in results.items():
+            self._observe(r, res)
+        return StepRecord(step, epoch, loss, step_time_s, 0.0, len(shards),
+                          sum(len(shards[r]) for r in used), dropped, sorted(used))
+
+    def _observe(self, rank: int, res: StepResult) -> None:
+        """A rank's step timing for the straggler policy, and its checksum if it sent one."""
+        if not self._first_n or res.extra.get("computed"):
+            self.straggler_policy.observe(rank, res.extra.get("local_time_s", res.compute_time_s))
+        if "checksum" in res.extra:
+            self._note_checksum(res.step, rank, res.extra["checksum"])
+
+    def _collect_late(self, rank: int, results: list[StepResult]) -> None:
+        """A window a late rank finished after the others: its timings, checksums, checkpoint parts."""
+        for res in results:
+            self._observe(rank, res)
+            self._merge_ckpt(rank, res)
+
+    def _check_late_hung(self) -> None:
+        """First-N never waits for a late rank, so a rank that stopped making progress would go
+        unnoticed: feed how long each has been late to the straggler policy, and kill one late
+        past ``step_timeout_s`` (its death then shows up on its refs)."""
+        now = time.time()
+        oldest: dict[int, float] = {}
+        for ref, (r, _, since) in self._lagging.items():
+            oldest[r] = min(oldest.get(r, since), since)
+        for m in self.group.members:
+            self.straggler_policy.observe_pending(m.rank, now - oldest[m.rank] if m.rank in oldest else 0.0)
+        for r, since in oldest.items():
+            if now - since > self.failure_config.step_timeout_s and r not in self._hung:
+                stuck = {ref: rr for ref, (rr, *_) in self._lagging.items() if rr == r}
+                self._kill_hung(stuck, f"made no progress for step_timeout_s={self.failure_config.step_timeout_s:g}s")
+
+    def _wait_late(self, exclude: int | None = None) -> None:
+        """Let late ranks finish their windows (before an eviction, or at the end)."""
+        refs = [ref for ref, (r, *_) in self._lagging.items() if r != exclude]
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.step_timeout_s)
+            for ref in ready:
+                r, _, _ = self._lagging.pop(ref)
+                try:
+                    self._collect_late(r, ray.get(ref))
+                except ray.exceptions.RayError:
+                    pass  # a death or a broken group shows up on the rank's next call
 
     def _tune_window(self, worker_times: list[float]) -> None:
         """Automatic ``steps_per_dispatch``: one call spans about ``dispatch_target_s``.
@@ -394,105 +475,11 @@ class Controller:
         if len(self._step_times) >= 4:
             typical = statistics.median(self._step_times)
             window = max(1, min(16, int(self.scaling.dispatch_target_s / max(typical, 1e-6))))
-            if window != self._window:
+            # Retune on a real change only (a quarter or more): steps wobble on a busy machine.
+            if abs(window - self._window) >= max(1, self._window // 4):
                 self._window = window
                 self.log("dispatch", f"{window} step(s) per call (median step {typical * 1e3:.1f} ms, "
                          f"target {self.scaling.dispatch_target_s:g} s a call)", steps_per_dispatch=window)
-
-    def _step_first_n(self, step: int) -> StepRecord:
-        members = self.group.members
-        n = self.scaling.num_workers
-        self._reap_late()
-        free = self._free_ranks()
-        if len(free) < n:
-            self._wait_for_free(n)
-            free = self._free_ranks()
-        epoch, shards = self._shards_for(step, len(free))
-        shard_of = dict(zip(free, shards))
-        t0 = time.perf_counter()
-        refs = {members[r].actor.compute_grad.remote(step, shard_of[r]): r for r in free}
-        fast_results = self._gather(list(refs), list(refs.values()), need=n)
-        fast = sorted(fast_results)
-        late = [r for r in free if r not in fast_results]
-        now = time.time()
-        for ref, r in refs.items():
-            if r in late:
-                self._late_compute[ref] = r
-                self._compute_started[r] = now - (time.perf_counter() - t0)
-        publish = len(fast) < len(members)
-        out = {}
-        flat_ref = None
-        for r in fast:
-            info_ref, f_ref = members[r].actor.reduce_apply.options(num_returns=2).remote(step, fast, publish and r == fast[0])
-            out[info_ref] = r
-            if publish and r == fast[0]:
-                flat_ref = f_ref
-        if flat_ref is not None:
-            for m in members:
-                if m.rank not in fast_results:
-                    # Queued behind the rank's own late step: actor calls run in order, so it
-                    # applies every agreed update in step order and never misses one.
-                    self._applies.setdefault(m.rank, []).append(m.actor.apply_update.remote(step, flat_ref))
-        applied = self._gather(list(out), list(out.values()))
-        wall = time.perf_counter() - t0
-        for r in fast:
-            self.ledger.record(step, epoch, r, shard_of[r], used=True)
-            self.straggler_policy.observe(r, fast_results[r].compute_time_s)
-            self._merge_ckpt(r, applied[r])
-        dropped = 0
-        for r in late:
-            self.ledger.record(step, epoch, r, shard_of[r], used=False)
-            dropped += len(shard_of[r])
-            if self.requeue_dropped:
-                self.plan.requeue(shard_of[r])
-        self._last_results = fast_results
-        return StepRecord(step, epoch, statistics.fmean(fast_results[r].loss for r in fast), wall,
-                          0.0, len(members), sum(len(shard_of[r]) for r in fast),
-                          dropped, fast)
-
-    def _reap_late(self) -> None:
-        """Collect late gradients' timings (they feed the straggler score) and free ranks."""
-        if self._late_compute:
-            done, _ = ray.wait(list(self._late_compute), num_returns=len(self._late_compute), timeout=0)
-            for ref in done:
-                r = self._late_compute.pop(ref)
-                self._compute_started.pop(r, None)
-                try:
-                    res = ray.get(ref)
-                    self.straggler_policy.observe(r, res.compute_time_s)
-                except ray.exceptions.RayError:
-                    pass  # a death shows up on the rank's busy ref below
-            now = time.time()
-            for r in self._late_compute.values():
-                self.straggler_policy.observe_pending(r, now - self._compute_started.get(r, now))
-        for r, refs in list(self._applies.items()):
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            for ref in done:
-                refs.remove(ref)
-                try:
-                    self._merge_ckpt(r, ray.get(ref))
-                except ray.exceptions.RayActorError:
-                    raise Failure({r}, "actor_died")
-            if not refs:
-                del self._applies[r]
-
-    def _free_ranks(self) -> list[int]:
-        """Ranks with no step still computing. Queued updates do not count: a new step queues
-        behind them in the actor and runs after them."""
-        late = set(self._late_compute.values())
-        return [m.rank for m in self.group.members if m.rank not in late]
-
-    def _wait_for_free(self, n: int) -> None:
-        while len(self._free_ranks()) < n:
-            ray.wait(list(self._late_compute), num_returns=1, timeout=self.failure_config.step_timeout_s)
-            self._reap_late()
-
-    def _outstanding(self, exclude: int | None = None) -> list:
-        refs = [ref for ref, r in self._late_compute.items() if r != exclude]
-        for r, applied in self._applies.items():
-            if r != exclude:
-                refs.extend(applied)
-        return refs
 
     def _merge_ckpt(self, rank: int, result: Any) -> None:
         extra = result.extra if hasattr(result, "extra") else (result or {})
@@ -514,16 +501,25 @@ class Controller:
             self.log("checkpoint_storage", ev.get("message", str(ev)), rank=rank, **details)
 
     # ---- gathering and failure detection ----------------------------------------------------
-    def _gather(self, refs: list, ranks: list[int], need: int | None = None) -> dict[int, Any]:
-        """Wait for results; return when ``need`` (default all) arrived. Raise ``Failure`` on loss.
+    def _gather(self, refs: list, ranks: list[int], need: int | None = None,
+                lagging: dict | None = None) -> dict[Any, Any]:
+        """Wait for results; return when ``need`` (default all) of ``refs`` arrived. Raise
+        ``Failure`` on loss. Results are keyed by ref.
+
+        ``lagging`` (first-N): refs of earlier windows still running on late ranks, ref -> rank.
+        They are watched alongside, so a late rank's death or error is seen here, and their
+        results come back if they are ready, but they are never waited for.
 
         Deaths are seen through the refs (Ray reports a dead actor in tens of milliseconds). A
         hang is seen through heartbeats answered from a separate thread, and through the step
         timeout; a hung actor is killed so its peers' sockets close and they unblock.
         """
         need = len(refs) if need is None else need
-        pending = dict(zip(refs, ranks))
-        results: dict[int, Any] = {}
+        required = set(refs)
+        pending = {**dict(zip(refs, ranks)), **(lagging or {})}
+        rank_of = dict(pending)
+        results: dict[Any, Any] = {}
+        got = 0
         dead: set[int] = set()
         collective_failed: set[int] = set()
         user_error: tuple[int, str] | None = None
@@ -535,13 +531,20 @@ class Controller:
         while pending:
             timeout = cfg.heartbeat_interval_s
             t_wait = time.perf_counter()
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout) if need == len(refs) \
-                else ray.wait(list(pending), num_returns=1, timeout=timeout)
+            want = len(pending) if (dead or collective_failed or user_error) else max(1, need - got)
+            ready, _ = ray.wait(list(pending), num_returns=min(want, len(pending)), timeout=timeout)
             self._waited_s += time.perf_counter() - t_wait
+            if not (dead or collective_failed or user_error) and got + len(ready) >= need:
+                # Late windows that finished meanwhile come along for free.
+                others = [r for r in pending if r not in ready and r not in required]
+                if others:
+                    more, _ = ray.wait(others, num_returns=len(others), timeout=0)
+                    ready = list(ready) + list(more)
             for ref in ready:
                 r = pending.pop(ref)
                 try:
-                    results[r] = ray.get(ref)
+                    results[ref] = ray.get(ref)
+                    got += ref in required
                 except ray.exceptions.RayActorError as exc:
                     dead.add(r)
                     node_suspect = node_suspect or _looks_like_node_death(exc)
@@ -553,10 +556,10 @@ class Controller:
                         user_error = user_error or (r, str(exc))
                 if (dead or collective_failed or user_error) and first_problem is None:
                     first_problem = time.time()
-            if not (dead or collective_failed or user_error) and len(results) >= need:
+            if not (dead or collective_failed or user_error) and got >= need:
                 now = time.time()
-                for r in results:
-                    self._last_beat[r] = now
+                for ref in results:
+                    self._last_beat[rank_of[ref]] = now
                 return results  # first-N: the caller keeps the late refs
             if not pending:
                 break
@@ -814,8 +817,7 @@ class Controller:
         for m in self.group.members:
             if m.rank in dead:
                 self.group.evict(m)
-        self._applies.clear()
-        self._late_compute.clear()
+        self._lagging.clear()
 
     def _refresh_spares(self) -> None:
         self.group.collect_spares()
@@ -945,20 +947,27 @@ class Controller:
             ray.get([m.actor.set_state.remote(state_ref) for m in behind])
             self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "
                      f"{[m.rank for m in behind]} through the object store", source=source.rank)
+        fast = ray.get(source.actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
         for step in range(self.step + 1, newest + 1):
             # A step that finished on a survivor before the failure (or a queued step that
             # finished before an eviction) stands: it is accounted, not replayed.
-            self._account_completed_step(step)
+            self._account_completed_step(step, fast.get(step))
         self.step = newest
         self._inflight.clear()
 
-    def _account_completed_step(self, step: int) -> None:
+    def _account_completed_step(self, step: int, fast: list[int] | None = None) -> None:
+        """``fast``: first-N, the ranks whose gradients made the step (the survivor's record)."""
         if step in self._planned:
             epoch, shards = self._planned.pop(step)
+            used = set(range(len(shards)) if fast is None else fast)
             for r, shard in enumerate(shards):
-                self.ledger.record(step, epoch, r, shard, used=True)
+                self.ledger.record(step, epoch, r, shard, used=r in used)
+                if r not in used and self.requeue_dropped:
+                    self.plan.requeue(shard, epoch)
             self.history.append(StepRecord(step, epoch, float("nan"), 0.0, 0.0, len(shards),
-                                           sum(len(s) for s in shards), 0, list(range(len(shards)))))
+                                           sum(len(shards[r]) for r in used),
+                                           sum(len(shards[r]) for r in range(len(shards)) if r not in used),
+                                           sorted(used)))
         self.log("step_kept", f"step {step} completed on a survivor before the rebuild; not replayed", kept=step)
 
     # ---- after each step --------------------------------------------------------------------
@@ -967,12 +976,13 @@ class Controller:
         for old_step in [s for s in self._positions if s < record.step]:
             del self._positions[old_step]
         if self.committer is not None:
-            if self.scaling.aggregation == "all":
-                for r, res in self._last_results.items():
-                    self._merge_ckpt(r, res)
+            for r, res in self._last_results.items():
+                self._merge_ckpt(r, res)
             for ev in self.committer.drain_events():
                 self._log_storage_event(ev)
-            position = self._positions.get(record.step) if self.scaling.aggregation == "all" else None
+            # With look-ahead the sampler has moved past this step: use its place right after it.
+            # Without (requeueing), the current place is exact and holds this step's drops.
+            position = self._positions.get(record.step) if self._look_ahead else None
             self.committer.set_meta(record.step, {
                 "data_position": position or self.plan.position.to_dict(),
                 "world_size": record.world_size,
@@ -981,8 +991,9 @@ class Controller:
             })
         if self.metrics is not None:
             self.metrics.on_step(record, self, per_rank=decide)
-        self._check_replicas(record.step)
-        decision = self.straggler_policy.decide(len(self.group.spares)) if decide else None
+        decision = self.straggler_policy.decide(len(self.group.spares), steps=self._since_decide + 1) \
+            if decide else None
+        self._since_decide = 0 if decide else self._since_decide + 1
         if isinstance(decision, EvictStraggler):
             self._evict(decision)
         if self.on_step is not None:
@@ -990,29 +1001,16 @@ class Controller:
         if self.step % 10 == 0:
             self.group.collect_spares()
 
-    def _check_replicas(self, step: int) -> None:
-        """Every K steps compare a parameter checksum of every replica, without waiting on any.
-
-        Each checksum call is queued behind that replica's own update for the step, so a late
-        replica reports its state after the same step when it gets there. Checksums are compared
-        as they arrive; a mismatch is an error, never ignored.
-        """
-        k = self.failure_config.checksum_every_n_steps
-        if self._checksum_pending is not None:
-            cstep, refs = self._checksum_pending
-            pending = [ref for ref in refs if ref not in self._checksums_seen]
-            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
-            for ref in ready:
-                self._checksums_seen[ref] = ray.get(ref)
-            if len(set(self._checksums_seen.values())) > 1:
-                raise ReplicaDivergence(f"replicas differ after step {cstep}: checksums "
-                                        f"{sorted(set(self._checksums_seen.values()))}")
-            if len(self._checksums_seen) == len(refs):
-                self._checksum_pending = None
-                self.log("checksum", f"all {len(refs)} replicas identical after step {cstep}", step=cstep)
-        if k and step % k == 0 and self._checksum_pending is None:
-            self._checksums_seen: dict = {}
-            self._checksum_pending = (step, [m.actor.param_checksum.remote() for m in self.group.members])
+    def _note_checksum(self, step: int, rank: int, checksum: int) -> None:
+        """Every K steps each replica reports a parameter checksum with its step result (late
+        replicas when they get there). A mismatch is an error, never ignored."""
+        seen = self._checksums.setdefault(step, {})
+        seen[rank] = checksum
+        if len(set(seen.values())) > 1:
+            raise ReplicaDivergence(f"replicas differ after step {step}: checksums by rank {dict(sorted(seen.items()))}")
+        if len(seen) == len(self.group.members):
+            del self._checksums[step]
+            self.log("checksum", f"all {len(seen)} replicas identical after step {step}", step=step)
 
     def verify_replicas(self) -> list[int]:
         sums = ray.get([m.actor.param_checksum.remote() for m in self.group.members])
@@ -1026,15 +1024,15 @@ class Controller:
         self.transition(State.RECOVERING, f"evicting straggler rank {r}: {decision.reason}")
         self.log("decision", f"EvictStraggler: {decision.reason}", decision="EvictStraggler", rank=r)
         t0 = time.time()
-        # Let queued updates land so the survivors hold the newest state, then rebuild.
-        outstanding = self._outstanding(exclude=r) + [ref for refs, *_ in self._inflight.values() for ref in refs]
-        if outstanding:
-            ray.wait(outstanding, num_returns=len(outstanding), timeout=self.failure_config.step_timeout_s)
-        self._reap_late_safely()
+        # Let the survivors finish what they hold (the queued window, late windows) so they hold
+        # the newest state, then rebuild. First-N survivors never need the victim to finish.
+        queued = [ref for refs, ranks, *_ in self._inflight.values() for ref, rr in zip(refs, ranks) if rr != r]
+        if queued:
+            ray.wait(queued, num_returns=len(queued), timeout=self.failure_config.step_timeout_s)
+        self._wait_late(exclude=r)
+        self._lagging.clear()
         victim = self.group.members[r]
         self.group.evict(victim)
-        self._applies.pop(r, None)
-        self._late_compute = {ref: rr for ref, rr in self._late_compute.items() if rr != r}
         ray.get([m.actor.leave.remote() for m in self.group.members if m.rank != r])
         self._replace((r,))
         self._sync_state()
@@ -1044,19 +1042,9 @@ class Controller:
         self.group.request_spare()
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
 
-    def _reap_late_safely(self) -> None:
-        try:
-            self._reap_late()
-        except Failure:
-            pass
-
     def _finish_checkpoints(self) -> None:
         if self.committer is None:
             return
-        outstanding = self._outstanding()
-        if outstanding:
-            ray.wait(outstanding, num_returns=len(outstanding), timeout=self.failure_config.step_timeout_s)
-            self._reap_late_safely()
         refs = [m.actor.flush_checkpoint.remote() for m in self.group.members]
         for r, extra in enumerate(ray.get(refs)):
             self._merge_ckpt(r, extra)
@@ -1099,7 +1087,7 @@ class Controller:
         scores = self.straggler_policy.scores()
         now = time.time()
         rows = []
-        late = set(self._late_compute.values())
+        late = {r for r, *_ in self._lagging.values()}
         if self.group is None:
             return rows
         for m in self.group.members:

@@ -103,6 +103,12 @@ class Trainer:
         mw = self.failure.min_workers
         if mw is not None and mw > n:
             raise ConfigError(f"FailureConfig.min_workers={mw} is larger than ScalingConfig.num_workers={n}; lower it.")
+        if requeue_dropped and self.scaling.aggregation != "first_n":
+            raise ConfigError("Trainer.requeue_dropped is for ScalingConfig.aggregation='first_n' (only first-N "
+                              "drops samples); leave it False.")
+        if requeue_dropped and self.scaling.steps_per_dispatch > 1:
+            raise ConfigError("Trainer.requeue_dropped puts a step's dropped samples into the next step, so steps "
+                              "go out one at a time: set ScalingConfig.steps_per_dispatch to 0 or 1.")
         if self.scaling.aggregation == "first_n" and self.failure.allow_shrink:
             raise ConfigError("FailureConfig.allow_shrink is not supported with aggregation='first_n'; set it False.")
         self.spec = TrainingSpec(

@@ -17,10 +17,10 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"aggregation": "first_n", "num_backups": 0}, "needs backups"),
     ({"aggregation": "best_of"}, "aggregation"),
     ({"num_workers": 16, "num_backups": 8, "aggregation": "first_n"}, "lower num_backups"),
+    ({"num_workers": 60, "num_backups": 1, "aggregation": "first_n"}, "at most 48 replicas"),
     ({"resources_per_worker": {"CPU": -1}}, "resources_per_worker"),
     ({"use_gpu": True, "resources_per_worker": {"GPU": 0}}, "GPU"),
     ({"steps_per_dispatch": -1}, "steps_per_dispatch"),
-    ({"num_workers": 2, "num_backups": 1, "aggregation": "first_n", "steps_per_dispatch": 4}, "steps_per_dispatch"),
     ({"dispatch_target_s": 0}, "dispatch_target_s"),
 ])
 def test_scaling_rejects(kwargs, field):
@@ -85,3 +85,11 @@ def test_device_choice_without_gpu():
         choose_device_and_backend(True, [], True)
     with pytest.raises(RuntimeError, match="not available"):
         choose_device_and_backend(True, [1], False)
+
+
+def test_requeue_dropped_needs_first_n_and_single_step_dispatch():
+    with pytest.raises(ConfigError, match="requeue_dropped is for ScalingConfig.aggregation='first_n'"):
+        _trainer(requeue_dropped=True)
+    first_n = ScalingConfig(num_workers=4, num_backups=1, aggregation="first_n", steps_per_dispatch=4)
+    with pytest.raises(ConfigError, match="steps_per_dispatch to 0 or 1"):
+        _trainer(scaling=first_n, requeue_dropped=True)

@@ -132,3 +132,24 @@ def test_warmup_steps_are_ignored_and_reset_restarts_warmup():
     p.reset()
     p.observe(0, 1.0)
     assert p.scores() == {}
+
+
+def test_decide_over_a_window_counts_its_steps():
+    # Decisions come once per dispatch window: 3 steps over the threshold count as 3.
+    p = StragglerPolicy(factor=2.0, window=6, evict=True)
+    for r in range(4):
+        p.observe(r, 0.3 if r == 1 else 0.1)
+    assert isinstance(p.decide(spares_ready=1, steps=3), Continue)
+    d = p.decide(spares_ready=1, steps=3)
+    assert isinstance(d, EvictStraggler) and d.rank == 1
+
+
+def test_pending_time_cleared_when_rank_catches_up():
+    p = StragglerPolicy(factor=2.0, window=1, evict=True)
+    for r in range(4):
+        p.observe(r, 0.1)
+    p.observe_pending(2, 1.0)
+    assert p.scores()[2] > 2
+    p.observe_pending(2, 0.0)
+    assert p.scores()[2] == 1.0
+    assert isinstance(p.decide(spares_ready=1), Continue)

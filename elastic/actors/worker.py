@@ -1,15 +1,16 @@
 """One training rank (or hot spare) as a Ray actor.
 
 A worker builds its model, optimizer and dataset when it is created, so a spare is ready to join
-the moment it is needed. It runs exactly one step per call from the controller and keeps no loop
-of its own: the controller decides what every step is, which group it runs in, and who is in it.
+the moment it is needed. It runs the steps the controller hands it (one window of consecutive
+steps per call) and keeps no loop of its own: the controller decides what every step is, which
+group it runs in, and who is in it.
 
 Two ways to synchronise gradients:
 - ``train_step`` (aggregation "all"): DDP over the whole group.
-- ``compute_grad`` + ``reduce_apply``/``apply_update`` (aggregation "first_n"): each replica
-  computes a local gradient, the controller picks the first N to finish, those N all-reduce in a
-  subgroup created once for that exact set, and the others apply the same averaged gradient from
-  the object store.
+- ``first_n_step`` (aggregation "first_n"): each replica computes a local gradient, the replicas
+  agree through the rendezvous store which N arrived first, those N all-reduce in a subgroup
+  created once for that exact set, and the late ones receive the same averaged gradient from the
+  fastest rank and apply it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import os
 import random
 import signal
 import socket
+import statistics
 import time
 import traceback
 import zlib
+from collections import deque
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -93,11 +96,18 @@ class TrainWorker:
         self.current_step: int | None = None
         self.last_beat = time.time()
         self._subgroups: dict[tuple[int, ...], Any] = {}
-        self._pending_flat: torch.Tensor | None = None
+        self._fn_store = None  # first-N: the group's rendezvous store, which orders arrivals
+        self._fn_n = 0  # first-N: how many gradients make a step
+        self._fn_numel = 0
+        self._fn_was_fast = True
+        self._fn_sends: list = []  # first-N leader: (pending isend, its buffer)
+        self._fast_log: dict[int, tuple[int, ...]] = {}
+        self._checksum_every = 0
         self._slow: tuple[float, int] | None = None  # (factor, from_step) fault injection
         self._hang_at: int | None = None
         self._kill_at: int | None = None
-        self._compute_ema: float | None = None
+        self._healthy_times: deque = deque(maxlen=32)  # step wall times before an injected slowdown
+        self._slow_base: float | None = None
         self.phase, self.phase_since = "idle", time.time()
         self._ckpt = None
 
@@ -156,24 +166,33 @@ class TrainWorker:
         """SIGKILL this worker's own process in the middle of step ``at_step``. A test and bench aid."""
         self._kill_at = int(at_step)
 
-    def _injected_delay(self, step: int) -> float:
-        """Sleep that makes this rank ``factor`` times slower than its own measured compute."""
+    def _injected_delay(self, step: int, elapsed_s: float) -> float:
+        """Sleep that makes this rank's step ``factor`` times as long as its healthy steps were.
+
+        The baseline is the median wall time of this rank's steps before the slowdown began (a
+        step includes waiting on peers, so in a synchronous ring it is the ring's pace): a slow
+        node drags its whole step, not only its arithmetic. With no healthy step measured yet
+        (slow from step 1), the time into this step so far is the baseline.
+        """
         if self._kill_at is not None and step == self._kill_at:
             os.kill(os.getpid(), 9)
         if self._hang_at is not None and step >= self._hang_at:
             time.sleep(3600)
-        if not self._slow or step < self._slow[1] or self._slow[0] <= 1 or self._compute_ema is None:
+        if not self._slow or step < self._slow[1] or self._slow[0] <= 1:
             return 0.0
-        delay = self._compute_ema * (self._slow[0] - 1)
+        if self._slow_base is None:
+            self._slow_base = statistics.median(self._healthy_times) if self._healthy_times else elapsed_s
+        delay = self._slow_base * (self._slow[0] - 1)
         time.sleep(delay)
         return delay
 
-    def _note_compute(self, seconds: float) -> None:
-        self._compute_ema = seconds if self._compute_ema is None else 0.8 * self._compute_ema + 0.2 * seconds
+    def _note_step_time(self, step: int, seconds: float) -> None:
+        if self._slow is None or step < self._slow[1]:
+            self._healthy_times.append(seconds)
 
     # ---- process group ---------------------------------------------------------------------
     def join(self, rank: int, world_size: int, master_addr: str, master_port: int, generation: int,
-             timeout_s: float, use_ddp: bool = True, subgroup_size: int = 0) -> dict:
+             timeout_s: float, use_ddp: bool = True, subgroup_size: int = 0, checksum_every: int = 0) -> dict:
         """Leave any old group and form the new one. Survivors keep their model and optimizer."""
         self.leave()
         t0 = time.time()
@@ -198,11 +217,18 @@ class TrainWorker:
                 pg = dist.new_group(list(members))
                 if rank in members:
                     self._subgroups[members] = pg
+        if subgroup_size:
+            self._fn_store = dist.distributed_c10d._get_default_store()
+            self._fn_n = subgroup_size
+            self._fn_numel = sum(p.numel() for p in self.model.parameters())
+            self._fn_was_fast = True
+        self._checksum_every = checksum_every
         return {"rank": rank, "join_s": time.time() - t0}
 
     def leave(self) -> None:
         """Tear down the group. Peers blocked on us see their sockets close and raise at once."""
         self._subgroups.clear()
+        self._fn_store, self._fn_sends = None, []  # unfinished sends went to peers of the old group
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         if dist.is_initialized():
             try:
@@ -221,33 +247,30 @@ class TrainWorker:
         batch = torch_data.default_collate([self.dataset[i] for i in indices])
         return _to_device(batch, self.device)
 
-    def _forward_backward(self, model, batch, step: int, has_collective: bool) -> tuple[torch.Tensor, float]:
+    def _forward_backward(self, model, batch, step: int, has_collective: bool,
+                          t_step: float) -> tuple[torch.Tensor, float]:
         """Forward and backward; returns (loss, local seconds).
 
         Local seconds is the part of the step no peer can stretch: with DDP the backward waits
-        in all-reduce for the slowest rank, so only data + forward count there (and 3x forward
-        is the compute estimate); without a collective the whole forward+backward counts.
+        in all-reduce for the slowest rank, so only data + forward count there; without a
+        collective the whole forward+backward counts. An injected slowdown sleeps just before
+        the rank's first contact with its peers, and counts as local.
         """
-        t0 = time.perf_counter()
-        self._enter("compute")
-        first = self._compute_ema is None  # nothing measured yet: slow down after this compute
-        delay = 0.0 if first else self._injected_delay(step)
         t1 = time.perf_counter()
+        self._enter("compute")
         if self.spec.step_fn is not None:
             loss = self.spec.step_fn(model, batch)
-            self._note_compute(time.perf_counter() - t1)
-            if first:
-                delay = self._injected_delay(step)
-            return loss, time.perf_counter() - t0
+            self._injected_delay(step, time.perf_counter() - t_step)
+            return loss, time.perf_counter() - t1
         loss = self.spec.loss_fn(model, batch)
+        if has_collective:
+            self._injected_delay(step, time.perf_counter() - t_step)
         fwd = time.perf_counter() - t1
         self._enter("backward+allreduce" if has_collective else "backward")
         loss.backward()
-        both = time.perf_counter() - t1
-        self._note_compute(3 * fwd if has_collective else both)
-        if first:
-            delay = self._injected_delay(step)
-        return loss, (fwd if has_collective else both) + delay
+        if not has_collective:
+            self._injected_delay(step, time.perf_counter() - t_step)
+        return loss, fwd if has_collective else time.perf_counter() - t1
 
     def _run_guarded(self, fn: Callable[[], Any]) -> Any:
         """Run a step; a collective failure tears the group down at once so peers unblock.
@@ -304,7 +327,7 @@ class TrainWorker:
         model = self.ddp if self.ddp is not None else self.model
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss, local = self._forward_backward(model, batch, step, has_collective=self.ddp is not None)
+        loss, local = self._forward_backward(model, batch, step, self.ddp is not None, t0)
         compute = time.perf_counter() - t0
         self.optimizer.step()
         if self.scheduler is not None:
@@ -312,67 +335,115 @@ class TrainWorker:
         self.completed_step = step
         self.current_step = None
         extra = {**self._after_step(step), "local_time_s": local}
+        self._note_step_time(step, time.perf_counter() - t0)
         return StepResult(self.rank, step, float(loss.detach()), time.perf_counter() - t0, compute,
                           len(indices), self.completed_step, extra)
 
-    def compute_grad(self, step: int, indices: list[int]) -> StepResult:
-        """First-N mode, phase 1: a local gradient only; no collective."""
-        return self._run_guarded(lambda: self._compute_grad(step, indices))
+    def first_n_steps(self, first_step: int, shards: list[list[int]], generation: int) -> list[StepResult]:
+        """First-N-of-M steps (aggregation "first_n"), one window per call like ``train_steps``."""
+        return [self.first_n_step(first_step + i, indices, generation) for i, indices in enumerate(shards)]
 
-    def _compute_grad(self, step: int, indices: list[int]) -> StepResult:
+    def first_n_step(self, step: int, indices: list[int], generation: int) -> StepResult:
+        if generation != self.generation or (self._fn_store is None and self.world_size > 1):
+            raise StaleStep(f"rank {self.rank}: first-N step {step} was queued for group generation {generation}, "
+                            f"but this rank is in generation {self.generation}")
+        return self._run_guarded(lambda: self._first_n_step(step, indices))
+
+    def _first_n_step(self, step: int, indices: list[int]) -> StepResult:
+        """One first-N-of-M step, agreed among the replicas themselves.
+
+        Why the ranks agree through the rendezvous store and not through the controller: asking
+        the controller who came first costs two Ray round trips a step (gradient ready, then
+        reduce/apply), 10-15 ms on a loaded 2-core machine, against a 25 ms step. The store's
+        atomic ``add`` orders arrivals in one round trip, so the whole step stays inside the
+        worker and steps go out in windows like DDP steps.
+
+        The protocol, for step t in one group generation (the store is fresh per generation),
+        costs each rank two store round trips:
+        1. A rank that was late last step first reads the arrival counter (``add(count, 0)``).
+           If N ranks have already arrived its gradient could only be dropped: it skips the
+           compute and goes to 4. This is what lets a straggler catch up instead of falling
+           further behind, and stops it spending CPU on gradients nobody will use.
+        2. Otherwise it computes its gradient and arrives with ``add(count, 1 + 2**(8 + rank))``:
+           one atomic add returns both its arrival order (low 8 bits) and the set of ranks
+           arrived so far, itself included (the bits above). The N-th arrival therefore knows
+           the fast set at once and publishes it under one key; the others read that key
+           (``get`` blocks until it is set).
+        3. The fast N all-reduce [gradient, loss] in the subgroup cached for exactly that set
+           (made at rendezvous by every rank in the same order: ``new_group`` is collective over
+           the world), divide by N, and step. The lowest fast rank sends the averaged vector to
+           each late rank with a non-blocking ``isend`` and does not wait for it: a late rank
+           receives when it gets there, so it never holds up the fast N. The leader keeps each
+           send's buffer until the send completes (at most one per step the late rank is behind).
+        4. A late rank reads the fast set, receives the vector from the lowest fast rank and
+           applies it. Every replica runs the same optimizer step on the same averaged gradient,
+           so parameters stay bitwise identical (checked by checksum every K steps).
+        Alternatives measured or reasoned out: a DDP comm hook runs inside backward, before
+        anyone knows which N finished first; an all-reduce over the world waits for the
+        straggler by definition; cutting stragglers short at a micro-batch boundary still makes
+        the step wait for their partial gradient.
+        """
         t0 = time.perf_counter()
         self.current_step = self.started_step = step
-        _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device.type)
-        batch = self._batch(indices)
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=False)
-        loss, local = self._forward_backward(self.model, batch, step, has_collective=False)
-        compute = time.perf_counter() - t0
-        self._pending_flat = _flatten_grads(self.model)
-        return StepResult(self.rank, step, float(loss.detach()), time.perf_counter() - t0, compute,
-                          len(indices), self.completed_step)
+        store, n = self._fn_store, self._fn_n
+        count_key, fast_key = f"fn/{step}/n", f"fn/{step}/fast"
+        order = n + 1
+        flat = None
+        local = 0.0
+        computed = False
+        if self._fn_was_fast or (store.add(count_key, 0) & 0xFF) < n:
+            _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device.type)
+            batch = self._batch(indices)
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=False)
+            loss, local = self._forward_backward(self.model, batch, step, False, t0)
+            flat = torch.cat([_flatten_grads(self.model), loss.detach().reshape(1)])
+            computed = True
+            self._enter("arrive")
+            arrived = store.add(count_key, 1 + (1 << (8 + self.rank)))
+            order = arrived & 0xFF
+        self._enter("allreduce" if order <= n else "late")
+        if order == n:
+            mask = arrived >> 8
+            store.set(fast_key, str(mask))
+        else:
+            mask = int(store.get(fast_key))
+        fast = tuple(r for r in range(self.world_size) if mask >> r & 1)
+        leader = fast[0]
+        tag = step if self.backend == "gloo" else 0  # NCCL has no tags; its pairs match in issue order
+        if order <= n:
+            dist.all_reduce(flat, group=self._subgroups.get(fast) if n < self.world_size else None)
+            flat.div_(n)
+            if self.rank == leader:
+                for late in range(self.world_size):
+                    if late not in fast:
+                        self._fn_sends.append((dist.isend(flat, dst=late, tag=tag), flat))
+        else:
+            flat = torch.empty(self._fn_numel + 1, device=self.device)
+            dist.recv(flat, src=leader, tag=tag)
+        self._fn_sends = [(w, buf) for w, buf in self._fn_sends if not w.is_completed()]
+        self._apply_flat(step, flat)
+        self._fn_was_fast = order <= n
+        self._fast_log[step] = fast
+        while len(self._fast_log) > 4096:
+            self._fast_log.pop(next(iter(self._fast_log)))
+        extra = {**self._after_step(step), "fast": list(fast), "computed": computed}
+        if computed:
+            extra["local_time_s"] = local
+        self._note_step_time(step, time.perf_counter() - t0)
+        return StepResult(self.rank, step, float(flat[-1]), time.perf_counter() - t0, local, len(indices),
+                          self.completed_step, extra)
 
-    def reduce_apply(self, step: int, fast: list[int], publish: bool) -> tuple[dict, torch.Tensor | None]:
-        """First-N mode, phase 2 on the fast N: average in the cached subgroup and step.
-
-        Why cached subgroups, and not a DDP comm hook or cutting stragglers short: a comm hook
-        runs inside backward, before anyone knows which N finished first, and an all-reduce over
-        the whole group waits for the straggler by definition. Cutting a straggler short at a
-        micro-batch boundary still makes the step wait for its partial gradient. With one gloo
-        group per possible fast set, made once at rendezvous by every rank in the same order,
-        the fast three of four finished a 1M-float all-reduce in ~0.1 s while the fourth slept
-        2 s (our probe; creating all four subgroups took 0.04 s). The late replica gets the same
-        averaged gradient from the object store and applies it after its own step, so its queue
-        never grows and its parameters stay bitwise equal.
-
-        Returns the averaged flat gradient when ``publish`` so the controller can hand the
-        identical update to the replicas that were late.
-        """
-        def run() -> dict:
-            flat = self._pending_flat
-            if flat is None:
-                raise RuntimeError(f"rank {self.rank}: reduce_apply({step}) without compute_grad")
-            group = self._subgroups.get(tuple(fast)) if len(fast) < self.world_size else None
-            self._enter("allreduce")
-            dist.all_reduce(flat, group=group)
-            flat.div_(len(fast))
-            self._apply_flat(step, flat)
-            out = {"rank": self.rank, "step": step, **self._after_step(step)}
-            return out, (flat.cpu() if publish else None)
-        return self._run_guarded(run)
-
-    def apply_update(self, step: int, flat: torch.Tensor) -> dict:
-        """First-N mode, phase 2 on a late replica: drop our gradient, apply the agreed one."""
-        self._pending_flat = None
-        self._apply_flat(step, flat.to(self.device))
-        return {"rank": self.rank, "step": step, **self._after_step(step)}
+    def fast_sets(self, first: int, last: int) -> dict[int, list[int]]:
+        """Which ranks were the fast N in steps first..last (kept for the last 4096 steps): the
+        controller asks when it keeps steps that finished before a failure without their results."""
+        return {s: list(self._fast_log[s]) for s in range(first, last + 1) if s in self._fast_log}
 
     def _apply_flat(self, step: int, flat: torch.Tensor) -> None:
         _unflatten_into_grads(self.model, flat)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        self._pending_flat = None
         self.completed_step = step
         self.current_step = None
 
@@ -396,7 +467,6 @@ class TrainWorker:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.completed_step = self.started_step = int(state["completed_step"])
-        self._pending_flat = None
         return self.completed_step
 
     def progress(self) -> tuple[int, int]:
@@ -442,9 +512,12 @@ class TrainWorker:
         return {**self._ckpt.drain(), "world_size": self.world_size}
 
     def _after_step(self, step: int) -> dict:
-        if self._ckpt is None:
-            return {}
-        return {**self._ckpt.after_step(self, step), "world_size": self.world_size}
+        """What a step reports besides its loss: finished checkpoint shards and, every K steps,
+        a parameter checksum the controller compares across replicas."""
+        extra = {} if self._ckpt is None else {**self._ckpt.after_step(self, step), "world_size": self.world_size}
+        if self._checksum_every and step % self._checksum_every == 0:
+            extra["checksum"] = self.param_checksum()
+        return extra
 
     def shutdown(self) -> None:
         if self._ckpt is not None:

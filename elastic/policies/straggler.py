@@ -2,8 +2,8 @@
 
 A rank's score is the median of its recent local step times divided by the median over all ranks.
 A rank whose score stays above ``straggler_factor`` for ``window`` consecutive steps is persistent.
-A rank still busy with an old step (first-N mode skips it until it catches up) is scored by how
-long it has been busy so far, so it does not look healthy just because it has not reported. The
+A rank still busy after the others finished (first-N mode does not wait for it) is scored by how
+long it has been late so far, so it does not look healthy just because it has not reported. The
 policy only decides; the controller evicts the rank and puts a hot spare in its place.
 """
 
@@ -44,8 +44,10 @@ class StragglerPolicy:
         self._busy_for.pop(rank, None)
 
     def observe_pending(self, rank: int, elapsed_s: float) -> None:
-        """``rank`` has been computing one step for ``elapsed_s`` and has not finished."""
-        if self._steps >= self.warmup_steps:
+        """``rank`` has been late for ``elapsed_s`` and has not finished (0: it is not late)."""
+        if elapsed_s <= 0:
+            self._busy_for.pop(rank, None)
+        elif self._steps >= self.warmup_steps:
             self._busy_for[rank] = elapsed_s
 
     def forget(self, rank: int) -> None:
@@ -65,11 +67,13 @@ class StragglerPolicy:
             return {r: 1.0 for r in medians}
         return {r: m / overall for r, m in medians.items()}
 
-    def decide(self, spares_ready: int) -> Decision:
-        self._steps += 1
+    def decide(self, spares_ready: int, steps: int = 1) -> Decision:
+        """Decide after ``steps`` more steps (the controller asks once per dispatch window): a
+        rank over the threshold now has been over it for all of them, as far as we can tell."""
+        self._steps += steps
         scores = self.scores()
         for rank, score in scores.items():
-            self._over[rank] = self._over[rank] + 1 if score > self.factor else 0
+            self._over[rank] = self._over[rank] + steps if score > self.factor else 0
         if not self.evict:
             return Continue()
         candidates = [r for r, n in self._over.items() if n >= self.window]
