@@ -155,6 +155,12 @@ class Controller:
         self._waited_s = 0.0  # time the current step spent blocked on the workers
         self._last_done = 0.0
         self._since_decide = 0  # steps since the straggler policy last decided
+        self._configured: set[str] = set()  # actors with a checkpoint writer
+        self._worker_progress = 0  # newest step a rank reported finished with a checkpoint part
+        try:  # inside the controller actor: ranks report checkpoint parts straight to it
+            self._self_handle = ray.get_runtime_context().current_actor
+        except Exception:  # a driver-side controller (tests): reports ride on step results
+            self._self_handle = None
         self.requeue_dropped = requeue_dropped
 
     # ---- event log and state machine ------------------------------------------------------
@@ -229,10 +235,27 @@ class Controller:
 
             self.committer = CheckpointCommitter(self.store, self.run_config.checkpoint,
                                                  latest_committed=self.restored_from)
-            ckpt = self.run_config.checkpoint
-            ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options,
-                                                         self.run_config.name, ckpt.every_n_steps, ckpt.blocking)
-                     for m in self._all_actors()])
+            self._configure_checkpoints(self._all_actors())
+
+    def _configure_checkpoints(self, members: list[Member]) -> None:
+        """Give actors their checkpoint writer (once each; a spare started later gets it when it
+        first joins). Inside the controller actor, ranks report written parts straight to it."""
+        todo = [m for m in members if m.name not in self._configured]
+        if self.store is None or not todo:
+            return
+        ckpt = self.run_config.checkpoint
+        ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options, self.run_config.name,
+                                                     ckpt.every_n_steps, ckpt.blocking, self._self_handle)
+                 for m in todo])
+        self._configured.update(m.name for m in todo)
+
+    def checkpoint_written(self, step: int, rank: int, world_size: int, entries: list, progress: int) -> None:
+        """From a rank's writer thread, through the controller actor's "checkpoint" thread."""
+        if self.committer is None:
+            return
+        self._worker_progress = max(self._worker_progress, int(progress))
+        self.committer.progress_step = max(self.step, self._worker_progress)
+        self.committer.add(step, rank, world_size, entries)
 
     def _restore_latest(self) -> DataPosition | None:
         step = self.store.latest_valid()
@@ -243,6 +266,11 @@ class Controller:
                                                   step) for m in self.group.members]
         metas = ray.get(refs)
         meta = metas[0]
+        for done in range(self.step + 1, step + 1):
+            if done in self._planned:
+                # Committed before its results reached us (ranks report written parts directly):
+                # the checkpoint proves the step finished, so it is kept, not replayed.
+                self._account_completed_step(done)
         self.step = step
         self.restored_from = step
         self.log("resume", f"resumed from committed step {step} at {self.store.location}", step=step)
@@ -254,6 +282,7 @@ class Controller:
     def _form_group(self, reason: str) -> None:
         """New rendezvous (fresh port, fresh store) and every current rank joins it."""
         self.generation += 1
+        self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
         addr, port = self.group.rendezvous()
         world = len(self.group.members)
         first_n = self.scaling.aggregation == "first_n"
@@ -346,6 +375,14 @@ class Controller:
         members = self.group.members
         k = self._window_at(first)
         plans = [self._shards_for(first + i, len(members))[1] for i in range(k)]
+        if self.committer is not None and self._look_ahead and not self._first_n:
+            # Known now, so a step can commit the moment its parts are written, whenever its
+            # results come back. (First-N: a step's record needs its fast set, which only its
+            # results carry, so its checkpoint waits for them.)
+            for i in range(k):
+                position = self._positions.get(first + i)
+                if position is not None:
+                    self.committer.set_meta(first + i, self._checkpoint_meta(first + i, position))
         method = "first_n_steps" if self._first_n else "train_steps"
         refs = [getattr(m.actor, method).remote(first, [p[i] for p in plans], self.generation)
                 for i, m in enumerate(members)]
@@ -436,6 +473,10 @@ class Controller:
             self._observe(rank, res)
             self._merge_ckpt(rank, res)
 
+    def _checkpoint_meta(self, step: int, position: dict) -> dict:
+        return {"data_position": position, "world_size": len(self.group.members),
+                "global_batch_size": self.global_batch_size, "generation": self.generation}
+
     def _check_late_hung(self) -> None:
         """First-N never waits for a late rank, so a rank that stopped making progress would go
         unnoticed: feed how long each has been late to the straggler policy, and kill one late
@@ -493,7 +534,7 @@ class Controller:
     def _log_storage_event(self, ev: dict, rank: int | None = None) -> None:
         details = {k: v for k, v in ev.items() if k not in ("message", "rank")}
         if ev.get("event") == "checkpoint_committed":
-            details["lag"] = max(0, self.step - int(ev["step"]))
+            details.setdefault("lag", max(0, self.step - int(ev["step"])))
             self.log("checkpoint_commit", ev.get("message", ""), **details)
             if self.metrics is not None:
                 self.metrics.on_checkpoint(float(ev.get("commit_s", 0.0)))
@@ -867,10 +908,8 @@ class Controller:
         self.group.shutdown()
         self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
         self.group.start(self.scaling.num_replicas)
-        ckpt = self.run_config.checkpoint
-        ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options,
-                                                     self.run_config.name, ckpt.every_n_steps, ckpt.blocking)
-                 for m in self._all_actors()])
+        self._configured.clear()
+        self._configure_checkpoints(self._all_actors())
         position = self._restore_latest()
         self._replan(position)
         if position is None:
@@ -980,15 +1019,12 @@ class Controller:
                 self._merge_ckpt(r, res)
             for ev in self.committer.drain_events():
                 self._log_storage_event(ev)
-            # With look-ahead the sampler has moved past this step: use its place right after it.
-            # Without (requeueing), the current place is exact and holds this step's drops.
-            position = self._positions.get(record.step) if self._look_ahead else None
-            self.committer.set_meta(record.step, {
-                "data_position": position or self.plan.position.to_dict(),
-                "world_size": record.world_size,
-                "global_batch_size": self.global_batch_size,
-                "generation": self.generation,
-            })
+            if self._first_n:
+                # Set once the results are in (a DDP step's meta was set at dispatch). Requeueing:
+                # the sampler's current place holds this step's drops and nothing later.
+                position = self._positions.get(record.step) if self._look_ahead else self.plan.position.to_dict()
+                self.committer.set_meta(record.step, self._checkpoint_meta(record.step, position))
+            self.committer.progress_step = max(self.step, self._worker_progress)
         if self.metrics is not None:
             self.metrics.on_step(record, self, per_rank=decide)
         decision = self.straggler_policy.decide(len(self.group.spares), steps=self._since_decide + 1) \
@@ -1119,7 +1155,8 @@ class Controller:
             "spares": len(self.group.spares) if self.group else 0,
             "failures": self.failures, "recoveries": len(self.recoveries), "ranks": self.rank_rows(),
             "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
-                           "lag": self.committer.lag(self.step) if self.committer else None},
+                           "lag": self.committer.lag(max(self.step, self._worker_progress))
+                           if self.committer else None},
         }
 
 

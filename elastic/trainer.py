@@ -163,7 +163,7 @@ class Trainer:
         kwargs = dict(spec=PackedSpec.pack(self.spec), scaling=self.scaling, run=self.run, failure=self.failure,
                       global_batch_size=self.global_batch_size, checkpoint_store=self._store,
                       metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped)
-        actor_cls = ray.remote(concurrency_groups={"status": 1})(ControllerActor)
+        actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1})(ControllerActor)
         try:
             old = ray.get_actor("controller", namespace=self.namespace)
             ray.kill(old, no_restart=True)  # a dead driver's leftover of the same run name

@@ -1,7 +1,8 @@
 """The controller hosted in a named Ray actor, so ``elastic status`` and the dashboard can find it.
 
 ``run`` drives training in the actor's default thread; ``status`` answers from a second thread
-while a run is in progress.
+while a run is in progress, and ``checkpoint_written`` (ranks reporting written checkpoint parts)
+from a third.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class ControllerActor:
     @ray.method(concurrency_group="status")
     def status(self) -> dict:
         return self.controller.status()
+
+    @ray.method(concurrency_group="checkpoint")
+    def checkpoint_written(self, step: int, rank: int, world_size: int, entries: list, progress: int) -> None:
+        """A rank wrote its part of ``step`` (sent from its writer thread, not with step results)."""
+        self.controller.checkpoint_written(step, rank, world_size, entries, progress)
 
     @ray.method(concurrency_group="status")
     def events_since(self, index: int) -> list[dict]:

@@ -488,13 +488,18 @@ class TrainWorker:
 
     # ---- checkpoints (elastic.checkpoint does the storage work) ------------------------------
     def configure_checkpoint(self, url: str, storage_options: dict, run_name: str, every_n_steps: int,
-                             blocking: bool) -> None:
+                             blocking: bool, controller: Any = None) -> None:
+        """``controller``: the controller actor, told of each written part the moment it is written."""
         from elastic.checkpoint import WorkerCheckpointer
 
         if self._ckpt is not None:
             self._ckpt.close()
-        self._ckpt = WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking) \
-            if every_n_steps > 0 else None
+        notify = None
+        if controller is not None:
+            def notify(step, rank, world_size, entries, progress):  # from the writer thread; fire and forget
+                controller.checkpoint_written.remote(step, rank, world_size, entries, progress)
+        self._ckpt = WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
+                                        progress=lambda: self.completed_step) if every_n_steps > 0 else None
 
     def restore_checkpoint(self, url: str, storage_options: dict, run_name: str, step: int) -> dict:
         """Load a committed step (checksums verified while reading); returns its manifest meta."""

@@ -42,6 +42,9 @@ class CheckpointCommitter:
         self._reports: dict[int, dict] = {}  # step -> {"world_size": w, "ranks": {rank: [FileEntry]}}
         self._metas: dict[int, dict] = {}
         self._latest = latest_committed
+        # The newest step training is known to have finished (the controller keeps it current):
+        # a commit's lag is measured against it at the moment of the commit.
+        self.progress_step = 0
         self._submitted: int | None = None  # newest step handed to the commit thread
         self._events: deque = deque(maxlen=max_events)
         self._persister = AsyncPersister(self._commit, name="checkpoint commit",
@@ -151,6 +154,7 @@ class CheckpointCommitter:
             nbytes = sum(e.size for e in entries)
             self._events.append({
                 "event": "checkpoint_committed", "step": step, "time": now, "files": len(entries),
+                "lag": max(0, self.progress_step - step),
                 "bytes": nbytes, "commit_s": round(commit_s, 4), "deleted": deleted,
                 "message": f"committed step {step} ({len(entries)} files, {nbytes / 1e6:.2f} MB)"
                            + (f"; deleted steps {deleted}" if deleted else ""),

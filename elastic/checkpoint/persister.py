@@ -82,8 +82,11 @@ class AsyncPersister:
 
     def __init__(self, write_fn: Callable[[Any], list], blocking: bool = False, name: str = "checkpoint write",
                  retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256,
-                 keep_done: bool = True):
+                 keep_done: bool = True, on_done: Callable[[int, Any], None] | None = None):
         self._write_fn = write_fn
+        # Called from the writer thread with (step, what write_fn returned) as each write finishes,
+        # instead of keeping it for drain(): the worker pushes it straight to the controller.
+        self._on_done = on_done
         self._keep_done = keep_done  # False when nobody calls drain(): the list must not grow forever
         self.blocking = blocking
         self.name = name
@@ -189,8 +192,13 @@ class AsyncPersister:
     def _record_success(self, step: int, entries: Any) -> None:
         with self._cond:
             self._outage.succeeded(step)
-            if self._keep_done:
+            if self._keep_done and self._on_done is None:
                 self._done.append((step, entries))
+        if self._on_done is not None:
+            try:
+                self._on_done(step, entries)
+            except Exception:  # noqa: BLE001 - a lost report costs one commit, never the writer thread
+                logger.exception("%s: reporting step %d failed", self.name, step)
 
     def _record_failure(self, step: int, exc: BaseException) -> None:
         logger.error("%s of step %d failed and is dropped: %s", self.name, step, _short(exc), exc_info=exc)

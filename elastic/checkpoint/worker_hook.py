@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from elastic.checkpoint.codec import capture_rng, flatten_state, host_copy, rank_share
 from elastic.checkpoint.persister import AsyncPersister
@@ -44,14 +44,23 @@ class WorkerCheckpointer:
     def __init__(self, url: str, storage_options: dict | None, run_name: str, every_n_steps: int,
                  blocking: bool = False, *, retry: RetryPolicy | None = None,
                  retry_min_s: float | None = None, retry_max_s: float | None = None,
-                 close_timeout_s: float = 30.0):
+                 close_timeout_s: float = 30.0, notify: Callable[..., Any] | None = None,
+                 progress: Callable[[], int] | None = None):
+        """``notify(step, rank, world_size, entries, progress)``: called from the writer thread as
+        soon as this rank's part of a step is written (the worker sends it to the controller
+        actor), so a commit never waits for the step results to travel back. Without it, finished
+        writes ride on the step results (``after_step``'s report)."""
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(f"every_n_steps must be an integer >= 0, got {every_n_steps!r}")
         self.store = CheckpointStore(url, run_name, storage_options, retry=retry)
         self.every_n_steps = every_n_steps
         self.close_timeout_s = close_timeout_s
+        self._notify, self._progress = notify, progress
+        self._layout: dict[int, tuple[int, int]] = {}  # step -> (rank, world size) of its snapshot
+        self._last_pushed: tuple[int, list] | None = None
         self.persister = AsyncPersister(self.store.write_snapshot, blocking=blocking, name="checkpoint write",
-                                        retry_min_s=retry_min_s, retry_max_s=retry_max_s)
+                                        retry_min_s=retry_min_s, retry_max_s=retry_max_s,
+                                        on_done=self._push if notify is not None else None)
         self.last_snapshot_s = 0.0
         self._snapshot_error: str | None = None
 
@@ -75,8 +84,18 @@ class WorkerCheckpointer:
                                "message": f"cannot snapshot step {step} for a checkpoint: {text[:300]}"})
             else:
                 self.last_snapshot_s = time.perf_counter() - t0
+                if self._notify is not None:
+                    self._layout = {s: v for s, v in self._layout.items() if s > step - 64}
+                    self._layout[step] = (snapshot.rank, snapshot.world_size)
                 self.persister.submit(step, snapshot)
         return self._report(events)
+
+    def _push(self, step: int, entries: list) -> None:
+        rank, world_size = self._layout.get(step, (None, None))
+        if rank is not None:
+            self._last_pushed = (step, entries)
+            self._notify(step, rank, world_size, [e.to_dict() for e in entries],
+                         self._progress() if self._progress is not None else step)
 
     def _report(self, extra_events: list[dict] | None = None) -> dict:
         # Events carry no rank: the controller knows which rank it asked, and a rank field would
@@ -86,8 +105,16 @@ class WorkerCheckpointer:
         return {"ckpt_done": done, "ckpt_events": events}
 
     def drain(self) -> dict:
-        """What finished since the last call, without taking a snapshot (e.g. at the end of training)."""
-        return self._report()
+        """What finished since the last call, without taking a snapshot (e.g. at the end of training).
+
+        When parts are pushed to the controller, the newest one is reported again here: the push
+        is a message that may still be on its way when the controller makes its final commit, and
+        a second report of a part is harmless (the committer ignores steps it has already taken)."""
+        out = self._report()
+        if self._last_pushed is not None:
+            step, entries = self._last_pushed
+            out["ckpt_done"].append((step, [e.to_dict() for e in entries]))
+        return out
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for the pending write; at most ``timeout_s`` (default close_timeout_s) so an outage at
