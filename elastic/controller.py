@@ -249,13 +249,14 @@ class Controller:
                  for m in todo])
         self._configured.update(m.name for m in todo)
 
-    def checkpoint_written(self, step: int, rank: int, world_size: int, entries: list, progress: int) -> None:
+    def checkpoint_written(self, step: int, rank: int, world_size: int, entries: list, progress: int,
+                           taken_at: float | None = None) -> None:
         """From a rank's writer thread, through the controller actor's "checkpoint" thread."""
         if self.committer is None:
             return
         self._worker_progress = max(self._worker_progress, int(progress))
         self.committer.progress_step = max(self.step, self._worker_progress)
-        self.committer.add(step, rank, world_size, entries)
+        self.committer.add(step, rank, world_size, entries, taken_at=taken_at)
 
     def _restore_latest(self) -> DataPosition | None:
         step = self.store.latest_valid()

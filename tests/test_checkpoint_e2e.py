@@ -22,10 +22,12 @@ pytestmark = pytest.mark.slow
 STEPS_OUTAGE = 40
 
 
-def trainer(name, storage, workers=2, backups=0, failure=None, faults=None, storage_options=None, **ckpt):
+def trainer(name, storage, workers=2, backups=0, failure=None, faults=None, storage_options=None,
+            steps_per_dispatch=0, **ckpt):
     return elastic.Trainer(
         make_model, make_adam, make_dataset, loss_fn, 32,
-        scaling=elastic.ScalingConfig(num_workers=workers, num_backups=backups),
+        scaling=elastic.ScalingConfig(num_workers=workers, num_backups=backups,
+                                      steps_per_dispatch=steps_per_dispatch),
         run=elastic.RunConfig(name=name, storage=storage, storage_options=storage_options or {}, seed=0,
                               checkpoint=elastic.CheckpointConfig(**ckpt)),
         failure=failure, faults=faults)
@@ -50,6 +52,22 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
     assert second.events_of("resume")
     assert second.checkpoint["latest_step"] == 12
     assert_weights_close(second.model_state, uninterrupted, atol=1e-5)
+
+
+def test_commits_do_not_wait_for_the_dispatch_window(ray_cluster, tmp_path, uninterrupted):
+    # One call carries all twelve steps (rank 0 slowed so the call lasts ~1 s); ranks report each
+    # written part straight to the controller, so steps commit while the window is still running.
+    result = trainer("windowed", f"file://{tmp_path}/ckpt", blocking=True, steps_per_dispatch=12,
+                     faults=[{"kind": "slow", "rank": 0, "factor": 10.0, "from_step": 1}]).fit(steps=12)
+    commits = result.events_of("checkpoint_commit")
+    assert [e["details"]["step"] for e in commits] == list(range(1, 13))
+    finished = [e["time"] for e in result.events_of("transition") if e["details"]["new"] == "finished"][0]
+    by_step = {e["details"]["step"]: e for e in commits}
+    # committed mid-window (details carry the commit's own time), long before its results arrived
+    assert by_step[6]["details"]["time"] < finished - 0.2
+    assert max(e["details"]["lag"] for e in commits) <= 2
+    assert all(e["details"]["persist_s"] >= 0 for e in commits)
+    assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
 
 
 def test_corrupt_newest_step_is_skipped(ray_cluster, tmp_path, uninterrupted):

@@ -42,9 +42,10 @@ class ControllerActor:
         return self.controller.status()
 
     @ray.method(concurrency_group="checkpoint")
-    def checkpoint_written(self, step: int, rank: int, world_size: int, entries: list, progress: int) -> None:
+    def checkpoint_written(self, step: int, rank: int, world_size: int, entries: list, progress: int,
+                           taken_at: float | None = None) -> None:
         """A rank wrote its part of ``step`` (sent from its writer thread, not with step results)."""
-        self.controller.checkpoint_written(step, rank, world_size, entries, progress)
+        self.controller.checkpoint_written(step, rank, world_size, entries, progress, taken_at)
 
     @ray.method(concurrency_group="status")
     def events_since(self, index: int) -> list[dict]:

@@ -496,8 +496,8 @@ class TrainWorker:
             self._ckpt.close()
         notify = None
         if controller is not None:
-            def notify(step, rank, world_size, entries, progress):  # from the writer thread; fire and forget
-                controller.checkpoint_written.remote(step, rank, world_size, entries, progress)
+            def notify(step, rank, world_size, entries, progress, taken_at):  # writer thread; fire and forget
+                controller.checkpoint_written.remote(step, rank, world_size, entries, progress, taken_at)
         self._ckpt = WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
                                         progress=lambda: self.completed_step) if every_n_steps > 0 else None
 

@@ -52,8 +52,10 @@ class CheckpointCommitter:
                                          keep_done=False)
 
     # ---- reports ----------------------------------------------------------------------------
-    def add(self, step: int, rank: int, world_size: int, entries: Iterable[FileEntry | dict]) -> None:
-        """Rank ``rank`` of ``world_size`` finished writing ``entries`` for ``step``."""
+    def add(self, step: int, rank: int, world_size: int, entries: Iterable[FileEntry | dict],
+            taken_at: float | None = None) -> None:
+        """Rank ``rank`` of ``world_size`` finished writing ``entries`` for ``step``, whose snapshot it
+        took at ``taken_at`` (wall clock; the commit event then says how long the step took to persist)."""
         files = [FileEntry.from_dict(e) for e in entries]
         with self._lock:
             if self._is_stale(step):
@@ -68,6 +70,8 @@ class CheckpointCommitter:
                 record = {"world_size": world_size, "ranks": {}}
                 self._reports[step] = record
             record["ranks"][rank] = files
+            if taken_at is not None:
+                record["taken_at"] = min(taken_at, record.get("taken_at", taken_at))
             self._prune_skipped(step, rank)
             self._bound(self._reports)
             self._maybe_submit(step)
@@ -128,14 +132,15 @@ class CheckpointCommitter:
             for s in [s for s in table if s <= step]:
                 del table[s]
         self._submitted = step
-        self._persister.submit(step, (step, entries, world_size, meta))
+        self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at")))
 
     # ---- the commit thread ------------------------------------------------------------------
-    def _commit(self, payload: tuple[int, list[FileEntry], int, dict]) -> list[FileEntry]:
-        step, entries, world_size, meta = payload
+    def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None]) -> list[FileEntry]:
+        step, entries, world_size, meta, taken_at = payload
         t0 = time.perf_counter()
         self.store.commit(step, entries, world_size, meta)  # StorageError -> the persister retries
         commit_s = time.perf_counter() - t0
+        committed_at = time.time()
         with self._lock:
             if self._latest is None or step > self._latest:
                 self._latest = step
@@ -155,6 +160,7 @@ class CheckpointCommitter:
             self._events.append({
                 "event": "checkpoint_committed", "step": step, "time": now, "files": len(entries),
                 "lag": max(0, self.progress_step - step),
+                **({"persist_s": round(committed_at - taken_at, 4)} if taken_at is not None else {}),
                 "bytes": nbytes, "commit_s": round(commit_s, 4), "deleted": deleted,
                 "message": f"committed step {step} ({len(entries)} files, {nbytes / 1e6:.2f} MB)"
                            + (f"; deleted steps {deleted}" if deleted else ""),
