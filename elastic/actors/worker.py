@@ -98,7 +98,7 @@ class TrainWorker:
         self._subgroups: dict[tuple[int, ...], Any] = {}
         self._fn_store = None  # first-N: the group's rendezvous store, which orders arrivals
         self._fn_n = 0  # first-N: how many gradients make a step
-        self._fn_numel = 0
+        self._fn_flat: torch.Tensor | None = None  # first-N: every gradient (and the loss) in one buffer
         self._fn_was_fast = True
         self._fn_sends: list = []  # first-N leader: (pending isend, its buffer)
         self._fast_log: dict[int, tuple[int, ...]] = {}
@@ -220,7 +220,7 @@ class TrainWorker:
         if subgroup_size:
             self._fn_store = dist.distributed_c10d._get_default_store()
             self._fn_n = subgroup_size
-            self._fn_numel = sum(p.numel() for p in self.model.parameters())
+            self._fn_flat = _grads_as_views(self.model, self.device)
             self._fn_was_fast = True
         self._checksum_every = checksum_every
         return {"rank": rank, "join_s": time.time() - t0}
@@ -397,7 +397,8 @@ class TrainWorker:
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
             loss, local = self._forward_backward(self.model, batch, step, False, t0)
-            flat = torch.cat([_flatten_grads(self.model), loss.detach().reshape(1)])
+            flat = self._fn_flat  # the gradients are views into it: no copy in or out
+            flat[-1] = loss.detach()
             computed = True
             self._enter("arrive")
             arrived = store.add(count_key, 1 + (1 << (8 + self.rank)))
@@ -415,11 +416,14 @@ class TrainWorker:
             dist.all_reduce(flat, group=self._subgroups.get(fast) if n < self.world_size else None)
             flat.div_(n)
             if self.rank == leader:
+                # A copy: the next step's backward writes into ``flat`` before a late rank may
+                # have received this one.
+                sent = flat.clone()
                 for late in range(self.world_size):
                     if late not in fast:
-                        self._fn_sends.append((dist.isend(flat, dst=late, tag=tag), flat))
+                        self._fn_sends.append((dist.isend(sent, dst=late, tag=tag), sent))
         else:
-            flat = torch.empty(self._fn_numel + 1, device=self.device)
+            flat = self._fn_flat
             dist.recv(flat, src=leader, tag=tag)
         self._fn_sends = [(w, buf) for w, buf in self._fn_sends if not w.is_completed()]
         self._apply_flat(step, flat)
@@ -440,7 +444,7 @@ class TrainWorker:
         return {s: list(self._fast_log[s]) for s in range(first, last + 1) if s in self._fast_log}
 
     def _apply_flat(self, step: int, flat: torch.Tensor) -> None:
-        _unflatten_into_grads(self.model, flat)
+        """Step on the averaged gradient in ``flat`` (the parameters' .grad are views into it)."""
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -553,21 +557,19 @@ def _to_device(obj, device: torch.device):
     return obj
 
 
-def _flatten_grads(model: torch.nn.Module) -> torch.Tensor:
-    grads = []
-    for p in model.parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        grads.append(g.detach().reshape(-1))
-    return torch.cat(grads)
-
-
-def _unflatten_into_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
+def _grads_as_views(model: torch.nn.Module, device) -> torch.Tensor:
+    """One flat buffer holding every parameter's gradient (as views, in parameter order) plus one
+    slot for the loss, so a first-N step all-reduces, sends and receives it without copying
+    gradients in or out (the idea of DDP's ``gradient_as_bucket_view``). Backward accumulates into
+    an existing .grad in place, and ``zero_grad(set_to_none=False)`` keeps the views."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"aggregation='first_n' needs the trainable parameters in one dtype, got {sorted(map(str, dtypes))}")
+    flat = torch.zeros(sum(p.numel() for p in params) + 1, device=device, dtype=dtypes.pop() if dtypes else None)
     offset = 0
-    for p in model.parameters():
+    for p in params:
         n = p.numel()
-        chunk = flat[offset : offset + n].view_as(p)
-        if p.grad is None:
-            p.grad = chunk.clone()
-        else:
-            p.grad.copy_(chunk)
+        p.grad = flat[offset: offset + n].view_as(p)
         offset += n
+    return flat
