@@ -2,9 +2,11 @@
 
     python benchmarks/straggler.py [--steps 50 --evict-steps 150 --slow-from 10 --factor 3 --digits-epochs 6]
 
-Four runs on the MLP workload, 4 active ranks: healthy plain sync; plain sync with rank 3 slowed
-``factor``x from step ``slow-from``; first-N-of-M (b=1, M=5) with the same slowdown; first-N plus
-eviction (one hot spare, ``evict_stragglers=True``). Throughput is samples/s over the controller's
+Five runs on the MLP workload, 4 active ranks: healthy plain sync; plain sync with rank 3 slowed
+``factor``x from step ``slow-from`` (each of its steps takes ``factor`` times its healthy step);
+first-N-of-M (b=1, M=5) with the same slowdown; first-N plus eviction (one hot spare,
+``evict_stragglers=True``); and first-N with no straggler, which shows what the fifth replica
+alone costs when five processes share this machine's cores (``--no-first-n-healthy`` skips it). Throughput is samples/s over the controller's
 per-step wall times of the steps from ``slow-from`` on (for eviction: the steps after the
 eviction; the eviction run is longer, and its figure also gives the ratio over the steps after
 the replacement spare is ready, since on one small machine that spare's start-up takes CPU from
@@ -133,8 +135,8 @@ def main(argv=None) -> None:
                    help="steps of the eviction run: long enough to measure well after the eviction")
     p.add_argument("--poll-s", type=float, default=0.2, help="controller status() poll interval")
     p.add_argument("--digits-epochs", type=int, default=6)
-    p.add_argument("--first-n-healthy", action="store_true",
-                   help="also run first-N-of-M with no straggler (the cost of M = N + 1 replicas alone)")
+    p.add_argument("--no-first-n-healthy", dest="first_n_healthy", action="store_false",
+                   help="skip first-N-of-M with no straggler (the cost of M = N + 1 replicas alone)")
     p.add_argument("--skip-accuracy", action="store_true")
     args = p.parse_args(argv)
     claim_stdout()
@@ -148,9 +150,16 @@ def main(argv=None) -> None:
     base = runs["healthy"]["samples_per_s"]
     common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
               "steps": args.steps, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from}
+    fn_healthy = runs.get("first_n_healthy", {}).get("samples_per_s")
     for mode in ("plain", "first_n", "evict"):
         r = runs[mode]
-        emit(f"straggler_throughput_ratio_{mode}", ratio(r["samples_per_s"], base), "ratio",
+        if mode != "plain" and fn_healthy:
+            # The straggler's own cost, apart from what a fifth replica costs on this machine.
+            common_mode = {"ratio_vs_first_n_healthy": ratio(r["samples_per_s"], fn_healthy),
+                           "first_n_healthy_samples_per_s": fn_healthy}
+        else:
+            common_mode = {}
+        emit(f"straggler_throughput_ratio_{mode}", ratio(r["samples_per_s"], base), "ratio", **common_mode,
              samples_per_s=r["samples_per_s"], healthy_samples_per_s=base, measured_after_step=r["measured_after_step"],
              measured_steps=r["steps"], evicted_after_step=r["evicted_after_step"], **evict_details(r, base),
              **common)
