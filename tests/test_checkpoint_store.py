@@ -662,3 +662,27 @@ def test_s3_outage_is_survived_and_the_newest_step_commits():
             hook.close()
         committer.close()
         server.stop()
+
+
+def test_committer_retention_without_listing_storage_each_commit(tmp_path, monkeypatch):
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=2, gc_interval_s=3600)
+    listings = []
+    real = store.committed_steps
+    monkeypatch.setattr(store, "committed_steps", lambda: listings.append(1) or real())
+    state = tiny_state(1)
+    for step in range(1, 7):
+        for rank in range(2):
+            committer.add(step, rank, 2, store.write_rank_files(step, rank, 2, state))
+        committer.set_meta(step, {"cursor": step})
+        assert committer.flush(5)
+    assert real() == [5, 6]  # exactly keep_last, from the committer's own list
+    assert len(listings) == 1  # storage listed once (steps of earlier runs), not after every commit
+    store.write_rank_files(7, 0, 2, state)  # a torn write: one rank's shard, no manifest
+    committer.gc_interval_s = 0  # the periodic sweep (due now) removes directories no manifest commits
+    for rank in range(2):
+        committer.add(8, rank, 2, store.write_rank_files(8, rank, 2, state))
+    committer.set_meta(8, {"cursor": 8})
+    assert committer.flush(5)
+    assert store.step_dirs() == [6, 8]
+    committer.close()

@@ -28,7 +28,8 @@ class CheckpointCommitter:
     def __init__(self, store: CheckpointStore, config: CheckpointConfig | None = None, *,
                  keep_last: int | None = None, keep_every: int | None = None,
                  latest_committed: int | None = None, retry_min_s: float | None = None,
-                 retry_max_s: float | None = None, max_pending_steps: int = 10_000, max_events: int = 256):
+                 retry_max_s: float | None = None, max_pending_steps: int = 10_000, max_events: int = 256,
+                 gc_interval_s: float = 10.0):
         config = config or CheckpointConfig()
         self.store = store
         self.every_n_steps = config.every_n_steps
@@ -47,6 +48,9 @@ class CheckpointCommitter:
         self.progress_step = 0
         self._submitted: int | None = None  # newest step handed to the commit thread
         self._events: deque = deque(maxlen=max_events)
+        self._committed: list[int] | None = None  # committed steps on storage, as the commit thread knows them
+        self.gc_interval_s = gc_interval_s
+        self._last_gc = float("-inf")
         self._persister = AsyncPersister(self._commit, name="checkpoint commit",
                                          retry_min_s=retry_min_s, retry_max_s=retry_max_s, max_events=max_events,
                                          keep_done=False)
@@ -148,8 +152,7 @@ class CheckpointCommitter:
         logger.info("committed checkpoint step %d to %s (%d files, %.3fs)", step, self.store.location,
                     len(entries), commit_s)
         try:
-            retention = self.store.apply_retention(self.keep_last, self.keep_every)
-            gc = self.store.gc_uncommitted(older_than=step, keep=pending)
+            retention, gc = self._cleanup(step, pending)
         except Exception as exc:  # noqa: BLE001 - the step is committed; a cleanup bug must not undo that
             logger.exception("checkpoint cleanup after step %d failed", step)
             retention, gc = CleanupReport(error=f"{type(exc).__name__}: {exc}"), CleanupReport()
@@ -174,6 +177,26 @@ class CheckpointCommitter:
                     self._events.append({"event": "checkpoint_cleanup_failed", "time": now, "error": error[:300],
                                          "message": f"checkpoint cleanup skipped (will retry): {error[:300]}"})
         return entries
+
+    def _cleanup(self, step: int, pending: set) -> tuple[CleanupReport, CleanupReport]:
+        """Retention after every commit, from the committer's own list of committed steps; the
+        storage-wide sweep for uncommitted directories (torn or superseded writes) at most every
+        ``gc_interval_s``. Why: listing storage and reading every manifest after each commit costs
+        more than the commit itself when steps are short (on S3, several HTTP requests a step)."""
+        if self._committed is None:
+            self._committed = self.store.committed_steps()  # once: steps from earlier runs
+        if step not in self._committed:
+            self._committed.append(step)
+            self._committed.sort()
+        retention = self.store.apply_retention(self.keep_last, self.keep_every, committed=self._committed)
+        if retention.deleted:  # a failed delete stays on the list: the store retries it next time
+            self._committed = [s for s in self._committed if s not in retention.deleted]
+        gc = CleanupReport()
+        now = time.monotonic()
+        if now - self._last_gc >= self.gc_interval_s:
+            self._last_gc = now
+            gc = self.store.gc_uncommitted(older_than=step, keep=pending)
+        return retention, gc
 
     # ---- status -----------------------------------------------------------------------------
     @property

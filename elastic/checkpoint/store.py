@@ -374,12 +374,16 @@ class CheckpointStore:
         self._retry_deletes.discard(step)
         report.deleted.append(step)
 
-    def apply_retention(self, keep_last: int, keep_every: int = 0) -> CleanupReport:
+    def apply_retention(self, keep_last: int, keep_every: int = 0,
+                        committed: list[int] | None = None) -> CleanupReport:
         """Keep the newest ``keep_last`` committed steps, every step divisible by ``keep_every`` (if > 0),
-        and always the newest committed step; delete the other committed steps. Never raises."""
+        and always the newest committed step; delete the other committed steps. Never raises.
+
+        ``committed``: the committed steps, oldest first, when the caller already knows them (the
+        committer does: it wrote them), which saves listing storage and reading every manifest."""
         report = CleanupReport()
         try:
-            committed = self.committed_steps()
+            committed = self.committed_steps() if committed is None else sorted(committed)
         except (StorageError, OSError) as exc:
             report.error = str(exc)
             logger.warning("retention skipped: cannot list %s: %s", self.location, exc)
