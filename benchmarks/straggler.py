@@ -1,6 +1,6 @@
 """Issue #5: throughput with one rank slowed 3x, plain sync vs first-N-of-M vs first-N plus eviction.
 
-    python benchmarks/straggler.py [--steps 50 --evict-steps 150 --slow-from 10 --factor 3 --digits-epochs 6]
+    python benchmarks/straggler.py [--steps 50 --evict-steps 400 --slow-from 10 --factor 3 --digits-epochs 6]
 
 Five runs on the MLP workload, 4 active ranks: healthy plain sync; plain sync with rank 3 slowed
 ``factor``x from step ``slow-from`` (each of its steps takes ``factor`` times its healthy step);
@@ -131,8 +131,8 @@ def main(argv=None) -> None:
     p.add_argument("--factor", type=float, default=3.0)
     p.add_argument("--slow-from", type=int, default=10)
     p.add_argument("--evict-window", type=int, default=5, help="FailureConfig.straggler_window for the evict run")
-    p.add_argument("--evict-steps", type=int, default=150,
-                   help="steps of the eviction run: long enough to measure well after the eviction")
+    p.add_argument("--evict-steps", type=int, default=400,
+                   help="steps of the eviction run: long enough for the replacement spare (started after the eviction, ~10 s on a loaded 2-core machine) to be ready, and to measure well after it")
     p.add_argument("--poll-s", type=float, default=0.2, help="controller status() poll interval")
     p.add_argument("--digits-epochs", type=int, default=6)
     p.add_argument("--no-first-n-healthy", dest="first_n_healthy", action="store_false",

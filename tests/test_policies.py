@@ -153,3 +153,12 @@ def test_pending_time_cleared_when_rank_catches_up():
     p.observe_pending(2, 0.0)
     assert p.scores()[2] == 1.0
     assert isinstance(p.decide(spares_ready=1), Continue)
+
+
+def test_one_noisy_window_is_not_persistent():
+    # A whole 16-step dispatch window over the threshold is one decision: not enough to evict.
+    p = StragglerPolicy(factor=2.0, window=5, evict=True)
+    for r in range(4):
+        p.observe(r, 0.3 if r == 1 else 0.1)
+    assert isinstance(p.decide(spares_ready=1, steps=16), Continue)
+    assert isinstance(p.decide(spares_ready=1, steps=16), EvictStraggler)

@@ -68,12 +68,18 @@ class StragglerPolicy:
         return {r: m / overall for r, m in medians.items()}
 
     def decide(self, spares_ready: int, steps: int = 1) -> Decision:
-        """Decide after ``steps`` more steps (the controller asks once per dispatch window): a
-        rank over the threshold now has been over it for all of them, as far as we can tell."""
+        """Decide after ``steps`` more steps (the controller asks once per dispatch window).
+
+        A rank over the threshold now counts as over it for those steps, but for at most half a
+        policy window per decision: one noisy dispatch window (on a crowded machine a healthy
+        rank can look 2x slow for a dozen steps) is never enough to evict; it takes at least two
+        consecutive decisions, and at least ``window`` steps.
+        """
         self._steps += steps
         scores = self.scores()
+        counted = min(steps, max(1, (self.window + 1) // 2))
         for rank, score in scores.items():
-            self._over[rank] = self._over[rank] + steps if score > self.factor else 0
+            self._over[rank] = self._over[rank] + counted if score > self.factor else 0
         if not self.evict:
             return Continue()
         candidates = [r for r, n in self._over.items() if n >= self.window]
