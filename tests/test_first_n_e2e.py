@@ -16,10 +16,11 @@ N, B, PER = 2, 1, 8  # 2 fast ranks of 3, 8 samples each: global batch 16
 STEPS = 8
 
 
-def make(name, faults, requeue=False, spares=0, failure=None):
+def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0):
     return elastic.Trainer(
         make_model, make_sgd, make_dataset, loss_fn, N * PER,
-        scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares),
+        scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
+                                      steps_per_dispatch=steps_per_dispatch),
         run=elastic.RunConfig(name=name, seed=0),
         failure=failure or elastic.FailureConfig(checksum_every_n_steps=1),
         faults=faults, requeue_dropped=requeue)
@@ -75,8 +76,10 @@ def test_requeue_uses_every_sample_exactly_once(ray_cluster):
 def test_persistent_straggler_evicted_for_spare(ray_cluster):
     failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=3.0, straggler_window=2,
                                     checksum_every_n_steps=1)
+    # One step per call, so the policy decides after every step (with windows it decides once a
+    # window and needs two windows over the threshold; the run is too short for that).
     result = make("evict", faults=[{"kind": "slow", "rank": 1, "factor": 200.0, "from_step": 1}], spares=1,
-                  failure=failure).fit(steps=STEPS + 4)
+                  failure=failure, steps_per_dispatch=1).fit(steps=STEPS + 4)
     evictions = [e for e in result.events if e["kind"] == "decision" and e["details"]["decision"] == "EvictStraggler"]
     assert len(evictions) == 1 and evictions[0]["details"]["rank"] == 1
     assert result.events_of("replace")
