@@ -209,7 +209,12 @@ class TrainWorker:
         )
         if use_ddp:
             device_ids = [0] if self.backend == "nccl" else None
-            self.ddp = torch_parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+            # Gradients as views into DDP's communication buckets: no per-step allocation of fresh
+            # gradient tensors and no copy into the buckets. Measured on the default benchmark
+            # workload (4 ranks, 2 cores, 500 steps, alternating runs): 8641/8708/8715 samples/s
+            # against 7717/6650/8411 without.
+            self.ddp = torch_parallel.DistributedDataParallel(self.model, device_ids=device_ids,
+                                                              gradient_as_bucket_view=True)
         if subgroup_size and subgroup_size < world_size:
             # Every rank must create every subgroup, in the same order: gloo's new_group is a
             # collective over the world (the use_local_synchronization variant hung in our probe).
