@@ -1,6 +1,6 @@
 """Issue #2: data-parallel throughput and start-up against Ray Train's TorchTrainer (DDP on gloo).
 
-    python benchmarks/throughput.py [--steps 200 --warmup 20 --repeats 2]
+    python benchmarks/throughput.py [--steps 400 --warmup 40 --repeats 4]
 
 Same model, data, shards and worker count in one run. Ours: samples/s by the wall clock from the
 end of step ``warmup`` to the FINISHED transition. Theirs: the train loop times itself on rank 0
@@ -45,10 +45,10 @@ def run_ours(w, steps: int, warmup: int, name: str) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p, steps=200)
+    add_workload_args(p, steps=400)
     add_raytrain_args(p)
-    p.add_argument("--warmup", type=int, default=20, help="steps left out of the steady-state figures")
-    p.add_argument("--repeats", type=int, default=2,
+    p.add_argument("--warmup", type=int, default=40, help="steps left out of the steady-state figures")
+    p.add_argument("--repeats", type=int, default=4,
                    help="pairs run, in ABBA order; the median of each figure is reported. On a shared machine "
                         "one pair's ratio can be off by 2x; use 4 or more for a decision")
     args = p.parse_args(argv)
