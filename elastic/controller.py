@@ -137,8 +137,8 @@ class Controller:
         self.committer = None
         self.dataset_size = 0
         self._per_worker = 0
-        # first-N: a late rank's window result, not waited for -> (rank, first step, time it was late from)
-        self._lagging: dict[Any, tuple[int, int, float]] = {}
+        # first-N: a late rank's window result, not waited for -> (rank, time it was late from)
+        self._lagging: dict[Any, tuple[int, float]] = {}
         self._checksums: dict[int, dict[int, int]] = {}  # step -> rank -> parameter checksum, until all agree
         self._last_results: dict[int, Any] = {}
         self._last_beat: dict[int, float] = {}
@@ -154,7 +154,6 @@ class Controller:
         self._step_times: deque = deque(maxlen=16)
         self._waited_s = 0.0  # time the current step spent blocked on the workers
         self._last_done = 0.0
-        self._since_decide = 0  # steps since the straggler policy last decided
         self._configured: set[str] = set()  # actors with a checkpoint writer
         self._worker_progress = 0  # newest step a rank reported finished with a checkpoint part
         try:  # inside the controller actor: ranks report checkpoint parts straight to it
@@ -234,7 +233,7 @@ class Controller:
             from elastic.checkpoint import CheckpointCommitter
 
             self.committer = CheckpointCommitter(self.store, self.run_config.checkpoint,
-                                                 latest_committed=self.restored_from)
+                                                 latest_committed=self.restored_from, progress=self._progress_step)
             self._configure_checkpoints(self._all_actors())
 
     def _configure_checkpoints(self, members: list[Member]) -> None:
@@ -255,8 +254,11 @@ class Controller:
         if self.committer is None:
             return
         self._worker_progress = max(self._worker_progress, int(progress))
-        self.committer.progress_step = max(self.step, self._worker_progress)
         self.committer.add(step, rank, world_size, entries, taken_at=taken_at)
+
+    def _progress_step(self) -> int:
+        """The newest step training is known to have finished: ours, or a rank's newer report."""
+        return max(self.step, self._worker_progress)
 
     def _restore_latest(self) -> DataPosition | None:
         step = self.store.latest_valid()
@@ -332,7 +334,7 @@ class Controller:
             self._last_results = results
             # Policies decide once per window, after its last step: an eviction rebuilds the
             # group, and the window's other steps are already done on every rank.
-            self._after_step(record, decide=i == len(done) - 1)
+            self._after_step(record, decide_steps=len(done) if i == len(done) - 1 else 0)
         busy = max(0.0, time.perf_counter() - t0 - self._waited_s) / len(done)
         for record, _ in done:
             record.controller_time_s = busy
@@ -376,7 +378,7 @@ class Controller:
         members = self.group.members
         k = self._window_at(first)
         plans = [self._shards_for(first + i, len(members))[1] for i in range(k)]
-        if self.committer is not None and self._look_ahead and not self._first_n:
+        if self.committer is not None and not self._first_n:
             # Known now, so a step can commit the moment its parts are written, whenever its
             # results come back. (First-N: a step's record needs its fast set, which only its
             # results carry, so its checkpoint waits for them.)
@@ -384,8 +386,7 @@ class Controller:
                 position = self._positions.get(first + i)
                 if position is not None:
                     self.committer.set_meta(first + i, self._checkpoint_meta(first + i, position))
-        method = "first_n_steps" if self._first_n else "train_steps"
-        refs = [getattr(m.actor, method).remote(first, [p[i] for p in plans], self.generation)
+        refs = [m.actor.train_steps.remote(first, [p[i] for p in plans], self.generation)
                 for i, m in enumerate(members)]
         self._inflight[first] = (refs, [m.rank for m in members], time.perf_counter(), k)
 
@@ -412,7 +413,7 @@ class Controller:
         if self._look_ahead and first + k <= self.total_steps and first + k not in self._inflight:
             self._dispatch_all(first + k)
         self._check_late_hung()
-        lagging = {ref: r for ref, (r, *_) in self._lagging.items()}
+        lagging = {ref: r for ref, (r, _) in self._lagging.items()}
         need = self.scaling.num_workers if self._first_n else None
         try:
             got = self._gather(refs, ranks, need=need, lagging=lagging)
@@ -423,11 +424,10 @@ class Controller:
         per_rank = {r: got[ref] for ref, r in zip(refs, ranks) if ref in got}
         for ref, r in zip(refs, ranks):
             if ref not in got:
-                self._lagging[ref] = (r, first, time.time())
+                self._lagging[ref] = (r, time.time())
         for ref in lagging:
             if ref in got:
-                r, late_first, _ = self._lagging.pop(ref)
-                self._collect_late(r, got[ref])
+                self._collect_late(self._lagging.pop(ref)[0], got[ref])
         wall = now - max(t_dispatch, self._last_done)
         self._last_done = now
         steps_out = []
@@ -442,13 +442,22 @@ class Controller:
 
     def _record_step(self, step: int, results: dict, step_time_s: float) -> StepRecord:
         """Ledger, straggler timings and the step's record, from the results in hand."""
-        epoch, shards = self._planned[step]
-        used = set(results)
-        loss = statistics.fmean(res.loss for res in results.values())
         if self._first_n:
-            # Every returned rank names the same fast set: they read it from the same store keys.
-            used = set(next(iter(results.values())).extra["fast"])
-            loss = next(iter(results.values())).loss  # the averaged loss, the same on every replica
+            # Every returned rank names the same fast set (they read it from the same store key)
+            # and holds the same averaged loss.
+            some = next(iter(results.values()))
+            used, loss = some.extra["fast"], some.loss
+        else:
+            used, loss = list(results), statistics.fmean(res.loss for res in results.values())
+        for r, res in results.items():
+            self._observe(r, res)
+        return self._book_step(step, used, loss, step_time_s)
+
+    def _book_step(self, step: int, used, loss: float, step_time_s: float) -> StepRecord:
+        """Ledger rows for a planned step (its ``used`` ranks' shards used, the rest dropped and,
+        if asked, requeued) and the step's record."""
+        epoch, shards = self._planned[step]
+        used = set(used)
         dropped = 0
         for r, shard in enumerate(shards):
             self.ledger.record(step, epoch, r, shard, used=r in used)
@@ -456,14 +465,12 @@ class Controller:
                 dropped += len(shard)
                 if self.requeue_dropped:
                     self.plan.requeue(shard, epoch)
-        for r, res in results.items():
-            self._observe(r, res)
         return StepRecord(step, epoch, loss, step_time_s, 0.0, len(shards),
                           sum(len(shards[r]) for r in used), dropped, sorted(used))
 
     def _observe(self, rank: int, res: StepResult) -> None:
         """A rank's step timing for the straggler policy, and its checksum if it sent one."""
-        if not self._first_n or res.extra.get("computed"):
+        if res.extra.get("computed", True):  # a late first-N rank that skipped has no timing
             self.straggler_policy.observe(rank, res.extra.get("local_time_s", res.compute_time_s))
         if "checksum" in res.extra:
             self._note_checksum(res.step, rank, res.extra["checksum"])
@@ -482,24 +489,26 @@ class Controller:
         """First-N never waits for a late rank, so a rank that stopped making progress would go
         unnoticed: feed how long each has been late to the straggler policy, and kill one late
         past ``step_timeout_s`` (its death then shows up on its refs)."""
+        if not self._first_n:
+            return
         now = time.time()
         oldest: dict[int, float] = {}
-        for ref, (r, _, since) in self._lagging.items():
+        for ref, (r, since) in self._lagging.items():
             oldest[r] = min(oldest.get(r, since), since)
         for m in self.group.members:
             self.straggler_policy.observe_pending(m.rank, now - oldest[m.rank] if m.rank in oldest else 0.0)
         for r, since in oldest.items():
             if now - since > self.failure_config.step_timeout_s and r not in self._hung:
-                stuck = {ref: rr for ref, (rr, *_) in self._lagging.items() if rr == r}
+                stuck = {ref: rr for ref, (rr, _) in self._lagging.items() if rr == r}
                 self._kill_hung(stuck, f"made no progress for step_timeout_s={self.failure_config.step_timeout_s:g}s")
 
     def _wait_late(self, exclude: int | None = None) -> None:
         """Let late ranks finish their windows (before an eviction, or at the end)."""
-        refs = [ref for ref, (r, *_) in self._lagging.items() if r != exclude]
+        refs = [ref for ref, (r, _) in self._lagging.items() if r != exclude]
         if refs:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.step_timeout_s)
             for ref in ready:
-                r, _, _ = self._lagging.pop(ref)
+                r, _ = self._lagging.pop(ref)
                 try:
                     self._collect_late(r, ray.get(ref))
                 except ray.exceptions.RayError:
@@ -998,20 +1007,15 @@ class Controller:
     def _account_completed_step(self, step: int, fast: list[int] | None = None) -> None:
         """``fast``: first-N, the ranks whose gradients made the step (the survivor's record)."""
         if step in self._planned:
-            epoch, shards = self._planned.pop(step)
-            used = set(range(len(shards)) if fast is None else fast)
-            for r, shard in enumerate(shards):
-                self.ledger.record(step, epoch, r, shard, used=r in used)
-                if r not in used and self.requeue_dropped:
-                    self.plan.requeue(shard, epoch)
-            self.history.append(StepRecord(step, epoch, float("nan"), 0.0, 0.0, len(shards),
-                                           sum(len(shards[r]) for r in used),
-                                           sum(len(shards[r]) for r in range(len(shards)) if r not in used),
-                                           sorted(used)))
+            ranks = fast if fast is not None else range(len(self._planned[step][1]))
+            self.history.append(self._book_step(step, ranks, float("nan"), 0.0))
+            del self._planned[step]
         self.log("step_kept", f"step {step} completed on a survivor before the rebuild; not replayed", kept=step)
 
     # ---- after each step --------------------------------------------------------------------
-    def _after_step(self, record: StepRecord, decide: bool = True) -> None:
+    def _after_step(self, record: StepRecord, decide_steps: int = 1) -> None:
+        """Bookkeeping after a step. ``decide_steps``: on a window's last step, the window's
+        length (the straggler policy decides over that many steps); 0 on its other steps."""
         self._planned.pop(record.step, None)
         for old_step in [s for s in self._positions if s < record.step]:
             del self._positions[old_step]
@@ -1025,12 +1029,10 @@ class Controller:
                 # the sampler's current place holds this step's drops and nothing later.
                 position = self._positions.get(record.step) if self._look_ahead else self.plan.position.to_dict()
                 self.committer.set_meta(record.step, self._checkpoint_meta(record.step, position))
-            self.committer.progress_step = max(self.step, self._worker_progress)
         if self.metrics is not None:
-            self.metrics.on_step(record, self, per_rank=decide)
-        decision = self.straggler_policy.decide(len(self.group.spares), steps=self._since_decide + 1) \
-            if decide else None
-        self._since_decide = 0 if decide else self._since_decide + 1
+            self.metrics.on_step(record, self, per_rank=bool(decide_steps))
+        decision = self.straggler_policy.decide(len(self.group.spares), steps=decide_steps) \
+            if decide_steps else None
         if isinstance(decision, EvictStraggler):
             self._evict(decision)
         if self.on_step is not None:
@@ -1156,7 +1158,7 @@ class Controller:
             "spares": len(self.group.spares) if self.group else 0,
             "failures": self.failures, "recoveries": len(self.recoveries), "ranks": self.rank_rows(),
             "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
-                           "lag": self.committer.lag(max(self.step, self._worker_progress))
+                           "lag": self.committer.lag(self._progress_step())
                            if self.committer else None},
         }
 

@@ -6,8 +6,8 @@ steps per call) and keeps no loop of its own: the controller decides what every 
 group it runs in, and who is in it.
 
 Two ways to synchronise gradients:
-- ``train_step`` (aggregation "all"): DDP over the whole group.
-- ``first_n_step`` (aggregation "first_n"): each replica computes a local gradient, the replicas
+- ``_train_step`` (aggregation "all"): DDP over the whole group.
+- ``_first_n_step`` (aggregation "first_n"): each replica computes a local gradient, the replicas
   agree through the rendezvous store which N arrived first, those N all-reduce in a subgroup
   created once for that exact set, and the late ones receive the same averaged gradient from the
   fastest rank and apply it.
@@ -187,7 +187,8 @@ class TrainWorker:
         return delay
 
     def _note_step_time(self, step: int, seconds: float) -> None:
-        if self._slow is None or step < self._slow[1]:
+        """Healthy step times, kept only while an injected slowdown is still to come."""
+        if self._slow is not None and step < self._slow[1]:
             self._healthy_times.append(seconds)
 
     # ---- process group ---------------------------------------------------------------------
@@ -301,20 +302,9 @@ class TrainWorker:
                 raise CollectiveError(msg)
             raise
 
-    def train_step(self, step: int, indices: list[int], generation: int) -> StepResult:
-        """One synchronous DDP step on this rank's shard, in group ``generation``.
-
-        A step queued for a group this rank has left (a failure happened while it waited in the
-        actor's queue) refuses to run: training without the group would update this replica alone.
-        """
-        if generation != self.generation or (self.ddp is None and self.world_size > 1):
-            raise StaleStep(f"rank {self.rank}: step {step} was queued for group generation {generation}, "
-                            f"but this rank is in generation {self.generation} "
-                            f"({'joined' if dist.is_initialized() else 'no group'})")
-        return self._run_guarded(lambda: self._train_step(step, indices))
-
     def train_steps(self, first_step: int, shards: list[list[int]], generation: int) -> list[StepResult]:
-        """Several consecutive DDP steps in one call (``ScalingConfig.steps_per_dispatch``).
+        """Consecutive steps in one call (``ScalingConfig.steps_per_dispatch``): DDP steps, or
+        first-N steps when this rank joined its group for first-N aggregation.
 
         Each step is still the controller's: it chose every shard, and it gets one result per
         step. What one call saves is Ray's per-call cost (task submission, a thread hand-off,
@@ -322,7 +312,20 @@ class TrainWorker:
         steps are only tens of milliseconds long. If a step fails, the steps before it stand:
         this rank's ``progress()`` says how far it got, and the controller keeps them.
         """
-        return [self.train_step(first_step + i, indices, generation) for i, indices in enumerate(shards)]
+        run = self._first_n_step if self._fn_store is not None else self._train_step
+        return [self._guarded_step(run, first_step + i, indices, generation) for i, indices in enumerate(shards)]
+
+    def _guarded_step(self, run: Callable[[int, list[int]], StepResult], step: int, indices: list[int],
+                      generation: int) -> StepResult:
+        """One step in group ``generation``. A step queued for a group this rank has left (a
+        failure happened while it waited in the actor's queue) refuses to run: training without
+        the group would update this replica alone."""
+        joined = self.ddp is not None or self._fn_store is not None
+        if generation != self.generation or (not joined and self.world_size > 1):
+            raise StaleStep(f"rank {self.rank}: step {step} was queued for group generation {generation}, "
+                            f"but this rank is in generation {self.generation} "
+                            f"({'joined' if dist.is_initialized() else 'no group'})")
+        return self._run_guarded(lambda: run(step, indices))
 
     def _train_step(self, step: int, indices: list[int]) -> StepResult:
         t0 = time.perf_counter()
@@ -334,25 +337,11 @@ class TrainWorker:
         self.optimizer.zero_grad(set_to_none=True)
         loss, local = self._forward_backward(model, batch, step, self.ddp is not None, t0)
         compute = time.perf_counter() - t0
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.completed_step = step
-        self.current_step = None
+        self._apply_update(step)
         extra = {**self._after_step(step), "local_time_s": local}
         self._note_step_time(step, time.perf_counter() - t0)
         return StepResult(self.rank, step, float(loss.detach()), time.perf_counter() - t0, compute,
                           len(indices), self.completed_step, extra)
-
-    def first_n_steps(self, first_step: int, shards: list[list[int]], generation: int) -> list[StepResult]:
-        """First-N-of-M steps (aggregation "first_n"), one window per call like ``train_steps``."""
-        return [self.first_n_step(first_step + i, indices, generation) for i, indices in enumerate(shards)]
-
-    def first_n_step(self, step: int, indices: list[int], generation: int) -> StepResult:
-        if generation != self.generation or (self._fn_store is None and self.world_size > 1):
-            raise StaleStep(f"rank {self.rank}: first-N step {step} was queued for group generation {generation}, "
-                            f"but this rank is in generation {self.generation}")
-        return self._run_guarded(lambda: self._first_n_step(step, indices))
 
     def _first_n_step(self, step: int, indices: list[int]) -> StepResult:
         """One first-N-of-M step, agreed among the replicas themselves.
@@ -393,7 +382,7 @@ class TrainWorker:
         store, n = self._fn_store, self._fn_n
         count_key, fast_key = f"fn/{step}/n", f"fn/{step}/fast"
         order = n + 1
-        flat = None
+        flat = self._fn_flat  # every gradient (views into it) and the loss: no copy in or out
         local = 0.0
         computed = False
         if self._fn_was_fast or (store.add(count_key, 0) & 0xFF) < n:
@@ -402,7 +391,6 @@ class TrainWorker:
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
             loss, local = self._forward_backward(self.model, batch, step, False, t0)
-            flat = self._fn_flat  # the gradients are views into it: no copy in or out
             flat[-1] = loss.detach()
             computed = True
             self._enter("arrive")
@@ -428,13 +416,12 @@ class TrainWorker:
                     if late not in fast:
                         self._fn_sends.append((dist.isend(sent, dst=late, tag=tag), sent))
         else:
-            flat = self._fn_flat
             dist.recv(flat, src=leader, tag=tag)
         self._fn_sends = [(w, buf) for w, buf in self._fn_sends if not w.is_completed()]
-        self._apply_flat(step, flat)
+        self._apply_update(step)  # the averaged gradient is in ``flat``, which the .grad views share
         self._fn_was_fast = order <= n
         self._fast_log[step] = fast
-        while len(self._fast_log) > 4096:
+        if len(self._fast_log) > 4096:
             self._fast_log.pop(next(iter(self._fast_log)))
         extra = {**self._after_step(step), "fast": list(fast), "computed": computed}
         if computed:
@@ -448,8 +435,8 @@ class TrainWorker:
         controller asks when it keeps steps that finished before a failure without their results."""
         return {s: list(self._fast_log[s]) for s in range(first, last + 1) if s in self._fast_log}
 
-    def _apply_flat(self, step: int, flat: torch.Tensor) -> None:
-        """Step on the averaged gradient in ``flat`` (the parameters' .grad are views into it)."""
+    def _apply_update(self, step: int) -> None:
+        """Optimizer and scheduler step on the gradients in .grad; the step is then complete."""
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

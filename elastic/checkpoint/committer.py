@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.store import CheckpointStore, CleanupReport, FileEntry
@@ -29,7 +29,7 @@ class CheckpointCommitter:
                  keep_last: int | None = None, keep_every: int | None = None,
                  latest_committed: int | None = None, retry_min_s: float | None = None,
                  retry_max_s: float | None = None, max_pending_steps: int = 10_000, max_events: int = 256,
-                 gc_interval_s: float = 10.0):
+                 gc_interval_s: float = 10.0, progress: Callable[[], int] | None = None):
         config = config or CheckpointConfig()
         self.store = store
         self.every_n_steps = config.every_n_steps
@@ -43,9 +43,9 @@ class CheckpointCommitter:
         self._reports: dict[int, dict] = {}  # step -> {"world_size": w, "ranks": {rank: [FileEntry]}}
         self._metas: dict[int, dict] = {}
         self._latest = latest_committed
-        # The newest step training is known to have finished (the controller keeps it current):
-        # a commit's lag is measured against it at the moment of the commit.
-        self.progress_step = 0
+        # The newest step training is known to have finished: a commit's lag is measured against
+        # it at the moment of the commit.
+        self._progress = progress or (lambda: 0)
         self._submitted: int | None = None  # newest step handed to the commit thread
         self._events: deque = deque(maxlen=max_events)
         self._committed: list[int] | None = None  # committed steps on storage, as the commit thread knows them
@@ -162,7 +162,7 @@ class CheckpointCommitter:
             nbytes = sum(e.size for e in entries)
             self._events.append({
                 "event": "checkpoint_committed", "step": step, "time": now, "files": len(entries),
-                "lag": max(0, self.progress_step - step),
+                "lag": max(0, self._progress() - step),
                 **({"persist_s": round(committed_at - taken_at, 4)} if taken_at is not None else {}),
                 "bytes": nbytes, "commit_s": round(commit_s, 4), "deleted": deleted,
                 "message": f"committed step {step} ({len(entries)} files, {nbytes / 1e6:.2f} MB)"

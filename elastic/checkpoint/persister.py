@@ -82,9 +82,9 @@ class AsyncPersister:
 
     def __init__(self, write_fn: Callable[[Any], list], blocking: bool = False, name: str = "checkpoint write",
                  retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256,
-                 keep_done: bool = True, on_done: Callable[[int, Any], None] | None = None):
+                 keep_done: bool = True, on_done: Callable[[int, Any, Any], None] | None = None):
         self._write_fn = write_fn
-        # Called from the writer thread with (step, what write_fn returned) as each write finishes,
+        # Called from the writer thread with (step, payload, what write_fn returned) as each write finishes,
         # instead of keeping it for drain(): the worker pushes it straight to the controller.
         self._on_done = on_done
         self._keep_done = keep_done  # False when nobody calls drain(): the list must not grow forever
@@ -187,16 +187,16 @@ class AsyncPersister:
         except Exception as exc:  # noqa: BLE001 - a checkpoint bug must not kill training
             self._record_failure(step, exc)
             return
-        self._record_success(step, entries)
+        self._record_success(step, payload, entries)
 
-    def _record_success(self, step: int, entries: Any) -> None:
+    def _record_success(self, step: int, payload: Any, entries: Any) -> None:
         with self._cond:
             self._outage.succeeded(step)
             if self._keep_done and self._on_done is None:
                 self._done.append((step, entries))
         if self._on_done is not None:
             try:
-                self._on_done(step, entries)
+                self._on_done(step, payload, entries)
             except Exception:  # noqa: BLE001 - a lost report costs one commit, never the writer thread
                 logger.exception("%s: reporting step %d failed", self.name, step)
 
@@ -249,5 +249,5 @@ class AsyncPersister:
             except Exception as exc:  # noqa: BLE001 - never let the thread die silently
                 self._record_failure(step, exc)
                 return
-            self._record_success(step, entries)
+            self._record_success(step, payload, entries)
             return

@@ -75,6 +75,7 @@ class Snapshot:
     tensors: dict[str, torch.Tensor]
     skeleton: Any = None
     rng: dict | None = None
+    taken_at: float = field(default_factory=time.time)  # wall clock when the copies were made
 
     @property
     def nbytes(self) -> int:

@@ -56,7 +56,6 @@ class WorkerCheckpointer:
         self.every_n_steps = every_n_steps
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
-        self._layout: dict[int, tuple] = {}  # step -> (rank, world size, time) of its snapshot
         self._last_pushed: tuple[int, list] | None = None
         self.persister = AsyncPersister(self.store.write_snapshot, blocking=blocking, name="checkpoint write",
                                         retry_min_s=retry_min_s, retry_max_s=retry_max_s,
@@ -84,18 +83,13 @@ class WorkerCheckpointer:
                                "message": f"cannot snapshot step {step} for a checkpoint: {text[:300]}"})
             else:
                 self.last_snapshot_s = time.perf_counter() - t0
-                if self._notify is not None:
-                    self._layout = {s: v for s, v in self._layout.items() if s > step - 64}
-                    self._layout[step] = (snapshot.rank, snapshot.world_size, time.time())
                 self.persister.submit(step, snapshot)
         return self._report(events)
 
-    def _push(self, step: int, entries: list) -> None:
-        rank, world_size, taken_at = self._layout.get(step, (None, None, None))
-        if rank is not None:
-            self._last_pushed = (step, entries)
-            self._notify(step, rank, world_size, [e.to_dict() for e in entries],
-                         self._progress() if self._progress is not None else step, taken_at)
+    def _push(self, step: int, snapshot: Snapshot, entries: list) -> None:
+        self._last_pushed = (step, entries)
+        self._notify(step, snapshot.rank, snapshot.world_size, [e.to_dict() for e in entries],
+                     self._progress() if self._progress is not None else step, snapshot.taken_at)
 
     def _report(self, extra_events: list[dict] | None = None) -> dict:
         # Events carry no rank: the controller knows which rank it asked, and a rank field would
