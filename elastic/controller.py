@@ -309,8 +309,10 @@ class Controller:
                 continue  # applied by _maybe_kill_spare_during_recovery
             m = self.group.members[fault["rank"]]
             if fault["kind"] == "slow":
-                ray.get(m.actor.inject_slowdown.remote(fault["factor"], fault["from_step"]))
-                what = f"slowed {fault['factor']}x from step {fault['from_step']}"
+                ray.get(m.actor.inject_slowdown.remote(fault.get("factor", 1.0), fault["from_step"],
+                                                        fault.get("delay_s", 0.0)))
+                pace = f"+{fault['delay_s']} s a step" if fault.get("delay_s") else f"{fault['factor']}x"
+                what = f"slowed {pace} from step {fault['from_step']}"
             elif fault["kind"] == "kill":
                 ray.get(m.actor.inject_kill.remote(fault["at_step"]))
                 what = f"SIGKILLs itself in step {fault['at_step']}"

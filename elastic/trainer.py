@@ -122,12 +122,13 @@ class Trainer:
         self.faults = list(faults or [])
         for f in self.faults:
             ok = 0 <= f.get("rank", -1) < self.scaling.num_replicas and (
-                (f.get("kind") == "slow" and f.get("factor", 0) >= 1 and "from_step" in f)
+                (f.get("kind") == "slow" and "from_step" in f
+                 and (f.get("factor", 0) >= 1 or f.get("delay_s", 0) > 0))
                 or (f.get("kind") in ("kill", "hang") and "at_step" in f)
                 or f.get("kind") == "kill_spare")
             if not ok:
                 raise ConfigError(
-                    f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1, 'from_step': s}} "
+                    f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1 or 'delay_s': d>0, 'from_step': s}} "
                     "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} with 0 <= r < number of replicas.")
         self._store = None
         if self.run.storage is not None:

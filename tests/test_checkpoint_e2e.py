@@ -55,10 +55,10 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
 
 
 def test_commits_do_not_wait_for_the_dispatch_window(ray_cluster, tmp_path, uninterrupted):
-    # One call carries all twelve steps (rank 0 slowed so the call lasts ~1 s); ranks report each
+    # One call carries all twelve steps (rank 0 sleeps 0.1 s a step, so the call lasts >1.2 s); ranks report each
     # written part straight to the controller, so steps commit while the window is still running.
     result = trainer("windowed", f"file://{tmp_path}/ckpt", blocking=True, steps_per_dispatch=12,
-                     faults=[{"kind": "slow", "rank": 0, "factor": 10.0, "from_step": 1}]).fit(steps=12)
+                     faults=[{"kind": "slow", "rank": 0, "delay_s": 0.1, "from_step": 1}]).fit(steps=12)
     commits = result.events_of("checkpoint_commit")
     assert [e["details"]["step"] for e in commits] == list(range(1, 13))
     finished = [e["time"] for e in result.events_of("transition") if e["details"]["new"] == "finished"][0]
@@ -99,7 +99,7 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
         bucket = s3.create_bucket()
         url = f"s3://{bucket}/runs"
         t = trainer("outage", url, storage_options=s3.storage_options(), workers=2,
-                    faults=[{"kind": "slow", "rank": 0, "factor": 60.0, "from_step": 1}])
+                    faults=[{"kind": "slow", "rank": 0, "delay_s": 0.2, "from_step": 1}])
         seen = {}
 
         # Stop the endpoint for 3 s once training is under way, then bring it back. Rank 0 is slowed

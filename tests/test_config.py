@@ -66,6 +66,8 @@ def test_min_workers_above_num_workers():
 def test_bad_fault_plan():
     with pytest.raises(ConfigError, match="faults"):
         _trainer(faults=[{"kind": "slow", "rank": 9, "factor": 3, "from_step": 1}])
+    with pytest.raises(ConfigError, match="delay_s"):
+        _trainer(faults=[{"kind": "slow", "rank": 0, "delay_s": 0, "from_step": 1}])
 
 
 def test_fit_needs_steps_or_epochs():

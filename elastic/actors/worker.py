@@ -103,7 +103,7 @@ class TrainWorker:
         self._fn_sends: list = []  # first-N leader: (pending isend, its buffer)
         self._fast_log: dict[int, tuple[int, ...]] = {}
         self._checksum_every = 0
-        self._slow: tuple[float, int] | None = None  # (factor, from_step) fault injection
+        self._slow: tuple[float, int, float] | None = None  # (factor, from_step, delay_s) fault injection
         self._hang_at: int | None = None
         self._kill_at: int | None = None
         self._healthy_times: deque = deque(maxlen=32)  # step wall times before an injected slowdown
@@ -154,9 +154,11 @@ class TrainWorker:
         return len(self.dataset)
 
     # ---- fault injection (tests, benchmarks, demo) ------------------------------------------
-    def inject_slowdown(self, factor: float, from_step: int) -> None:
-        """Make this worker ``factor`` times slower from ``from_step`` on. A test and demo aid."""
-        self._slow = (float(factor), int(from_step))
+    def inject_slowdown(self, factor: float, from_step: int, delay_s: float = 0.0) -> None:
+        """Make this worker ``factor`` times slower from ``from_step`` on, or, with ``delay_s``,
+        add a fixed sleep to each of its steps (a pace that does not depend on the machine's
+        load, for tests that need a step to last a known time). A test and demo aid."""
+        self._slow = (float(factor), int(from_step), float(delay_s))
 
     def inject_hang(self, at_step: int) -> None:
         """Stop answering inside step ``at_step`` (sleeps far past every timeout). A test aid."""
@@ -178,7 +180,12 @@ class TrainWorker:
             os.kill(os.getpid(), 9)
         if self._hang_at is not None and step >= self._hang_at:
             time.sleep(3600)
-        if not self._slow or step < self._slow[1] or self._slow[0] <= 1:
+        if not self._slow or step < self._slow[1]:
+            return 0.0
+        if self._slow[2] > 0:
+            time.sleep(self._slow[2])
+            return self._slow[2]
+        if self._slow[0] <= 1:
             return 0.0
         if self._slow_base is None:
             self._slow_base = statistics.median(self._healthy_times) if self._healthy_times else elapsed_s
