@@ -41,6 +41,12 @@ class ScalingConfig:
     controller and every step still reports back; one call per several steps saves Ray's per-call
     cost when a step is only tens of milliseconds. 0 (the default) picks it from the measured
     step time, so one call spans about ``dispatch_target_s`` (at most 16 steps); 1 turns it off.
+
+    ``bucket_cap_mb`` is DDP's gradient bucket size. ``None`` (the default) chooses by device:
+    on GPU (NCCL) torch's own default, a small first bucket so communication starts early and
+    overlaps the backward; on CPU (gloo) every bucket, the first included, up to 25 MiB, so a
+    model of that size is one all-reduce a step. CPU ranks share cores with gloo's own threads,
+    so there is little backward to overlap, and each all-reduce pays gloo's rounds over TCP.
     """
 
     num_workers: int = 1
@@ -53,6 +59,7 @@ class ScalingConfig:
     placement_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_PLACEMENT_TIMEOUT_S", 60.0))
     steps_per_dispatch: int = 0
     dispatch_target_s: float = 0.5
+    bucket_cap_mb: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -91,6 +98,10 @@ class ScalingConfig:
         if not isinstance(self.steps_per_dispatch, int) or self.steps_per_dispatch < 0:
             raise ConfigError(f"ScalingConfig.steps_per_dispatch must be an integer >= 0 (0 = automatic), "
                               f"got {self.steps_per_dispatch!r}.")
+        if self.bucket_cap_mb is not None and not (isinstance(self.bucket_cap_mb, (int, float))
+                                                   and self.bucket_cap_mb > 0):
+            raise ConfigError(f"ScalingConfig.bucket_cap_mb must be a number of MiB > 0, or None to choose by "
+                              f"device; got {self.bucket_cap_mb!r}.")
         if not self.dispatch_target_s > 0:
             raise ConfigError(f"ScalingConfig.dispatch_target_s must be > 0 seconds, got {self.dispatch_target_s!r}.")
         if self.aggregation == "all" and self.num_spares:

@@ -95,3 +95,9 @@ def test_requeue_dropped_needs_first_n_and_single_step_dispatch():
     first_n = ScalingConfig(num_workers=4, num_backups=1, aggregation="first_n", steps_per_dispatch=4)
     with pytest.raises(ConfigError, match="steps_per_dispatch to 0 or 1"):
         _trainer(scaling=first_n, requeue_dropped=True)
+
+
+def test_bucket_cap_must_be_positive():
+    with pytest.raises(ConfigError, match="bucket_cap_mb"):
+        ScalingConfig(num_workers=2, bucket_cap_mb=0)
+    assert ScalingConfig(num_workers=2, bucket_cap_mb=4).bucket_cap_mb == 4

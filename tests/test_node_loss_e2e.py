@@ -42,7 +42,7 @@ def trainer(name, backups):
         make_model, make_sgd, make_dataset, loss_fn, 32,
         scaling=elastic.ScalingConfig(num_workers=4, num_backups=backups),
         run=elastic.RunConfig(name=name, seed=0),
-        faults=[{"kind": "slow", "rank": 0, "factor": 30.0, "from_step": 1}])
+        faults=[{"kind": "slow", "rank": 0, "delay_s": 0.05, "from_step": 1}])
 
 
 def test_remove_node_with_two_ranks(cluster):

@@ -51,7 +51,7 @@ def recomputed(result) -> int:
 def run_and_signal(name, sig, at_step=3, **kw):
     """Train in a thread; from outside the worker, send ``sig`` to rank 1's process mid-run."""
     # Slow every step down a little so the signal lands inside one.
-    trainer = make_trainer(name, faults=[{"kind": "slow", "rank": 0, "factor": 30.0, "from_step": 1}], **kw)
+    trainer = make_trainer(name, faults=[{"kind": "slow", "rank": 0, "delay_s": 0.05, "from_step": 1}], **kw)
     box = {}
     th = threading.Thread(target=lambda: box.setdefault("result", trainer.fit(steps=STEPS)))
     th.start()

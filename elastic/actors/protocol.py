@@ -33,6 +33,7 @@ class TrainingSpec:
     seed: int = 0
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
+    bucket_cap_mb: float | None = None  # DDP gradient bucket size; None: chosen by backend (see worker)
 
 
 @dataclass

@@ -69,6 +69,23 @@ def _seed_everything(value: int, device_type: str = "cpu") -> None:
     random.seed(value)
 
 
+def ddp_bucket_kwargs(backend: str, bucket_cap_mb: float | None) -> dict:
+    """DDP's bucket arguments: the user's size, else torch's defaults on NCCL and one 25 MiB cap
+    for every bucket on gloo.
+
+    torch's default puts the first 1 MiB of gradients in a bucket of its own so NCCL can start
+    while the backward still runs. On CPU that overlap buys little (gloo's threads and the
+    backward share the rank's cores) and every extra bucket is another gloo all-reduce, each
+    2 * (world - 1) rounds over TCP. Passing ``bucket_cap_mb`` explicitly makes torch use it for
+    the first bucket too. Measured on the default benchmark workload (MLP 256-512-512-10, 1.6 MB
+    of gradients, 4 gloo ranks on 2 cores, 300 steps, 3 alternating runs): 13108/12054/13330
+    samples/s with one bucket against 11658/10129/10423 with torch's two.
+    """
+    if bucket_cap_mb is not None:
+        return {"bucket_cap_mb": bucket_cap_mb}
+    return {"bucket_cap_mb": 25} if backend == "gloo" else {}
+
+
 class TrainWorker:
     """The actor class. ``elastic.actors.worker_group`` wraps it with ``ray.remote``."""
 
@@ -221,8 +238,9 @@ class TrainWorker:
             # gradient tensors and no copy into the buckets. Measured on the default benchmark
             # workload (4 ranks, 2 cores, 500 steps, alternating runs): 8641/8708/8715 samples/s
             # against 7717/6650/8411 without.
-            self.ddp = torch_parallel.DistributedDataParallel(self.model, device_ids=device_ids,
-                                                              gradient_as_bucket_view=True)
+            self.ddp = torch_parallel.DistributedDataParallel(
+                self.model, device_ids=device_ids, gradient_as_bucket_view=True,
+                **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
         if subgroup_size and subgroup_size < world_size:
             # Every rank must create every subgroup, in the same order: gloo's new_group is a
             # collective over the world (the use_local_synchronization variant hung in our probe).

@@ -1,0 +1,51 @@
+"""DDP's bucket layout as the worker builds it, in a real two-process gloo group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic.actors.worker import ddp_bucket_kwargs
+
+
+def _buckets_reduced(rank: int, init_file: str, cap, out) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                    torch.nn.ReLU(), torch.nn.Linear(512, 10))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True,
+                                                        **ddp_bucket_kwargs("gloo", cap))
+        for _ in range(3):  # DDP rebuilds its buckets after the first iteration
+            ddp(torch.randn(4, 256)).sum().backward()
+        if rank == 0:
+            out.put(ddp._get_ddp_logging_data()["num_buckets_reduced"])
+    finally:
+        dist.destroy_process_group()
+
+
+def buckets_reduced(tmp_path, cap) -> int:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_buckets_reduced, args=(r, str(tmp_path / f"init-{cap}"), cap, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    n = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return n
+
+
+def test_bucket_arguments_by_backend():
+    assert ddp_bucket_kwargs("gloo", None) == {"bucket_cap_mb": 25}
+    assert ddp_bucket_kwargs("nccl", None) == {}  # torch's default: a small first bucket to overlap
+    assert ddp_bucket_kwargs("nccl", 50) == {"bucket_cap_mb": 50}
+
+
+def test_gloo_model_under_the_cap_is_one_all_reduce(tmp_path):
+    assert buckets_reduced(tmp_path, None) == 1  # 1.6 MB of gradients, first bucket included
+    assert buckets_reduced(tmp_path, 0.5) == 2  # the user's cap still applies (a tensor over it stands alone)
