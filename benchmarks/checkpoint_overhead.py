@@ -100,9 +100,10 @@ def commit_readings(res, poll: list[dict]) -> dict:
     return out
 
 
-def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options: dict, poll_s: float) -> dict:
+def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options: dict, poll_s: float,
+             every: int = 1) -> dict:
     run = elastic.RunConfig(name=name, storage=storage, storage_options=options, seed=w.seed,
-                            checkpoint=elastic.CheckpointConfig(every_n_steps=1 if storage else 0))
+                            checkpoint=elastic.CheckpointConfig(every_n_steps=every if storage else 0))
     trainer = elastic_trainer(w, name, run=run)
     # Every run is polled, baselines too: polling is not free for the controller (on this machine
     # runs with it were, if anything, faster), so all runs must carry it alike.
@@ -152,6 +153,8 @@ def main(argv=None) -> None:
     p.add_argument("--raytrain-warmup", type=int, default=5)
     p.add_argument("--poll-s", type=float, default=0.2, help="controller status() poll interval (lag fallback)")
     p.add_argument("--skip-s3", action="store_true")
+    p.add_argument("--every-n-steps", type=int, default=1,
+                   help="CheckpointConfig.every_n_steps of the checkpointed runs (the figures are named for 1)")
     args = p.parse_args(argv)
     claim_stdout()
     peer = configure_raytrain(args)
@@ -161,12 +164,14 @@ def main(argv=None) -> None:
     server = None
     try:
         none = run_ours(w, args.steps, args.warmup, "ckpt-none", None, {}, args.poll_s)
-        file_ = run_ours(w, args.steps, args.warmup, "ckpt-file", f"file://{tmp}/ours", {}, args.poll_s)
+        file_ = run_ours(w, args.steps, args.warmup, "ckpt-file", f"file://{tmp}/ours", {}, args.poll_s,
+                         args.every_n_steps)
         s3 = None
         if not args.skip_s3:
             server, url = start_moto()
             opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": url}}
-            s3 = run_ours(w, args.steps, args.warmup, "ckpt-s3", f"s3://{BUCKET}/ours", opts, args.poll_s)
+            s3 = run_ours(w, args.steps, args.warmup, "ckpt-s3", f"s3://{BUCKET}/ours", opts, args.poll_s,
+                          args.every_n_steps)
         none_after = run_ours(w, args.steps, args.warmup, "ckpt-none-after", None, {}, args.poll_s)
         theirs = run_raytrain(w, args.raytrain_steps, args.raytrain_warmup, ckpt_every=1,
                               storage_path=f"{tmp}/raytrain", name="ckpt-raytrain")
@@ -177,7 +182,7 @@ def main(argv=None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     common = {**peer, "workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
-              "steps": args.steps, "warmup": args.warmup}
+              "steps": args.steps, "warmup": args.warmup, "every_n_steps": args.every_n_steps}
     base_step_s = (none["mean_step_time_s"] + none_after["mean_step_time_s"]) / 2
     base_span = (none["span"]["steps_per_s"] + none_after["span"]["steps_per_s"]) / 2
     for label, run in (("file", file_), ("s3", s3)):
