@@ -248,13 +248,15 @@ class Controller:
                  for m in todo])
         self._configured.update(m.name for m in todo)
 
-    def checkpoint_written(self, step: int, rank: int, world_size: int, entries: list, progress: int,
-                           taken_at: float | None = None) -> None:
-        """From a rank's writer thread, through the controller actor's "checkpoint" thread."""
+    def checkpoint_written(self, step: int, world_size: int, parts: dict) -> None:
+        """From a rank's writer thread, through the controller actor's "checkpoint" thread: ``parts``
+        is ``{rank: {"entries", "taken_at", "progress"}}``, every rank's part of ``step`` when the
+        ranks pooled them (one message a step), else the sender's own."""
         if self.committer is None:
             return
-        self._worker_progress = max(self._worker_progress, int(progress))
-        self.committer.add(step, rank, world_size, entries, taken_at=taken_at)
+        for rank, part in parts.items():
+            self._worker_progress = max(self._worker_progress, int(part["progress"]))
+            self.committer.add(step, int(rank), world_size, part["entries"], taken_at=part.get("taken_at"))
 
     def _progress_step(self) -> int:
         """The newest step training is known to have finished: ours, or a rank's newer report."""

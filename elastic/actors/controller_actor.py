@@ -42,10 +42,9 @@ class ControllerActor:
         return self.controller.status()
 
     @ray.method(concurrency_group="checkpoint")
-    def checkpoint_written(self, step: int, rank: int, world_size: int, entries: list, progress: int,
-                           taken_at: float | None = None) -> None:
-        """A rank wrote its part of ``step`` (sent from its writer thread, not with step results)."""
-        self.controller.checkpoint_written(step, rank, world_size, entries, progress, taken_at)
+    def checkpoint_written(self, step: int, world_size: int, parts: dict) -> None:
+        """Ranks wrote their parts of ``step`` (sent from a writer thread, not with step results)."""
+        self.controller.checkpoint_written(step, world_size, parts)
 
     @ray.method(concurrency_group="status")
     def events_since(self, index: int) -> list[dict]:

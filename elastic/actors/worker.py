@@ -114,6 +114,7 @@ class TrainWorker:
         self.last_beat = time.time()
         self._subgroups: dict[tuple[int, ...], Any] = {}
         self._fn_store = None  # first-N: the group's rendezvous store, which orders arrivals
+        self.part_pool = None  # where this group's ranks pool written checkpoint parts (world > 1)
         self._fn_n = 0  # first-N: how many gradients make a step
         self._fn_flat: torch.Tensor | None = None  # first-N: every gradient (and the loss) in one buffer
         self._fn_was_fast = True
@@ -254,12 +255,17 @@ class TrainWorker:
             self._fn_flat = _grads_as_views(self.model, self.device)
             self._fn_was_fast = True
         self._checksum_every = checksum_every
+        if world_size > 1:
+            from elastic.checkpoint.pool import PartPool
+
+            self.part_pool = PartPool(master_addr, master_port, world_size)  # connects on first use
         return {"rank": rank, "join_s": time.time() - t0}
 
     def leave(self) -> None:
         """Tear down the group. Peers blocked on us see their sockets close and raise at once."""
         self._subgroups.clear()
         self._fn_store, self._fn_sends = None, []  # unfinished sends went to peers of the old group
+        self.part_pool = None  # snapshots taken in the old group keep theirs (it fails fast once gone)
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         if dist.is_initialized():
             try:
@@ -517,8 +523,8 @@ class TrainWorker:
             self._ckpt.close()
         notify = None
         if controller is not None:
-            def notify(step, rank, world_size, entries, progress, taken_at):  # writer thread; fire and forget
-                controller.checkpoint_written.remote(step, rank, world_size, entries, progress, taken_at)
+            def notify(step, world_size, parts):  # writer thread; fire and forget
+                controller.checkpoint_written.remote(step, world_size, parts)
         self._ckpt = WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
                                         progress=lambda: self.completed_step) if every_n_steps > 0 else None
 

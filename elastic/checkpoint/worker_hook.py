@@ -46,10 +46,12 @@ class WorkerCheckpointer:
                  retry_min_s: float | None = None, retry_max_s: float | None = None,
                  close_timeout_s: float = 30.0, notify: Callable[..., Any] | None = None,
                  progress: Callable[[], int] | None = None):
-        """``notify(step, rank, world_size, entries, progress, taken_at)``: called from the writer thread as
-        soon as this rank's part of a step is written (the worker sends it to the controller
-        actor), so a commit never waits for the step results to travel back. Without it, finished
-        writes ride on the step results (``after_step``'s report)."""
+        """``notify(step, world_size, parts)``: called from the writer thread once a step's parts are
+        written, ``parts`` being ``{rank: {"entries", "taken_at", "progress"}}`` (the worker sends it
+        to the controller actor), so a commit never waits for the step results to travel back.
+        Ranks of a group pool their parts (``elastic.checkpoint.pool``) and the rank that completes
+        a step sends all of them; without a pool a rank sends its own part. Without ``notify``,
+        finished writes ride on the step results (``after_step``'s report)."""
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(f"every_n_steps must be an integer >= 0, got {every_n_steps!r}")
         self.store = CheckpointStore(url, run_name, storage_options, retry=retry)
@@ -57,7 +59,10 @@ class WorkerCheckpointer:
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
         self._last_pushed: tuple[int, list] | None = None
-        self.persister = AsyncPersister(self.store.write_snapshot, blocking=blocking, name="checkpoint write",
+        self._pool_error: str | None = None
+        # The payload is (snapshot, the group's PartPool at snapshot time or None).
+        self.persister = AsyncPersister(lambda payload: self.store.write_snapshot(payload[0]), blocking=blocking,
+                                        name="checkpoint write",
                                         retry_min_s=retry_min_s, retry_max_s=retry_max_s,
                                         on_done=self._push if notify is not None else None)
         self.last_snapshot_s = 0.0
@@ -83,13 +88,27 @@ class WorkerCheckpointer:
                                "message": f"cannot snapshot step {step} for a checkpoint: {text[:300]}"})
             else:
                 self.last_snapshot_s = time.perf_counter() - t0
-                self.persister.submit(step, snapshot)
+                self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None)))
         return self._report(events)
 
-    def _push(self, step: int, snapshot: Snapshot, entries: list) -> None:
+    def _push(self, step: int, payload: tuple, entries: list) -> None:
+        snapshot, pool = payload
         self._last_pushed = (step, entries)
-        self._notify(step, snapshot.rank, snapshot.world_size, [e.to_dict() for e in entries],
-                     self._progress() if self._progress is not None else step, snapshot.taken_at)
+        part = {"entries": [e.to_dict() for e in entries], "taken_at": snapshot.taken_at,
+                "progress": self._progress() if self._progress is not None else step}
+        parts: dict[int, dict] | None = {snapshot.rank: part}
+        if pool is not None and snapshot.world_size > 1:
+            try:
+                parts = pool.add(step, snapshot.rank, part)
+            except Exception as exc:  # noqa: BLE001 - the group is gone or its store is down: report directly
+                text = f"{type(exc).__name__}: {exc}"
+                if text != self._pool_error:
+                    logger.warning("rank %s: cannot pool checkpoint part of step %d (%s); reporting it directly",
+                                   snapshot.rank, step, text[:300])
+                    self._pool_error = text
+            if parts is None:
+                return  # another rank's part completes the step; that rank reports it
+        self._notify(step, snapshot.world_size, parts)
 
     def _report(self, extra_events: list[dict] | None = None) -> dict:
         # Events carry no rank: the controller knows which rank it asked, and a rank field would

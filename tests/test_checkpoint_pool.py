@@ -1,0 +1,86 @@
+"""Ranks pooling written checkpoint parts in a real c10d TCPStore (loopback, port 0)."""
+
+from __future__ import annotations
+
+import socket
+import types
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint.pool import PartPool
+from elastic.checkpoint.store import meta_name, shard_name
+from elastic.checkpoint.worker_hook import WorkerCheckpointer
+
+
+@pytest.fixture()
+def master():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    yield store
+
+
+def pools(master, world):
+    """One client connection per rank, as in the workers."""
+    return [PartPool("127.0.0.1", master.port, world) for _ in range(world)]
+
+
+def test_the_rank_that_completes_a_step_gets_every_part(master):
+    p = pools(master, 3)
+    assert p[0].add(5, 0, {"entries": ["a"]}) is None
+    assert p[2].add(5, 2, {"entries": ["c"]}) is None
+    assert p[1].add(5, 1, {"entries": ["b"]}) == {0: {"entries": ["a"]}, 1: {"entries": ["b"]},
+                                                 2: {"entries": ["c"]}}
+
+
+def test_a_skipped_step_stays_incomplete_and_later_steps_still_complete(master):
+    p = pools(master, 2)
+    assert p[0].add(3, 0, {"n": 3}) is None
+    # rank 1's writer moved past step 3 to step 4 (superseded): step 3 can never complete
+    assert p[1].add(4, 1, {"n": 4}) is None
+    assert p[0].add(4, 0, {"n": 4}) == {0: {"n": 4}, 1: {"n": 4}}
+    # step 3 + SLOTS lands in step 3's slot: the stale value there is a different step
+    assert p[1].add(3 + p[1].slots, 1, {"n": 19}) is None
+    assert p[0].add(3 + p[0].slots, 0, {"n": 19}) == {0: {"n": 19}, 1: {"n": 19}}
+
+
+def test_slots_are_reused(master):
+    p = pools(master, 2)
+    for step in range(1, 3 * p[0].slots):
+        assert p[0].add(step, 0, {}) is None
+        assert p[1].add(step, 1, {}) == {0: {}, 1: {}}
+    client = dist.TCPStore("127.0.0.1", master.port, None, False, timeout=timedelta(seconds=5),
+                           wait_for_workers=False)
+    assert client.num_keys() <= 3 * p[0].slots + 1  # parts and claims (plus the store's own key)
+
+
+def test_one_rank_sends_a_step_that_two_see_complete(master):
+    p = pools(master, 2)
+    # Both parts are set before either rank looks (the race the claim settles).
+    for rank in (0, 1):
+        p[rank]._connect().set(f"{7 % p[rank].slots}/{rank}", '{"step": 7, "part": {"r": %d}}' % rank)
+    first = p[1].add(7, 1, {"r": 1})
+    second = p[0].add(7, 0, {"r": 0})
+    assert first == {0: {"r": 0}, 1: {"r": 1}}
+    assert second is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_part_is_reported_directly_when_the_store_is_gone(tmp_path):
+    sent = []
+    ckpt = WorkerCheckpointer(f"file://{tmp_path}/ck", None, "pool", 1, blocking=True,
+                              notify=lambda step, world, parts: sent.append((step, world, parts)))
+    model = torch.nn.Linear(4, 2)
+    worker = types.SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                   scheduler=None, completed_step=1, rank=1, world_size=2,
+                                   part_pool=PartPool("127.0.0.1", free_port(), 2, timeout_s=0.5))
+    ckpt.after_step(worker, 1)
+    assert [(s, w, sorted(parts)) for s, w, parts in sent] == [(1, 2, [1])]
+    assert {e["path"] for e in sent[0][2][1]["entries"]} == {shard_name(1, 1, 2), meta_name(1, 1)}
+    ckpt.close()
