@@ -981,7 +981,20 @@ class Controller:
         queued behind step t, a failure can land after a survivor finished step t (kept) but
         began t+1 (lost), or before the queued step began at all (nothing lost).
         """
-        progress = ray.get([m.actor.progress.remote() for m in self.group.members])
+        # Each rank that answers forgets its begun-and-lost step as it answers; the work is counted
+        # here even if another rank fails this call, so a failure while healing (this runs again)
+        # counts it once. (Counting twice happened when a spare died after this call succeeded.)
+        refs = [m.actor.progress.remote(True) for m in self.group.members]
+        progress, error = [], None
+        for ref in refs:
+            try:
+                progress.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                error = error or exc
+        if error is not None:
+            if progress:
+                self.recomputed += max(0, max(s for _, s in progress) - max(d for d, _ in progress))
+            raise error
         steps = [done for done, _ in progress]
         begun = max(started for _, started in progress)
         newest = max(steps)

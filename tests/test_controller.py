@@ -53,6 +53,20 @@ def test_failure_replaced_by_spare(ray_cluster):
     assert [r["ranks"] for r in c.recoveries] == [[1]]
 
 
+def test_lost_work_counted_once_when_healing_runs_twice(ray_cluster):
+    # A failure while healing runs the state sync again; the step the survivors began and lost
+    # must count once, not once per pass.
+    c = controller("fake-count-once")
+    try:
+        c.run_for(steps=2)
+        ray.get([m.actor.begin.remote(3) for m in c.group.members])
+        c._sync_state()
+        c._sync_state()
+        assert c.recomputed == 1
+    finally:
+        c.shutdown()
+
+
 def run_expecting_failure(c, steps, match):
     with pytest.raises(TrainingFailed, match=match):
         try:

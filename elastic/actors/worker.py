@@ -496,10 +496,15 @@ class TrainWorker:
         self.completed_step = self.started_step = int(state["completed_step"])
         return self.completed_step
 
-    def progress(self) -> tuple[int, int]:
+    def progress(self, discard_begun: bool = False) -> tuple[int, int]:
         """(newest completed step, newest step begun). A step begun and not completed when the
-        group broke is work thrown away: the controller counts it as recomputed."""
-        return self.completed_step, self.started_step
+        group broke is work thrown away: the controller counts it as recomputed, and with
+        ``discard_begun`` this rank forgets it at once, so a second look (another failure while
+        the ring heals) cannot count the same lost work again."""
+        out = (self.completed_step, self.started_step)
+        if discard_begun:
+            self.started_step = self.completed_step
+        return out
 
     def param_checksum(self) -> int:
         """CRC32 over every parameter's bytes: equal only if replicas are bitwise identical."""
