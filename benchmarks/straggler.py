@@ -6,14 +6,14 @@ Five runs on the MLP workload, 4 active ranks: healthy plain sync; plain sync wi
 ``factor``x from step ``slow-from`` (each of its steps takes ``factor`` times its healthy step);
 first-N-of-M (b=1, M=5) with the same slowdown; first-N plus eviction (one hot spare,
 ``evict_stragglers=True``); and first-N with no straggler, which shows what the fifth replica
-alone costs when five processes share this machine's cores (``--no-first-n-healthy`` skips it). Throughput is samples/s over the controller's
-per-step wall times of the steps from ``slow-from`` on (for eviction: the steps after the
-eviction; the eviction run is longer, and its figure also gives the ratio over the steps after
-the replacement spare is ready, since on one small machine that spare's start-up takes CPU from
-training). Each ratio is over the healthy plain run. Two more runs on the digits example (same
-epochs) give the accuracy cost of dropping the late gradient: healthy plain minus first-N with
-the straggler. On digits the model is tiny, so the slowdown (a multiple of the rank's own compute
-time) is small; which gradient is dropped still follows arrival order.
+alone costs when five processes share this machine's cores (``--no-first-n-healthy`` skips it).
+Throughput is samples/s over the controller's per-step wall times of the steps from ``slow-from`` on
+(for eviction: the steps after the eviction; the eviction run is longer, and its figure also gives
+the ratio over the steps after the replacement spare is ready, since on one small machine that
+spare's start-up takes CPU from training). Each ratio is over the healthy plain run. Two more runs
+on the digits example (same epochs) give the accuracy cost of dropping the late gradient: healthy
+plain minus first-N with the straggler. On digits the model is tiny, so the slowdown (a multiple of
+the rank's own compute time) is small; which gradient is dropped still follows arrival order.
 
 The runs default to 300 steps (291 measured). At 50 steps (41 measured, about two seconds of
 training) the onset of the slowdown and the dispatch window still growing from one step dominate:

@@ -991,13 +991,12 @@ class Controller:
                 progress.append(ray.get(ref))
             except ray.exceptions.RayError as exc:
                 error = error or exc
-        if error is not None:
-            if progress:
-                self.recomputed += max(0, max(s for _, s in progress) - max(d for d, _ in progress))
-            raise error
         steps = [done for done, _ in progress]
-        begun = max(started for _, started in progress)
-        newest = max(steps)
+        begun = max((started for _, started in progress), default=0)
+        newest = max(steps, default=0)
+        if error is not None:
+            self.recomputed += max(0, begun - newest)
+            raise error
         if newest < self.step:
             # No member holds the current state (every holder died): fall back to the newest
             # committed checkpoint, and replay from there.

@@ -71,7 +71,7 @@ def _seed_everything(value: int, device_type: str = "cpu") -> None:
 
 def ddp_bucket_kwargs(backend: str, bucket_cap_mb: float | None) -> dict:
     """DDP's bucket arguments: the user's size, else torch's defaults on NCCL and one 25 MiB cap
-    for every bucket on gloo.
+    (torch's own bucket size) for every bucket on gloo.
 
     torch's default puts the first 1 MiB of gradients in a bucket of its own so NCCL can start
     while the backward still runs. On CPU that overlap buys little (gloo's threads and the

@@ -12,9 +12,11 @@ How it holds: each rank, after its part of step ``s`` is on storage, sets ``slot
 so the last rank to set sees all of them; a rank that sees every rank at step ``s`` claims the
 step with a compare-and-set on the slot's claim key and sends it if the claim is its own. Two ranks
 may both see the step complete (both set before either read): one claim wins. (Without the claim
-45% of steps went out twice on the benchmark workload; the committer would ignore the second.) A slot holds the newest step a rank wrote into it: a rank that skipped ``s`` (its
-writer moved on to a newer snapshot) leaves ``s`` incomplete, and that step is superseded, as it
-would be on the controller's side. Keys are ``slots * (world_size + 1)``, reused, so nothing grows.
+45% of steps went out twice on the benchmark workload; the committer would ignore the second.)
+
+A slot holds the newest step a rank wrote into it: a rank that skipped ``s`` (its writer moved on
+to a newer snapshot) leaves ``s`` incomplete, and that step is superseded, as it would be on the
+controller's side. Keys are ``slots * (world_size + 1)``, reused, so nothing grows.
 
 The store is a client of the group's rendezvous store with its own short timeout: a group torn
 down under a writer makes the write fail fast and the part goes to the controller on its own.

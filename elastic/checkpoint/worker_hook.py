@@ -97,7 +97,7 @@ class WorkerCheckpointer:
         part = {"entries": [e.to_dict() for e in entries], "taken_at": snapshot.taken_at,
                 "progress": self._progress() if self._progress is not None else step}
         parts: dict[int, dict] | None = {snapshot.rank: part}
-        if pool is not None and snapshot.world_size > 1:
+        if pool is not None:  # a group of more than one rank
             try:
                 parts = pool.add(step, snapshot.rank, part)
             except Exception as exc:  # noqa: BLE001 - the group is gone or its store is down: report directly
