@@ -79,8 +79,8 @@ def commit_readings(res, poll: list[dict]) -> dict:
             out["lags"] = [max(0, bisect.bisect_right(times, d.get("time", e["time"])) - d["step"])
                            for d, e in zip(details, commits)]
             out["lag_source"] = "checkpoint_commit times vs history step times"
-        if all("persist_s" in d for d in details):
-            out["persist_s"] = [d["persist_s"] for d in details]
+        if any("persist_s" in d for d in details):
+            out["persist_s"] = [d["persist_s"] for d in details if "persist_s" in d]
             out["persist_source"] = "checkpoint_commit details.persist_s"
         else:
             out["persist_s"] = [d.get("time", e["time"]) - end_of[d["step"]] for d, e in zip(details, commits)

@@ -540,8 +540,9 @@ class Controller:
         extra = result.extra if hasattr(result, "extra") else (result or {})
         if self.committer is None or not extra:
             return
-        for step, entries in extra.get("ckpt_done", []):
-            self.committer.add(step, rank, extra.get("world_size", len(self.group.members)), entries)
+        for step, entries, *taken_at in extra.get("ckpt_done", []):  # (step, entries[, snapshot time])
+            self.committer.add(step, rank, extra.get("world_size", len(self.group.members)), entries,
+                               taken_at=taken_at[0] if taken_at else None)
         for ev in extra.get("ckpt_events", []):
             self._log_storage_event(ev, rank)
 

@@ -58,7 +58,7 @@ class WorkerCheckpointer:
         self.every_n_steps = every_n_steps
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
-        self._last_pushed: tuple[int, list] | None = None
+        self._last_pushed: tuple[int, list, float] | None = None
         self._pool_error: str | None = None
         # The payload is (snapshot, the group's PartPool at snapshot time or None).
         self.persister = AsyncPersister(lambda payload: self.store.write_snapshot(payload[0]), blocking=blocking,
@@ -93,7 +93,7 @@ class WorkerCheckpointer:
 
     def _push(self, step: int, payload: tuple, entries: list) -> None:
         snapshot, pool = payload
-        self._last_pushed = (step, entries)
+        self._last_pushed = (step, entries, snapshot.taken_at)
         part = {"entries": [e.to_dict() for e in entries], "taken_at": snapshot.taken_at,
                 "progress": self._progress() if self._progress is not None else step}
         parts: dict[int, dict] | None = {snapshot.rank: part}
@@ -122,11 +122,13 @@ class WorkerCheckpointer:
 
         When parts are pushed to the controller, the newest one is reported again here: the push
         is a message that may still be on its way when the controller makes its final commit, and
-        a second report of a part is harmless (the committer ignores steps it has already taken)."""
+        a second report of a part is harmless (the committer ignores steps it has already taken).
+        That report carries the snapshot's time, so a step committed from it still says how long
+        it took to persist."""
         out = self._report()
         if self._last_pushed is not None:
-            step, entries = self._last_pushed
-            out["ckpt_done"].append((step, [e.to_dict() for e in entries]))
+            step, entries, taken_at = self._last_pushed
+            out["ckpt_done"].append((step, [e.to_dict() for e in entries], taken_at))
         return out
 
     def flush(self, timeout_s: float | None = None) -> bool:
