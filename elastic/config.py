@@ -47,6 +47,11 @@ class ScalingConfig:
     overlaps the backward; on CPU (gloo) every bucket, the first included, up to 25 MiB, so a
     model of that size is one all-reduce a step. CPU ranks share cores with gloo's own threads,
     so there is little backward to overlap, and each all-reduce pays gloo's rounds over TCP.
+
+    ``background_spare_start``: a spare that refills the pool while training runs (after an
+    eviction or a recovery) builds its model on idle CPU only (Linux ``SCHED_IDLE``, where the
+    process may restore its priority afterwards), so its start-up does not slow ranks sharing
+    its node. Spares that training waits for always start at normal priority.
     """
 
     num_workers: int = 1
@@ -60,6 +65,7 @@ class ScalingConfig:
     steps_per_dispatch: int = 0
     dispatch_target_s: float = 0.5
     bucket_cap_mb: float | None = None
+    background_spare_start: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -98,6 +104,9 @@ class ScalingConfig:
         if not isinstance(self.steps_per_dispatch, int) or self.steps_per_dispatch < 0:
             raise ConfigError(f"ScalingConfig.steps_per_dispatch must be an integer >= 0 (0 = automatic), "
                               f"got {self.steps_per_dispatch!r}.")
+        if not isinstance(self.background_spare_start, bool):
+            raise ConfigError(f"ScalingConfig.background_spare_start must be True or False, "
+                              f"got {self.background_spare_start!r}.")
         if self.bucket_cap_mb is not None and not (isinstance(self.bucket_cap_mb, (int, float))
                                                    and self.bucket_cap_mb > 0):
             raise ConfigError(f"ScalingConfig.bucket_cap_mb must be a number of MiB > 0, or None to choose by "

@@ -814,7 +814,7 @@ class Controller:
         if self.metrics is not None:
             self.metrics.on_recovery(failure.kind, seconds)
         for _ in range(max(0, self.scaling.num_hot_spares - len(self.group.spares) - self.group.pending_spares)):
-            self.group.request_spare()
+            self.group.request_spare(background=True)
             self.log("spares", "requested a replacement spare in the background")
         self.transition(State.RUNNING, f"rebuilt in {seconds:.2f}s; resuming at step {self.step + 1}")
 
@@ -875,8 +875,18 @@ class Controller:
                 self.group.evict(m)
         self._lagging.clear()
 
-    def _refresh_spares(self) -> None:
+    def _collect_spares(self) -> None:
+        """Take in spares that finished building, and say so in the event log."""
+        before = {m.name for m in self.group.spares}
         self.group.collect_spares()
+        for m in self.group.spares:
+            if m.name not in before:
+                background = bool(m.info.get("started_in_background"))
+                self.log("spares", f"{m.name} ready" + (" (built on idle CPU)" if background else ""),
+                         spare=m.name, started_in_background=background, ready=len(self.group.spares))
+
+    def _refresh_spares(self) -> None:
+        self._collect_spares()
         if not self.group.spares:
             return
         refs = [m.actor.heartbeat.remote() for m in self.group.spares]
@@ -1055,7 +1065,7 @@ class Controller:
         if self.on_step is not None:
             self.on_step(record, self)
         if self.step % 10 == 0:
-            self.group.collect_spares()
+            self._collect_spares()
 
     def _note_checksum(self, step: int, rank: int, checksum: int) -> None:
         """Every K steps each replica reports a parameter checksum with its step result (late
@@ -1095,7 +1105,7 @@ class Controller:
         self._form_group(f"evicted straggler rank {r}")
         if self.metrics is not None:
             self.metrics.on_recovery("straggler", time.time() - t0)
-        self.group.request_spare()
+        self.group.request_spare(background=True)
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
 
     def _finish_checkpoints(self) -> None:

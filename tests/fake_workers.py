@@ -16,14 +16,15 @@ from elastic.actors.worker_group import WorkerGroup
 
 
 class FakeWorker:
-    def __init__(self, spec, name=""):
+    def __init__(self, spec, name="", background_start=False):
         self.name, self.rank, self.world, self.done, self.started = name, -1, 0, 0, 0
         self.kill_at = None
+        self.background_start = background_start  # asked for; the real worker also needs the right
 
     def info(self):
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "node_ip": "127.0.0.1", "pid": os.getpid(), "gpu_ids": [],
-                "device": "cpu", "backend": "gloo", "name": self.name}
+                "device": "cpu", "backend": "gloo", "name": self.name, "started_in_background": self.background_start}
 
     @ray.method(concurrency_group="control")
     def heartbeat(self):

@@ -101,3 +101,9 @@ def test_bucket_cap_must_be_positive():
     with pytest.raises(ConfigError, match="bucket_cap_mb"):
         ScalingConfig(num_workers=2, bucket_cap_mb=0)
     assert ScalingConfig(num_workers=2, bucket_cap_mb=4).bucket_cap_mb == 4
+
+
+def test_background_spare_start_must_be_a_bool():
+    with pytest.raises(ConfigError, match="background_spare_start must be True or False"):
+        ScalingConfig(num_workers=2, background_spare_start="no")
+    assert ScalingConfig(num_workers=2).background_spare_start is True

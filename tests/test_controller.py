@@ -42,6 +42,9 @@ def test_failure_replaced_by_spare(ray_cluster):
     c = controller("fake-replace", backups=1, faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
     try:
         c.run_for(steps=5)
+        promoted = c.group.members[1].info
+        refill = [m.info if "_ref" not in m.info else ray.get(m.info["_ref"])
+                  for m in c.group.spares + c.group._pending_spares]
     finally:
         c.shutdown()
     assert ("running", "recovering") in transitions(c) and ("recovering", "running") in transitions(c)
@@ -51,6 +54,10 @@ def test_failure_replaced_by_spare(ray_cluster):
     # a survivor completed instead of replaying it.
     assert c.recomputed == 0 and any(e.kind == "step_kept" for e in c.events)
     assert [r["ranks"] for r in c.recoveries] == [[1]]
+    # The spare that took rank 1 was started with the run, at normal priority; the one that
+    # refills the pool while training goes on starts in the background.
+    assert promoted["started_in_background"] is False
+    assert [i["started_in_background"] for i in refill] == [True]
 
 
 def test_lost_work_counted_once_when_healing_runs_twice(ray_cluster):

@@ -7,6 +7,7 @@ import ray
 
 import elastic
 from conftest import release_shared_cluster, start_cluster, stop_cluster
+from elastic.actors.priority import can_restore_priority
 from elastic.actors.worker import TrainingSpec
 from elastic.actors.worker_group import PlacementTimeout, WorkerGroup
 from helpers import loss_fn, make_dataset, make_model, make_sgd
@@ -42,6 +43,23 @@ def test_ranks_grouped_by_node(two_nodes):
         # actor names match ranks in the run's namespace
         for m in members:
             assert ray.get_actor(f"rank-{m.rank}", namespace="elastic-placement") is not None
+    finally:
+        group.shutdown()
+
+
+def test_refill_spare_builds_on_idle_cpu_then_runs_at_normal_priority(two_nodes):
+    # A real TrainWorker: torch, the model, the optimizer and the dataset built under SCHED_IDLE
+    # where this user may come back from it, then every thread back to normal before it is ready.
+    scaling = elastic.ScalingConfig(num_workers=1, num_backups=1)
+    group = WorkerGroup(scaling, spec(), "elastic-background-spare")
+    try:
+        group.start(1)
+        group.request_spare(background=True)
+        assert group.collect_spares(block=True, timeout_s=120) == 2
+        first, refill = [m.info for m in group.spares]
+        assert first["started_in_background"] is False
+        assert refill["started_in_background"] is can_restore_priority()
+        assert first["idle_threads"] == refill["idle_threads"] == 0
     finally:
         group.shutdown()
 

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import ray
 
 from elastic._lazy import LazyModule
+from elastic.actors.priority import idle_priority, idle_threads
 from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's call protocol)
     CollectiveError,
     PackedSpec,
@@ -89,8 +90,16 @@ def ddp_bucket_kwargs(backend: str, bucket_cap_mb: float | None) -> dict:
 class TrainWorker:
     """The actor class. ``elastic.actors.worker_group`` wraps it with ``ray.remote``."""
 
-    def __init__(self, spec: TrainingSpec | PackedSpec, actor_name: str = ""):
-        self.spec = spec = unpack_spec(spec)
+    def __init__(self, spec: TrainingSpec | PackedSpec, actor_name: str = "", background_start: bool = False):
+        """``background_start``: build on idle CPU only (a spare refilling the pool while ranks
+        train; see ``elastic.actors.priority``). The threads go back to normal priority before
+        the actor is ready."""
+        with idle_priority(background_start) as idle:
+            self._build(unpack_spec(spec), actor_name)
+        self.started_in_background = idle
+
+    def _build(self, spec: TrainingSpec, actor_name: str) -> None:
+        self.spec = spec
         self.actor_name = actor_name
 
         self._gpu_ids = list(ray.get_gpu_ids()) if spec.use_gpu else []
@@ -141,6 +150,8 @@ class TrainWorker:
             "device": self.device_str,
             "backend": self.backend,
             "name": self.actor_name,
+            "started_in_background": self.started_in_background,
+            "idle_threads": idle_threads(),
         }
 
     @ray.method(concurrency_group="control")

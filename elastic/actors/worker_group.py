@@ -104,8 +104,8 @@ class WorkerGroup:
         )
         return opts
 
-    def _spawn(self, pg: PlacementGroup, index: int, name: str) -> Any:
-        return self._actor_cls.options(**self._options(pg, index, name)).remote(self.spec, name)
+    def _spawn(self, pg: PlacementGroup, index: int, name: str, background: bool = False) -> Any:
+        return self._actor_cls.options(**self._options(pg, index, name)).remote(self.spec, name, background)
 
     def start(self, num_active: int) -> None:
         """Place and start the active ranks plus the hot spares, then order ranks by node."""
@@ -137,14 +137,19 @@ class WorkerGroup:
             m.spare = False
         assign_local_ranks(self.members)
 
-    def request_spare(self) -> None:
-        """Start one more hot spare in its own placement group, without waiting for it."""
+    def request_spare(self, background: bool = False) -> None:
+        """Start one more hot spare in its own placement group, without waiting for it.
+
+        ``background``: the spare only refills the pool while ranks train, so it builds on idle
+        CPU (``ScalingConfig.background_spare_start`` permitting). A spare that a recovery waits
+        for starts at normal priority."""
         idx = self._spare_counter
         self._spare_counter += 1
         pg = placement_group([self.scaling.bundle()], strategy="PACK", name=f"{self.namespace}/spare-{idx}")
         self._pgs.append(pg)
         name = f"spare-{idx}"
-        member = Member(self._spawn(pg, 0, name), name, pg=pg, spare=True)
+        member = Member(self._spawn(pg, 0, name, background and self.scaling.background_spare_start), name, pg=pg,
+                        spare=True)
         member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time()}
         self._pending_spares.append(member)
 

@@ -1,0 +1,85 @@
+"""Background spare start-up: SCHED_IDLE for the building thread, every thread restored after.
+
+Real threads and the real scheduler calls; which branch runs depends on whether this process
+may raise a thread's priority again (root, CAP_SYS_NICE or RLIMIT_NICE).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+
+from elastic.actors.priority import can_restore_priority, idle_priority, idle_threads
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux")
+
+
+def in_thread(fn):
+    """Run ``fn`` in a fresh thread (the policy is per thread) and return what it returned."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_build_runs_idle_and_every_thread_is_restored():
+    def body():
+        child_policy, release, seen = {}, threading.Event(), threading.Event()
+
+        def child():  # started during the build: it inherits the policy and must be restored too
+            child_policy["inside"] = os.sched_getscheduler(0)
+            seen.set()
+            release.wait(10)
+            child_policy["after"] = os.sched_getscheduler(0)
+
+        with idle_priority(True) as idle:
+            inside = os.sched_getscheduler(0)
+            t = threading.Thread(target=child)
+            t.start()
+            seen.wait(10)
+            idle_inside = idle_threads()
+        after = os.sched_getscheduler(0)
+        release.set()
+        t.join(10)
+        return idle, inside, after, child_policy, idle_inside
+
+    idle, inside, after, child, idle_inside = in_thread(body)
+    if can_restore_priority():
+        assert idle is True
+        assert inside == child["inside"] == os.SCHED_IDLE and idle_inside >= 2
+    else:  # it could not come back, so it never went: the spare starts at normal priority
+        assert idle is False
+        assert inside == child["inside"] == os.SCHED_OTHER
+    assert after == child["after"] == os.SCHED_OTHER
+    assert idle_threads() == 0
+
+
+def test_disabled_changes_nothing():
+    def body():
+        with idle_priority(False) as idle:
+            return idle, os.sched_getscheduler(0)
+
+    assert in_thread(body) == (False, os.SCHED_OTHER)
+
+
+def test_the_thread_is_restored_when_the_build_fails():
+    def body():
+        with pytest.raises(RuntimeError):
+            with idle_priority(True):
+                raise RuntimeError("model_fn failed")
+        return os.sched_getscheduler(0)
+
+    assert in_thread(body) == os.SCHED_OTHER
