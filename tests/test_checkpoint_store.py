@@ -25,8 +25,19 @@ from elastic.checkpoint import (
     WorkerCheckpointer,
     restore_rng,
 )
-from elastic.checkpoint.codec import assign_shards, capture_rng, decode_tensors, flatten_state, tensor_nbytes
-from elastic.checkpoint.store import shard_name, step_dir
+from elastic.checkpoint.codec import (
+    assign_shards,
+    canonical_json,
+    capture_rng,
+    decode_metadata,
+    decode_tensors,
+    encode_tensors,
+    flatten_state,
+    rank_share,
+    sha256,
+    tensor_nbytes,
+)
+from elastic.checkpoint.store import FileEntry, meta_name, shard_name, step_dir
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
 from elastic.config import CheckpointConfig, ConfigError
 
@@ -157,8 +168,8 @@ def test_sharded_round_trip_restores_model_and_adam(backend):
 
     # Dedup: each tensor is written exactly once, split by bytes across the two ranks.
     paths = {e.path: e for e in entries}
-    assert set(paths) == {f"{step_dir(2)}/shard-r0-of-2.safetensors", f"{step_dir(2)}/shard-r1-of-2.safetensors",
-                          f"{step_dir(2)}/meta-r0.json", f"{step_dir(2)}/meta-r1.json"}
+    # One file per rank a step: its meta (RNG; on rank 0 the state skeleton) rides in the header.
+    assert set(paths) == {f"{step_dir(2)}/shard-r0-of-2.safetensors", f"{step_dir(2)}/shard-r1-of-2.safetensors"}
     shards = [decode_tensors(store.storage.read_bytes(shard_name(2, r, 2))) for r in range(2)]
     all_tensors, _ = flatten_state(expected)
     assert not set(shards[0]) & set(shards[1])
@@ -240,7 +251,7 @@ def test_torn_write_is_never_used_and_is_collected(backend):
         for rank in range(2):
             store.write_rank_files(4, rank, 2, state)
     assert store.step_dirs() == [2, 4]
-    assert len(store.storage.list_dir(step_dir(4))) == 4  # every shard and meta is there ...
+    assert len(store.storage.list_dir(step_dir(4))) == 2  # every shard is there ...
     assert store.latest_valid() == 2  # ... but without a manifest the step does not exist
     assert store.committed_steps() == [2]
     state, _ = store.read_state()
@@ -266,14 +277,14 @@ def test_corrupt_and_truncated_files_are_skipped_with_a_warning(backend, caplog)
     data = bytearray(store.storage.read_bytes(shard6))
     data[len(data) // 2] ^= 0xFF  # flip one byte in the tensor payload; the size stays the same
     store.storage.write_bytes(shard6, bytes(data))
-    meta4 = f"{step_dir(4)}/meta-r0.json"
-    store.storage.write_bytes(meta4, store.storage.read_bytes(meta4)[:-10])  # truncated
+    shard4 = shard_name(4, 0, 2)  # rank 0's: its header also holds the state skeleton
+    store.storage.write_bytes(shard4, store.storage.read_bytes(shard4)[:-10])  # truncated
 
     with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.store"):
         assert store.latest_valid() == 2
     warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "shard-r1-of-2.safetensors" in warnings and "sha256 mismatch" in warnings
-    assert "meta-r0.json" in warnings and "truncated" in warnings
+    assert "shard-r0-of-2.safetensors" in warnings and "truncated" in warnings
     assert TEST_SECRET not in warnings
 
     with pytest.raises(CorruptCheckpoint, match="shard-r1-of-2.safetensors") as info:
@@ -298,6 +309,47 @@ def test_corrupt_manifest_means_uncommitted(backend):
     store.storage.write_bytes(manifest, b'{"format": "elastic-checkpoint", "ste')  # torn manifest
     assert store.latest_valid() == 1
     assert store.gc_uncommitted(older_than=3).deleted == [2]
+
+
+def write_version_1_step(store: CheckpointStore, worker: FakeWorker, step: int, world_size: int = 2) -> dict:
+    """A step as version 1 wrote it: a bare safetensors shard plus a meta-rN.json per rank."""
+    tensors, skeleton = flatten_state(worker.get_state())
+    rngs, entries = {}, []
+    for rank in range(world_size):
+        rngs[rank] = capture_rng()
+        share = {n: tensors[n].clone() for n in rank_share(tensors, rank, world_size)}
+        meta = {"format": "elastic-checkpoint-rank-meta", "version": 1, "step": step, "rank": rank,
+                "world_size": world_size, "tensors": sorted(share), "rng": rngs[rank],
+                **({"state": skeleton} if rank == 0 else {})}
+        for rel, data in ((shard_name(step, rank, world_size), encode_tensors(share)),
+                          (meta_name(step, rank), canonical_json(meta))):
+            store.storage.write_bytes(rel, data)
+            entries.append(FileEntry(rel, len(data), sha256(data)))
+    store.commit(step, entries, world_size, {"data": {"epoch": 0, "cursor": step * 10}})
+    return rngs
+
+
+def test_version_1_steps_still_load(backend):
+    store = make_store(backend)
+    worker = trained_worker(steps=3)
+    rngs = write_version_1_step(store, worker, step=3)
+    assert store.latest_valid() == 3
+    state, meta = store.read_state()
+    assert_same(state, worker.get_state())
+    assert meta["data"]["cursor"] == 30
+    assert store.read_rng(3, 1) == rngs[1]
+
+
+def test_rank_meta_rides_in_the_shard_header(backend):
+    store = make_store(backend)
+    rng = capture_rng()
+    (entry,) = store.write_rank_files(5, 0, 1, tiny_state(5), rng)
+    data = store.storage.read_bytes(entry.path)
+    meta = json.loads(decode_metadata(data)["elastic"])
+    assert (meta["step"], meta["rank"], meta["rng"]) == (5, 0, rng) and "state" in meta
+    assert set(decode_tensors(data)) == {"model/w"}  # the header holds no tensor of its own
+    with pytest.raises(ValueError, match="header"):
+        decode_metadata(data[:20])  # cut inside the header
 
 
 # ---- retention ---------------------------------------------------------------------------------

@@ -154,9 +154,10 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True).contiguous()
 
 
-def encode_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
-    """safetensors bytes. Every tensor is made contiguous and given its own storage (safetensors
-    refuses shared storage, e.g. tied weights)."""
+def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """safetensors bytes, with ``metadata`` (str -> str) in the header's ``__metadata__``. Every
+    tensor is made contiguous and given its own storage (safetensors refuses shared storage, e.g.
+    tied weights)."""
     seen: set[int] = set()
     clean: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -170,11 +171,30 @@ def encode_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
         if ptr != -1:
             seen.add(ptr)
         clean[name] = t
-    return safetensors_torch.save(clean)
+    return safetensors_torch.save(clean, metadata=metadata)
 
 
 def decode_tensors(data: bytes) -> dict[str, torch.Tensor]:
     return safetensors_torch.load(data)
+
+
+def decode_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes, without decoding a tensor.
+
+    Read straight from the header as the safetensors format defines it (8 bytes little-endian
+    header length, then that much JSON): the library reads metadata only from a file
+    (``safe_open``), and these bytes come from remote storage and were checksummed in memory.
+    """
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes is too short for a safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise ValueError(f"safetensors header of {size} bytes in a file of {len(data)}")
+    header = json.loads(data[8:8 + size])
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("safetensors __metadata__ is not an object")
+    return metadata
 
 
 def sha256(data: bytes) -> str:

@@ -2,6 +2,11 @@
 
 A step is committed iff ``step-NNNNNNNNN/manifest.json`` exists and its self-checksum matches; it is
 valid iff, in addition, every file it lists has the recorded size and sha256. No renames anywhere.
+
+Each rank writes one safetensors file a step: its share of the tensors, with its JSON meta (RNG
+state; on rank 0 the skeleton of the non-tensor state) in the header's ``__metadata__``. Version
+1 wrote that meta as a second file per rank (``meta-rN.json``): one more write, checksum, fsync
+and, on S3, PUT per rank per step. Version 1 steps still load.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ if TYPE_CHECKING:
 
 from elastic.checkpoint.codec import (
     canonical_json,
+    decode_metadata,
     decode_tensors,
     encode_tensors,
     flatten_state,
@@ -34,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "elastic-checkpoint"
-VERSION = 1
+VERSION = 2
+_META_KEY = "elastic"  # the rank's JSON meta, under this key of the shard's safetensors __metadata__
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 
 
@@ -121,6 +128,7 @@ def shard_name(step: int, rank: int, world_size: int) -> str:
 
 
 def meta_name(step: int, rank: int) -> str:
+    """Version 1 only: the rank's meta as a file of its own."""
     return f"{step_dir(step)}/meta-r{rank}.json"
 
 
@@ -171,10 +179,9 @@ class CheckpointStore:
         return self.write_snapshot(snapshot)
 
     def write_snapshot(self, snap: Snapshot) -> list[FileEntry]:
-        """Write one rank's shard and meta file; returns their FileEntry records."""
+        """Write one rank's shard, its meta in the header; returns its FileEntry record."""
         if not 0 <= snap.rank < snap.world_size:
             raise ValueError(f"rank {snap.rank} is outside world_size {snap.world_size}")
-        shard = encode_tensors(snap.tensors)
         meta: dict[str, Any] = {
             "format": FORMAT + "-rank-meta",
             "version": VERSION,
@@ -188,24 +195,20 @@ class CheckpointStore:
             if snap.skeleton is None:
                 raise ValueError("rank 0 must write the state skeleton (the non-tensor state)")
             meta["state"] = snap.skeleton
-        meta_bytes = canonical_json(meta)
-        entries = []
-        for rel, data in ((shard_name(snap.step, snap.rank, snap.world_size), shard),
-                          (meta_name(snap.step, snap.rank), meta_bytes)):
-            self.storage.write_bytes(rel, data)
-            entries.append(FileEntry(rel, len(data), sha256(data)))
-        return entries
+        data = encode_tensors(snap.tensors, {_META_KEY: canonical_json(meta).decode()})
+        rel = shard_name(snap.step, snap.rank, snap.world_size)
+        self.storage.write_bytes(rel, data)
+        return [FileEntry(rel, len(data), sha256(data))]
 
     def commit(self, step: int, entries: Iterable[FileEntry | dict], world_size: int,
                meta: dict | None = None) -> dict:
         """Write the manifest: the step becomes committed the moment this write completes.
 
-        ``entries`` are every rank's FileEntry records; each rank's shard and meta file must be among them.
+        ``entries`` are every rank's FileEntry records; each rank's shard must be among them.
         """
         files = sorted((FileEntry.from_dict(e) for e in entries), key=lambda e: e.path)
         paths = {e.path for e in files}
         expected = {shard_name(step, r, world_size) for r in range(world_size)}
-        expected |= {meta_name(step, r) for r in range(world_size)}
         missing = sorted(expected - paths)
         if missing:
             raise ValueError(f"cannot commit step {step}: missing files {missing}")
@@ -322,6 +325,7 @@ class CheckpointStore:
         tensors: dict[str, torch.Tensor] = {}
         skeleton = None
         world_size = int(manifest["world_size"])
+        rank0 = {shard_name(step, 0, world_size), meta_name(step, 0)}  # version 2 / version 1
         for raw in manifest["files"]:
             entry = FileEntry.from_dict(raw)
             data = self._read_verified(step, entry)
@@ -333,14 +337,17 @@ class CheckpointStore:
                     if overlap:
                         raise CorruptCheckpoint(step, where, f"tensors written twice: {sorted(overlap)[:3]}")
                     tensors.update(part)
-                elif entry.path == meta_name(step, 0):
-                    skeleton = json.loads(data)["state"]
+                if entry.path in rank0 and skeleton is None:
+                    meta = self._decode_meta(entry.path, data)
+                    if meta is not None:
+                        skeleton = meta["state"]
             except CorruptCheckpoint:
                 raise
             except Exception as exc:  # noqa: BLE001 - any decode failure of checksummed bytes is corruption
                 raise CorruptCheckpoint(step, where, f"cannot decode ({type(exc).__name__}: {exc})") from None
         if skeleton is None:
-            raise CorruptCheckpoint(step, self.storage.describe(meta_name(step, 0)), "rank 0 meta is not listed")
+            raise CorruptCheckpoint(step, self.storage.describe(shard_name(step, 0, world_size)),
+                                    "rank 0's meta (the state skeleton) is missing")
         needed = set(skeleton_tensor_names(skeleton))
         if needed != set(tensors):
             missing, extra = sorted(needed - set(tensors)), sorted(set(tensors) - needed)
@@ -350,13 +357,27 @@ class CheckpointStore:
         state = unflatten_state(tensors, skeleton)
         return state, manifest.get("meta", {})
 
+    @staticmethod
+    def _decode_meta(path: str, data: bytes) -> dict | None:
+        """A rank's JSON meta: the shard's header (version 2) or its own file (version 1)."""
+        if path.endswith(".safetensors"):
+            text = decode_metadata(data).get(_META_KEY)
+            return json.loads(text) if text is not None else None
+        return json.loads(data)
+
     def read_rng(self, step: int, rank: int) -> dict | None:
         """The RNG state rank ``rank`` saved at ``step`` (verified against the manifest), or None."""
         manifest = self.load_manifest(step)
-        for raw in manifest["files"]:
-            entry = FileEntry.from_dict(raw)
-            if entry.path == meta_name(step, rank):
-                return json.loads(self._read_verified(step, entry)).get("rng")
+        files = {e["path"]: FileEntry.from_dict(e) for e in manifest["files"]}
+        for path in (meta_name(step, rank), shard_name(step, rank, int(manifest["world_size"]))):
+            if path in files:
+                data = self._read_verified(step, files[path])
+                try:
+                    meta = self._decode_meta(path, data)
+                except ValueError as exc:  # JSONDecodeError included
+                    raise CorruptCheckpoint(step, self.storage.describe(path),
+                                            f"cannot decode ({type(exc).__name__}: {exc})") from None
+                return meta.get("rng") if meta is not None else None
         return None
 
     # ---- cleanup ----------------------------------------------------------------------------
