@@ -49,6 +49,7 @@ class CheckpointCommitter:
         self._submitted: int | None = None  # newest step handed to the commit thread
         self._events: deque = deque(maxlen=max_events)
         self._committed: list[int] | None = None  # committed steps on storage, as the commit thread knows them
+        self._files: dict[int, list[str]] = {}  # step -> its files, for the steps this committer committed
         self.gc_interval_s = gc_interval_s
         self._last_gc = float("-inf")
         self._persister = AsyncPersister(self._commit, name="checkpoint commit",
@@ -151,6 +152,7 @@ class CheckpointCommitter:
             pending = set(self._reports)
         logger.info("committed checkpoint step %d to %s (%d files, %.3fs)", step, self.store.location,
                     len(entries), commit_s)
+        self._files[step] = [e.path for e in entries]
         try:
             retention, gc = self._cleanup(step, pending)
         except Exception as exc:  # noqa: BLE001 - the step is committed; a cleanup bug must not undo that
@@ -188,9 +190,12 @@ class CheckpointCommitter:
         if step not in self._committed:
             self._committed.append(step)
             self._committed.sort()
-        retention = self.store.apply_retention(self.keep_last, self.keep_every, committed=self._committed)
+        retention = self.store.apply_retention(self.keep_last, self.keep_every, committed=self._committed,
+                                               files=self._files)
         if retention.deleted:  # a failed delete stays on the list: the store retries it next time
             self._committed = [s for s in self._committed if s not in retention.deleted]
+            kept = set(self._committed)
+            self._files = {s: f for s, f in self._files.items() if s in kept}
         gc = CleanupReport()
         now = time.monotonic()
         if now - self._last_gc >= self.gc_interval_s:

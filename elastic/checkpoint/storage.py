@@ -298,6 +298,39 @@ class Storage:
         except FileNotFoundError:
             pass
 
+    def delete_files(self, rels: list[str], dir_rel: str) -> bool:
+        """Delete the files ``rels`` (missing ones are not an error), then the directory ``dir_rel``
+        if nothing else is in it. False if it still holds something: call ``delete_tree``.
+
+        Why not always ``delete_tree``: it first finds what to delete (fsspec's ``expand_path``: a
+        walk on disk, a LIST and more on S3), for every step retention drops. The committer knows
+        a step's files; on an object store one bulk DELETE does, and a key nobody listed (a
+        part written twice under two world sizes) leaves an uncommitted prefix that the GC sweep
+        removes."""
+        if not rels:
+            return False
+        fs, _ = self._filesystem()
+        paths = [self.full_path(r) for r in rels]
+        if self.is_object_store:
+            self._call("delete", dir_rel, lambda: fs.rm(paths))  # one DeleteObjects; absent keys are fine
+            return True
+
+        def rm() -> bool:
+            for path in paths:
+                try:
+                    fs.rm_file(path)
+                except FileNotFoundError:
+                    pass
+            try:
+                fs.rmdir(self.full_path(dir_rel))
+            except FileNotFoundError:
+                pass
+            except OSError:  # not empty
+                return False
+            return True
+
+        return self._call("delete", dir_rel, rm)
+
     def delete_tree(self, rel: str) -> None:
         """Delete a directory and everything under it; a missing directory is not an error."""
         if not rel.strip("/"):

@@ -381,12 +381,14 @@ class CheckpointStore:
         return None
 
     # ---- cleanup ----------------------------------------------------------------------------
-    def _delete_step(self, step: int, report: CleanupReport) -> None:
+    def _delete_step(self, step: int, report: CleanupReport, files: list[str] | None = None) -> None:
         """Manifest first: a step half-deleted by a failure is then merely uncommitted, never a
-        committed step with missing files; GC or the next call finishes the job."""
+        committed step with missing files; GC or the next call finishes the job. ``files``: the
+        step's files when the caller knows them (no listing needed)."""
         try:
             self.storage.delete(f"{step_dir(step)}/{MANIFEST}")
-            self.storage.delete_tree(step_dir(step))
+            if not (files and self.storage.delete_files(files, step_dir(step))):
+                self.storage.delete_tree(step_dir(step))
         except (StorageError, OSError) as exc:
             # One failed delete (a transient remote error) must not stop training or later cleanup.
             self._retry_deletes.add(step)
@@ -397,12 +399,14 @@ class CheckpointStore:
         report.deleted.append(step)
 
     def apply_retention(self, keep_last: int, keep_every: int = 0,
-                        committed: list[int] | None = None) -> CleanupReport:
+                        committed: list[int] | None = None, files: dict[int, list[str]] | None = None
+                        ) -> CleanupReport:
         """Keep the newest ``keep_last`` committed steps, every step divisible by ``keep_every`` (if > 0),
         and always the newest committed step; delete the other committed steps. Never raises.
 
         ``committed``: the committed steps, oldest first, when the caller already knows them (the
-        committer does: it wrote them), which saves listing storage and reading every manifest."""
+        committer does: it wrote them), which saves listing storage and reading every manifest.
+        ``files``: step -> its files, for the steps whose files the caller knows."""
         report = CleanupReport()
         try:
             committed = self.committed_steps() if committed is None else sorted(committed)
@@ -416,7 +420,7 @@ class CheckpointStore:
         doomed = (set(committed) - keep) | {s for s in self._retry_deletes if committed and s < committed[-1]}
         doomed -= keep
         for step in sorted(doomed):
-            self._delete_step(step, report)
+            self._delete_step(step, report, (files or {}).get(step))
         return report
 
     def gc_uncommitted(self, older_than: int | None = None, keep: Iterable[int] = ()) -> CleanupReport:
