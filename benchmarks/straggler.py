@@ -7,10 +7,13 @@ Five runs on the MLP workload, 4 active ranks: healthy plain sync; plain sync wi
 first-N-of-M (b=1, M=5) with the same slowdown; first-N plus eviction (one hot spare,
 ``evict_stragglers=True``); and first-N with no straggler, which shows what the fifth replica
 alone costs when five processes share this machine's cores (``--no-first-n-healthy`` skips it).
+The five repeat ``--rounds`` times (default 2), the order reversed every other round, so load
+drift on a shared machine reaches every mode alike; each ratio is taken within a round over that
+round's healthy plain run, and the figure is the mean of the rounds (each round is listed).
 Throughput is samples/s over the controller's per-step wall times of the steps from ``slow-from`` on
 (for eviction: the steps after the eviction; the eviction run is longer, and its figure also gives
-the ratio over the steps after the replacement spare is ready, since on one small machine that
-spare's start-up takes CPU from training). Each ratio is over the healthy plain run. Two more runs
+the ratio over the steps after the replacement spare is ready: the spare that refills the pool
+builds on idle CPU, so it may come up late or not within the run). Two more runs
 on the digits example (same epochs) give the accuracy cost of dropping the late gradient: healthy
 plain minus first-N with the straggler. On digits the model is tiny, so the slowdown (a multiple of
 the rank's own compute time) is small; which gradient is dropped still follows arrival order.
@@ -99,10 +102,8 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
 def evict_details(run: dict, base: float) -> dict:
     """For the eviction run: who was evicted and why, its length, and the ratio over the steps
     after the replacement spare was ready."""
-    if run["mode"] != "evict":
-        return {}
-    out = {"run_steps": run["run_steps"], "evicted_rank": run.get("evicted_rank"),
-           "evict_reason": run.get("evict_reason")}
+    out = {"run_steps": run["run_steps"], "evicted_after_step": run["evicted_after_step"],
+           "evicted_rank": run.get("evicted_rank"), "evict_reason": run.get("evict_reason")}
     if "after_spare_ready" in run:
         later = run["after_spare_ready"]
         out.update(spare_ready_step=run["spare_ready_step"], steps_after_spare_ready=later["steps"],
@@ -143,6 +144,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-first-n-healthy", dest="first_n_healthy", action="store_false",
                    help="skip first-N-of-M with no straggler (the cost of M = N + 1 replicas alone)")
     p.add_argument("--skip-accuracy", action="store_true")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of every mode, alternating the order; each ratio is the mean of its rounds")
     args = p.parse_args(argv)
     claim_stdout()
     w = workload_from_args(args)
@@ -150,28 +153,43 @@ def main(argv=None) -> None:
     slow = {"kind": "slow", "rank": args.slow_rank, "factor": args.factor, "from_step": args.slow_from}
 
     modes = ("healthy", "plain", "first_n", "evict") + (("first_n_healthy",) if args.first_n_healthy else ())
-    runs = {m: run_mode(w, m, args.evict_steps if m == "evict" else args.steps, slow, args.evict_window,
-                        args.poll_s) for m in modes}
-    base = runs["healthy"]["samples_per_s"]
+    # Rounds alternate the order (forward, then backward, ...), so load drift on a shared machine
+    # reaches every mode alike; each ratio is taken within a round and the figure is their mean.
+    rounds = []
+    for i in range(args.rounds):
+        order = modes if i % 2 == 0 else tuple(reversed(modes))
+        rounds.append({m: run_mode(w, m, args.evict_steps if m == "evict" else args.steps, slow, args.evict_window,
+                                   args.poll_s) for m in order})
     common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
-              "steps": args.steps, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from}
-    fn_healthy = runs.get("first_n_healthy", {}).get("samples_per_s")
+              "steps": args.steps, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from,
+              "rounds": args.rounds}
+
+    def mean_ratio(mode: str, over: str) -> tuple[float | None, list]:
+        per_round = [ratio(r[mode]["samples_per_s"], r[over]["samples_per_s"]) for r in rounds]
+        known = [x for x in per_round if x is not None]
+        return (sum(known) / len(known) if known else None), per_round
+
     for mode in ("plain", "first_n", "evict"):
-        r = runs[mode]
-        if mode != "plain" and fn_healthy:
+        value, per_round = mean_ratio(mode, "healthy")
+        details: dict = {"per_round": per_round,
+                         "samples_per_s": [r[mode]["samples_per_s"] for r in rounds],
+                         "healthy_samples_per_s": [r["healthy"]["samples_per_s"] for r in rounds],
+                         "measured_after_step": [r[mode]["measured_after_step"] for r in rounds],
+                         "measured_steps": [r[mode]["steps"] for r in rounds]}
+        if mode != "plain" and args.first_n_healthy:
             # The straggler's own cost, apart from what a fifth replica costs on this machine.
-            common_mode = {"ratio_vs_first_n_healthy": ratio(r["samples_per_s"], fn_healthy),
-                           "first_n_healthy_samples_per_s": fn_healthy}
-        else:
-            common_mode = {}
-        emit(f"straggler_throughput_ratio_{mode}", ratio(r["samples_per_s"], base), "ratio", **common_mode,
-             samples_per_s=r["samples_per_s"], healthy_samples_per_s=base, measured_after_step=r["measured_after_step"],
-             measured_steps=r["steps"], evicted_after_step=r["evicted_after_step"], **evict_details(r, base),
-             **common)
-    for mode, r in runs.items():
-        emit(f"straggler_samples_per_s_{mode}", r["samples_per_s"], "samples/s",
-             mean_step_time_s=r["mean_step_time_s"], measured_after_step=r["measured_after_step"],
-             whole_run_samples_per_s=r["whole_run_samples_per_s"], dropped_samples=r["dropped_samples"], **common)
+            details["ratio_vs_first_n_healthy"], details["per_round_vs_first_n_healthy"] = \
+                mean_ratio(mode, "first_n_healthy")
+        if mode == "evict":
+            details["rounds_detail"] = [evict_details(r["evict"], r["healthy"]["samples_per_s"]) for r in rounds]
+        emit(f"straggler_throughput_ratio_{mode}", value, "ratio", **details, **common)
+    for mode in modes:
+        runs = [r[mode] for r in rounds]
+        emit(f"straggler_samples_per_s_{mode}", sum(r["samples_per_s"] for r in runs) / len(runs), "samples/s",
+             per_round=[r["samples_per_s"] for r in runs], mean_step_time_s=[r["mean_step_time_s"] for r in runs],
+             measured_after_step=[r["measured_after_step"] for r in runs],
+             whole_run_samples_per_s=[r["whole_run_samples_per_s"] for r in runs],
+             dropped_samples=[r["dropped_samples"] for r in runs], **common)
 
     if not args.skip_accuracy:
         healthy = digits_accuracy("healthy", w.workers, args.digits_epochs, slow)
