@@ -584,6 +584,7 @@ class Controller:
         first_problem: float | None = None
         beats: dict[int, Any] = {}
         node_suspect = False
+        released = False
         while pending:
             timeout = cfg.heartbeat_interval_s
             t_wait = time.perf_counter()
@@ -612,6 +613,12 @@ class Controller:
                         user_error = user_error or (r, str(exc))
                 if (dead or collective_failed or user_error) and first_problem is None:
                     first_problem = time.time()
+            if dead and self._first_n and not released:
+                # Survivors may wait on a first-N agreement that the dead can no longer make
+                # (fewer than N replicas left); no socket of theirs closes to wake them.
+                released = True
+                for r in set(pending.values()) - dead:
+                    self.group.members[r].actor.abandon_first_n.remote()
             if not (dead or collective_failed or user_error) and got >= need:
                 now = time.time()
                 for ref in results:

@@ -5,6 +5,8 @@ persistent straggler is evicted for a hot spare.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import elastic
@@ -85,4 +87,20 @@ def test_persistent_straggler_evicted_for_spare(ray_cluster):
     assert result.events_of("replace")
     ref = reference_weights(STEPS + 4, N * PER, batches=used_batches(result))
     assert_weights_close(result.model_state, ref, atol=1e-6)
+    assert len(set(result.replica_checksums)) == 1
+
+
+def test_losing_more_ranks_than_backups_heals_without_waiting_out_the_survivors(ray_cluster):
+    # Two of three replicas die in one step (as when a node with two ranks goes): the survivor
+    # has computed its gradient and waits for the first-N agreement of a step that can no longer
+    # gather N = 2 arrivals. The controller releases it; it must not sit out the collective
+    # timeout (20 s here) and then be killed as hung.
+    faults = [{"kind": "kill", "rank": 1, "at_step": 3}, {"kind": "kill", "rank": 2, "at_step": 3}]
+    t0 = time.time()
+    result = make("firstn-two-lost", faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
+    assert result.metrics["steps"] == STEPS
+    assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
+    assert result.recoveries[0]["kind"] != "hang"
+    assert result.recoveries[0]["detect_s"] < 10
+    assert time.time() - t0 < 60
     assert len(set(result.replica_checksums)) == 1

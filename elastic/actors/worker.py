@@ -337,7 +337,8 @@ class TrainWorker:
             self._enter("failed")
             self.current_step = None
             msg = f"rank {self.rank} failed: {exc}\n{traceback.format_exc()}"
-            collective = isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
+            collective = isinstance(exc, FirstNAbandoned) or (
+                isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc))
             exc = None  # drop frames that reference the DDP reducer before tearing down
             if collective:
                 self.leave()
@@ -440,10 +441,15 @@ class TrainWorker:
             order = arrived & 0xFF
         self._enter("allreduce" if order <= n else "late")
         if order == n:
-            mask = arrived >> 8
-            store.set(fast_key, str(mask))
+            # compare_set, not set: the key is written once, so every rank reads the same value,
+            # the fast set or the controller's ABANDONED (see abandon_first_n), never both.
+            agreed = store.compare_set(fast_key, "", str(arrived >> 8))
         else:
-            mask = int(store.get(fast_key))
+            agreed = store.get(fast_key)
+        if agreed == ABANDONED:
+            raise FirstNAbandoned(f"rank {self.rank}: step {step} abandoned: a peer was lost before "
+                                  f"{n} gradients arrived")
+        mask = int(agreed)
         fast = tuple(r for r in range(self.world_size) if mask >> r & 1)
         leader = fast[0]
         tag = step if self.backend == "gloo" else 0  # NCCL has no tags; its pairs match in issue order
@@ -471,6 +477,37 @@ class TrainWorker:
         self._note_step_time(step, time.perf_counter() - t0)
         return StepResult(self.rank, step, float(flat[-1]), time.perf_counter() - t0, local, len(indices),
                           self.completed_step, extra)
+
+    @ray.method(concurrency_group="control")
+    def abandon_first_n(self, steps_ahead: int = 17) -> int:
+        """Release this rank from waiting on a first-N agreement that may never come.
+
+        The controller calls this, from this actor's control thread, when a peer of the group has
+        died. If fewer than N replicas are left, the N-th arrival of the current step never
+        happens, and a rank that arrived would wait on the store until the collective timeout
+        and then be killed as hung. Nothing in the store is tied to the dead peer's socket, so
+        the peer's death does not wake it. This marks the agreement key of this rank's current
+        step, and of the steps after it that a dispatch window may still hold, as ABANDONED. It
+        uses ``compare_set``, so a step whose fast set was already published keeps it. A waiting
+        rank reads ABANDONED and fails the step like a broken collective. Keys of the old
+        generation die with its store at the rebuild. It uses a clone of the store (same keys, its
+        own connection, as torch's ``Store.clone`` is meant for other threads): the main thread
+        may be blocked in a ``get`` on the original. Returns how many keys it marked (0 without
+        a first-N group)."""
+        store = self._fn_store
+        if store is None:
+            return 0
+        first = self.current_step if self.current_step is not None else self.completed_step + 1
+        try:
+            client = store.clone()
+            client.set_timeout(timedelta(seconds=5))
+            marked = 0
+            for step in range(first, first + steps_ahead):
+                marked += client.compare_set(f"fn/{step}/fast", "", ABANDONED) == ABANDONED
+            return marked
+        except Exception as exc:  # noqa: BLE001 - the store died with rank 0: its clients raise already
+            logger.debug("rank %s: cannot mark first-N steps abandoned: %s", self.rank, exc)
+            return 0
 
     def fast_sets(self, first: int, last: int) -> dict[int, list[int]]:
         """Which ranks were the fast N in steps first..last (kept for the last 4096 steps): the
@@ -575,6 +612,13 @@ class TrainWorker:
 
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout",
                        "broken pipe", "process group", "socket", "peer", "aborted")
+
+
+ABANDONED = b"abandoned"  # a first-N agreement key's value when the controller gave the step up
+
+
+class FirstNAbandoned(RuntimeError):
+    """A first-N step whose agreement the controller abandoned after losing a peer."""
 
 
 def _looks_collective(exc: BaseException) -> bool:
