@@ -49,3 +49,24 @@ def test_bucket_arguments_by_backend():
 def test_gloo_model_under_the_cap_is_one_all_reduce(tmp_path):
     assert buckets_reduced(tmp_path, None) == 1  # 1.6 MB of gradients, first bucket included
     assert buckets_reduced(tmp_path, 0.5) == 2  # the user's cap still applies (a tensor over it stands alone)
+
+
+def test_abandoning_first_n_releases_a_waiting_rank_and_keeps_published_steps():
+    # A real TCPStore under the prefix a process group uses; the waiter blocks like a rank that
+    # arrived and waits for the N-th arrival.
+    import threading
+    from datetime import timedelta
+
+    from elastic.actors.worker import ABANDONED, _mark_abandoned
+
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    store = dist.PrefixStore("default_pg/0/", master)
+    store.set("fn/4/fast", "3")  # step 4's fast set was published before the failure
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(value=store.clone().get("fn/3/fast")))
+    waiter.start()
+    _mark_abandoned(store, range(3, 6), rank=0)
+    waiter.join(5)
+    assert got == {"value": ABANDONED}
+    assert store.get("fn/4/fast") == b"3"
+    assert store.get("fn/5/fast") == ABANDONED

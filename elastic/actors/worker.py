@@ -23,6 +23,7 @@ import random
 import signal
 import socket
 import statistics
+import threading
 import time
 import traceback
 import zlib
@@ -479,7 +480,7 @@ class TrainWorker:
                           self.completed_step, extra)
 
     @ray.method(concurrency_group="control")
-    def abandon_first_n(self, steps_ahead: int = 17) -> int:
+    def abandon_first_n(self, steps_ahead: int = 17) -> bool:
         """Release this rank from waiting on a first-N agreement that may never come.
 
         The controller calls this, from this actor's control thread, when a peer of the group has
@@ -490,24 +491,21 @@ class TrainWorker:
         step, and of the steps after it that a dispatch window may still hold, as ABANDONED. It
         uses ``compare_set``, so a step whose fast set was already published keeps it. A waiting
         rank reads ABANDONED and fails the step like a broken collective. Keys of the old
-        generation die with its store at the rebuild. It uses a clone of the store (same keys, its
-        own connection, as torch's ``Store.clone`` is meant for other threads): the main thread
-        may be blocked in a ``get`` on the original. Returns how many keys it marked (0 without
-        a first-N group)."""
+        generation die with its store at the rebuild.
+
+        The marking runs in a thread of its own and this returns at once: reaching the store
+        can take up to its timeout when the store's host (rank 0's node) is the one that died,
+        and the control thread must keep answering heartbeats meanwhile. It uses a clone of the
+        store (same keys, its own connection; torch's ``Store.clone`` is meant for other
+        threads): the main thread may be blocked in a ``get`` on the original. Returns whether
+        there was a first-N group to release."""
         store = self._fn_store
         if store is None:
-            return 0
+            return False
         first = self.current_step if self.current_step is not None else self.completed_step + 1
-        try:
-            client = store.clone()
-            client.set_timeout(timedelta(seconds=5))
-            marked = 0
-            for step in range(first, first + steps_ahead):
-                marked += client.compare_set(f"fn/{step}/fast", "", ABANDONED) == ABANDONED
-            return marked
-        except Exception as exc:  # noqa: BLE001 - the store died with rank 0: its clients raise already
-            logger.debug("rank %s: cannot mark first-N steps abandoned: %s", self.rank, exc)
-            return 0
+        threading.Thread(target=_mark_abandoned, args=(store, range(first, first + steps_ahead), self.rank),
+                         name="elastic-abandon-first-n", daemon=True).start()
+        return True
 
     def fast_sets(self, first: int, last: int) -> dict[int, list[int]]:
         """Which ranks were the fast N in steps first..last (kept for the last 4096 steps): the
@@ -619,6 +617,17 @@ ABANDONED = b"abandoned"  # a first-N agreement key's value when the controller 
 
 class FirstNAbandoned(RuntimeError):
     """A first-N step whose agreement the controller abandoned after losing a peer."""
+
+
+def _mark_abandoned(store, steps: range, rank: int) -> None:
+    """Set each step's first-N agreement key to ABANDONED unless it is already set."""
+    try:
+        client = store.clone()
+        client.set_timeout(timedelta(seconds=5))
+        for step in steps:
+            client.compare_set(f"fn/{step}/fast", "", ABANDONED)
+    except Exception as exc:  # noqa: BLE001 - the store died with rank 0: its clients raise already
+        logger.debug("rank %s: cannot mark first-N steps abandoned: %s", rank, exc)
 
 
 def _looks_collective(exc: BaseException) -> bool:
