@@ -338,8 +338,7 @@ class TrainWorker:
             self._enter("failed")
             self.current_step = None
             msg = f"rank {self.rank} failed: {exc}\n{traceback.format_exc()}"
-            collective = isinstance(exc, FirstNAbandoned) or (
-                isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc))
+            collective = isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
             exc = None  # drop frames that reference the DDP reducer before tearing down
             if collective:
                 self.leave()
@@ -424,7 +423,7 @@ class TrainWorker:
         t0 = time.perf_counter()
         self.current_step = self.started_step = step
         store, n = self._fn_store, self._fn_n
-        count_key, fast_key = f"fn/{step}/n", f"fn/{step}/fast"
+        count_key, fast_key = f"fn/{step}/n", _fast_key(step)
         order = n + 1
         flat = self._fn_flat  # every gradient (views into it) and the loss: no copy in or out
         local = 0.0
@@ -615,6 +614,11 @@ _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", 
 ABANDONED = b"abandoned"  # a first-N agreement key's value when the controller gave the step up
 
 
+def _fast_key(step: int) -> str:
+    """The store key under which a first-N step's fast set (or ABANDONED) is agreed."""
+    return f"fn/{step}/fast"
+
+
 class FirstNAbandoned(RuntimeError):
     """A first-N step whose agreement the controller abandoned after losing a peer."""
 
@@ -625,13 +629,13 @@ def _mark_abandoned(store, steps: range, rank: int) -> None:
         client = store.clone()
         client.set_timeout(timedelta(seconds=5))
         for step in steps:
-            client.compare_set(f"fn/{step}/fast", "", ABANDONED)
+            client.compare_set(_fast_key(step), "", ABANDONED)
     except Exception as exc:  # noqa: BLE001 - the store died with rank 0: its clients raise already
         logger.debug("rank %s: cannot mark first-N steps abandoned: %s", rank, exc)
 
 
 def _looks_collective(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistBackendError):
+    if isinstance(exc, (dist.DistBackendError, FirstNAbandoned)):
         return True
     text = str(exc).lower()
     return any(m in text for m in _COLLECTIVE_MARKERS)
