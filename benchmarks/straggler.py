@@ -58,7 +58,7 @@ def spare_ready_step(samples: list[dict], evicted_at: float) -> int | None:
     return None
 
 
-def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: float) -> dict:
+def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: float, backoff: int) -> dict:
     n = w.workers
     faults = [] if mode.endswith("healthy") else [slow]
     failure = None
@@ -66,10 +66,10 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
         scaling = elastic.ScalingConfig(num_workers=n, resources_per_worker={"CPU": 1})
     elif mode in ("first_n", "first_n_healthy"):
         scaling = elastic.ScalingConfig(num_workers=n, num_backups=1, aggregation="first_n",
-                                        resources_per_worker={"CPU": 1})
+                                        resources_per_worker={"CPU": 1}, late_backoff_steps=backoff)
     else:
         scaling = elastic.ScalingConfig(num_workers=n, num_backups=1, aggregation="first_n", num_spares=1,
-                                        resources_per_worker={"CPU": 1})
+                                        resources_per_worker={"CPU": 1}, late_backoff_steps=backoff)
         failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=2.0, straggler_window=evict_window)
     trainer = elastic_trainer(w, f"straggler-{mode.replace('_', '-')}", scaling=scaling, failure=failure,
                               faults=faults)
@@ -94,7 +94,8 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
     out = {"mode": mode, "run_steps": steps, "measured_after_step": after, "evicted_after_step": evicted,
            "spare_ready_step": ready, **tp, **extra,
            "whole_run_samples_per_s": sum(h["samples"] for h in res.history) / whole,
-           "dropped_samples": res.metrics["dropped_samples"], "wall_s": wall}
+           "dropped_samples": res.metrics["dropped_samples"], "late_gradients": res.metrics["late_gradients"],
+           "wall_s": wall}
     logger.info("%s: %s", mode, out)
     return out
 
@@ -111,14 +112,14 @@ def evict_details(run: dict, base: float) -> dict:
     return out
 
 
-def digits_accuracy(mode: str, workers: int, epochs: int, slow: dict) -> float:
+def digits_accuracy(mode: str, workers: int, epochs: int, slow: dict, backoff: int) -> float:
     import digits
 
     if mode == "healthy":
         scaling, faults = elastic.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}), []
     else:
         scaling = elastic.ScalingConfig(num_workers=workers, num_backups=1, aggregation="first_n",
-                                        resources_per_worker={"CPU": 1})
+                                        resources_per_worker={"CPU": 1}, late_backoff_steps=backoff)
         faults = [slow]
     trainer = elastic.Trainer(digits.make_model, digits.make_optimizer, digits.train_dataset, digits.loss_fn,
                               64, scaling=scaling, run=elastic.RunConfig(name=f"straggler-digits-{mode}", seed=0),
@@ -144,6 +145,11 @@ def main(argv=None) -> None:
     p.add_argument("--no-first-n-healthy", dest="first_n_healthy", action="store_false",
                    help="skip first-N-of-M with no straggler (the cost of M = N + 1 replicas alone)")
     p.add_argument("--skip-accuracy", action="store_true")
+    p.add_argument("--late-backoff-steps", type=int, default=elastic.ScalingConfig.late_backoff_steps,
+                   help="ScalingConfig.late_backoff_steps of the first-N runs (0: a late replica never sits out)")
+    p.add_argument("--modes", default="",
+                   help="comma-separated subset of the throughput runs to make (healthy is always made); "
+                        "for experiments: the figures need all of them")
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds of every mode, alternating the order; each ratio is the mean of its rounds")
     args = p.parse_args(argv)
@@ -153,30 +159,32 @@ def main(argv=None) -> None:
     slow = {"kind": "slow", "rank": args.slow_rank, "factor": args.factor, "from_step": args.slow_from}
 
     modes = ("healthy", "plain", "first_n", "evict") + (("first_n_healthy",) if args.first_n_healthy else ())
+    if args.modes:
+        modes = ("healthy",) + tuple(m for m in modes if m != "healthy" and m in args.modes.split(","))
     # Rounds alternate the order (forward, then backward, ...), so load drift on a shared machine
     # reaches every mode alike; each ratio is taken within a round and the figure is their mean.
     rounds = []
     for i in range(args.rounds):
         order = modes if i % 2 == 0 else tuple(reversed(modes))
         rounds.append({m: run_mode(w, m, args.evict_steps if m == "evict" else args.steps, slow, args.evict_window,
-                                   args.poll_s) for m in order})
+                                   args.poll_s, args.late_backoff_steps) for m in order})
     common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
               "steps": args.steps, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from,
-              "rounds": args.rounds}
+              "rounds": args.rounds, "late_backoff_steps": args.late_backoff_steps}
 
     def mean_ratio(mode: str, over: str) -> tuple[float | None, list]:
         per_round = [ratio(r[mode]["samples_per_s"], r[over]["samples_per_s"]) for r in rounds]
         known = [x for x in per_round if x is not None]
         return (sum(known) / len(known) if known else None), per_round
 
-    for mode in ("plain", "first_n", "evict"):
+    for mode in (m for m in ("plain", "first_n", "evict") if m in modes):
         value, per_round = mean_ratio(mode, "healthy")
         details: dict = {"per_round": per_round,
                          "samples_per_s": [r[mode]["samples_per_s"] for r in rounds],
                          "healthy_samples_per_s": [r["healthy"]["samples_per_s"] for r in rounds],
                          "measured_after_step": [r[mode]["measured_after_step"] for r in rounds],
                          "measured_steps": [r[mode]["steps"] for r in rounds]}
-        if mode != "plain" and args.first_n_healthy:
+        if mode != "plain" and "first_n_healthy" in modes:
             # The straggler's own cost, apart from what a fifth replica costs on this machine.
             details["ratio_vs_first_n_healthy"], details["per_round_vs_first_n_healthy"] = \
                 mean_ratio(mode, "first_n_healthy")
@@ -189,11 +197,12 @@ def main(argv=None) -> None:
              per_round=[r["samples_per_s"] for r in runs], mean_step_time_s=[r["mean_step_time_s"] for r in runs],
              measured_after_step=[r["measured_after_step"] for r in runs],
              whole_run_samples_per_s=[r["whole_run_samples_per_s"] for r in runs],
-             dropped_samples=[r["dropped_samples"] for r in runs], **common)
+             dropped_samples=[r["dropped_samples"] for r in runs],
+             late_gradients=[r["late_gradients"] for r in runs], **common)
 
     if not args.skip_accuracy:
-        healthy = digits_accuracy("healthy", w.workers, args.digits_epochs, slow)
-        first_n = digits_accuracy("first_n", w.workers, args.digits_epochs, slow)
+        healthy = digits_accuracy("healthy", w.workers, args.digits_epochs, slow, 0)
+        first_n = digits_accuracy("first_n", w.workers, args.digits_epochs, slow, args.late_backoff_steps)
         emit("first_n_accuracy_delta", healthy - first_n, "accuracy", healthy_plain_accuracy=healthy,
              first_n_straggler_accuracy=first_n, epochs=args.digits_epochs, dataset="sklearn digits",
              workers=w.workers, global_batch=64, slow=slow)

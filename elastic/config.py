@@ -52,6 +52,16 @@ class ScalingConfig:
     eviction or a recovery) builds its model on idle CPU only (Linux ``SCHED_IDLE``, where the
     process may restore its priority afterwards), so its start-up does not slow ranks sharing
     its node. Spares that training waits for always start at normal priority.
+
+    ``late_backoff_steps`` (first-N only): a replica whose gradient came late ``k`` times in a row
+    sits out the next ``min(2**(k-1), late_backoff_steps)`` steps. It still receives and applies
+    every update, so it stays identical, but it computes no gradient that would only be dropped,
+    and then tries again. A persistent straggler thus computes about one step in
+    ``late_backoff_steps + 1``, and where replicas share a node's cores the CPU it would have
+    wasted goes to the fast ones. The price: a replica that sits out is no backup for those
+    steps, so a rank that turns slow meanwhile holds up at most ``late_backoff_steps`` steps
+    before the rested replica is back. 0 turns it off: a late replica then computes every step
+    unless N gradients arrived before it started (Chen et al.'s backups always compute).
     """
 
     num_workers: int = 1
@@ -66,6 +76,7 @@ class ScalingConfig:
     dispatch_target_s: float = 0.5
     bucket_cap_mb: float | None = None
     background_spare_start: bool = True
+    late_backoff_steps: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -107,6 +118,10 @@ class ScalingConfig:
         if not isinstance(self.background_spare_start, bool):
             raise ConfigError(f"ScalingConfig.background_spare_start must be True or False, "
                               f"got {self.background_spare_start!r}.")
+        if isinstance(self.late_backoff_steps, bool) or not isinstance(self.late_backoff_steps, int) \
+                or self.late_backoff_steps < 0:
+            raise ConfigError(f"ScalingConfig.late_backoff_steps must be an integer >= 0 (0 = a late first-N "
+                              f"replica never sits out), got {self.late_backoff_steps!r}.")
         if self.bucket_cap_mb is not None and not (isinstance(self.bucket_cap_mb, (int, float))
                                                    and self.bucket_cap_mb > 0):
             raise ConfigError(f"ScalingConfig.bucket_cap_mb must be a number of MiB > 0, or None to choose by "

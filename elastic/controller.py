@@ -146,6 +146,7 @@ class Controller:
         self.total_steps = 0
         self._hung: set[int] = set()  # ranks the controller killed as hung
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
+        self.late_gradients = 0  # first-N: gradients a rank computed that came too late to be used
         self._planned: dict[int, tuple[int, list[list[int]]]] = {}  # step -> (epoch, shards) handed out
         self._positions: dict[int, dict] = {}  # step -> sampler position right after that step
         # first step of a window -> (refs, ranks, dispatch time, steps in the window)
@@ -295,7 +296,8 @@ class Controller:
         refs = [m.actor.join.remote(m.rank, world, addr, port, self.generation,
                                     self.failure_config.collective_timeout_s, not first_n,
                                     self.scaling.num_workers if first_n else 0,
-                                    self.failure_config.checksum_every_n_steps)
+                                    self.failure_config.checksum_every_n_steps,
+                                    self.scaling.late_backoff_steps)
                 for m in self.group.members]
         ray.get(refs, timeout=self.failure_config.collective_timeout_s + 30)
         self._lagging.clear()  # windows of the old generation
@@ -476,6 +478,8 @@ class Controller:
         """A rank's step timing for the straggler policy, and its checksum if it sent one."""
         if res.extra.get("computed", True):  # a late first-N rank that skipped has no timing
             self.straggler_policy.observe(rank, res.extra.get("local_time_s", res.compute_time_s))
+            if "fast" in res.extra and rank not in res.extra["fast"]:
+                self.late_gradients += 1
         if "checksum" in res.extra:
             self._note_checksum(res.step, rank, res.extra["checksum"])
 
@@ -1143,6 +1147,7 @@ class Controller:
             "recoveries": list(self.recoveries),
             "failures": self.failures,
             "recomputed_steps": self.recomputed,
+            "late_gradients": self.late_gradients,
             "ledger": [asdict(e) for e in self.ledger.entries],
             "dropped_samples": self.ledger.dropped(),
             "restored_from": self.restored_from,

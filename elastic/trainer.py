@@ -202,6 +202,7 @@ class Trainer:
             "samples_per_s": sum(h["samples"] for h in timed) / total_time if total_time else 0.0,
             "mean_step_time_s": total_time / len(timed) if timed else 0.0,
             "dropped_samples": out["dropped_samples"],
+            "late_gradients": out["late_gradients"],
             "failures": out["failures"],
             "recomputed_steps": out["recomputed_steps"],
             "world_size": out["world_size"],

@@ -103,6 +103,13 @@ def test_bucket_cap_must_be_positive():
     assert ScalingConfig(num_workers=2, bucket_cap_mb=4).bucket_cap_mb == 4
 
 
+@pytest.mark.parametrize("value", [-1, 2.5, True, "8"])
+def test_late_backoff_steps_must_be_a_count(value):
+    with pytest.raises(ConfigError, match="ScalingConfig.late_backoff_steps must be an integer >= 0"):
+        ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n", late_backoff_steps=value)
+    assert ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n", late_backoff_steps=0).late_backoff_steps == 0
+
+
 def test_background_spare_start_must_be_a_bool():
     with pytest.raises(ConfigError, match="background_spare_start must be True or False"):
         ScalingConfig(num_workers=2, background_spare_start="no")

@@ -18,11 +18,11 @@ N, B, PER = 2, 1, 8  # 2 fast ranks of 3, 8 samples each: global batch 16
 STEPS = 8
 
 
-def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0):
+def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8):
     return elastic.Trainer(
         make_model, make_sgd, make_dataset, loss_fn, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
-                                      steps_per_dispatch=steps_per_dispatch),
+                                      steps_per_dispatch=steps_per_dispatch, late_backoff_steps=late_backoff_steps),
         run=elastic.RunConfig(name=name, seed=0),
         failure=failure or elastic.FailureConfig(checksum_every_n_steps=1),
         faults=faults, requeue_dropped=requeue)
@@ -55,6 +55,23 @@ def test_slow_rank_never_enters_update_and_replicas_stay_identical(ray_cluster):
     # the injected schedule: the slow rank's shard is the one dropped in every step
     assert len(slow_rows) == STEPS and dropped == STEPS * B * PER
     assert all(h["ranks"] == [0, 1] for h in result.history)
+    assert result.metrics["late_gradients"] == 1  # the one it computed, for step 1
+
+
+def test_a_persistent_straggler_sits_out_instead_of_computing_gradients_nobody_uses(ray_cluster):
+    # Every rank is paced by a delay, the straggler 4x the others: it is late every time it
+    # computes. With late_backoff_steps=8 the k-th late gradient in a row is followed by
+    # min(2**(k-1), 8) steps sat out, so in 40 steps it computes at most 7 gradients (at steps
+    # 1, 3, 6, 11, 20, 29, 38 at the latest). With late_backoff_steps=0 it computed 18 in 60 steps
+    # here: one every time it had caught up. Sitting out still applies every update.
+    steps = 40
+    faults = [{"kind": "slow", "rank": r, "delay_s": 0.12 if r == 2 else 0.03, "from_step": 1} for r in range(N + B)]
+    result = make("firstn-backoff", faults=faults, steps_per_dispatch=4).fit(steps=steps)
+    assert all(h["ranks"] == [0, 1] for h in result.history)
+    assert 1 <= result.metrics["late_gradients"] <= 7
+    ref = reference_weights(steps, N * PER, batches=used_batches(result))
+    assert_weights_close(result.model_state, ref, atol=1e-6)
+    assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
 
 
 def test_requeue_uses_every_sample_exactly_once(ray_cluster):

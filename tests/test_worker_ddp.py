@@ -70,3 +70,24 @@ def test_abandoning_first_n_releases_a_waiting_rank_and_keeps_published_steps():
     assert got == {"value": ABANDONED}
     assert store.get("fn/4/fast") == b"3"
     assert store.get("fn/5/fast") == ABANDONED
+
+
+def test_a_late_first_n_replica_sits_out_twice_as_long_each_time_up_to_the_cap():
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    w = SimpleNamespace(_fn_late_streak=0, _fn_sit_out=0, _fn_backoff_max=8)
+    sat_out = []
+    for _ in range(6):
+        TrainWorker._first_n_late_backoff(w, late=True)
+        sat_out.append(w._fn_sit_out)
+    assert sat_out == [1, 2, 4, 8, 8, 8]
+    TrainWorker._first_n_late_backoff(w, late=False)  # one gradient in time ends the backoff
+    assert w._fn_late_streak == 0
+    TrainWorker._first_n_late_backoff(w, late=True)
+    assert w._fn_sit_out == 1
+    off = SimpleNamespace(_fn_late_streak=0, _fn_sit_out=0, _fn_backoff_max=0)
+    for _ in range(3):
+        TrainWorker._first_n_late_backoff(off, late=True)
+    assert off._fn_sit_out == 0  # late_backoff_steps=0: never sits out
