@@ -498,7 +498,8 @@ class TrainWorker:
         (it waits for the update first), so it is rarely that sure and is late again. Counted on
         the straggler benchmark's workload (5 replicas, 300 steps, 2 cores): with no straggler a
         late gradient was computed and dropped in every one of the 300 steps, a fifth of all the
-        CPU the replicas spent; with a 3x straggler, in 101 of them. With a cap of 8: 104 and 39.
+        CPU the replicas spent; with a 3x straggler, in 94-101 of them. With a cap of 8: 85-122
+        and 38-39 (four and three runs). Throughput moved within this machine's noise.
         Exponential backoff, as for a retry: each late gradient in a row doubles the steps sat
         out, up to the cap, and one gradient in time ends it, so a rank that recovers is back in
         the fast set within the cap. A rank that sits out still takes part in every step (it
