@@ -64,12 +64,11 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
     failure = None
     if mode in ("healthy", "plain"):
         scaling = elastic.ScalingConfig(num_workers=n, resources_per_worker={"CPU": 1})
-    elif mode in ("first_n", "first_n_healthy"):
-        scaling = elastic.ScalingConfig(num_workers=n, num_backups=1, aggregation="first_n",
-                                        resources_per_worker={"CPU": 1}, late_backoff_steps=backoff)
     else:
-        scaling = elastic.ScalingConfig(num_workers=n, num_backups=1, aggregation="first_n", num_spares=1,
+        scaling = elastic.ScalingConfig(num_workers=n, num_backups=1, aggregation="first_n",
+                                        num_spares=1 if mode == "evict" else 0,
                                         resources_per_worker={"CPU": 1}, late_backoff_steps=backoff)
+    if mode == "evict":
         failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=2.0, straggler_window=evict_window)
     trainer = elastic_trainer(w, f"straggler-{mode.replace('_', '-')}", scaling=scaling, failure=failure,
                               faults=faults)

@@ -127,8 +127,9 @@ class TrainWorker:
         self.part_pool = None  # where this group's ranks pool written checkpoint parts (world > 1)
         self._fn_n = 0  # first-N: how many gradients make a step
         self._fn_flat: torch.Tensor | None = None  # first-N: every gradient (and the loss) in one buffer
-        self._fn_was_fast = True
-        self._fn_late_streak = 0  # first-N: steps in a row this rank computed a gradient that came late
+        # first-N: gradients in a row this rank computed that came late; 0 = its last gradient was in
+        # time. A rank only ever skips after a late gradient, so 0 also means "was fast last step".
+        self._fn_late_streak = 0
         self._fn_sit_out = 0  # first-N: steps this rank still skips computing (see _first_n_late_backoff)
         self._fn_backoff_max = 0  # ScalingConfig.late_backoff_steps
         self._fn_sends: list = []  # first-N leader: (pending isend, its buffer)
@@ -269,7 +270,6 @@ class TrainWorker:
             self._fn_store = dist.distributed_c10d._get_default_store()
             self._fn_n = subgroup_size
             self._fn_flat = _grads_as_views(self.model, self.device)
-            self._fn_was_fast = True
             self._fn_late_streak, self._fn_sit_out = 0, 0
             self._fn_backoff_max = late_backoff_steps
         self._checksum_every = checksum_every
@@ -438,7 +438,7 @@ class TrainWorker:
         computed = False
         if self._fn_sit_out > 0:
             self._fn_sit_out -= 1
-        elif self._fn_was_fast or (store.add(count_key, 0) & 0xFF) < n:
+        elif self._fn_late_streak == 0 or (store.add(count_key, 0) & 0xFF) < n:
             _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device.type)
             batch = self._batch(indices)
             self.model.train()
@@ -477,7 +477,6 @@ class TrainWorker:
             dist.recv(flat, src=leader, tag=tag)
         self._fn_sends = [(w, buf) for w, buf in self._fn_sends if not w.is_completed()]
         self._apply_update(step)  # the averaged gradient is in ``flat``, which the .grad views share
-        self._fn_was_fast = order <= n
         if computed:
             self._first_n_late_backoff(order > n)
         self._fast_log[step] = fast
@@ -512,8 +511,7 @@ class TrainWorker:
             self._fn_late_streak = 0
             return
         self._fn_late_streak += 1
-        if self._fn_backoff_max:
-            self._fn_sit_out = min(1 << min(self._fn_late_streak - 1, 16), self._fn_backoff_max)
+        self._fn_sit_out = min(1 << min(self._fn_late_streak - 1, 16), self._fn_backoff_max)  # 0: off
 
     @ray.method(concurrency_group="control")
     def abandon_first_n(self, steps_ahead: int = 17) -> bool:
