@@ -223,12 +223,25 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 @dataclass
 class CheckpointConfig:
-    """Per-step checkpoints. ``every_n_steps=0`` turns them off."""
+    """Per-step checkpoints. ``every_n_steps=0`` turns them off.
+
+    ``min_shard_bytes``: the least a writing rank writes a step. Data-parallel replicas hold the
+    same state, so each tensor is written once, by one rank; a state of B bytes is spread over
+    ``min(world_size, ceil(B / min_shard_bytes))`` ranks (ranks 0, 1, ...), and the other ranks
+    write no file: their RNG state goes into the step's manifest. 0: every rank writes a shard.
+    Why a floor (default 16 MiB): every file costs a fixed price whatever its size (an S3 PUT,
+    a create, fsync and delete), and splitting a small state only multiplies it. Measured on
+    this project's 2-core machine against moto: one PUT of 0.8 MB cost 5.2 ms of client CPU and
+    7.8 ms of server CPU, one of 3.2 MB 10.9 ms and 17.0 ms, so four 0.8 MB shards cost 52 ms
+    of CPU a step where one 3.2 MB shard costs 28. Splitting pays for large states, where one
+    writer's bandwidth would set the persist time.
+    """
 
     every_n_steps: int = 1
     blocking: bool = False
     keep_last: int = 3
     keep_every: int = 0
+    min_shard_bytes: int = 16 * 2**20
 
     def __post_init__(self) -> None:
         if not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
@@ -237,6 +250,10 @@ class CheckpointConfig:
             raise ConfigError("CheckpointConfig.keep_last must be an integer >= 1 (the newest committed step is always kept).")
         if not isinstance(self.keep_every, int) or self.keep_every < 0:
             raise ConfigError("CheckpointConfig.keep_every must be an integer >= 0 (0 keeps no extra steps).")
+        if not isinstance(self.min_shard_bytes, int) or isinstance(self.min_shard_bytes, bool) \
+                or self.min_shard_bytes < 0:
+            raise ConfigError("CheckpointConfig.min_shard_bytes must be an integer >= 0 "
+                              "(0: every rank writes a shard).")
 
 
 @dataclass

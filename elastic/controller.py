@@ -245,19 +245,23 @@ class Controller:
             return
         ckpt = self.run_config.checkpoint
         ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options, self.run_config.name,
-                                                     ckpt.every_n_steps, ckpt.blocking, self._self_handle)
+                                                     ckpt.every_n_steps, ckpt.blocking, self._self_handle,
+                                                     ckpt.min_shard_bytes)
                  for m in todo])
         self._configured.update(m.name for m in todo)
 
     def checkpoint_written(self, step: int, world_size: int, parts: dict) -> None:
         """From a rank's writer thread, through the controller actor's "checkpoint" thread: ``parts``
-        is ``{rank: {"entries", "taken_at", "progress"}}``, every rank's part of ``step`` when the
-        ranks pooled them (one message a step), else the sender's own."""
+        is ``{rank: {"entries", "taken_at", "progress"[, "rng"]}}``, every rank's part of ``step``
+        when the ranks pooled them (one message a step), else the sender's own."""
         if self.committer is None:
             return
         for rank, part in parts.items():
             self._worker_progress = max(self._worker_progress, int(part["progress"]))
-            self.committer.add(step, int(rank), world_size, part["entries"], taken_at=part.get("taken_at"))
+            self._add_part(step, int(rank), world_size, part)
+
+    def _add_part(self, step: int, rank: int, world_size: int, part: dict) -> None:
+        self.committer.add(step, rank, world_size, part["entries"], taken_at=part.get("taken_at"), rng=part.get("rng"))
 
     def _progress_step(self) -> int:
         """The newest step training is known to have finished: ours, or a rank's newer report."""
@@ -544,9 +548,8 @@ class Controller:
         extra = result.extra if hasattr(result, "extra") else (result or {})
         if self.committer is None or not extra:
             return
-        for step, entries, *taken_at in extra.get("ckpt_done", []):  # (step, entries[, snapshot time])
-            self.committer.add(step, rank, extra.get("world_size", len(self.group.members)), entries,
-                               taken_at=taken_at[0] if taken_at else None)
+        for step, part in extra.get("ckpt_done", []):
+            self._add_part(step, rank, extra.get("world_size", len(self.group.members)), part)
         for ev in extra.get("ckpt_events", []):
             self._log_storage_event(ev, rank)
 

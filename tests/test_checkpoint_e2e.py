@@ -41,17 +41,23 @@ def uninterrupted():
 
 def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrupted):
     url = f"file://{tmp_path}/ckpt"
-    first = trainer("resume", url, blocking=True).fit(steps=5)
+    # The first run has both ranks write a shard; the second (the default min_shard_bytes, far
+    # above this model's size) has rank 0 write the whole state and rank 1 only report its RNG.
+    first = trainer("resume", url, blocking=True, min_shard_bytes=0).fit(steps=5)
     assert first.checkpoint["latest_step"] == 5
     commits = [e["details"]["step"] for e in first.events if e["kind"] == "checkpoint_commit"]
     assert commits == [1, 2, 3, 4, 5]  # blocking mode: every step, in order
     store = CheckpointStore(url, "resume")
     assert store.committed_steps() == [3, 4, 5]  # keep_last=3
+    assert len(store.load_manifest(5)["files"]) == 2
     second = trainer("resume", url).fit(steps=12)
     assert second.metrics["restored_from"] == 5
     assert second.events_of("resume")
     assert second.checkpoint["latest_step"] == 12
     assert_weights_close(second.model_state, uninterrupted, atol=1e-5)
+    manifest = store.load_manifest(12)
+    assert [f["path"] for f in manifest["files"]] == ["step-000000012/shard-r0-of-2.safetensors"]
+    assert set(manifest["rng"]) == {"1"} and store.read_rng(12, 1)["torch"]
 
 
 def test_commits_do_not_wait_for_the_dispatch_window(ray_cluster, tmp_path, uninterrupted):

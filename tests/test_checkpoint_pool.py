@@ -85,6 +85,6 @@ def test_a_part_is_reported_directly_when_the_store_is_gone(tmp_path):
     assert [e["path"] for e in sent[0][2][1]["entries"]] == [shard_name(1, 1, 2)]
     # The end-of-training drain reports the pushed part again, with its snapshot time, so a step
     # committed from that report still says how long it took to persist.
-    (step, entries, taken_at), = ckpt.drain()["ckpt_done"]
-    assert (step, entries, taken_at) == (1, sent[0][2][1]["entries"], sent[0][2][1]["taken_at"])
+    (step, part), = ckpt.drain()["ckpt_done"]
+    assert (step, part["entries"], part["taken_at"]) == (1, sent[0][2][1]["entries"], sent[0][2][1]["taken_at"])
     ckpt.close()

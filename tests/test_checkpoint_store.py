@@ -36,6 +36,7 @@ from elastic.checkpoint.codec import (
     rank_share,
     sha256,
     tensor_nbytes,
+    writer_count,
 )
 from elastic.checkpoint.store import FileEntry, meta_name, shard_name, step_dir
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
@@ -199,17 +200,48 @@ def test_assign_shards_is_deterministic_and_balanced():
     assert assign_shards({"only": 5}, 3) == [["only"], [], []]  # an empty shard is fine
 
 
-def test_empty_shard_round_trip(backend):
-    """More ranks than tensors: some ranks write an empty shard."""
+def test_rank_without_a_share_writes_no_file_and_its_rng_goes_in_the_manifest(backend):
+    """More ranks than tensors: ranks 1 and 2 have nothing to write. They write no file, the
+    manifest carries their RNG state, and a commit that lacks one of them is refused."""
     store = make_store(backend)
     state = {"model": {"w": torch.arange(3.0)}, "optimizer": {"state": {}, "param_groups": []},
              "scheduler": None, "completed_step": 5}
     entries = []
     for rank in range(3):
-        entries += store.write_rank_files(5, rank, 3, state)
-    store.commit(5, entries, 3, {})
+        entries += store.write_rank_files(5, rank, 3, state, {"rank": rank})
+    assert [e.path for e in entries] == [shard_name(5, 0, 3)]
+    with pytest.raises(ValueError, match="shard-r2-of-3"):
+        store.commit(5, entries, 3, {}, rng={1: {"rank": 1}})
+    store.commit(5, entries, 3, {}, rng={1: {"rank": 1}, 2: {"rank": 2}})
     got, _ = store.read_state(5)
     assert_same(got, state)
+    assert [store.read_rng(5, r) for r in range(3)] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+    assert sorted(p for p in store.storage.list_dir(step_dir(5))) == ["manifest.json", "shard-r0-of-3.safetensors"]
+
+
+@pytest.mark.parametrize("min_shard_bytes,writers", [(0, 3), (1, 3), (10**9, 1)])
+def test_min_shard_bytes_sets_how_many_ranks_write(tmp_path, min_shard_bytes, writers):
+    """A small state is written by fewer ranks (ranks 0, 1, ...), each tensor still once; the
+    step reads back the same whoever wrote it."""
+    store = CheckpointStore(f"file://{tmp_path}/ck", RUN)
+    worker = trained_worker(steps=2)
+    state = worker.get_state()
+    tensors, _ = flatten_state(state)
+    total = sum(tensor_nbytes(t) for t in tensors.values())
+    assert writer_count(total, 3, min_shard_bytes) == writers
+    assert writer_count(total, 3, total // 2 + 1) == 2
+    entries, rng = [], {}
+    for rank in range(3):
+        mine = store.write_rank_files(4, rank, 3, state, capture_rng(), min_shard_bytes=min_shard_bytes)
+        assert bool(mine) == (rank < writers)
+        if not mine:
+            rng[rank] = capture_rng()
+        entries += mine
+    store.commit(4, entries, 3, {}, rng=rng)
+    assert len(store.load_manifest(4)["files"]) == writers
+    got, _ = store.read_state(4)
+    assert_same(got, state)
+    assert all(store.read_rng(4, r) is not None for r in range(3))
 
 
 def test_commit_refuses_missing_rank_files(backend):
@@ -528,10 +560,15 @@ def run_training(workers, hooks, committer, steps, meta_fn=lambda s: {"data": {"
             worker.train(step)
             out = hook.after_step(worker, step)
             reports.append(out)
-            for done_step, entries in out["ckpt_done"]:
-                committer.add(done_step, worker.rank, worker.world_size, entries)
+            add_parts(committer, worker, out)
         committer.set_meta(step, meta_fn(step))
     return reports
+
+
+def add_parts(committer, worker, out: dict) -> None:
+    """Hand a rank's reported parts to the committer, as the controller does."""
+    for done_step, part in out["ckpt_done"]:
+        committer.add(done_step, worker.rank, worker.world_size, part["entries"], rng=part.get("rng"))
 
 
 def finish(workers, hooks, committer) -> list[dict]:
@@ -541,17 +578,18 @@ def finish(workers, hooks, committer) -> list[dict]:
         assert hook.flush(10)
         out = hook.drain()
         events += out["ckpt_events"]
-        for done_step, entries in out["ckpt_done"]:
-            committer.add(done_step, worker.rank, worker.world_size, entries)
+        add_parts(committer, worker, out)
     assert committer.flush(10)
     return events
 
 
-@pytest.mark.parametrize("blocking", [False, True])
-def test_worker_hook_and_committer_end_to_end(backend, blocking):
+@pytest.mark.parametrize("blocking,min_shard_bytes", [(False, 0), (True, 0), (False, 10**9)])
+def test_worker_hook_and_committer_end_to_end(backend, blocking, min_shard_bytes):
+    """``min_shard_bytes=10**9``: rank 0 writes the whole state, rank 1 only reports its RNG."""
     _, url, options = backend
     workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
-    hooks = [WorkerCheckpointer(url, options, RUN, every_n_steps=2, blocking=blocking, retry=FAST) for _ in workers]
+    hooks = [WorkerCheckpointer(url, options, RUN, every_n_steps=2, blocking=blocking, retry=FAST,
+                                min_shard_bytes=min_shard_bytes) for _ in workers]
     store = make_store(backend)
     committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=2, keep_last=2))
     try:
@@ -562,6 +600,9 @@ def test_worker_hook_and_committer_end_to_end(backend, blocking):
         finish(workers, hooks, committer)
         assert committer.latest_committed == 4
         assert committer.lag(5) == 1
+        files = [e["path"] for e in store.load_manifest(4)["files"]]
+        assert files == [shard_name(4, r, 2) for r in range(2 if min_shard_bytes == 0 else 1)]
+        assert store.read_rng(4, 1) is not None
         # In the background, step 2 may be superseded by step 4 before it is written: that is the point.
         assert store.committed_steps() == [2, 4] if blocking else store.committed_steps()[-1] == 4
         state, meta = store.read_state(store.latest_valid())
@@ -594,9 +635,9 @@ def test_rng_is_saved_per_rank(tmp_path):
     torch.manual_seed(42)
     worker.completed_step = 1
     out = hook.after_step(worker, 1)
-    (step, entries), = out["ckpt_done"]
+    (step, part), = out["ckpt_done"]
     store = CheckpointStore(url, RUN)
-    store.commit(step, entries, 1, {})
+    store.commit(step, part["entries"], 1, {})
     torch.manual_seed(0)
     restore_rng(store.read_rng(1, 0))
     assert torch.equal(torch.rand(3), expected)

@@ -42,6 +42,19 @@ def test_failure_rejects(kwargs, field):
         FailureConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    ({"every_n_steps": -1}, "every_n_steps"),
+    ({"keep_last": 0}, "keep_last"),
+    ({"keep_every": -2}, "keep_every"),
+    ({"min_shard_bytes": -1}, "min_shard_bytes"),
+    ({"min_shard_bytes": 1.5}, "min_shard_bytes"),
+    ({"min_shard_bytes": True}, "min_shard_bytes"),
+])
+def test_checkpoint_rejects(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        elastic.CheckpointConfig(**kwargs)
+
+
 def test_placement_strategy_is_normalised():
     assert ScalingConfig(placement_strategy="spread").placement_strategy == "SPREAD"
 

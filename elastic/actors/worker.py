@@ -600,8 +600,9 @@ class TrainWorker:
 
     # ---- checkpoints (elastic.checkpoint does the storage work) ------------------------------
     def configure_checkpoint(self, url: str, storage_options: dict, run_name: str, every_n_steps: int,
-                             blocking: bool, controller: Any = None) -> None:
-        """``controller``: the controller actor, told of each written part the moment it is written."""
+                             blocking: bool, controller: Any = None, min_shard_bytes: int = 0) -> None:
+        """``controller``: the controller actor, told of each written part the moment it is written.
+        ``min_shard_bytes``: see ``CheckpointConfig``."""
         from elastic.checkpoint import WorkerCheckpointer
 
         if self._ckpt is not None:
@@ -611,7 +612,8 @@ class TrainWorker:
             def notify(step, world_size, parts):  # writer thread; fire and forget
                 controller.checkpoint_written.remote(step, world_size, parts)
         self._ckpt = WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
-                                        progress=lambda: self.completed_step) if every_n_steps > 0 else None
+                                        progress=lambda: self.completed_step, min_shard_bytes=min_shard_bytes
+                                        ) if every_n_steps > 0 else None
 
     def restore_checkpoint(self, url: str, storage_options: dict, run_name: str, step: int) -> dict:
         """Load a committed step (checksums verified while reading); returns its manifest meta."""

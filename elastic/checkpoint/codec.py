@@ -139,11 +139,22 @@ def assign_shards(sizes: dict[str, int], world_size: int) -> list[list[str]]:
     return [sorted(s) for s in shards]
 
 
-def rank_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> list[str]:
-    """The tensor names that ``rank`` writes."""
+def writer_count(total_bytes: int, world_size: int, min_shard_bytes: int = 0) -> int:
+    """How many ranks (0, 1, ...) write a state of ``total_bytes``: at least ``min_shard_bytes``
+    each (0: every rank), never fewer than one (rank 0 writes the state skeleton)."""
+    if min_shard_bytes <= 0:
+        return world_size
+    return max(1, min(world_size, -(-int(total_bytes) // int(min_shard_bytes))))
+
+
+def rank_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int, min_shard_bytes: int = 0) -> list[str]:
+    """The tensor names that ``rank`` writes: none when the state is spread over fewer ranks
+    (``writer_count``). The same split on every rank, as every replica holds the same tensors."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    return assign_shards({n: tensor_nbytes(t) for n, t in tensors.items()}, world_size)[rank]
+    sizes = {n: tensor_nbytes(t) for n, t in tensors.items()}
+    writers = writer_count(sum(sizes.values()), world_size, min_shard_bytes)
+    return assign_shards(sizes, writers)[rank] if rank < writers else []
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:

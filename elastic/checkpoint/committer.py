@@ -58,9 +58,10 @@ class CheckpointCommitter:
 
     # ---- reports ----------------------------------------------------------------------------
     def add(self, step: int, rank: int, world_size: int, entries: Iterable[FileEntry | dict],
-            taken_at: float | None = None) -> None:
+            taken_at: float | None = None, rng: dict | None = None) -> None:
         """Rank ``rank`` of ``world_size`` finished writing ``entries`` for ``step``, whose snapshot it
-        took at ``taken_at`` (wall clock; the commit event then says how long the step took to persist)."""
+        took at ``taken_at`` (wall clock; the commit event then says how long the step took to persist).
+        A rank that wrote no file (no share of a small state) reports no entries and its ``rng``."""
         files = [FileEntry.from_dict(e) for e in entries]
         with self._lock:
             if self._is_stale(step):
@@ -75,6 +76,8 @@ class CheckpointCommitter:
                 record = {"world_size": world_size, "ranks": {}}
                 self._reports[step] = record
             record["ranks"][rank] = files
+            if not files:
+                record.setdefault("rng", {})[rank] = rng
             if taken_at is not None:
                 record["taken_at"] = min(taken_at, record.get("taken_at", taken_at))
             self._prune_skipped(step, rank)
@@ -137,13 +140,13 @@ class CheckpointCommitter:
             for s in [s for s in table if s <= step]:
                 del table[s]
         self._submitted = step
-        self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at")))
+        self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at"), record.get("rng")))
 
     # ---- the commit thread ------------------------------------------------------------------
-    def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None]) -> list[FileEntry]:
-        step, entries, world_size, meta, taken_at = payload
+    def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None, dict | None]) -> list[FileEntry]:
+        step, entries, world_size, meta, taken_at, rng = payload
         t0 = time.perf_counter()
-        self.store.commit(step, entries, world_size, meta)  # StorageError -> the persister retries
+        self.store.commit(step, entries, world_size, meta, rng=rng)  # StorageError -> the persister retries
         commit_s = time.perf_counter() - t0
         committed_at = time.time()
         with self._lock:

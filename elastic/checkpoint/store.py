@@ -3,10 +3,12 @@
 A step is committed iff ``step-NNNNNNNNN/manifest.json`` exists and its self-checksum matches; it is
 valid iff, in addition, every file it lists has the recorded size and sha256. No renames anywhere.
 
-Each rank writes one safetensors file a step: its share of the tensors, with its JSON meta (RNG
-state; on rank 0 the skeleton of the non-tensor state) in the header's ``__metadata__``. Version
-1 wrote that meta as a second file per rank (``meta-rN.json``): one more write, checksum, fsync
-and, on S3, PUT per rank per step. Version 1 steps still load.
+Each writing rank writes one safetensors file a step: its share of the tensors, with its JSON meta
+(RNG state; on rank 0 the skeleton of the non-tensor state) in the header's ``__metadata__``.
+Version 1 wrote that meta as a second file per rank (``meta-rN.json``): one more write, checksum,
+fsync and, on S3, PUT per rank per step. Version 3: a rank whose share is empty (a small state is
+spread over fewer ranks, ``CheckpointConfig.min_shard_bytes``) writes no file, and the manifest
+carries its RNG state. Version 1 and 2 steps still load.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "elastic-checkpoint"
-VERSION = 2
+VERSION = 3
 _META_KEY = "elastic"  # the rank's JSON meta, under this key of the shard's safetensors __metadata__
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 
@@ -169,19 +171,23 @@ class CheckpointStore:
         self.storage.validate()
 
     # ---- writing ----------------------------------------------------------------------------
-    def write_rank_files(self, step: int, rank: int, world_size: int, state: dict, rng: dict | None = None
-                         ) -> list[FileEntry]:
+    def write_rank_files(self, step: int, rank: int, world_size: int, state: dict, rng: dict | None = None,
+                         min_shard_bytes: int = 0) -> list[FileEntry]:
         """Write this rank's share of ``state`` (a ``get_state()`` dict) and its RNG; blocking."""
         tensors, skeleton = flatten_state(state)
-        share = rank_share(tensors, rank, world_size)
+        share = rank_share(tensors, rank, world_size, min_shard_bytes)
         snapshot = Snapshot(step, rank, world_size, {n: tensors[n] for n in share},
                             skeleton if rank == 0 else None, rng)
         return self.write_snapshot(snapshot)
 
     def write_snapshot(self, snap: Snapshot) -> list[FileEntry]:
-        """Write one rank's shard, its meta in the header; returns its FileEntry record."""
+        """Write one rank's shard, its meta in the header; returns its FileEntry record. A rank
+        other than 0 with no tensors writes nothing and returns no record: its RNG state goes to
+        the manifest (``commit(rng=...)``)."""
         if not 0 <= snap.rank < snap.world_size:
             raise ValueError(f"rank {snap.rank} is outside world_size {snap.world_size}")
+        if snap.rank != 0 and not snap.tensors:
+            return []
         meta: dict[str, Any] = {
             "format": FORMAT + "-rank-meta",
             "version": VERSION,
@@ -201,15 +207,18 @@ class CheckpointStore:
         return [FileEntry(rel, len(data), sha256(data))]
 
     def commit(self, step: int, entries: Iterable[FileEntry | dict], world_size: int,
-               meta: dict | None = None) -> dict:
+               meta: dict | None = None, rng: dict[int, dict | None] | None = None) -> dict:
         """Write the manifest: the step becomes committed the moment this write completes.
 
-        ``entries`` are every rank's FileEntry records; each rank's shard must be among them.
+        ``entries`` are every rank's FileEntry records; ``rng`` the RNG state of each rank that
+        wrote no shard. Every rank must be accounted for by one or the other, and rank 0 (the
+        state skeleton) always by its shard.
         """
         files = sorted((FileEntry.from_dict(e) for e in entries), key=lambda e: e.path)
         paths = {e.path for e in files}
-        expected = {shard_name(step, r, world_size) for r in range(world_size)}
-        missing = sorted(expected - paths)
+        rng = {int(r): state for r, state in (rng or {}).items() if shard_name(step, int(r), world_size) not in paths}
+        missing = sorted(shard_name(step, r, world_size) for r in range(world_size)
+                         if shard_name(step, r, world_size) not in paths and (r == 0 or r not in rng))
         if missing:
             raise ValueError(f"cannot commit step {step}: missing files {missing}")
         stray = [p for p in paths if not p.startswith(step_dir(step) + "/")]
@@ -224,6 +233,8 @@ class CheckpointStore:
             "files": [e.to_dict() for e in files],
             "meta": dict(meta or {}),
         }
+        if rng:
+            body["rng"] = {str(r): rng[r] for r in sorted(rng)}
         try:
             checksum = sha256(canonical_json(body))
         except (TypeError, ValueError) as exc:
@@ -368,6 +379,8 @@ class CheckpointStore:
     def read_rng(self, step: int, rank: int) -> dict | None:
         """The RNG state rank ``rank`` saved at ``step`` (verified against the manifest), or None."""
         manifest = self.load_manifest(step)
+        if str(rank) in manifest.get("rng", {}):  # a rank that wrote no shard (version 3)
+            return manifest["rng"][str(rank)]
         files = {e["path"]: FileEntry.from_dict(e) for e in manifest["files"]}
         for path in (meta_name(step, rank), shard_name(step, rank, int(manifest["world_size"]))):
             if path in files:

@@ -1,7 +1,9 @@
 """The worker side of checkpointing: after an optimizer step, copy this rank's share of the state to host
 memory and hand it to a background writer.
 
-Returns small, JSON-friendly reports (finished writes and storage events) for the controller.
+Returns small, JSON-friendly reports (finished writes and storage events) for the controller. A
+rank's report of a step is a part: ``{"entries": [file records], "taken_at": snapshot time}``,
+plus ``"rng"`` when the rank wrote no file (no share of a small state), for the manifest.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ def live_state(worker: Any) -> dict:
     }
 
 
-def take_snapshot(worker: Any, step: int) -> Snapshot:
+def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0) -> Snapshot:
     """This rank's share of tensors (private host copies), its RNG, and on rank 0 the state skeleton."""
     rank, world_size = int(worker.rank), int(worker.world_size)
     tensors, skeleton = flatten_state(live_state(worker))
-    share = rank_share(tensors, rank, world_size)
+    share = rank_share(tensors, rank, world_size, min_shard_bytes)
     copies = {name: host_copy(tensors[name]) for name in share}
     return Snapshot(step, rank, world_size, copies, skeleton if rank == 0 else None, capture_rng())
 
@@ -45,9 +47,9 @@ class WorkerCheckpointer:
                  blocking: bool = False, *, retry: RetryPolicy | None = None,
                  retry_min_s: float | None = None, retry_max_s: float | None = None,
                  close_timeout_s: float = 30.0, notify: Callable[..., Any] | None = None,
-                 progress: Callable[[], int] | None = None):
+                 progress: Callable[[], int] | None = None, min_shard_bytes: int = 0):
         """``notify(step, world_size, parts)``: called from the writer thread once a step's parts are
-        written, ``parts`` being ``{rank: {"entries", "taken_at", "progress"}}`` (the worker sends it
+        written, ``parts`` being ``{rank: {"entries", "taken_at", "progress"[, "rng"]}}`` (the worker sends it
         to the controller actor), so a commit never waits for the step results to travel back.
         Ranks of a group pool their parts (``elastic.checkpoint.pool``) and the rank that completes
         a step sends all of them; without a pool a rank sends its own part. Without ``notify``,
@@ -56,12 +58,13 @@ class WorkerCheckpointer:
             raise ValueError(f"every_n_steps must be an integer >= 0, got {every_n_steps!r}")
         self.store = CheckpointStore(url, run_name, storage_options, retry=retry)
         self.every_n_steps = every_n_steps
+        self.min_shard_bytes = min_shard_bytes
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
-        self._last_pushed: tuple[int, list, float] | None = None
+        self._last_pushed: tuple[int, dict] | None = None
         self._pool_error: str | None = None
         # The payload is (snapshot, the group's PartPool at snapshot time or None).
-        self.persister = AsyncPersister(lambda payload: self.store.write_snapshot(payload[0]), blocking=blocking,
+        self.persister = AsyncPersister(lambda payload: self._write(payload[0]), blocking=blocking,
                                         name="checkpoint write",
                                         retry_min_s=retry_min_s, retry_max_s=retry_max_s,
                                         on_done=self._push if notify is not None else None)
@@ -77,7 +80,7 @@ class WorkerCheckpointer:
         if self.due(step):
             t0 = time.perf_counter()
             try:
-                snapshot = take_snapshot(worker, step)
+                snapshot = take_snapshot(worker, step, self.min_shard_bytes)
             except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
                 text = f"{type(exc).__name__}: {exc}"
                 if text != self._snapshot_error:  # log a repeating error once, not every step
@@ -91,11 +94,18 @@ class WorkerCheckpointer:
                 self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None)))
         return self._report(events)
 
-    def _push(self, step: int, payload: tuple, entries: list) -> None:
+    def _write(self, snapshot: Snapshot) -> dict:
+        """The writer thread's job: write the shard (if this rank has one); returns the rank's part."""
+        entries = self.store.write_snapshot(snapshot)
+        part = {"entries": [e.to_dict() for e in entries], "taken_at": snapshot.taken_at}
+        if not entries:
+            part["rng"] = snapshot.rng
+        return part
+
+    def _push(self, step: int, payload: tuple, written: dict) -> None:
         snapshot, pool = payload
-        self._last_pushed = (step, entries, snapshot.taken_at)
-        part = {"entries": [e.to_dict() for e in entries], "taken_at": snapshot.taken_at,
-                "progress": self._progress() if self._progress is not None else step}
+        self._last_pushed = (step, written)
+        part = {**written, "progress": self._progress() if self._progress is not None else step}
         parts: dict[int, dict] | None = {snapshot.rank: part}
         if pool is not None:  # a group of more than one rank
             try:
@@ -113,7 +123,7 @@ class WorkerCheckpointer:
     def _report(self, extra_events: list[dict] | None = None) -> dict:
         # Events carry no rank: the controller knows which rank it asked, and a rank field would
         # collide with the controller's own.
-        done = [(step, [e.to_dict() for e in entries]) for step, entries in self.persister.drain()]
+        done = self.persister.drain()  # [(step, part)]
         events = self.persister.drain_events() + list(extra_events or [])
         return {"ckpt_done": done, "ckpt_events": events}
 
@@ -123,12 +133,11 @@ class WorkerCheckpointer:
         When parts are pushed to the controller, the newest one is reported again here: the push
         is a message that may still be on its way when the controller makes its final commit, and
         a second report of a part is harmless (the committer ignores steps it has already taken).
-        That report carries the snapshot's time, so a step committed from it still says how long
-        it took to persist."""
+        The part carries the snapshot's time, so a step committed from it still says how long it
+        took to persist."""
         out = self._report()
         if self._last_pushed is not None:
-            step, entries, taken_at = self._last_pushed
-            out["ckpt_done"].append((step, [e.to_dict() for e in entries], taken_at))
+            out["ckpt_done"].append(self._last_pushed)
         return out
 
     def flush(self, timeout_s: float | None = None) -> bool:
