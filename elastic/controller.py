@@ -560,6 +560,8 @@ class Controller:
             self.log("checkpoint_commit", ev.get("message", ""), **details)
             if self.metrics is not None:
                 self.metrics.on_checkpoint(float(ev.get("commit_s", 0.0)))
+        elif ev.get("event") == "checkpoint_deleted":
+            self.log("checkpoint_retention", ev.get("message", ""), **details)
         else:
             self.log("checkpoint_storage", ev.get("message", str(ev)), rank=rank, **details)
 

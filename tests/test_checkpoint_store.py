@@ -442,6 +442,36 @@ def test_retention_during_an_outage_never_raises_and_catches_up():
         server.stop()
 
 
+def test_bulk_retention_failure_leaves_steps_uncommitted_and_is_retried(monkeypatch):
+    """The files' bulk delete fails after the manifests' went: those steps are merely
+    uncommitted (never committed with files missing), and the next pass removes them."""
+    server = MotoS3().start()
+    try:
+        store = CheckpointStore(f"s3://{server.create_bucket()}", RUN, server.storage_options(), retry=FAST)
+        files = {}
+        for step in (1, 2, 3):
+            entries = store.write_rank_files(step, 0, 1, tiny_state(step))
+            store.commit(step, entries, 1, {})
+            files[step] = [e.path for e in entries]
+        real = store.storage.delete_files
+        calls = []
+
+        def flaky(rels, d):
+            calls.append(rels)
+            if len(calls) == 2:
+                raise StorageError("503 Slow Down")
+            return real(rels, d)
+
+        monkeypatch.setattr(store.storage, "delete_files", flaky)
+        report = store.apply_retention(1, committed=[1, 2, 3], files=files)
+        assert report.deleted == [] and sorted(report.failed) == [1, 2]
+        assert store.committed_steps() == [3] and store.step_dirs() == [1, 2, 3]
+        assert store.apply_retention(1, committed=[3], files=files).deleted == [1, 2]
+        assert store.step_dirs() == [3]
+    finally:
+        server.stop()
+
+
 # ---- AsyncPersister ----------------------------------------------------------------------------
 class SlowWriter:
     """A write function that blocks until released, to hold the persister busy."""
@@ -809,4 +839,35 @@ def test_committer_deletes_the_files_it_committed_without_finding_them(backend, 
         assert store.step_dirs() == [5]
     else:  # the directory is not empty after the known files: it goes as a tree
         assert trees == [step_dir(3)] and store.step_dirs() == [4]
+    committer.close()
+
+
+def test_committer_batches_retention_and_flush_leaves_exactly_keep_last(backend, monkeypatch):
+    """While training runs, retention deletes at most every ``retention_interval_s``: the steps
+    in between stay. ``flush()`` runs a pass, after which exactly ``keep_last`` remain; on an
+    object store the four doomed steps go in two bulk requests (manifests, then files)."""
+    store = make_store(backend)
+    committer = CheckpointCommitter(store, keep_last=2, gc_interval_s=3600, retention_interval_s=3600)
+    calls = []
+    real = store.storage.delete_files
+    monkeypatch.setattr(store.storage, "delete_files", lambda rels, d: calls.append(len(rels)) or real(rels, d))
+    for step in range(1, 7):
+        for rank in range(2):
+            committer.add(step, rank, 2, store.write_rank_files(step, rank, 2, tiny_state(step)))
+        committer.set_meta(step, {"cursor": step})
+        deadline = time.monotonic() + 10
+        while committer.latest_committed != step and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert committer.latest_committed == 6
+    assert store.committed_steps() == [1, 2, 3, 4, 5, 6]  # no pass since the first commit
+    assert calls == []
+    files = sum(len(store.load_manifest(s)["files"]) for s in range(1, 5))
+    assert committer.flush(10)
+    assert store.committed_steps() == [5, 6] and store.step_dirs() == [5, 6]
+    if store.storage.is_object_store:
+        assert calls == [4, files]  # the 4 manifests, then every shard of the 4 steps
+    else:
+        assert len(calls) == 4  # a step at a time: local deletes are cheap system calls
+    deleted = [e for e in committer.drain_events() if e["event"] == "checkpoint_deleted"]
+    assert [e["deleted"] for e in deleted] == [[1, 2, 3, 4]]
     committer.close()
