@@ -227,8 +227,9 @@ class CheckpointConfig:
 
     ``min_shard_bytes``: the least a writing rank writes a step. Data-parallel replicas hold the
     same state, so each tensor is written once, by one rank; a state of B bytes is spread over
-    ``min(world_size, ceil(B / min_shard_bytes))`` ranks (ranks 0, 1, ...), and the other ranks
-    write no file: their RNG state goes into the step's manifest. 0: every rank writes a shard.
+    ``min(world_size, ceil(B / min_shard_bytes))`` ranks, a duty that rotates with the step
+    (``elastic.checkpoint.codec.writer_slot``), and the other ranks write no file that step:
+    their RNG state goes into the step's manifest. 0: every rank writes a shard.
     Why a floor (default 16 MiB): every file costs a fixed price whatever its size (an S3 PUT,
     a create, fsync and delete), and splitting a small state only multiplies it. Measured on
     this project's 2-core machine against moto: one PUT of 0.8 MB cost 5.2 ms of client CPU and

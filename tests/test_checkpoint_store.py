@@ -37,6 +37,7 @@ from elastic.checkpoint.codec import (
     sha256,
     tensor_nbytes,
     writer_count,
+    writer_slot,
 )
 from elastic.checkpoint.store import FileEntry, meta_name, shard_name, step_dir
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
@@ -219,10 +220,22 @@ def test_rank_without_a_share_writes_no_file_and_its_rng_goes_in_the_manifest(ba
     assert sorted(p for p in store.storage.list_dir(step_dir(5))) == ["manifest.json", "shard-r0-of-3.safetensors"]
 
 
+def test_writer_slots_cover_every_shard_once_and_rotate():
+    for world, writers in ((4, 1), (4, 2), (4, 4), (3, 2)):
+        seen_writers = set()
+        for step in range(12):
+            slots = [writer_slot(r, world, writers, step) for r in range(world)]
+            assert sorted(x for x in slots if x is not None) == list(range(writers))
+            seen_writers |= {r for r, x in enumerate(slots) if x is not None}
+            if writers == world:
+                assert slots == list(range(world))  # every rank writes: rank r writes shard r
+        assert seen_writers == set(range(world))  # over the steps, every rank takes its turn
+
+
 @pytest.mark.parametrize("min_shard_bytes,writers", [(0, 3), (1, 3), (10**9, 1)])
 def test_min_shard_bytes_sets_how_many_ranks_write(tmp_path, min_shard_bytes, writers):
-    """A small state is written by fewer ranks (ranks 0, 1, ...), each tensor still once; the
-    step reads back the same whoever wrote it."""
+    """A small state is written by fewer ranks, each tensor still once, the duty rotating with
+    the step; the step reads back the same whoever wrote it."""
     store = CheckpointStore(f"file://{tmp_path}/ck", RUN)
     worker = trained_worker(steps=2)
     state = worker.get_state()
@@ -230,18 +243,19 @@ def test_min_shard_bytes_sets_how_many_ranks_write(tmp_path, min_shard_bytes, wr
     total = sum(tensor_nbytes(t) for t in tensors.values())
     assert writer_count(total, 3, min_shard_bytes) == writers
     assert writer_count(total, 3, total // 2 + 1) == 2
-    entries, rng = [], {}
-    for rank in range(3):
-        mine = store.write_rank_files(4, rank, 3, state, capture_rng(), min_shard_bytes=min_shard_bytes)
-        assert bool(mine) == (rank < writers)
-        if not mine:
-            rng[rank] = capture_rng()
-        entries += mine
-    store.commit(4, entries, 3, {}, rng=rng)
-    assert len(store.load_manifest(4)["files"]) == writers
-    got, _ = store.read_state(4)
-    assert_same(got, state)
-    assert all(store.read_rng(4, r) is not None for r in range(3))
+    for step in (3, 4, 5):
+        entries, rng = [], {}
+        for rank in range(3):
+            mine = store.write_rank_files(step, rank, 3, state, capture_rng(), min_shard_bytes=min_shard_bytes)
+            if not mine:
+                rng[rank] = capture_rng()
+            entries += mine
+        expected = range(3) if writers == 3 else [step % 3]  # one writer: rank step % 3
+        assert [e.path for e in entries] == [shard_name(step, r, 3) for r in expected]
+        store.commit(step, entries, 3, {}, rng=rng)
+        got, _ = store.read_state(step)
+        assert_same(got, state)
+        assert all(store.read_rng(step, r) is not None for r in range(3))
 
 
 def test_commit_refuses_missing_rank_files(backend):
@@ -349,7 +363,7 @@ def write_version_1_step(store: CheckpointStore, worker: FakeWorker, step: int, 
     rngs, entries = {}, []
     for rank in range(world_size):
         rngs[rank] = capture_rng()
-        share = {n: tensors[n].clone() for n in rank_share(tensors, rank, world_size)}
+        share = {n: tensors[n].clone() for n in rank_share(tensors, rank, world_size)[0]}
         meta = {"format": "elastic-checkpoint-rank-meta", "version": 1, "step": step, "rank": rank,
                 "world_size": world_size, "tensors": sorted(share), "rng": rngs[rank],
                 **({"state": skeleton} if rank == 0 else {})}
@@ -505,6 +519,31 @@ def test_newest_snapshot_replaces_the_waiting_one():
     assert writer.written == [1, 50]
     assert persister.drain() == [(1, ["file-1"]), (50, ["file-50"])]
     assert persister.drain() == []
+    assert persister.close(5)
+
+
+def test_light_reports_queue_in_order_and_only_snapshots_replace_each_other():
+    """A rank's reports of steps it writes no file for wait behind its own slow write, in order;
+    a newer snapshot still replaces a waiting snapshot, and the queue stays bounded."""
+    writer = SlowWriter()
+    persister = AsyncPersister(writer, max_light=3)
+    persister.submit(1, 1)
+    assert writer.started.wait(5)
+    for step, light in ((2, True), (3, True), (5, False), (6, True), (9, False)):
+        persister.submit(step, step, light=light)
+    assert persister.superseded == 1  # 5 by 9
+    writer.release.set()
+    assert persister.flush(5)
+    assert writer.written == [1, 2, 3, 6, 9]
+    writer.release.clear()
+    writer.started.clear()
+    persister.submit(10, 10)
+    assert writer.started.wait(5)
+    for step in range(11, 17):
+        persister.submit(step, step, light=True)
+    writer.release.set()
+    assert persister.flush(5)
+    assert writer.written[5:] == [10, 13, 14, 15, 16]  # at most max_light + 1 wait: 11 and 12 dropped
     assert persister.close(5)
 
 

@@ -1,6 +1,7 @@
 """Writes snapshots in one background thread so training never waits on storage.
 
-At most one snapshot waits: a newer one replaces it. During a storage outage the thread keeps
+At most one snapshot waits: a newer one replaces it. Light payloads (a rank's part of a step it
+writes no file for: nothing to store, only to report) queue in order instead, a bounded few. During a storage outage the thread keeps
 retrying with backoff, moving on to the newest snapshot between tries, and records when the outage
 started and ended. Nothing here raises into the training loop.
 """
@@ -75,6 +76,12 @@ class OutageTracker:
 class AsyncPersister:
     """Runs ``write_fn(payload) -> entries`` for the newest submitted payload, one at a time.
 
+    Light payloads (``submit(light=True)``) are never replaced by a newer one: they wait in
+    order, up to ``max_light`` of them. Why: with ``CheckpointConfig.min_shard_bytes`` a rank
+    writes a file only every few steps and in between merely reports its RNG. A report queued
+    behind its own slow write must not be replaced by the next step's report, or every step
+    that write overlapped could never complete (the committer needs every rank's part).
+
     ``submit`` returns at once (or writes inline when ``blocking``). ``drain`` hands back
     ``(step, entries)`` for every write completed since the last drain; ``drain_events`` the outage
     start/end and failure events.
@@ -82,7 +89,8 @@ class AsyncPersister:
 
     def __init__(self, write_fn: Callable[[Any], list], blocking: bool = False, name: str = "checkpoint write",
                  retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256,
-                 keep_done: bool = True, on_done: Callable[[int, Any, Any], None] | None = None):
+                 keep_done: bool = True, on_done: Callable[[int, Any, Any], None] | None = None,
+                 max_light: int = 32):
         self._write_fn = write_fn
         # Called from the writer thread with (step, payload, what write_fn returned) as each write finishes,
         # instead of keeping it for drain(): the worker pushes it straight to the controller.
@@ -93,7 +101,8 @@ class AsyncPersister:
         self.retry_min_s = retry_min_s if retry_min_s is not None else _env_float("ELASTIC_CKPT_RETRY_MIN_S", 0.5)
         self.retry_max_s = retry_max_s if retry_max_s is not None else _env_float("ELASTIC_CKPT_RETRY_MAX_S", 30.0)
         self._cond = threading.Condition()
-        self._waiting: tuple[int, Any] | None = None
+        self._queue: deque = deque()  # (step, payload, light), oldest first; at most one heavy
+        self.max_light = max_light
         self._inflight: int | None = None
         self._done: list[tuple[int, list]] = []
         self._events: deque = deque(maxlen=max_events)
@@ -104,7 +113,7 @@ class AsyncPersister:
         self.superseded = 0  # snapshots replaced before they were written
 
     # ---- caller side ------------------------------------------------------------------------
-    def submit(self, step: int, payload: Any) -> None:
+    def submit(self, step: int, payload: Any, light: bool = False) -> None:
         """Hand over a snapshot the caller already copied; the persister now owns it."""
         if self.blocking:
             self._write_inline(step, payload)
@@ -113,10 +122,16 @@ class AsyncPersister:
             if self._closing:
                 logger.debug("persister closed; dropping step %d", step)
                 return
-            if self._waiting is not None:
+            if not light:
+                for item in [i for i in self._queue if not i[2]]:
+                    self._queue.remove(item)  # one heavy slot: memory stays bounded
+                    self.superseded += 1
+                    logger.debug("step %d replaces waiting step %d", step, item[0])
+            self._queue.append((step, payload, light))
+            while len(self._queue) > self.max_light + 1:
+                dropped = self._queue.popleft()
                 self.superseded += 1
-                logger.debug("step %d replaces waiting step %d", step, self._waiting[0])
-            self._waiting = (step, payload)  # one slot, never a queue: memory stays bounded
+                logger.debug("step %d dropped: %d reports wait", dropped[0], len(self._queue))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"elastic-{self.name}", daemon=True)
                 self._thread.start()
@@ -136,7 +151,7 @@ class AsyncPersister:
     @property
     def waiting_step(self) -> int | None:
         with self._cond:
-            return self._waiting[0] if self._waiting else None
+            return self._queue[-1][0] if self._queue else None
 
     @property
     def inflight_step(self) -> int | None:
@@ -151,7 +166,7 @@ class AsyncPersister:
         if self.blocking:
             return True
         with self._cond:
-            return self._cond.wait_for(lambda: self._waiting is None and self._inflight is None, timeout=timeout_s)
+            return self._cond.wait_for(lambda: not self._queue and self._inflight is None, timeout=timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Write what is waiting (up to ``timeout_s``), then stop the thread. True if everything was written."""
@@ -167,8 +182,8 @@ class AsyncPersister:
             # Storage is still down: give up on the last snapshot rather than hang shutdown.
             with self._cond:
                 self._abort = True
-                dropped = self._waiting[0] if self._waiting else self._inflight
-                self._waiting = None
+                dropped = self._queue[-1][0] if self._queue else self._inflight
+                self._queue.clear()
                 self._cond.notify_all()
             logger.warning("%s: gave up on step %s at close after %.1fs", self.name, dropped, timeout_s)
             thread.join(5.0)
@@ -213,11 +228,10 @@ class AsyncPersister:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._waiting is not None or self._closing)
-                if self._waiting is None:
+                self._cond.wait_for(lambda: bool(self._queue) or self._closing)
+                if not self._queue:
                     return  # closing and nothing left
-                step, payload = self._waiting
-                self._waiting = None
+                step, payload, _ = self._queue.popleft()
                 self._inflight = step
             try:
                 self._persist(step, payload)
@@ -239,10 +253,12 @@ class AsyncPersister:
                     self._cond.wait_for(lambda: self._abort, timeout=self._backoff_s(attempt))
                     if self._abort:
                         return
-                    if self._waiting is not None:
+                    heavy = [i for i in self._queue if not i[2]]
+                    if heavy:  # move on to the newest snapshot; reports older than it are moot
                         self.superseded += 1
-                        step, payload = self._waiting
-                        self._waiting = None
+                        while self._queue[0] is not heavy[-1]:
+                            self._queue.popleft()
+                        step, payload, _ = self._queue.popleft()
                         self._inflight = step
                 attempt += 1
                 continue

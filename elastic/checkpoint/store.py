@@ -90,6 +90,11 @@ class Snapshot:
     def nbytes(self) -> int:
         return sum(tensor_nbytes(t) for t in self.tensors.values())
 
+    @property
+    def writes_file(self) -> bool:
+        """False for a rank with no share of this step: its RNG goes to the manifest instead."""
+        return bool(self.tensors) or self.skeleton is not None
+
 
 @dataclass
 class StepInfo:
@@ -175,18 +180,18 @@ class CheckpointStore:
                          min_shard_bytes: int = 0) -> list[FileEntry]:
         """Write this rank's share of ``state`` (a ``get_state()`` dict) and its RNG; blocking."""
         tensors, skeleton = flatten_state(state)
-        share = rank_share(tensors, rank, world_size, min_shard_bytes)
+        share, with_skeleton = rank_share(tensors, rank, world_size, min_shard_bytes, step)
         snapshot = Snapshot(step, rank, world_size, {n: tensors[n] for n in share},
-                            skeleton if rank == 0 else None, rng)
+                            skeleton if with_skeleton else None, rng)
         return self.write_snapshot(snapshot)
 
     def write_snapshot(self, snap: Snapshot) -> list[FileEntry]:
         """Write one rank's shard, its meta in the header; returns its FileEntry record. A rank
-        other than 0 with no tensors writes nothing and returns no record: its RNG state goes to
-        the manifest (``commit(rng=...)``)."""
+        with no share (no tensors, not the skeleton) writes nothing and returns no record: its RNG
+        state goes to the manifest (``commit(rng=...)``)."""
         if not 0 <= snap.rank < snap.world_size:
             raise ValueError(f"rank {snap.rank} is outside world_size {snap.world_size}")
-        if snap.rank != 0 and not snap.tensors:
+        if not snap.writes_file:
             return []
         meta: dict[str, Any] = {
             "format": FORMAT + "-rank-meta",
@@ -197,9 +202,7 @@ class CheckpointStore:
             "tensors": sorted(snap.tensors),
             "rng": snap.rng,
         }
-        if snap.rank == 0:
-            if snap.skeleton is None:
-                raise ValueError("rank 0 must write the state skeleton (the non-tensor state)")
+        if snap.skeleton is not None:
             meta["state"] = snap.skeleton
         data = encode_tensors(snap.tensors, {_META_KEY: canonical_json(meta).decode()})
         rel = shard_name(snap.step, snap.rank, snap.world_size)
@@ -211,15 +214,15 @@ class CheckpointStore:
         """Write the manifest: the step becomes committed the moment this write completes.
 
         ``entries`` are every rank's FileEntry records; ``rng`` the RNG state of each rank that
-        wrote no shard. Every rank must be accounted for by one or the other, and rank 0 (the
-        state skeleton) always by its shard.
+        wrote no shard. Every rank must be accounted for by one or the other, and at least one
+        shard (the one with the state skeleton) must be there.
         """
         files = sorted((FileEntry.from_dict(e) for e in entries), key=lambda e: e.path)
         paths = {e.path for e in files}
         rng = {int(r): state for r, state in (rng or {}).items() if shard_name(step, int(r), world_size) not in paths}
         missing = sorted(shard_name(step, r, world_size) for r in range(world_size)
-                         if shard_name(step, r, world_size) not in paths and (r == 0 or r not in rng))
-        if missing:
+                         if shard_name(step, r, world_size) not in paths and r not in rng)
+        if missing or not paths:
             raise ValueError(f"cannot commit step {step}: missing files {missing}")
         stray = [p for p in paths if not p.startswith(step_dir(step) + "/")]
         if stray:
@@ -336,7 +339,6 @@ class CheckpointStore:
         tensors: dict[str, torch.Tensor] = {}
         skeleton = None
         world_size = int(manifest["world_size"])
-        rank0 = {shard_name(step, 0, world_size), meta_name(step, 0)}  # version 2 / version 1
         for raw in manifest["files"]:
             entry = FileEntry.from_dict(raw)
             data = self._read_verified(step, entry)
@@ -348,17 +350,17 @@ class CheckpointStore:
                     if overlap:
                         raise CorruptCheckpoint(step, where, f"tensors written twice: {sorted(overlap)[:3]}")
                     tensors.update(part)
-                if entry.path in rank0 and skeleton is None:
-                    meta = self._decode_meta(entry.path, data)
-                    if meta is not None:
+                if skeleton is None and (entry.path.endswith(".safetensors") or "/meta-r" in entry.path):
+                    meta = self._decode_meta(entry.path, data)  # version 3: any rank's shard may hold it
+                    if meta is not None and "state" in meta:
                         skeleton = meta["state"]
             except CorruptCheckpoint:
                 raise
             except Exception as exc:  # noqa: BLE001 - any decode failure of checksummed bytes is corruption
                 raise CorruptCheckpoint(step, where, f"cannot decode ({type(exc).__name__}: {exc})") from None
         if skeleton is None:
-            raise CorruptCheckpoint(step, self.storage.describe(shard_name(step, 0, world_size)),
-                                    "rank 0's meta (the state skeleton) is missing")
+            raise CorruptCheckpoint(step, self.storage.describe(step_dir(step)),
+                                    "no shard holds the state skeleton (the non-tensor state)")
         needed = set(skeleton_tensor_names(skeleton))
         if needed != set(tensors):
             missing, extra = sorted(needed - set(tensors)), sorted(set(tensors) - needed)

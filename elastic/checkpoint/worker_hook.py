@@ -35,9 +35,9 @@ def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0) -> Snapshot:
     """This rank's share of tensors (private host copies), its RNG, and on rank 0 the state skeleton."""
     rank, world_size = int(worker.rank), int(worker.world_size)
     tensors, skeleton = flatten_state(live_state(worker))
-    share = rank_share(tensors, rank, world_size, min_shard_bytes)
+    share, with_skeleton = rank_share(tensors, rank, world_size, min_shard_bytes, step)
     copies = {name: host_copy(tensors[name]) for name in share}
-    return Snapshot(step, rank, world_size, copies, skeleton if rank == 0 else None, capture_rng())
+    return Snapshot(step, rank, world_size, copies, skeleton if with_skeleton else None, capture_rng())
 
 
 class WorkerCheckpointer:
@@ -91,7 +91,8 @@ class WorkerCheckpointer:
                                "message": f"cannot snapshot step {step} for a checkpoint: {text[:300]}"})
             else:
                 self.last_snapshot_s = time.perf_counter() - t0
-                self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None)))
+                self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None)),
+                                      light=not snapshot.writes_file)
         return self._report(events)
 
     def _write(self, snapshot: Snapshot) -> dict:
