@@ -101,9 +101,11 @@ def commit_readings(res, poll: list[dict]) -> dict:
 
 
 def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options: dict, poll_s: float,
-             every: int = 1) -> dict:
-    run = elastic.RunConfig(name=name, storage=storage, storage_options=options, seed=w.seed,
-                            checkpoint=elastic.CheckpointConfig(every_n_steps=every if storage else 0))
+             every: int = 1, min_shard_bytes: int | None = None) -> dict:
+    ckpt = elastic.CheckpointConfig(every_n_steps=every if storage else 0)
+    if min_shard_bytes is not None:
+        ckpt.min_shard_bytes = min_shard_bytes
+    run = elastic.RunConfig(name=name, storage=storage, storage_options=options, seed=w.seed, checkpoint=ckpt)
     trainer = elastic_trainer(w, name, run=run)
     # Every run is polled, baselines too: polling is not free for the controller (on this machine
     # runs with it were, if anything, faster), so all runs must carry it alike.
@@ -155,6 +157,9 @@ def main(argv=None) -> None:
     p.add_argument("--skip-s3", action="store_true")
     p.add_argument("--every-n-steps", type=int, default=1,
                    help="CheckpointConfig.every_n_steps of the checkpointed runs (the figures are named for 1)")
+    p.add_argument("--min-shard-bytes", type=int, default=None,
+                   help="CheckpointConfig.min_shard_bytes of the checkpointed runs (default: the config's; "
+                        "0: every rank writes a shard)")
     args = p.parse_args(argv)
     claim_stdout()
     peer = configure_raytrain(args)
@@ -165,13 +170,13 @@ def main(argv=None) -> None:
     try:
         none = run_ours(w, args.steps, args.warmup, "ckpt-none", None, {}, args.poll_s)
         file_ = run_ours(w, args.steps, args.warmup, "ckpt-file", f"file://{tmp}/ours", {}, args.poll_s,
-                         args.every_n_steps)
+                         args.every_n_steps, args.min_shard_bytes)
         s3 = None
         if not args.skip_s3:
             server, url = start_moto()
             opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": url}}
             s3 = run_ours(w, args.steps, args.warmup, "ckpt-s3", f"s3://{BUCKET}/ours", opts, args.poll_s,
-                          args.every_n_steps)
+                          args.every_n_steps, args.min_shard_bytes)
         none_after = run_ours(w, args.steps, args.warmup, "ckpt-none-after", None, {}, args.poll_s)
         theirs = run_raytrain(w, args.raytrain_steps, args.raytrain_warmup, ckpt_every=1,
                               storage_path=f"{tmp}/raytrain", name="ckpt-raytrain")
@@ -182,7 +187,9 @@ def main(argv=None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     common = {**peer, "workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
-              "steps": args.steps, "warmup": args.warmup, "every_n_steps": args.every_n_steps}
+              "steps": args.steps, "warmup": args.warmup, "every_n_steps": args.every_n_steps,
+              "min_shard_bytes": args.min_shard_bytes if args.min_shard_bytes is not None
+              else elastic.CheckpointConfig().min_shard_bytes}
     base_step_s = (none["mean_step_time_s"] + none_after["mean_step_time_s"]) / 2
     base_span = (none["span"]["steps_per_s"] + none_after["span"]["steps_per_s"]) / 2
     for label, run in (("file", file_), ("s3", s3)):
