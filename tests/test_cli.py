@@ -125,11 +125,14 @@ def write_run(root: str, run: str, steps: dict[int, str]) -> None:
     store = CheckpointStore(root, run)
     state = {"model": {"w": torch.arange(16, dtype=torch.float32).reshape(4, 4)}, "step": 0}
     for step, kind in steps.items():
-        entries = []
+        entries, rng = [], {}
         for rank in range(2):
-            entries += store.write_rank_files(step, rank, 2, state)
+            mine = store.write_rank_files(step, rank, 2, state)
+            if not mine:
+                rng[rank] = None  # one tensor: rank 1 has no share and writes no file
+            entries += mine
         if kind != "partial":
-            store.commit(step, entries, 2)
+            store.commit(step, entries, 2, rng=rng)
         if kind == "corrupt":
             path = os.path.join(root, run, f"step-{step:09d}", "shard-r0-of-2.safetensors")
             data = bytearray(open(path, "rb").read())
