@@ -8,10 +8,12 @@ import json
 import logging
 import multiprocessing
 import os
+import random
 import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -711,6 +713,25 @@ def test_rng_is_saved_per_rank(tmp_path):
     restore_rng(store.read_rng(1, 0))
     assert torch.equal(torch.rand(3), expected)
     hook.close()
+
+
+def test_rng_of_earlier_versions_as_json_lists_still_restores():
+    """Before version 3 the two Mersenne Twister states were JSON lists of ints; now base64."""
+    random.seed(3)
+    np.random.seed(4)
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = {"numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                        "cached_gaussian": float(cached)},
+              "python": {"version": version, "internal": list(internal), "gauss_next": gauss}}
+    current = capture_rng()
+    assert "keys_b64" in current["numpy"] and "internal_b64" in current["python"]
+    expected = (random.random(), float(np.random.rand()))
+    for saved in (legacy, json.loads(json.dumps(current))):
+        random.seed(0)
+        np.random.seed(0)
+        restore_rng(saved)
+        assert (random.random(), float(np.random.rand())) == expected
 
 
 def test_committer_waits_for_every_rank_and_the_meta(tmp_path):

@@ -243,7 +243,9 @@ class CheckpointStore:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"checkpoint meta for step {step} must be plain JSON data: {exc}") from None
         manifest = {**body, "checksum": checksum}
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        # Compact, not indented: json's C encoder does not indent, and this runs every step
+        # (``elastic checkpoints`` and ``python -m json.tool`` print it readably).
+        data = canonical_json(manifest)
         self.storage.write_bytes(f"{step_dir(step)}/{MANIFEST}", data)
         return manifest
 
