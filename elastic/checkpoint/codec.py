@@ -10,6 +10,7 @@ import base64
 import hashlib
 import json
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -183,10 +184,9 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True).contiguous()
 
 
-def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
-    """safetensors bytes, with ``metadata`` (str -> str) in the header's ``__metadata__``. Every
-    tensor is made contiguous and given its own storage (safetensors refuses shared storage, e.g.
-    tied weights)."""
+def _own_contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor on the CPU, contiguous and with its own storage (safetensors refuses shared
+    storage, e.g. tied weights)."""
     seen: set[int] = set()
     clean: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -200,7 +200,53 @@ def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | 
         if ptr != -1:
             seen.add(ptr)
         clean[name] = t
-    return safetensors_torch.save(clean, metadata=metadata)
+    return clean
+
+
+# safetensors' dtype names (its format spec); anything else goes through the library.
+_SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+
+
+def encode_tensor_buffers(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> list:
+    """The safetensors bytes of ``tensors`` as buffers to write one after another: the header,
+    then each tensor's own memory (no copy). ``b"".join`` of them is exactly a safetensors file.
+
+    Why not ``safetensors.torch.save``: it returns one ``bytes``, built by copying every tensor
+    twice (into the Rust buffer, then into the Python object), and a checkpoint of every step
+    pays that on the training machine's CPU: for a 0.8 MB shard 1.4 ms of the 4.2 ms a rank
+    spent per checkpoint (cProfile). Here a local file is written straight from the snapshot's
+    memory, and an object store gets one join. The layout follows the format's spec (8-byte
+    little-endian header length, JSON header with dtype, shape and data offsets, padded to 8
+    bytes, then the data, largest elements first so every tensor stays aligned), the files are
+    read back with the library (``decode_tensors``), and a dtype outside the spec's common set,
+    or a big-endian host, falls back to the library."""
+    clean = _own_contiguous(tensors)
+    dtypes = {n: _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch.")) for n, t in clean.items()}
+    if sys.byteorder != "little" or not all(dtypes.values()):
+        return [safetensors_torch.save(clean, metadata=metadata)]
+    header: dict[str, Any] = {}
+    buffers: list = []
+    offset = 0
+    for name in sorted(clean, key=lambda n: (-clean[n].element_size(), n)):
+        t = clean[name]
+        size = tensor_nbytes(t)
+        header[name] = {"dtype": dtypes[name], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+        if size:
+            buffers.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little") + text, *buffers]
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """safetensors bytes, with ``metadata`` (str -> str) in the header's ``__metadata__``."""
+    return b"".join(encode_tensor_buffers(tensors, metadata))
 
 
 def decode_tensors(data: bytes) -> dict[str, torch.Tensor]:
@@ -226,8 +272,12 @@ def decode_metadata(data: bytes) -> dict[str, str]:
     return metadata
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256(data: bytes | list) -> str:
+    """Of ``data``, or of a list of buffers written one after another."""
+    h = hashlib.sha256()
+    for part in (data if isinstance(data, list) else [data]):
+        h.update(part)
+    return h.hexdigest()
 
 
 def canonical_json(obj: Any) -> bytes:

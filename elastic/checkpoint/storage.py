@@ -227,9 +227,12 @@ class Storage:
         ) from None
 
     # ---- operations -------------------------------------------------------------------------
-    def write_bytes(self, rel: str, data: bytes) -> None:
+    def write_bytes(self, rel: str, data: bytes | list) -> None:
+        """Write ``data``: bytes, or a list of buffers that are written one after another (a local
+        file straight from them; other filesystems get them joined)."""
         fs, _ = self._filesystem()
         path = self.full_path(rel)
+        parts = data if isinstance(data, list) else [data]
 
         def write() -> None:
             if self.protocol in _LOCAL:
@@ -237,13 +240,14 @@ class Storage:
                 # before the shards it vouches for.
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as f:
-                    f.write(data)
+                    for part in parts:
+                        f.write(part)
                     f.flush()
                     os.fsync(f.fileno())
                 return
             if not self.is_object_store:
                 fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            fs.pipe_file(path, data)
+            fs.pipe_file(path, parts[0] if len(parts) == 1 else b"".join(parts))
 
         try:
             self._call("write", rel, write)

@@ -27,7 +27,7 @@ from elastic.checkpoint.codec import (
     canonical_json,
     decode_metadata,
     decode_tensors,
-    encode_tensors,
+    encode_tensor_buffers,
     flatten_state,
     rank_share,
     sha256,
@@ -204,10 +204,10 @@ class CheckpointStore:
         }
         if snap.skeleton is not None:
             meta["state"] = snap.skeleton
-        data = encode_tensors(snap.tensors, {_META_KEY: canonical_json(meta).decode()})
+        data = encode_tensor_buffers(snap.tensors, {_META_KEY: canonical_json(meta).decode()})
         rel = shard_name(snap.step, snap.rank, snap.world_size)
         self.storage.write_bytes(rel, data)
-        return [FileEntry(rel, len(data), sha256(data))]
+        return [FileEntry(rel, sum(memoryview(b).nbytes for b in data), sha256(data))]
 
     def commit(self, step: int, entries: Iterable[FileEntry | dict], world_size: int,
                meta: dict | None = None, rng: dict[int, dict | None] | None = None) -> dict:
