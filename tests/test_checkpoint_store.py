@@ -814,6 +814,29 @@ def test_snapshot_failure_does_not_stop_training(tmp_path):
     hook.close()
 
 
+def test_worker_warm_up_opens_the_client_and_never_raises(caplog):
+    """Before training a worker makes one cheap request, so its first checkpoint does not pay
+    for the S3 client's set-up; with the endpoint down it only logs, at once."""
+    server = MotoS3().start()
+    try:
+        url, options = f"s3://{server.create_bucket()}", server.storage_options()
+        hook = WorkerCheckpointer(url, options, RUN, every_n_steps=1, blocking=True, retry=FAST)
+        calls = []
+        real = hook.store.storage.exists
+        hook.store.storage.exists = lambda rel, retry=None: calls.append(rel) or real(rel, retry)
+        hook.warm_up()
+        assert calls == [""]
+        server.stop()
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            hook.warm_up()
+        assert time.monotonic() - t0 < 10
+        assert "did not answer a warm-up request" in caplog.text and TEST_SECRET not in caplog.text
+        hook.close()
+    finally:
+        server.stop()
+
+
 def test_store_validate(tmp_path):
     CheckpointStore(f"file://{tmp_path}", RUN).validate()
     with pytest.raises(ConfigError, match="unknown URL scheme"):

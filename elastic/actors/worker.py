@@ -614,6 +614,8 @@ class TrainWorker:
         self._ckpt = WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
                                         progress=lambda: self.completed_step, min_shard_bytes=min_shard_bytes
                                         ) if every_n_steps > 0 else None
+        if self._ckpt is not None:
+            self._ckpt.warm_up()
 
     def restore_checkpoint(self, url: str, storage_options: dict, run_name: str, step: int) -> dict:
         """Load a committed step (checksums verified while reading); returns its manifest meta."""

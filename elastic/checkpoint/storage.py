@@ -260,10 +260,10 @@ class Storage:
         path = self.full_path(rel)
         return self._call("read", rel, lambda: fs.cat_file(path))
 
-    def exists(self, rel: str) -> bool:
+    def exists(self, rel: str, retry: RetryPolicy | None = None) -> bool:
         fs, _ = self._filesystem()
         path = self.full_path(rel)
-        return bool(self._call("exists", rel, lambda: fs.exists(path)))
+        return bool(self._call("exists", rel, lambda: fs.exists(path), retry))
 
     def list_dir(self, rel: str = "", detail: bool = False) -> list:
         """Immediate children of ``rel``: names (detail=False) or dicts {name, type, size}.
