@@ -1,9 +1,10 @@
 """Writes snapshots in one background thread so training never waits on storage.
 
 At most one snapshot waits: a newer one replaces it. Light payloads (a rank's part of a step it
-writes no file for: nothing to store, only to report) queue in order instead, a bounded few. During a storage outage the thread keeps
-retrying with backoff, moving on to the newest snapshot between tries, and records when the outage
-started and ended. Nothing here raises into the training loop.
+writes no file for: nothing to store, only to report) queue in order instead, a bounded few.
+During a storage outage the thread keeps retrying with backoff, moving on to the newest snapshot
+between tries, and records when the outage started and ended. Nothing here raises into the
+training loop.
 """
 
 from __future__ import annotations
@@ -123,10 +124,11 @@ class AsyncPersister:
                 logger.debug("persister closed; dropping step %d", step)
                 return
             if not light:
-                for item in [i for i in self._queue if not i[2]]:
-                    self._queue.remove(item)  # one heavy slot: memory stays bounded
-                    self.superseded += 1
-                    logger.debug("step %d replaces waiting step %d", step, item[0])
+                replaced = [i[0] for i in self._queue if not i[2]]
+                if replaced:  # one snapshot waits, never more: memory stays bounded
+                    self._queue = deque(i for i in self._queue if i[2])
+                    self.superseded += len(replaced)
+                    logger.debug("step %d replaces waiting step %s", step, replaced)
             self._queue.append((step, payload, light))
             while len(self._queue) > self.max_light + 1:
                 dropped = self._queue.popleft()

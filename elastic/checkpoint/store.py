@@ -4,7 +4,7 @@ A step is committed iff ``step-NNNNNNNNN/manifest.json`` exists and its self-che
 valid iff, in addition, every file it lists has the recorded size and sha256. No renames anywhere.
 
 Each writing rank writes one safetensors file a step: its share of the tensors, with its JSON meta
-(RNG state; on rank 0 the skeleton of the non-tensor state) in the header's ``__metadata__``.
+(RNG state; with shard 0 the skeleton of the non-tensor state) in the header's ``__metadata__``.
 Version 1 wrote that meta as a second file per rank (``meta-rN.json``): one more write, checksum,
 fsync and, on S3, PUT per rank per step. Version 3: a rank whose share is empty (a small state is
 spread over fewer ranks, ``CheckpointConfig.min_shard_bytes``) writes no file, and the manifest
@@ -244,7 +244,7 @@ class CheckpointStore:
             raise ValueError(f"checkpoint meta for step {step} must be plain JSON data: {exc}") from None
         manifest = {**body, "checksum": checksum}
         # Compact, not indented: json's C encoder does not indent, and this runs every step
-        # (``elastic checkpoints`` and ``python -m json.tool`` print it readably).
+        # (``python -m json.tool`` prints it readably).
         data = canonical_json(manifest)
         self.storage.write_bytes(f"{step_dir(step)}/{MANIFEST}", data)
         return manifest
