@@ -102,9 +102,8 @@ def commit_readings(res, poll: list[dict]) -> dict:
 
 def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options: dict, poll_s: float,
              every: int = 1, min_shard_bytes: int | None = None) -> dict:
-    ckpt = elastic.CheckpointConfig(every_n_steps=every if storage else 0)
-    if min_shard_bytes is not None:
-        ckpt.min_shard_bytes = min_shard_bytes
+    sizes = {} if min_shard_bytes is None else {"min_shard_bytes": min_shard_bytes}
+    ckpt = elastic.CheckpointConfig(every_n_steps=every if storage else 0, **sizes)  # validated like a user's
     run = elastic.RunConfig(name=name, storage=storage, storage_options=options, seed=w.seed, checkpoint=ckpt)
     trainer = elastic_trainer(w, name, run=run)
     # Every run is polled, baselines too: polling is not free for the controller (on this machine

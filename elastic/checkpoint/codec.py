@@ -141,8 +141,8 @@ def assign_shards(sizes: dict[str, int], world_size: int) -> list[list[str]]:
 
 
 def writer_count(total_bytes: int, world_size: int, min_shard_bytes: int = 0) -> int:
-    """How many ranks (0, 1, ...) write a state of ``total_bytes``: at least ``min_shard_bytes``
-    each (0: every rank), never fewer than one (rank 0 writes the state skeleton)."""
+    """How many ranks write a state of ``total_bytes``: at least ``min_shard_bytes`` each (0:
+    every rank), never fewer than one (shard 0 holds the state skeleton)."""
     if min_shard_bytes <= 0:
         return world_size
     return max(1, min(world_size, -(-int(total_bytes) // int(min_shard_bytes))))

@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 if TYPE_CHECKING:
     import torch
@@ -398,22 +398,30 @@ class CheckpointStore:
         return None
 
     # ---- cleanup ----------------------------------------------------------------------------
+    def _delete_steps(self, steps: list[int], report: CleanupReport, delete: Callable[[], Any]) -> None:
+        """Run ``delete`` (which removes ``steps``) and record the outcome: deleted, or failed and
+        retried by the next retention pass. Never raises."""
+        try:
+            delete()
+        except (StorageError, OSError) as exc:
+            # One failed delete (a transient remote error) must not stop training or later cleanup.
+            self._retry_deletes.update(steps)
+            report.failed.update({step: str(exc) for step in steps})
+            logger.warning("could not delete checkpoint steps %s (will retry): %s", steps, exc)
+            return
+        self._retry_deletes.difference_update(steps)
+        report.deleted.extend(steps)
+
     def _delete_step(self, step: int, report: CleanupReport, files: list[str] | None = None) -> None:
         """Manifest first: a step half-deleted by a failure is then merely uncommitted, never a
         committed step with missing files; GC or the next call finishes the job. ``files``: the
         step's files when the caller knows them (no listing needed)."""
-        try:
+        def delete() -> None:
             self.storage.delete(f"{step_dir(step)}/{MANIFEST}")
             if not (files and self.storage.delete_files(files, step_dir(step))):
                 self.storage.delete_tree(step_dir(step))
-        except (StorageError, OSError) as exc:
-            # One failed delete (a transient remote error) must not stop training or later cleanup.
-            self._retry_deletes.add(step)
-            report.failed[step] = str(exc)
-            logger.warning("could not delete checkpoint step %d (will retry): %s", step, exc)
-            return
-        self._retry_deletes.discard(step)
-        report.deleted.append(step)
+
+        self._delete_steps([step], report, delete)
 
     def apply_retention(self, keep_last: int, keep_every: int = 0,
                         committed: list[int] | None = None, files: dict[int, list[str]] | None = None
@@ -449,17 +457,11 @@ class CheckpointStore:
         manifests, then one of their files, instead of two requests a step. Same order as
         ``_delete_step`` (manifests first), so a failure leaves steps uncommitted, never
         committed with missing files; a failed step is retried like a single one."""
-        try:
+        def delete() -> None:
             self.storage.delete_files([f"{step_dir(s)}/{MANIFEST}" for s in steps], "")
             self.storage.delete_files([f for s in steps for f in files[s]], "")
-        except (StorageError, OSError) as exc:
-            for step in steps:
-                self._retry_deletes.add(step)
-                report.failed[step] = str(exc)
-            logger.warning("could not delete checkpoint steps %s (will retry): %s", steps, exc)
-            return
-        self._retry_deletes.difference_update(steps)
-        report.deleted.extend(steps)
+
+        self._delete_steps(steps, report, delete)
 
     def gc_uncommitted(self, older_than: int | None = None, keep: Iterable[int] = ()) -> CleanupReport:
         """Delete step directories without a valid manifest that are older than ``older_than`` (default:
