@@ -1,7 +1,9 @@
-"""DDP's bucket layout as the worker builds it, in a real two-process gloo group."""
+"""Worker pieces: DDP's bucket layout as the worker builds it (in a real two-process gloo group),
+first-N's helpers, and how a batch is fetched from the dataset."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -91,3 +93,46 @@ def test_a_late_first_n_replica_sits_out_twice_as_long_each_time_up_to_the_cap()
     for _ in range(3):
         TrainWorker._first_n_late_backoff(off, late=True)
     assert off._fn_sit_out == 0  # late_backoff_steps=0: never sits out
+
+
+def test_a_batch_is_fetched_the_way_dataloader_fetches_it():
+    from torch.utils.data import Subset, TensorDataset, default_collate
+
+    from elastic.actors.worker import fetch_samples
+
+    class Batched(torch.utils.data.Dataset):
+        """A dataset with torch's batched-fetch protocol, counting how it is asked."""
+
+        def __init__(self):
+            self.data = torch.arange(20.0).reshape(10, 2)
+            self.calls = []
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            self.calls.append(("item", i))
+            return self.data[i]
+
+        def __getitems__(self, indices):
+            self.calls.append(("items", list(indices)))
+            return [self.data[i] for i in indices]
+
+    ds = Batched()
+    got = default_collate(fetch_samples(ds, [3, 1, 7]))
+    assert ds.calls == [("items", [3, 1, 7])]  # one call for the batch, in the shard's order
+    assert torch.equal(got, ds.data[[3, 1, 7]])
+    ds.calls.clear()
+    sub = Subset(ds, [9, 8, 7, 6])  # torch's Subset passes the batch on, remapped
+    assert torch.equal(default_collate(fetch_samples(sub, [0, 2])), ds.data[[9, 7]])
+    assert ds.calls == [("items", [9, 7])]
+    plain = TensorDataset(torch.arange(5), torch.arange(5) * 10)  # no __getitems__: one item at a time
+    x, y = default_collate(fetch_samples(plain, [4, 0]))
+    assert x.tolist() == [4, 0] and y.tolist() == [40, 0]
+
+    class Short(Batched):
+        def __getitems__(self, indices):
+            return [self.data[i] for i in indices[:-1]]
+
+    with pytest.raises(ValueError, match="returned 1 samples for 2 indices"):
+        fetch_samples(Short(), [0, 1])

@@ -299,8 +299,7 @@ class TrainWorker:
 
     # ---- training --------------------------------------------------------------------------
     def _batch(self, indices: list[int]):
-        batch = torch_data.default_collate([self.dataset[i] for i in indices])
-        return _to_device(batch, self.device)
+        return _to_device(torch_data.default_collate(fetch_samples(self.dataset, indices)), self.device)
 
     def _forward_backward(self, model, batch, step: int, has_collective: bool,
                           t_step: float) -> tuple[torch.Tensor, float]:
@@ -671,6 +670,20 @@ def _mark_abandoned(store, steps: range, rank: int) -> None:
             client.compare_set(_fast_key(step), "", ABANDONED)
     except Exception as exc:  # noqa: BLE001 - the store died with rank 0: its clients raise already
         logger.debug("rank %s: cannot mark first-N steps abandoned: %s", rank, exc)
+
+
+def fetch_samples(dataset, indices: list[int]) -> list:
+    """The samples at ``indices``, as torch's DataLoader fetches a batch from a map-style dataset:
+    in one ``__getitems__(indices)`` call when the dataset has one (Hugging Face datasets, torch's
+    ``Subset`` and ``StackDataset`` over such datasets), else one ``dataset[i]`` per index."""
+    getitems = getattr(dataset, "__getitems__", None)
+    if callable(getitems):
+        samples = getitems(list(indices))
+        if len(samples) != len(indices):
+            raise ValueError(f"{type(dataset).__name__}.__getitems__ returned {len(samples)} samples "
+                             f"for {len(indices)} indices")
+        return samples
+    return [dataset[i] for i in indices]
 
 
 def _looks_collective(exc: BaseException) -> bool:
