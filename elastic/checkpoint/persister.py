@@ -86,13 +86,19 @@ class AsyncPersister:
     ``submit`` returns at once (or writes inline when ``blocking``). ``drain`` hands back
     ``(step, entries)`` for every write completed since the last drain; ``drain_events`` the outage
     start/end and failure events.
+
+    ``on_release(payload)`` is called exactly once for every submitted payload, when the persister
+    lets go of it: after its write (and ``on_done``) succeeded or failed for good, when a newer
+    snapshot replaced it, when the light queue overflowed, and when it was dropped at close. Never
+    while the write function may still read it, so the caller may reuse the payload's memory then.
     """
 
     def __init__(self, write_fn: Callable[[Any], list], blocking: bool = False, name: str = "checkpoint write",
                  retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256,
                  keep_done: bool = True, on_done: Callable[[int, Any, Any], None] | None = None,
-                 max_light: int = 32):
+                 max_light: int = 32, on_release: Callable[[Any], None] | None = None):
         self._write_fn = write_fn
+        self._on_release = on_release
         # Called from the writer thread with (step, payload, what write_fn returned) as each write finishes,
         # instead of keeping it for drain(): the worker pushes it straight to the controller.
         self._on_done = on_done
@@ -117,23 +123,30 @@ class AsyncPersister:
     def submit(self, step: int, payload: Any, light: bool = False) -> None:
         """Hand over a snapshot the caller already copied; the persister now owns it."""
         if self.blocking:
-            self._write_inline(step, payload)
+            try:
+                self._write_inline(step, payload)
+            finally:
+                self._release(payload)
             return
         with self._cond:
             if self._closing:
                 logger.debug("persister closed; dropping step %d", step)
+                self._release(payload)
                 return
             if not light:
-                replaced = [i[0] for i in self._queue if not i[2]]
+                replaced = [i for i in self._queue if not i[2]]
                 if replaced:  # one snapshot waits, never more: memory stays bounded
                     self._queue = deque(i for i in self._queue if i[2])
                     self.superseded += len(replaced)
-                    logger.debug("step %d replaces waiting step %s", step, replaced)
+                    logger.debug("step %d replaces waiting step %s", step, [i[0] for i in replaced])
+                    for item in replaced:
+                        self._release(item[1])
             self._queue.append((step, payload, light))
             while len(self._queue) > self.max_light + 1:
                 dropped = self._queue.popleft()
                 self.superseded += 1
                 logger.debug("step %d dropped: %d reports wait", dropped[0], len(self._queue))
+                self._release(dropped[1])
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"elastic-{self.name}", daemon=True)
                 self._thread.start()
@@ -185,6 +198,8 @@ class AsyncPersister:
             with self._cond:
                 self._abort = True
                 dropped = self._queue[-1][0] if self._queue else self._inflight
+                for item in self._queue:
+                    self._release(item[1])
                 self._queue.clear()
                 self._cond.notify_all()
             logger.warning("%s: gave up on step %s at close after %.1fs", self.name, dropped, timeout_s)
@@ -192,6 +207,14 @@ class AsyncPersister:
         return clean
 
     # ---- writer side ------------------------------------------------------------------------
+    def _release(self, payload: Any) -> None:
+        if self._on_release is None:
+            return
+        try:
+            self._on_release(payload)
+        except Exception:  # noqa: BLE001 - a release hook must not cost a write or the thread
+            logger.exception("%s: releasing a payload failed", self.name)
+
     def _write_inline(self, step: int, payload: Any) -> None:
         """Blocking mode: one write (the storage layer retries transient errors); a failure is recorded,
         never raised, and the next step tries again."""
@@ -236,13 +259,17 @@ class AsyncPersister:
                 step, payload, _ = self._queue.popleft()
                 self._inflight = step
             try:
-                self._persist(step, payload)
+                payload = self._persist(step, payload)
             finally:
+                # The payload _persist ended with (it may have moved on to a newer one).
+                self._release(payload)
                 with self._cond:
                     self._inflight = None
                     self._cond.notify_all()
 
-    def _persist(self, step: int, payload: Any) -> None:
+    def _persist(self, step: int, payload: Any) -> Any:
+        """Write ``payload``, retrying through an outage; returns the payload it ended with (in an
+        outage it moves on to the newest snapshot, releasing the ones it skips)."""
         attempt = 0
         while True:
             try:
@@ -254,18 +281,19 @@ class AsyncPersister:
                     # outage does not turn every training step into a storage request.
                     self._cond.wait_for(lambda: self._abort, timeout=self._backoff_s(attempt))
                     if self._abort:
-                        return
+                        return payload
                     heavy = [i for i in self._queue if not i[2]]
                     if heavy:  # move on to the newest snapshot; reports older than it are moot
                         self.superseded += 1
+                        self._release(payload)
                         while self._queue[0] is not heavy[-1]:
-                            self._queue.popleft()
+                            self._release(self._queue.popleft()[1])
                         step, payload, _ = self._queue.popleft()
                         self._inflight = step
                 attempt += 1
                 continue
             except Exception as exc:  # noqa: BLE001 - never let the thread die silently
                 self._record_failure(step, exc)
-                return
+                return payload
             self._record_success(step, payload, entries)
-            return
+            return payload

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from elastic.checkpoint.codec import capture_rng, flatten_state, host_copy, rank_share
+from elastic.checkpoint.codec import StagingBuffers, capture_rng, flatten_state, host_copy, rank_share
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.storage import RetryPolicy
 from elastic.checkpoint.store import CheckpointStore, Snapshot
@@ -31,12 +31,14 @@ def live_state(worker: Any) -> dict:
     }
 
 
-def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0) -> Snapshot:
-    """This rank's share of tensors (private host copies), its RNG, and on rank 0 the state skeleton."""
+def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: StagingBuffers | None = None) -> Snapshot:
+    """This rank's share of tensors (private host copies, in ``staging``'s recycled buffers when
+    given), its RNG, and with the first share the state skeleton."""
     rank, world_size = int(worker.rank), int(worker.world_size)
     tensors, skeleton = flatten_state(live_state(worker))
     share, with_skeleton = rank_share(tensors, rank, world_size, min_shard_bytes, step)
-    copies = {name: host_copy(tensors[name]) for name in share}
+    copy = staging.copy if staging is not None else host_copy
+    copies = {name: copy(tensors[name]) for name in share}
     return Snapshot(step, rank, world_size, copies, skeleton if with_skeleton else None, capture_rng())
 
 
@@ -63,11 +65,14 @@ class WorkerCheckpointer:
         self._notify, self._progress = notify, progress
         self._last_pushed: tuple[int, dict] | None = None
         self._pool_error: str | None = None
-        # The payload is (snapshot, the group's PartPool at snapshot time or None).
+        # The payload is (snapshot, the group's PartPool at snapshot time or None). Its host
+        # copies go back to ``staging`` once the persister lets go of it.
+        self.staging = StagingBuffers()
         self.persister = AsyncPersister(lambda payload: self._write(payload[0]), blocking=blocking,
                                         name="checkpoint write",
                                         retry_min_s=retry_min_s, retry_max_s=retry_max_s,
-                                        on_done=self._push if notify is not None else None)
+                                        on_done=self._push if notify is not None else None,
+                                        on_release=lambda payload: self.staging.release(payload[0].tensors.values()))
         self.last_snapshot_s = 0.0
         self._snapshot_error: str | None = None
 
@@ -91,7 +96,7 @@ class WorkerCheckpointer:
         if self.due(step):
             t0 = time.perf_counter()
             try:
-                snapshot = take_snapshot(worker, step, self.min_shard_bytes)
+                snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging)
             except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
                 text = f"{type(exc).__name__}: {exc}"
                 if text != self._snapshot_error:  # log a repeating error once, not every step
