@@ -216,7 +216,7 @@ class StagingBuffers:
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A private, contiguous CPU copy of ``t``, like ``host_copy``, in a recycled buffer when one fits."""
         t = t.detach()
-        if t.numel() == 0:
+        if t.numel() == 0 or t.layout != torch.strided:
             return host_copy(t)
         key = (tuple(t.shape), t.dtype, t.device.type == "cuda")
         with self._lock:
