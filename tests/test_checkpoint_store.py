@@ -36,13 +36,13 @@ from elastic.checkpoint.codec import (
     encode_tensor_buffers,
     encode_tensors,
     flatten_state,
-    StagingBuffers,
     rank_share,
     sha256,
     tensor_nbytes,
     writer_count,
     writer_slot,
 )
+from elastic.checkpoint.staging import StagingBuffers
 from elastic.checkpoint.store import FileEntry, meta_name, shard_name, step_dir
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
 from elastic.config import CheckpointConfig, ConfigError

@@ -11,7 +11,6 @@ import hashlib
 import json
 import random
 import sys
-import threading
 from typing import Any
 
 import numpy as np
@@ -183,65 +182,6 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         return t.clone(memory_format=torch.contiguous_format)
     return t.to("cpu", copy=True).contiguous()
-
-
-class StagingBuffers:
-    """Host buffers that snapshots copy into, reused once the persister lets go of a snapshot.
-
-    Why: a fresh host copy of every tensor each step pays for new memory, and the copy is inside
-    the step. On CPU the allocator hands big blocks back to the kernel and page-faults them in
-    again (glibc always does above 32 MB). Measured in one process, with the two newest copies
-    alive as in the persister: 1.6 MB took 0.79 ms fresh against 0.14 ms into a reused buffer,
-    64 MB 48 ms against 10.7 ms. (On the benchmark's small state the snapshot's in-step time
-    did not move measurably: ~0.95 ms a rank, most of it flattening the state dicts and reading
-    the RNG; its copies took 0.22 ms.) For tensors on a GPU the buffers are pinned, which is
-    what lets a device-to-host copy run at full speed; pinning fresh memory every step would
-    cost more than the copy. torch.distributed.checkpoint's stager caches its staging copies for the same
-    reasons, but it reuses one copy per tensor, which the next snapshot would overwrite while the
-    previous one may still be written. Here a buffer only returns when ``release`` says its
-    snapshot is written or dropped (``AsyncPersister``'s ``on_release``), so a buffer is never
-    handed out twice. Memory: the snapshots in flight (one being written, one waiting, one being
-    taken) hold buffers, as fresh copies would; between checkpoints at most ``keep`` buffers per
-    shape wait for reuse. One is enough when every step is saved: step t's buffers come back
-    while step t+1 is written and serve step t+2.
-    """
-
-    def __init__(self, keep: int = 1):
-        self.keep = keep
-        self._free: dict[tuple, list] = {}  # (shape, dtype, pinned) -> buffers ready for reuse
-        self._out: dict[int, tuple] = {}  # data_ptr -> key of every buffer handed out, not yet back
-        self._lock = threading.Lock()
-        self.reused = 0  # copies made into a recycled buffer
-
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A private, contiguous CPU copy of ``t``, like ``host_copy``, in a recycled buffer when one fits."""
-        t = t.detach()
-        if t.numel() == 0 or t.layout != torch.strided:
-            return host_copy(t)
-        key = (tuple(t.shape), t.dtype, t.device.type == "cuda")
-        with self._lock:
-            free = self._free.get(key)
-            buf = free.pop() if free else None
-            self.reused += buf is not None
-        if buf is None:
-            buf = torch.empty(key[0], dtype=t.dtype, device="cpu", pin_memory=key[2])
-        buf.copy_(t)  # synchronous, also from a GPU: the snapshot is whole when this returns
-        with self._lock:
-            self._out[buf.data_ptr()] = key
-        return buf
-
-    def release(self, tensors) -> None:
-        """Take back buffers whose snapshot is written or dropped. Anything this did not hand
-        out, or already took back, is ignored, so a second release cannot put a buffer in two
-        snapshots."""
-        with self._lock:
-            for t in tensors:
-                key = self._out.pop(t.data_ptr(), None) if t.numel() else None
-                if key is None:
-                    continue
-                free = self._free.setdefault(key, [])
-                if len(free) < self.keep:
-                    free.append(t)
 
 
 def _own_contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -90,6 +90,17 @@ class Snapshot:
     def nbytes(self) -> int:
         return sum(tensor_nbytes(t) for t in self.tensors.values())
 
+    @classmethod
+    def of_state(cls, state: dict, step: int, rank: int, world_size: int, rng: dict | None = None,
+                 min_shard_bytes: int = 0, copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Snapshot:
+        """``rank``'s share of ``state`` (a ``get_state()``-shaped dict) at ``step``, and with the
+        first share the state skeleton. ``copy`` makes the private copies a background write
+        needs; without it the snapshot references ``state``'s tensors."""
+        tensors, skeleton = flatten_state(state)
+        share, with_skeleton = rank_share(tensors, rank, world_size, min_shard_bytes, step)
+        return cls(step, rank, world_size, {n: copy(tensors[n]) if copy else tensors[n] for n in share},
+                   skeleton if with_skeleton else None, rng)
+
     @property
     def writes_file(self) -> bool:
         """False for a rank with no share of this step: its RNG goes to the manifest instead."""
@@ -179,11 +190,7 @@ class CheckpointStore:
     def write_rank_files(self, step: int, rank: int, world_size: int, state: dict, rng: dict | None = None,
                          min_shard_bytes: int = 0) -> list[FileEntry]:
         """Write this rank's share of ``state`` (a ``get_state()`` dict) and its RNG; blocking."""
-        tensors, skeleton = flatten_state(state)
-        share, with_skeleton = rank_share(tensors, rank, world_size, min_shard_bytes, step)
-        snapshot = Snapshot(step, rank, world_size, {n: tensors[n] for n in share},
-                            skeleton if with_skeleton else None, rng)
-        return self.write_snapshot(snapshot)
+        return self.write_snapshot(Snapshot.of_state(state, step, rank, world_size, rng, min_shard_bytes))
 
     def write_snapshot(self, snap: Snapshot) -> list[FileEntry]:
         """Write one rank's shard, its meta in the header; returns its FileEntry record. A rank
@@ -219,9 +226,9 @@ class CheckpointStore:
         """
         files = sorted((FileEntry.from_dict(e) for e in entries), key=lambda e: e.path)
         paths = {e.path for e in files}
-        rng = {int(r): state for r, state in (rng or {}).items() if shard_name(step, int(r), world_size) not in paths}
-        missing = sorted(shard_name(step, r, world_size) for r in range(world_size)
-                         if shard_name(step, r, world_size) not in paths and r not in rng)
+        unwritten = {r: name for r in range(world_size) if (name := shard_name(step, r, world_size)) not in paths}
+        rng = {int(r): state for r, state in (rng or {}).items() if int(r) in unwritten}
+        missing = sorted(name for r, name in unwritten.items() if r not in rng)
         if missing or not paths:
             raise ValueError(f"cannot commit step {step}: missing files {missing}")
         stray = [p for p in paths if not p.startswith(step_dir(step) + "/")]

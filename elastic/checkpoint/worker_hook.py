@@ -12,8 +12,9 @@ import logging
 import time
 from typing import Any, Callable
 
-from elastic.checkpoint.codec import StagingBuffers, capture_rng, flatten_state, host_copy, rank_share
+from elastic.checkpoint.codec import capture_rng, host_copy
 from elastic.checkpoint.persister import AsyncPersister
+from elastic.checkpoint.staging import StagingBuffers
 from elastic.checkpoint.storage import RetryPolicy
 from elastic.checkpoint.store import CheckpointStore, Snapshot
 
@@ -34,12 +35,8 @@ def live_state(worker: Any) -> dict:
 def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: StagingBuffers | None = None) -> Snapshot:
     """This rank's share of tensors (private host copies, in ``staging``'s recycled buffers when
     given), its RNG, and with the first share the state skeleton."""
-    rank, world_size = int(worker.rank), int(worker.world_size)
-    tensors, skeleton = flatten_state(live_state(worker))
-    share, with_skeleton = rank_share(tensors, rank, world_size, min_shard_bytes, step)
-    copy = staging.copy if staging is not None else host_copy
-    copies = {name: copy(tensors[name]) for name in share}
-    return Snapshot(step, rank, world_size, copies, skeleton if with_skeleton else None, capture_rng())
+    return Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size), capture_rng(),
+                             min_shard_bytes, copy=staging.copy if staging is not None else host_copy)
 
 
 class WorkerCheckpointer:
