@@ -20,7 +20,7 @@ import ray
 
 from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, TrainingSpec
 from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits
-from elastic.config import FailureConfig, RunConfig, ScalingConfig
+from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan
 from elastic.policies import (
     EvictStraggler,
@@ -272,10 +272,26 @@ class Controller:
         if step is None:
             self.log("checkpoint", f"no committed checkpoint under {self.store.location}; starting fresh")
             return None
+        from elastic.checkpoint.compat import CheckpointMismatch
+
         refs = [m.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options, self.run_config.name,
                                                   step) for m in self.group.members]
-        metas = ray.get(refs)
-        meta = metas[0]
+        # Every rank's answer is taken, so one rank's error does not leave the others' errors
+        # unread (Ray logs each unread one as an "unhandled error" when its ref goes).
+        results = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as exc:
+                results.append(exc)
+        errors = [r for r in results if isinstance(r, Exception)]
+        mismatch = next((e.cause for e in errors if isinstance(getattr(e, "cause", None), CheckpointMismatch)), None)
+        if mismatch is not None:
+            # A configuration problem, not a fault: the ConfigError reaches the user without a traceback.
+            raise ConfigError(str(mismatch))
+        if errors:
+            raise errors[0]
+        meta = results[0]
         for done in range(self.step + 1, step + 1):
             if done in self._planned:
                 # Committed before its results reached us (ranks report written parts directly):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 import elastic
 from elastic.checkpoint import CheckpointStore
@@ -86,6 +87,33 @@ def test_corrupt_newest_step_is_skipped(ray_cluster, tmp_path, uninterrupted):
     resumed = trainer("corrupt", url).fit(steps=12)
     assert resumed.metrics["restored_from"] == 5
     assert_weights_close(resumed.model_state, uninterrupted, atol=1e-5)
+
+
+def test_a_checkpoint_of_another_model_stops_the_run_with_a_config_error_and_is_kept(ray_cluster, tmp_path):
+    """Same run name, a wider model: one ConfigError naming the differences and the field to
+    change, before any rank loads anything; the committed step stays on storage."""
+    url = f"file://{tmp_path}/ckpt"
+    store = CheckpointStore(url, "changed")
+    model = make_model()
+    state = {"model": model.state_dict(), "optimizer": make_adam(model.parameters()).state_dict(),
+             "scheduler": None, "completed_step": 3}
+    store.commit(3, store.write_rank_files(3, 0, 1, state), 1, {"data_position": {"epoch": 0, "cursor": 96}})
+    before = sorted(glob.glob(f"{tmp_path}/ckpt/changed/**", recursive=True))
+
+    def wider():
+        return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+    run = elastic.Trainer(wider, make_adam, make_dataset, loss_fn, 32,
+                          scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
+                          run=elastic.RunConfig(name="changed", storage=url, seed=0))
+    with pytest.raises(elastic.ConfigError) as info:
+        run.fit(steps=5)
+    message = str(info.value)
+    assert f"checkpoint at step 3 in {url}/changed does not fit" in message
+    assert "model: 0.weight is [32, 16] in the checkpoint and [64, 16] in the model" in message
+    assert "change RunConfig.name" in message and "Traceback" not in message
+    assert sorted(glob.glob(f"{tmp_path}/ckpt/changed/**", recursive=True)) == before
+    assert store.latest_valid() == 3
 
 
 def test_restart_from_checkpoint_when_no_spare(ray_cluster, tmp_path, uninterrupted):

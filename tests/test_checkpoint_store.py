@@ -1080,3 +1080,74 @@ def test_committer_batches_retention_and_flush_leaves_exactly_keep_last(backend,
     deleted = [e for e in committer.drain_events() if e["event"] == "checkpoint_deleted"]
     assert [e["deleted"] for e in deleted] == [[1, 2, 3, 4]]
     committer.close()
+
+
+# ---- does a checkpoint fit the model and optimizer? ---------------------------------------------
+def _trained_state(model, optimizer_fn):
+    opt = optimizer_fn(model.parameters())
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def test_a_state_fits_the_model_and_optimizer_it_came_from():
+    from helpers import make_adam, make_model
+
+    from elastic.checkpoint import state_mismatches
+
+    saved = _trained_state(make_model(), make_adam)
+    live_model = make_model()
+    assert state_mismatches({"model": live_model.state_dict(),
+                             "optimizer": make_adam(live_model.parameters()).state_dict()}, saved) == []
+
+
+def test_another_model_or_optimizer_is_named_line_by_line():
+    from helpers import make_adam, make_sgd
+
+    from elastic.checkpoint import state_mismatches
+
+    saved = _trained_state(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)),
+                           make_adam)
+    wider = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4), torch.nn.Linear(4, 4))
+    sgd = make_sgd(wider.parameters()).state_dict()
+    problems = state_mismatches({"model": wider.state_dict(), "optimizer": sgd}, saved)
+    adam_only = sorted(set(saved["optimizer"]["param_groups"][0]) - set(sgd["param_groups"][0]))
+    assert {"betas", "eps", "amsgrad"} <= set(adam_only)  # the names differ a little between torch versions
+    assert problems == [
+        "model: 2 key(s) of the model are not in the checkpoint: 3.weight, 3.bias",
+        "model: 0.weight is [32, 16] in the checkpoint and [64, 16] in the model",
+        "model: 0.bias is [32] in the checkpoint and [64] in the model",
+        "model: 2.weight is [4, 32] in the checkpoint and [4, 64] in the model",
+        "optimizer: param group 0 holds 4 parameter(s) in the checkpoint and 6 in this optimizer",
+        f"optimizer: param group 0 of the checkpoint has hyperparameters this optimizer does not have: "
+        f"{adam_only} (was it saved from another optimizer class?)",
+    ]
+    assert state_mismatches({"model": wider.state_dict(), "optimizer": sgd}, saved, limit=3)[2] == \
+        "... and 4 more difference(s)"
+
+
+def test_a_hyperparameter_newer_torch_added_still_fits():
+    """torch's load_state_dict fills in a hyperparameter the checkpoint's torch did not have yet."""
+    from helpers import make_adam, make_model
+
+    from elastic.checkpoint import state_mismatches
+
+    model = make_model()
+    saved = _trained_state(model, make_adam)
+    for group in saved["optimizer"]["param_groups"]:
+        group.pop("decoupled_weight_decay", None)
+        del group["amsgrad"]
+    assert state_mismatches({"model": model.state_dict(), "optimizer": make_adam(model.parameters()).state_dict()},
+                            saved) == []
+
+
+def test_checkpoint_mismatch_survives_pickling_whole():
+    """It travels from a worker to the controller pickled."""
+    import pickle
+
+    from elastic.checkpoint import CheckpointMismatch
+
+    err = CheckpointMismatch(7, "s3://bucket/run", ["model: a.weight is [2] in the checkpoint and [3] in the model"])
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.step, back.location, back.problems, str(back)) == (err.step, err.location, err.problems, str(err))
+    assert "RunConfig.name" in str(back) and "step 7 in s3://bucket/run" in str(back)

@@ -617,10 +617,17 @@ class TrainWorker:
             self._ckpt.warm_up()
 
     def restore_checkpoint(self, url: str, storage_options: dict, run_name: str, step: int) -> dict:
-        """Load a committed step (checksums verified while reading); returns its manifest meta."""
-        from elastic.checkpoint import CheckpointStore
+        """Load a committed step (checksums verified while reading); returns its manifest meta.
+        Raises ``CheckpointMismatch``, with this rank's state untouched, when the step does not
+        fit the model or optimizer this run built (``elastic.checkpoint.compat``)."""
+        from elastic.checkpoint import CheckpointMismatch, CheckpointStore, state_mismatches
 
-        state, meta = CheckpointStore(url, run_name, storage_options).read_state(step)
+        store = CheckpointStore(url, run_name, storage_options)
+        state, meta = store.read_state(step)
+        problems = state_mismatches({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                                    state)
+        if problems:
+            raise CheckpointMismatch(step, store.location, problems)
         self.set_state(state)
         return meta
 

@@ -7,6 +7,7 @@ reads, verifies, lists and cleans up.
 
 from elastic.checkpoint.codec import capture_rng, restore_rng
 from elastic.checkpoint.committer import CheckpointCommitter
+from elastic.checkpoint.compat import CheckpointMismatch, state_mismatches
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.storage import RetryPolicy, Storage, StorageError, StorageUnavailable, resolve_url
 from elastic.checkpoint.store import (
@@ -20,7 +21,7 @@ from elastic.checkpoint.store import (
 from elastic.checkpoint.worker_hook import WorkerCheckpointer
 
 __all__ = [
-    "AsyncPersister", "CheckpointCommitter", "CheckpointStore", "CleanupReport", "CorruptCheckpoint", "FileEntry",
+    "AsyncPersister", "CheckpointCommitter", "CheckpointMismatch", "CheckpointStore", "CleanupReport", "CorruptCheckpoint", "FileEntry",
     "RetryPolicy", "Snapshot", "StepInfo", "Storage", "StorageError", "StorageUnavailable", "WorkerCheckpointer",
-    "capture_rng", "resolve_url", "restore_rng",
+    "capture_rng", "resolve_url", "restore_rng", "state_mismatches",
 ]

@@ -1,0 +1,91 @@
+"""Does a saved training state fit the model and optimizer this run built?
+
+Why check before loading: a user who changes the model (or the optimizer) and keeps the run's
+name and storage resumes the old run's checkpoint. torch's ``load_state_dict`` then fails deep
+inside a worker with a traceback, after it has already copied the tensors that did match; an
+optimizer of another class can even load without an error and train with the old class's
+hyperparameters. Comparing first gives one error that names the checkpoint, every difference,
+and the field to change, and leaves the worker's state untouched.
+
+What is compared: the model's keys and shapes (dtype differences are allowed, as torch allows
+them), and the optimizer's param groups: how many there are, how many parameters each holds,
+and the names of their hyperparameters (a different optimizer class has different names).
+The LR scheduler is not compared: one added or removed between runs starts or stops cleanly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CheckpointMismatch(ValueError):
+    """A committed checkpoint does not fit the model or optimizer it would be loaded into."""
+
+    def __init__(self, step: int, location: str, problems: list[str]):
+        self.step, self.location, self.problems = step, location, list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"the committed checkpoint at step {step} in {location} does not fit this run's model or "
+            f"optimizer:\n{lines}\nTo continue that run, build the model and optimizer it was trained with; "
+            f"to start a new run instead, change RunConfig.name (or RunConfig.storage). Nothing was loaded "
+            f"and nothing was deleted.")
+
+    def __reduce__(self):
+        # Rebuilt from its fields: it crosses from a worker to the controller pickled, and the
+        # default (the message as the only argument) does not fit __init__.
+        return type(self), (self.step, self.location, self.problems)
+
+
+def _shape(t: Any) -> list[int] | None:
+    shape = getattr(t, "shape", None)
+    return list(shape) if shape is not None else None
+
+
+def _model_mismatches(live: dict, saved: dict) -> list[str]:
+    out = []
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    if missing:
+        out.append(f"model: {len(missing)} key(s) of the model are not in the checkpoint: {_names(missing)}")
+    if unexpected:
+        out.append(f"model: {len(unexpected)} key(s) in the checkpoint are not in the model: {_names(unexpected)}")
+    for key in live:
+        if key in saved and _shape(live[key]) != _shape(saved[key]):
+            out.append(f"model: {key} is {_shape(saved[key])} in the checkpoint and {_shape(live[key])} in the model")
+    return out
+
+
+def _optimizer_mismatches(live: dict, saved: dict) -> list[str]:
+    live_groups, saved_groups = live.get("param_groups", []), saved.get("param_groups", [])
+    if len(live_groups) != len(saved_groups):
+        return [f"optimizer: the checkpoint has {len(saved_groups)} param group(s), this optimizer "
+                f"{len(live_groups)}"]
+    out = []
+    for i, (mine, theirs) in enumerate(zip(live_groups, saved_groups)):
+        if len(mine["params"]) != len(theirs["params"]):
+            out.append(f"optimizer: param group {i} holds {len(theirs['params'])} parameter(s) in the checkpoint "
+                       f"and {len(mine['params'])} in this optimizer")
+        # Only names the checkpoint has and this optimizer lacks: a newer torch adds
+        # hyperparameters with defaults (its load_state_dict fills them in), so a checkpoint
+        # from an older torch lacking one still fits.
+        unknown = sorted(set(theirs) - set(mine))
+        if unknown:
+            out.append(f"optimizer: param group {i} of the checkpoint has hyperparameters this optimizer does not "
+                       f"have: {unknown} (was it saved from another optimizer class?)")
+    return out
+
+
+def _names(keys: list[str], limit: int = 5) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def state_mismatches(live: dict, saved: dict, limit: int = 12) -> list[str]:
+    """Why ``saved`` cannot be loaded into ``live`` (both shaped like ``TrainWorker.get_state()``:
+    ``{"model": state_dict, "optimizer": state_dict, ...}``); empty when it fits. At most
+    ``limit`` lines, the last saying how many more there were."""
+    problems = _model_mismatches(live["model"], saved.get("model", {}))
+    problems += _optimizer_mismatches(live["optimizer"], saved.get("optimizer", {}))
+    if len(problems) > limit:
+        problems = problems[:limit - 1] + [f"... and {len(problems) - limit + 1} more difference(s)"]
+    return problems
