@@ -21,6 +21,7 @@ _EXPORTS = {
     "WorkerError": "elastic.controller",
     "Result": "elastic.trainer",
     "Trainer": "elastic.trainer",
+    "TrainingStopped": "elastic.trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -269,6 +269,9 @@ class RunConfig:
     seed: int = 0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     progress: bool = False
+    # Ctrl-C or SIGTERM (``ray job stop``) during fit(): how long the run may take to finish the
+    # steps already dispatched and commit their checkpoint before it is killed instead.
+    stop_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _RUN_NAME.match(self.name):
@@ -277,5 +280,7 @@ class RunConfig:
             )
         if not isinstance(self.seed, int):
             raise ConfigError(f"RunConfig.seed must be an integer, got {self.seed!r}.")
+        if not isinstance(self.stop_timeout_s, (int, float)) or not self.stop_timeout_s > 0:
+            raise ConfigError(f"RunConfig.stop_timeout_s must be a number of seconds > 0, got {self.stop_timeout_s!r}.")
         if self.storage is not None and not isinstance(self.storage, str):
             raise ConfigError("RunConfig.storage must be a string URL (file://, memory://, s3://) or a path.")

@@ -42,11 +42,12 @@ class State(enum.Enum):
     RUNNING = "running"
     RECOVERING = "recovering"
     FINISHED = "finished"
+    STOPPED = "stopped"  # asked to stop before its last step (Ctrl-C, ``ray job stop``)
     ERRORED = "errored"
 
     @property
     def is_terminal(self) -> bool:
-        return self in (State.FINISHED, State.ERRORED)
+        return self in (State.FINISHED, State.STOPPED, State.ERRORED)
 
 
 class TrainingFailed(RuntimeError):
@@ -144,6 +145,8 @@ class Controller:
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
         self.total_steps = 0
+        self._stop_reason: str | None = None  # set from another thread by request_stop()
+        self._stopping_after: int | None = None  # the step a requested stop ends the run after
         self._hung: set[int] = set()  # ranks the controller killed as hung
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
         self.late_gradients = 0  # first-N: gradients a rank computed that came too late to be used
@@ -183,11 +186,18 @@ class Controller:
             self.total_steps = total_steps
             self.transition(State.RUNNING, f"{len(self.group.members)} ranks joined generation {self.generation}; "
                             f"training to step {total_steps}")
-            while self.step < total_steps:
+            while self.step < self.total_steps:
+                if self._stop_reason is not None and self._stopping_after is None:
+                    self._stop_after_dispatched()
+                    continue
                 self._run_one_step()
             self._wait_late()
             self._finish_checkpoints()
-            self.transition(State.FINISHED, f"completed {self.step} steps")
+            if self._stopping_after is not None and self.step < total_steps:
+                self.transition(State.STOPPED, f"stopped after step {self.step} of {total_steps} on request: "
+                                f"{self._stop_reason}")
+            else:
+                self.transition(State.FINISHED, f"completed {self.step} steps")
         except BaseException as exc:
             if not self.state.is_terminal:
                 self.transition(State.ERRORED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -195,6 +205,24 @@ class Controller:
         finally:
             if self.committer is not None:
                 self.committer.close()
+
+    def request_stop(self, reason: str) -> None:
+        """End the run early but cleanly (called from another thread): the steps already handed
+        to the workers complete, the last one's checkpoint commits, and ``run_for`` returns with
+        the state STOPPED. A later ``fit()`` of the same run continues right after that step."""
+        if self._stop_reason is None:
+            self._stop_reason = str(reason)[:200]
+
+    def _stop_after_dispatched(self) -> None:
+        """Training thread: end after the last step already dispatched. Why not at once: a
+        window queued on the workers runs anyway (their calls are in flight), so stopping short
+        of it would only throw that work away; it is at most one dispatch window
+        (``dispatch_target_s``) plus the look-ahead one."""
+        dispatched = [first + k - 1 for first, (_, _, _, k) in self._inflight.items()]
+        self._stopping_after = max([self.step] + dispatched)
+        self.total_steps = min(self.total_steps, self._stopping_after)
+        self.log("stop", f"stop requested ({self._stop_reason}): finishing the steps already dispatched, up to "
+                 f"step {self.total_steps}, then committing its checkpoint", step=self.total_steps)
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,6 +42,48 @@ class Result:
 
     def events_of(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["kind"] == kind]
+
+
+class TrainingStopped(KeyboardInterrupt):
+    """``fit()`` was interrupted (Ctrl-C, or SIGTERM as ``ray job stop`` sends) and stopped
+    cleanly: the steps already dispatched finished and their checkpoint committed. ``result``
+    holds what the run produced up to there. A KeyboardInterrupt, so a script still ends and
+    ``except Exception`` does not swallow it."""
+
+    def __init__(self, message: str, result: "Result"):
+        super().__init__(message)
+        self.result = result
+
+
+@contextmanager
+def _sigterm_stops_the_run():
+    """While fit() waits, SIGTERM raises KeyboardInterrupt in the main thread, so ``ray job
+    stop`` (SIGTERM, then SIGKILL after ``RAY_JOB_STOP_WAIT_TIME_S``, 3 s by default) stops the
+    run as Ctrl-C does. Yields a set that holds "SIGTERM" once one arrived: Ray's ``get`` and
+    ``wait`` turn whatever a signal handler raises into a plain KeyboardInterrupt, so the
+    exception's type cannot tell. Taken over only from the default or Ray's own handler
+    (``ray.init`` installs one that exits); a handler of the user's stays in charge. The first
+    SIGTERM puts the previous handler back, so a second one acts as it would have."""
+    seen: set[str] = set()
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if not (previous in (signal.SIG_DFL, None) or getattr(previous, "__module__", "").startswith("ray.")):
+        yield seen
+        return
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, previous)
+        seen.add("SIGTERM")
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield seen
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def connect(address: str | None, min_cpus: float = 0) -> bool:
@@ -179,7 +224,13 @@ class Trainer:
             max_restarts=0, lifetime=None,
         ).remote(kwargs)
         ref = self.controller.run.remote(steps, epochs)
-        out = self._wait_with_progress(ref)
+        stopped_by = None
+        with _sigterm_stops_the_run() as signals:
+            try:
+                out = self._wait_with_progress(ref)
+            except KeyboardInterrupt:
+                stopped_by = "SIGTERM" if "SIGTERM" in signals else "KeyboardInterrupt"
+                out = self._stop(ref, stopped_by)
         # The final weights are owned by the controller: fetch them before it goes.
         state_ref = out.pop("model_state_ref", None)
         if state_ref:
@@ -208,9 +259,37 @@ class Trainer:
             "world_size": out["world_size"],
             "restored_from": out["restored_from"],
         }
-        return Result(metrics=metrics, history=hist, events=out["events"], checkpoint=out["checkpoint"],
-                      recoveries=out["recoveries"], ledger=out["ledger"], model_state=out.get("model_state"),
-                      replica_checksums=out.get("replica_checksums", []))
+        result = Result(metrics=metrics, history=hist, events=out["events"], checkpoint=out["checkpoint"],
+                        recoveries=out["recoveries"], ledger=out["ledger"], model_state=out.get("model_state"),
+                        replica_checksums=out.get("replica_checksums", []))
+        if stopped_by is not None:
+            raise TrainingStopped(self._stopped_message(stopped_by, out), result)
+        return result
+
+    def _stop(self, ref, why: str) -> dict:
+        """Ask the running controller to stop after the steps already dispatched and wait, up to
+        ``RunConfig.stop_timeout_s``, for it to commit their checkpoint. Another interrupt, or
+        the timeout, kills the run at once (steps not yet committed are then lost, as in a crash)."""
+        logger.warning("%s: stopping run %r after the steps already dispatched and committing their checkpoint "
+                       "(up to %gs; interrupt again to kill it now)", why, self.run.name, self.run.stop_timeout_s)
+        try:
+            self.controller.stop.remote(why)
+            return ray.get(ref, timeout=self.run.stop_timeout_s)
+        except BaseException:
+            ray.kill(self.controller, no_restart=True)
+            self.controller = None
+            raise
+
+    def _stopped_message(self, why: str, out: dict) -> str:
+        ckpt = out.get("checkpoint") or {}
+        if ckpt.get("latest_step") is not None:
+            resume = (f"latest committed checkpoint: step {ckpt['latest_step']} at {ckpt['location']}; fit() again "
+                      f"with RunConfig.name={self.run.name!r} and the same storage continues from there")
+        elif self.run.storage is not None:
+            resume = "no checkpoint was committed"
+        else:
+            resume = "no checkpoint storage was set (RunConfig.storage); the weights are in .result.model_state"
+        return f"{why}: run {self.run.name!r} stopped after step {out['steps']}; {resume}"
 
     def _wait_with_progress(self, ref) -> dict:
         if not self.run.progress:

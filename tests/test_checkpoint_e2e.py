@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import threading
 import time
 
@@ -115,6 +116,46 @@ def test_a_checkpoint_of_another_model_stops_the_run_with_a_config_error_and_is_
     assert "change RunConfig.name" in message and "Traceback" not in message
     assert sorted(glob.glob(f"{tmp_path}/ckpt/changed/**", recursive=True)) == before
     assert store.latest_valid() == 3
+
+
+def test_sigterm_stops_cleanly_and_fit_again_continues_exactly(ray_cluster, tmp_path):
+    """What ``ray job stop`` does to the driver: SIGTERM mid-run. The run finishes the steps
+    already dispatched, commits the last one's checkpoint and raises TrainingStopped; a second
+    fit() continues right after that step and ends with the weights of an uninterrupted run."""
+    url = f"file://{tmp_path}/ckpt"
+    handler_before = signal.getsignal(signal.SIGTERM)
+    slow = [{"kind": "slow", "rank": 0, "delay_s": 0.05, "from_step": 1}]  # the run outlasts the signal
+
+    def send_sigterm_after_step_4():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                controller = ray.get_actor("controller", namespace="elastic-stopme")
+                if ray.get(controller.status.remote(), timeout=5)["step"] >= 4:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+            except Exception:  # noqa: BLE001 - not started yet
+                pass
+            time.sleep(0.1)
+
+    threading.Thread(target=send_sigterm_after_step_4, daemon=True).start()
+    with pytest.raises(elastic.TrainingStopped) as info:
+        trainer("stopme", url, faults=slow).fit(steps=200)
+    stopped = info.value.result
+    last = stopped.metrics["steps"]
+    assert isinstance(info.value, KeyboardInterrupt) and 4 <= last < 200
+    assert f"SIGTERM: run 'stopme' stopped after step {last}; latest committed checkpoint: step {last}" \
+        in str(info.value)
+    assert stopped.events_of("stop") and stopped.events_of("transition")[-1]["details"]["new"] == "stopped"
+    assert CheckpointStore(url, "stopme").latest_valid() == last  # the stop point itself is committed
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    with pytest.raises(ValueError):
+        ray.get_actor("controller", namespace="elastic-stopme")
+
+    resumed = trainer("stopme", url).fit(steps=last + 3)
+    assert resumed.metrics["restored_from"] == last
+    assert_weights_close(resumed.model_state, reference_weights(last + 3, 32, seed=0, optimizer_fn=make_adam),
+                         atol=1e-5)
 
 
 def test_restart_from_checkpoint_when_no_spare(ray_cluster, tmp_path, uninterrupted):

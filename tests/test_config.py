@@ -93,6 +93,12 @@ def test_bad_run_name():
         elastic.RunConfig(name="bad/name")
 
 
+@pytest.mark.parametrize("value", [0, -1, "30", None])
+def test_bad_stop_timeout(value):
+    with pytest.raises(ConfigError, match="RunConfig.stop_timeout_s"):
+        elastic.RunConfig(stop_timeout_s=value)
+
+
 def test_device_choice_without_gpu():
     assert choose_device_and_backend(False, [], False) == ("cpu", "gloo")
     assert choose_device_and_backend(True, [0], True) == ("cuda:0", "nccl")

@@ -101,3 +101,19 @@ def test_raylet_probe_tells_a_live_node_from_an_unknown_one(ray_cluster):
 
     assert _raylet_reachable(ray.get_runtime_context().get_node_id())
     assert not _raylet_reachable("f" * 56)
+
+
+def test_a_requested_stop_finishes_the_dispatched_steps_then_stops(ray_cluster):
+    c = controller("fake-stop")
+    c.on_step = lambda record, ctl: ctl.request_stop("asked by the test") if record.step == 3 else None
+    try:
+        c.run_for(steps=50)
+    finally:
+        c.shutdown()
+    stop = [e for e in c.events if e.kind == "stop"]
+    assert c.state is State.STOPPED and c.state.is_terminal and c.status()["state"] == "stopped"
+    assert len(stop) == 1 and "asked by the test" in stop[0].message
+    # Steps already handed to the workers when the stop came still count; nothing after them.
+    assert 3 <= c.step == stop[0].details["step"] < 50
+    assert [h.step for h in c.history] == list(range(1, c.step + 1))
+    assert transitions(c)[-1] == ("running", "stopped")

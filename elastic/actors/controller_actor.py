@@ -41,6 +41,11 @@ class ControllerActor:
     def status(self) -> dict:
         return self.controller.status()
 
+    @ray.method(concurrency_group="status")
+    def stop(self, reason: str) -> None:
+        """End the run after the steps already dispatched, with their checkpoint committed."""
+        self.controller.request_stop(reason)
+
     @ray.method(concurrency_group="checkpoint")
     def checkpoint_written(self, step: int, world_size: int, parts: dict) -> None:
         """Ranks wrote their parts of ``step`` (sent from a writer thread, not with step results)."""

@@ -1,0 +1,48 @@
+"""fit()'s SIGTERM handling (what ``ray job stop`` sends), without Ray: who gets the signal when."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from elastic.trainer import _sigterm_stops_the_run
+
+
+@pytest.fixture
+def default_sigterm():
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_sigterm_while_waiting_is_a_marked_interrupt_and_the_second_one_is_the_old_handlers(default_sigterm):
+    with _sigterm_stops_the_run() as signals:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0)  # a point where the handler runs, as it does inside ray.get
+        assert signals == {"SIGTERM"}
+        # The first SIGTERM handed the signal back: a second would end the process as before.
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_previous_handler_is_back_after_fit(default_sigterm):
+    with _sigterm_stops_the_run() as signals:
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    assert signals == set() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_handler_of_the_users_stays_in_charge(default_sigterm):
+    got = []
+
+    def mine(signum, frame):
+        got.append(signum)
+
+    signal.signal(signal.SIGTERM, mine)
+    with _sigterm_stops_the_run() as signals:
+        assert signal.getsignal(signal.SIGTERM) is mine
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 0)
+    assert got == [signal.SIGTERM] and signals == set()
