@@ -79,7 +79,12 @@ def main(argv=None) -> float:
         run=elastic.RunConfig(name=args.name, storage=args.storage, seed=0, progress=not args.no_progress),
         address=args.address,
     )
-    result = trainer.fit(epochs=args.epochs)
+    try:
+        result = trainer.fit(epochs=args.epochs)
+    except elastic.TrainingStopped as stopped:  # Ctrl-C or `ray job stop`: the run stopped cleanly
+        acc = test_accuracy(stopped.result.model_state)
+        print(f"{stopped}\ntest_accuracy so far={acc:.4f}")
+        raise SystemExit(130) from None
     acc = test_accuracy(result.model_state)
     print(f"steps={result.metrics['steps']} loss={result.metrics['loss']:.4f} "
           f"samples/s={result.metrics['samples_per_s']:.0f} test_accuracy={acc:.4f}")
