@@ -1040,14 +1040,11 @@ def test_committer_deletes_the_files_it_committed_without_finding_them(backend, 
 
     store.storage.write_bytes(f"{step_dir(3)}/stray.bin", b"x")  # a file the manifest does not list
     commit(4)
-    if store.storage.is_object_store:
-        # One bulk delete of the known keys; the stray leaves an uncommitted prefix for the GC sweep.
-        assert trees == [] and store.step_dirs() == [3, 4] and store.committed_steps() == [4]
-        committer.gc_interval_s = 0
-        commit(5)
-        assert store.step_dirs() == [5]
-    else:  # the directory is not empty after the known files: it goes as a tree
-        assert trees == [step_dir(3)] and store.step_dirs() == [4]
+    # Either way the stray goes with its directory, by one walk: on a filesystem retention finds
+    # the directory not empty after the known files and removes it as a tree; on an object store
+    # retention deletes the known keys in bulk, which leaves an uncommitted prefix, and the
+    # sweep at flush removes that.
+    assert trees == [step_dir(3)] and store.step_dirs() == [4] and store.committed_steps() == [4]
     committer.close()
 
 
@@ -1079,6 +1076,34 @@ def test_committer_batches_retention_and_flush_leaves_exactly_keep_last(backend,
         assert len(calls) == 4  # a step at a time: local deletes are cheap system calls
     deleted = [e for e in committer.drain_events() if e["event"] == "checkpoint_deleted"]
     assert [e["deleted"] for e in deleted] == [[1, 2, 3, 4]]
+    committer.close()
+
+
+def test_flush_sweeps_superseded_writes_and_leaves_newer_ones(backend):
+    """The end of a run (or a stop) leaves no uncommitted directory behind a committed step. One
+    newer than the newest commit may still be written by a rank, and stays."""
+    store = make_store(backend)
+    committer = CheckpointCommitter(store, keep_last=2, gc_interval_s=3600, retention_interval_s=3600)
+    state = tiny_state(1)
+
+    def commit(step):
+        for rank in range(2):
+            committer.add(step, rank, 2, store.write_rank_files(step, rank, 2, state))
+        committer.set_meta(step, {"cursor": step})
+
+    commit(1)
+    assert committer.flush(10)  # the first commit's sweep is behind us; the next is an hour away
+    store.write_rank_files(2, 0, 2, state)  # step 2: one rank's shard, superseded before it completed
+    commit(3)
+    deadline = time.monotonic() + 10
+    while committer.latest_committed != 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store.write_rank_files(4, 0, 2, state)  # step 4: still being written
+    assert store.step_dirs() == [1, 2, 3, 4]
+    assert committer.flush(10)
+    assert store.step_dirs() == [1, 3, 4] and store.committed_steps() == [1, 3]
+    swept = [e for e in committer.drain_events() if e["event"] == "checkpoint_deleted"]
+    assert [e["deleted"] for e in swept] == [[2]]
     committer.close()
 
 

@@ -255,21 +255,34 @@ class CheckpointCommitter:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every complete step handed over so far is committed (or superseded), then
-        apply retention now (it is batched while training runs); False on timeout."""
+        apply retention and sweep uncommitted directories now (both are batched while training
+        runs), so a finished or stopped run leaves exactly what retention promises; False on
+        timeout. The sweep only takes directories older than the newest committed step: every
+        rank wrote its steps in order and was done with them before that step could commit, so
+        none of them is still being written or can still commit."""
         if not self._persister.flush(timeout_s):
             return False
+        gc = CleanupReport()
         try:
             with self._cleanup_lock:
                 retention = self._retain(force=True)
+                with self._lock:
+                    latest, pending = self._latest, set(self._reports)
+                if latest is not None and self._committed is not None:
+                    self._last_gc = time.monotonic()
+                    gc = self.store.gc_uncommitted(older_than=latest, keep=pending)
         except Exception as exc:  # noqa: BLE001 - committed steps stay committed; the next pass retries
-            logger.exception("checkpoint retention at flush failed")
+            logger.exception("checkpoint cleanup at flush failed")
             retention = CleanupReport(error=f"{type(exc).__name__}: {exc}")
         now = time.time()
         with self._lock:
             if retention.deleted:
                 self._events.append({"event": "checkpoint_deleted", "time": now, "deleted": sorted(retention.deleted),
                                      "message": f"deleted checkpoint steps {sorted(retention.deleted)} (retention)"})
-            self._cleanup_events(retention, CleanupReport(), now)
+            if gc.deleted:
+                self._events.append({"event": "checkpoint_deleted", "time": now, "deleted": sorted(gc.deleted),
+                                     "message": f"removed uncommitted step directories {sorted(gc.deleted)}"})
+            self._cleanup_events(retention, gc, now)
         return True
 
     def close(self, timeout_s: float = 30.0) -> bool:
