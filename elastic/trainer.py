@@ -211,11 +211,7 @@ class Trainer:
                       global_batch_size=self.global_batch_size, checkpoint_store=self._store,
                       metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped)
         actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1})(ControllerActor)
-        try:
-            old = ray.get_actor("controller", namespace=self.namespace)
-            ray.kill(old, no_restart=True)  # a dead driver's leftover of the same run name
-        except ValueError:
-            pass
+        self._claim_run_name()
         # The controller lives beside the driver: a worker node that dies must not take the
         # controller (and with it the run) along.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -265,6 +261,29 @@ class Trainer:
         if stopped_by is not None:
             raise TrainingStopped(self._stopped_message(stopped_by, out), result)
         return result
+
+    def _claim_run_name(self) -> None:
+        """Make sure no other live run has this run's name on the cluster, before any actor starts.
+
+        A controller of the same name that belongs to this driver's job is a leftover (a fit()
+        that was killed mid-way): it goes. One that belongs to another job is a live run: its
+        driver owns it, and Ray ends a driver's actors with the driver. Two runs of one name
+        would write into one checkpoint directory, so that is an error that names the field to
+        change, never a kill of someone else's run."""
+        try:
+            old = ray.get_actor("controller", namespace=self.namespace)
+        except ValueError:
+            return
+        try:
+            owner = ray.get(old.job_id.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - dead or not answering: a leftover, whoever started it
+            owner = None
+        if owner is not None and owner != ray.get_runtime_context().get_job_id():
+            raise ConfigError(
+                f"RunConfig.name={self.run.name!r} is in use: a run of that name is training on this cluster "
+                f"(job {owner}; its controller is the actor 'controller' in namespace {self.namespace!r}). "
+                f"Choose another RunConfig.name, or stop that run first (Ctrl-C in its driver, or ray job stop).")
+        ray.kill(old, no_restart=True)
 
     def _stop(self, ref, why: str) -> dict:
         """Ask the running controller to stop after the steps already dispatched and wait, up to

@@ -117,3 +117,41 @@ def test_a_requested_stop_finishes_the_dispatched_steps_then_stops(ray_cluster):
     assert 3 <= c.step == stop[0].details["step"] < 50
     assert [h.step for h in c.history] == list(range(1, c.step + 1))
     assert transitions(c)[-1] == ("running", "stopped")
+
+
+HOLDER = """
+import sys
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+class Holder:  # stands in for a live run's controller: a named actor owned by another driver
+    def job_id(self):
+        return ray.get_runtime_context().get_job_id()
+
+h = Holder.options(name="controller", namespace="elastic-busy").remote()
+print(ray.get(h.job_id.remote()), flush=True)
+sys.stdin.read()  # alive until the test closes stdin
+"""
+
+
+def test_a_run_name_another_driver_is_using_is_refused_and_its_run_left_alone(ray_cluster):
+    import subprocess
+    import sys
+
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    other = subprocess.Popen([sys.executable, "-c", HOLDER, ray_cluster.address], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        owner = other.stdout.readline().strip()
+        assert owner and owner != ray.get_runtime_context().get_job_id()
+        trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
+                                  scaling=elastic.ScalingConfig(num_workers=1), run=elastic.RunConfig(name="busy"))
+        with pytest.raises(elastic.ConfigError, match=f"RunConfig.name='busy' is in use.*job {owner}"):
+            trainer.fit(steps=1)
+        still = ray.get_actor("controller", namespace="elastic-busy")
+        assert ray.get(still.job_id.remote(), timeout=10) == owner
+    finally:
+        other.stdin.close()
+        other.wait(timeout=30)
