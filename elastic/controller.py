@@ -186,6 +186,9 @@ class Controller:
             self.total_steps = total_steps
             self.transition(State.RUNNING, f"{len(self.group.members)} ranks joined generation {self.generation}; "
                             f"training to step {total_steps}")
+            if self.step >= total_steps:
+                self.log("resume", f"the run is already at step {self.step}, at or past the {total_steps} asked for: "
+                         f"nothing to train (ask for more steps or epochs to continue it)", step=self.step)
             while self.step < self.total_steps:
                 if self._stop_reason is not None and self._stopping_after is None:
                     self._stop_after_dispatched()

@@ -116,6 +116,13 @@ def test_a_checkpoint_of_another_model_stops_the_run_with_a_config_error_and_is_
     assert "change RunConfig.name" in message and "Traceback" not in message
     assert sorted(glob.glob(f"{tmp_path}/ckpt/changed/**", recursive=True)) == before
     assert store.latest_valid() == 3
+    # The model it was trained with picks it up; at 3 steps asked for there is nothing to train.
+    same = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 32,
+                           scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
+                           run=elastic.RunConfig(name="changed", storage=url, seed=0)).fit(steps=3)
+    assert same.metrics["restored_from"] == 3 and same.history == []
+    assert "already at step 3, at or past the 3 asked for" in same.events_of("resume")[-1]["message"]
+    assert_weights_close(same.model_state, state["model"], atol=0)
 
 
 def test_sigterm_stops_cleanly_and_fit_again_continues_exactly(ray_cluster, tmp_path):
