@@ -82,8 +82,8 @@ def main(argv=None) -> float:
     try:
         result = trainer.fit(epochs=args.epochs)
     except elastic.TrainingStopped as stopped:  # Ctrl-C or `ray job stop`: the run stopped cleanly
-        acc = test_accuracy(stopped.result.model_state)
-        print(f"{stopped}\ntest_accuracy so far={acc:.4f}")
+        print(stopped, flush=True)  # first: `ray job stop` sends SIGKILL a few seconds after SIGTERM
+        print(f"test_accuracy so far={test_accuracy(stopped.result.model_state):.4f}")
         raise SystemExit(130) from None
     acc = test_accuracy(result.model_state)
     print(f"steps={result.metrics['steps']} loss={result.metrics['loss']:.4f} "

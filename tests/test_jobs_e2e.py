@@ -1,7 +1,8 @@
 """End to end through Ray Jobs: ``examples/digits.py`` on a ``ray start --head`` cluster with token auth.
 
 While the job runs, the test reads the named actors through the state API, runs ``elastic status``
-and scrapes the Prometheus endpoint for the ``ray_elastic_*`` metrics. ``RayHead`` is reused by
+and scrapes the Prometheus endpoint for the ``ray_elastic_*`` metrics; then ``ray job stop``
+stops the run cleanly, with a checkpoint of the very step it stopped after. ``RayHead`` is reused by
 tests/test_cli.py.
 """
 
@@ -115,6 +116,9 @@ class RayHead:
         env = self.env()
         # Export metrics every 2 s instead of 10 s, so a short run shows up in Prometheus.
         env["RAY_metrics_report_interval_ms"] = "2000"
+        # `ray job stop` sends SIGKILL this long after SIGTERM (3 s by default): room for a
+        # loaded machine to finish the clean stop the test checks.
+        env["RAY_JOB_STOP_WAIT_TIME_S"] = "30"
         cmd = [
             os.path.join(BIN, "ray"), "start", "--head", "--block", "--disable-usage-stats",
             f"--port={self.port}", f"--dashboard-port={self.dashboard_port}", "--dashboard-host=127.0.0.1",
@@ -221,11 +225,14 @@ def elastic_metrics(text: str, run: str) -> dict[str, list[str]]:
 def test_digits_job_named_actors_status_and_metrics(ray_head):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    from elastic.checkpoint import CheckpointStore
+
     client = JobSubmissionClient(ray_head.dashboard_url, headers=ray_head.auth_headers)
-    # Enough epochs (~1700 steps, 15-25 s of training) that the run outlives the checks below: the named
-    # actors, a metrics scrape and `elastic status` (which pays a torch import before it connects).
+    storage = f"file://{tempfile.mkdtemp(prefix='elastic_job_', dir=ray_head.temp_dir)}"
+    # Far more epochs than the checks below need (the named actors, a metrics scrape and
+    # `elastic status`, which pays a torch import before it connects); the job is then stopped.
     job_id = client.submit_job(
-        entrypoint="python examples/digits.py --workers 2 --spares 1 --epochs 80 --no-progress",
+        entrypoint=f"python examples/digits.py --workers 2 --spares 1 --epochs 1000 --no-progress --storage {storage}",
         runtime_env={"working_dir": ROOT, "excludes": EXCLUDES},
     )
     status = None
@@ -265,14 +272,20 @@ def test_digits_job_named_actors_status_and_metrics(ray_head):
         rows = {line.split("│")[2].strip(): line for line in out.splitlines() if line.count("│") > 5}
         assert "active" in rows["rank-0"] and "spare" in rows["spare-0"], out
 
+        # `ray job stop`: SIGTERM to the driver, which stops the run cleanly and commits where it stopped.
+        client.stop_job(job_id)
+
         def finished():
             st = client.get_job_status(job_id)
             return st if st.is_terminal() else None
 
-        final = wait_for(finished, 180, interval_s=1, what="the job to finish")
+        final = wait_for(finished, 90, interval_s=1, what="the job to stop")
         logs = client.get_job_logs(job_id)
-        assert final == JobStatus.SUCCEEDED, logs[-4000:]
-        assert "test_accuracy=" in logs
+        assert final == JobStatus.STOPPED, logs[-4000:]
+        stop = re.search(r"SIGTERM: run 'digits' stopped after step (\d+); latest committed checkpoint: step (\d+)", logs)
+        assert stop and stop.group(1) == stop.group(2), logs[-4000:]
+        assert "test_accuracy so far=" in logs and "Traceback" not in logs, logs[-4000:]
+        assert CheckpointStore(storage, "digits").latest_valid() == int(stop.group(1))
     finally:
         if status is not None and status.poll() is None:
             status.kill()
