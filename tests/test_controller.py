@@ -155,3 +155,32 @@ def test_a_run_name_another_driver_is_using_is_refused_and_its_run_left_alone(ra
     finally:
         other.stdin.close()
         other.wait(timeout=30)
+
+
+def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
+    """The driver's side of a stop: when the run does not finish within RunConfig.stop_timeout_s
+    (or a second interrupt comes), its controller is killed, and with it the run."""
+    import time
+
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    @ray.remote(num_cpus=0)
+    class Stuck:  # a controller that never gets to the end of its steps
+        def run(self):
+            time.sleep(3600)
+
+        def stop(self, reason):
+            return None
+
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
+                              run=elastic.RunConfig(name="stuck", stop_timeout_s=0.5))
+    trainer.controller = Stuck.remote()
+    ref = trainer.controller.run.remote()
+    handle = trainer.controller
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        trainer._stop(ref, "KeyboardInterrupt")
+    assert trainer.controller is None
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(ref, timeout=30)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(handle.stop.remote("again"), timeout=30)
