@@ -106,7 +106,7 @@ def test_a_checkpoint_of_another_model_stops_the_run_with_a_config_error_and_is_
         return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
 
     run = elastic.Trainer(wider, make_adam, make_dataset, loss_fn, 32,
-                          scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
+                          scaling=elastic.ScalingConfig(num_workers=1, num_backups=0),
                           run=elastic.RunConfig(name="changed", storage=url, seed=0))
     with pytest.raises(elastic.ConfigError) as info:
         run.fit(steps=5)
@@ -118,7 +118,7 @@ def test_a_checkpoint_of_another_model_stops_the_run_with_a_config_error_and_is_
     assert store.latest_valid() == 3
     # The model it was trained with picks it up; at 3 steps asked for there is nothing to train.
     same = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 32,
-                           scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
+                           scaling=elastic.ScalingConfig(num_workers=1, num_backups=0),
                            run=elastic.RunConfig(name="changed", storage=url, seed=0)).fit(steps=3)
     assert same.metrics["restored_from"] == 3 and same.history == []
     assert "already at step 3, at or past the 3 asked for" in same.events_of("resume")[-1]["message"]
@@ -159,7 +159,7 @@ def test_sigterm_stops_cleanly_and_fit_again_continues_exactly(ray_cluster, tmp_
     with pytest.raises(ValueError):
         ray.get_actor("controller", namespace="elastic-stopme")
 
-    resumed = trainer("stopme", url).fit(steps=last + 3)
+    resumed = trainer("stopme", url, workers=1).fit(steps=last + 3)
     assert resumed.metrics["restored_from"] == last
     assert_weights_close(resumed.model_state, reference_weights(last + 3, 32, seed=0, optimizer_fn=make_adam),
                          atol=1e-5)
