@@ -1,6 +1,6 @@
-"""The ``elastic`` command: live status of a run, checkpoint listings, and Ray Jobs submission.
+"""The ``elastic`` command: live status of a run, a clean stop, checkpoint listings, and Ray Jobs submission.
 
-``status`` asks the named ``controller`` actor of namespace ``elastic-<run>``; ``checkpoints`` lists step
+``status`` and ``stop`` ask the named ``controller`` actor of namespace ``elastic-<run>``; ``checkpoints`` lists step
 directories through ``CheckpointStore``; ``submit`` wraps ``JobSubmissionClient``. Any failure ends the
 command with one line on stderr and a non-zero exit code, never a traceback (``-v`` shows it).
 """
@@ -301,24 +301,35 @@ def _live_runs(timeout_s: float) -> list[str]:
     return sorted({ns[len(NAMESPACE_PREFIX):] for ns in namespaces if ns and ns.startswith(NAMESPACE_PREFIX)})
 
 
-def _controller_status(run: str, address: str, timeout_s: float) -> dict:
+def _controller(run: str, address: str, timeout_s: float) -> Any:
+    """The live run's controller actor, or a CliError that lists the runs that are live."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
 
     namespace = NAMESPACE_PREFIX + run
     try:
-        actor = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+        return ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     except ValueError:
         others = [r for r in _live_runs(timeout_s) if r != run]
         hint = f"; live runs: {', '.join(others)}" if others else "; no elastic run is live there"
         raise CliError(f"no run {run!r} on the cluster at {address} "
                        f"(no actor {CONTROLLER_NAME!r} in namespace {namespace!r}){hint}") from None
+
+
+def _ask(run: str, call: Any, timeout_s: float) -> Any:
+    """The answer to one call on a run's controller, or a CliError that says why there is none."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
     try:
-        return ray.get(actor.status.remote(), timeout=timeout_s)
+        return ray.get(call, timeout=timeout_s)
     except GetTimeoutError:
         raise CliError(f"the controller of run {run!r} did not answer within {timeout_s:g} s") from None
     except RayActorError:
         raise CliError(f"the controller of run {run!r} has exited (the run ended or its driver died)") from None
+
+
+def _controller_status(run: str, address: str, timeout_s: float) -> dict:
+    return _ask(run, _controller(run, address, timeout_s).status.remote(), timeout_s)
 
 
 # ---- status -----------------------------------------------------------------------------------
@@ -423,6 +434,47 @@ def status(
             out.print(_ranks_table(st))
         else:
             out.print("no ranks yet (the controller is still placing workers)", highlight=False)
+    finally:
+        ray.shutdown()
+
+
+# ---- stop -------------------------------------------------------------------------------------
+
+@app.command()
+@_friendly
+def stop(
+    run: str = typer.Argument(..., help="Run name (RunConfig.name)."),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="Cluster address HOST:PORT or ray://HOST:10001; default: RAY_ADDRESS or the local "
+                                "cluster."),
+    timeout_s: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the run to stop."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the run has stopped (default) or only "
+                                                             "ask."),
+) -> None:
+    """Stop a live run cleanly: the steps already dispatched finish, their checkpoint commits, and
+    the run's fit() raises TrainingStopped. Running fit() again with the same run name continues
+    from that step."""
+    import ray
+
+    addr = _cluster_address(address)
+    _probe(addr, min(PROBE_TIMEOUT_S, timeout_s))
+    addr = _connect(addr, NAMESPACE_PREFIX + run, timeout_s)
+    try:
+        actor = _controller(run, addr, timeout_s)
+        _ask(run, actor.stop.remote("elastic stop"), min(timeout_s, DEFAULT_TIMEOUT_S))
+        if not wait:
+            _plain(f"asked run {run} to stop after the steps already dispatched")
+            return
+        try:
+            final = _ask(run, actor.wait_ended.remote(timeout_s), timeout_s + DEFAULT_TIMEOUT_S)
+        except CliError:
+            _plain(f"run {run} ended (its controller exited before it said how)")
+            return
+        if final is None:
+            raise CliError(f"run {run} did not stop within {timeout_s:g} s; it is still stopping")
+        latest = (final.get("checkpoint") or {}).get("latest")
+        _plain(f"run {run} {final.get('state')} after step {_dash(final.get('step'))}"
+               + (f"; latest committed checkpoint: step {latest}" if latest is not None else ""))
     finally:
         ray.shutdown()
 

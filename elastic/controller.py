@@ -11,6 +11,7 @@ import enum
 import logging
 import socket
 import statistics
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -146,6 +147,7 @@ class Controller:
         self.restored_from: int | None = None
         self.total_steps = 0
         self._stop_reason: str | None = None  # set from another thread by request_stop()
+        self._ended = threading.Event()  # set on the transition into a terminal state
         self._stopping_after: int | None = None  # the step a requested stop ends the run after
         self._hung: set[int] = set()  # ranks the controller killed as hung
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
@@ -175,6 +177,15 @@ class Controller:
         old = self.state
         self.state = new
         self.log("transition", f"{old.value} -> {new.value}: {reason}", old=old.value, new=new.value)
+        if new.is_terminal:
+            self._ended.set()
+
+    def wait_ended(self, timeout_s: float) -> dict | None:
+        """``status()`` once the run has reached a terminal state (its checkpoints are committed
+        by then); None if it has not within ``timeout_s``. Why a wait and not polling: the driver
+        takes the final weights and ends the controller right after, so a poller can miss the
+        final state."""
+        return self.status() if self._ended.wait(timeout_s) else None
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run_for(self, steps: int | None = None, epochs: int | None = None) -> None:
@@ -1205,6 +1216,7 @@ class Controller:
             "restored_from": self.restored_from,
             "checkpoint": None,
             "state": self.state.value,
+            "stop_reason": self._stop_reason,
             "world_size": len(self.group.members) if self.group else 0,
         }
         if self.committer is not None:

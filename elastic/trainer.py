@@ -45,8 +45,8 @@ class Result:
 
 
 class TrainingStopped(KeyboardInterrupt):
-    """``fit()`` was interrupted (Ctrl-C, or SIGTERM as ``ray job stop`` sends) and stopped
-    cleanly: the steps already dispatched finished and their checkpoint committed. ``result``
+    """``fit()`` was interrupted (Ctrl-C, SIGTERM as ``ray job stop`` sends, or ``elastic stop
+    RUN`` from anywhere) and stopped cleanly: the steps already dispatched finished and their checkpoint committed. ``result``
     holds what the run produced up to there. A KeyboardInterrupt, so a script still ends and
     ``except Exception`` does not swallow it."""
 
@@ -210,7 +210,7 @@ class Trainer:
         kwargs = dict(spec=PackedSpec.pack(self.spec), scaling=self.scaling, run=self.run, failure=self.failure,
                       global_batch_size=self.global_batch_size, checkpoint_store=self._store,
                       metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped)
-        actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1})(ControllerActor)
+        actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
         self._claim_run_name()
         # The controller lives beside the driver: a worker node that dies must not take the
         # controller (and with it the run) along.
@@ -258,6 +258,8 @@ class Trainer:
         result = Result(metrics=metrics, history=hist, events=out["events"], checkpoint=out["checkpoint"],
                         recoveries=out["recoveries"], ledger=out["ledger"], model_state=out.get("model_state"),
                         replica_checksums=out.get("replica_checksums", []))
+        if stopped_by is None and out.get("state") == "stopped":
+            stopped_by = out.get("stop_reason") or "stop requested"  # from outside, e.g. `elastic stop RUN`
         if stopped_by is not None:
             raise TrainingStopped(self._stopped_message(stopped_by, out), result)
         return result

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import glob
 import os
-import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -125,37 +126,42 @@ def test_a_checkpoint_of_another_model_stops_the_run_with_a_config_error_and_is_
     assert_weights_close(same.model_state, state["model"], atol=0)
 
 
-def test_sigterm_stops_cleanly_and_fit_again_continues_exactly(ray_cluster, tmp_path):
-    """What ``ray job stop`` does to the driver: SIGTERM mid-run. The run finishes the steps
-    already dispatched, commits the last one's checkpoint and raises TrainingStopped; a second
-    fit() continues right after that step and ends with the weights of an uninterrupted run."""
+def test_elastic_stop_stops_cleanly_and_fit_again_continues_exactly(ray_cluster, tmp_path):
+    """`elastic stop RUN` from another process mid-run: the run finishes the steps already
+    dispatched, commits the last one's checkpoint and fit() raises TrainingStopped; a second
+    fit() continues right after that step and ends with the weights of an uninterrupted run.
+    (SIGTERM, what `ray job stop` sends, is the same stop: tests/test_jobs_e2e.py.)"""
     url = f"file://{tmp_path}/ckpt"
-    handler_before = signal.getsignal(signal.SIGTERM)
-    slow = [{"kind": "slow", "rank": 0, "delay_s": 0.05, "from_step": 1}]  # the run outlasts the signal
+    slow = [{"kind": "slow", "rank": 0, "delay_s": 0.05, "from_step": 1}]  # the run outlasts the request
+    cli: dict = {}
 
-    def send_sigterm_after_step_4():
+    def elastic_stop_after_step_4():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
                 controller = ray.get_actor("controller", namespace="elastic-stopme")
                 if ray.get(controller.status.remote(), timeout=5)["step"] >= 4:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    return
+                    break
             except Exception:  # noqa: BLE001 - not started yet
                 pass
             time.sleep(0.1)
+        cli["out"] = subprocess.run([sys.executable, "-m", "elastic.cli", "stop", "stopme", "--address",
+                                     ray_cluster.address], capture_output=True, text=True, timeout=120)
 
-    threading.Thread(target=send_sigterm_after_step_4, daemon=True).start()
+    helper = threading.Thread(target=elastic_stop_after_step_4, daemon=True)
+    helper.start()
     with pytest.raises(elastic.TrainingStopped) as info:
         trainer("stopme", url, faults=slow).fit(steps=200)
+    helper.join(60)
     stopped = info.value.result
     last = stopped.metrics["steps"]
     assert isinstance(info.value, KeyboardInterrupt) and 4 <= last < 200
-    assert f"SIGTERM: run 'stopme' stopped after step {last}; latest committed checkpoint: step {last}" \
+    assert f"elastic stop: run 'stopme' stopped after step {last}; latest committed checkpoint: step {last}" \
         in str(info.value)
+    assert cli["out"].returncode == 0, cli["out"].stderr
+    assert f"run stopme stopped after step {last}; latest committed checkpoint: step {last}" in cli["out"].stdout
     assert stopped.events_of("stop") and stopped.events_of("transition")[-1]["details"]["new"] == "stopped"
     assert CheckpointStore(url, "stopme").latest_valid() == last  # the stop point itself is committed
-    assert signal.getsignal(signal.SIGTERM) is handler_before
     with pytest.raises(ValueError):
         ray.get_actor("controller", namespace="elastic-stopme")
 

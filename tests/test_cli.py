@@ -91,6 +91,13 @@ def test_status_without_the_token_says_how_to_pass_it(ray_head):
     assert time.monotonic() - start < 90  # torch import + at most --timeout
 
 
+def test_stop_unknown_run_on_a_real_cluster(ray_head):
+    """(A live run stopped by `elastic stop`: tests/test_checkpoint_e2e.py.)"""
+    out = run_cli(["stop", "--address", ray_head.gcs_address, "no-such-run"], env=ray_head.env())
+    line = one_line_error(out.returncode, out.stdout, out.stderr)
+    assert "no run 'no-such-run'" in line and "no elastic run is live there" in line
+
+
 # ---- submit -----------------------------------------------------------------------------------
 
 def test_submit_unreachable_dashboard():

@@ -51,6 +51,11 @@ class ControllerActor:
         """End the run after the steps already dispatched, with their checkpoint committed."""
         self.controller.request_stop(reason)
 
+    @ray.method(concurrency_group="wait")
+    def wait_ended(self, timeout_s: float) -> dict | None:
+        """Blocks a thread of its own (not the status thread) until the run has ended."""
+        return self.controller.wait_ended(timeout_s)
+
     @ray.method(concurrency_group="checkpoint")
     def checkpoint_written(self, step: int, world_size: int, parts: dict) -> None:
         """Ranks wrote their parts of ``step`` (sent from a writer thread, not with step results)."""
