@@ -183,7 +183,7 @@ _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*(\S+:\d+:\s*)?")
 def _cluster_address(address: Optional[str]) -> str:
     addr = address or os.environ.get("RAY_ADDRESS") or "auto"
     if addr.startswith(("http://", "https://")):
-        raise CliError(f"{addr} is a dashboard URL; `elastic status` needs the cluster address "
+        raise CliError(f"{addr} is a dashboard URL; this command needs the cluster address "
                        "(HOST:6379, or ray://HOST:10001): pass --address", code=2)
     return addr
 
@@ -465,11 +465,15 @@ def stop(
         if not wait:
             _plain(f"asked run {run} to stop after the steps already dispatched")
             return
+        from ray.exceptions import GetTimeoutError, RayActorError
+
         try:
-            final = _ask(run, actor.wait_ended.remote(timeout_s), timeout_s + DEFAULT_TIMEOUT_S)
-        except CliError:
+            final = ray.get(actor.wait_ended.remote(timeout_s), timeout=timeout_s + DEFAULT_TIMEOUT_S)
+        except RayActorError:
             _plain(f"run {run} ended (its controller exited before it said how)")
             return
+        except GetTimeoutError:
+            final = None
         if final is None:
             raise CliError(f"run {run} did not stop within {timeout_s:g} s; it is still stopping")
         latest = (final.get("checkpoint") or {}).get("latest")
