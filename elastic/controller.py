@@ -148,7 +148,6 @@ class Controller:
         self.total_steps = 0
         self._stop_reason: str | None = None  # set from another thread by request_stop()
         self._ended = threading.Event()  # set on the transition into a terminal state
-        self._stopping_after: int | None = None  # the step a requested stop ends the run after
         self._hung: set[int] = set()  # ranks the controller killed as hung
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
         self.late_gradients = 0  # first-N: gradients a rank computed that came too late to be used
@@ -200,14 +199,16 @@ class Controller:
             if self.step >= total_steps:
                 self.log("resume", f"the run is already at step {self.step}, at or past the {total_steps} asked for: "
                          f"nothing to train (ask for more steps or epochs to continue it)", step=self.step)
+            stopping = False  # a requested stop has set its last step
             while self.step < self.total_steps:
-                if self._stop_reason is not None and self._stopping_after is None:
+                if self._stop_reason is not None and not stopping:
                     self._stop_after_dispatched()
+                    stopping = True
                     continue
                 self._run_one_step()
             self._wait_late()
             self._finish_checkpoints()
-            if self._stopping_after is not None and self.step < total_steps:
+            if stopping and self.step < total_steps:
                 self.transition(State.STOPPED, f"stopped after step {self.step} of {total_steps} on request: "
                                 f"{self._stop_reason}")
             else:
@@ -233,8 +234,7 @@ class Controller:
         of it would only throw that work away; it is at most one dispatch window
         (``dispatch_target_s``) plus the look-ahead one."""
         dispatched = [first + k - 1 for first, (_, _, _, k) in self._inflight.items()]
-        self._stopping_after = max([self.step] + dispatched)
-        self.total_steps = min(self.total_steps, self._stopping_after)
+        self.total_steps = min(self.total_steps, max([self.step] + dispatched))
         self.log("stop", f"stop requested ({self._stop_reason}): finishing the steps already dispatched, up to "
                  f"step {self.total_steps}, then committing its checkpoint", step=self.total_steps)
 

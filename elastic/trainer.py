@@ -46,9 +46,9 @@ class Result:
 
 class TrainingStopped(KeyboardInterrupt):
     """``fit()`` was interrupted (Ctrl-C, SIGTERM as ``ray job stop`` sends, or ``elastic stop
-    RUN`` from anywhere) and stopped cleanly: the steps already dispatched finished and their checkpoint committed. ``result``
-    holds what the run produced up to there. A KeyboardInterrupt, so a script still ends and
-    ``except Exception`` does not swallow it."""
+    RUN`` from anywhere) and stopped cleanly: the steps already dispatched finished and their
+    checkpoint committed. ``result`` holds what the run produced up to there. A
+    KeyboardInterrupt, so a script still ends and ``except Exception`` does not swallow it."""
 
     def __init__(self, message: str, result: "Result"):
         super().__init__(message)

@@ -621,11 +621,11 @@ class TrainWorker:
         Raises ``CheckpointMismatch``, with this rank's state untouched, when the step does not
         fit the model or optimizer this run built (``elastic.checkpoint.compat``)."""
         from elastic.checkpoint import CheckpointMismatch, CheckpointStore, state_mismatches
+        from elastic.checkpoint.worker_hook import live_state
 
         store = CheckpointStore(url, run_name, storage_options)
         state, meta = store.read_state(step)
-        problems = state_mismatches({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
-                                    state)
+        problems = state_mismatches(live_state(self), state)
         if problems:
             raise CheckpointMismatch(step, store.location, problems)
         self.set_state(state)
@@ -682,7 +682,9 @@ def _mark_abandoned(store, steps: range, rank: int) -> None:
 def fetch_samples(dataset, indices: list[int]) -> list:
     """The samples at ``indices``, as torch's DataLoader fetches a batch from a map-style dataset:
     in one ``__getitems__(indices)`` call when the dataset has one (Hugging Face datasets, torch's
-    ``Subset`` and ``StackDataset`` over such datasets), else one ``dataset[i]`` per index."""
+    ``Subset`` and ``StackDataset`` over such datasets), else one ``dataset[i]`` per index. Why not
+    torch's own fetcher: it lives in the private ``torch.utils.data._utils.fetch``, which may change
+    within the torch range this package supports; the rule itself is these few lines."""
     getitems = getattr(dataset, "__getitems__", None)
     if callable(getitems):
         samples = getitems(list(indices))

@@ -222,13 +222,18 @@ class CheckpointCommitter:
         if step not in self._committed:
             self._committed.append(step)
             self._committed.sort()
-        retention = self._retain()
-        gc = CleanupReport()
+        return self._retain(), self._sweep(step, pending)
+
+    def _sweep(self, older_than: int, pending: set, force: bool = False) -> CleanupReport:
+        """Remove uncommitted directories older than ``older_than`` (a committed step), at most
+        every ``gc_interval_s`` unless ``force``; ``pending`` steps are still being written. Safe
+        below a committed step: every rank writes its steps in order and was done with them
+        before that step could commit, so none of them is still being written or can commit."""
         now = time.monotonic()
-        if now - self._last_gc >= self.gc_interval_s:
-            self._last_gc = now
-            gc = self.store.gc_uncommitted(older_than=step, keep=pending)
-        return retention, gc
+        if not (force or now - self._last_gc >= self.gc_interval_s):
+            return CleanupReport()
+        self._last_gc = now
+        return self.store.gc_uncommitted(older_than=older_than, keep=pending)
 
     # ---- status -----------------------------------------------------------------------------
     @property
@@ -257,9 +262,7 @@ class CheckpointCommitter:
         """Wait until every complete step handed over so far is committed (or superseded), then
         apply retention and sweep uncommitted directories now (both are batched while training
         runs), so a finished or stopped run leaves exactly what retention promises; False on
-        timeout. The sweep only takes directories older than the newest committed step: every
-        rank wrote its steps in order and was done with them before that step could commit, so
-        none of them is still being written or can still commit."""
+        timeout."""
         if not self._persister.flush(timeout_s):
             return False
         gc = CleanupReport()
@@ -269,8 +272,7 @@ class CheckpointCommitter:
                 with self._lock:
                     latest, pending = self._latest, set(self._reports)
                 if latest is not None and self._committed is not None:
-                    self._last_gc = time.monotonic()
-                    gc = self.store.gc_uncommitted(older_than=latest, keep=pending)
+                    gc = self._sweep(latest, pending, force=True)
         except Exception as exc:  # noqa: BLE001 - committed steps stay committed; the next pass retries
             logger.exception("checkpoint cleanup at flush failed")
             retention = CleanupReport(error=f"{type(exc).__name__}: {exc}")
