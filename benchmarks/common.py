@@ -72,7 +72,8 @@ def start_ray(num_cpus: int = 8, extra_env: dict | None = None) -> None:
     import ray
 
     env = {
-        "PYTHONPATH": os.pathsep.join([ROOT, BENCH_DIR, EXAMPLES_DIR]),
+        # Ours first, then whatever the driver was given (packages installed outside site-packages).
+        "PYTHONPATH": os.pathsep.join(p for p in [ROOT, BENCH_DIR, EXAMPLES_DIR, os.environ.get("PYTHONPATH")] if p),
         # Ray Train's PlacementGroupCleaner asks the state API whether its controller lives. With
         # no dashboard here it would auto-detect "the latest cluster" on this machine, which may
         # be someone else's, fail to find our controller there and remove our placement group.

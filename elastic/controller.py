@@ -365,8 +365,10 @@ class Controller:
         self._lagging.clear()  # windows of the old generation
         self._checksums.clear()  # they may name actors that just left
         self.straggler_policy.reset()
-        self.log("rendezvous", f"generation {self.generation}: {world} rank(s) at {addr}:{port} ({reason})",
-                 generation=self.generation, world_size=world, seconds=time.time() - t0)
+        backend = "/".join(sorted({m.info.get("backend", "?") for m in self.group.members}))
+        self.log("rendezvous", f"generation {self.generation}: {world} rank(s) on {backend} at {addr}:{port} "
+                 f"({reason})", generation=self.generation, world_size=world, backend=backend,
+                 seconds=time.time() - t0)
 
     def _apply_fault_plan(self) -> None:
         """Deterministic fault injection keyed by (rank, step): a test, benchmark and demo aid."""

@@ -34,11 +34,14 @@ def worker_env() -> dict:
     return {}
 
 
-def start_cluster(num_nodes: int = 1, cpus_per_node: int = 8):
+def start_cluster(num_nodes: int = 1, cpus_per_node: int = 8, num_gpus: int | None = None):
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False})
+    head = {"num_cpus": cpus_per_node, "include_dashboard": False}
+    if num_gpus is not None:
+        head["num_gpus"] = num_gpus
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(num_nodes - 1):
         cluster.add_node(num_cpus=cpus_per_node)
     cluster.wait_for_nodes()

@@ -33,6 +33,7 @@ def test_dp_equivalence(ray_cluster, n):
     assert len(set(result.replica_checksums)) == 1
     kinds = [e["kind"] for e in result.events]
     assert "transition" in kinds and "rendezvous" in kinds
+    assert result.events_of("rendezvous")[0]["details"]["backend"] == "gloo"
     assert result.events_of("transition")[-1]["details"]["new"] == "finished"
 
 
