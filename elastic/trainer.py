@@ -86,11 +86,16 @@ def _sigterm_stops_the_run():
             signal.signal(signal.SIGTERM, previous)
 
 
-def connect(address: str | None, min_cpus: float = 0) -> bool:
+def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> bool:
     """Join or start Ray. Returns True when this call started an embedded local instance.
 
     ``None``: reuse an initialised Ray; else join the cluster named by ``RAY_ADDRESS`` (set by
     ``ray job submit``); else start an embedded local Ray sized to hold the run.
+
+    ``use_gpu`` on an embedded Ray names the GPUs torch sees here. Why: Ray counts GPUs through
+    NVML, and a Ray node started on a lent H100 in a Firecracker VM counted none while torch (the
+    CUDA runtime) saw the card, so the run would stop with "the cluster has no GPUs". The workers use the GPUs
+    through torch, so torch's count is the one that matters; CUDA_VISIBLE_DEVICES limits both.
     """
     if ray.is_initialized():
         return False
@@ -101,8 +106,13 @@ def connect(address: str | None, min_cpus: float = 0) -> bool:
         # Workers of an embedded Ray run on this machine: give them the driver's import path, so
         # factories defined in the user's own modules unpickle there.
         env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        gpus = {}
+        if use_gpu:
+            import torch
+
+            gpus = {"num_gpus": torch.cuda.device_count()}
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, runtime_env={"env_vars": env})
+                 configure_logging=False, runtime_env={"env_vars": env}, **gpus)
         return True
     ray.init(address=address, log_to_driver=True)
     return False
@@ -196,7 +206,7 @@ class Trainer:
                 raise ConfigError(f"Trainer.fit({name}={v!r}) must be an integer >= 1.")
         total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
             self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
-        started = connect(self.address, total_cpu)
+        started = connect(self.address, total_cpu, self.scaling.use_gpu)
         try:
             return self._fit(steps, epochs)
         finally:

@@ -65,6 +65,7 @@ def main(argv=None) -> float:
     p.add_argument("--storage", default=None, help="checkpoint URL, e.g. file:///tmp/ckpt or s3://bucket/prefix")
     p.add_argument("--name", default="digits")
     p.add_argument("--address", default=None, help="Ray address; default: RAY_ADDRESS or an embedded local Ray")
+    p.add_argument("--gpu", action="store_true", help="one GPU per worker (NCCL); needs as many GPUs as workers + spares")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -75,7 +76,7 @@ def main(argv=None) -> float:
         dataset_fn=train_dataset,
         loss_fn=loss_fn,
         global_batch_size=args.batch,
-        scaling=elastic.ScalingConfig(num_workers=args.workers, num_backups=args.spares),
+        scaling=elastic.ScalingConfig(num_workers=args.workers, num_backups=args.spares, use_gpu=args.gpu),
         run=elastic.RunConfig(name=args.name, storage=args.storage, seed=0, progress=not args.no_progress),
         address=args.address,
     )

@@ -1,4 +1,5 @@
-"""The NCCL path on a real GPU: placement, training, checkpoint and exact resume.
+"""The NCCL path on a real GPU: placement, training, checkpoint and exact resume, and the example
+on an embedded Ray that has to find the GPU itself.
 
 Runs only where torch sees a CUDA device (CI has none; the device choice itself is tested on the
 CPU in test_worker_ddp.py). One GPU is enough: NCCL refuses two ranks on one device, so these
@@ -8,12 +9,16 @@ from device memory to host and the restore back onto the device.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import ray
 import torch
 
 import elastic
-from conftest import release_shared_cluster, start_cluster, stop_cluster
+from conftest import ROOT, release_shared_cluster, start_cluster, stop_cluster
 from elastic.actors.worker import TrainingSpec
 from elastic.actors.worker_group import WorkerGroup
 from helpers import assert_weights_close, loss_fn, make_adam, make_dataset, make_model, reference_weights
@@ -67,3 +72,14 @@ def test_nccl_training_checkpoints_and_resumes_exactly(gpu_cluster, tmp_path):
     straight = gpu_trainer("gpu-straight", f"file://{tmp_path}/straight").fit(steps=12)
     # Same device, same kernels: the resumed run equals the uninterrupted one.
     assert_weights_close(resumed.model_state, straight.model_state, atol=1e-6)
+
+
+def test_digits_example_on_gpu_with_an_embedded_ray(gpu_cluster):
+    # Its own process, so fit() starts an embedded local Ray and has to find the GPU itself.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "digits.py"), "--gpu", "--workers", "1",
+                          "--spares", "0", "--epochs", "8", "--no-progress", "--name", "digits-gpu"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    acc = float(out.stdout.split("test_accuracy=")[1].split()[0])
+    assert acc >= 0.95
