@@ -310,30 +310,43 @@ class Controller:
         return max(self.step, self._worker_progress)
 
     def _restore_latest(self) -> DataPosition | None:
-        step = self.store.latest_valid()
-        if step is None:
-            self.log("checkpoint", f"no committed checkpoint under {self.store.location}; starting fresh")
-            return None
+        """Load the newest committed step that checks out into every rank; its data position.
+
+        One rank reads it from storage, verifying every file's checksum as it reads, and the
+        others receive its state through the object store, as in a peer's state sync. Why not
+        every rank from storage: each read is the whole replicated state, so N ranks read N
+        times what one read gives, and before this the controller read everything once more to
+        verify it (N + 1 reads of a checkpoint that may be gigabytes on S3). A step found corrupt
+        while it is read is skipped with an event naming the file, and the next older one is
+        tried; the reading rank's state is untouched until a whole step checked out.
+        """
+        from elastic.checkpoint import CorruptCheckpoint
         from elastic.checkpoint.compat import CheckpointMismatch
 
-        refs = [m.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options, self.run_config.name,
-                                                  step) for m in self.group.members]
-        # Every rank's answer is taken, so one rank's error does not leave the others' errors
-        # unread (Ray logs each unread one as an "unhandled error" when its ref goes).
-        results = []
-        for ref in refs:
+        reader, rest = self.group.members[0], self.group.members[1:]
+        meta = None
+        for step in reversed(self.store.committed_steps()):
+            ref = reader.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options,
+                                                         self.run_config.name, step)
             try:
-                results.append(ray.get(ref))
+                meta = ray.get(ref)
+                break
             except ray.exceptions.RayTaskError as exc:
-                results.append(exc)
-        errors = [r for r in results if isinstance(r, Exception)]
-        mismatch = next((e.cause for e in errors if isinstance(getattr(e, "cause", None), CheckpointMismatch)), None)
-        if mismatch is not None:
-            # A configuration problem, not a fault: the ConfigError reaches the user without a traceback.
-            raise ConfigError(str(mismatch))
-        if errors:
-            raise errors[0]
-        meta = results[0]
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, CheckpointMismatch):
+                    # A configuration problem, not a fault: the ConfigError reaches the user without a traceback.
+                    raise ConfigError(str(cause)) from None
+                if not isinstance(cause, CorruptCheckpoint):
+                    raise
+                logger.warning("%s; trying an older step", cause)
+                self.log("checkpoint", f"skipped committed step {step}: {cause}; trying an older step",
+                         step=step, path=cause.path, corrupt=True)
+        if meta is None:
+            self.log("checkpoint", f"no committed checkpoint under {self.store.location}; starting fresh")
+            return None
+        if rest:
+            state_ref = reader.actor.get_state.remote()
+            ray.get([m.actor.set_state.remote(state_ref) for m in rest])
         for done in range(self.step + 1, step + 1):
             if done in self._planned:
                 # Committed before its results reached us (ranks report written parts directly):
@@ -341,7 +354,9 @@ class Controller:
                 self._account_completed_step(done)
         self.step = step
         self.restored_from = step
-        self.log("resume", f"resumed from committed step {step} at {self.store.location}", step=step)
+        self.log("resume", f"resumed from committed step {step} at {self.store.location} (read by rank "
+                 f"{reader.rank}{f', sent to {len(rest)} more through the object store' if rest else ''})",
+                 step=step, read_by=reader.rank)
         return DataPosition.from_dict(meta["data_position"])
 
     def _all_actors(self) -> list[Member]:

@@ -55,7 +55,9 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
     assert len(store.load_manifest(5)["files"]) == 2
     second = trainer("resume", url).fit(steps=12)
     assert second.metrics["restored_from"] == 5
-    assert second.events_of("resume")
+    resume = second.events_of("resume")[0]
+    # One read from storage; the other rank got the state through the object store.
+    assert resume["details"]["read_by"] == 0 and "sent to 1 more through the object store" in resume["message"]
     assert second.checkpoint["latest_step"] == 12
     assert_weights_close(second.model_state, uninterrupted, atol=1e-5)
     manifest = store.load_manifest(12)
@@ -89,6 +91,9 @@ def test_corrupt_newest_step_is_skipped(ray_cluster, tmp_path, uninterrupted):
     # Resumed by one worker: two ranks wrote the checkpoint, and the state does not depend on that.
     resumed = trainer("corrupt", url, workers=1).fit(steps=12)
     assert resumed.metrics["restored_from"] == 5 and resumed.metrics["world_size"] == 1
+    skipped = [e for e in resumed.events_of("checkpoint") if e["details"].get("corrupt")]
+    assert [e["details"]["step"] for e in skipped] == [6]
+    assert os.path.basename(shard) in skipped[0]["message"]
     assert_weights_close(resumed.model_state, uninterrupted, atol=1e-5)
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import random
 import signal
 import threading
@@ -362,6 +363,10 @@ def test_corrupt_and_truncated_files_are_skipped_with_a_warning(backend, caplog)
     with pytest.raises(CorruptCheckpoint, match="shard-r1-of-2.safetensors") as info:
         store.read_state(6)
     assert info.value.step == 6
+    # It crosses from the reading rank to the controller pickled, fields and all.
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (again.step, again.path, again.reason, str(again)) == (6, info.value.path, info.value.reason,
+                                                                  str(info.value))
     state, _ = store.read_state()
     assert state["completed_step"] == 2
     statuses = {i.step: i.status for i in store.list_steps()}

@@ -54,6 +54,11 @@ class CorruptCheckpoint(RuntimeError):
         super().__init__(f"checkpoint step {step} is corrupt: {path}: {reason}")
         self.step, self.path, self.reason = step, path, reason
 
+    def __reduce__(self):
+        # A rank finds it while restoring and the controller catches it, so it crosses pickled;
+        # the default (the message as the only argument) does not fit __init__.
+        return type(self), (self.step, self.path, self.reason)
+
 
 @dataclass(frozen=True)
 class FileEntry:
