@@ -146,6 +146,13 @@ class ScalingConfig:
             resources.setdefault("GPU", 1.0)
             if resources["GPU"] <= 0:
                 raise ConfigError("ScalingConfig.use_gpu=True needs resources_per_worker['GPU'] > 0.")
+            if resources["GPU"] < 1 and self.num_replicas > 1:
+                # Ray would pack two ranks onto one card, and NCCL refuses two ranks of one group
+                # on the same device ("Duplicate GPU detected") when the group forms.
+                raise ConfigError(
+                    f"ScalingConfig.resources_per_worker['GPU']={resources['GPU']} lets Ray put two of the "
+                    f"{self.num_replicas} ranks on one GPU, and NCCL refuses two ranks on one device. Give each "
+                    "worker a whole GPU (resources_per_worker['GPU'] >= 1), or train with one rank.")
         self.resources_per_worker = resources
         if self.placement_timeout_s <= 0:
             raise ConfigError("ScalingConfig.placement_timeout_s must be > 0 seconds.")

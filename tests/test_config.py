@@ -20,6 +20,9 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"num_workers": 60, "num_backups": 1, "aggregation": "first_n"}, "at most 48 replicas"),
     ({"resources_per_worker": {"CPU": -1}}, "resources_per_worker"),
     ({"use_gpu": True, "resources_per_worker": {"GPU": 0}}, "GPU"),
+    ({"use_gpu": True, "num_workers": 2, "resources_per_worker": {"GPU": 0.5}}, r"resources_per_worker\['GPU'\]=0.5"),
+    ({"use_gpu": True, "num_workers": 1, "num_backups": 1, "aggregation": "first_n",
+      "resources_per_worker": {"GPU": 0.5}}, "two ranks on one device"),
     ({"steps_per_dispatch": -1}, "steps_per_dispatch"),
     ({"dispatch_target_s": 0}, "dispatch_target_s"),
 ])
@@ -97,6 +100,11 @@ def test_bad_run_name():
 def test_bad_stop_timeout(value):
     with pytest.raises(ConfigError, match="RunConfig.stop_timeout_s"):
         elastic.RunConfig(stop_timeout_s=value)
+
+
+def test_fractional_gpu_is_fine_for_one_rank():
+    # One rank (its hot spare joins only in place of a lost rank) never shares a card with a peer.
+    assert ScalingConfig(use_gpu=True, num_backups=1, resources_per_worker={"GPU": 0.5}).bundle()["GPU"] == 0.5
 
 
 def test_device_choice_without_gpu():
