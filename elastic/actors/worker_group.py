@@ -48,7 +48,9 @@ def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
     bundle = scaling.bundle()
     if scaling.use_gpu and resources.get("GPU", 0) <= 0:
         raise ConfigError(
-            "ScalingConfig.use_gpu=True but the cluster has no GPUs; set use_gpu=False or add GPU nodes."
+            "ScalingConfig.use_gpu=True but the cluster has no GPUs; set use_gpu=False or add GPU nodes. "
+            "If its nodes do have GPUs, Ray did not count them (its count goes through NVML): start them "
+            "with `ray start --num-gpus=N`."
         )
     for key, per in bundle.items():
         have = resources.get(key, 0.0)
