@@ -2,7 +2,7 @@
 on an embedded Ray that has to find the GPU itself.
 
 Runs only where torch sees a CUDA device (CI has none; the device choice itself is tested on the
-CPU in test_worker_ddp.py). One GPU is enough: NCCL refuses two ranks on one device, so these
+CPU in test_config.py). One GPU is enough: NCCL refuses two ranks on one device, so these
 tests use one rank, which still builds the NCCL process group, DDP with device_ids, the snapshot
 from device memory to host and the restore back onto the device.
 """
