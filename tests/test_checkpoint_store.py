@@ -440,6 +440,13 @@ def commit_tiny(store: CheckpointStore, step: int) -> None:
     store.commit(step, entries, 1, {})
 
 
+def hand_over(committer: CheckpointCommitter, store: CheckpointStore, step: int, state: dict) -> None:
+    """Both ranks of a 2-rank group write ``state`` for ``step`` and hand their files to the committer."""
+    for rank in range(2):
+        committer.add(step, rank, 2, store.write_rank_files(step, rank, 2, state))
+    committer.set_meta(step, {"cursor": step})
+
+
 @pytest.mark.parametrize("keep_last,keep_every,expected", [
     (3, 0, [8, 9, 10]),
     (1, 0, [10]),
@@ -1009,17 +1016,13 @@ def test_committer_retention_without_listing_storage_each_commit(tmp_path, monke
     monkeypatch.setattr(store, "committed_steps", lambda: listings.append(1) or real())
     state = tiny_state(1)
     for step in range(1, 7):
-        for rank in range(2):
-            committer.add(step, rank, 2, store.write_rank_files(step, rank, 2, state))
-        committer.set_meta(step, {"cursor": step})
+        hand_over(committer, store, step, state)
         assert committer.flush(5)
     assert real() == [5, 6]  # exactly keep_last, from the committer's own list
     assert len(listings) == 1  # storage listed once (steps of earlier runs), not after every commit
     store.write_rank_files(7, 0, 2, state)  # a torn write: one rank's shard, no manifest
     committer.gc_interval_s = 0  # the periodic sweep (due now) removes directories no manifest commits
-    for rank in range(2):
-        committer.add(8, rank, 2, store.write_rank_files(8, rank, 2, state))
-    committer.set_meta(8, {"cursor": 8})
+    hand_over(committer, store, 8, state)
     assert committer.flush(5)
     assert store.step_dirs() == [6, 8]
     committer.close()
@@ -1033,9 +1036,7 @@ def test_committer_deletes_the_files_it_committed_without_finding_them(backend, 
     monkeypatch.setattr(store.storage, "delete_tree", lambda rel: trees.append(rel) or real_tree(rel))
 
     def commit(step):
-        for rank in range(2):
-            committer.add(step, rank, 2, store.write_rank_files(step, rank, 2, tiny_state(step)))
-        committer.set_meta(step, {"cursor": step})
+        hand_over(committer, store, step, tiny_state(step))
         assert committer.flush(10)
 
     for step in (1, 2, 3):
@@ -1063,9 +1064,7 @@ def test_committer_batches_retention_and_flush_leaves_exactly_keep_last(backend,
     real = store.storage.delete_files
     monkeypatch.setattr(store.storage, "delete_files", lambda rels, d: calls.append(len(rels)) or real(rels, d))
     for step in range(1, 7):
-        for rank in range(2):
-            committer.add(step, rank, 2, store.write_rank_files(step, rank, 2, tiny_state(step)))
-        committer.set_meta(step, {"cursor": step})
+        hand_over(committer, store, step, tiny_state(step))
         deadline = time.monotonic() + 10
         while committer.latest_committed != step and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -1092,9 +1091,7 @@ def test_flush_sweeps_superseded_writes_and_leaves_newer_ones(backend):
     state = tiny_state(1)
 
     def commit(step):
-        for rank in range(2):
-            committer.add(step, rank, 2, store.write_rank_files(step, rank, 2, state))
-        committer.set_meta(step, {"cursor": step})
+        hand_over(committer, store, step, state)
 
     commit(1)
     assert committer.flush(10)  # the first commit's sweep is behind us; the next is an hour away

@@ -160,12 +160,7 @@ class CheckpointCommitter:
         logger.info("committed checkpoint step %d to %s (%d files, %.3fs)", step, self.store.location,
                     len(entries), commit_s)
         self._files[step] = [e.path for e in entries]
-        try:
-            with self._cleanup_lock:
-                retention, gc = self._cleanup(step, pending)
-        except Exception as exc:  # noqa: BLE001 - the step is committed; a cleanup bug must not undo that
-            logger.exception("checkpoint cleanup after step %d failed", step)
-            retention, gc = CleanupReport(error=f"{type(exc).__name__}: {exc}"), CleanupReport()
+        retention, gc = self._cleanup(step, pending)
         now = time.time()
         with self._lock:
             deleted = sorted(retention.deleted + gc.deleted)
@@ -212,17 +207,24 @@ class CheckpointCommitter:
             self._files = {s: f for s, f in self._files.items() if s in kept}
         return retention
 
-    def _cleanup(self, step: int, pending: set) -> tuple[CleanupReport, CleanupReport]:
+    def _cleanup(self, step: int, pending: set, force: bool = False) -> tuple[CleanupReport, CleanupReport]:
         """Retention (``_retain``) and the storage-wide sweep for uncommitted directories (torn or
-        superseded writes) at most every ``gc_interval_s``. Why: listing storage and reading
-        every manifest after each commit costs more than the commit itself when steps are short
-        (on S3, several HTTP requests a step). Caller holds ``_cleanup_lock``."""
-        if self._committed is None:
-            self._committed = self.store.committed_steps()  # once: steps from earlier runs
-        if step not in self._committed:
-            self._committed.append(step)
-            self._committed.sort()
-        return self._retain(), self._sweep(step, pending)
+        superseded writes) below committed ``step``, each batched by its interval unless
+        ``force``. Why batched: listing storage and reading every manifest after each commit
+        costs more than the commit itself when steps are short (on S3, several HTTP requests a
+        step). Never raises: the step is committed, and a cleanup failure must not undo that;
+        it comes back as the retention report's ``error`` and the next pass retries."""
+        try:
+            with self._cleanup_lock:
+                if self._committed is None:
+                    self._committed = self.store.committed_steps()  # once: steps from earlier runs
+                if step not in self._committed:
+                    self._committed.append(step)
+                    self._committed.sort()
+                return self._retain(force), self._sweep(step, pending, force)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("checkpoint cleanup at step %d failed", step)
+            return CleanupReport(error=f"{type(exc).__name__}: {exc}"), CleanupReport()
 
     def _sweep(self, older_than: int, pending: set, force: bool = False) -> CleanupReport:
         """Remove uncommitted directories older than ``older_than`` (a committed step), at most
@@ -265,25 +267,18 @@ class CheckpointCommitter:
         timeout."""
         if not self._persister.flush(timeout_s):
             return False
-        gc = CleanupReport()
-        try:
-            with self._cleanup_lock:
-                retention = self._retain(force=True)
-                with self._lock:
-                    latest, pending = self._latest, set(self._reports)
-                if latest is not None and self._committed is not None:
-                    gc = self._sweep(latest, pending, force=True)
-        except Exception as exc:  # noqa: BLE001 - committed steps stay committed; the next pass retries
-            logger.exception("checkpoint cleanup at flush failed")
-            retention = CleanupReport(error=f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            latest, pending = self._latest, set(self._reports)
+        if latest is None:  # nothing committed by this run: nothing of it to clean up
+            return True
+        retention, gc = self._cleanup(latest, pending, force=True)
         now = time.time()
         with self._lock:
-            if retention.deleted:
-                self._events.append({"event": "checkpoint_deleted", "time": now, "deleted": sorted(retention.deleted),
-                                     "message": f"deleted checkpoint steps {sorted(retention.deleted)} (retention)"})
-            if gc.deleted:
-                self._events.append({"event": "checkpoint_deleted", "time": now, "deleted": sorted(gc.deleted),
-                                     "message": f"removed uncommitted step directories {sorted(gc.deleted)}"})
+            for report, what in ((retention, "deleted checkpoint steps {} (retention)"),
+                                 (gc, "removed uncommitted step directories {}")):
+                if report.deleted:
+                    self._events.append({"event": "checkpoint_deleted", "time": now, "deleted": sorted(report.deleted),
+                                         "message": what.format(sorted(report.deleted))})
             self._cleanup_events(retention, gc, now)
         return True
 
