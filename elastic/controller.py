@@ -397,8 +397,9 @@ class Controller:
                 pace = f"+{fault['delay_s']} s a step" if fault.get("delay_s") else f"{fault['factor']}x"
                 what = f"slowed {pace} from step {fault['from_step']}"
             elif fault["kind"] == "kill":
-                ray.get(m.actor.inject_kill.remote(fault["at_step"]))
-                what = f"SIGKILLs itself in step {fault['at_step']}"
+                after = bool(fault.get("after_update"))
+                ray.get(m.actor.inject_kill.remote(fault["at_step"], after))
+                what = f"SIGKILLs itself {'right after' if after else 'in'} step {fault['at_step']}"
             else:
                 ray.get(m.actor.inject_hang.remote(fault["at_step"]))
                 what = f"hangs in step {fault['at_step']}"
@@ -699,10 +700,14 @@ class Controller:
                     first_problem = time.time()
             if dead and self._first_n and not released:
                 # Survivors may wait on a first-N agreement that the dead can no longer make
-                # (fewer than N replicas left); no socket of theirs closes to wake them.
+                # (fewer than N replicas left); no socket of theirs closes to wake them. Every
+                # survivor, not only those this wait still has a result of: one whose result is
+                # in already runs the next window, queued behind it (the look-ahead), where it
+                # would wait the same way, and none of this wait's refs would show it.
                 released = True
-                for r in set(pending.values()) - dead:
-                    self.group.members[r].actor.abandon_first_n.remote()
+                for m in self.group.members:
+                    if m.rank not in dead:
+                        m.actor.abandon_first_n.remote(self.generation)
             if not (dead or collective_failed or user_error) and got >= need:
                 now = time.time()
                 for ref in results:

@@ -180,12 +180,15 @@ class Trainer:
             ok = 0 <= f.get("rank", -1) < self.scaling.num_replicas and (
                 (f.get("kind") == "slow" and "from_step" in f
                  and (f.get("factor", 0) >= 1 or f.get("delay_s", 0) > 0))
-                or (f.get("kind") in ("kill", "hang") and "at_step" in f)
+                or (f.get("kind") in ("kill", "hang") and "at_step" in f
+                    and (f.get("kind") == "kill" or "after_update" not in f)
+                    and isinstance(f.get("after_update", False), bool))
                 or f.get("kind") == "kill_spare")
             if not ok:
                 raise ConfigError(
                     f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1 or 'delay_s': d>0, 'from_step': s}} "
-                    "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} with 0 <= r < number of replicas.")
+                    "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} (a kill may add 'after_update': True) "
+                    "with 0 <= r < number of replicas.")
         self._store = None
         if self.run.storage is not None:
             from elastic.checkpoint import CheckpointStore

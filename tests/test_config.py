@@ -84,6 +84,11 @@ def test_bad_fault_plan():
         _trainer(faults=[{"kind": "slow", "rank": 9, "factor": 3, "from_step": 1}])
     with pytest.raises(ConfigError, match="delay_s"):
         _trainer(faults=[{"kind": "slow", "rank": 0, "delay_s": 0, "from_step": 1}])
+    with pytest.raises(ConfigError, match="after_update"):
+        _trainer(faults=[{"kind": "kill", "rank": 0, "at_step": 3, "after_update": "yes"}])
+    with pytest.raises(ConfigError, match="after_update"):
+        _trainer(faults=[{"kind": "hang", "rank": 0, "at_step": 3, "after_update": True}])
+    _trainer(faults=[{"kind": "kill", "rank": 0, "at_step": 3, "after_update": True}])  # accepted
 
 
 def test_fit_needs_steps_or_epochs():

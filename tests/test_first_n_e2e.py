@@ -121,3 +121,25 @@ def test_losing_more_ranks_than_backups_heals_without_waiting_out_the_survivors(
     assert result.recoveries[0]["detect_s"] < 10
     assert time.time() - t0 < 60
     assert len(set(result.replica_checksums)) == 1
+
+
+def test_a_survivor_already_in_the_next_window_is_released_too(ray_cluster):
+    # Two of three replicas die right after step 3's update, before their results go back. The
+    # survivor's step-3 result is in before their deaths are seen, so the controller's wait holds
+    # nothing of it; it is already in step 4 (queued behind step 3), which can never gather
+    # N = 2 arrivals. It must be released all the same, not sit out the collective timeout.
+    # Ranks 1 and 2 are slowed from step 3 so that rank 0 is surely in step 3's fast set (as
+    # the late rank instead, its receive from the dying leader fails and step 3 is replayed).
+    faults = [{"kind": "kill", "rank": 1, "at_step": 3, "after_update": True},
+              {"kind": "kill", "rank": 2, "at_step": 3, "after_update": True},
+              {"kind": "slow", "rank": 1, "delay_s": 0.2, "from_step": 3},
+              {"kind": "slow", "rank": 2, "delay_s": 0.2, "from_step": 3}]
+    t0 = time.time()
+    result = make("firstn-next-window", faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
+    assert result.metrics["steps"] == STEPS
+    assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
+    assert result.recoveries[0]["kind"] != "hang"
+    assert result.recoveries[0]["step"] == 4  # step 3 finished on the survivor: kept, not replayed
+    assert time.time() - t0 < 60
+    assert len(set(result.replica_checksums)) == 1
+

@@ -133,11 +133,13 @@ class TrainWorker:
         self._fn_sit_out = 0  # first-N: steps this rank still skips computing (see _first_n_late_backoff)
         self._fn_backoff_max = 0  # ScalingConfig.late_backoff_steps
         self._fn_sends: list = []  # first-N leader: (pending isend, its buffer)
+        self._fn_abandoned = False  # first-N: the controller gave this group's agreements up
         self._fast_log: dict[int, tuple[int, ...]] = {}
         self._checksum_every = 0
         self._slow: tuple[float, int, float] | None = None  # (factor, from_step, delay_s) fault injection
         self._hang_at: int | None = None
         self._kill_at: int | None = None
+        self._kill_after_update = False
         self._healthy_times: deque = deque(maxlen=32)  # step wall times before an injected slowdown
         self._slow_base: float | None = None
         self.phase, self.phase_since = "idle", time.time()
@@ -198,9 +200,12 @@ class TrainWorker:
         """Stop answering inside step ``at_step`` (sleeps far past every timeout). A test aid."""
         self._hang_at = int(at_step)
 
-    def inject_kill(self, at_step: int) -> None:
-        """SIGKILL this worker's own process in the middle of step ``at_step``. A test and bench aid."""
+    def inject_kill(self, at_step: int, after_update: bool = False) -> None:
+        """SIGKILL this worker's own process in the middle of step ``at_step``, or with
+        ``after_update`` once that step's update is applied and before its result goes back (a
+        node lost right after a step: its peers finished the step with it). A test and bench aid."""
         self._kill_at = int(at_step)
+        self._kill_after_update = bool(after_update)
 
     def _injected_delay(self, step: int, elapsed_s: float) -> float:
         """Sleep that makes this rank's step ``factor`` times as long as its healthy steps were.
@@ -210,7 +215,7 @@ class TrainWorker:
         node drags its whole step, not only its arithmetic. With no healthy step measured yet
         (slow from step 1), the time into this step so far is the baseline.
         """
-        if self._kill_at is not None and step == self._kill_at:
+        if self._kill_at is not None and step == self._kill_at and not self._kill_after_update:
             os.kill(os.getpid(), 9)
         if self._hang_at is not None and step >= self._hang_at:
             time.sleep(3600)
@@ -271,6 +276,7 @@ class TrainWorker:
             self._fn_n = subgroup_size
             self._fn_flat = _grads_as_views(self.model, self.device)
             self._fn_late_streak, self._fn_sit_out = 0, 0
+            self._fn_abandoned = False
             self._fn_backoff_max = late_backoff_steps
         self._checksum_every = checksum_every
         if world_size > 1:
@@ -435,6 +441,7 @@ class TrainWorker:
         flat = self._fn_flat  # every gradient (views into it) and the loss: no copy in or out
         local = 0.0
         computed = False
+        self._check_abandoned(step)
         if self._fn_sit_out > 0:
             self._fn_sit_out -= 1
         elif self._fn_late_streak == 0 or (store.add(count_key, 0) & 0xFF) < n:
@@ -454,6 +461,7 @@ class TrainWorker:
             # the fast set or the controller's ABANDONED (see abandon_first_n), never both.
             agreed = store.compare_set(fast_key, "", str(arrived >> 8))
         else:
+            self._check_abandoned(step)
             agreed = store.get(fast_key)
         if agreed == ABANDONED:
             raise FirstNAbandoned(f"rank {self.rank}: step {step} abandoned: a peer was lost before "
@@ -512,8 +520,14 @@ class TrainWorker:
         self._fn_late_streak += 1
         self._fn_sit_out = min(1 << min(self._fn_late_streak - 1, 16), self._fn_backoff_max)  # 0: off
 
+    def _check_abandoned(self, step: int) -> None:
+        """Fail a first-N step of a group the controller has given up (see ``abandon_first_n``)."""
+        if self._fn_abandoned:
+            raise FirstNAbandoned(f"rank {self.rank}: step {step} abandoned: the controller lost a peer "
+                                  f"of group generation {self.generation}")
+
     @ray.method(concurrency_group="control")
-    def abandon_first_n(self, steps_ahead: int = 17) -> bool:
+    def abandon_first_n(self, generation: int | None = None, steps_ahead: int = 17) -> bool:
         """Release this rank from waiting on a first-N agreement that may never come.
 
         The controller calls this, from this actor's control thread, when a peer of the group has
@@ -531,10 +545,20 @@ class TrainWorker:
         and the control thread must keep answering heartbeats meanwhile. It uses a clone of the
         store (same keys, its own connection; torch's ``Store.clone`` is meant for other
         threads): the main thread may be blocked in a ``get`` on the original. Returns whether
-        there was a first-N group to release."""
+        there was a first-N group to release.
+
+        It also raises a flag that every first-N step of this group checks before it computes
+        and before it blocks on an agreement: a rank may have windows of steps queued behind
+        the current one (the controller dispatches ahead, and a late rank lags), more than
+        ``steps_ahead`` keys cover. The order holds without a lock: the flag is set before the
+        current step is read, and a step sets ``current_step`` before it checks the flag, so a
+        step that missed the flag is the current step, whose key the thread marks.
+        ``generation``: the group the controller gave up; a call that arrives after this rank
+        joined a newer group (the control thread runs beside the main one) is ignored."""
         store = self._fn_store
-        if store is None:
+        if store is None or (generation is not None and generation != self.generation):
             return False
+        self._fn_abandoned = True
         first = self.current_step if self.current_step is not None else self.completed_step + 1
         threading.Thread(target=_mark_abandoned, args=(store, range(first, first + steps_ahead), self.rank),
                          name="elastic-abandon-first-n", daemon=True).start()
@@ -552,6 +576,8 @@ class TrainWorker:
             self.scheduler.step()
         self.completed_step = step
         self.current_step = None
+        if self._kill_after_update and step == self._kill_at:
+            os.kill(os.getpid(), 9)
 
     # ---- state -----------------------------------------------------------------------------
     def get_state(self) -> dict:
