@@ -18,7 +18,7 @@ from elastic.actors.worker_group import WorkerGroup
 class FakeWorker:
     def __init__(self, spec, name="", background_start=False):
         self.name, self.rank, self.world, self.done, self.started = name, -1, 0, 0, 0
-        self.kill_at = None
+        self.kill_at, self.kill_after_update = None, False
         self.background_start = background_start  # asked for; the real worker also needs the right
 
     def info(self):
@@ -44,14 +44,16 @@ class FakeWorker:
     def leave(self):
         return None
 
-    def inject_kill(self, at_step):
-        self.kill_at = at_step
+    def inject_kill(self, at_step, after_update=False):
+        self.kill_at, self.kill_after_update = at_step, after_update
 
     def train_step(self, step, indices, generation):
         self.started = step
-        if step == self.kill_at:
+        if step == self.kill_at and not self.kill_after_update:
             os._exit(1)
         self.done = step
+        if step == self.kill_at:
+            os._exit(1)
         return StepResult(self.rank, step, 1.0 / step, 0.001, 0.001, len(indices), step, {"local_time_s": 0.001})
 
     def model_state(self):
