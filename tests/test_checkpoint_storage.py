@@ -215,3 +215,25 @@ def test_permanent_errors_are_not_retried(tmp_path):
     with pytest.raises(StorageError):
         storage.write_bytes("sub/x", b"1")  # parent is a file: NotADirectoryError/FileExistsError
     assert time.monotonic() - t0 < 1.0
+
+
+def test_s3_leaves_integrity_to_the_manifest_unless_the_user_says_otherwise(moto_s3):
+    # Every shard's sha256 is in the manifest and checked on every read, so botocore's own
+    # checksums are off by default; a user's config_kwargs still win, and their other keys stay.
+    url, options = backend_url("s3", "", moto_s3)
+    storage = Storage(url, options, retry=FAST)
+    storage.write_bytes("step-000000001/a.bin", b"x" * 100_000)
+    assert storage.read_bytes("step-000000001/a.bin") == b"x" * 100_000
+    fs, _ = storage._filesystem()
+    assert fs.config_kwargs["request_checksum_calculation"] == "when_required"
+    assert fs.config_kwargs["response_checksum_validation"] == "when_required"
+    assert fs.config_kwargs["read_timeout"] == 5  # the options' own config_kwargs are kept
+    assert "request_checksum_calculation" not in options["config_kwargs"]  # the user's dict is not changed
+
+    mine = {**options, "config_kwargs": {"request_checksum_calculation": "when_supported", "read_timeout": 7}}
+    storage = Storage(url, mine, retry=FAST)
+    storage.write_bytes("step-000000001/b.bin", b"y" * 100_000)
+    assert storage.read_bytes("step-000000001/b.bin") == b"y" * 100_000
+    fs, _ = storage._filesystem()
+    assert fs.config_kwargs == {"request_checksum_calculation": "when_supported", "read_timeout": 7,
+                                "response_checksum_validation": "when_required"}

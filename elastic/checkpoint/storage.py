@@ -127,6 +127,28 @@ def resolve_url(url: str) -> str:
     return url
 
 
+def _s3_defaults(options: dict) -> dict:
+    """``storage_options`` for s3fs, with botocore's own checksums off unless the user set them.
+
+    Why: every file we write is named in the step's manifest with its size and sha256, and every
+    read of a checkpoint verifies them (``CheckpointStore``), so botocore's CRC32 on each PUT
+    (default since botocore 1.36) and its check of each GET hash the same bytes a second time, on
+    the training process's CPU. Measured with s3fs against moto on loopback, one 1.6 MB shard
+    PUT: 6.0 ms of client CPU with them, 4.5 ms without. A value the user gives in
+    ``config_kwargs`` wins; a botocore too old to know the options gets nothing added.
+    """
+    try:
+        from botocore.config import Config
+    except ImportError:  # s3fs missing: the scheme check reports it
+        return options
+    known = Config.OPTION_DEFAULTS
+    config = dict(options.get("config_kwargs") or {})
+    for name in ("request_checksum_calculation", "response_checksum_validation"):
+        if name in known:
+            config.setdefault(name, "when_required")
+    return {**options, "config_kwargs": config}
+
+
 class Storage:
     """One storage root (an fsspec URL) and relative paths under it.
 
@@ -159,8 +181,9 @@ class Storage:
     def _filesystem(self) -> tuple[Any, str]:
         if self._fs is None:
             self._check_scheme()
+            options = _s3_defaults(self.storage_options) if self.protocol in _S3 else self.storage_options
             try:
-                fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+                fs, root = fsspec.core.url_to_fs(self.url, **options)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(
                     f"RunConfig.storage_options are not accepted by the {self.protocol}:// filesystem "
