@@ -54,7 +54,7 @@ class ScalingConfig:
     its node. Spares that training waits for always start at normal priority.
 
     ``late_backoff_steps`` (first-N only): a replica whose gradient came late ``k`` times in a row
-    sits out the next ``min(2**(k-1), late_backoff_steps)`` steps. It still receives and applies
+    sits out the next ``min(4 * 2**(k-1), late_backoff_steps)`` steps. It still receives and applies
     every update, so it stays identical, but it computes no gradient that would only be dropped,
     and then tries again. A persistent straggler thus computes about one step in
     ``late_backoff_steps + 1``, and where replicas share a node's cores the CPU it would have

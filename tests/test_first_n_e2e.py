@@ -61,14 +61,14 @@ def test_slow_rank_never_enters_update_and_replicas_stay_identical(ray_cluster):
 def test_a_persistent_straggler_sits_out_instead_of_computing_gradients_nobody_uses(ray_cluster):
     # Every rank is paced by a delay, the straggler 4x the others: it is late every time it
     # computes. With late_backoff_steps=8 the k-th late gradient in a row is followed by
-    # min(2**(k-1), 8) steps sat out, so in 40 steps it computes at most 7 gradients (at steps
-    # 1, 3, 6, 11, 20, 29, 38 at the latest). With late_backoff_steps=0 it computed 18 in 60 steps
+    # min(4 * 2**(k-1), 8) steps sat out, so in 40 steps it computes at most 5 gradients (at steps
+    # 1, 6, 15, 24, 33 at the latest). With late_backoff_steps=0 it computed 18 in 60 steps
     # here: one every time it had caught up. Sitting out still applies every update.
     steps = 40
     faults = [{"kind": "slow", "rank": r, "delay_s": 0.12 if r == 2 else 0.03, "from_step": 1} for r in range(N + B)]
     result = make("firstn-backoff", faults=faults, steps_per_dispatch=4).fit(steps=steps)
     assert all(h["ranks"] == [0, 1] for h in result.history)
-    assert 1 <= result.metrics["late_gradients"] <= 7
+    assert 1 <= result.metrics["late_gradients"] <= 5
     ref = reference_weights(steps, N * PER, batches=used_batches(result))
     assert_weights_close(result.model_state, ref, atol=1e-6)
     assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B

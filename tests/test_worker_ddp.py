@@ -78,7 +78,7 @@ def test_abandoning_first_n_releases_a_waiting_rank_and_keeps_published_steps():
     assert store.get("fn/5/fast") == ABANDONED
 
 
-def test_a_late_first_n_replica_sits_out_twice_as_long_each_time_up_to_the_cap():
+def test_a_late_first_n_replica_sits_out_four_steps_then_twice_as_long_each_time_up_to_the_cap():
     from types import SimpleNamespace
 
     from elastic.actors.worker import TrainWorker
@@ -88,11 +88,18 @@ def test_a_late_first_n_replica_sits_out_twice_as_long_each_time_up_to_the_cap()
     for _ in range(6):
         TrainWorker._first_n_late_backoff(w, late=True)
         sat_out.append(w._fn_sit_out)
-    assert sat_out == [1, 2, 4, 8, 8, 8]
+    assert sat_out == [4, 8, 8, 8, 8, 8]
     TrainWorker._first_n_late_backoff(w, late=False)  # one gradient in time ends the backoff
     assert w._fn_late_streak == 0
     TrainWorker._first_n_late_backoff(w, late=True)
-    assert w._fn_sit_out == 1
+    assert w._fn_sit_out == 4
+    long = SimpleNamespace(_fn_late_streak=0, _fn_sit_out=0, _fn_backoff_max=32)
+    for expected in (4, 8, 16, 32, 32):
+        TrainWorker._first_n_late_backoff(long, late=True)
+        assert long._fn_sit_out == expected
+    short = SimpleNamespace(_fn_late_streak=0, _fn_sit_out=0, _fn_backoff_max=2)
+    TrainWorker._first_n_late_backoff(short, late=True)
+    assert short._fn_sit_out == 2  # the cap bounds the first sit-out too
     off = SimpleNamespace(_fn_late_streak=0, _fn_sit_out=0, _fn_backoff_max=0)
     for _ in range(3):
         TrainWorker._first_n_late_backoff(off, late=True)
