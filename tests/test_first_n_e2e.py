@@ -123,6 +123,29 @@ def test_losing_more_ranks_than_backups_heals_without_waiting_out_the_survivors(
     assert len(set(result.replica_checksums)) == 1
 
 
+def test_a_late_replica_whose_leader_dies_before_sending_fails_over_at_once(ray_cluster):
+    # Rank 0 is late in step 3 (a fixed delay), so it waits for the averaged gradient from the
+    # step's leader; the leader and the other fast rank die right after their update, before
+    # rank 0 has received it. Gloo fails the receive when the dead peer's socket closes: rank 0
+    # must not sit out the collective timeout, and the step it never finished is replayed from
+    # the survivor's state (or kept, if the gradient had reached it), with the same weights as
+    # one process training on the batches that were used.
+    faults = [{"kind": "kill", "rank": 1, "at_step": 3, "after_update": True},
+              {"kind": "kill", "rank": 2, "at_step": 3, "after_update": True},
+              {"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 3}]
+    t0 = time.time()
+    result = make("firstn-leader-lost", faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
+    assert result.metrics["steps"] == STEPS
+    assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
+    assert result.recoveries[0]["kind"] == "actor_died"
+    assert result.recoveries[0]["detect_s"] < 10
+    assert result.recoveries[0]["step"] in (3, 4)
+    assert time.time() - t0 < 60
+    ref = reference_weights(STEPS, N * PER, batches=used_batches(result))
+    assert_weights_close(result.model_state, ref, atol=1e-6)
+    assert len(set(result.replica_checksums)) == 1
+
+
 def test_a_survivor_already_in_the_next_window_is_released_too(ray_cluster):
     # Two of three replicas die right after step 3's update, before their results go back. The
     # survivor's step-3 result is in before their deaths are seen, so the controller's wait holds
