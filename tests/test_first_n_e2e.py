@@ -151,12 +151,13 @@ def test_a_survivor_already_in_the_next_window_is_released_too(ray_cluster):
     # survivor's step-3 result is in before their deaths are seen, so the controller's wait holds
     # nothing of it; it is already in step 4 (queued behind step 3), which can never gather
     # N = 2 arrivals. It must be released all the same, not sit out the collective timeout.
-    # Ranks 1 and 2 are slowed from step 3 so that rank 0 is surely in step 3's fast set (as
-    # the late rank instead, its receive from the dying leader fails and step 3 is replayed).
+    # Ranks 1 and 2 are slowed from the start so that rank 0 is never late, and so never sits
+    # out: it is surely in step 3's fast set (as the late rank instead, its receive from the
+    # dying leader fails and step 3 is replayed; the test above covers that).
     faults = [{"kind": "kill", "rank": 1, "at_step": 3, "after_update": True},
               {"kind": "kill", "rank": 2, "at_step": 3, "after_update": True},
-              {"kind": "slow", "rank": 1, "delay_s": 0.2, "from_step": 3},
-              {"kind": "slow", "rank": 2, "delay_s": 0.2, "from_step": 3}]
+              {"kind": "slow", "rank": 1, "delay_s": 0.2, "from_step": 1},
+              {"kind": "slow", "rank": 2, "delay_s": 0.2, "from_step": 1}]
     t0 = time.time()
     result = make("firstn-next-window", faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
     assert result.metrics["steps"] == STEPS
