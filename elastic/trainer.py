@@ -180,9 +180,8 @@ class Trainer:
             ok = 0 <= f.get("rank", -1) < self.scaling.num_replicas and (
                 (f.get("kind") == "slow" and "from_step" in f
                  and (f.get("factor", 0) >= 1 or f.get("delay_s", 0) > 0))
-                or (f.get("kind") in ("kill", "hang") and "at_step" in f
-                    and (f.get("kind") == "kill" or "after_update" not in f)
-                    and isinstance(f.get("after_update", False), bool))
+                or (f.get("kind") == "kill" and "at_step" in f and isinstance(f.get("after_update", False), bool))
+                or (f.get("kind") == "hang" and "at_step" in f and "after_update" not in f)
                 or f.get("kind") == "kill_spare")
             if not ok:
                 raise ConfigError(

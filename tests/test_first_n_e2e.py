@@ -107,20 +107,28 @@ def test_persistent_straggler_evicted_for_spare(ray_cluster):
     assert len(set(result.replica_checksums)) == 1
 
 
+def heal_two_of_three_lost(name: str, faults: list, after_update: bool = False):
+    """Ranks 1 and 2 die in step 3 (or right after its update), with two spares and one step per
+    call; the run must heal in one recovery, within a minute, with identical replicas."""
+    kill = {"after_update": True} if after_update else {}
+    faults = [{"kind": "kill", "rank": r, "at_step": 3, **kill} for r in (1, 2)] + faults
+    t0 = time.time()
+    result = make(name, faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
+    assert result.metrics["steps"] == STEPS
+    assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
+    assert result.recoveries[0]["kind"] != "hang"
+    assert time.time() - t0 < 60
+    assert len(set(result.replica_checksums)) == 1
+    return result
+
+
 def test_losing_more_ranks_than_backups_heals_without_waiting_out_the_survivors(ray_cluster):
     # Two of three replicas die in one step (as when a node with two ranks goes): the survivor
     # has computed its gradient and waits for the first-N agreement of a step that can no longer
     # gather N = 2 arrivals. The controller releases it; it must not sit out the collective
     # timeout (20 s here) and then be killed as hung.
-    faults = [{"kind": "kill", "rank": 1, "at_step": 3}, {"kind": "kill", "rank": 2, "at_step": 3}]
-    t0 = time.time()
-    result = make("firstn-two-lost", faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
-    assert result.metrics["steps"] == STEPS
-    assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
-    assert result.recoveries[0]["kind"] != "hang"
+    result = heal_two_of_three_lost("firstn-two-lost", [])
     assert result.recoveries[0]["detect_s"] < 10
-    assert time.time() - t0 < 60
-    assert len(set(result.replica_checksums)) == 1
 
 
 def test_a_late_replica_whose_leader_dies_before_sending_fails_over_at_once(ray_cluster):
@@ -130,20 +138,13 @@ def test_a_late_replica_whose_leader_dies_before_sending_fails_over_at_once(ray_
     # must not sit out the collective timeout, and the step it never finished is replayed from
     # the survivor's state (or kept, if the gradient had reached it), with the same weights as
     # one process training on the batches that were used.
-    faults = [{"kind": "kill", "rank": 1, "at_step": 3, "after_update": True},
-              {"kind": "kill", "rank": 2, "at_step": 3, "after_update": True},
-              {"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 3}]
-    t0 = time.time()
-    result = make("firstn-leader-lost", faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
-    assert result.metrics["steps"] == STEPS
-    assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
+    result = heal_two_of_three_lost("firstn-leader-lost", [{"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 3}],
+                                    after_update=True)
     assert result.recoveries[0]["kind"] == "actor_died"
     assert result.recoveries[0]["detect_s"] < 10
     assert result.recoveries[0]["step"] in (3, 4)
-    assert time.time() - t0 < 60
     ref = reference_weights(STEPS, N * PER, batches=used_batches(result))
     assert_weights_close(result.model_state, ref, atol=1e-6)
-    assert len(set(result.replica_checksums)) == 1
 
 
 def test_a_survivor_already_in_the_next_window_is_released_too(ray_cluster):
@@ -154,16 +155,7 @@ def test_a_survivor_already_in_the_next_window_is_released_too(ray_cluster):
     # Ranks 1 and 2 are slowed from the start so that rank 0 is never late, and so never sits
     # out: it is surely in step 3's fast set (as the late rank instead, its receive from the
     # dying leader fails and step 3 is replayed; the test above covers that).
-    faults = [{"kind": "kill", "rank": 1, "at_step": 3, "after_update": True},
-              {"kind": "kill", "rank": 2, "at_step": 3, "after_update": True},
-              {"kind": "slow", "rank": 1, "delay_s": 0.2, "from_step": 1},
-              {"kind": "slow", "rank": 2, "delay_s": 0.2, "from_step": 1}]
-    t0 = time.time()
-    result = make("firstn-next-window", faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
-    assert result.metrics["steps"] == STEPS
-    assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
-    assert result.recoveries[0]["kind"] != "hang"
+    slowed = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} for r in (1, 2)]
+    result = heal_two_of_three_lost("firstn-next-window", slowed, after_update=True)
     assert result.recoveries[0]["step"] == 4  # step 3 finished on the survivor: kept, not replayed
-    assert time.time() - t0 < 60
-    assert len(set(result.replica_checksums)) == 1
 

@@ -541,18 +541,25 @@ class TrainWorker:
                                   f"of group generation {self.generation}")
 
     @ray.method(concurrency_group="control")
-    def abandon_first_n(self, generation: int | None = None, steps_ahead: int = 17) -> bool:
+    def abandon_first_n(self, generation: int) -> bool:
         """Release this rank from waiting on a first-N agreement that may never come.
 
         The controller calls this, from this actor's control thread, when a peer of the group has
         died. If fewer than N replicas are left, the N-th arrival of the current step never
         happens, and a rank that arrived would wait on the store until the collective timeout
         and then be killed as hung. Nothing in the store is tied to the dead peer's socket, so
-        the peer's death does not wake it. This marks the agreement key of this rank's current
-        step, and of the steps after it that a dispatch window may still hold, as ABANDONED. It
-        uses ``compare_set``, so a step whose fast set was already published keeps it. A waiting
-        rank reads ABANDONED and fails the step like a broken collective. Keys of the old
-        generation die with its store at the rebuild.
+        the peer's death does not wake it.
+
+        Two parts. A flag that every first-N step of this group checks before it computes and
+        before it blocks on an agreement: a rank may have windows of steps queued behind the
+        current one (the controller dispatches ahead, and a late rank lags), and each of them
+        fails at once. And the agreement key of this rank's current step, marked ABANDONED, for
+        a step already blocked in its ``get``: a waiting rank reads ABANDONED and fails the step
+        like a broken collective. The marking uses ``compare_set``, so a step whose fast set was
+        already published keeps it. Only the current step needs its key: the flag is set before
+        the current step is read, and a step sets ``current_step`` before it checks the flag, so
+        a step that missed the flag is the current step. Keys of the old generation die with its
+        store at the rebuild.
 
         The marking runs in a thread of its own and this returns at once: reaching the store
         can take up to its timeout when the store's host (rank 0's node) is the one that died,
@@ -561,20 +568,14 @@ class TrainWorker:
         threads): the main thread may be blocked in a ``get`` on the original. Returns whether
         there was a first-N group to release.
 
-        It also raises a flag that every first-N step of this group checks before it computes
-        and before it blocks on an agreement: a rank may have windows of steps queued behind
-        the current one (the controller dispatches ahead, and a late rank lags), more than
-        ``steps_ahead`` keys cover. The order holds without a lock: the flag is set before the
-        current step is read, and a step sets ``current_step`` before it checks the flag, so a
-        step that missed the flag is the current step, whose key the thread marks.
         ``generation``: the group the controller gave up; a call that arrives after this rank
         joined a newer group (the control thread runs beside the main one) is ignored."""
         store = self._fn_store
-        if store is None or (generation is not None and generation != self.generation):
+        if store is None or generation != self.generation:
             return False
         self._fn_abandoned = True
-        first = self.current_step if self.current_step is not None else self.completed_step + 1
-        threading.Thread(target=_mark_abandoned, args=(store, range(first, first + steps_ahead), self.rank),
+        current = self.current_step if self.current_step is not None else self.completed_step + 1
+        threading.Thread(target=_mark_abandoned, args=(store, range(current, current + 1), self.rank),
                          name="elastic-abandon-first-n", daemon=True).start()
         return True
 
