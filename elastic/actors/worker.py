@@ -45,6 +45,7 @@ from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's 
     step_seed,
     unpack_spec,
 )
+from elastic.actors.sends import UpdateSends, in_flight_limit
 
 # Imported on first use, in the worker process: the controller imports this module to name the
 # actor class and must not pay for torch (see elastic/_lazy.py).
@@ -132,7 +133,7 @@ class TrainWorker:
         self._fn_late_streak = 0
         self._fn_sit_out = 0  # first-N: steps this rank still skips computing (see _first_n_late_backoff)
         self._fn_backoff_max = 0  # ScalingConfig.late_backoff_steps
-        self._fn_sends: list = []  # first-N leader: (pending isend, its buffer)
+        self._fn_sends: UpdateSends | None = None  # first-N leader: the update's sends to late ranks
         self._fn_abandoned = False  # first-N: the controller gave this group's agreements up
         self._fast_log: dict[int, tuple[int, ...]] = {}
         self._checksum_every = 0
@@ -280,6 +281,8 @@ class TrainWorker:
             self._fn_store = dist.distributed_c10d._get_default_store()
             self._fn_n = subgroup_size
             self._fn_flat = _grads_as_views(self.model, self.device)
+            flat_bytes = self._fn_flat.numel() * self._fn_flat.element_size()
+            self._fn_sends = UpdateSends(dist.isend, in_flight_limit(flat_bytes))
             self._fn_late_streak, self._fn_sit_out = 0, 0
             self._fn_abandoned = False
             self._fn_backoff_max = late_backoff_steps
@@ -293,7 +296,9 @@ class TrainWorker:
     def leave(self) -> None:
         """Tear down the group. Peers blocked on us see their sockets close and raise at once."""
         self._subgroups.clear()
-        self._fn_store, self._fn_sends = None, []  # unfinished sends went to peers of the old group
+        if self._fn_sends is not None:
+            self._fn_sends.clear()  # unfinished sends went to peers of the old group
+        self._fn_store, self._fn_sends = None, None
         self.part_pool = None  # snapshots taken in the old group keep theirs (it fails fast once gone)
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         if dist.is_initialized():
@@ -428,8 +433,9 @@ class TrainWorker:
            (made at rendezvous by every rank in the same order: ``new_group`` is collective over
            the world), divide by N, and step. The lowest fast rank sends the averaged vector to
            each late rank with a non-blocking ``isend`` and does not wait for it: a late rank
-           receives when it gets there, so it never holds up the fast N. The leader keeps each
-           send's buffer until the send completes (at most one per step the late rank is behind).
+           receives when it gets there, so it never holds up the fast N while it is at most a
+           few sends behind (``UpdateSends``, elastic/actors/sends.py: beyond that bound the
+           leader waits for it, which bounds the copies it holds).
         4. A late rank reads the fast set, receives the vector from the lowest fast rank and
            applies it. Every replica runs the same optimizer step on the same averaged gradient,
            so parameters stay bitwise identical (checked by checksum every K steps).
@@ -480,16 +486,12 @@ class TrainWorker:
         if order <= n:
             dist.all_reduce(flat, group=self._subgroups.get(fast) if n < self.world_size else None)
             flat.div_(n)
-            if self.rank == leader:
+            if self.rank == leader and len(fast) < self.world_size:
                 # A copy: the next step's backward writes into ``flat`` before a late rank may
-                # have received this one.
-                sent = flat.clone()
-                for late in range(self.world_size):
-                    if late not in fast:
-                        self._fn_sends.append((dist.isend(sent, dst=late, tag=tag), sent))
+                # have received this one (elastic/actors/sends.py bounds and reuses the copies).
+                self._fn_sends.send(flat, [r for r in range(self.world_size) if r not in fast], tag)
         else:
             dist.recv(flat, src=leader, tag=tag)
-        self._fn_sends = [(w, buf) for w, buf in self._fn_sends if not w.is_completed()]
         self._apply_update(step)  # the averaged gradient is in ``flat``, which the .grad views share
         if computed:
             self._first_n_late_backoff(order > n)
