@@ -433,9 +433,9 @@ class TrainWorker:
            (made at rendezvous by every rank in the same order: ``new_group`` is collective over
            the world), divide by N, and step. The lowest fast rank sends the averaged vector to
            each late rank with a non-blocking ``isend`` and does not wait for it: a late rank
-           receives when it gets there, so it never holds up the fast N while it is at most a
-           few sends behind (``UpdateSends``, elastic/actors/sends.py: beyond that bound the
-           leader waits for it, which bounds the copies it holds).
+           receives when it gets there, so it never holds up the fast N while it is within a
+           bound of sends behind (``UpdateSends``, elastic/actors/sends.py: beyond it the leader
+           waits for it, which bounds the copies it holds).
         4. A late rank reads the fast set, receives the vector from the lowest fast rank and
            applies it. Every replica runs the same optimizer step on the same averaged gradient,
            so parameters stay bitwise identical (checked by checksum every K steps).
