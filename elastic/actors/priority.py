@@ -12,6 +12,12 @@ so the spare trains at full priority once promoted. Why not ``nice``: Ray alread
 workers at nice 15, and nice 19 against 15 is only a 2.4x weight; the ranks still lost most
 of that CPU.
 
+Where it does not hold: on the 2-vCPU VM of the benchmarks, idle CPU is not free. A plain
+``SCHED_IDLE`` busy loop (no memory traffic) cut first-N training from ~13.3k to ~10.2k
+samples/s: the ranks leave ~12% of the CPU idle while they wait for each other, the loop takes
+it, and the ranks' wake-ups then cost more. So a spare refilling there still slows training
+while it builds (~24 against ~18 ms steps), only less than at normal priority.
+
 Going back from ``SCHED_IDLE`` needs the right to raise priority (``CAP_SYS_NICE``, or an
 ``RLIMIT_NICE`` that covers the thread's nice value; the kernel's ``can_nice``). Without it the
 spare would stay idle-class forever and become the next straggler, so then nothing changes and
