@@ -16,7 +16,8 @@ Where it does not hold: on the 2-vCPU VM of the benchmarks, idle CPU is not free
 ``SCHED_IDLE`` busy loop (no memory traffic) cut first-N training from ~13.3k to ~10.2k
 samples/s: the ranks leave ~12% of the CPU idle while they wait for each other, the loop takes
 it, and the ranks' wake-ups then cost more. So a spare refilling there still slows training
-while it builds (~24 against ~18 ms steps), only less than at normal priority.
+while it builds: steps of ~25 ms against ~19 ms once it is ready, for ~315 steps. At normal
+priority they took ~30 ms, for ~200 steps (same run, one eviction each).
 
 Going back from ``SCHED_IDLE`` needs the right to raise priority (``CAP_SYS_NICE``, or an
 ``RLIMIT_NICE`` that covers the thread's nice value; the kernel's ``can_nice``). Without it the
