@@ -71,7 +71,9 @@ def _run_pair(tmp_path, mode: str) -> dict:
 def test_copies_stay_bounded_and_reused_and_every_update_arrives_in_order(tmp_path):
     r = _run_pair(tmp_path, "bounded")
     sender, receiver = r["sender"], r["receiver"]
-    assert sender["most_in_flight"] == LIMIT  # never more; and the receiver keeps up, so not fewer
+    # Never more than LIMIT. (On torch 2.13's gloo it is exactly LIMIT: a send never reports
+    # completion before wait(), which is why UpdateSends exists.)
+    assert 1 <= sender["most_in_flight"] <= LIMIT
     # 40 sends through at most LIMIT + 1 buffers (one in flight beyond the limit before the wait)
     assert sender["distinct_buffers"] <= LIMIT + 1
     assert receiver["seen"] == [(float(s), float(s)) for s in range(40)]
