@@ -1078,7 +1078,7 @@ class Controller:
     def _truncate_history(self, step: int) -> None:
         """After a restart from a checkpoint, steps past it are trained again: forget them once."""
         self.history = [h for h in self.history if h.step <= step]
-        self.ledger.entries = [e for e in self.ledger.entries if e.step <= step]
+        self.ledger.truncate(step)
 
     def _sync_state(self) -> None:
         """Bring every rank to the newest state a survivor holds, through the object store.

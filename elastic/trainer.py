@@ -36,7 +36,7 @@ class Result:
     events: list[dict]
     checkpoint: dict | None
     recoveries: list[dict]
-    ledger: list[dict]
+    ledger: list[dict]  # the newest steps' rows, up to elastic.data.LEDGER_INDICES indices
     model_state: dict | None = None
     replica_checksums: list[int] = field(default_factory=list)
 

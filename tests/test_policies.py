@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.config import FailureConfig
-from elastic.data import ShardPlan, epoch_order
+from elastic.data import SampleLedger, ShardPlan, epoch_order
 from elastic.policies import (
     Continue,
     EvictStraggler,
@@ -117,6 +117,31 @@ def test_shard_plan_epoch_rollover_drops_tail():
     assert [e for e, _ in seen] == [0, 0, 1]
     first_epoch = [i for _, s in seen[:2] for sh in s for i in sh]
     assert len(set(first_epoch)) == 8
+
+
+def test_ledger_keeps_the_newest_rows_and_an_exact_dropped_count():
+    ledger = SampleLedger(keep_indices=60)  # 10 steps of 2 ranks x 3 samples
+    for step in range(1, 101):  # rank 1's 3 samples dropped in every odd step
+        ledger.record(step, 0, 0, [step, step + 1, step + 2], used=True)
+        ledger.record(step, 0, 1, [0, 1, 2], used=step % 2 == 0)
+    steps = [e.step for e in ledger.entries]
+    assert set(range(91, 101)) <= set(steps) and len(steps) <= 2 * 11  # the bound, plus a tenth
+    assert all(steps.count(s) == 2 for s in set(steps))  # whole steps only
+    assert ledger.dropped() == 50 * 3  # every step, not only the rows kept
+    assert ledger.for_step(100) and not ledger.for_step(50)
+    ledger.truncate(95)  # a rollback: steps 96-100 will be trained again
+    assert max(e.step for e in ledger.entries) == 95
+    assert ledger.dropped() == 48 * 3  # 97 and 99 are forgotten
+    ledger.record(96, 0, 1, [0, 1, 2], used=False)
+    assert ledger.dropped() == 49 * 3
+    ledger.truncate(0)  # back to the start (no checkpoint)
+    assert ledger.entries == [] and ledger.dropped() == 0
+    big = SampleLedger(keep_indices=5)
+    big.record(1, 0, 0, list(range(100)), used=True)
+    big.record(2, 0, 0, list(range(100)), used=True)
+    assert [e.step for e in big.entries] == [2]  # over the bound, the newest step stays whole
+    with pytest.raises(ValueError, match="keep_indices"):
+        SampleLedger(keep_indices=0)
 
 
 def test_warmup_steps_are_ignored_and_reset_restarts_warmup():
