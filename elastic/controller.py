@@ -67,6 +67,14 @@ class ReplicaDivergence(RuntimeError):
     """Replicas that must be identical are not. Never ignored."""
 
 
+# Event kinds logged every step or every few steps: the log keeps the newest ROUTINE_EVENTS_KEPT
+# of each, and every event of any other kind (transitions, decisions, failures, recoveries). Why:
+# with a checkpoint every step the commit and retention events alone were ~1 KB a step, and the
+# controller grew without end on a long run.
+ROUTINE_KINDS = frozenset({"checkpoint_commit", "checkpoint_retention", "checksum"})
+ROUTINE_EVENTS_KEPT = 1000
+
+
 @dataclass
 class Event:
     time: float
@@ -125,6 +133,8 @@ class Controller:
         self.on_step = on_step
         self.state = State.SCHEDULING
         self.events: list[Event] = []
+        self._routine_counts: dict[str, int] = {}  # events of each ROUTINE_KINDS kind in self.events
+        self._log_lock = threading.Lock()  # log() runs on the step thread and the checkpoint thread
         self.history: list[StepRecord] = []
         self.ledger = SampleLedger()
         self.failure_policy = FailurePolicy(failure, scaling.num_workers)
@@ -169,8 +179,25 @@ class Controller:
 
     # ---- event log and state machine ------------------------------------------------------
     def log(self, kind: str, message: str, **details) -> None:
-        self.events.append(Event(time.time(), self.step, kind, message, details))
+        with self._log_lock:
+            self.events.append(Event(time.time(), self.step, kind, message, details))
+            if kind in ROUTINE_KINDS:
+                count = self._routine_counts[kind] = self._routine_counts.get(kind, 0) + 1
+                if count > ROUTINE_EVENTS_KEPT + ROUTINE_EVENTS_KEPT // 10:
+                    self._drop_oldest(kind, count - ROUTINE_EVENTS_KEPT)
         logger.info("[%s] step %d %s: %s", self.run_config.name, self.step, kind, message)
+
+    def _drop_oldest(self, kind: str, n: int) -> None:
+        """Let the ``n`` oldest events of a routine kind go (see ROUTINE_KINDS). Done once a tenth
+        of the bound has piled up, so the cost per event stays constant."""
+        kept = []
+        for e in self.events:
+            if n and e.kind == kind:
+                n -= 1
+                self._routine_counts[kind] -= 1
+            else:
+                kept.append(e)
+        self.events = kept
 
     def transition(self, new: State, reason: str) -> None:
         old = self.state

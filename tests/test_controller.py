@@ -184,3 +184,23 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
         ray.get(ref, timeout=30)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(handle.stop.remote("again"), timeout=30)
+
+
+def test_routine_events_keep_their_newest_and_every_other_event_stays(ray_cluster):
+    from elastic.controller import ROUTINE_EVENTS_KEPT
+
+    c = controller("fake-events")
+    try:
+        c.log("decision", "the first decision")
+        for i in range(3 * ROUTINE_EVENTS_KEPT):
+            c.log("checkpoint_commit", f"commit {i}", step=i)
+            if i % 500 == 0:
+                c.log("failure", f"failure {i}")
+        commits = [e.details["step"] for e in c.events if e.kind == "checkpoint_commit"]
+        # the newest, in order, within the bound plus the tenth that piles up before a trim
+        assert ROUTINE_EVENTS_KEPT <= len(commits) <= ROUTINE_EVENTS_KEPT * 11 // 10
+        assert commits == list(range(3 * ROUTINE_EVENTS_KEPT - len(commits), 3 * ROUTINE_EVENTS_KEPT))
+        assert [e.message for e in c.events if e.kind == "decision"] == ["the first decision"]
+        assert len([e for e in c.events if e.kind == "failure"]) == 3 * ROUTINE_EVENTS_KEPT // 500
+    finally:
+        c.shutdown()

@@ -60,7 +60,3 @@ class ControllerActor:
     def checkpoint_written(self, step: int, world_size: int, parts: dict) -> None:
         """Ranks wrote their parts of ``step`` (sent from a writer thread, not with step results)."""
         self.controller.checkpoint_written(step, world_size, parts)
-
-    @ray.method(concurrency_group="status")
-    def events_since(self, index: int) -> list[dict]:
-        return [e.__dict__ for e in self.controller.events[index:]]
