@@ -1261,7 +1261,7 @@ class Controller:
             "recomputed_steps": self.recomputed,
             "late_gradients": self.late_gradients,
             "ledger": [asdict(e) for e in self.ledger.entries],
-            "dropped_samples": self.ledger.dropped(),
+            "dropped_samples": sum(h.dropped for h in self.history),
             "restored_from": self.restored_from,
             "checkpoint": None,
             "state": self.state.value,

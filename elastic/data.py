@@ -7,7 +7,6 @@ Dropped samples can be requeued so every sample still counts exactly once per ep
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -108,14 +107,13 @@ LEDGER_INDICES = 1_000_000  # sample indices whose rows SampleLedger keeps (Resu
 
 class SampleLedger:
     """Which sample indices each rank used (or had dropped) in each step: rows for the newest
-    steps, up to ``keep_indices`` sample indices in all, and the number of dropped samples for
-    every step.
+    steps, up to ``keep_indices`` sample indices in all.
 
     Why bounded: a row holds a rank's shard indices, ~2.5 KB for 64 samples, so the rows came
     to ~10 KB a step with 4 ranks of 64, and grew the controller without end (a million steps
     would be ~10 GB). The bound is in indices, not steps, because a step's rows grow with the
-    batch. The newest step is always kept whole. The dropped count, which the run's metrics
-    report, stays exact with one integer per step.
+    batch. The newest step is always kept whole. The run's dropped-sample count does not come
+    from here: every step's record in the controller's history carries its own.
     """
 
     def __init__(self, keep_indices: int = LEDGER_INDICES) -> None:
@@ -124,24 +122,10 @@ class SampleLedger:
         self.keep_indices = keep_indices
         self.entries: list[LedgerEntry] = []  # in step order
         self._kept = 0  # indices in self.entries
-        self._base: int | None = None  # the step _drops[0] counts
-        self._drops = array("q")  # dropped samples per step, from _base on
-        self._dropped_total = 0
 
     def record(self, step: int, epoch: int, rank: int, indices: list[int], used: bool) -> None:
         self.entries.append(LedgerEntry(step, epoch, rank, list(indices), used))
         self._kept += len(indices)
-        if self._base is None:
-            self._base = step
-        if step < self._base:  # not reached in training order; kept exact all the same
-            self._drops[0:0] = array("q", [0] * (self._base - step))
-            self._base = step
-        i = step - self._base
-        if i >= len(self._drops):
-            self._drops.extend([0] * (i + 1 - len(self._drops)))
-        if not used:
-            self._drops[i] += len(indices)
-            self._dropped_total += len(indices)
         self._trim(step)
 
     def _trim(self, newest: int) -> None:
@@ -162,26 +146,6 @@ class SampleLedger:
         """Forget every step after ``step`` (training rolled back to it and will do them again)."""
         self.entries = [e for e in self.entries if e.step <= step]
         self._kept = sum(len(e.indices) for e in self.entries)
-        if self._base is None:
-            return
-        keep = max(0, step - self._base + 1)
-        self._dropped_total -= sum(self._drops[keep:])
-        del self._drops[keep:]
-        if not self._drops:
-            self._base = None
-
-    def used_counts(self, epoch: int | None = None) -> dict[int, int]:
-        """How often each sample was used, over the rows kept (the newest steps; see the class)."""
-        counts: dict[int, int] = {}
-        for e in self.entries:
-            if e.used and (epoch is None or e.epoch == epoch):
-                for i in e.indices:
-                    counts[i] = counts.get(i, 0) + 1
-        return counts
-
-    def dropped(self) -> int:
-        """Samples dropped over the whole run (every step, not only the rows kept)."""
-        return self._dropped_total
 
     def for_step(self, step: int) -> list[LedgerEntry]:
         return [e for e in self.entries if e.step == step]

@@ -9,8 +9,9 @@ is marked complete only inside ``wait()``. ``ProcessGroupGloo``'s send work has 
 completion callback, so ``is_completed()`` stays False after the peer has long received it
 (checked with two processes: False after the receive, True after ``wait()``). Keeping each copy
 until its send "completes" therefore kept every copy: 1.6 MB a step on the benchmark model, with
-no bound (the leaders' memory grew by ~650 MB every 15 s, 3 GB in a minute of training). ``wait(timeout)`` is no test either: a timeout inside gloo's ``waitSend`` signals an
-exception to the whole transport context, which breaks every pair of the group.
+no bound (the leaders' memory grew by ~650 MB every 15 s, 3 GB in a minute of training).
+``wait(timeout)`` is no test either: a timeout inside gloo's ``waitSend`` signals an exception to
+the whole transport context, which breaks every pair of the group.
 
 So at most ``limit`` sends stay in flight. A send over the limit first waits for the oldest one.
 A late replica applies the updates in order, and after a late gradient it sits out, so it is
@@ -79,10 +80,4 @@ class UpdateSends:
         works, buf = self._in_flight.popleft()
         for w in works:
             w.wait()  # a peer that died fails it: DistBackendError, as a broken collective
-        if len(self._free) < self.limit:
-            self._free.append(buf)
-
-    def clear(self) -> None:
-        """Forget every send and buffer: the group is gone, and its peers with it."""
-        self._in_flight.clear()
-        self._free.clear()
+        self._free.append(buf)  # at most limit + 1 buffers ever exist: one is made only when none is free

@@ -296,9 +296,7 @@ class TrainWorker:
     def leave(self) -> None:
         """Tear down the group. Peers blocked on us see their sockets close and raise at once."""
         self._subgroups.clear()
-        if self._fn_sends is not None:
-            self._fn_sends.clear()  # unfinished sends went to peers of the old group
-        self._fn_store, self._fn_sends = None, None
+        self._fn_store, self._fn_sends = None, None  # unfinished sends went to peers of the old group
         self.part_pool = None  # snapshots taken in the old group keep theirs (it fails fast once gone)
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         if dist.is_initialized():
@@ -577,7 +575,7 @@ class TrainWorker:
             return False
         self._fn_abandoned = True
         current = self.current_step if self.current_step is not None else self.completed_step + 1
-        threading.Thread(target=_mark_abandoned, args=(store, range(current, current + 1), self.rank),
+        threading.Thread(target=_mark_abandoned, args=(store, current, self.rank),
                          name="elastic-abandon-first-n", daemon=True).start()
         return True
 
@@ -712,13 +710,12 @@ class FirstNAbandoned(RuntimeError):
     """A first-N step whose agreement the controller abandoned after losing a peer."""
 
 
-def _mark_abandoned(store, steps: range, rank: int) -> None:
-    """Set each step's first-N agreement key to ABANDONED unless it is already set."""
+def _mark_abandoned(store, step: int, rank: int) -> None:
+    """Set the step's first-N agreement key to ABANDONED unless it is already set."""
     try:
         client = store.clone()
         client.set_timeout(timedelta(seconds=5))
-        for step in steps:
-            client.compare_set(_fast_key(step), "", ABANDONED)
+        client.compare_set(_fast_key(step), "", ABANDONED)
     except Exception as exc:  # noqa: BLE001 - the store died with rank 0: its clients raise already
         logger.debug("rank %s: cannot mark first-N steps abandoned: %s", rank, exc)
 
