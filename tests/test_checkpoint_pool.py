@@ -45,6 +45,15 @@ def test_a_skipped_step_stays_incomplete_and_later_steps_still_complete(master):
     assert p[0].add(3 + p[0].slots, 0, {"n": 19}) == {0: {"n": 19}, 1: {"n": 19}}
 
 
+def test_a_rank_far_behind_still_completes_its_steps(master):
+    # A late first-N replica may trail the leader by up to 64 sends plus a dispatch window of 16.
+    p = pools(master, 2)
+    for step in range(1, 81):
+        assert p[0].add(step, 0, {"n": step}) is None
+    assert p[1].add(1, 1, {"n": 1}) == {0: {"n": 1}, 1: {"n": 1}}
+    assert p[1].add(80, 1, {"n": 80}) == {0: {"n": 80}, 1: {"n": 80}}
+
+
 def test_slots_are_reused(master):
     p = pools(master, 2)
     for step in range(1, 3 * p[0].slots):

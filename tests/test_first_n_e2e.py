@@ -18,19 +18,20 @@ N, B, PER = 2, 1, 8  # 2 fast ranks of 3, 8 samples each: global batch 16
 STEPS = 8
 
 
-def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8):
+def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8,
+         storage=None, checkpoint=None):
     return elastic.Trainer(
         make_model, make_sgd, make_dataset, loss_fn, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
                                       steps_per_dispatch=steps_per_dispatch, late_backoff_steps=late_backoff_steps),
-        run=elastic.RunConfig(name=name, seed=0),
+        run=elastic.RunConfig(name=name, seed=0, storage=storage, checkpoint=checkpoint or elastic.CheckpointConfig()),
         failure=failure or elastic.FailureConfig(checksum_every_n_steps=1),
         faults=faults, requeue_dropped=requeue)
 
 
-def used_batches(result) -> list[list[int]]:
+def used_batches(result, first: int = 1) -> list[list[int]]:
     out = []
-    for step in range(1, result.metrics["steps"] + 1):
+    for step in range(first, result.metrics["steps"] + 1):
         rows = sorted((e for e in result.ledger if e["step"] == step and e["used"]), key=lambda e: e["rank"])
         out.append([i for e in rows for i in e["indices"]])
     return out
@@ -90,6 +91,26 @@ def test_requeue_uses_every_sample_exactly_once(ray_cluster):
     assert len(unused0) < (N + B) * PER
     dropped0 = {i for e in ledger if not e["used"] and e["epoch"] == 0 for i in e["indices"]}
     assert len(dropped0 & set(used0)) >= len(dropped0) - len(unused0)
+
+
+def test_checkpoints_commit_every_step_mid_window_and_a_resumed_run_continues_from_them(ray_cluster, tmp_path):
+    """First-N with a checkpoint every step: each step commits once every replica has written it,
+    not when its window's results come back (the window here is 12 steps of >= 0.1 s each). A
+    second fit() resumes from the newest commit and continues on the samples after it."""
+    url = f"file://{tmp_path}/ckpt"
+    faults = [{"kind": "slow", "rank": r, "delay_s": 0.1, "from_step": 1} for r in range(N + B)]
+    first = make("firstn-ckpt", faults=faults, steps_per_dispatch=12, storage=url,
+                 checkpoint=elastic.CheckpointConfig(blocking=True)).fit(steps=12)
+    commits = first.events_of("checkpoint_commit")
+    assert [e["details"]["step"] for e in commits] == list(range(1, 13))  # blocking: every step, in order
+    finished = [e["time"] for e in first.events_of("transition") if e["details"]["new"] == "finished"][0]
+    assert {e["details"]["step"]: e for e in commits}[6]["details"]["time"] < finished - 0.2
+    assert max(e["details"]["lag"] for e in commits) <= 2
+    second = make("firstn-ckpt", faults=[], storage=url).fit(steps=16)
+    assert second.metrics["restored_from"] == 12 and second.checkpoint["latest_step"] == 16
+    ref = reference_weights(16, N * PER, batches=used_batches(first) + used_batches(second, first=13))
+    assert_weights_close(second.model_state, ref, atol=1e-6)
+    assert len(set(second.replica_checksums)) == 1 and len(second.replica_checksums) == N + B
 
 
 def test_persistent_straggler_evicted_for_spare(ray_cluster):

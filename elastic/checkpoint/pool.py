@@ -33,7 +33,13 @@ from elastic._lazy import LazyModule
 
 dist = LazyModule("torch.distributed")
 
-SLOTS = 16
+# More slots than steps between the fastest and the slowest rank's writes. Why 128: a first-N
+# replica that comes late may trail the leader by up to 64 steps (``MAX_IN_FLIGHT`` in
+# elastic/actors/sends.py) plus a dispatch window (at most 16). With fewer slots the leader
+# overwrote a step's slot before the late replica wrote that step, and no step could complete
+# (no checkpoint committed at all) until the late replica was back within the slots. The keys
+# are few and small: 128 * (world_size + 1) values of a few hundred bytes.
+SLOTS = 128
 _PREFIX = "elastic-ckpt"
 
 
