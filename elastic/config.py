@@ -230,7 +230,8 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 @dataclass
 class CheckpointConfig:
-    """Per-step checkpoints. ``every_n_steps=0`` turns them off.
+    """Per-step checkpoints. ``every_n_steps=0`` turns them off. The run's last step (finished or
+    stopped) is always checkpointed too, whatever ``every_n_steps``.
 
     ``min_shard_bytes``: the least a writing rank writes a step. Data-parallel replicas hold the
     same state, so each tensor is written once, by one rank; a state of B bytes is spread over

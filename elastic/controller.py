@@ -1236,9 +1236,20 @@ class Controller:
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
 
     def _finish_checkpoints(self) -> None:
+        """Commit what the ranks have written, and the last step even when ``every_n_steps``
+        skips it: a run that finishes or is stopped at step 37 with ``every_n_steps=10`` ends
+        on a committed step 37, so ``fit()`` again continues from there instead of replaying
+        seven steps (or, first-N, replaying them on other fast sets)."""
         if self.committer is None:
             return
-        refs = [m.actor.flush_checkpoint.remote() for m in self.group.members]
+        final = None
+        every = self.run_config.checkpoint.every_n_steps
+        if every > 0 and self.step % every and self.step > (self.restored_from or 0):
+            final = self.step
+            position = self._positions.get(final) if self._look_ahead else None
+            self.committer.set_meta(final, self._checkpoint_meta(final, position or self.plan.position.to_dict()),
+                                    force=True)
+        refs = [m.actor.flush_checkpoint.remote(final) for m in self.group.members]
         for r, extra in enumerate(ray.get(refs)):
             self._merge_ckpt(r, extra)
         if not self.committer.flush(timeout_s=60):

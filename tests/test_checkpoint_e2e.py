@@ -81,6 +81,17 @@ def test_commits_do_not_wait_for_the_dispatch_window(ray_cluster, tmp_path, unin
     assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
 
 
+def test_the_last_step_commits_whatever_every_n_steps_says(ray_cluster, tmp_path, uninterrupted):
+    url = f"file://{tmp_path}/ckpt"
+    first = trainer("last", url, blocking=True, every_n_steps=5).fit(steps=12)
+    assert [e["details"]["step"] for e in first.events_of("checkpoint_commit")] == [5, 10, 12]
+    assert first.checkpoint["latest_step"] == 12
+    # fit() again continues from step 12 itself: nothing is replayed, the weights are the run's
+    again = trainer("last", url, every_n_steps=5).fit(steps=12)
+    assert again.metrics["restored_from"] == 12 and not again.events_of("checkpoint_commit")
+    assert_weights_close(again.model_state, uninterrupted, atol=1e-5)
+
+
 def test_corrupt_newest_step_is_skipped(ray_cluster, tmp_path, uninterrupted):
     url = f"file://{tmp_path}/ckpt"
     trainer("corrupt", url, blocking=True).fit(steps=6)

@@ -672,10 +672,14 @@ class TrainWorker:
         self.set_state(state)
         return meta
 
-    def flush_checkpoint(self) -> dict:
-        """Wait for this rank's pending persist and report what finished."""
+    def flush_checkpoint(self, final_step: int | None = None) -> dict:
+        """Wait for this rank's pending persist and report what finished. ``final_step``: the
+        run's last step, when ``every_n_steps`` did not make it a checkpoint step; it is
+        snapshotted now (if this rank completed it), so the run ends on a committed step."""
         if self._ckpt is None:
             return {}
+        if final_step is not None and final_step == self.completed_step:
+            self._ckpt.after_step(self, final_step, force=True)
         self._ckpt.flush()
         return {**self._ckpt.drain(), "world_size": self.world_size}
 

@@ -88,9 +88,10 @@ class CheckpointCommitter:
             self._bound(self._reports)
             self._maybe_submit(step)
 
-    def set_meta(self, step: int, meta: dict) -> None:
-        """The controller's data for ``step`` (data position, etc.); stored in the manifest."""
-        if self.every_n_steps > 0 and step % self.every_n_steps:
+    def set_meta(self, step: int, meta: dict, force: bool = False) -> None:
+        """The controller's data for ``step`` (data position, etc.); stored in the manifest.
+        ``force``: a step ``every_n_steps`` skips that the ranks write all the same (the last)."""
+        if self.every_n_steps > 0 and step % self.every_n_steps and not force:
             return  # not a checkpoint step: no rank will write it
         with self._lock:
             if self._is_stale(step):

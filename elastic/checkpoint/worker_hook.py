@@ -87,10 +87,11 @@ class WorkerCheckpointer:
     def due(self, step: int) -> bool:
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
 
-    def after_step(self, worker: Any, step: int) -> dict:
-        """Snapshot and submit when the step is due; always report what finished since the last call."""
+    def after_step(self, worker: Any, step: int, force: bool = False) -> dict:
+        """Snapshot and submit when the step is due (or ``force``: the run's last step); always
+        report what finished since the last call."""
         events: list[dict] = []
-        if self.due(step):
+        if self.due(step) or (force and self.every_n_steps > 0):
             t0 = time.perf_counter()
             try:
                 snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging)
