@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -224,6 +224,19 @@ class Trainer:
                       metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped)
         actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
         self._claim_run_name()
+        with self._shared_memory_storage():
+            return self._run_controller(actor_cls, kwargs, steps, epochs)
+
+    def _shared_memory_storage(self):
+        """memory:// storage: the run's directory of the driver's memory, shared with the run's
+        processes while it trains (elastic/checkpoint/memory.py); any other storage: nothing."""
+        if self._store is None or self._store.storage.protocol != "memory":
+            return nullcontext()
+        from elastic.checkpoint.memory import DriverMirror
+
+        return DriverMirror(self._store.storage.full_path())
+
+    def _run_controller(self, actor_cls, kwargs: dict, steps: int | None, epochs: int | None) -> Result:
         # The controller lives beside the driver: a worker node that dies must not take the
         # controller (and with it the run) along.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

@@ -10,14 +10,15 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 import ray
 import torch
 
 import elastic
-from elastic.checkpoint import CheckpointStore
-from elastic.checkpoint.testing import TEST_SECRET, MotoS3
+from elastic.checkpoint import CheckpointStore, memory
+from elastic.checkpoint.testing import TEST_SECRET, MotoS3, clear_memory
 from helpers import assert_weights_close, loss_fn, make_adam, make_dataset, make_model, reference_weights
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,26 @@ def test_the_last_step_commits_whatever_every_n_steps_says(ray_cluster, tmp_path
     again = trainer("last", url, every_n_steps=5).fit(steps=12)
     assert again.metrics["restored_from"] == 12 and not again.events_of("checkpoint_commit")
     assert_weights_close(again.model_state, uninterrupted, atol=1e-5)
+
+
+def test_memory_storage_is_shared_by_the_run_and_stays_with_the_driver(ray_cluster, uninterrupted):
+    """memory:// is this process's memory: the ranks and the controller (other processes) work
+    on a shared copy while the run trains, and it comes back here when fit() returns."""
+    url = f"memory://elastic-e2e-{uuid.uuid4().hex}"
+    try:
+        first = trainer("mem", url, blocking=True).fit(steps=12)
+        assert [e["details"]["step"] for e in first.events_of("checkpoint_commit")] == list(range(1, 13))
+        store = CheckpointStore(url, "mem")  # this process's memory: retention applied, files verified
+        assert store.committed_steps() == [10, 11, 12]
+        state, _ = store.read_state(12)
+        assert_weights_close(state["model"], first.model_state, atol=0)
+        with pytest.raises(ValueError):  # the run's shared copy ended with the run
+            ray.get_actor(memory.host_name(), namespace=memory.NAMESPACE)
+        again = trainer("mem", url).fit(steps=12)
+        assert again.metrics["restored_from"] == 12
+        assert_weights_close(again.model_state, uninterrupted, atol=1e-5)
+    finally:
+        clear_memory(url)
 
 
 def test_corrupt_newest_step_is_skipped(ray_cluster, tmp_path, uninterrupted):

@@ -23,8 +23,21 @@ from elastic.config import ConfigError
 FAST = RetryPolicy(attempts=3, base_s=0.01, max_s=0.05)
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request, tmp_path):
+@pytest.fixture(params=BACKENDS + ("memory-host",))
+def backend(request, tmp_path, monkeypatch):
+    """Every backend, plus memory:// as a run's processes see it: through the run's MemoryHost
+    actor (elastic/checkpoint/memory.py), with this test process in a rank's place."""
+    if request.param == "memory-host":
+        import ray
+
+        from elastic.checkpoint import memory
+
+        request.getfixturevalue("ray_cluster")
+        monkeypatch.setattr(memory, "in_run_process", lambda: True)
+        host = memory._start_host()
+        yield backend_url("memory", str(tmp_path))
+        ray.kill(host, no_restart=True)
+        return
     moto = request.getfixturevalue("moto_s3") if request.param == "s3" else None
     url, options = backend_url(request.param, str(tmp_path), moto)
     yield url, options

@@ -187,6 +187,11 @@ class Storage:
             options = _s3_defaults(self.storage_options) if self.protocol in _S3 else self.storage_options
             try:
                 fs, root = fsspec.core.url_to_fs(self.url, **options)
+                if self.protocol == "memory":
+                    from elastic.checkpoint import memory
+
+                    if memory.in_run_process():  # the run's shared memory (elastic/checkpoint/memory.py)
+                        fs = memory.cluster_filesystem()
             except (TypeError, ValueError) as exc:
                 raise ConfigError(
                     f"RunConfig.storage_options are not accepted by the {self.protocol}:// filesystem "
