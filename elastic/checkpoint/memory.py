@@ -137,7 +137,11 @@ class DriverMirror:
     def __enter__(self) -> "DriverMirror":
         self.host = _start_host()
         files = {p: self.local.cat_file(p) for p in self.local.find(self.root)} if self.local.exists(self.root) else {}
-        ray.get(self.host.put.remote(files))
+        try:
+            ray.get(self.host.put.remote(files))
+        except BaseException:
+            ray.kill(self.host, no_restart=True)  # no run starts, so nothing comes back
+            raise
         return self
 
     def __exit__(self, *exc_info) -> None:
