@@ -7,7 +7,7 @@ import ray
 
 import elastic
 from elastic.actors.worker import TrainingSpec
-from elastic.controller import Controller, State, TrainingFailed
+from elastic.controller import Controller, State, TrainingFailed, _split_wall
 from fake_workers import FakeGroup
 
 
@@ -204,3 +204,12 @@ def test_routine_events_keep_their_newest_and_every_other_event_stays(ray_cluste
         assert len([e for e in c.events if e.kind == "failure"]) == 3 * ROUTINE_EVENTS_KEPT // 500
     finally:
         c.shutdown()
+
+
+def test_a_windows_step_times_add_up_to_its_wall_time():
+    # The controller's own time is shared out equally over the window's steps...
+    assert _split_wall(1.0, [0.2, 0.3, 0.2]) == pytest.approx([0.3, 0.4, 0.3])
+    # ...and per-step slowest-rank times that overlap (they add up to more than the window took)
+    # are scaled down in proportion, so the run's throughput is the wall clock's.
+    times = _split_wall(0.5, [0.3, 0.3, 0.4])
+    assert times == pytest.approx([0.15, 0.15, 0.2]) and sum(times) == pytest.approx(0.5)
