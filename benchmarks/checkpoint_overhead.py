@@ -17,6 +17,10 @@ baseline runs), over the steps after ``warmup``. Steps/s against Ray Train: ours
 from the end of step ``warmup`` to the FINISHED transition (which waits for the last commit),
 theirs timed on rank 0 over its steady-state steps.
 
+Each overhead figure also gives this process's CPU per step (``driver_cpu_ms_per_step``, against
+the baselines'): in the s3 run it includes the moto server, which shares the cores with training
+here and which a remote S3 endpoint would not.
+
 Checkpoint lag (steps training is ahead of the newest committed checkpoint), in order of
 preference: ``checkpoint_commit`` events' ``details["lag"]``; else commit events' times against
 the step timeline (RUNNING + cumulative step wall times); else the controller's ``status()``
@@ -108,8 +112,12 @@ def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options
     trainer = elastic_trainer(w, name, run=run)
     # Every run is polled, baselines too: polling is not free for the controller (on this machine
     # runs with it were, if anything, faster), so all runs must carry it alike.
+    cpu0 = time.process_time()
     res, samples, t_call = fit_polled(trainer, steps, poll_s)
-    out = {"fit_wall_s": time.time() - t_call, **step_throughput(res, after_step=warmup),
+    # This process's CPU: the driver's own (alike in every run) and, in the s3 run, the moto
+    # server's threads, on the cores training uses. A remote S3 endpoint costs the cluster none of it.
+    out = {"fit_wall_s": time.time() - t_call, "driver_cpu_ms_per_step": (time.process_time() - cpu0) / steps * 1e3,
+           **step_throughput(res, after_step=warmup),
            "span": span_throughput(res, warmup), "checkpoint": res.checkpoint}
     if storage:
         out.update(commit_readings(res, samples))
@@ -196,6 +204,8 @@ def main(argv=None) -> None:
             continue
         emit(f"ckpt_every_step_overhead_{label}", ratio(run["mean_step_time_s"], base_step_s), "ratio",
              mean_step_time_s=run["mean_step_time_s"], baseline_mean_step_time_s=base_step_s,
+             driver_cpu_ms_per_step=run["driver_cpu_ms_per_step"],
+             baseline_driver_cpu_ms_per_step=(none["driver_cpu_ms_per_step"] + none_after["driver_cpu_ms_per_step"]) / 2,
              baseline_runs_mean_step_time_s=[none["mean_step_time_s"], none_after["mean_step_time_s"]],
              span_steps_per_s=run["span"]["steps_per_s"], baseline_span_steps_per_s=base_span, **common)
     emit("ckpt_step_throughput_ratio_vs_raytrain", ratio(file_["span"]["steps_per_s"], theirs["steps_per_s"]), "ratio",
