@@ -208,10 +208,17 @@ def test_elastic_stop_stops_cleanly_and_fit_again_continues_exactly(ray_cluster,
                          atol=1e-5)
 
 
-def test_restart_from_checkpoint_when_no_spare(ray_cluster, tmp_path, uninterrupted):
+@pytest.mark.parametrize("kind", ["file", "memory"])
+def test_restart_from_checkpoint_when_no_spare(ray_cluster, tmp_path, uninterrupted, kind):
+    # memory://: the restarted ranks are new processes; they read the step from the run's shared copy
+    url = f"file://{tmp_path}/ckpt" if kind == "file" else f"memory://elastic-e2e-{uuid.uuid4().hex}"
     failure = elastic.FailureConfig(when_no_spare="restart")
-    result = trainer("restart", f"file://{tmp_path}/ckpt", failure=failure, blocking=True,
-                     faults=[{"kind": "kill", "rank": 1, "at_step": 7}]).fit(steps=12)
+    try:
+        result = trainer("restart", url, failure=failure, blocking=True,
+                         faults=[{"kind": "kill", "rank": 1, "at_step": 7}]).fit(steps=12)
+    finally:
+        if kind == "memory":
+            clear_memory(url)
     assert "RestartFromCheckpoint" in [e["details"]["decision"] for e in result.events if e["kind"] == "decision"]
     assert result.events_of("restart") and result.events_of("resume")
     steps = [h["step"] for h in result.history]
