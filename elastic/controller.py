@@ -14,7 +14,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import ray
@@ -73,6 +73,11 @@ class ReplicaDivergence(RuntimeError):
 # controller grew without end on a long run.
 ROUTINE_KINDS = frozenset({"checkpoint_commit", "checkpoint_retention", "checksum"})
 ROUTINE_EVENTS_KEPT = 1000
+# Step records the controller keeps (the newest; ``Result.history``), while the run's totals
+# (``RunTotals``) count every step. Why: a record is ~330 bytes in the controller and its dict
+# ~400 more in the result (tracemalloc, 4 ranks), so a long run of short steps (40 a second for
+# a week: 24M steps) would have grown the controller by ~8 GB and sent it all to the driver.
+HISTORY_KEPT = 100_000
 
 
 @dataclass
@@ -114,6 +119,28 @@ class StepRecord:
     ranks: list[int] = field(default_factory=list)
 
 
+@dataclass
+class RunTotals:
+    """Sums over step records, kept exact while the records themselves are trimmed. A step
+    with no wall time (kept from before a failure, not timed) counts as a step, not in the rate."""
+
+    steps: int = 0
+    timed_steps: int = 0
+    time_s: float = 0.0
+    timed_samples: int = 0
+    dropped: int = 0
+
+    def add(self, records: list[StepRecord]) -> "RunTotals":
+        for h in records:
+            self.steps += 1
+            self.dropped += h.dropped
+            if h.step_time_s > 0:
+                self.timed_steps += 1
+                self.time_s += h.step_time_s
+                self.timed_samples += h.samples
+        return self
+
+
 class Controller:
     """Drives one run. ``worker_group_cls`` is the seam tests use to put in a fake group."""
 
@@ -135,7 +162,9 @@ class Controller:
         self.events: list[Event] = []
         self._routine_counts: dict[str, int] = {}  # events of each ROUTINE_KINDS kind in self.events
         self._log_lock = threading.Lock()  # log() runs on the step thread and the checkpoint thread
-        self.history: list[StepRecord] = []
+        self.history: list[StepRecord] = []  # the newest HISTORY_KEPT (plus up to a tenth) steps
+        self._trimmed = RunTotals()  # the steps trimmed from the history
+        self._trimmed_through = 0  # the newest step trimmed
         self.ledger = SampleLedger()
         self.failure_policy = FailurePolicy(failure, scaling.num_workers)
         self.straggler_policy = StragglerPolicy(failure.straggler_factor, failure.straggler_window,
@@ -443,7 +472,7 @@ class Controller:
             return
         for i, (record, results) in enumerate(done):
             self.step = record.step
-            self.history.append(record)
+            self._add_history(record)
             self._last_results = results
             # Policies decide once per window, after its last step: an eviction rebuilds the
             # group, and the window's other steps are already done on every rank.
@@ -1105,8 +1134,28 @@ class Controller:
         self._positions.clear()
         self._inflight.clear()
 
+    def _add_history(self, record: StepRecord) -> None:
+        self.history.append(record)
+        if len(self.history) > HISTORY_KEPT + HISTORY_KEPT // 10:  # trimmed a tenth at a time
+            cut = len(self.history) - HISTORY_KEPT
+            self._trimmed.add(self.history[:cut])
+            self._trimmed_through = max(self._trimmed_through, max(h.step for h in self.history[:cut]))
+            del self.history[:cut]
+
+    def totals(self) -> RunTotals:
+        """Sums over every step of the run, the trimmed ones included."""
+        return replace(self._trimmed).add(self.history)
+
     def _truncate_history(self, step: int) -> None:
         """After a restart from a checkpoint, steps past it are trained again: forget them once."""
+        if step == 0:
+            self._trimmed, self._trimmed_through = RunTotals(), 0
+        elif step < self._trimmed_through:
+            # The restored step is older than every kept record (a checkpoint more than
+            # HISTORY_KEPT steps behind): the trimmed sums cannot be taken apart by step.
+            self.log("history", f"restarted from step {step}, older than the step records kept; the run's "
+                     f"totals still count the steps after it up to {self._trimmed_through}, which are "
+                     f"trained again", step=step, trimmed_through=self._trimmed_through)
         self.history = [h for h in self.history if h.step <= step]
         self.ledger.truncate(step)
 
@@ -1161,7 +1210,7 @@ class Controller:
         """``fast``: first-N, the ranks whose gradients made the step (the survivor's record)."""
         if step in self._planned:
             ranks = fast if fast is not None else range(len(self._planned[step][1]))
-            self.history.append(self._book_step(step, ranks, float("nan"), 0.0))
+            self._add_history(self._book_step(step, ranks, float("nan"), 0.0))
             del self._planned[step]
         self.log("step_kept", f"step {step} completed on a survivor before the rebuild; not replayed", kept=step)
 
@@ -1265,16 +1314,18 @@ class Controller:
             ref = self.group.members[0].actor.model_state.remote()
             ray.wait([ref], timeout=self.failure_config.step_timeout_s, fetch_local=False)
             final["model_state_ref"] = [ref]  # in a list: Ray must not resolve it on the way out
+        totals = self.totals()
         out = {
             "steps": self.step,
             "history": [asdict(h) for h in self.history],
+            "totals": asdict(totals),
             "events": [asdict(e) for e in self.events],
             "recoveries": list(self.recoveries),
             "failures": self.failures,
             "recomputed_steps": self.recomputed,
             "late_gradients": self.late_gradients,
             "ledger": [asdict(e) for e in self.ledger.entries],
-            "dropped_samples": sum(h.dropped for h in self.history),
+            "dropped_samples": totals.dropped,
             "restored_from": self.restored_from,
             "checkpoint": None,
             "state": self.state.value,

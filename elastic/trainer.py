@@ -32,7 +32,7 @@ class Result:
     """What a run produced."""
 
     metrics: dict
-    history: list[dict]
+    history: list[dict]  # the newest steps' records, up to elastic.controller.HISTORY_KEPT; metrics count all
     events: list[dict]
     checkpoint: dict | None
     recoveries: list[dict]
@@ -265,14 +265,12 @@ class Trainer:
             if err["type"] == "ConfigError":
                 raise ConfigError(err["message"])
             raise TrainingFailed(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
-        hist = out["history"]
-        timed = [h for h in hist if h["step_time_s"] > 0]
-        total_time = sum(h["step_time_s"] for h in timed)
+        hist, totals = out["history"], out["totals"]
         metrics = {
             "steps": out["steps"],
             "loss": hist[-1]["loss"] if hist else None,
-            "samples_per_s": sum(h["samples"] for h in timed) / total_time if total_time else 0.0,
-            "mean_step_time_s": total_time / len(timed) if timed else 0.0,
+            "samples_per_s": totals["timed_samples"] / totals["time_s"] if totals["time_s"] else 0.0,
+            "mean_step_time_s": totals["time_s"] / totals["timed_steps"] if totals["timed_steps"] else 0.0,
             "dropped_samples": out["dropped_samples"],
             "late_gradients": out["late_gradients"],
             "failures": out["failures"],

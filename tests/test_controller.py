@@ -213,3 +213,26 @@ def test_a_windows_step_times_add_up_to_its_wall_time():
     # are scaled down in proportion, so the run's throughput is the wall clock's.
     times = _split_wall(0.5, [0.3, 0.3, 0.4])
     assert times == pytest.approx([0.15, 0.15, 0.2]) and sum(times) == pytest.approx(0.5)
+
+
+def test_the_history_keeps_its_newest_steps_and_the_totals_count_every_step(ray_cluster, monkeypatch):
+    import elastic.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "HISTORY_KEPT", 20)
+    c = controller("fake-history")
+    seen = []
+    c.on_step = lambda record, _: seen.append(record)
+    try:
+        c.run_for(steps=100)
+        out = c.result(include_state=False)
+    finally:
+        c.shutdown()
+    steps = [h["step"] for h in out["history"]]
+    assert 20 <= len(steps) <= 22 and steps == list(range(101 - len(steps), 101))
+    totals = out["totals"]
+    assert totals["steps"] == totals["timed_steps"] == 100
+    assert totals["time_s"] == pytest.approx(sum(r.step_time_s for r in seen))
+    assert totals["timed_samples"] == sum(r.samples for r in seen) == 100 * 8
+    # a restart from scratch forgets every step, the trimmed ones too
+    c._truncate_history(0)
+    assert c.history == [] and c.totals().steps == 0
