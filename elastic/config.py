@@ -253,6 +253,9 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_every: int = 0
     min_shard_bytes: int = 2 * 2**20
+    # How long a resume (when fit() starts, or a restart from a checkpoint) waits for storage
+    # that does not answer before the run fails; the wait is logged and shows in status().
+    resume_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
@@ -265,6 +268,10 @@ class CheckpointConfig:
                 or self.min_shard_bytes < 0:
             raise ConfigError("CheckpointConfig.min_shard_bytes must be an integer >= 0 "
                               "(0: every rank writes a shard).")
+        if not isinstance(self.resume_timeout_s, (int, float)) or isinstance(self.resume_timeout_s, bool) \
+                or not self.resume_timeout_s > 0:
+            raise ConfigError("CheckpointConfig.resume_timeout_s must be a number of seconds > 0 "
+                              "(how long a resume waits for storage that does not answer).")
 
 
 @dataclass

@@ -165,6 +165,7 @@ class Controller:
         self.history: list[StepRecord] = []  # the newest HISTORY_KEPT (plus up to a tenth) steps
         self._trimmed = RunTotals()  # the steps trimmed from the history
         self._trimmed_through = 0  # the newest step trimmed
+        self._resume_outage_since: float | None = None  # while a resume waits for storage
         self.ledger = SampleLedger()
         self.failure_policy = FailurePolicy(failure, scaling.num_workers)
         self.straggler_policy = StragglerPolicy(failure.straggler_factor, failure.straggler_window,
@@ -366,6 +367,42 @@ class Controller:
         return max(self.step, self._worker_progress)
 
     def _restore_latest(self) -> DataPosition | None:
+        """``_restore_latest_once``, waiting out a storage outage for up to
+        ``CheckpointConfig.resume_timeout_s``. Why wait: without the list of committed steps the
+        run cannot know where to resume, and starting fresh would train over a checkpoint that
+        exists. Each storage call already retries for a second or two, so a longer blip at start
+        (or during a restart from a checkpoint) failed the whole run. The wait is logged, and
+        ``status()`` shows it."""
+        timeout = self.run_config.checkpoint.resume_timeout_s
+        deadline, attempt = time.monotonic() + timeout, 0
+        while True:
+            try:
+                position = self._restore_latest_once()
+            except Exception as exc:
+                unavailable = _storage_unavailable(exc)
+                if unavailable is None:
+                    raise
+                if time.monotonic() >= deadline:
+                    self._resume_outage_since = None
+                    raise TrainingFailed(
+                        f"checkpoint storage {self.store.location} did not answer for "
+                        f"CheckpointConfig.resume_timeout_s={timeout:g}s while the run looked for the step to "
+                        f"resume from: {unavailable}") from None
+                if attempt == 0:
+                    self._resume_outage_since = time.time()
+                    self.log("storage_outage", f"checkpoint storage does not answer ({unavailable}); waiting up to "
+                             f"{timeout:g}s for it to find the step to resume from", what="resume")
+                attempt += 1
+                time.sleep(max(0.0, min(10.0, 0.5 * 2 ** min(attempt, 5), deadline - time.monotonic())))
+                continue
+            if attempt:
+                waited = time.time() - self._resume_outage_since
+                self._resume_outage_since = None
+                self.log("storage_recovered", f"checkpoint storage is back after {waited:.1f}s; resuming",
+                         what="resume", outage_s=round(waited, 3))
+            return position
+
+    def _restore_latest_once(self) -> DataPosition | None:
         """Load the newest committed step that checks out into every rank; its data position.
 
         One rank reads it from storage, verifying every file's checksum as it reads, and the
@@ -1375,7 +1412,9 @@ class Controller:
             "failures": self.failures, "recoveries": len(self.recoveries), "ranks": self.rank_rows(),
             "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
                            "lag": self.committer.lag(self._progress_step())
-                           if self.committer else None},
+                           if self.committer else None,
+                           "storage_outage": self._resume_outage_since is not None
+                           or (self.committer is not None and self.committer.in_outage)},
         }
 
 
@@ -1396,6 +1435,15 @@ def _split_wall(wall: float, worker_times: list[float]) -> list[float]:
         return [t * wall / busy for t in worker_times]
     share = max(0.0, wall - busy) / len(worker_times)
     return [t + share for t in worker_times]
+
+
+def _storage_unavailable(exc: BaseException) -> BaseException | None:
+    """The ``StorageUnavailable`` behind ``exc`` (raised here, or by a rank reading a checkpoint),
+    else None: storage that kept failing with transient errors, as opposed to a permanent error."""
+    from elastic.checkpoint.storage import StorageUnavailable
+
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else exc
+    return cause if isinstance(cause, StorageUnavailable) else None
 
 
 _NODE_DEATH_MARKERS = ("node has died", "node died", "node is dead", "socket closed")

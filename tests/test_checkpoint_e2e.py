@@ -279,6 +279,47 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
         s3.stop()
 
 
+def test_a_resume_waits_for_storage_that_does_not_answer(ray_cluster, uninterrupted):
+    """fit() again while the S3 endpoint is down: the resume waits (logged, and in status())
+    instead of failing or starting fresh, and continues from the committed step once it is back."""
+    s3 = MotoS3().start()
+    try:
+        bucket = s3.create_bucket()
+        url, options = f"s3://{bucket}/runs", s3.storage_options()
+        trainer("wait", url, storage_options=options, blocking=True).fit(steps=6)
+        again = trainer("wait", url, storage_options=options)  # validated while the endpoint answers
+        s3.stop()
+        seen = {}
+
+        def bring_storage_back_once_the_resume_waits():
+            deadline = time.time() + 120
+            while time.time() < deadline and "state" not in seen:
+                try:
+                    st = ray.get(ray.get_actor("controller", namespace="elastic-wait").status.remote(), timeout=5)
+                    if st["checkpoint"]["storage_outage"]:
+                        seen["state"] = st["state"]
+                except Exception:  # noqa: BLE001 - the controller is not up yet
+                    pass
+                time.sleep(0.1)
+            time.sleep(1)
+            s3.start()
+
+        th = threading.Thread(target=bring_storage_back_once_the_resume_waits)
+        th.start()
+        result = again.fit(steps=12)
+        th.join()
+        assert seen["state"] == "starting"
+        assert result.metrics["restored_from"] == 6
+        waits = [e for e in result.events if e["kind"] in ("storage_outage", "storage_recovered")]
+        assert [e["kind"] for e in waits] == ["storage_outage", "storage_recovered"]
+        assert all(e["details"]["what"] == "resume" for e in waits)
+        assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
+        for e in result.events:
+            assert TEST_SECRET not in str(e)
+    finally:
+        s3.stop()
+
+
 def test_every_rank_lost_spares_load_the_checkpoint(ray_cluster, tmp_path, uninterrupted):
     faults = [{"kind": "kill", "rank": 0, "at_step": 6}, {"kind": "kill", "rank": 1, "at_step": 6}]
     result = trainer("allgone", f"file://{tmp_path}/ckpt", backups=2, blocking=True, faults=faults).fit(steps=12)

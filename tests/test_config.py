@@ -52,6 +52,8 @@ def test_failure_rejects(kwargs, field):
     ({"min_shard_bytes": -1}, "min_shard_bytes"),
     ({"min_shard_bytes": 1.5}, "min_shard_bytes"),
     ({"min_shard_bytes": True}, "min_shard_bytes"),
+    ({"resume_timeout_s": 0}, "resume_timeout_s"),
+    ({"resume_timeout_s": "5"}, "resume_timeout_s"),
 ])
 def test_checkpoint_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):

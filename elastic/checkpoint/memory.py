@@ -28,6 +28,7 @@ no local path is shared at all.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
@@ -140,7 +141,7 @@ class DriverMirror:
         try:
             ray.get(self.host.put.remote(files))
         except BaseException:
-            ray.kill(self.host, no_restart=True)  # no run starts, so nothing comes back
+            _end(self.host)  # no run starts, so nothing comes back
             raise
         return self
 
@@ -157,5 +158,20 @@ class DriverMirror:
             for path, data in files.items():
                 self.local.pipe_file(path, data)
         finally:
-            ray.kill(self.host, no_restart=True)
+            _end(self.host)
             self.host = None
+
+
+def _end(host: Any, timeout_s: float = 10.0) -> None:
+    """Kill the host and wait until its name is free. Why wait: ``ray.kill`` returns before the
+    actor is gone, and a ``fit()`` right after this one would otherwise find the dying host by
+    name (``get_if_exists``) and copy its files into it."""
+    ray.kill(host, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(host_name(), namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
+    logger.warning("the memory:// host of this run was killed but still holds its name after %.0fs", timeout_s)
