@@ -233,6 +233,10 @@ class CheckpointConfig:
     """Per-step checkpoints. ``every_n_steps=0`` turns them off. The run's last step (finished or
     stopped) is always checkpointed too, whatever ``every_n_steps``.
 
+    ``blocking``: each rank writes its share inside the step, and every step's commit follows in
+    order (none is replaced by a newer one). Non-blocking (the default): the step only copies
+    its share to host memory; a write or commit still waiting when a newer one comes is replaced.
+
     ``min_shard_bytes``: the least a writing rank writes a step. Data-parallel replicas hold the
     same state, so each tensor is written once, by one rank; a state of B bytes is spread over
     ``min(world_size, ceil(B / min_shard_bytes))`` ranks, a duty that rotates with the step

@@ -888,6 +888,30 @@ def test_committer_waits_for_every_rank_and_the_meta(tmp_path):
     committer.close()
 
 
+@pytest.mark.parametrize("blocking", [False, True])
+def test_a_blocking_committer_commits_every_step_in_order(tmp_path, monkeypatch, blocking):
+    """Steps complete faster than a commit takes: non-blocking, a newer step replaces a waiting
+    one; blocking, every step commits, in order."""
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    commit = store.commit
+
+    def slow_commit(*args, **kwargs):
+        time.sleep(0.05)
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(store, "commit", slow_commit)
+    committer = CheckpointCommitter(store, CheckpointConfig(blocking=blocking, keep_last=10))
+    for step in range(1, 7):
+        committer.set_meta(step, {"cursor": step})
+        committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, tiny_state(step)))
+    assert committer.flush(10)
+    if blocking:
+        assert store.committed_steps() == [1, 2, 3, 4, 5, 6]
+    else:
+        assert len(store.committed_steps()) < 6 and store.committed_steps()[-1] == 6
+    committer.close()
+
+
 def test_committer_keeps_the_meta_of_a_step_written_long_ago(tmp_path):
     """Slow storage and fast steps: the report for step 100 arrives 200 steps later."""
     store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)

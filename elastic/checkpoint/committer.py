@@ -34,6 +34,11 @@ class CheckpointCommitter:
         config = config or CheckpointConfig()
         self.store = store
         self.every_n_steps = config.every_n_steps
+        # Blocking mode: every step's commit follows in order; none replaces a waiting one (they
+        # queue, a bounded few). Why: there the ranks wait for each write inside the step, so the
+        # user asked for every step on storage; a commit that outlasted a step (a slow manifest
+        # write) used to be replaced by the next one, and the step it was for never committed.
+        self.blocking = config.blocking
         self.keep_last = max(1, config.keep_last if keep_last is None else keep_last)
         self.keep_every = config.keep_every if keep_every is None else keep_every
         # Writes can lag training by many steps (slow storage, fast steps, an outage), and the meta of
@@ -145,7 +150,8 @@ class CheckpointCommitter:
             for s in [s for s in table if s <= step]:
                 del table[s]
         self._submitted = step
-        self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at"), record.get("rng")))
+        self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at"), record.get("rng")),
+                               light=self.blocking)
 
     # ---- the commit thread ------------------------------------------------------------------
     def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None, dict | None]) -> list[FileEntry]:
