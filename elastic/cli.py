@@ -346,6 +346,8 @@ def _summary(st: dict) -> str:
     ]
     if ckpt.get("latest") is not None or ckpt.get("lag") is not None:
         parts.append(f"[bold]checkpoint[/] {_dash(ckpt.get('latest'))} (lag {_dash(ckpt.get('lag'))})")
+    if ckpt.get("storage_outage"):
+        parts.append("[bold red]checkpoint storage not answering[/]")
     return "  ".join(parts)
 
 

@@ -214,3 +214,13 @@ def test_parse_storage_options_nests_and_parses_json():
                                   "config_kwargs.retries={\"max_attempts\": 1}", "key=abc"])
     assert opts == {"anon": True, "client_kwargs": {"region_name": "eu-west-1"},
                     "config_kwargs": {"retries": {"max_attempts": 1}}, "key": "abc"}
+
+
+def test_status_summary_says_when_checkpoint_storage_does_not_answer():
+    from elastic.cli import _summary
+
+    st = {"run": "r", "state": "starting", "step": 0, "checkpoint": {"latest": None, "lag": None,
+                                                                      "storage_outage": True}}
+    assert "checkpoint storage not answering" in _summary(st)
+    st["checkpoint"]["storage_outage"] = False
+    assert "not answering" not in _summary(st)
