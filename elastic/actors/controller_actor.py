@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 class ControllerActor:
     def __init__(self, kwargs: dict):
+        from elastic.checkpoint import memory
+
+        memory.join_run()  # memory:// here is the run's shared copy (elastic/checkpoint/memory.py)
         logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING"))
         self.controller = Controller(**kwargs)
         self._error: str | None = None

@@ -96,6 +96,9 @@ class TrainWorker:
         """``background_start``: build on idle CPU only (a spare refilling the pool while ranks
         train; see ``elastic.actors.priority``). The threads go back to normal priority before
         the actor is ready."""
+        from elastic.checkpoint import memory
+
+        memory.join_run()  # memory:// here is the run's shared copy (elastic/checkpoint/memory.py)
         with idle_priority(background_start) as idle:
             self._build(unpack_spec(spec), actor_name)
         self.started_in_background = idle

@@ -17,8 +17,8 @@ process, and the run works on a copy that every process shares:
   deleted is gone from it too) and ends the host.
 So checkpoints survive a rank's death and a restart from a checkpoint within the run, and ``fit()``
 again in the same driver resumes from them, even on an embedded Ray that ends with each ``fit()``.
-They end with the driver process, as memory does. Outside a Ray actor (the driver, the CLI, unit
-tests) ``Storage`` uses fsspec's memory filesystem directly.
+They end with the driver process, as memory does. Outside the run's actors (the driver, the CLI,
+unit tests) ``Storage`` uses fsspec's memory filesystem directly.
 
 Why not fsspec's own remote options: it has no filesystem that shares memory between processes.
 A ``file://`` path on local disk would, but it is not memory, and on a cluster of several nodes
@@ -100,9 +100,21 @@ def host_name() -> str:
     return f"memory-{ray.get_runtime_context().get_job_id()}"
 
 
+_in_run = False
+
+
+def join_run() -> None:
+    """Called by the run's actors (the controller, every rank) as they start: from then on
+    memory:// in this process is the run's shared copy. Why a flag and not "inside any Ray
+    actor": a Trainer may itself run inside an actor (a Tune trial, say), and there memory://
+    is that process's own memory, as for a driver."""
+    global _in_run
+    _in_run = True
+
+
 def in_run_process() -> bool:
-    """Inside a Ray actor (the controller, a rank): memory:// must go to the host."""
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    """A process of the run (see ``join_run``): memory:// must go to the host."""
+    return _in_run
 
 
 def cluster_filesystem() -> ClusterMemoryFS:
