@@ -113,6 +113,27 @@ def test_memory_storage_is_shared_by_the_run_and_stays_with_the_driver(ray_clust
         clear_memory(url)
 
 
+@ray.remote(num_cpus=0)
+class _TrainerInAnActor:
+    """A Trainer run from inside a Ray actor, as a Tune trial runs one."""
+
+    def fit_twice(self, url: str) -> tuple[list[int], int | None]:
+        trainer("mem-in-actor", url, blocking=True).fit(steps=6)
+        steps = CheckpointStore(url, "mem-in-actor").committed_steps()  # this process's memory
+        again = trainer("mem-in-actor", url).fit(steps=6)
+        return steps, again.metrics["restored_from"]
+
+
+def test_memory_storage_of_a_trainer_inside_an_actor_is_that_actors_memory(ray_cluster):
+    url = f"memory://elastic-e2e-{uuid.uuid4().hex}"
+    actor = _TrainerInAnActor.remote()
+    try:
+        steps, restored = ray.get(actor.fit_twice.remote(url), timeout=300)
+    finally:
+        ray.kill(actor)
+    assert steps == [4, 5, 6] and restored == 6
+
+
 def test_corrupt_newest_step_is_skipped(ray_cluster, tmp_path, uninterrupted):
     url = f"file://{tmp_path}/ckpt"
     trainer("corrupt", url, blocking=True).fit(steps=6)
