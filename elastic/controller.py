@@ -165,7 +165,7 @@ class Controller:
         self.history: list[StepRecord] = []  # the newest HISTORY_KEPT (plus up to a tenth) steps
         self._trimmed = RunTotals()  # the steps trimmed from the history
         self._trimmed_through = 0  # the newest step trimmed
-        self._resume_outage_since: float | None = None  # while a resume waits for storage
+        self._resume_outage: Any = None  # the OutageTracker of the newest resume (see _restore_latest)
         self.ledger = SampleLedger()
         self.failure_policy = FailurePolicy(failure, scaling.num_workers)
         self.straggler_policy = StragglerPolicy(failure.straggler_factor, failure.straggler_window,
@@ -373,8 +373,14 @@ class Controller:
         exists. Each storage call already retries for a second or two, so a longer blip at start
         (or during a restart from a checkpoint) failed the whole run. The wait is logged, and
         ``status()`` shows it."""
+        from elastic.checkpoint.persister import OutageTracker
+        from elastic.checkpoint.storage import RetryPolicy
+
         timeout = self.run_config.checkpoint.resume_timeout_s
-        deadline, attempt = time.monotonic() + timeout, 0
+        events: deque = deque()
+        outage = self._resume_outage = OutageTracker(
+            events, "resume", retrying=f"waiting up to {timeout:g}s for it to find the step to resume from")
+        backoff, deadline = RetryPolicy(base_s=0.5, max_s=10.0), time.monotonic() + timeout
         while True:
             try:
                 position = self._restore_latest_once()
@@ -383,24 +389,23 @@ class Controller:
                 if unavailable is None:
                     raise
                 if time.monotonic() >= deadline:
-                    self._resume_outage_since = None
                     raise TrainingFailed(
                         f"checkpoint storage {self.store.location} did not answer for "
                         f"CheckpointConfig.resume_timeout_s={timeout:g}s while the run looked for the step to "
                         f"resume from: {unavailable}") from None
-                if attempt == 0:
-                    self._resume_outage_since = time.time()
-                    self.log("storage_outage", f"checkpoint storage does not answer ({unavailable}); waiting up to "
-                             f"{timeout:g}s for it to find the step to resume from", what="resume")
-                attempt += 1
-                time.sleep(max(0.0, min(10.0, 0.5 * 2 ** min(attempt, 5), deadline - time.monotonic())))
+                outage.failed(None, unavailable)
+                self._log_outage_events(events)
+                time.sleep(min(backoff.delay_s(outage.failures), max(0.0, deadline - time.monotonic())))
                 continue
-            if attempt:
-                waited = time.time() - self._resume_outage_since
-                self._resume_outage_since = None
-                self.log("storage_recovered", f"checkpoint storage is back after {waited:.1f}s; resuming",
-                         what="resume", outage_s=round(waited, 3))
+            outage.succeeded(None)
+            self._log_outage_events(events)
             return position
+
+    def _log_outage_events(self, events: deque) -> None:
+        """An OutageTracker's start/end events, as events of their own kind."""
+        while events:
+            ev = events.popleft()
+            self.log(ev["event"], ev["message"], **{k: v for k, v in ev.items() if k not in ("event", "message")})
 
     def _restore_latest_once(self) -> DataPosition | None:
         """Load the newest committed step that checks out into every rank; its data position.
@@ -1174,10 +1179,10 @@ class Controller:
     def _add_history(self, record: StepRecord) -> None:
         self.history.append(record)
         if len(self.history) > HISTORY_KEPT + HISTORY_KEPT // 10:  # trimmed a tenth at a time
-            cut = len(self.history) - HISTORY_KEPT
-            self._trimmed.add(self.history[:cut])
-            self._trimmed_through = max(self._trimmed_through, max(h.step for h in self.history[:cut]))
-            del self.history[:cut]
+            old = self.history[:len(self.history) - HISTORY_KEPT]
+            self._trimmed.add(old)
+            self._trimmed_through = max(self._trimmed_through, max(h.step for h in old))
+            del self.history[:len(old)]
 
     def totals(self) -> RunTotals:
         """Sums over every step of the run, the trimmed ones included."""
@@ -1413,7 +1418,7 @@ class Controller:
             "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
                            "lag": self.committer.lag(self._progress_step())
                            if self.committer else None,
-                           "storage_outage": self._resume_outage_since is not None
+                           "storage_outage": (self._resume_outage is not None and self._resume_outage.active)
                            or (self.committer is not None and self.committer.in_outage)},
         }
 

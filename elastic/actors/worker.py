@@ -681,10 +681,9 @@ class TrainWorker:
         snapshotted now (if this rank completed it), so the run ends on a committed step."""
         if self._ckpt is None:
             return {}
-        if final_step is not None and final_step == self.completed_step:
-            self._ckpt.after_step(self, final_step, force=True)
+        events = self._ckpt.snapshot(self, final_step) if final_step == self.completed_step else []
         self._ckpt.flush()
-        return {**self._ckpt.drain(), "world_size": self.world_size}
+        return {**self._ckpt.drain(events), "world_size": self.world_size}
 
     def _after_step(self, step: int) -> dict:
         """What a step reports besides its loss: finished checkpoint shards and, every K steps,

@@ -36,8 +36,10 @@ import ray
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "elastic-memory"
-# The filesystem calls Storage makes (elastic/checkpoint/storage.py), and the only ones the host runs.
-OPS = frozenset({"pipe_file", "cat_file", "exists", "ls", "rm_file", "rm", "rmdir", "makedirs", "find"})
+# The filesystem calls Storage makes (elastic/checkpoint/storage.py), fsspec's batch cat/pipe that
+# DriverMirror copies a tree with, and the only calls the host runs.
+OPS = frozenset({"pipe_file", "cat_file", "exists", "ls", "rm_file", "rm", "rmdir", "makedirs", "find",
+                 "cat", "pipe"})
 # Errors Storage tells apart, raised again as themselves on the caller's side.
 _ERRORS = {e.__name__: e for e in (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                                    OSError, ValueError)}
@@ -61,15 +63,6 @@ class MemoryHost:
         except Exception as exc:  # noqa: BLE001 - every error goes back to the caller
             kind = type(exc).__name__ if type(exc).__name__ in _ERRORS else "OSError"
             return ("err", kind, str(exc))
-
-    def files(self, root: str) -> dict[str, bytes]:
-        """Every file under ``root`` with its bytes."""
-        return {p: self.fs.cat_file(p) for p in self.fs.find(root)} if self.fs.exists(root) else {}
-
-    def put(self, files: dict[str, bytes]) -> int:
-        for path, data in files.items():
-            self.fs.pipe_file(path, data)
-        return len(files)
 
 
 class ClusterMemoryFS:
@@ -149,9 +142,8 @@ class DriverMirror:
 
     def __enter__(self) -> "DriverMirror":
         self.host = _start_host()
-        files = {p: self.local.cat_file(p) for p in self.local.find(self.root)} if self.local.exists(self.root) else {}
         try:
-            ray.get(self.host.put.remote(files))
+            ClusterMemoryFS(self.host).pipe(_tree(self.local, self.root))
         except BaseException:
             _end(self.host)  # no run starts, so nothing comes back
             raise
@@ -159,7 +151,7 @@ class DriverMirror:
 
     def __exit__(self, *exc_info) -> None:
         try:
-            files = ray.get(self.host.files.remote(self.root))
+            files = _tree(ClusterMemoryFS(self.host), self.root)
         except ray.exceptions.RayError as exc:
             # The host's node is the driver's: this is a cluster going down under the driver.
             logger.warning("memory:// checkpoints of %s could not be copied back from the run (%s); the "
@@ -167,11 +159,16 @@ class DriverMirror:
         else:
             if self.local.exists(self.root):
                 self.local.rm(self.root, recursive=True)
-            for path, data in files.items():
-                self.local.pipe_file(path, data)
+            self.local.pipe(files)
         finally:
             _end(self.host)
             self.host = None
+
+
+def _tree(fs: Any, root: str) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes (fsspec's ``cat`` of a list; it refuses an empty one)."""
+    paths = fs.find(root)
+    return fs.cat(paths) if paths else {}
 
 
 def _end(host: Any, timeout_s: float = 10.0) -> None:

@@ -35,11 +35,15 @@ def _short(exc: BaseException) -> str:
 
 
 class OutageTracker:
-    """Turns a stream of write failures and successes into outage start/end events."""
+    """Turns a stream of storage failures and successes into outage start/end events.
 
-    def __init__(self, events: deque, what: str):
+    ``what``: the operation ("checkpoint write", "resume"); ``retrying``: what happens meanwhile,
+    for the outage's message. A ``step`` of None is an operation of no one step (a resume)."""
+
+    def __init__(self, events: deque, what: str, retrying: str = "retrying in the background"):
         self._events = events
         self._what = what
+        self._retrying = retrying
         self.started_at: float | None = None
         self.failures = 0
 
@@ -47,29 +51,31 @@ class OutageTracker:
     def active(self) -> bool:
         return self.started_at is not None
 
-    def failed(self, step: int, exc: BaseException) -> None:
+    def _op(self, step: int | None) -> str:
+        return self._what if step is None else f"{self._what} of step {step}"
+
+    def failed(self, step: int | None, exc: BaseException) -> None:
         self.failures += 1
         if self.started_at is None:
             self.started_at = time.time()
-            logger.warning("%s of step %d failed; storage outage started, retrying in the background: %s",
-                           self._what, step, _short(exc))
+            logger.warning("%s failed; storage outage started, %s: %s", self._op(step), self._retrying, _short(exc))
             self._events.append({"event": "storage_outage", "what": self._what, "step": step,
                                  "time": self.started_at, "error": _short(exc),
-                                 "message": f"storage outage: {self._what} of step {step} failed; "
-                                            f"retrying in the background ({_short(exc)})"})
+                                 "message": f"storage outage: {self._op(step)} failed; "
+                                            f"{self._retrying} ({_short(exc)})"})
         else:
-            logger.debug("%s of step %d failed again: %s", self._what, step, _short(exc))
+            logger.debug("%s failed again: %s", self._op(step), _short(exc))
 
-    def succeeded(self, step: int) -> None:
+    def succeeded(self, step: int | None) -> None:
         if self.started_at is None:
             return
         now = time.time()
-        logger.warning("storage is back: %s of step %d succeeded after %.1fs and %d failed attempts",
-                       self._what, step, now - self.started_at, self.failures)
+        logger.warning("storage is back: %s succeeded after %.1fs and %d failed attempts",
+                       self._op(step), now - self.started_at, self.failures)
         outage_s = round(now - self.started_at, 3)
         self._events.append({"event": "storage_recovered", "what": self._what, "step": step, "time": now,
                              "outage_s": outage_s, "failed_attempts": self.failures,
-                             "message": f"storage is back after {outage_s:.1f}s: {self._what} of step {step} "
+                             "message": f"storage is back after {outage_s:.1f}s: {self._op(step)} "
                                         f"succeeded after {self.failures} failed attempts"})
         self.started_at, self.failures = None, 0
 

@@ -87,27 +87,25 @@ class WorkerCheckpointer:
     def due(self, step: int) -> bool:
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
 
-    def after_step(self, worker: Any, step: int, force: bool = False) -> dict:
-        """Snapshot and submit when the step is due (or ``force``: the run's last step); always
-        report what finished since the last call."""
-        events: list[dict] = []
-        if self.due(step) or (force and self.every_n_steps > 0):
-            t0 = time.perf_counter()
-            try:
-                snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging)
-            except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
-                text = f"{type(exc).__name__}: {exc}"
-                if text != self._snapshot_error:  # log a repeating error once, not every step
-                    logger.exception("rank %s: cannot snapshot step %d for checkpointing", worker.rank, step)
-                    self._snapshot_error = text
-                events.append({"event": "checkpoint_failed", "what": "snapshot", "step": step,
-                               "time": time.time(), "error": text[:300],
-                               "message": f"cannot snapshot step {step} for a checkpoint: {text[:300]}"})
-            else:
-                self.last_snapshot_s = time.perf_counter() - t0
-                self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None)),
-                                      light=not snapshot.writes_file)
-        return self._report(events)
+    def after_step(self, worker: Any, step: int) -> dict:
+        """Snapshot and submit when the step is due; always report what finished since the last call."""
+        return self._report(self.snapshot(worker, step) if self.due(step) else [])
+
+    def snapshot(self, worker: Any, step: int) -> list[dict]:
+        """Snapshot ``step`` and hand it to the writer; the events of a snapshot that failed."""
+        t0 = time.perf_counter()
+        try:
+            snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging)
+        except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
+            text = f"{type(exc).__name__}: {exc}"
+            if text != self._snapshot_error:  # log a repeating error once, not every step
+                logger.exception("rank %s: cannot snapshot step %d for checkpointing", worker.rank, step)
+                self._snapshot_error = text
+            return [{"event": "checkpoint_failed", "what": "snapshot", "step": step, "time": time.time(),
+                     "error": text[:300], "message": f"cannot snapshot step {step} for a checkpoint: {text[:300]}"}]
+        self.last_snapshot_s = time.perf_counter() - t0
+        self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None)), light=not snapshot.writes_file)
+        return []
 
     def _write(self, snapshot: Snapshot) -> dict:
         """The writer thread's job: write the shard (if this rank has one); returns the rank's part."""
@@ -142,15 +140,16 @@ class WorkerCheckpointer:
         events = self.persister.drain_events() + list(extra_events or [])
         return {"ckpt_done": done, "ckpt_events": events}
 
-    def drain(self) -> dict:
-        """What finished since the last call, without taking a snapshot (e.g. at the end of training).
+    def drain(self, extra_events: list[dict] | None = None) -> dict:
+        """What finished since the last call, without taking a snapshot (e.g. at the end of
+        training), with ``extra_events`` (a final snapshot's, say) among the events.
 
         When parts are pushed to the controller, the newest one is reported again here: the push
         is a message that may still be on its way when the controller makes its final commit, and
         a second report of a part is harmless (the committer ignores steps it has already taken).
         The part carries the snapshot's time, so a step committed from it still says how long it
         took to persist."""
-        out = self._report()
+        out = self._report(extra_events)
         if self._last_pushed is not None:
             out["ckpt_done"].append(self._last_pushed)
         return out
