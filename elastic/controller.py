@@ -78,6 +78,10 @@ ROUTINE_EVENTS_KEPT = 1000
 # ~400 more in the result (tracemalloc, 4 ranks), so a long run of short steps (40 a second for
 # a week: 24M steps) would have grown the controller by ~8 GB and sent it all to the driver.
 HISTORY_KEPT = 100_000
+# Steps back for which the sampler's position is kept: a first-N survivor may be behind the
+# controller by as many steps as a late replica may trail (64 sends, elastic/actors/sends.py,
+# plus a dispatch window of 16), and a rollback to it must know where its data stood.
+POSITIONS_KEPT = 128
 
 
 @dataclass
@@ -1226,12 +1230,26 @@ class Controller:
             self.recomputed += max(0, begun - newest)
             raise error
         if newest < self.step:
-            # No member holds the current state (every holder died): fall back to the newest
-            # committed checkpoint, and replay from there.
             lost_up_to = max(begun, self.step)
-            self._restore_members_from_checkpoint()
-            self.recomputed += lost_up_to - self.step
-            return
+            if newest in self._positions:
+                # Every holder of the current state died, but a survivor holds an older one: a
+                # first-N replica that was late, still waiting for an update the dead leader
+                # never sent. Roll back to its step and replay from there, with the data as it
+                # stood after that step.
+                self.log("state_sync", f"no survivor holds step {self.step}; rolling back to step {newest}, "
+                         f"the newest a survivor holds", step=newest)
+                self._replan(DataPosition.from_dict(self._positions[newest]))
+                if self.committer is not None:
+                    self.committer.rewind(newest)
+                self._truncate_history(newest)
+                self.step = newest
+            else:
+                # No member holds a state training can go on from: fall back to the newest
+                # committed checkpoint, and replay from there.
+                self._restore_members_from_checkpoint()
+                self.recomputed += lost_up_to - self.step
+                return
+            begun = lost_up_to
         self.recomputed += max(0, begun - newest)
         source = self.group.members[steps.index(newest)]
         behind = [m for m, s in zip(self.group.members, steps) if s != newest]
@@ -1261,7 +1279,7 @@ class Controller:
         """Bookkeeping after a step. ``decide_steps``: on a window's last step, the window's
         length (the straggler policy decides over that many steps); 0 on its other steps."""
         self._planned.pop(record.step, None)
-        for old_step in [s for s in self._positions if s < record.step]:
+        for old_step in [s for s in self._positions if s < record.step - POSITIONS_KEPT]:
             del self._positions[old_step]
         if self.committer is not None:
             for r, res in self._last_results.items():

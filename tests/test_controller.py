@@ -236,3 +236,20 @@ def test_the_history_keeps_its_newest_steps_and_the_totals_count_every_step(ray_
     # a restart from scratch forgets every step, the trimmed ones too
     c._truncate_history(0)
     assert c.history == [] and c.totals().steps == 0
+
+
+def test_with_no_survivor_at_the_current_step_the_run_rolls_back_to_the_newest_one_a_survivor_holds(ray_cluster):
+    # As when a first-N replica was late, waiting for the update of step 4 from a leader that
+    # died with every other holder of it: the survivors hold step 2, and training goes on from
+    # there on the data as it stood after step 2, not from a checkpoint.
+    c = controller("fake-roll-back")
+    try:
+        c.run_for(steps=4)
+        after_step_2 = dict(c._positions[2])
+        ray.get([m.actor.set_state.remote({"completed_step": 2}) for m in c.group.members])
+        c._sync_state()
+        assert c.step == 2 and [h.step for h in c.history] == [1, 2] and c.recomputed == 2
+        assert c.plan.position.to_dict() == after_step_2
+        assert any("rolling back to step 2" in e.message for e in c.events if e.kind == "state_sync")
+    finally:
+        c.shutdown()
