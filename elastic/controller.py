@@ -459,7 +459,30 @@ class Controller:
         self.log("resume", f"resumed from committed step {step} at {self.store.location} (read by rank "
                  f"{reader.rank}{f', sent to {len(rest)} more through the object store' if rest else ''})",
                  step=step, read_by=reader.rank)
-        return DataPosition.from_dict(meta["data_position"])
+        return self._resumable_position(step, meta)
+
+    def _resumable_position(self, step: int, meta: dict) -> DataPosition:
+        """The checkpoint's data position, if this run's sample order is the checkpointed one.
+
+        An epoch's order comes from (seed, epoch, dataset size). When a resumed run has another
+        dataset size or seed (the user added data, say), the saved cursor points into an order
+        this run does not have: continuing there would silently use some samples of the epoch
+        twice and others never. So the run starts the next epoch instead, and says so. The
+        weights and optimizer still come from the checkpoint. Manifests written before these two
+        fields were recorded are taken as they are."""
+        position = DataPosition.from_dict(meta["data_position"])
+        saved = {"dataset_size": meta.get("dataset_size"), "seed": meta.get("seed")}
+        now = {"dataset_size": self.dataset_size, "seed": self.run_config.seed}
+        changed = {k: (saved[k], now[k]) for k in now if saved[k] is not None and saved[k] != now[k]}
+        if not changed:
+            return position
+        what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+        logger.warning("[%s] resuming from step %d with another sample order (%s)", self.run_config.name, step, what)
+        self.log("data_order_changed",
+                 f"checkpointed step {step} was sampled with another order ({what}): its epoch "
+                 f"{position.epoch} cannot be continued sample-exactly, so sampling starts epoch {position.epoch + 1}",
+                 step=step, changed={k: list(v) for k, v in changed.items()})
+        return DataPosition(epoch=position.epoch + 1)
 
     def _all_actors(self) -> list[Member]:
         return list(self.group.members) + list(self.group.spares)
@@ -676,7 +699,8 @@ class Controller:
 
     def _checkpoint_meta(self, step: int, position: dict) -> dict:
         return {"data_position": position, "world_size": len(self.group.members),
-                "global_batch_size": self.global_batch_size, "generation": self.generation}
+                "global_batch_size": self.global_batch_size, "generation": self.generation,
+                "dataset_size": self.dataset_size, "seed": self.run_config.seed}
 
     def _check_late_hung(self) -> None:
         """First-N never waits for a late rank, so a rank that stopped making progress would go

@@ -54,6 +54,8 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
     store = CheckpointStore(url, "resume")
     assert store.committed_steps() == [3, 4, 5]  # keep_last=3
     assert len(store.load_manifest(5)["files"]) == 2
+    # what the sample order depends on, so a resume can tell it is the same order
+    assert {k: store.load_manifest(5)["meta"][k] for k in ("dataset_size", "seed")} == {"dataset_size": 256, "seed": 0}
     second = trainer("resume", url).fit(steps=12)
     assert second.metrics["restored_from"] == 5
     resume = second.events_of("resume")[0]
@@ -61,6 +63,7 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
     assert resume["details"]["read_by"] == 0 and "sent to 1 more through the object store" in resume["message"]
     assert second.checkpoint["latest_step"] == 12
     assert_weights_close(second.model_state, uninterrupted, atol=1e-5)
+    assert second.events_of("data_order_changed") == []
     manifest = store.load_manifest(12)
     assert [f["path"] for f in manifest["files"]] == ["step-000000012/shard-r0-of-2.safetensors"]
     assert set(manifest["rng"]) == {"1"} and store.read_rng(12, 1)["torch"]

@@ -253,3 +253,19 @@ def test_with_no_survivor_at_the_current_step_the_run_rolls_back_to_the_newest_o
         assert any("rolling back to step 2" in e.message for e in c.events if e.kind == "state_sync")
     finally:
         c.shutdown()
+
+
+def test_a_resume_with_another_sample_order_starts_the_next_epoch_and_says_so():
+    # The checkpoint's cursor points into the order of (seed, epoch, dataset size); with another
+    # dataset size or seed, continuing there would use some of the epoch's samples twice.
+    c = controller("fake-order")
+    c.dataset_size = 256
+    saved = {"data_position": {"epoch": 2, "cursor": 96, "requeued": [5]}, "dataset_size": 256, "seed": 0}
+    assert c._resumable_position(7, saved).to_dict() == saved["data_position"]
+    assert c._resumable_position(7, {"data_position": saved["data_position"]}).cursor == 96  # an older manifest
+    for changed in ({"dataset_size": 300}, {"seed": 1}):
+        position = c._resumable_position(7, {**saved, **changed})
+        assert position.to_dict() == {"epoch": 3, "cursor": 0, "requeued": []}
+    events = [e for e in c.events if e.kind == "data_order_changed"]
+    assert [e.details["changed"] for e in events] == [{"dataset_size": [300, 256]}, {"seed": [1, 0]}]
+    assert "starts epoch 3" in events[0].message
