@@ -449,11 +449,10 @@ class Controller:
         if rest:
             state_ref = reader.actor.get_state.remote()
             ray.get([m.actor.set_state.remote(state_ref) for m in rest])
-        for done in range(self.step + 1, step + 1):
-            if done in self._planned:
-                # Committed before its results reached us (ranks report written parts directly):
-                # the checkpoint proves the step finished, so it is kept, not replayed.
-                self._account_completed_step(done)
+        # Committed before their results reached us (ranks report written parts directly): the
+        # checkpoint proves those steps finished, so they are kept, not replayed.
+        self._keep_completed_steps([done for done in range(self.step + 1, step + 1) if done in self._planned],
+                                   "committed before its results came back")
         self.step = step
         self.restored_from = step
         self.log("resume", f"resumed from committed step {step} at {self.store.location} (read by rank "
@@ -1283,20 +1282,27 @@ class Controller:
             self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "
                      f"{[m.rank for m in behind]} through the object store", source=source.rank)
         fast = ray.get(source.actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
-        for step in range(self.step + 1, newest + 1):
-            # A step that finished on a survivor before the failure (or a queued step that
-            # finished before an eviction) stands: it is accounted, not replayed.
-            self._account_completed_step(step, fast.get(step))
+        # A step that finished on a survivor before the failure (or a queued step that finished
+        # before an eviction) stands: it is accounted, not replayed.
+        self._keep_completed_steps(list(range(self.step + 1, newest + 1)), "completed on a survivor before the rebuild",
+                                   fast)
         self.step = newest
         self._inflight.clear()
 
-    def _account_completed_step(self, step: int, fast: list[int] | None = None) -> None:
-        """``fast``: first-N, the ranks whose gradients made the step (the survivor's record)."""
-        if step in self._planned:
-            ranks = fast if fast is not None else range(len(self._planned[step][1]))
-            self._add_history(self._book_step(step, ranks, float("nan"), 0.0))
-            del self._planned[step]
-        self.log("step_kept", f"step {step} completed on a survivor before the rebuild; not replayed", kept=step)
+    def _keep_completed_steps(self, steps: list[int], how: str, fast: dict[int, list[int]] | None = None) -> None:
+        """Account ``steps`` (finished, their results never came back) as done, with one event
+        for all of them: a rebuild in the middle of a dispatch window keeps up to a window of
+        steps. ``fast``: first-N, the ranks whose gradients made each step (the survivor's
+        record)."""
+        for step in steps:
+            if step in self._planned:
+                ranks = (fast or {}).get(step)
+                ranks = ranks if ranks is not None else range(len(self._planned[step][1]))
+                self._add_history(self._book_step(step, ranks, float("nan"), 0.0))
+                del self._planned[step]
+        if steps:
+            which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+            self.log("step_kept", f"{which} {how}; not replayed", kept=steps)
 
     # ---- after each step --------------------------------------------------------------------
     def _after_step(self, record: StepRecord, decide_steps: int = 1) -> None:

@@ -269,3 +269,13 @@ def test_a_resume_with_another_sample_order_starts_the_next_epoch_and_says_so():
     events = [e for e in c.events if e.kind == "data_order_changed"]
     assert [e.details["changed"] for e in events] == [{"dataset_size": [300, 256]}, {"seed": [1, 0]}]
     assert "starts epoch 3" in events[0].message
+
+
+def test_steps_kept_in_a_rebuild_are_one_event():
+    # A rebuild in the middle of a 16-step dispatch window keeps up to 16 steps: one event, not 16.
+    c = controller("fake-kept")
+    c._keep_completed_steps([45, 46, 47], "completed on a survivor before the rebuild")
+    c._keep_completed_steps([], "completed on a survivor before the rebuild")
+    kept = [e for e in c.events if e.kind == "step_kept"]
+    assert [(e.message, e.details["kept"]) for e in kept] == [
+        ("steps 45-47 completed on a survivor before the rebuild; not replayed", [45, 46, 47])]
