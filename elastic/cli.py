@@ -361,14 +361,15 @@ def _node(row: dict) -> str:
 def _ranks_table(st: dict) -> Table:
     table = Table(title=None, header_style="bold", expand=False)
     for header, justify in (("rank", "right"), ("name", "left"), ("role", "left"), ("node", "left"),
-                            ("pid", "right"), ("state", "left"), ("step", "right"), ("step time", "right"),
+                            ("pid", "right"), ("state", "left"), ("step", "right"), ("behind", "right"),
+                            ("step time", "right"),
                             ("heartbeat age", "right"), ("straggler", "right")):
         table.add_column(header, justify=justify, no_wrap=True)
     for row in st.get("ranks", []):
         spare = row.get("role") == "spare"
         table.add_row(
             _dash(row.get("rank")), _dash(row.get("name")), "[cyan]spare[/]" if spare else "active", _node(row),
-            _dash(row.get("pid")), _dash(row.get("state")), _dash(row.get("step")),
+            _dash(row.get("pid")), _dash(row.get("state")), _dash(row.get("step")), _dash(row.get("behind_steps")),
             _seconds(row.get("step_time_s")), _seconds(row.get("heartbeat_age_s")),
             _straggler(row.get("straggler_score")),
         )

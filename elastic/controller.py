@@ -187,6 +187,8 @@ class Controller:
         self._lagging: dict[Any, tuple[int, float]] = {}
         self._checksums: dict[int, dict[int, int]] = {}  # step -> rank -> parameter checksum, until all agree
         self._last_results: dict[int, Any] = {}
+        # The newest step each rank has returned (first-N: a late replica's trails the run's).
+        self._rank_done: dict[int, int] = {}
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
         self.total_steps = 0
@@ -489,6 +491,7 @@ class Controller:
     def _form_group(self, reason: str) -> None:
         """New rendezvous (fresh port, fresh store) and every current rank joins it."""
         self.generation += 1
+        self._rank_done = {m.rank: self.step for m in self.group.members}  # every rank joins at the run's step
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
         addr, port = self.group.rendezvous()
         world = len(self.group.members)
@@ -637,6 +640,8 @@ class Controller:
             raise
         now = time.perf_counter()
         per_rank = {r: got[ref] for ref, r in zip(refs, ranks) if ref in got}
+        for r, res in per_rank.items():
+            self._note_rank_done(r, res)
         for ref, r in zip(refs, ranks):
             if ref not in got:
                 self._lagging[ref] = (r, time.time())
@@ -690,8 +695,13 @@ class Controller:
         if "checksum" in res.extra:
             self._note_checksum(res.step, rank, res.extra["checksum"])
 
+    def _note_rank_done(self, rank: int, results: list[StepResult]) -> None:
+        if results:
+            self._rank_done[rank] = max(self._rank_done.get(rank, 0), results[-1].step)
+
     def _collect_late(self, rank: int, results: list[StepResult]) -> None:
         """A window a late rank finished after the others: its timings, checksums, checkpoint parts."""
+        self._note_rank_done(rank, results)
         for res in results:
             self._observe(rank, res)
             self._merge_ckpt(rank, res)
@@ -1437,12 +1447,13 @@ class Controller:
             return rows
         for m in self.group.members:
             res = self._last_results.get(m.rank)
+            done = min(self._rank_done.get(m.rank, self.step), self.step)
             rows.append({
                 "rank": m.rank, "name": m.name, "node_ip": m.info.get("node_ip"), "node_id": m.info.get("node_id"),
                 "node_rank": m.node_rank,
                 "local_rank": m.local_rank, "pid": m.info.get("pid"), "role": "active",
                 "state": "late" if m.rank in late else self.state.value,
-                "step": self.step,
+                "step": done, "behind_steps": self.step - done,
                 "step_time_s": getattr(res, "step_time_s", None),
                 "heartbeat_age_s": now - self._last_beat.get(m.rank, now),
                 "straggler_score": scores.get(m.rank, 1.0),
@@ -1451,7 +1462,8 @@ class Controller:
             rows.append({"rank": None, "name": m.name, "node_ip": m.info.get("node_ip"),
                          "node_id": m.info.get("node_id"), "node_rank": None,
                          "local_rank": None, "pid": m.info.get("pid"), "role": "spare", "state": "ready",
-                         "step": None, "step_time_s": None, "heartbeat_age_s": None, "straggler_score": None})
+                         "step": None, "behind_steps": None, "step_time_s": None, "heartbeat_age_s": None,
+                         "straggler_score": None})
         return rows
 
     def status(self) -> dict:

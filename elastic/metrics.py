@@ -38,6 +38,9 @@ class RunMetrics:
                 "straggler": Gauge("elastic_straggler_score", "Rank step time / median step time",
                                    tag_keys=rank_tags),
                 "rank_step_time": Gauge("elastic_rank_step_time_s", "Last step time of a rank (s)", tag_keys=rank_tags),
+                "rank_behind": Gauge("elastic_rank_behind_steps",
+                                     "Steps a rank trails the run's newest step (first-N: a late replica)",
+                                     tag_keys=rank_tags),
                 "world_size": Gauge("elastic_world_size", "Active ranks", tag_keys=("run",)),
                 "spares": Gauge("elastic_spares_available", "Hot spares ready to join", tag_keys=("run",)),
                 "step": Gauge("elastic_step", "Last completed step", tag_keys=("run",)),
@@ -79,6 +82,7 @@ class RunMetrics:
                 tags = {"run": self.run, "rank": str(row["rank"])}
                 m["heartbeat_age"].set(row["heartbeat_age_s"], tags=tags)
                 m["straggler"].set(row["straggler_score"], tags=tags)
+                m["rank_behind"].set(row["behind_steps"], tags=tags)
                 if row["step_time_s"] is not None:
                     m["rank_step_time"].set(row["step_time_s"], tags=tags)
             if controller.committer is not None:

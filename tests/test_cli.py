@@ -224,3 +224,22 @@ def test_status_summary_says_when_checkpoint_storage_does_not_answer():
     assert "checkpoint storage not answering" in _summary(st)
     st["checkpoint"]["storage_outage"] = False
     assert "not answering" not in _summary(st)
+
+
+def test_status_table_shows_how_far_a_rank_is_behind():
+    from rich.console import Console
+
+    from elastic.cli import _ranks_table
+
+    row = {"role": "active", "name": "rank-", "state": "late", "step_time_s": 0.1, "heartbeat_age_s": 0.2,
+           "straggler_score": 3.0, "node_ip": "10.0.0.1", "pid": 1}
+    st = {"ranks": [{**row, "rank": 0, "name": "rank-0", "step": 57, "behind_steps": 0},
+                    {**row, "rank": 1, "name": "rank-1", "step": 49, "behind_steps": 8},
+                    {"rank": None, "name": "spare-0", "role": "spare", "step": None, "behind_steps": None}]}
+    console = Console(width=200, record=True)
+    console.print(_ranks_table(st))
+    lines = console.export_text().splitlines()
+    header = next(ln for ln in lines if "behind" in ln)
+    cells = {ln.split("│")[2].strip(): [c.strip() for c in ln.split("│")] for ln in lines if ln.count("│") > 5}
+    at = [c.strip() for c in header.split("┃")].index("behind")
+    assert (cells["rank-0"][at], cells["rank-1"][at], cells["spare-0"][at]) == ("0", "8", "-")

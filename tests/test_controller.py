@@ -38,6 +38,20 @@ def test_happy_path_state_machine(ray_cluster):
     assert c.status()["state"] == "finished"
 
 
+def test_each_rank_row_says_how_far_the_rank_trails_the_run(ray_cluster):
+    c = controller("fake-behind")
+    try:
+        c.run_for(steps=5)
+        rows = c.rank_rows()
+        assert [(r["rank"], r["step"], r["behind_steps"]) for r in rows] == [(0, 5, 0), (1, 5, 0)]
+        c._rank_done[1] = 2  # as a late first-N replica whose newest result is step 2
+        assert [(r["step"], r["behind_steps"]) for r in c.rank_rows()] == [(5, 0), (2, 3)]
+        c._form_group("test")  # a new group: every rank joins at the run's step
+        assert [r["behind_steps"] for r in c.rank_rows()] == [0, 0]
+    finally:
+        c.shutdown()
+
+
 def test_failure_replaced_by_spare(ray_cluster):
     c = controller("fake-replace", backups=1, faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
     try:
