@@ -24,6 +24,7 @@ from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan
 from elastic.policies import (
+    Continue,
     EvictStraggler,
     FailurePolicy,
     FailureView,
@@ -189,6 +190,7 @@ class Controller:
         self._last_results: dict[int, Any] = {}
         # The newest step each rank has returned (first-N: a late replica's trails the run's).
         self._rank_done: dict[int, int] = {}
+        self._eviction_held: int | None = None  # a straggler waiting for a spare (see _note_held_back)
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
         self.total_steps = 0
@@ -1336,10 +1338,19 @@ class Controller:
             if decide_steps else None
         if isinstance(decision, EvictStraggler):
             self._evict(decision)
+        elif decision is not None:
+            self._note_held_back(decision)
         if self.on_step is not None:
             self.on_step(record, self)
         if self.step % 10 == 0:
             self._collect_spares()
+
+    def _note_held_back(self, decision: Continue) -> None:
+        """A persistent straggler the policy would evict but no spare is ready for (the pool is
+        refilling, or spares went to failures): logged when it starts, not every window."""
+        if decision.straggler is not None and self._eviction_held != decision.straggler:
+            self.log("decision", f"Continue: {decision.reason}", decision="Continue", rank=decision.straggler)
+        self._eviction_held = decision.straggler
 
     def _note_checksum(self, step: int, rank: int, checksum: int) -> None:
         """Every K steps each replica reports a parameter checksum with its step result (late

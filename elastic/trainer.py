@@ -164,6 +164,10 @@ class Trainer:
         if requeue_dropped and self.scaling.steps_per_dispatch > 1:
             raise ConfigError("Trainer.requeue_dropped puts a step's dropped samples into the next step, so steps "
                               "go out one at a time: set ScalingConfig.steps_per_dispatch to 0 or 1.")
+        if self.failure.evict_stragglers and self.scaling.num_hot_spares == 0:
+            field = "num_spares" if self.scaling.aggregation == "first_n" else "num_backups"
+            raise ConfigError("FailureConfig.evict_stragglers puts a hot spare in a straggler's place, and this run "
+                              f"keeps none: set ScalingConfig.{field} >= 1, or evict_stragglers=False.")
         if self.scaling.aggregation == "first_n" and self.failure.allow_shrink:
             raise ConfigError("FailureConfig.allow_shrink is not supported with aggregation='first_n'; set it False.")
         self.spec = TrainingSpec(

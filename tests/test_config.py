@@ -148,3 +148,13 @@ def test_background_spare_start_must_be_a_bool():
     with pytest.raises(ConfigError, match="background_spare_start must be True or False"):
         ScalingConfig(num_workers=2, background_spare_start="no")
     assert ScalingConfig(num_workers=2).background_spare_start is True
+
+
+def test_evicting_stragglers_needs_a_hot_spare():
+    evict = FailureConfig(evict_stragglers=True)
+    with pytest.raises(ConfigError, match=r"set ScalingConfig.num_backups >= 1, or evict_stragglers=False"):
+        _trainer(failure=evict)
+    first_n = ScalingConfig(num_workers=4, num_backups=1, aggregation="first_n")
+    with pytest.raises(ConfigError, match=r"set ScalingConfig.num_spares >= 1"):
+        _trainer(scaling=first_n, failure=evict)
+    _trainer(scaling=ScalingConfig(num_workers=4, num_backups=1), failure=evict)  # a spare: fine

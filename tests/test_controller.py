@@ -293,3 +293,15 @@ def test_steps_kept_in_a_rebuild_are_one_event():
     kept = [e for e in c.events if e.kind == "step_kept"]
     assert [(e.message, e.details["kept"]) for e in kept] == [
         ("steps 45-47 completed on a survivor before the rebuild; not replayed", [45, 46, 47])]
+
+
+def test_a_straggler_held_back_for_want_of_a_spare_is_logged_once_per_episode():
+    from elastic.policies import Continue
+
+    c = controller("fake-held")
+    waiting = Continue("rank 3 is a persistent straggler (score 3.00) but no spare is ready", straggler=3)
+    for decision in (waiting, waiting, waiting, Continue(), waiting):
+        c._note_held_back(decision)
+    held = [e for e in c.events if e.kind == "decision"]
+    assert [(e.details["decision"], e.details["rank"]) for e in held] == [("Continue", 3), ("Continue", 3)]
+    assert "no spare is ready" in held[0].message

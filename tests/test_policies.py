@@ -69,7 +69,9 @@ def test_straggler_not_evicted_without_spare_or_when_off():
     p = StragglerPolicy(factor=2.0, window=1, evict=True)
     for r in range(3):
         p.observe(r, 1.0 if r == 0 else 0.1)
-    assert isinstance(p.decide(spares_ready=0), Continue)
+    held = p.decide(spares_ready=0)
+    assert isinstance(held, Continue) and held.straggler == 0 and "no spare is ready" in held.reason
+    assert isinstance(p.decide(spares_ready=1), EvictStraggler)
     off = StragglerPolicy(factor=2.0, window=1, evict=False)
     for r in range(3):
         off.observe(r, 1.0 if r == 0 else 0.1)

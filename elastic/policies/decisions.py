@@ -12,7 +12,10 @@ class Decision:
 
 @dataclass(frozen=True)
 class Continue(Decision):
+    """``straggler``: a persistent straggler the policy would evict, were a spare ready."""
+
     reason: str = "healthy"
+    straggler: int | None = None
 
 
 @dataclass(frozen=True)

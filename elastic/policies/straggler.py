@@ -87,7 +87,8 @@ class StragglerPolicy:
             return Continue()
         worst = max(candidates, key=lambda r: scores.get(r, 0.0))
         if spares_ready < 1:
-            return Continue(f"rank {worst} is a persistent straggler (score {scores[worst]:.2f}) but no spare is ready")
+            return Continue(f"rank {worst} is a persistent straggler (score {scores[worst]:.2f}) but no spare is "
+                            "ready; it is evicted once one is", straggler=worst)
         return EvictStraggler(
             f"rank {worst} step time {scores[worst]:.2f}x the median for {self.window} steps "
             f"(threshold {self.factor:g}x)", worst)
