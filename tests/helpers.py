@@ -20,6 +20,11 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
+def make_bn_model():
+    """A model with buffers: BatchNorm's running statistics and batch counter."""
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
 def make_sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 

@@ -148,3 +148,17 @@ def test_a_batch_is_fetched_the_way_dataloader_fetches_it():
 
     with pytest.raises(ValueError, match="returned 1 samples for 2 indices"):
         fetch_samples(Short(), [0, 1])
+
+
+def test_the_replica_checksum_covers_buffers_and_any_dtype():
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    w = SimpleNamespace(model=model)
+    before = TrainWorker.param_checksum(w)
+    model[1].running_mean[0] += 1e-3  # statistics only: no parameter moves
+    assert TrainWorker.param_checksum(w) != before
+    model.to(torch.bfloat16)  # numpy has no bfloat16: the bytes are read as bytes
+    assert isinstance(TrainWorker.param_checksum(w), int)

@@ -45,6 +45,7 @@ from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's 
     step_seed,
     unpack_spec,
 )
+from elastic.actors.buffers import ReplicaBuffers
 from elastic.actors.sends import UpdateSends, in_flight_limit
 
 # Imported on first use, in the worker process: the controller imports this module to name the
@@ -137,6 +138,8 @@ class TrainWorker:
         self._fn_sit_out = 0  # first-N: steps this rank still skips computing (see _first_n_late_backoff)
         self._fn_backoff_max = 0  # ScalingConfig.late_backoff_steps
         self._fn_sends: UpdateSends | None = None  # first-N leader: the update's sends to late ranks
+        self._fn_buffer_sends: UpdateSends | None = None  # ... and of the agreed buffers (models that have any)
+        self._buffers: ReplicaBuffers | None = None  # agreed after every step (elastic/actors/buffers.py)
         self._fn_abandoned = False  # first-N: the controller gave this group's agreements up
         self._fast_log: dict[int, tuple[int, ...]] = {}
         self._checksum_every = 0
@@ -264,14 +267,18 @@ class TrainWorker:
             timeout=timedelta(seconds=timeout_s),
             device_id=self.device if self.backend == "nccl" else None,
         )
+        buffers = ReplicaBuffers(self.model, self.device)
+        self._buffers = buffers if buffers and world_size > 1 else None
         if use_ddp:
             device_ids = [0] if self.backend == "nccl" else None
             # Gradients as views into DDP's communication buckets: no per-step allocation of fresh
             # gradient tensors and no copy into the buckets. Measured on the default benchmark
             # workload (4 ranks, 2 cores, 500 steps, alternating runs): 8641/8708/8715 samples/s
             # against 7717/6650/8411 without.
+            # broadcast_buffers=False: rank 0's buffers go out at the end of each step instead
+            # (_agree_buffers), so every rank holds them between steps (elastic/actors/buffers.py).
             self.ddp = torch_parallel.DistributedDataParallel(
-                self.model, device_ids=device_ids, gradient_as_bucket_view=True,
+                self.model, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False,
                 **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
         if subgroup_size and subgroup_size < world_size:
             # Every rank must create every subgroup, in the same order: gloo's new_group is a
@@ -286,6 +293,8 @@ class TrainWorker:
             self._fn_flat = _grads_as_views(self.model, self.device)
             flat_bytes = self._fn_flat.numel() * self._fn_flat.element_size()
             self._fn_sends = UpdateSends(dist.isend, in_flight_limit(flat_bytes))
+            if self._buffers is not None:
+                self._fn_buffer_sends = UpdateSends(dist.isend, self._fn_sends.limit)
             self._fn_late_streak, self._fn_sit_out = 0, 0
             self._fn_abandoned = False
             self._fn_backoff_max = late_backoff_steps
@@ -300,6 +309,7 @@ class TrainWorker:
         """Tear down the group. Peers blocked on us see their sockets close and raise at once."""
         self._subgroups.clear()
         self._fn_store, self._fn_sends = None, None  # unfinished sends went to peers of the old group
+        self._fn_buffer_sends = None
         self.part_pool = None  # snapshots taken in the old group keep theirs (it fails fast once gone)
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         if dist.is_initialized():
@@ -390,7 +400,14 @@ class TrainWorker:
             raise StaleStep(f"rank {self.rank}: step {step} was queued for group generation {generation}, "
                             f"but this rank is in generation {self.generation} "
                             f"({'joined' if dist.is_initialized() else 'no group'})")
-        return self._run_guarded(lambda: run(step, indices))
+        if self._buffers is not None:
+            self._buffers.save()
+        try:
+            return self._run_guarded(lambda: run(step, indices))
+        except Exception:
+            if self._buffers is not None and self.completed_step < step:
+                self._buffers.restore()  # the failed step's forward leaves no trace in the replica
+            raise
 
     def _train_step(self, step: int, indices: list[int]) -> StepResult:
         t0 = time.perf_counter()
@@ -402,6 +419,10 @@ class TrainWorker:
         self.optimizer.zero_grad(set_to_none=True)
         loss, local = self._forward_backward(model, batch, step, self.ddp is not None, t0)
         compute = time.perf_counter() - t0
+        if self._buffers is not None:  # DDP's rule: rank 0's buffers (elastic/actors/buffers.py)
+            self._buffers.pack()
+            dist.broadcast(self._buffers.flat, src=0)
+            self._buffers.unpack()
         self._apply_update(step)
         extra = {**self._after_step(step), "local_time_s": local}
         self._note_step_time(step, time.perf_counter() - t0)
@@ -463,6 +484,8 @@ class TrainWorker:
             self.optimizer.zero_grad(set_to_none=False)
             loss, local = self._forward_backward(self.model, batch, step, False, t0)
             flat[-1] = loss.detach()
+            if self._buffers is not None:
+                self._buffers.pack()
             computed = True
             self._enter("arrive")
             arrived = store.add(count_key, 1 + (1 << (8 + self.rank)))
@@ -484,15 +507,29 @@ class TrainWorker:
         fast = tuple(r for r in range(self.world_size) if mask >> r & 1)
         leader = fast[0]
         tag = step if self.backend == "gloo" else 0  # NCCL has no tags; its pairs match in issue order
+        buffers = self._buffers.flat if self._buffers is not None else None
+        # The agreed buffers (the fast N's mean) travel under a tag of their own.
+        buffer_tag = _BUFFER_TAG | (step & (_BUFFER_TAG - 1)) if self.backend == "gloo" else 0
         if order <= n:
-            dist.all_reduce(flat, group=self._subgroups.get(fast) if n < self.world_size else None)
+            group = self._subgroups.get(fast) if n < self.world_size else None
+            dist.all_reduce(flat, group=group)
             flat.div_(n)
+            if buffers is not None:
+                dist.all_reduce(buffers, group=group)
+                buffers.div_(n)
             if self.rank == leader and len(fast) < self.world_size:
                 # A copy: the next step's backward writes into ``flat`` before a late rank may
                 # have received this one (elastic/actors/sends.py bounds and reuses the copies).
-                self._fn_sends.send(flat, [r for r in range(self.world_size) if r not in fast], tag)
+                late = [r for r in range(self.world_size) if r not in fast]
+                self._fn_sends.send(flat, late, tag)
+                if buffers is not None:
+                    self._fn_buffer_sends.send(buffers, late, buffer_tag)
         else:
             dist.recv(flat, src=leader, tag=tag)
+            if buffers is not None:
+                dist.recv(buffers, src=leader, tag=buffer_tag)
+        if buffers is not None:
+            self._buffers.unpack()
         self._apply_update(step)  # the averaged gradient is in ``flat``, which the .grad views share
         if computed:
             self._first_n_late_backoff(order > n)
@@ -630,10 +667,12 @@ class TrainWorker:
         return out
 
     def param_checksum(self) -> int:
-        """CRC32 over every parameter's bytes: equal only if replicas are bitwise identical."""
+        """CRC32 over every parameter's and buffer's bytes: equal only if replicas are bitwise
+        identical (buffers too: BatchNorm's running statistics are state a replica could lose
+        agreement on without any parameter showing it)."""
         crc = 0
-        for p in self.model.parameters():
-            crc = zlib.crc32(p.detach().cpu().contiguous().numpy().tobytes(), crc)
+        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+            crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
         return crc
 
     def evaluate(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
@@ -705,6 +744,10 @@ _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", 
 
 FIRST_SIT_OUT = 4  # steps a first-N replica sits out after its first late gradient (see _first_n_late_backoff)
 ABANDONED = b"abandoned"  # a first-N agreement key's value when the controller gave the step up
+# Gloo tags of the agreed buffers' sends: the update's tag is the step; these set bit 30 and keep the
+# step's low 30 bits (gloo takes tags below 2**31), so they can only meet an update's tag 2**30
+# steps apart, far beyond the sends a leader keeps in flight.
+_BUFFER_TAG = 1 << 30
 
 
 def _fast_key(step: int) -> str:

@@ -1,0 +1,54 @@
+"""ReplicaBuffers: a model's buffers as one float64 vector and back, and a step's undo."""
+
+from __future__ import annotations
+
+import torch
+
+from elastic.actors.buffers import ReplicaBuffers
+
+
+def bn_model():
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+
+def test_a_model_without_buffers_has_nothing_to_agree_on():
+    assert not ReplicaBuffers(torch.nn.Linear(4, 3), "cpu")
+
+
+def test_pack_and_unpack_round_trip_every_dtype():
+    model = bn_model()
+    model.register_buffer("flag", torch.tensor([True, False]))
+    model.register_buffer("halfs", torch.tensor([0.5, 1.25], dtype=torch.float16))
+    bufs = ReplicaBuffers(model, "cpu")
+    assert bufs.flat.dtype == torch.float64 and bufs.flat.numel() == 3 + 3 + 1 + 2 + 2
+    model[1].running_mean.fill_(0.25)
+    model[1].num_batches_tracked.fill_(2**40 + 1)  # exact in float64, not in float32
+    bufs.pack()
+    before = {k: v.clone() for k, v in model.state_dict().items()} | {"flag": model.flag.clone(), "halfs": model.halfs.clone()}
+    for b in model.buffers():
+        b.zero_()
+    bufs.unpack()
+    after = dict(model.state_dict()) | {"flag": model.flag, "halfs": model.halfs}
+    for k, v in before.items():
+        assert torch.equal(after[k], v) and after[k].dtype == v.dtype, k
+
+
+def test_a_mean_of_integer_buffers_is_rounded_back():
+    model = bn_model()
+    bufs = ReplicaBuffers(model, "cpu")
+    bufs.pack()
+    bufs.flat[-1] = 6.6  # num_batches_tracked is the last buffer
+    bufs.unpack()
+    assert model[1].num_batches_tracked.item() == 7
+
+
+def test_restore_undoes_what_a_forward_did_to_the_statistics():
+    model = bn_model().train()
+    bufs = ReplicaBuffers(model, "cpu")
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    bufs.save()
+    model(torch.randn(8, 4))  # a step's forward: running statistics and the counter move
+    assert not torch.equal(model[1].running_mean, start["1.running_mean"])
+    bufs.restore()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, start[k]), k
