@@ -48,6 +48,12 @@ class ScalingConfig:
     model of that size is one all-reduce a step. CPU ranks share cores with gloo's own threads,
     so there is little backward to overlap, and each all-reduce pays gloo's rounds over TCP.
 
+    ``find_unused_parameters`` is DDP's option of that name (data parallel only): set it when some
+    parameters get no gradient in a step (a branch the forward skips, a frozen head outside the
+    loss); DDP then finds them after each forward, at some cost. Without it such a model fails
+    its second step with DDP's error. First-N needs no such option: every replica's gradient
+    vector covers every trainable parameter, and an unused one's gradient is zero.
+
     ``background_spare_start``: a spare that refills the pool while training runs (after an
     eviction or a recovery) builds its model on idle CPU only (Linux ``SCHED_IDLE``, where the
     process may restore its priority afterwards), so its start-up does not slow ranks sharing
@@ -75,6 +81,7 @@ class ScalingConfig:
     steps_per_dispatch: int = 0
     dispatch_target_s: float = 0.5
     bucket_cap_mb: float | None = None
+    find_unused_parameters: bool = False
     background_spare_start: bool = True
     late_backoff_steps: int = 8
 
@@ -126,6 +133,12 @@ class ScalingConfig:
                                                    and self.bucket_cap_mb > 0):
             raise ConfigError(f"ScalingConfig.bucket_cap_mb must be a number of MiB > 0, or None to choose by "
                               f"device; got {self.bucket_cap_mb!r}.")
+        if not isinstance(self.find_unused_parameters, bool):
+            raise ConfigError(f"ScalingConfig.find_unused_parameters must be True or False, "
+                              f"got {self.find_unused_parameters!r}.")
+        if self.find_unused_parameters and self.aggregation == "first_n":
+            raise ConfigError("ScalingConfig.find_unused_parameters is DDP's (aggregation='all'); first-N "
+                              "handles unused parameters without it: leave it False.")
         if not self.dispatch_target_s > 0:
             raise ConfigError(f"ScalingConfig.dispatch_target_s must be > 0 seconds, got {self.dispatch_target_s!r}.")
         if self.aggregation == "all" and self.num_spares:

@@ -174,7 +174,7 @@ class Trainer:
             model_fn=model_fn, optimizer_fn=optimizer_fn, dataset_fn=dataset_fn, loss_fn=loss_fn, step_fn=step_fn,
             scheduler_fn=scheduler_fn, seed=self.run.seed, use_gpu=self.scaling.use_gpu,
             cpus_per_worker=self.scaling.resources_per_worker.get("CPU", 1.0),
-            bucket_cap_mb=self.scaling.bucket_cap_mb,
+            bucket_cap_mb=self.scaling.bucket_cap_mb, find_unused_parameters=self.scaling.find_unused_parameters,
         )
         self.global_batch_size = global_batch_size
         self.address = address

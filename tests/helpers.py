@@ -25,6 +25,22 @@ def make_bn_model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
+class _WithUnusedBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = make_model()
+        self.unused = torch.nn.Linear(16, 4)  # never in the forward: gets no gradient
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def make_model_with_unused_branch():
+    """``make_model`` (as ``body``: built first, so with the same initial weights) plus a branch the
+    forward never uses."""
+    return _WithUnusedBranch()
+
+
 def make_sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 

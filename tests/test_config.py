@@ -158,3 +158,10 @@ def test_evicting_stragglers_needs_a_hot_spare():
     with pytest.raises(ConfigError, match=r"set ScalingConfig.num_spares >= 1"):
         _trainer(scaling=first_n, failure=evict)
     _trainer(scaling=ScalingConfig(num_workers=4, num_backups=1), failure=evict)  # a spare: fine
+
+
+def test_find_unused_parameters_is_a_flag_for_data_parallel():
+    with pytest.raises(ConfigError, match="find_unused_parameters must be True or False"):
+        ScalingConfig(num_workers=2, find_unused_parameters="yes")
+    with pytest.raises(ConfigError, match="first-N handles unused parameters without it"):
+        ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n", find_unused_parameters=True)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 import elastic
-from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd, reference_weights
+import torch
+
+from helpers import (assert_weights_close, loss_fn, make_dataset, make_model, make_model_with_unused_branch, make_sgd,
+                     reference_weights)
 
 pytestmark = pytest.mark.slow
 
@@ -62,3 +65,21 @@ def test_worker_exception_reaches_user_with_rank_and_traceback(ray_cluster):
     assert "boom from user code" in str(info.value)
     assert "bad_loss" in str(info.value)  # the original traceback
     assert info.value.rank in (0, 1)
+
+
+def test_parameters_without_gradients_need_find_unused_parameters_and_train_with_it(ray_cluster):
+    def unused(flag):
+        return elastic.Trainer(model_fn=make_model_with_unused_branch, optimizer_fn=make_sgd, dataset_fn=make_dataset,
+                               loss_fn=loss_fn, global_batch_size=32,
+                               scaling=elastic.ScalingConfig(num_workers=2, find_unused_parameters=flag),
+                               run=elastic.RunConfig(name=f"unused-{flag}", seed=0))
+
+    with pytest.raises(elastic.WorkerError, match=r"set ScalingConfig\(find_unused_parameters=True\)"):
+        unused(False).fit(steps=3)  # DDP's own error, which names DDP's argument, not ours
+    result = unused(True).fit(steps=6)
+    body = {k[len("body."):]: v for k, v in result.model_state.items() if k.startswith("body.")}
+    assert_weights_close(body, reference_weights(6, 32, seed=0), atol=1e-5)
+    torch.manual_seed(0)
+    untouched = make_model_with_unused_branch().state_dict()
+    assert_weights_close({k: v for k, v in result.model_state.items() if k.startswith("unused.")},
+                         {k: v for k, v in untouched.items() if k.startswith("unused.")}, atol=0)

@@ -34,6 +34,7 @@ class TrainingSpec:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     bucket_cap_mb: float | None = None  # DDP gradient bucket size; None: chosen by backend (see worker)
+    find_unused_parameters: bool = False  # DDP's option: some parameters may get no gradient in a step
 
 
 @dataclass

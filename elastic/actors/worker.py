@@ -279,6 +279,7 @@ class TrainWorker:
             # (_agree_buffers), so every rank holds them between steps (elastic/actors/buffers.py).
             self.ddp = torch_parallel.DistributedDataParallel(
                 self.model, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False,
+                find_unused_parameters=self.spec.find_unused_parameters,
                 **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
         if subgroup_size and subgroup_size < world_size:
             # Every rank must create every subgroup, in the same order: gloo's new_group is a
@@ -371,10 +372,15 @@ class TrainWorker:
             self.current_step = None
             msg = f"rank {self.rank} failed: {exc}\n{traceback.format_exc()}"
             collective = isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
+            # DDP's error names its own constructor argument, which a user of elastic never calls.
+            unused = self.ddp is not None and "find_unused_parameters" in str(exc)
             exc = None  # drop frames that reference the DDP reducer before tearing down
             if collective:
                 self.leave()
                 raise CollectiveError(msg)
+            if unused:
+                raise RuntimeError(f"{msg}\nelastic builds the DistributedDataParallel: set "
+                                   "ScalingConfig(find_unused_parameters=True).") from None
             raise
 
     def train_steps(self, first_step: int, shards: list[list[int]], generation: int) -> list[StepResult]:
