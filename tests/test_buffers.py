@@ -52,3 +52,13 @@ def test_restore_undoes_what_a_forward_did_to_the_statistics():
     bufs.restore()
     for k, v in model.state_dict().items():
         assert torch.equal(v, start[k]), k
+
+
+def test_non_persistent_buffers_are_caches_not_state():
+    # A cache that grows in the forward (as rotary-embedding caches are re-registered longer) would
+    # give ranks vectors of different lengths; it is not state, and is left alone.
+    model = bn_model()
+    model.register_buffer("cache", torch.zeros(5), persistent=False)
+    bufs = ReplicaBuffers(model, "cpu")
+    assert all(t is not model.cache for t in bufs.tensors)
+    assert bufs.flat.numel() == 3 + 3 + 1

@@ -162,3 +162,7 @@ def test_the_replica_checksum_covers_buffers_and_any_dtype():
     assert TrainWorker.param_checksum(w) != before
     model.to(torch.bfloat16)  # numpy has no bfloat16: the bytes are read as bytes
     assert isinstance(TrainWorker.param_checksum(w), int)
+    model.register_buffer("cache", torch.zeros(3), persistent=False)
+    before = TrainWorker.param_checksum(w)
+    model.cache += 1  # a cache is not state
+    assert TrainWorker.param_checksum(w) == before

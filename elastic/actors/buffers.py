@@ -21,8 +21,14 @@ And each step saves the buffers first, so a step that fails before its update pu
 
 The vector is float64 whatever the buffers' dtypes: integer counters (``num_batches_tracked``)
 stay exact up to 2**53, and floating statistics lose nothing to a lower-precision model dtype.
-Integer and bool buffers are rounded back. The buffers are the module's tensors at join time;
-a module that replaces a buffer tensor (rather than updating it in place, as BatchNorm does)
+Integer and bool buffers are rounded back.
+
+Only persistent buffers (those in ``state_dict``) are agreed on: they are the model's state, the
+ones a checkpoint holds. A non-persistent buffer is a constant or a cache the module can rebuild,
+and some grow in the forward (rotary-embedding caches that are re-registered at a longer length):
+a survivor's would then be longer than a fresh spare's, and a vector of every buffer would not
+even have the same length on every rank. The buffers are the module's tensors at join time; a
+module that replaces a persistent buffer (rather than updating it in place, as BatchNorm does)
 is not followed.
 """
 
@@ -37,7 +43,7 @@ class ReplicaBuffers:
     """The buffers of ``model`` packed into ``flat`` (float64) and back."""
 
     def __init__(self, model, device):
-        self.tensors = [b for b in model.buffers() if not b.is_complex()]  # a float64 vector cannot hold those
+        self.tensors = [b for b in persistent_buffers(model) if not b.is_complex()]  # float64 cannot hold those
         total = sum(b.numel() for b in self.tensors)
         self.flat = torch.zeros(total, dtype=torch.float64, device=device) if total else None
         self._saved = torch.zeros_like(self.flat) if total else None
@@ -72,3 +78,9 @@ class ReplicaBuffers:
     def restore(self) -> None:
         """Put back what ``save`` remembered: the failed step leaves no trace."""
         self.unpack(self._saved)
+
+
+def persistent_buffers(model) -> list:
+    """The buffers ``model.state_dict()`` holds, in its order."""
+    names = set(model.state_dict(keep_vars=True))
+    return [b for name, b in model.named_buffers() if name in names]

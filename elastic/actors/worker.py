@@ -673,11 +673,12 @@ class TrainWorker:
         return out
 
     def param_checksum(self) -> int:
-        """CRC32 over every parameter's and buffer's bytes: equal only if replicas are bitwise
-        identical (buffers too: BatchNorm's running statistics are state a replica could lose
-        agreement on without any parameter showing it)."""
+        """CRC32 over every parameter's and persistent buffer's bytes: equal only if replicas are
+        bitwise identical (buffers too: BatchNorm's running statistics are state a replica could
+        lose agreement on without any parameter showing it; non-persistent ones are caches,
+        elastic/actors/buffers.py)."""
         crc = 0
-        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+        for t in self.model.state_dict(keep_vars=True).values():
             crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
         return crc
 
