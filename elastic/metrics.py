@@ -35,7 +35,7 @@ class RunMetrics:
                 "samples": Gauge("elastic_samples_per_s", "Training throughput (samples/s)", tag_keys=("run",)),
                 "heartbeat_age": Gauge("elastic_heartbeat_age_s", "Seconds since a rank last answered",
                                        tag_keys=rank_tags),
-                "straggler": Gauge("elastic_straggler_score", "Rank step time / median step time",
+                "straggler": Gauge("elastic_straggler_score", "Rank step time / median step time of the other ranks",
                                    tag_keys=rank_tags),
                 "rank_step_time": Gauge("elastic_rank_step_time_s", "Last step time of a rank (s)", tag_keys=rank_tags),
                 "rank_behind": Gauge("elastic_rank_behind_steps",

@@ -186,3 +186,18 @@ def test_one_noisy_window_is_not_persistent():
         p.observe(r, 0.3 if r == 1 else 0.1)
     assert isinstance(p.decide(spares_ready=1, steps=16), Continue)
     assert isinstance(p.decide(spares_ready=1, steps=16), EvictStraggler)
+
+
+def test_the_slow_rank_of_a_two_rank_group_scores_its_slowdown_and_is_evicted():
+    # Against the median of both ranks (their mean) it scored 1.99 however slow: never over 2.
+    p = StragglerPolicy(factor=2.0, window=2, evict=True)
+    for _ in range(2):
+        p.observe(0, 0.001)
+        p.observe(1, 0.3)
+    assert p.scores() == pytest.approx({0: 0.001 / 0.3, 1: 300.0})
+    assert isinstance(p.decide(spares_ready=1), Continue)  # one decision counts half a window
+    d = p.decide(spares_ready=1)
+    assert isinstance(d, EvictStraggler) and d.rank == 1
+    lone = StragglerPolicy(factor=2.0, window=1, evict=True)
+    lone.observe(0, 5.0)
+    assert lone.scores() == {0: 1.0}  # no peer to be slower than

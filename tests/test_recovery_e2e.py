@@ -175,3 +175,19 @@ def test_wait_without_capacity_fails_after_bounded_wait(ray_cluster):
     with pytest.raises(elastic.TrainingFailed, match="no capacity came within capacity_timeout_s=3s"):
         trainer.fit(steps=STEPS)
     assert time.time() - t0 < 60
+
+
+def test_the_slow_rank_of_two_is_evicted_for_a_spare_in_data_parallel(ray_cluster, clean_weights):
+    # Two ranks: scored against the median of both (their mean), the slow one never passed 2x.
+    failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=3.0, straggler_window=2,
+                                    straggler_warmup_steps=1)
+    t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, BATCH,
+                        scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, steps_per_dispatch=1),
+                        run=elastic.RunConfig(name="ddp-evict", seed=0), failure=failure,
+                        faults=[{"kind": "slow", "rank": 1, "delay_s": 0.3, "from_step": 2}])
+    result = t.fit(steps=STEPS)
+    evictions = [e for e in result.events_of("decision") if e["details"]["decision"] == "EvictStraggler"]
+    assert [e["details"]["rank"] for e in evictions] == [1]
+    assert [e["details"]["rank"] for e in result.events_of("replace")] == [1]
+    assert max(h["step_time_s"] for h in result.history[-2:]) < 0.3  # the spare is not slowed
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)

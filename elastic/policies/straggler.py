@@ -1,6 +1,6 @@
 """Straggler policy: score each rank's speed and name a persistent straggler for eviction.
 
-A rank's score is the median of its recent local step times divided by the median over all ranks.
+A rank's score is the median of its recent local step times divided by the median over the other ranks.
 A rank whose score stays above ``straggler_factor`` for ``window`` consecutive steps is persistent.
 A rank still busy after the others finished (first-N mode does not wait for it) is scored by how
 long it has been late so far, so it does not look healthy just because it has not reported. The
@@ -57,15 +57,26 @@ class StragglerPolicy:
         self._busy_for.pop(rank, None)
 
     def scores(self) -> dict[int, float]:
+        """Each rank's median step time over the median of the other ranks' medians.
+
+        Why the others' median and not everyone's: with two ranks the median of both is their
+        mean, so a rank could never score 2 or more however slow it was (1 ms against 300 ms
+        scored 1.99), and the default threshold of 2 could never evict the slow rank of a
+        two-rank group. Without itself in the median a rank's score is its slowdown against its
+        peers at any group size; with many ranks the two medians barely differ."""
         medians = {r: statistics.median(t) for r, t in self._times.items() if t}
         for r, busy in self._busy_for.items():
             medians[r] = max(medians.get(r, 0.0), busy)
-        if not medians:
-            return {}
-        overall = statistics.median(medians.values())
-        if overall <= 0:
+        if len(medians) < 2:
             return {r: 1.0 for r in medians}
-        return {r: m / overall for r, m in medians.items()}
+        ordered = sorted(medians.values())
+        out = {}
+        for r, m in medians.items():
+            rest = list(ordered)
+            rest.remove(m)
+            others = statistics.median(rest)
+            out[r] = m / others if others > 0 else 1.0
+        return out
 
     def decide(self, spares_ready: int, steps: int = 1) -> Decision:
         """Decide after ``steps`` more steps (the controller asks once per dispatch window).
@@ -90,5 +101,5 @@ class StragglerPolicy:
             return Continue(f"rank {worst} is a persistent straggler (score {scores[worst]:.2f}) but no spare is "
                             "ready; it is evicted once one is", straggler=worst)
         return EvictStraggler(
-            f"rank {worst} step time {scores[worst]:.2f}x the median for {self.window} steps "
+            f"rank {worst} step time {scores[worst]:.2f}x the other ranks' median for {self.window} steps "
             f"(threshold {self.factor:g}x)", worst)
