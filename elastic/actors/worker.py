@@ -276,7 +276,7 @@ class TrainWorker:
             # workload (4 ranks, 2 cores, 500 steps, alternating runs): 8641/8708/8715 samples/s
             # against 7717/6650/8411 without.
             # broadcast_buffers=False: rank 0's buffers go out at the end of each step instead
-            # (_agree_buffers), so every rank holds them between steps (elastic/actors/buffers.py).
+            # (_train_step), so every rank holds them between steps (elastic/actors/buffers.py).
             self.ddp = torch_parallel.DistributedDataParallel(
                 self.model, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False,
                 find_unused_parameters=self.spec.find_unused_parameters,
@@ -466,7 +466,9 @@ class TrainWorker:
            waits for it, which bounds the copies it holds).
         4. A late rank reads the fast set, receives the vector from the lowest fast rank and
            applies it. Every replica runs the same optimizer step on the same averaged gradient,
-           so parameters stay bitwise identical (checked by checksum every K steps).
+           so parameters stay bitwise identical (checked by checksum every K steps). A model's
+           buffers go the same way in a vector of their own: the fast N's mean, sent to the late
+           (elastic/actors/buffers.py).
         Alternatives measured or reasoned out: a DDP comm hook runs inside backward, before
         anyone knows which N finished first; an all-reduce over the world waits for the
         straggler by definition; cutting stragglers short at a micro-batch boundary still makes
