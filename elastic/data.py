@@ -14,13 +14,20 @@ import numpy as np
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
-    """The sample order of one epoch; the same on every machine and every run.
+    """The sample order of one epoch; the same on every machine and every run."""
+    return epoch_order_array(num_samples, seed, epoch).tolist()
+
+
+def epoch_order_array(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """``epoch_order`` as a numpy array, as the sampler keeps it.
 
     numpy's PCG64 rather than ``torch.randperm``: the controller owns the plan and does not
-    import torch (see elastic/_lazy.py).
+    import torch (see elastic/_lazy.py). An array, in 32 bits where the indices fit, rather than
+    a list: a Python list of 20M indices took ~720 MB of the controller, the array 80 MB.
     """
     rng = np.random.Generator(np.random.PCG64((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF))
-    return rng.permutation(num_samples).tolist()
+    order = rng.permutation(num_samples)
+    return order.astype(np.int32) if num_samples < 2**31 else order
 
 
 @dataclass
@@ -53,7 +60,7 @@ class ShardPlan:
         self.num_samples = num_samples
         self.seed = seed
         self.position = position or DataPosition()
-        self._order = epoch_order(num_samples, seed, self.position.epoch)
+        self._order = epoch_order_array(num_samples, seed, self.position.epoch)
         self._requeued = deque(self.position.requeued)
 
     def steps_per_epoch(self, global_batch: int) -> int:
@@ -72,7 +79,7 @@ class ShardPlan:
             flat.append(self._requeued.popleft())
         take_new = need - len(flat)
         start = self.position.cursor
-        flat.extend(self._order[start : start + take_new])
+        flat.extend(self._order[start : start + take_new].tolist())
         self.position.cursor = start + take_new
         self.position.requeued = list(self._requeued)
         shards = [flat[i * shard_size : (i + 1) * shard_size] for i in range(num_shards)]
@@ -89,7 +96,7 @@ class ShardPlan:
 
     def _next_epoch(self) -> None:
         self.position = DataPosition(epoch=self.position.epoch + 1, cursor=0, requeued=[])
-        self._order = epoch_order(self.num_samples, self.seed, self.position.epoch)
+        self._order = epoch_order_array(self.num_samples, self.seed, self.position.epoch)
         self._requeued.clear()
 
 

@@ -201,3 +201,19 @@ def test_the_slow_rank_of_a_two_rank_group_scores_its_slowdown_and_is_evicted():
     lone = StragglerPolicy(factor=2.0, window=1, evict=True)
     lone.observe(0, 5.0)
     assert lone.scores() == {0: 1.0}  # no peer to be slower than
+
+
+def test_the_sampler_keeps_an_epoch_order_of_millions_of_samples_small():
+    import tracemalloc
+
+    n = 5_000_000
+    tracemalloc.start()
+    try:
+        plan = ShardPlan(n, seed=3)
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 30e6  # 4 bytes an index (20 MB); a list of Python ints was ~180 MB
+    epoch, shards = plan.take(2, 4)
+    assert [i for s in shards for i in s] == epoch_order(n, 3, 0)[:8]
+    assert all(type(i) is int for s in shards for i in s)  # plain ints: JSON, the ledger, the workers
