@@ -166,3 +166,14 @@ def test_the_replica_checksum_covers_buffers_and_any_dtype():
     before = TrainWorker.param_checksum(w)
     model.cache += 1  # a cache is not state
     assert TrainWorker.param_checksum(w) == before
+
+
+def test_ddp_is_told_not_to_broadcast_buffers_each_forward_in_the_words_of_its_version():
+    from elastic.actors.worker import ddp_no_forward_buffer_sync
+
+    def new(self, module, forward_sync_buffers=None, broadcast_buffers=None): ...
+
+    def old(self, module, broadcast_buffers=True): ...
+
+    assert ddp_no_forward_buffer_sync(new) == {"forward_sync_buffers": False}  # torch >= 2.13
+    assert ddp_no_forward_buffer_sync(old) == {"broadcast_buffers": False}

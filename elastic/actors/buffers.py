@@ -15,7 +15,7 @@ training mode updates its buffers in the forward pass, from its own batch. Left 
 
 So after every step the replicas make their buffers identical: in data parallel rank 0's
 (DDP's own rule, broadcast at the end of the step instead of the start of the next, with DDP's
-``broadcast_buffers`` off, so still one broadcast a step); in first-N the mean over the fast N, as
+per-forward buffer broadcast off, so still one broadcast a step); in first-N the mean over the fast N, as
 for the gradient (rank 0 may be the straggler), which late replicas receive with the update.
 And each step saves the buffers first, so a step that fails before its update puts them back.
 

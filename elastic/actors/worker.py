@@ -16,6 +16,7 @@ Two ways to synchronise gradients:
 from __future__ import annotations
 
 import gc
+import inspect
 import itertools
 import logging
 import os
@@ -88,6 +89,16 @@ def ddp_bucket_kwargs(backend: str, bucket_cap_mb: float | None) -> dict:
     if bucket_cap_mb is not None:
         return {"bucket_cap_mb": bucket_cap_mb}
     return {"bucket_cap_mb": 25} if backend == "gloo" else {}
+
+
+def ddp_no_forward_buffer_sync(ddp_init) -> dict:
+    """DDP's argument that stops it broadcasting buffers at every forward (elastic broadcasts
+    them at the end of each step, elastic/actors/buffers.py): ``forward_sync_buffers=False``
+    where torch has it (2.13 on; it still syncs buffers once at construction), else the
+    ``broadcast_buffers=False`` it replaces, which torch 2.13 deprecates with a warning."""
+    if "forward_sync_buffers" in inspect.signature(ddp_init).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 class TrainWorker:
@@ -275,12 +286,13 @@ class TrainWorker:
             # gradient tensors and no copy into the buckets. Measured on the default benchmark
             # workload (4 ranks, 2 cores, 500 steps, alternating runs): 8641/8708/8715 samples/s
             # against 7717/6650/8411 without.
-            # broadcast_buffers=False: rank 0's buffers go out at the end of each step instead
-            # (_train_step), so every rank holds them between steps (elastic/actors/buffers.py).
-            self.ddp = torch_parallel.DistributedDataParallel(
-                self.model, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False,
+            # No buffer broadcast at every forward: rank 0's buffers go out at the end of each
+            # step instead (_train_step), so every rank holds them between steps.
+            ddp = torch_parallel.DistributedDataParallel
+            self.ddp = ddp(
+                self.model, device_ids=device_ids, gradient_as_bucket_view=True,
                 find_unused_parameters=self.spec.find_unused_parameters,
-                **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
+                **ddp_no_forward_buffer_sync(ddp.__init__), **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
         if subgroup_size and subgroup_size < world_size:
             # Every rank must create every subgroup, in the same order: gloo's new_group is a
             # collective over the world (the use_local_synchronization variant hung in our probe).
