@@ -177,3 +177,18 @@ def test_ddp_is_told_not_to_broadcast_buffers_each_forward_in_the_words_of_its_v
 
     assert ddp_no_forward_buffer_sync(new) == {"forward_sync_buffers": False}  # torch >= 2.13
     assert ddp_no_forward_buffer_sync(old) == {"broadcast_buffers": False}
+
+
+def test_a_metric_driven_scheduler_is_refused_when_the_worker_builds():
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+    from helpers import loss_fn, make_dataset, make_model, make_sgd
+
+    spec = TrainingSpec(model_fn=make_model, optimizer_fn=make_sgd, dataset_fn=make_dataset, loss_fn=loss_fn,
+                        scheduler_fn=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(TypeError, match="ReduceLROnPlateau, which steps on a metric"):
+        TrainWorker._build(TrainWorker.__new__(TrainWorker), spec, "rank-0")
+    spec.scheduler_fn = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    worker = TrainWorker.__new__(TrainWorker)
+    TrainWorker._build(worker, spec, "rank-0")  # a step-based one is fine
+    assert worker.scheduler is not None

@@ -129,6 +129,11 @@ class TrainWorker:
         self.model = spec.model_fn().to(self.device)
         self.optimizer = spec.optimizer_fn(self.model.parameters())
         self.scheduler = spec.scheduler_fn(self.optimizer) if spec.scheduler_fn else None
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            # Its step() needs a metric, and the first optimizer step would fail on it far from here.
+            raise TypeError("scheduler_fn returned a ReduceLROnPlateau, which steps on a metric; elastic steps "
+                            "the scheduler after every optimizer step with none, on every replica alike. Use a "
+                            "step-based scheduler (LambdaLR, StepLR, OneCycleLR, CosineAnnealingLR, ...).")
         self.dataset = spec.dataset_fn()
         self.ddp = None  # DistributedDataParallel while in a group (aggregation "all")
         self.rank = -1
