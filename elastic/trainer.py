@@ -136,6 +136,7 @@ class Trainer:
         address: str | None = None,
         requeue_dropped: bool = False,
         faults: list[dict] | None = None,
+        max_grad_norm: float | None = None,
     ):
         self.scaling = scaling or ScalingConfig()
         self.run = run or RunConfig()
@@ -147,6 +148,10 @@ class Trainer:
         for name, fn in (("step_fn", step_fn), ("scheduler_fn", scheduler_fn)):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"Trainer.{name} must be callable or None.")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not max_grad_norm > 0):
+            raise ConfigError(f"Trainer.max_grad_norm must be a number > 0 (the gradients' total 2-norm is clipped "
+                              f"to it), or None; got {max_grad_norm!r}.")
         n = self.scaling.num_workers
         if not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ConfigError(f"Trainer.global_batch_size must be an integer >= 1, got {global_batch_size!r}.")
@@ -175,6 +180,7 @@ class Trainer:
             scheduler_fn=scheduler_fn, seed=self.run.seed, use_gpu=self.scaling.use_gpu,
             cpus_per_worker=self.scaling.resources_per_worker.get("CPU", 1.0),
             bucket_cap_mb=self.scaling.bucket_cap_mb, find_unused_parameters=self.scaling.find_unused_parameters,
+            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
         )
         self.global_batch_size = global_batch_size
         self.address = address

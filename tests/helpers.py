@@ -60,7 +60,7 @@ def initial_model(seed: int):
 
 
 def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn=make_sgd,
-                      batches: list[list[int]] | None = None) -> dict:
+                      batches: list[list[int]] | None = None, max_grad_norm: float | None = None) -> dict:
     """One process trains on the same global batches (concatenated shards) the ranks used."""
     model = initial_model(seed)
     opt = optimizer_fn(model.parameters())
@@ -72,6 +72,8 @@ def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn
         x, y = ds[idx]
         opt.zero_grad()
         loss_fn(model, (x, y)).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

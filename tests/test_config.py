@@ -165,3 +165,9 @@ def test_find_unused_parameters_is_a_flag_for_data_parallel():
         ScalingConfig(num_workers=2, find_unused_parameters="yes")
     with pytest.raises(ConfigError, match="first-N handles unused parameters without it"):
         ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n", find_unused_parameters=True)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "1", True])
+def test_max_grad_norm_must_be_a_positive_number(value):
+    with pytest.raises(ConfigError, match="Trainer.max_grad_norm must be a number > 0"):
+        _trainer(max_grad_norm=value)

@@ -83,3 +83,12 @@ def test_parameters_without_gradients_need_find_unused_parameters_and_train_with
     untouched = make_model_with_unused_branch().state_dict()
     assert_weights_close({k: v for k, v in result.model_state.items() if k.startswith("unused.")},
                          {k: v for k, v in untouched.items() if k.startswith("unused.")}, atol=0)
+
+
+def test_max_grad_norm_clips_the_averaged_gradient_as_one_process_clips_its_batch(ray_cluster):
+    steps = 6
+    result = trainer(2, max_grad_norm=0.05).fit(steps=steps)
+    assert_weights_close(result.model_state, reference_weights(steps, 32, seed=0, max_grad_norm=0.05), atol=1e-5)
+    # and the clip mattered: unclipped training ends elsewhere
+    unclipped = reference_weights(steps, 32, seed=0)
+    assert any((result.model_state[k] - unclipped[k]).abs().max() > 1e-3 for k in unclipped)

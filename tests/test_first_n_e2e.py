@@ -19,14 +19,14 @@ STEPS = 8
 
 
 def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8,
-         storage=None, checkpoint=None):
+         storage=None, checkpoint=None, max_grad_norm=None):
     return elastic.Trainer(
         make_model, make_sgd, make_dataset, loss_fn, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
                                       steps_per_dispatch=steps_per_dispatch, late_backoff_steps=late_backoff_steps),
         run=elastic.RunConfig(name=name, seed=0, storage=storage, checkpoint=checkpoint or elastic.CheckpointConfig()),
         failure=failure or elastic.FailureConfig(checksum_every_n_steps=1),
-        faults=faults, requeue_dropped=requeue)
+        faults=faults, requeue_dropped=requeue, max_grad_norm=max_grad_norm)
 
 
 def used_batches(result, first: int = 1) -> list[list[int]]:
@@ -57,6 +57,16 @@ def test_slow_rank_never_enters_update_and_replicas_stay_identical(ray_cluster):
     assert len(slow_rows) == STEPS and dropped == STEPS * B * PER
     assert all(h["ranks"] == [0, 1] for h in result.history)
     assert result.metrics["late_gradients"] == 1  # the one it computed, for step 1
+
+
+def test_max_grad_norm_clips_the_fast_ranks_mean_on_every_replica(ray_cluster):
+    # Clipping each replica's own gradient (inside step_fn) would clip before the mean; the
+    # weights equal one process clipping the gradient of the fast ranks' shards together.
+    result = make("firstn-clip", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
+                  max_grad_norm=0.05).fit(steps=STEPS)
+    ref = reference_weights(STEPS, N * PER, batches=used_batches(result), max_grad_norm=0.05)
+    assert_weights_close(result.model_state, ref, atol=1e-6)
+    assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
 
 
 def test_a_persistent_straggler_sits_out_instead_of_computing_gradients_nobody_uses(ray_cluster):

@@ -35,6 +35,7 @@ class TrainingSpec:
     cpus_per_worker: float = 1.0
     bucket_cap_mb: float | None = None  # DDP gradient bucket size; None: chosen by backend (see worker)
     find_unused_parameters: bool = False  # DDP's option: some parameters may get no gradient in a step
+    max_grad_norm: float | None = None  # clip the averaged gradient's total 2-norm to this, before the step
 
 
 @dataclass

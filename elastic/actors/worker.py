@@ -650,7 +650,14 @@ class TrainWorker:
         return {s: list(self._fast_log[s]) for s in range(first, last + 1) if s in self._fast_log}
 
     def _apply_update(self, step: int) -> None:
-        """Optimizer and scheduler step on the gradients in .grad; the step is then complete."""
+        """Optimizer and scheduler step on the gradients in .grad; the step is then complete.
+
+        ``max_grad_norm`` clips here, on the averaged gradient (after DDP's all-reduce, or the
+        first-N mean a replica computed or received), as one process clips its full batch's
+        gradient. Clipping inside ``step_fn`` would clip each rank's own gradient before the
+        first-N mean. Every replica clips the same vector the same way, so they stay identical."""
+        if self.spec.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
