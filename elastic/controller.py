@@ -122,6 +122,7 @@ class StepRecord:
     samples: int
     dropped: int = 0
     ranks: list[int] = field(default_factory=list)
+    grad_norm: float | None = None  # the averaged gradient's 2-norm before clipping (with max_grad_norm)
 
 
 @dataclass
@@ -671,7 +672,10 @@ class Controller:
             used, loss = list(results), statistics.fmean(res.loss for res in results.values())
         for r, res in results.items():
             self._observe(r, res)
-        return self._book_step(step, used, loss, step_time_s)
+        record = self._book_step(step, used, loss, step_time_s)
+        # Every replica clipped the same averaged gradient, so any one's norm is the step's.
+        record.grad_norm = next((res.extra["grad_norm"] for res in results.values() if "grad_norm" in res.extra), None)
+        return record
 
     def _book_step(self, step: int, used, loss: float, step_time_s: float) -> StepRecord:
         """Ledger rows for a planned step (its ``used`` ranks' shards used, the rest dropped and,

@@ -53,6 +53,8 @@ class RunMetrics:
                                    tag_keys=("run",)),
                 "ckpt_lag": Gauge("elastic_checkpoint_lag_steps", "Steps since the newest committed checkpoint",
                                   tag_keys=("run",)),
+                "grad_norm": Gauge("elastic_grad_norm", "2-norm of the last step's averaged gradient, before "
+                                   "clipping (with max_grad_norm)", tag_keys=("run",)),
                 "dropped": Counter("elastic_dropped_samples_total", "Samples whose gradient was dropped (first-N)",
                                    tag_keys=("run",)),
             }
@@ -76,6 +78,8 @@ class RunMetrics:
             m["world_size"].set(record.world_size, tags=run)
             m["spares"].set(len(controller.group.spares), tags=run)
             m["step"].set(record.step, tags=run)
+            if record.grad_norm is not None:
+                m["grad_norm"].set(record.grad_norm, tags=run)
             if record.dropped:
                 m["dropped"].inc(record.dropped, tags=run)
             for row in controller.rank_rows() if per_rank else ():

@@ -7,8 +7,9 @@ import pytest
 import elastic
 import torch
 
-from helpers import (assert_weights_close, loss_fn, make_dataset, make_model, make_model_with_unused_branch, make_sgd,
-                     reference_weights)
+from elastic.data import ShardPlan
+from helpers import (assert_weights_close, initial_model, loss_fn, make_dataset, make_model,
+                     make_model_with_unused_branch, make_sgd, reference_weights)
 
 pytestmark = pytest.mark.slow
 
@@ -89,6 +90,12 @@ def test_max_grad_norm_clips_the_averaged_gradient_as_one_process_clips_its_batc
     steps = 6
     result = trainer(2, max_grad_norm=0.05).fit(steps=steps)
     assert_weights_close(result.model_state, reference_weights(steps, 32, seed=0, max_grad_norm=0.05), atol=1e-5)
+    # each step's norm before clipping, the one a single process computes on the whole batch
+    model, ds = initial_model(0), make_dataset()
+    loss_fn(model, ds[ShardPlan(len(ds), 0).take(1, 32)[1][0]]).backward()
+    first = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    assert result.history[0]["grad_norm"] == pytest.approx(float(first), rel=1e-5)
+    assert all(h["grad_norm"] > 0.05 for h in result.history)  # every step was clipped
     # and the clip mattered: unclipped training ends elsewhere
     unclipped = reference_weights(steps, 32, seed=0)
     assert any((result.model_state[k] - unclipped[k]).abs().max() > 1e-3 for k in unclipped)

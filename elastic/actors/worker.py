@@ -156,6 +156,7 @@ class TrainWorker:
         self._fn_sends: UpdateSends | None = None  # first-N leader: the update's sends to late ranks
         self._fn_buffer_sends: UpdateSends | None = None  # ... and of the agreed buffers (models that have any)
         self._buffers: ReplicaBuffers | None = None  # agreed after every step (elastic/actors/buffers.py)
+        self._grad_norm: float | None = None  # the step's gradient norm when max_grad_norm clips
         self._fn_abandoned = False  # first-N: the controller gave this group's agreements up
         self._fast_log: dict[int, tuple[int, ...]] = {}
         self._checksum_every = 0
@@ -657,7 +658,8 @@ class TrainWorker:
         gradient. Clipping inside ``step_fn`` would clip each rank's own gradient before the
         first-N mean. Every replica clips the same vector the same way, so they stay identical."""
         if self.spec.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+            self._grad_norm = float(norm)  # before clipping, as torch returns it: reported with the step
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -761,6 +763,8 @@ class TrainWorker:
         """What a step reports besides its loss: finished checkpoint shards and, every K steps,
         a parameter checksum the controller compares across replicas."""
         extra = {} if self._ckpt is None else {**self._ckpt.after_step(self, step), "world_size": self.world_size}
+        if self._grad_norm is not None:
+            extra["grad_norm"], self._grad_norm = self._grad_norm, None
         if self._checksum_every and step % self._checksum_every == 0:
             extra["checksum"] = self.param_checksum()
         return extra
