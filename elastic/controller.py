@@ -1325,8 +1325,9 @@ class Controller:
         """Bookkeeping after a step. ``decide_steps``: on a window's last step, the window's
         length (the straggler policy decides over that many steps); 0 on its other steps."""
         self._planned.pop(record.step, None)
-        for old_step in [s for s in self._positions if s < record.step - POSITIONS_KEPT]:
-            del self._positions[old_step]
+        # Positions go in at dispatch in step order (a replan clears them all), so the oldest is first.
+        while self._positions and next(iter(self._positions)) < record.step - POSITIONS_KEPT:
+            del self._positions[next(iter(self._positions))]
         if self.committer is not None:
             for r, res in self._last_results.items():
                 self._merge_ckpt(r, res)

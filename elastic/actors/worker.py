@@ -156,7 +156,6 @@ class TrainWorker:
         self._fn_sends: UpdateSends | None = None  # first-N leader: the update's sends to late ranks
         self._fn_buffer_sends: UpdateSends | None = None  # ... and of the agreed buffers (models that have any)
         self._buffers: ReplicaBuffers | None = None  # agreed after every step (elastic/actors/buffers.py)
-        self._grad_norm: float | None = None  # the step's gradient norm when max_grad_norm clips
         self._fn_abandoned = False  # first-N: the controller gave this group's agreements up
         self._fast_log: dict[int, tuple[int, ...]] = {}
         self._checksum_every = 0
@@ -444,11 +443,13 @@ class TrainWorker:
         loss, local = self._forward_backward(model, batch, step, self.ddp is not None, t0)
         compute = time.perf_counter() - t0
         if self._buffers is not None:  # DDP's rule: rank 0's buffers (elastic/actors/buffers.py)
-            self._buffers.pack()
+            if self.rank == 0:
+                self._buffers.pack()
             dist.broadcast(self._buffers.flat, src=0)
-            self._buffers.unpack()
-        self._apply_update(step)
-        extra = {**self._after_step(step), "local_time_s": local}
+            if self.rank != 0:
+                self._buffers.unpack()
+        grad_norm = self._apply_update(step)
+        extra = {**self._after_step(step, grad_norm), "local_time_s": local}
         self._note_step_time(step, time.perf_counter() - t0)
         return StepResult(self.rank, step, float(loss.detach()), time.perf_counter() - t0, compute,
                           len(indices), self.completed_step, extra)
@@ -556,13 +557,13 @@ class TrainWorker:
                 dist.recv(buffers, src=leader, tag=buffer_tag)
         if buffers is not None:
             self._buffers.unpack()
-        self._apply_update(step)  # the averaged gradient is in ``flat``, which the .grad views share
+        grad_norm = self._apply_update(step)  # the averaged gradient is in ``flat``, which the .grad views share
         if computed:
             self._first_n_late_backoff(order > n)
         self._fast_log[step] = fast
         if len(self._fast_log) > 4096:
             self._fast_log.pop(next(iter(self._fast_log)))
-        extra = {**self._after_step(step), "fast": list(fast), "computed": computed}
+        extra = {**self._after_step(step, grad_norm), "fast": list(fast), "computed": computed}
         if computed:
             extra["local_time_s"] = local
         self._note_step_time(step, time.perf_counter() - t0)
@@ -650,16 +651,17 @@ class TrainWorker:
         controller asks when it keeps steps that finished before a failure without their results."""
         return {s: list(self._fast_log[s]) for s in range(first, last + 1) if s in self._fast_log}
 
-    def _apply_update(self, step: int) -> None:
+    def _apply_update(self, step: int) -> float | None:
         """Optimizer and scheduler step on the gradients in .grad; the step is then complete.
+        Returns the gradient's norm before clipping when ``max_grad_norm`` clips, else None.
 
         ``max_grad_norm`` clips here, on the averaged gradient (after DDP's all-reduce, or the
         first-N mean a replica computed or received), as one process clips its full batch's
         gradient. Clipping inside ``step_fn`` would clip each rank's own gradient before the
         first-N mean. Every replica clips the same vector the same way, so they stay identical."""
+        norm = None
         if self.spec.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
-            self._grad_norm = float(norm)  # before clipping, as torch returns it: reported with the step
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -667,6 +669,7 @@ class TrainWorker:
         self.current_step = None
         if self._kill_after_update and step == self._kill_at:
             os.kill(os.getpid(), 9)
+        return norm
 
     # ---- state -----------------------------------------------------------------------------
     def get_state(self) -> dict:
@@ -759,12 +762,13 @@ class TrainWorker:
         self._ckpt.flush()
         return {**self._ckpt.drain(events), "world_size": self.world_size}
 
-    def _after_step(self, step: int) -> dict:
-        """What a step reports besides its loss: finished checkpoint shards and, every K steps,
-        a parameter checksum the controller compares across replicas."""
+    def _after_step(self, step: int, grad_norm: float | None = None) -> dict:
+        """What a step reports besides its loss: finished checkpoint shards, the gradient norm
+        when clipping, and, every K steps, a parameter checksum the controller compares across
+        replicas."""
         extra = {} if self._ckpt is None else {**self._ckpt.after_step(self, step), "world_size": self.world_size}
-        if self._grad_norm is not None:
-            extra["grad_norm"], self._grad_norm = self._grad_norm, None
+        if grad_norm is not None:
+            extra["grad_norm"] = grad_norm
         if self._checksum_every and step % self._checksum_every == 0:
             extra["checksum"] = self.param_checksum()
         return extra
