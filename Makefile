@@ -3,6 +3,8 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The torch this machine has on disk (a CPU build); pyproject.toml states the range users may have.
+TORCH ?= torch==2.13.0
 
 .PHONY: demo test bench setup clean
 
@@ -10,8 +12,11 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned to the local CPU build; pyproject states the supported range.
-	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	# The pin again: pip's resolver, backtracking over s3fs/fsspec and ray versions, otherwise
+	# drops the installed torch for the newest one the index has (a multi-GB CUDA build).
+	$(BIN)/python -m pip install --quiet -e ".[test]" "$(TORCH)"
+	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.split('+')[0] == '$(TORCH)'.split('==')[1] else 'setup installed torch ' + v + ', not $(TORCH)')"
 	@touch $(STAMP)
 
 setup: $(STAMP)
