@@ -698,7 +698,9 @@ def test_worker_hook_and_committer_end_to_end(backend, blocking, min_shard_bytes
     hooks = [WorkerCheckpointer(url, options, RUN, every_n_steps=2, blocking=blocking, retry=FAST,
                                 min_shard_bytes=min_shard_bytes) for _ in workers]
     store = make_store(backend)
-    committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=2, keep_last=2))
+    # The committer in the run's mode, as the controller builds it: in blocking mode it commits
+    # every step in order; a background committer may let step 4 replace a waiting step 2.
+    committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=2, keep_last=2, blocking=blocking))
     try:
         reports = run_training(workers, hooks, committer, range(1, 5))
         expected = workers[0].get_state()
