@@ -305,3 +305,24 @@ def test_a_straggler_held_back_for_want_of_a_spare_is_logged_once_per_episode():
     held = [e for e in c.events if e.kind == "decision"]
     assert [(e.details["decision"], e.details["rank"]) for e in held] == [("Continue", 3), ("Continue", 3)]
     assert "no spare is ready" in held[0].message
+
+
+def test_a_failed_constructor_is_read_from_rays_text_and_other_text_is_given_whole():
+    from elastic.actors.worker_group import describe_build_failure
+
+    class Died(Exception):
+        def __init__(self, error_msg):
+            super().__init__(error_msg)
+            self.error_msg = error_msg
+
+    ray_text = ("The actor died because of an error raised in its creation task, ray::rank-1:TrainWorker.__init__()\n"
+                "           ^^^^^^^^^^^^\n"
+                '  File "model.py", line 3, in make\n'
+                "    raise ValueError('width must be even')\n"
+                "ValueError: width must be even")
+    body = describe_build_failure(Died(ray_text))
+    assert body.splitlines()[0] == "could not be built: ValueError: width must be even"
+    assert "working-dir" not in body  # the import hint is for import errors only
+    assert body.split("--- worker traceback ---\n")[1].startswith('  File "model.py"')
+    odd = "the actor was lost before it answered"
+    assert describe_build_failure(Died(odd)) == f"could not be built: {odd}"

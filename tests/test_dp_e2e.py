@@ -68,6 +68,26 @@ def test_worker_exception_reaches_user_with_rank_and_traceback(ray_cluster):
     assert info.value.rank in (0, 1)
 
 
+def dataset_from_a_module_workers_lack():
+    import elastic_test_module_no_worker_has  # noqa: F401 - the point: it cannot be imported
+    return make_dataset()
+
+
+def test_a_worker_that_cannot_build_says_why_and_how_to_ship_the_module(ray_cluster):
+    t = elastic.Trainer(model_fn=make_model, optimizer_fn=make_sgd, dataset_fn=dataset_from_a_module_workers_lack,
+                        loss_fn=loss_fn, global_batch_size=8, scaling=elastic.ScalingConfig(num_workers=2),
+                        run=elastic.RunConfig(name="nobuild"))
+    with pytest.raises(elastic.WorkerError) as info:
+        t.fit(steps=2)
+    text = str(info.value)
+    # The worker's own exception leads, then what to do about it, then where it was raised.
+    assert text.splitlines()[1] == ("could not be built: ModuleNotFoundError: "
+                                    "No module named 'elastic_test_module_no_worker_has'")
+    assert "--working-dir" in text and "py_modules" in text
+    assert "dataset_from_a_module_workers_lack" in text.split("--- worker traceback ---")[1]
+    assert "The actor died" not in text and info.value.rank in (0, 1)
+
+
 def test_parameters_without_gradients_need_find_unused_parameters_and_train_with_it(ray_cluster):
     def unused(flag):
         return elastic.Trainer(model_fn=make_model_with_unused_branch, optimizer_fn=make_sgd, dataset_fn=make_dataset,

@@ -28,6 +28,39 @@ class PlacementTimeout(RuntimeError):
     """The cluster could not host the requested bundles within the configured wait."""
 
 
+class WorkerBuildError(RuntimeError):
+    """A worker actor failed in its constructor: unpickling the user's functions, or building the
+    model, optimizer or dataset with them. Worded as ``WorkerError`` (``fit()`` raises that), the
+    worker's own exception first."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"worker rank {rank} raised:\n{message}")
+        self.rank = rank
+
+
+_IMPORT_HINT = ("The workers unpickle model_fn, optimizer_fn, dataset_fn and loss_fn, so they import the "
+                "modules those come from. Ray gives workers the driver script's directory; anything else "
+                "must be installed on every node or shipped with the job: `ray job submit --working-dir .`, "
+                "or ray.init(runtime_env={'working_dir': ...} or {'py_modules': [...]}) before fit().")
+
+
+def describe_build_failure(exc: BaseException) -> str:
+    """``exc`` (the RayActorError of a failed constructor) as the worker's exception line, a hint
+    for an import error, then the worker's traceback. Ray carries a failed constructor's exception
+    only as text (``error_msg``: a header line, the traceback, the exception line last), so the text
+    is what is read; text of another shape is given whole."""
+    text = str(getattr(exc, "error_msg", "") or exc)
+    lines = text.splitlines()[1:]
+    while lines and not lines[0].strip(" ^"):  # position markers left from frames Ray cut
+        lines.pop(0)
+    body = [line for line in lines if line.strip()]
+    if not body or body[-1].startswith((" ", "Traceback")):
+        return f"could not be built: {text}"
+    summary = body[-1]
+    hint = f"\n{_IMPORT_HINT}" if summary.startswith(("ModuleNotFoundError", "ImportError")) else ""
+    return f"could not be built: {summary}{hint}\n--- worker traceback ---\n" + "\n".join(lines)
+
+
 @dataclass
 class Member:
     """One actor: an active rank or a spare."""
@@ -125,9 +158,14 @@ class WorkerGroup:
         pending = [Member(self._spawn(pg, b, f"rank-{r}"), f"rank-{r}", pg=pg) for r, b in enumerate(by_node)]
         for _ in range(self.scaling.num_hot_spares):
             self.request_spare()
-        infos = ray.get([m.actor.info.remote() for m in pending])
-        for m, info in zip(pending, infos):
-            m.info = info
+        refs = [m.actor.info.remote() for m in pending]  # every rank builds at once
+        for rank, (m, ref) in enumerate(zip(pending, refs)):
+            try:
+                m.info = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                if not getattr(exc, "actor_init_failed", False):
+                    raise
+                raise WorkerBuildError(rank, describe_build_failure(exc)) from None
         self.members = order_by_node(pending)
         self._name_ranks()
         self.collect_spares(block=True)
