@@ -322,6 +322,7 @@ class Controller:
         self.transition(State.STARTING, "placement ready, starting worker actors")
         self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
         self.group.start(self.scaling.num_replicas)
+        self._log_rejected_spares()
         for m in self.group.members:
             self.log("placed", f"rank {m.rank} on node {m.info.get('node_ip')} (node rank {m.node_rank}, "
                      f"local rank {m.local_rank})", rank=m.rank, node_id=m.info.get("node_id"))
@@ -1075,6 +1076,7 @@ class Controller:
                 for _ in range(max(0, missing)):
                     self.group.request_spare()
                 self.group.collect_spares(block=True, timeout_s=decision.timeout_s)
+                self._log_rejected_spares()
                 waited = True
                 continue
             if isinstance(decision, Shrink):
@@ -1119,11 +1121,17 @@ class Controller:
         """Take in spares that finished building, and say so in the event log."""
         before = {m.name for m in self.group.spares}
         self.group.collect_spares()
+        self._log_rejected_spares()
         for m in self.group.spares:
             if m.name not in before:
                 background = bool(m.info.get("started_in_background"))
                 self.log("spares", f"{m.name} ready" + (" (built on idle CPU)" if background else ""),
                          spare=m.name, started_in_background=background, ready=len(self.group.spares))
+
+    def _log_rejected_spares(self) -> None:
+        for message in self.group.rejected_spares:
+            self.log("spare_rejected", message)
+        self.group.rejected_spares.clear()
 
     def _refresh_spares(self) -> None:
         self._collect_spares()

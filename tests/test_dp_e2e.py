@@ -88,6 +88,35 @@ def test_a_worker_that_cannot_build_says_why_and_how_to_ship_the_module(ray_clus
     assert "The actor died" not in text and info.value.rank in (0, 1)
 
 
+def dataset_short_on(actor_prefix: str):
+    """The test dataset, 56 samples short on the actors whose name starts with ``actor_prefix``:
+    a node with part of the data."""
+    def dataset_fn():
+        import ray
+
+        name = ray.get_runtime_context().get_actor_name() or ""
+        return make_dataset(200 if name.startswith(actor_prefix) else 256)
+    return dataset_fn
+
+
+def test_workers_with_datasets_of_other_sizes_are_refused(ray_cluster):
+    def run(prefix, backups):
+        return elastic.Trainer(model_fn=make_model, optimizer_fn=make_sgd, dataset_fn=dataset_short_on(prefix),
+                               loss_fn=loss_fn, global_batch_size=32,
+                               scaling=elastic.ScalingConfig(num_workers=2, num_backups=backups),
+                               run=elastic.RunConfig(name=f"short-{backups}", seed=0))
+
+    with pytest.raises(elastic.ConfigError, match=r"dataset_fn built datasets of different sizes") as info:
+        run("rank-1", 0).fit(steps=2)
+    assert "rank-0 on node" in str(info.value) and "rank-1 on node" in str(info.value)
+    assert "256 samples" in str(info.value) and "200 samples" in str(info.value)
+    # A spare whose dataset differs is never made a rank; the run trains on, without it.
+    result = run("spare-", 1).fit(steps=3)
+    rejected = result.events_of("spare_rejected")
+    assert len(rejected) == 1 and "200 samples, the ranks' has 256" in rejected[0]["message"]
+    assert_weights_close(result.model_state, reference_weights(3, 32, seed=0), atol=1e-5)
+
+
 def test_parameters_without_gradients_need_find_unused_parameters_and_train_with_it(ray_cluster):
     def unused(flag):
         return elastic.Trainer(model_fn=make_model_with_unused_branch, optimizer_fn=make_sgd, dataset_fn=make_dataset,

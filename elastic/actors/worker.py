@@ -182,6 +182,7 @@ class TrainWorker:
             "name": self.actor_name,
             "started_in_background": self.started_in_background,
             "idle_threads": idle_threads(),
+            "dataset_size": len(self.dataset),
         }
 
     @ray.method(concurrency_group="control")

@@ -119,6 +119,8 @@ class WorkerGroup:
         self._pgs: list[PlacementGroup] = []
         self._spare_counter = 0
         self._pending_spares: list[Member] = []
+        self.dataset_size: int | None = None  # the ranks' (all equal), once they are built
+        self.rejected_spares: list[str] = []  # why spares were not used; the controller logs and clears it
         self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
 
     # ---- creation --------------------------------------------------------------------------
@@ -166,9 +168,24 @@ class WorkerGroup:
                 if not getattr(exc, "actor_init_failed", False):
                     raise
                 raise WorkerBuildError(rank, describe_build_failure(exc)) from None
+        self._check_same_dataset(pending)
         self.members = order_by_node(pending)
         self._name_ranks()
         self.collect_spares(block=True)
+
+    def _check_same_dataset(self, members: list[Member]) -> None:
+        """Every rank must build the same dataset: the controller hands out sample indices into it.
+        Its size is what can be checked for free; a node with part of the data, or a dataset_fn
+        that is not deterministic, shows there. Otherwise a rank would fail mid-run on an index
+        past its end, or train quietly on other samples than the ones accounted for."""
+        sizes = {m.name: m.info.get("dataset_size") for m in members if m.info.get("dataset_size") is not None}
+        if len(set(sizes.values())) > 1:
+            rows = "; ".join(f"{m.name} on node {m.info.get('node_ip')}: {sizes[m.name]} samples"
+                             for m in members if m.name in sizes)
+            raise ConfigError(f"dataset_fn built datasets of different sizes on the workers ({rows}). Every "
+                              f"worker must build the same dataset (the controller hands out sample indices "
+                              f"into it): make dataset_fn deterministic and the data complete on every node.")
+        self.dataset_size = next(iter(sizes.values()), None)
 
     def _name_ranks(self) -> None:
         # Actor names are fixed at creation; the rank->name map lives in info for the CLI.
@@ -204,10 +221,21 @@ class WorkerGroup:
             if ready:
                 try:
                     m.info = ray.get(ref)
-                    self.spares.append(m)
                 except ray.exceptions.RayError as exc:
                     logger.warning("spare %s died before it was ready: %s", m.name, exc)
                     self._release(m)
+                    continue
+                size = m.info.get("dataset_size")
+                if None not in (size, self.dataset_size) and size != self.dataset_size:
+                    # Never a rank: see _check_same_dataset. The controller logs the refusal.
+                    self.rejected_spares.append(
+                        f"{m.name} on node {m.info.get('node_ip')} built a dataset of {size} samples, the "
+                        f"ranks' has {self.dataset_size}: not used (dataset_fn must build the same dataset "
+                        f"on every node)")
+                    logger.warning("%s", self.rejected_spares[-1])
+                    self._release(m)
+                    continue
+                self.spares.append(m)
             else:
                 still.append(m)
         self._pending_spares = still
