@@ -49,20 +49,26 @@ def make_adam(params):
     return torch.optim.Adam(params, lr=1e-2)
 
 
+def make_adamw(params):
+    """Decoupled weight decay: steps a parameter whose gradient is zeros, never one without a gradient."""
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.5)
+
+
 def loss_fn(model, batch):
     x, y = batch
     return F.cross_entropy(model(x), y)
 
 
-def initial_model(seed: int):
+def initial_model(seed: int, model_fn=make_model):
     torch.manual_seed(seed)
-    return make_model()
+    return model_fn()
 
 
 def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn=make_sgd,
-                      batches: list[list[int]] | None = None, max_grad_norm: float | None = None) -> dict:
+                      batches: list[list[int]] | None = None, max_grad_norm: float | None = None,
+                      model_fn=make_model) -> dict:
     """One process trains on the same global batches (concatenated shards) the ranks used."""
-    model = initial_model(seed)
+    model = initial_model(seed, model_fn)
     opt = optimizer_fn(model.parameters())
     ds = make_dataset()
     if batches is None:

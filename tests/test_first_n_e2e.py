@@ -10,7 +10,10 @@ import time
 import pytest
 
 import elastic
-from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd, reference_weights
+import torch
+
+from helpers import (assert_weights_close, loss_fn, make_adamw, make_dataset, make_model, make_model_with_unused_branch,
+                     make_sgd, reference_weights)
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +22,9 @@ STEPS = 8
 
 
 def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8,
-         storage=None, checkpoint=None, max_grad_norm=None):
+         storage=None, checkpoint=None, max_grad_norm=None, model_fn=make_model, optimizer_fn=make_sgd):
     return elastic.Trainer(
-        make_model, make_sgd, make_dataset, loss_fn, N * PER,
+        model_fn, optimizer_fn, make_dataset, loss_fn, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
                                       steps_per_dispatch=steps_per_dispatch, late_backoff_steps=late_backoff_steps),
         run=elastic.RunConfig(name=name, seed=0, storage=storage, checkpoint=checkpoint or elastic.CheckpointConfig()),
@@ -57,6 +60,20 @@ def test_slow_rank_never_enters_update_and_replicas_stay_identical(ray_cluster):
     assert len(slow_rows) == STEPS and dropped == STEPS * B * PER
     assert all(h["ranks"] == [0, 1] for h in result.history)
     assert result.metrics["late_gradients"] == 1  # the one it computed, for step 1
+
+
+def test_a_parameter_no_replica_reached_is_not_stepped_as_in_one_process(ray_cluster):
+    # A branch the forward never uses has no gradient in one process, and AdamW leaves it alone;
+    # a first-N replica's .grad is a view holding zeros, which AdamW's weight decay would shrink.
+    result = make("firstn-unused", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
+                  model_fn=make_model_with_unused_branch, optimizer_fn=make_adamw).fit(steps=STEPS)
+    ref = reference_weights(STEPS, N * PER, batches=used_batches(result), optimizer_fn=make_adamw,
+                            model_fn=make_model_with_unused_branch)
+    assert_weights_close(result.model_state, ref, atol=1e-6)
+    torch.manual_seed(0)
+    initial = make_model_with_unused_branch().state_dict()
+    assert all(torch.equal(result.model_state[k], initial[k]) for k in initial if k.startswith("unused."))
+    assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
 
 
 def test_max_grad_norm_clips_the_fast_ranks_mean_on_every_replica(ray_cluster):

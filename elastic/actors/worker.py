@@ -47,6 +47,7 @@ from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's 
     unpack_spec,
 )
 from elastic.actors.buffers import ReplicaBuffers
+from elastic.actors.grads import FlatGrads
 from elastic.actors.sends import UpdateSends, in_flight_limit
 
 # Imported on first use, in the worker process: the controller imports this module to name the
@@ -148,6 +149,7 @@ class TrainWorker:
         self.part_pool = None  # where this group's ranks pool written checkpoint parts (world > 1)
         self._fn_n = 0  # first-N: how many gradients make a step
         self._fn_flat: torch.Tensor | None = None  # first-N: every gradient (and the loss) in one buffer
+        self._fn_grads: FlatGrads | None = None  # ... laid out and marked by this (elastic/actors/grads.py)
         # first-N: gradients in a row this rank computed that came late; 0 = its last gradient was in
         # time. A rank only ever skips after a late gradient, so 0 also means "was fast last step".
         self._fn_late_streak = 0
@@ -309,7 +311,9 @@ class TrainWorker:
         if subgroup_size:
             self._fn_store = dist.distributed_c10d._get_default_store()
             self._fn_n = subgroup_size
-            self._fn_flat = _grads_as_views(self.model, self.device)
+            if self._fn_grads is None:  # once per model: it hooks every parameter
+                self._fn_grads = FlatGrads(self.model)
+            self._fn_flat = self._fn_grads.bind(self.device)
             flat_bytes = self._fn_flat.numel() * self._fn_flat.element_size()
             self._fn_sends = UpdateSends(dist.isend, in_flight_limit(flat_bytes))
             if self._buffers is not None:
@@ -510,8 +514,9 @@ class TrainWorker:
             batch = self._batch(indices)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
+            self._fn_grads.before_backward()
             loss, local = self._forward_backward(self.model, batch, step, False, t0)
-            flat[-1] = loss.detach()
+            self._fn_grads.after_backward(loss)
             if self._buffers is not None:
                 self._buffers.pack()
             computed = True
@@ -558,7 +563,10 @@ class TrainWorker:
                 dist.recv(buffers, src=leader, tag=buffer_tag)
         if buffers is not None:
             self._buffers.unpack()
-        grad_norm = self._apply_update(step)  # the averaged gradient is in ``flat``, which the .grad views share
+        # The averaged gradient is in ``flat``, which the .grad views share; a parameter no fast
+        # replica's backward reached has none for this update, as in one process.
+        with self._fn_grads.unreached_set_aside():
+            grad_norm = self._apply_update(step)
         if computed:
             self._first_n_late_backoff(order > n)
         self._fast_log[step] = fast
@@ -568,7 +576,7 @@ class TrainWorker:
         if computed:
             extra["local_time_s"] = local
         self._note_step_time(step, time.perf_counter() - t0)
-        return StepResult(self.rank, step, float(flat[-1]), time.perf_counter() - t0, local, len(indices),
+        return StepResult(self.rank, step, self._fn_grads.loss, time.perf_counter() - t0, local, len(indices),
                           self.completed_step, extra)
 
     def _first_n_late_backoff(self, late: bool) -> None:
@@ -844,21 +852,3 @@ def _to_device(obj, device: torch.device):
     if isinstance(obj, tuple):
         return tuple(_to_device(v, device) for v in obj)
     return obj
-
-
-def _grads_as_views(model: torch.nn.Module, device) -> torch.Tensor:
-    """One flat buffer holding every parameter's gradient (as views, in parameter order) plus one
-    slot for the loss, so a first-N step all-reduces, sends and receives it without copying
-    gradients in or out (the idea of DDP's ``gradient_as_bucket_view``). Backward accumulates into
-    an existing .grad in place, and ``zero_grad(set_to_none=False)`` keeps the views."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        raise ValueError(f"aggregation='first_n' needs the trainable parameters in one dtype, got {sorted(map(str, dtypes))}")
-    flat = torch.zeros(sum(p.numel() for p in params) + 1, device=device, dtype=dtypes.pop() if dtypes else None)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset: offset + n].view_as(p)
-        offset += n
-    return flat
