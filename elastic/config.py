@@ -51,8 +51,8 @@ class ScalingConfig:
     ``find_unused_parameters`` is DDP's option of that name (data parallel only): set it when some
     parameters get no gradient in a step (a branch the forward skips, a frozen head outside the
     loss); DDP then finds them after each forward, at some cost. Without it such a model fails
-    its second step with DDP's error. First-N needs no such option: every replica's gradient
-    vector covers every trainable parameter, and an unused one's gradient is zero.
+    its second step with DDP's error. First-N needs no such option: a parameter no fast replica's
+    backward reached has no gradient for that step (elastic/actors/grads.py).
 
     ``background_spare_start``: a spare that refills the pool while training runs (after an
     eviction or a recovery) builds its model on idle CPU only (Linux ``SCHED_IDLE``, where the

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import ray
 
-from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, TrainingSpec
+from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, TrainingSpec, WorkerError
 from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan
@@ -54,14 +54,6 @@ class State(enum.Enum):
 
 class TrainingFailed(RuntimeError):
     """The run stopped. The message says why and names the latest committed checkpoint, if any."""
-
-
-class WorkerError(RuntimeError):
-    """User code raised on a worker; carries the rank and the original traceback."""
-
-    def __init__(self, rank: int, message: str):
-        super().__init__(f"worker rank {rank} raised:\n{message}")
-        self.rank = rank
 
 
 class ReplicaDivergence(RuntimeError):
@@ -327,7 +319,7 @@ class Controller:
             self.log("placed", f"rank {m.rank} on node {m.info.get('node_ip')} (node rank {m.node_rank}, "
                      f"local rank {m.local_rank})", rank=m.rank, node_id=m.info.get("node_id"))
         self.log("spares", f"{len(self.group.spares)} hot spare(s) ready", ready=len(self.group.spares))
-        self.dataset_size = ray.get(self.group.members[0].actor.dataset_size.remote())
+        self.dataset_size = self.group.dataset_size  # every rank's, compared when they were built
         self._setup_data_and_checkpoints()
         self._form_group("initial rendezvous")
         self._apply_fault_plan()

@@ -270,7 +270,7 @@ class Trainer:
         self.controller = None
         if "error" in out:
             err = out["error"]
-            if err["type"] in ("WorkerError", "WorkerBuildError"):
+            if err["type"] == "WorkerError":
                 raise WorkerError(-1, err["message"]) if "rank" not in err["message"] else _worker_error(err["message"])
             if err["type"] == "ConfigError":
                 raise ConfigError(err["message"])

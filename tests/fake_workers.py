@@ -24,7 +24,7 @@ class FakeWorker:
     def info(self):
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "node_ip": "127.0.0.1", "pid": os.getpid(), "gpu_ids": [],
-                "device": "cpu", "backend": "gloo", "name": self.name, "started_in_background": self.background_start}
+                "device": "cpu", "backend": "gloo", "name": self.name, "started_in_background": self.background_start, "dataset_size": 64}
 
     @ray.method(concurrency_group="control")
     def heartbeat(self):
@@ -33,9 +33,6 @@ class FakeWorker:
 
     def free_port(self):
         return 1
-
-    def dataset_size(self):
-        return 64
 
     def join(self, rank, world, *args):
         self.rank, self.world = rank, world

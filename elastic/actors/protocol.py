@@ -20,6 +20,15 @@ class StaleStep(CollectiveError):
     """A step queued for a group generation that no longer exists on this rank."""
 
 
+class WorkerError(RuntimeError):
+    """User code raised on a worker (in a step, or while the worker built the model, optimizer
+    and dataset); carries the rank and the original traceback."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"worker rank {rank} raised:\n{message}")
+        self.rank = rank
+
+
 @dataclass
 class TrainingSpec:
     """The user's pieces of training, shipped to every worker."""

@@ -148,8 +148,7 @@ class TrainWorker:
         self._fn_store = None  # first-N: the group's rendezvous store, which orders arrivals
         self.part_pool = None  # where this group's ranks pool written checkpoint parts (world > 1)
         self._fn_n = 0  # first-N: how many gradients make a step
-        self._fn_flat: torch.Tensor | None = None  # first-N: every gradient (and the loss) in one buffer
-        self._fn_grads: FlatGrads | None = None  # ... laid out and marked by this (elastic/actors/grads.py)
+        self._fn_grads: FlatGrads | None = None  # first-N: every gradient, in one buffer (elastic/actors/grads.py)
         # first-N: gradients in a row this rank computed that came late; 0 = its last gradient was in
         # time. A rank only ever skips after a late gradient, so 0 also means "was fast last step".
         self._fn_late_streak = 0
@@ -211,9 +210,6 @@ class TrainWorker:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             return s.getsockname()[1]
-
-    def dataset_size(self) -> int:
-        return len(self.dataset)
 
     # ---- fault injection (tests, benchmarks, demo) ------------------------------------------
     def inject_slowdown(self, factor: float, from_step: int, delay_s: float = 0.0) -> None:
@@ -313,8 +309,8 @@ class TrainWorker:
             self._fn_n = subgroup_size
             if self._fn_grads is None:  # once per model: it hooks every parameter
                 self._fn_grads = FlatGrads(self.model)
-            self._fn_flat = self._fn_grads.bind(self.device)
-            flat_bytes = self._fn_flat.numel() * self._fn_flat.element_size()
+            flat = self._fn_grads.bind(self.device)
+            flat_bytes = flat.numel() * flat.element_size()
             self._fn_sends = UpdateSends(dist.isend, in_flight_limit(flat_bytes))
             if self._buffers is not None:
                 self._fn_buffer_sends = UpdateSends(dist.isend, self._fn_sends.limit)
@@ -503,7 +499,7 @@ class TrainWorker:
         store, n = self._fn_store, self._fn_n
         count_key, fast_key = f"fn/{step}/n", _fast_key(step)
         order = n + 1
-        flat = self._fn_flat  # every gradient (views into it) and the loss: no copy in or out
+        flat = self._fn_grads.flat  # every gradient (views into it) and the loss: no copy in or out
         local = 0.0
         computed = False
         self._check_abandoned(step)

@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastic.actors.protocol import PackedSpec, TrainingSpec
+from elastic.actors.protocol import PackedSpec, TrainingSpec, WorkerError
 from elastic.actors.worker import TrainWorker
 from elastic.config import ConfigError, ScalingConfig
 
@@ -26,16 +26,6 @@ logger = logging.getLogger(__name__)
 
 class PlacementTimeout(RuntimeError):
     """The cluster could not host the requested bundles within the configured wait."""
-
-
-class WorkerBuildError(RuntimeError):
-    """A worker actor failed in its constructor: unpickling the user's functions, or building the
-    model, optimizer or dataset with them. Worded as ``WorkerError`` (``fit()`` raises that), the
-    worker's own exception first."""
-
-    def __init__(self, rank: int, message: str):
-        super().__init__(f"worker rank {rank} raised:\n{message}")
-        self.rank = rank
 
 
 _IMPORT_HINT = ("The workers unpickle model_fn, optimizer_fn, dataset_fn and loss_fn, so they import the "
@@ -167,7 +157,7 @@ class WorkerGroup:
             except ray.exceptions.RayActorError as exc:
                 if not getattr(exc, "actor_init_failed", False):
                     raise
-                raise WorkerBuildError(rank, describe_build_failure(exc)) from None
+                raise WorkerError(rank, describe_build_failure(exc)) from None
         self._check_same_dataset(pending)
         self.members = order_by_node(pending)
         self._name_ranks()
