@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -41,6 +43,22 @@ def make_model_with_unused_branch():
     return _WithUnusedBranch()
 
 
+class _MixedPrecision(torch.nn.Module):
+    """A bf16 body and an fp32 head, as models that keep norms or heads in fp32 are."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 32).to(torch.bfloat16)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x.to(torch.bfloat16))).float())
+
+
+def make_mixed_precision_model():
+    return _MixedPrecision()
+
+
 def make_sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
@@ -66,8 +84,12 @@ def initial_model(seed: int, model_fn=make_model):
 
 def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn=make_sgd,
                       batches: list[list[int]] | None = None, max_grad_norm: float | None = None,
-                      model_fn=make_model) -> dict:
-    """One process trains on the same global batches (concatenated shards) the ranks used."""
+                      model_fn=make_model, shards: int = 0) -> dict:
+    """One process trains on the same global batches (concatenated shards) the ranks used.
+
+    ``shards=k``: each batch's gradient is the mean of its k equal shards' gradients, averaged in
+    the parameters' widest dtype and rounded once, as the ranks average theirs (for a model of
+    several dtypes, where one backward over the whole batch would round differently)."""
     model = initial_model(seed, model_fn)
     opt = optimizer_fn(model.parameters())
     ds = make_dataset()
@@ -77,11 +99,27 @@ def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn
     for idx in batches:
         x, y = ds[idx]
         opt.zero_grad()
-        loss_fn(model, (x, y)).backward()
+        if shards:
+            _mean_of_shard_gradients(model, x.chunk(shards), y.chunk(shards))
+        else:
+            loss_fn(model, (x, y)).backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _mean_of_shard_gradients(model, xs, ys) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    wide = functools.reduce(torch.promote_types, (p.dtype for p in params))
+    total = [torch.zeros_like(p, dtype=wide) for p in params]
+    for x, y in zip(xs, ys):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, (x, y)).backward()
+        for t, p in zip(total, params):
+            t.add_(p.grad)
+    for t, p in zip(total, params):
+        p.grad = (t / len(xs)).to(p.dtype)
 
 
 def assert_weights_close(a: dict, b: dict, atol: float) -> None:

@@ -12,8 +12,8 @@ import pytest
 import elastic
 import torch
 
-from helpers import (assert_weights_close, loss_fn, make_adamw, make_dataset, make_model, make_model_with_unused_branch,
-                     make_sgd, reference_weights)
+from helpers import (assert_weights_close, loss_fn, make_adamw, make_dataset, make_mixed_precision_model, make_model,
+                     make_model_with_unused_branch, make_sgd, reference_weights)
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +73,23 @@ def test_a_parameter_no_replica_reached_is_not_stepped_as_in_one_process(ray_clu
     torch.manual_seed(0)
     initial = make_model_with_unused_branch().state_dict()
     assert all(torch.equal(result.model_state[k], initial[k]) for k in initial if k.startswith("unused."))
+    assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
+
+
+def test_a_model_of_two_dtypes_averages_in_the_wider_one_and_keeps_its_dtypes(ray_cluster):
+    # A bf16 body and an fp32 head share one fp32 buffer: the bf16 gradients are copied in,
+    # averaged over the fast N there and rounded once, as the one-process reference averages its
+    # shards' gradients.
+    result = make("firstn-mixed", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
+                  model_fn=make_mixed_precision_model).fit(steps=STEPS)
+    ref = reference_weights(STEPS, N * PER, batches=used_batches(result), model_fn=make_mixed_precision_model,
+                            shards=N)
+    assert {k: v.dtype for k, v in result.model_state.items()} == {k: v.dtype for k, v in ref.items()}
+    assert result.model_state["body.weight"].dtype == torch.bfloat16
+    assert_weights_close(result.model_state, ref, atol=1e-6)
+    torch.manual_seed(0)
+    initial = make_mixed_precision_model().state_dict()
+    assert not torch.equal(result.model_state["body.weight"], initial["body.weight"])  # the bf16 body trained
     assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
 
 

@@ -23,7 +23,7 @@ def test_the_buffer_holds_views_marks_and_the_loss_and_unreached_parameters_sit_
     reached = [not name.startswith("unused.") for name, _ in model.named_parameters()]
     assert grads._presence.tolist() == [float(r) for r in reached]
     assert all(p.grad.data_ptr() >= flat.data_ptr() for p in params)  # views into the buffer, not copies
-    with grads.unreached_set_aside():
+    with grads.for_update():
         assert [p.grad is not None for p in params] == reached
     # the views are back: the next backward accumulates into the buffer again
     assert all(p.grad is not None and p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
@@ -38,5 +38,41 @@ def test_every_parameter_reached_sets_nothing_aside():
     loss = model(torch.ones(1, 3)).sum()
     loss.backward()
     grads.after_backward(loss)
-    with grads.unreached_set_aside():
+    with grads.for_update():
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_parameters_of_another_dtype_are_averaged_in_the_widest_and_rounded_once():
+    # A bf16 body with an fp32 head: one fp32 buffer; the bf16 gradients are copied in, summed
+    # over the replicas there, and the mean comes back rounded to bf16 once.
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 4).to(torch.bfloat16), torch.nn.Linear(4, 2))
+
+    replicas = [build(), build()]
+    buffers, grads = [], []
+    for seed, model in enumerate(replicas):
+        g = FlatGrads(model)
+        buffers.append(g.bind(torch.device("cpu")))
+        grads.append(g)
+        assert g.dtype == torch.float32
+        g.before_backward()
+        torch.manual_seed(10 + seed)
+        x = torch.randn(5, 3)
+        loss = model[1](model[0](x.to(torch.bfloat16)).float()).square().mean()
+        loss.backward()
+        g.after_backward(loss)
+    own = [[p.grad.clone() for p in m.parameters()] for m in replicas]
+    total = buffers[0] + buffers[1]
+    for flat in buffers:  # what the all-reduce and the division do
+        flat.copy_(total / 2)
+    for model, g in zip(replicas, grads):
+        with g.for_update():
+            for i, p in enumerate(model.parameters()):
+                mean = (own[0][i].float() + own[1][i].float()) / 2
+                assert p.grad.dtype == p.dtype
+                assert torch.equal(p.grad, mean.to(p.dtype))
+    assert [p.dtype for p in replicas[0].parameters()] == [torch.bfloat16] * 2 + [torch.float32] * 2
+    # the fp32 head's gradients are views into the buffer, the bf16 body's are not
+    fp32 = [p for p in replicas[0].parameters() if p.dtype == torch.float32]
+    assert all(p.grad.untyped_storage().data_ptr() == buffers[0].untyped_storage().data_ptr() for p in fp32)

@@ -5,7 +5,10 @@ Layout: ``[gradients (parameter order) | presence, one slot per parameter | loss
 
 The gradients are views: each parameter's ``.grad`` is its slice of the buffer, so backward
 accumulates straight into it and nothing is copied in or out (the idea of DDP's
-``gradient_as_bucket_view``); ``zero_grad(set_to_none=False)`` keeps the views.
+``gradient_as_bucket_view``); ``zero_grad(set_to_none=False)`` keeps the views. The buffer is in
+the parameters' widest dtype; a parameter of another dtype (fp32 norms beside a bf16 body) has no
+view and its gradient is copied in after backward and back before the update (``FlatGrads``).
+The loss slot has the buffer's dtype too: a bf16-only model reports its loss rounded to bf16.
 
 Why the presence slots: a parameter that no sample of the step reached (a branch the forward
 skipped, an expert no token was routed to) has no gradient in one process, and the optimizer
@@ -21,6 +24,7 @@ this: DDP leaves a globally unused parameter's gradient untouched (``find_unused
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -32,19 +36,24 @@ torch = LazyModule("torch")
 class FlatGrads:
     """The flat buffer for a model's trainable parameters (see the module docstring). Build it
     once per model: it registers a hook on every parameter. ``bind`` makes a new buffer (each
-    rendezvous) and points every ``.grad`` into it."""
+    rendezvous) and points every ``.grad`` it can into it.
+
+    Parameters of several dtypes (a bf16 body with fp32 norms or head, say) share one buffer in
+    the widest of them (``torch.promote_types``), so a step stays one all-reduce and one send.
+    Parameters of that dtype have views, as above. The others keep a ``.grad`` of their own
+    dtype: ``after_backward`` copies it into its slot, and ``for_update`` copies the agreed mean
+    back, so such a gradient is summed over the fast N in the wider dtype and rounded once.
+    """
 
     def __init__(self, model) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied parameters once
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) > 1:
-            raise ValueError(f"aggregation='first_n' needs the trainable parameters in one dtype, "
-                             f"got {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop() if dtypes else None
+        self.dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params)) if self.params else None
+        self._cast = [i for i, p in enumerate(self.params) if p.dtype != self.dtype]  # no view: copied in and out
         self._reached = [False] * len(self.params)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._mark(i))
         self.flat = None
+        self._slots: list = []
 
     def _mark(self, i: int):
         def hook(_param) -> None:
@@ -52,13 +61,19 @@ class FlatGrads:
         return hook
 
     def bind(self, device) -> "torch.Tensor":
-        """A new zeroed buffer on ``device``, every ``.grad`` a view into it; returns it."""
+        """A new zeroed buffer on ``device``, every ``.grad`` of the buffer's dtype a view into
+        it; returns it."""
         sizes = [p.numel() for p in self.params]
         self.flat = torch.zeros(sum(sizes) + len(self.params) + 1, device=device, dtype=self.dtype)
-        offset = 0
+        self._slots, offset = [], 0
         for p, n in zip(self.params, sizes):
-            p.grad = self.flat[offset: offset + n].view_as(p)
+            self._slots.append(self.flat[offset: offset + n].view(p.shape))
             offset += n
+        for i in self._cast:
+            self.params[i].grad = None  # its own tensor again, made by the next backward
+        for i, p in enumerate(self.params):
+            if p.dtype == self.dtype:
+                p.grad = self._slots[i]
         self._presence = self.flat[offset: offset + len(self.params)]
         return self.flat
 
@@ -66,7 +81,14 @@ class FlatGrads:
         self._reached = [False] * len(self.params)
 
     def after_backward(self, loss) -> None:
-        """Write this replica's presence marks and its loss into the buffer."""
+        """Write this replica's gradients that are not views, its presence marks and its loss
+        into the buffer."""
+        for i in self._cast:
+            grad = self.params[i].grad
+            if grad is None or not self._reached[i]:
+                self._slots[i].zero_()
+            else:
+                self._slots[i].copy_(grad.to_dense() if grad.is_sparse else grad)
         if all(self._reached):
             self._presence.fill_(1)
         else:
@@ -78,9 +100,17 @@ class FlatGrads:
         return float(self.flat[-1])
 
     @contextmanager
-    def unreached_set_aside(self) -> Iterator[None]:
-        """With the agreed buffer in place (summed or received): parameters that no fast replica
-        reached have no gradient for what runs inside (the optimizer step, clipping)."""
+    def for_update(self) -> Iterator[None]:
+        """With the agreed buffer in place (summed and divided, or received): the parameters'
+        gradients for what runs inside (the optimizer step, clipping). Gradients that are not
+        views take the agreed values, rounded to their dtype; parameters that no fast replica
+        reached have no gradient, as in one process."""
+        for i in self._cast:
+            p, slot = self.params[i], self._slots[i]
+            if p.grad is None or p.grad.is_sparse:
+                p.grad = slot.to(p.dtype)
+            else:
+                p.grad.copy_(slot)
         marks = self._presence.tolist()
         if all(m > 0 for m in marks):
             yield

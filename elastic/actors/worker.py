@@ -499,7 +499,7 @@ class TrainWorker:
         store, n = self._fn_store, self._fn_n
         count_key, fast_key = f"fn/{step}/n", _fast_key(step)
         order = n + 1
-        flat = self._fn_grads.flat  # every gradient (views into it) and the loss: no copy in or out
+        flat = self._fn_grads.flat  # every gradient (views into it, bar other dtypes) and the loss
         local = 0.0
         computed = False
         self._check_abandoned(step)
@@ -559,9 +559,10 @@ class TrainWorker:
                 dist.recv(buffers, src=leader, tag=buffer_tag)
         if buffers is not None:
             self._buffers.unpack()
-        # The averaged gradient is in ``flat``, which the .grad views share; a parameter no fast
-        # replica's backward reached has none for this update, as in one process.
-        with self._fn_grads.unreached_set_aside():
+        # The averaged gradient is in ``flat``, which the .grad views share (other dtypes' grads
+        # are copied from it); a parameter no fast replica's backward reached has none for this
+        # update, as in one process.
+        with self._fn_grads.for_update():
             grad_norm = self._apply_update(step)
         if computed:
             self._first_n_late_backoff(order > n)
