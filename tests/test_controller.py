@@ -326,3 +326,15 @@ def test_a_failed_constructor_is_read_from_rays_text_and_other_text_is_given_who
     assert body.split("--- worker traceback ---\n")[1].startswith('  File "model.py"')
     odd = "the actor was lost before it answered"
     assert describe_build_failure(Died(odd)) == f"could not be built: {odd}"
+
+
+def test_torch_distributed_errors_are_told_from_the_users_by_class():
+    import torch.distributed as dist
+
+    from elastic.controller import _is_distributed_error
+
+    assert _is_distributed_error(dist.DistNetworkError("peer gone"))
+    assert _is_distributed_error(dist.DistStoreError("store timeout"))
+    assert _is_distributed_error(dist.DistBackendError("gloo"))
+    assert not _is_distributed_error(RuntimeError("Modules with uninitialized parameters"))
+    assert not _is_distributed_error(None)

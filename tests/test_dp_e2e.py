@@ -88,6 +88,39 @@ def test_a_worker_that_cannot_build_says_why_and_how_to_ship_the_module(ray_clus
     assert "The actor died" not in text and info.value.rank in (0, 1)
 
 
+def make_frozen_model():
+    model = make_model()
+    model.requires_grad_(False)
+    return model
+
+
+def make_lazy_model():
+    return torch.nn.Sequential(torch.nn.LazyLinear(4))
+
+
+def test_a_model_the_group_cannot_train_fails_with_a_worker_error_that_says_why(ray_cluster):
+    def fit(name, model_fn):
+        t = elastic.Trainer(model_fn=model_fn, optimizer_fn=make_sgd, dataset_fn=make_dataset, loss_fn=loss_fn,
+                            global_batch_size=8, scaling=elastic.ScalingConfig(num_workers=2),
+                            run=elastic.RunConfig(name=name))
+        with pytest.raises(elastic.WorkerError) as info:
+            t.fit(steps=2)
+        return info.value
+
+    # Found while the worker builds: nothing to train.
+    frozen = fit("frozen", make_frozen_model)
+    assert str(frozen).splitlines()[1].startswith("could not be built: ValueError: model_fn returned a model "
+                                                  "with no trainable parameters")
+    # Found at the rendezvous, by DDP: the worker's exception leads, then its traceback (it
+    # was a TrainingFailed holding Ray's text and a controller traceback).
+    lazy = fit("lazy", make_lazy_model)
+    text = str(lazy)
+    assert text.splitlines()[1].startswith("could not join the process group: RuntimeError: Modules with "
+                                           "uninitialized parameters")
+    assert "DistributedDataParallel" in text.split("--- worker traceback ---")[1]
+    assert "controller traceback" not in text and lazy.rank in (0, 1)
+
+
 def dataset_short_on(actor_prefix: str):
     """The test dataset, 56 samples short on the actors whose name starts with ``actor_prefix``:
     a node with part of the data."""

@@ -128,6 +128,10 @@ class TrainWorker:
         torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
         _seed_everything(spec.seed)
         self.model = spec.model_fn().to(self.device)
+        if not any(p.requires_grad for p in self.model.parameters()):
+            # DDP would refuse it at the rendezvous, and first-N would train nothing.
+            raise ValueError("model_fn returned a model with no trainable parameters (none has "
+                             "requires_grad=True): there is nothing to train")
         self.optimizer = spec.optimizer_fn(self.model.parameters())
         self.scheduler = spec.scheduler_fn(self.optimizer) if spec.scheduler_fn else None
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):

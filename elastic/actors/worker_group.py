@@ -34,21 +34,22 @@ _IMPORT_HINT = ("The workers unpickle model_fn, optimizer_fn, dataset_fn and los
                 "or ray.init(runtime_env={'working_dir': ...} or {'py_modules': [...]}) before fit().")
 
 
-def describe_build_failure(exc: BaseException) -> str:
-    """``exc`` (the RayActorError of a failed constructor) as the worker's exception line, a hint
-    for an import error, then the worker's traceback. Ray carries a failed constructor's exception
-    only as text (``error_msg``: a header line, the traceback, the exception line last), so the text
-    is what is read; text of another shape is given whole."""
+def describe_build_failure(exc: BaseException, what: str = "could not be built") -> str:
+    """``exc`` (the RayActorError of a failed constructor, or the RayTaskError of a failed call)
+    as ``what``, the worker's exception line, a hint for an import error, then the worker's
+    traceback. Ray carries a failed constructor's exception only as text (``error_msg``: a header
+    line, the traceback, the exception line last), and a failed call's text has the same shape,
+    so the text is what is read; text of another shape is given whole."""
     text = str(getattr(exc, "error_msg", "") or exc)
     lines = text.splitlines()[1:]
     while lines and not lines[0].strip(" ^"):  # position markers left from frames Ray cut
         lines.pop(0)
     body = [line for line in lines if line.strip()]
     if not body or body[-1].startswith((" ", "Traceback")):
-        return f"could not be built: {text}"
+        return f"{what}: {text}"
     summary = body[-1]
     hint = f"\n{_IMPORT_HINT}" if summary.startswith(("ModuleNotFoundError", "ImportError")) else ""
-    return f"could not be built: {summary}{hint}\n--- worker traceback ---\n" + "\n".join(lines)
+    return f"{what}: {summary}{hint}\n--- worker traceback ---\n" + "\n".join(lines)
 
 
 @dataclass
