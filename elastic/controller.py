@@ -20,7 +20,7 @@ from typing import Any, Callable
 import ray
 
 from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, TrainingSpec, WorkerError
-from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits, describe_build_failure
+from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits, describe_worker_failure
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan
 from elastic.policies import (
@@ -502,7 +502,10 @@ class Controller:
         try:
             ray.get(refs, timeout=self.failure_config.collective_timeout_s + 30)
         except ray.exceptions.RayTaskError as exc:
-            raise self._join_error(exc, refs) from exc
+            user = self._user_join_error(refs)
+            if user is None:
+                raise
+            raise user from exc
         self._lagging.clear()  # windows of the old generation
         self._checksums.clear()  # they may name actors that just left
         self.straggler_policy.reset()
@@ -511,21 +514,21 @@ class Controller:
                  f"({reason})", generation=self.generation, world_size=world, backend=backend,
                  seconds=time.time() - t0)
 
-    def _join_error(self, exc: BaseException, refs: list) -> BaseException:
-        """What a failed ``join`` raises. A rank whose own setup of the model for the group raised
-        (DDP refusing the model, say) while every rank is alive is the user's model: a
-        WorkerError naming the rank, with the worker's exception and traceback. A broken
-        collective or a lost peer stays as it was, for recovery to handle."""
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, CollectiveError) or _is_distributed_error(cause) or self._probe_dead():
-            return exc
+    def _user_join_error(self, refs: list) -> WorkerError | None:
+        """A failed ``join`` as the user's error, or None. The rule of a step's results: a rank
+        whose join raised anything but a CollectiveError (the worker's name for a failure of the
+        group itself) raised in its own setup of the model (DDP refusing it, say); with every rank
+        alive that is a WorkerError naming the rank, with the worker's exception and traceback.
+        A broken group or a lost peer is left to recovery."""
         for m, ref in zip(self.group.members, refs):
-            if ray.wait([ref], timeout=0)[0]:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayTaskError as failed:
-                    return WorkerError(m.rank, describe_build_failure(failed, "could not join the process group"))
-        return exc
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as failed:
+                if not isinstance(getattr(failed, "cause", None), CollectiveError) and not self._probe_dead():
+                    return WorkerError(m.rank, describe_worker_failure(failed, "could not join the process group"))
+        return None
 
     def _apply_fault_plan(self) -> None:
         """Deterministic fault injection keyed by (rank, step): a test, benchmark and demo aid."""
@@ -1566,12 +1569,6 @@ def _unreachable_nodes(node_ids: set, timeout_s: float = 1.0) -> set:
 def _raylet_reachable(node_id: str | None) -> bool:
     """Whether the raylet of ``node_id`` accepts a TCP connection (the node is up)."""
     return not _unreachable_nodes({node_id})
-
-
-def _is_distributed_error(exc: BaseException | None) -> bool:
-    """torch.distributed's own errors (``DistError`` and its store, network and backend kinds),
-    told by name: the controller does not import torch for this."""
-    return exc is not None and any(c.__name__ == "DistError" for c in type(exc).__mro__)
 
 
 def _looks_like_node_death(exc: BaseException) -> bool:

@@ -308,7 +308,7 @@ def test_a_straggler_held_back_for_want_of_a_spare_is_logged_once_per_episode():
 
 
 def test_a_failed_constructor_is_read_from_rays_text_and_other_text_is_given_whole():
-    from elastic.actors.worker_group import describe_build_failure
+    from elastic.actors.worker_group import describe_worker_failure
 
     class Died(Exception):
         def __init__(self, error_msg):
@@ -320,21 +320,9 @@ def test_a_failed_constructor_is_read_from_rays_text_and_other_text_is_given_who
                 '  File "model.py", line 3, in make\n'
                 "    raise ValueError('width must be even')\n"
                 "ValueError: width must be even")
-    body = describe_build_failure(Died(ray_text))
+    body = describe_worker_failure(Died(ray_text), "could not be built")
     assert body.splitlines()[0] == "could not be built: ValueError: width must be even"
     assert "working-dir" not in body  # the import hint is for import errors only
     assert body.split("--- worker traceback ---\n")[1].startswith('  File "model.py"')
     odd = "the actor was lost before it answered"
-    assert describe_build_failure(Died(odd)) == f"could not be built: {odd}"
-
-
-def test_torch_distributed_errors_are_told_from_the_users_by_class():
-    import torch.distributed as dist
-
-    from elastic.controller import _is_distributed_error
-
-    assert _is_distributed_error(dist.DistNetworkError("peer gone"))
-    assert _is_distributed_error(dist.DistStoreError("store timeout"))
-    assert _is_distributed_error(dist.DistBackendError("gloo"))
-    assert not _is_distributed_error(RuntimeError("Modules with uninitialized parameters"))
-    assert not _is_distributed_error(None)
+    assert describe_worker_failure(Died(odd), "could not be built") == f"could not be built: {odd}"

@@ -192,3 +192,21 @@ def test_a_metric_driven_scheduler_is_refused_when_the_worker_builds():
     worker = TrainWorker.__new__(TrainWorker)
     TrainWorker._build(worker, spec, "rank-0")  # a step-based one is fine
     assert worker.scheduler is not None
+
+
+def test_torch_distributed_errors_are_told_from_the_users_by_class():
+    from elastic.actors.protocol import CollectiveError
+    from elastic.actors.worker import _group_failures_as_collective
+
+    def raised(exc):
+        try:
+            with _group_failures_as_collective("rank 1 could not join generation 2"):
+                raise exc
+        except Exception as out:
+            return out
+
+    assert isinstance(raised(dist.DistNetworkError("peer gone")), CollectiveError)
+    assert isinstance(raised(dist.DistStoreError("store timeout")), CollectiveError)
+    assert isinstance(raised(dist.DistBackendError("gloo")), CollectiveError)
+    user = RuntimeError("Modules with uninitialized parameters")
+    assert raised(user) is user

@@ -67,13 +67,10 @@ class FlatGrads:
         self.flat = torch.zeros(sum(sizes) + len(self.params) + 1, device=device, dtype=self.dtype)
         self._slots, offset = [], 0
         for p, n in zip(self.params, sizes):
-            self._slots.append(self.flat[offset: offset + n].view(p.shape))
+            slot = self.flat[offset: offset + n].view(p.shape)
+            self._slots.append(slot)
+            p.grad = slot if p.dtype == self.dtype else None  # None: its own tensor, made by the next backward
             offset += n
-        for i in self._cast:
-            self.params[i].grad = None  # its own tensor again, made by the next backward
-        for i, p in enumerate(self.params):
-            if p.dtype == self.dtype:
-                p.grad = self._slots[i]
         self._presence = self.flat[offset: offset + len(self.params)]
         return self.flat
 

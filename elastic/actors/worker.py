@@ -29,8 +29,9 @@ import time
 import traceback
 import zlib
 from collections import deque
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ray
 
@@ -278,54 +279,57 @@ class TrainWorker:
         self.rank, self.world_size, self.generation = rank, world_size, generation
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-        dist.init_process_group(
-            self.backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-            device_id=self.device if self.backend == "nccl" else None,
-        )
-        buffers = ReplicaBuffers(self.model, self.device)
-        self._buffers = buffers if buffers and world_size > 1 else None
-        if use_ddp:
-            device_ids = [0] if self.backend == "nccl" else None
-            # Gradients as views into DDP's communication buckets: no per-step allocation of fresh
-            # gradient tensors and no copy into the buckets. Measured on the default benchmark
-            # workload (4 ranks, 2 cores, 500 steps, alternating runs): 8641/8708/8715 samples/s
-            # against 7717/6650/8411 without.
-            # No buffer broadcast at every forward: rank 0's buffers go out at the end of each
-            # step instead (_train_step), so every rank holds them between steps.
-            ddp = torch_parallel.DistributedDataParallel
-            self.ddp = ddp(
-                self.model, device_ids=device_ids, gradient_as_bucket_view=True,
-                find_unused_parameters=self.spec.find_unused_parameters,
-                **ddp_no_forward_buffer_sync(ddp.__init__), **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
-        if subgroup_size and subgroup_size < world_size:
-            # Every rank must create every subgroup, in the same order: gloo's new_group is a
-            # collective over the world (the use_local_synchronization variant hung in our probe).
-            for members in itertools.combinations(range(world_size), subgroup_size):
-                pg = dist.new_group(list(members))
-                if rank in members:
-                    self._subgroups[members] = pg
-        if subgroup_size:
-            self._fn_store = dist.distributed_c10d._get_default_store()
-            self._fn_n = subgroup_size
-            if self._fn_grads is None:  # once per model: it hooks every parameter
-                self._fn_grads = FlatGrads(self.model)
-            flat = self._fn_grads.bind(self.device)
-            flat_bytes = flat.numel() * flat.element_size()
-            self._fn_sends = UpdateSends(dist.isend, in_flight_limit(flat_bytes))
-            if self._buffers is not None:
-                self._fn_buffer_sends = UpdateSends(dist.isend, self._fn_sends.limit)
-            self._fn_late_streak, self._fn_sit_out = 0, 0
-            self._fn_abandoned = False
-            self._fn_backoff_max = late_backoff_steps
-        self._checksum_every = checksum_every
-        if world_size > 1:
-            from elastic.checkpoint.pool import PartPool
+        # A failure of the group itself (a peer gone, the store unreachable) is a CollectiveError, as
+        # in a step, for the controller to recover from; anything else is the model's, the user's.
+        with _group_failures_as_collective(f"rank {rank} could not join generation {generation}"):
+            dist.init_process_group(
+                self.backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+                device_id=self.device if self.backend == "nccl" else None,
+            )
+            buffers = ReplicaBuffers(self.model, self.device)
+            self._buffers = buffers if buffers and world_size > 1 else None
+            if use_ddp:
+                device_ids = [0] if self.backend == "nccl" else None
+                # Gradients as views into DDP's communication buckets: no per-step allocation of fresh
+                # gradient tensors and no copy into the buckets. Measured on the default benchmark
+                # workload (4 ranks, 2 cores, 500 steps, alternating runs): 8641/8708/8715 samples/s
+                # against 7717/6650/8411 without.
+                # No buffer broadcast at every forward: rank 0's buffers go out at the end of each
+                # step instead (_train_step), so every rank holds them between steps.
+                ddp = torch_parallel.DistributedDataParallel
+                self.ddp = ddp(
+                    self.model, device_ids=device_ids, gradient_as_bucket_view=True,
+                    find_unused_parameters=self.spec.find_unused_parameters,
+                    **ddp_no_forward_buffer_sync(ddp.__init__), **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
+            if subgroup_size and subgroup_size < world_size:
+                # Every rank must create every subgroup, in the same order: gloo's new_group is a
+                # collective over the world (the use_local_synchronization variant hung in our probe).
+                for members in itertools.combinations(range(world_size), subgroup_size):
+                    pg = dist.new_group(list(members))
+                    if rank in members:
+                        self._subgroups[members] = pg
+            if subgroup_size:
+                self._fn_store = dist.distributed_c10d._get_default_store()
+                self._fn_n = subgroup_size
+                if self._fn_grads is None:  # once per model: it hooks every parameter
+                    self._fn_grads = FlatGrads(self.model)
+                flat = self._fn_grads.bind(self.device)
+                flat_bytes = flat.numel() * flat.element_size()
+                self._fn_sends = UpdateSends(dist.isend, in_flight_limit(flat_bytes))
+                if self._buffers is not None:
+                    self._fn_buffer_sends = UpdateSends(dist.isend, self._fn_sends.limit)
+                self._fn_late_streak, self._fn_sit_out = 0, 0
+                self._fn_abandoned = False
+                self._fn_backoff_max = late_backoff_steps
+            self._checksum_every = checksum_every
+            if world_size > 1:
+                from elastic.checkpoint.pool import PartPool
 
-            self.part_pool = PartPool(master_addr, master_port, world_size)  # connects on first use
+                self.part_pool = PartPool(master_addr, master_port, world_size)  # connects on first use
         return {"rank": rank, "join_s": time.time() - t0}
 
     def leave(self) -> None:
@@ -834,6 +838,20 @@ def fetch_samples(dataset, indices: list[int]) -> list:
                              f"for {len(indices)} indices")
         return samples
     return [dataset[i] for i in indices]
+
+
+@contextmanager
+def _group_failures_as_collective(what: str) -> Iterator[None]:
+    """torch.distributed's own errors (store, network, backend) and errors that read like a broken
+    collective, raised inside, become a CollectiveError; other errors pass unchanged."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except Exception as exc:
+        if isinstance(exc, dist.DistError) or _looks_collective(exc):
+            raise CollectiveError(f"{what}: {exc}\n{traceback.format_exc()}") from None
+        raise
 
 
 def _looks_collective(exc: BaseException) -> bool:

@@ -34,7 +34,7 @@ _IMPORT_HINT = ("The workers unpickle model_fn, optimizer_fn, dataset_fn and los
                 "or ray.init(runtime_env={'working_dir': ...} or {'py_modules': [...]}) before fit().")
 
 
-def describe_build_failure(exc: BaseException, what: str = "could not be built") -> str:
+def describe_worker_failure(exc: BaseException, what: str) -> str:
     """``exc`` (the RayActorError of a failed constructor, or the RayTaskError of a failed call)
     as ``what``, the worker's exception line, a hint for an import error, then the worker's
     traceback. Ray carries a failed constructor's exception only as text (``error_msg``: a header
@@ -158,7 +158,7 @@ class WorkerGroup:
             except ray.exceptions.RayActorError as exc:
                 if not getattr(exc, "actor_init_failed", False):
                     raise
-                raise WorkerError(rank, describe_build_failure(exc)) from None
+                raise WorkerError(rank, describe_worker_failure(exc, "could not be built")) from None
         self._check_same_dataset(pending)
         self.members = order_by_node(pending)
         self._name_ranks()
