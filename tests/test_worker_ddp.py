@@ -79,6 +79,34 @@ def test_abandoning_first_n_releases_a_waiting_rank_and_keeps_published_steps():
     assert store.get("fn/5/fast") == ABANDONED
 
 
+def test_first_n_agreement_keys_are_forgotten_a_horizon_behind_so_the_store_stays_bounded():
+    # A real TCPStore under the prefix a process group uses, driven as a long first-N run drives
+    # it: each step's arrivals add to its count key, the N-th publishes the fast set, and one
+    # late replica forgets the step a horizon behind.
+    from datetime import timedelta
+
+    from elastic.actors.sends import MAX_IN_FLIGHT
+    from elastic.actors.worker import _count_key, _fast_key, agreement_horizon, forget_agreement
+
+    assert agreement_horizon(4) == 4096
+    assert agreement_horizon(64) == 2 * MAX_IN_FLIGHT * 64  # wide groups trail further
+    horizon = agreement_horizon(3)
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    store = dist.PrefixStore("default_pg/0/", master)
+    before = master.num_keys()
+    steps = horizon + 300
+    for step in range(1, steps + 1):
+        store.add(_count_key(step), 1 + (1 << 8))
+        store.compare_set(_fast_key(step), "", "3")
+        forget_agreement(store, step - horizon)
+    # The newest horizon of steps keeps its keys (a replica that far behind may still read them).
+    assert master.num_keys() - before == 2 * horizon
+    assert store.check([_fast_key(steps - horizon + 1), _count_key(steps - horizon + 1)])
+    assert not store.check([_fast_key(steps - horizon)]) and not store.check([_count_key(300)])
+    forget_agreement(store, steps + 5)  # keys that never were: no error
+    forget_agreement(store, -3)
+
+
 def test_a_late_first_n_replica_sits_out_four_steps_then_twice_as_long_each_time_up_to_the_cap():
     from types import SimpleNamespace
 
