@@ -543,6 +543,7 @@ class TrainWorker:
         mask = int(agreed)
         fast = tuple(r for r in range(self.world_size) if mask >> r & 1)
         leader = fast[0]
+        late = [r for r in range(self.world_size) if r not in fast]
         tag = step if self.backend == "gloo" else 0  # NCCL has no tags; its pairs match in issue order
         buffers = self._buffers.flat if self._buffers is not None else None
         # The agreed buffers (the fast N's mean) travel under a tag of their own.
@@ -554,10 +555,9 @@ class TrainWorker:
             if buffers is not None:
                 dist.all_reduce(buffers, group=group)
                 buffers.div_(n)
-            if self.rank == leader and len(fast) < self.world_size:
+            if self.rank == leader and late:
                 # A copy: the next step's backward writes into ``flat`` before a late rank may
                 # have received this one (elastic/actors/sends.py bounds and reuses the copies).
-                late = [r for r in range(self.world_size) if r not in fast]
                 self._fn_sends.send(flat, late, tag)
                 if buffers is not None:
                     self._fn_buffer_sends.send(buffers, late, buffer_tag)
@@ -565,9 +565,10 @@ class TrainWorker:
             dist.recv(flat, src=leader, tag=tag)
             if buffers is not None:
                 dist.recv(buffers, src=leader, tag=buffer_tag)
-            if self.rank == min(r for r in range(self.world_size) if r not in fast):
-                # One rank a step, off the fast N's path: a late replica has slack.
-                forget_agreement(store, step - agreement_horizon(self.world_size))
+        # One rank a step forgets an old step's keys: the first late replica, off the fast N's
+        # path (it has slack), or the leader when a group down to N ranks has no late one.
+        if self.rank == (late[0] if late else leader):
+            forget_agreement(store, step - agreement_horizon(self.world_size))
         if buffers is not None:
             self._buffers.unpack()
         # The averaged gradient is in ``flat``, which the .grad views share (other dtypes' grads
