@@ -25,7 +25,8 @@ demo: $(STAMP)
 	$(BIN)/python examples/digits.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	# The slowest tests are listed at the end: the suite should stay under 10 minutes on 2 cores.
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
