@@ -203,7 +203,13 @@ def test_a_late_replica_whose_leader_dies_before_sending_fails_over_at_once(ray_
     # must not sit out the collective timeout, and the step it never finished is replayed from
     # the survivor's state (or kept, if the gradient had reached it), with the same weights as
     # one process training on the batches that were used.
-    result = heal_two_of_three_lost("firstn-leader-lost", [{"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 3}],
+    # Ranks 1 and 2 are slowed by 0.2 s from the start, so rank 0 is in the fast set of steps 1
+    # and 2 and late first in step 3 (0.5 s against 0.2 s). Without that, arrival order under a
+    # loaded suite sometimes made rank 0 late in step 2 already; the dying leader's update of step
+    # 2 was then still in flight too, and the run (rightly) replayed from step 2.
+    slowed = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} for r in (1, 2)]
+    result = heal_two_of_three_lost("firstn-leader-lost",
+                                    [{"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 3}, *slowed],
                                     after_update=True)
     assert result.recoveries[0]["kind"] == "actor_died"
     assert result.recoveries[0]["detect_s"] < 10
