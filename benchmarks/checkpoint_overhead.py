@@ -162,12 +162,17 @@ def main(argv=None) -> None:
     p.add_argument("--raytrain-warmup", type=int, default=5)
     p.add_argument("--poll-s", type=float, default=0.2, help="controller status() poll interval (lag fallback)")
     p.add_argument("--skip-s3", action="store_true")
+    p.add_argument("--skip-raytrain", action="store_true",
+                   help="no Ray Train run (for experiments: the vs_raytrain figure needs it)")
     p.add_argument("--every-n-steps", type=int, default=1,
                    help="CheckpointConfig.every_n_steps of the checkpointed runs (the figures are named for 1)")
     p.add_argument("--min-shard-bytes", type=int, default=None,
                    help="CheckpointConfig.min_shard_bytes of the checkpointed runs (default: the config's; "
                         "0: every rank writes a shard)")
     args = p.parse_args(argv)
+    if not args.skip_raytrain and args.raytrain_steps <= args.raytrain_warmup:
+        p.error(f"--raytrain-steps ({args.raytrain_steps}) must be more than --raytrain-warmup "
+                f"({args.raytrain_warmup}), or pass --skip-raytrain")
     claim_stdout()
     peer = configure_raytrain(args)
     w = workload_from_args(args)
@@ -185,9 +190,11 @@ def main(argv=None) -> None:
             s3 = run_ours(w, args.steps, args.warmup, "ckpt-s3", f"s3://{BUCKET}/ours", opts, args.poll_s,
                           args.every_n_steps, args.min_shard_bytes)
         none_after = run_ours(w, args.steps, args.warmup, "ckpt-none-after", None, {}, args.poll_s)
-        theirs = run_raytrain(w, args.raytrain_steps, args.raytrain_warmup, ckpt_every=1,
-                              storage_path=f"{tmp}/raytrain", name="ckpt-raytrain")
-        logger.info("ray train: %s", theirs)
+        theirs = None
+        if not args.skip_raytrain:
+            theirs = run_raytrain(w, args.raytrain_steps, args.raytrain_warmup, ckpt_every=1,
+                                  storage_path=f"{tmp}/raytrain", name="ckpt-raytrain")
+            logger.info("ray train: %s", theirs)
     finally:
         if server is not None:
             server.stop()
@@ -208,11 +215,12 @@ def main(argv=None) -> None:
              baseline_driver_cpu_ms_per_step=(none["driver_cpu_ms_per_step"] + none_after["driver_cpu_ms_per_step"]) / 2,
              baseline_runs_mean_step_time_s=[none["mean_step_time_s"], none_after["mean_step_time_s"]],
              span_steps_per_s=run["span"]["steps_per_s"], baseline_span_steps_per_s=base_span, **common)
-    emit("ckpt_step_throughput_ratio_vs_raytrain", ratio(file_["span"]["steps_per_s"], theirs["steps_per_s"]), "ratio",
-         ours_steps_per_s=file_["span"]["steps_per_s"], raytrain_steps_per_s=theirs["steps_per_s"],
-         raytrain_mean_report_s=theirs.get("mean_ckpt_report_s"), ours_storage="file://", raytrain_storage="local path",
-         raytrain_steps=args.raytrain_steps, raytrain_warmup=args.raytrain_warmup,
-         **common)
+    if theirs is not None:
+        emit("ckpt_step_throughput_ratio_vs_raytrain", ratio(file_["span"]["steps_per_s"], theirs["steps_per_s"]),
+             "ratio", ours_steps_per_s=file_["span"]["steps_per_s"], raytrain_steps_per_s=theirs["steps_per_s"],
+             raytrain_mean_report_s=theirs.get("mean_ckpt_report_s"), ours_storage="file://",
+             raytrain_storage="local path", raytrain_steps=args.raytrain_steps,
+             raytrain_warmup=args.raytrain_warmup, **common)
     for label, run in (("file", file_), ("s3", s3)):
         if run is None:
             continue
@@ -229,8 +237,9 @@ def main(argv=None) -> None:
         persist = run["persist_s"]
         emit(f"ckpt_persist_seconds_{label}", statistics_median(persist), "s", p95=percentile(persist, 95),
              samples=len(persist), source=run["persist_source"], **common)
-    emit("ckpt_report_seconds_raytrain", theirs.get("mean_ckpt_report_s"), "s",
-         note="mean time in save + train.report(checkpoint=...) per step on rank 0", **common)
+    if theirs is not None:
+        emit("ckpt_report_seconds_raytrain", theirs.get("mean_ckpt_report_s"), "s",
+             note="mean time in save + train.report(checkpoint=...) per step on rank 0", **common)
 
 
 def statistics_median(values: list[float]) -> float | None:
