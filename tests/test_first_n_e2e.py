@@ -172,6 +172,11 @@ def test_persistent_straggler_evicted_for_spare(ray_cluster):
     assert len(set(result.replica_checksums)) == 1
 
 
+# Ranks 1 and 2 slowed by 0.2 s from the start: rank 0 is surely in the fast set until a test
+# slows it more.
+RANKS_1_2_SLOWED = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} for r in (1, 2)]
+
+
 def heal_two_of_three_lost(name: str, faults: list, after_update: bool = False):
     """Ranks 1 and 2 die in step 3 (or right after its update), with two spares and one step per
     call; the run must heal in one recovery, within a minute, with identical replicas."""
@@ -207,9 +212,8 @@ def test_a_late_replica_whose_leader_dies_before_sending_fails_over_at_once(ray_
     # and 2 and late first in step 3 (0.5 s against 0.2 s). Without that, arrival order under a
     # loaded suite sometimes made rank 0 late in step 2 already; the dying leader's update of step
     # 2 was then still in flight too, and the run (rightly) replayed from step 2.
-    slowed = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} for r in (1, 2)]
     result = heal_two_of_three_lost("firstn-leader-lost",
-                                    [{"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 3}, *slowed],
+                                    [{"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 3}, *RANKS_1_2_SLOWED],
                                     after_update=True)
     assert result.recoveries[0]["kind"] == "actor_died"
     assert result.recoveries[0]["detect_s"] < 10
@@ -226,7 +230,6 @@ def test_a_survivor_already_in_the_next_window_is_released_too(ray_cluster):
     # Ranks 1 and 2 are slowed from the start so that rank 0 is never late, and so never sits
     # out: it is surely in step 3's fast set (as the late rank instead, its receive from the
     # dying leader fails and step 3 is replayed; the test above covers that).
-    slowed = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} for r in (1, 2)]
-    result = heal_two_of_three_lost("firstn-next-window", slowed, after_update=True)
+    result = heal_two_of_three_lost("firstn-next-window", RANKS_1_2_SLOWED, after_update=True)
     assert result.recoveries[0]["step"] == 4  # step 3 finished on the survivor: kept, not replayed
 
