@@ -75,6 +75,15 @@ HISTORY_KEPT = 100_000
 # controller by as many steps as a late replica may trail (64 sends, elastic/actors/sends.py,
 # plus a dispatch window of 16), and a rollback to it must know where its data stood.
 POSITIONS_KEPT = 128
+# Spares in a row that may fail before they are ready (died building, or built a dataset that
+# differs from the ranks') before the controller stops refilling the pool on its own. Why stop:
+# a spare that fails for a reason of its node or its dataset_fn fails again the same way, and
+# refilling without end would start (and kill) a process every few seconds beside the ranks.
+# A spare that becomes ready ends the streak; a recovery that waits for capacity still asks.
+SPARE_START_ATTEMPTS = 3
+# How often (in steps) the controller looks after the spare pool while ranks train: spares that
+# finished building join it, dead ones leave it, and missing ones are asked for.
+SPARE_CHECK_EVERY = 10
 
 
 @dataclass
@@ -184,6 +193,8 @@ class Controller:
         # The newest step each rank has returned (first-N: a late replica's trails the run's).
         self._rank_done: dict[int, int] = {}
         self._eviction_held: int | None = None  # a straggler waiting for a spare (see _note_held_back)
+        self._spare_failures_in_row = 0  # spares that failed before they were ready (SPARE_START_ATTEMPTS)
+        self._refill_stop_logged = False
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
         self.total_steps = 0
@@ -1068,9 +1079,7 @@ class Controller:
                                 "recomputed": self.recomputed - recomputed_before})
         if self.metrics is not None:
             self.metrics.on_recovery(failure.kind, seconds)
-        for _ in range(max(0, self.scaling.num_hot_spares - len(self.group.spares) - self.group.pending_spares)):
-            self.group.request_spare(background=True)
-            self.log("spares", "requested a replacement spare in the background")
+        self._refill_spares()
         self.transition(State.RUNNING, f"rebuilt in {seconds:.2f}s; resuming at step {self.step + 1}")
 
     def _decide_and_apply(self, lost: tuple[int, ...], kind: str) -> None:
@@ -1138,14 +1147,48 @@ class Controller:
         self._log_rejected_spares()
         for m in self.group.spares:
             if m.name not in before:
+                self._spare_failures_in_row, self._refill_stop_logged = 0, False
                 background = bool(m.info.get("started_in_background"))
                 self.log("spares", f"{m.name} ready" + (" (built on idle CPU)" if background else ""),
                          spare=m.name, started_in_background=background, ready=len(self.group.spares))
 
     def _log_rejected_spares(self) -> None:
+        """Log spares that failed before they were ready; each one counts toward SPARE_START_ATTEMPTS."""
         for message in self.group.rejected_spares:
+            self._spare_failures_in_row += 1
             self.log("spare_rejected", message)
+        for message in self.group.failed_spares:
+            self._spare_failures_in_row += 1
+            self.log("spare_lost", message)
         self.group.rejected_spares.clear()
+        self.group.failed_spares.clear()
+
+    def _tend_spares(self) -> None:
+        """While ranks train: take in spares that are built, drop dead ones, ask for missing ones.
+        Never blocks (``WorkerGroup.watch_spares``)."""
+        self._collect_spares()
+        for m, why in self.group.watch_spares(self.failure_config.heartbeat_timeout_s):
+            self.log("spare_lost", f"spare {m.name} {why}; dropping it", spare=m.name)
+        self._refill_spares()
+
+    def _refill_spares(self) -> None:
+        """Ask for as many spares as the pool lacks (``num_backups``/``num_spares``), built in the
+        background, unless the last SPARE_START_ATTEMPTS spares all failed before they were ready:
+        then say once that the pool stays short."""
+        missing = self.scaling.num_hot_spares - len(self.group.spares) - self.group.pending_spares
+        if missing <= 0:
+            return
+        if self._spare_failures_in_row >= SPARE_START_ATTEMPTS:
+            if not self._refill_stop_logged:
+                self._refill_stop_logged = True
+                self.log("spares", f"not starting more spares: the last {SPARE_START_ATTEMPTS} failed before they "
+                         f"were ready (see the spare_lost and spare_rejected events); the pool stays at "
+                         f"{len(self.group.spares)} of {self.scaling.num_hot_spares}",
+                         ready=len(self.group.spares), wanted=self.scaling.num_hot_spares)
+            return
+        for _ in range(missing):
+            self.group.request_spare(background=True)
+            self.log("spares", "requested a replacement spare in the background")
 
     def _refresh_spares(self) -> None:
         self._collect_spares()
@@ -1369,8 +1412,8 @@ class Controller:
             self._note_held_back(decision)
         if self.on_step is not None:
             self.on_step(record, self)
-        if self.step % 10 == 0:
-            self._collect_spares()
+        if self.step % SPARE_CHECK_EVERY == 0:
+            self._tend_spares()
 
     def _note_held_back(self, decision: Continue) -> None:
         """A persistent straggler the policy would evict but no spare is ready for (the pool is
@@ -1417,7 +1460,7 @@ class Controller:
         self._form_group(f"evicted straggler rank {r}")
         if self.metrics is not None:
             self.metrics.on_recovery("straggler", time.time() - t0)
-        self.group.request_spare(background=True)
+        self._refill_spares()
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
 
     def _finish_checkpoints(self) -> None:

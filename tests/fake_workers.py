@@ -87,3 +87,24 @@ class FakeGroup(WorkerGroup):
     def __init__(self, scaling, spec, namespace):
         super().__init__(scaling, spec, namespace)
         self._actor_cls = ray.remote(concurrency_groups={"control": 1})(FakeWorker)
+
+
+class BrokenFakeWorker(FakeWorker):
+    """A worker whose constructor fails, as on a node without the user's dependencies."""
+
+    def __init__(self, spec, name="", background_start=False):
+        raise RuntimeError(f"{name}: this node cannot build the model")
+
+
+class SparesThatFailToBuild(FakeGroup):
+    """The spares the run starts with build; every spare started later fails in its constructor."""
+
+    def __init__(self, scaling, spec, namespace):
+        super().__init__(scaling, spec, namespace)
+        self._broken_cls = ray.remote(concurrency_groups={"control": 1})(BrokenFakeWorker)
+        self._first_spares = {f"spare-{i}" for i in range(scaling.num_hot_spares)}
+
+    def _spawn(self, pg, index, name, background=False):
+        if name.startswith("spare-") and name not in self._first_spares:
+            return self._broken_cls.options(**self._options(pg, index, name)).remote(self.spec, name, background)
+        return super()._spawn(pg, index, name, background)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
 import elastic
 from elastic.actors.worker import TrainingSpec
+from elastic import controller as controller_module
 from elastic.controller import Controller, State, TrainingFailed, _split_wall
-from fake_workers import FakeGroup
+from fake_workers import FakeGroup, SparesThatFailToBuild
 
 
 def controller(name, workers=2, backups=0, failure=None, faults=None):
@@ -326,3 +329,66 @@ def test_a_failed_constructor_is_read_from_rays_text_and_other_text_is_given_who
     assert body.split("--- worker traceback ---\n")[1].startswith('  File "model.py"')
     odd = "the actor was lost before it answered"
     assert describe_worker_failure(Died(odd), "could not be built") == f"could not be built: {odd}"
+
+
+def run_until(c, done, extra=None, timeout_s=60.0, after=0):
+    """Run ``c`` (0.02 s a step, so its spare pool has time to change) until ``done(c)`` holds,
+    then ``after`` more steps, then stop it. ``extra(record, c)`` runs after every step first.
+    Returns the names of the spares ready or building when the run stopped."""
+    deadline, met = time.time() + timeout_s, []
+
+    def on_step(record, ctl):
+        if extra is not None:
+            extra(record, ctl)
+        if not met and done(ctl):
+            met.append(record.step)
+        if (met and record.step >= met[0] + after) or time.time() > deadline:
+            ctl.request_stop("the test has seen what it waited for")
+        else:
+            time.sleep(0.02)
+
+    c.on_step = on_step
+    try:
+        c.run_for(steps=100_000)
+        pool = [m.name for m in c.group.spares + c.group._pending_spares]
+    finally:
+        c.shutdown()
+    assert met, "the condition never held"
+    assert c.state is State.STOPPED and [h.step for h in c.history] == list(range(1, c.step + 1))
+    return pool
+
+
+def kill_spare_at(step):
+    def hook(record, ctl):
+        if record.step == step:
+            ray.kill(ctl.group.spares[0].actor, no_restart=True)
+    return hook
+
+
+def test_a_spare_that_dies_between_failures_is_replaced_while_the_ranks_train(ray_cluster):
+    c = controller("fake-spare-dies", backups=1)
+    pool = run_until(c, lambda ctl: any(m.name == "spare-1" for m in ctl.group.spares), extra=kill_spare_at(2))
+    assert pool == ["spare-1"]
+    lost = [e for e in c.events if e.kind == "spare_lost"]
+    assert [e.details["spare"] for e in lost] == ["spare-0"] and "died" in lost[0].message
+    assert [e.message for e in c.events if e.kind == "spares"].count(
+        "requested a replacement spare in the background") == 1
+    ready = [e for e in c.events if e.kind == "spares" and e.details.get("spare") == "spare-1"]
+    assert len(ready) == 1 and ready[0].details["started_in_background"] is True
+
+
+def test_spares_that_keep_failing_to_build_stop_the_refill_and_say_so_once(ray_cluster):
+    c = controller("fake-spare-broken", backups=1)
+    c.worker_group_cls = SparesThatFailToBuild
+    stopped = lambda ctl: any(e.kind == "spares" and "not starting more spares" in e.message for e in ctl.events)
+    pool = run_until(c, stopped, extra=kill_spare_at(2), after=3 * controller_module.SPARE_CHECK_EVERY)
+    assert pool == []
+    lost = [e.message for e in c.events if e.kind == "spare_lost"]
+    assert len(lost) == 1 + controller_module.SPARE_START_ATTEMPTS
+    assert lost[0].startswith("spare spare-0 died")
+    for i, message in enumerate(lost[1:], start=1):
+        assert message.startswith(f"spare-{i} died before it was ready") and "cannot build the model" in message
+    spares_events = [e.message for e in c.events if e.kind == "spares"]
+    assert spares_events.count("requested a replacement spare in the background") == \
+        controller_module.SPARE_START_ATTEMPTS
+    assert len([m for m in spares_events if "not starting more spares" in m]) == 1

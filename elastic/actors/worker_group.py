@@ -112,6 +112,8 @@ class WorkerGroup:
         self._pending_spares: list[Member] = []
         self.dataset_size: int | None = None  # the ranks' (all equal), once they are built
         self.rejected_spares: list[str] = []  # why spares were not used; the controller logs and clears it
+        self.failed_spares: list[str] = []  # spares that died before they were ready; likewise
+        self._spare_beats: dict[str, tuple[Any, float]] = {}  # ready spare -> (heartbeat ref, when asked)
         self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
 
     # ---- creation --------------------------------------------------------------------------
@@ -213,7 +215,8 @@ class WorkerGroup:
                 try:
                     m.info = ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    logger.warning("spare %s died before it was ready: %s", m.name, exc)
+                    self.failed_spares.append(describe_worker_failure(exc, f"{m.name} died before it was ready"))
+                    logger.warning("%s", self.failed_spares[-1])
                     self._release(m)
                     continue
                 size = m.info.get("dataset_size")
@@ -236,10 +239,51 @@ class WorkerGroup:
     def pending_spares(self) -> int:
         return len(self._pending_spares)
 
+    def watch_spares(self, silent_after_s: float) -> list[tuple[Member, str]]:
+        """Check the ready spares without waiting: each call reads the heartbeat the previous call
+        asked each spare for, and asks for the next one. A spare whose heartbeat failed (the actor
+        or its node died) or that has not answered for ``silent_after_s`` is released and dropped
+        from the pool; returns those spares with what happened to each.
+
+        Why between failures, and not only when a failure needs a spare: a spare that died
+        unnoticed counts as ready until the next failure finds it dead, and that failure then
+        waits for a new spare to be built (``when_no_spare``), the seconds a hot spare exists to
+        save. Checked this way it costs one small actor call per spare per check and never
+        blocks the training loop."""
+        now = time.time()
+        asked = {m.name: self._spare_beats[m.name] for m in self.spares if m.name in self._spare_beats}
+        answered: set = set()
+        if asked:
+            refs = [ref for ref, _ in asked.values()]
+            answered = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        lost: list[tuple[Member, str]] = []
+        keep: list[Member] = []
+        for m in self.spares:
+            ref, since = asked.get(m.name, (None, now))
+            if ref is not None and ref in answered:
+                try:
+                    ray.get(ref)
+                    ref = None
+                except ray.exceptions.RayError as exc:
+                    lost.append((m, f"died ({type(exc).__name__})"))
+                    continue
+            elif ref is not None and now - since > silent_after_s:
+                lost.append((m, f"did not answer a heartbeat for {now - since:.0f}s"))
+                continue
+            if ref is None:
+                self._spare_beats[m.name] = (m.actor.heartbeat.remote(), now)
+            keep.append(m)
+        self.spares = keep
+        for m, _ in lost:
+            self._spare_beats.pop(m.name, None)
+            self._release(m)
+        return lost
+
     # ---- membership changes ----------------------------------------------------------------
     def promote_spare(self, rank: int) -> Member:
         """The next ready spare takes over ``rank``."""
         spare = self.spares.pop(0)
+        self._spare_beats.pop(spare.name, None)
         spare.spare = False
         spare.rank = rank
         self.members[rank] = spare
@@ -271,6 +315,7 @@ class WorkerGroup:
         dead = [m for m, ok in zip(self.spares, alive) if not ok]
         self.spares = [m for m, ok in zip(self.spares, alive) if ok]
         for m in dead:
+            self._spare_beats.pop(m.name, None)
             self._release(m)
         return dead
 
