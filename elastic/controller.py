@@ -195,6 +195,10 @@ class Controller:
         self._eviction_held: int | None = None  # a straggler waiting for a spare (see _note_held_back)
         self._spare_failures_in_row = 0  # spares that failed before they were ready (SPARE_START_ATTEMPTS)
         self._refill_stop_logged = False
+        # Nodes a straggler was evicted from: spares refilling the pool are kept off them while
+        # another node can host one (WorkerGroup.request_spare), so a node that is slow (a
+        # throttled GPU, a noisy neighbour) does not get the next spare. Kept for the run.
+        self._straggler_nodes: set[str] = set()
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
         self.total_steps = 0
@@ -1149,8 +1153,9 @@ class Controller:
             if m.name not in before:
                 self._spare_failures_in_row, self._refill_stop_logged = 0, False
                 background = bool(m.info.get("started_in_background"))
-                self.log("spares", f"{m.name} ready" + (" (built on idle CPU)" if background else ""),
-                         spare=m.name, started_in_background=background, ready=len(self.group.spares))
+                self.log("spares", f"{m.name} ready on node {m.info.get('node_ip')}" +
+                         (" (built on idle CPU)" if background else ""), spare=m.name, node_id=m.info.get("node_id"),
+                         started_in_background=background, ready=len(self.group.spares))
 
     def _log_rejected_spares(self) -> None:
         """Log spares that failed before they were ready; each one counts toward SPARE_START_ATTEMPTS."""
@@ -1160,8 +1165,11 @@ class Controller:
         for message in self.group.failed_spares:
             self._spare_failures_in_row += 1
             self.log("spare_lost", message)
+        for message in self.group.placement_notes:
+            self.log("spares", message)
         self.group.rejected_spares.clear()
         self.group.failed_spares.clear()
+        self.group.placement_notes.clear()
 
     def _tend_spares(self) -> None:
         """While ranks train: take in spares that are built, drop dead ones, ask for missing ones.
@@ -1187,8 +1195,10 @@ class Controller:
                          ready=len(self.group.spares), wanted=self.scaling.num_hot_spares)
             return
         for _ in range(missing):
-            self.group.request_spare(background=True)
-            self.log("spares", "requested a replacement spare in the background")
+            avoided = self.group.request_spare(background=True, avoid_nodes=self._straggler_nodes)
+            where = f" off node(s) {', '.join(n[:12] for n in avoided)}, where a straggler was evicted" \
+                if avoided else ""
+            self.log("spares", "requested a replacement spare in the background" + where, avoid_nodes=avoided)
 
     def _refresh_spares(self) -> None:
         self._collect_spares()
@@ -1442,8 +1452,9 @@ class Controller:
 
     def _evict(self, decision: EvictStraggler) -> None:
         r = decision.rank
+        node = self.group.members[r].info.get("node_id")
         self.transition(State.RECOVERING, f"evicting straggler rank {r}: {decision.reason}")
-        self.log("decision", f"EvictStraggler: {decision.reason}", decision="EvictStraggler", rank=r)
+        self.log("decision", f"EvictStraggler: {decision.reason}", decision="EvictStraggler", rank=r, node_id=node)
         t0 = time.time()
         # Let the survivors finish what they hold (the queued window, late windows) so they hold
         # the newest state, then rebuild. First-N survivors never need the victim to finish.
@@ -1453,6 +1464,8 @@ class Controller:
         self._wait_late(exclude=r)
         self._lagging.clear()
         victim = self.group.members[r]
+        if node:
+            self._straggler_nodes.add(node)
         self.group.evict(victim)
         ray.get([m.actor.leave.remote() for m in self.group.members if m.rank != r])
         self._replace((r,))

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
 import elastic
 from conftest import release_shared_cluster, start_cluster, stop_cluster
 from elastic.actors.priority import can_restore_priority
 from elastic.actors.worker import TrainingSpec
-from elastic.actors.worker_group import PlacementTimeout, WorkerGroup
+from elastic.actors.worker_group import NODE_ID_LABEL, PlacementTimeout, WorkerGroup
+from fake_workers import FakeGroup
 from helpers import loss_fn, make_dataset, make_model, make_sgd
 
 pytestmark = pytest.mark.slow
@@ -85,3 +89,63 @@ def test_placement_that_never_fits_times_out(two_nodes):
     with pytest.raises(PlacementTimeout, match="placement_timeout_s"):
         group.start(4)
     group.shutdown()
+
+
+def node_ids():
+    return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+
+
+def spare_node(group):
+    assert group.collect_spares(block=True, timeout_s=60) == 1
+    return group.spares[-1].info["node_id"]
+
+
+def test_a_refill_spare_is_kept_off_a_stragglers_node_while_another_node_can_host_it(two_nodes):
+    # Fake workers (no torch): what is tested is where Ray places the spare's placement group.
+    for avoid, other in (node_ids(), node_ids()[::-1]):
+        group = FakeGroup(elastic.ScalingConfig(num_workers=1), spec(), "elastic-avoid")
+        try:
+            assert group.request_spare(background=True, avoid_nodes={avoid}) == [avoid]
+            assert spare_node(group) == other
+        finally:
+            group.shutdown()
+    # Avoiding every node would place nothing: the spare is placed as usual.
+    group = FakeGroup(elastic.ScalingConfig(num_workers=1), spec(), "elastic-avoid-all")
+    try:
+        assert group.request_spare(background=True, avoid_nodes=set(node_ids())) == []
+        assert spare_node(group) in node_ids()
+    finally:
+        group.shutdown()
+
+
+def test_a_spare_kept_off_a_node_is_asked_for_anywhere_when_the_other_nodes_stay_full(two_nodes):
+    avoid, full = node_ids()
+    filler = placement_group([{"CPU": 3}], bundle_label_selector=[{NODE_ID_LABEL: full}])
+    ray.get(filler.ready(), timeout=30)
+    group = FakeGroup(elastic.ScalingConfig(num_workers=1, placement_timeout_s=1), spec(), "elastic-avoid-full")
+    try:
+        assert group.request_spare(background=True, avoid_nodes={avoid}) == [avoid]
+        time.sleep(1.5)
+        assert group.collect_spares() == 0  # past placement_timeout_s: asked for again, anywhere
+        assert len(group.placement_notes) == 1 and "spare-0 found no room off node(s)" in group.placement_notes[0]
+        assert [m.name for m in group._pending_spares] == ["spare-1"]
+        assert spare_node(group) == avoid
+        assert group.spares[0].info["started_in_background"] is True  # still a background refill
+    finally:
+        group.shutdown()
+        remove_placement_group(filler)
+
+
+def test_the_refill_after_evicting_a_straggler_is_asked_for_off_the_stragglers_node(two_nodes):
+    failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=3.0, straggler_window=2,
+                                    straggler_warmup_steps=1)
+    t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 32,
+                        scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, steps_per_dispatch=1),
+                        run=elastic.RunConfig(name="avoid-slow-node", seed=0), failure=failure,
+                        faults=[{"kind": "slow", "rank": 1, "delay_s": 0.3, "from_step": 2}])
+    result = t.fit(steps=8)
+    evictions = [e for e in result.events_of("decision") if e["details"]["decision"] == "EvictStraggler"]
+    assert len(evictions) == 1 and evictions[0]["details"]["node_id"] in node_ids()
+    asked = [e for e in result.events_of("spares") if e["message"].startswith("requested a replacement")]
+    assert [e["details"]["avoid_nodes"] for e in asked] == [[evictions[0]["details"]["node_id"]]]
+    assert "where a straggler was evicted" in asked[0]["message"]

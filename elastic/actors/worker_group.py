@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -22,6 +22,12 @@ from elastic.actors.worker import TrainWorker
 from elastic.config import ConfigError, ScalingConfig
 
 logger = logging.getLogger(__name__)
+
+# Ray's default node label, the node's ID (``ray.util.placement_group.NODE_ID_LABEL_KEY``).
+NODE_ID_LABEL = "ray.io/node-id"
+# How long a spare a recovery is waiting for may stay unplaced while it avoids a node, before
+# it is asked for on any node (see ``WorkerGroup.collect_spares``).
+AVOID_GRACE_S = 5.0
 
 
 class PlacementTimeout(RuntimeError):
@@ -113,6 +119,7 @@ class WorkerGroup:
         self.dataset_size: int | None = None  # the ranks' (all equal), once they are built
         self.rejected_spares: list[str] = []  # why spares were not used; the controller logs and clears it
         self.failed_spares: list[str] = []  # spares that died before they were ready; likewise
+        self.placement_notes: list[str] = []  # spares asked for again without avoiding nodes; likewise
         self._spare_beats: dict[str, tuple[Any, float]] = {}  # ready spare -> (heartbeat ref, when asked)
         self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
 
@@ -187,24 +194,73 @@ class WorkerGroup:
             m.spare = False
         assign_local_ranks(self.members)
 
-    def request_spare(self, background: bool = False) -> None:
+    def request_spare(self, background: bool = False, avoid_nodes: Iterable[str] = ()) -> list[str]:
         """Start one more hot spare in its own placement group, without waiting for it.
 
         ``background``: the spare only refills the pool while ranks train, so it builds on idle
         CPU (``ScalingConfig.background_spare_start`` permitting). A spare that a recovery waits
-        for starts at normal priority."""
+        for starts at normal priority.
+
+        ``avoid_nodes``: node IDs the spare should not land on (a straggler was evicted there). Its
+        bundle then carries a label selector on Ray's node-ID label, ``!in(...)``, so Ray places it
+        on another node. Only when another live node could host the bundle at all; on a cluster of
+        one node, or when every other node is too small, the spare is placed as usual. Returns the
+        nodes avoided. A spare still unplaced after ``placement_timeout_s`` (the other nodes stay
+        full) is asked for again without the selector (``collect_spares``)."""
+        avoid = self._avoidable(avoid_nodes)
         idx = self._spare_counter
         self._spare_counter += 1
-        pg = placement_group([self.scaling.bundle()], strategy="PACK", name=f"{self.namespace}/spare-{idx}")
+        selector = [{NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None
+        pg = placement_group([self.scaling.bundle()], strategy="PACK", name=f"{self.namespace}/spare-{idx}",
+                             bundle_label_selector=selector)
         self._pgs.append(pg)
         name = f"spare-{idx}"
         member = Member(self._spawn(pg, 0, name, background and self.scaling.background_spare_start), name, pg=pg,
                         spare=True)
-        member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time()}
+        member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time(),
+                       "_avoid": avoid, "_background": background}
         self._pending_spares.append(member)
+        return avoid
+
+    def _avoidable(self, avoid_nodes: Iterable[str]) -> list[str]:
+        """``avoid_nodes`` (sorted) if some other live node has the resources of a bundle, else []."""
+        avoid = sorted(set(avoid_nodes))
+        if not avoid:
+            return []
+        bundle = self.scaling.bundle()
+        for node in ray.nodes():
+            if node.get("Alive") and node.get("NodeID") not in avoid and \
+                    all(node.get("Resources", {}).get(k, 0.0) >= v for k, v in bundle.items()):
+                return avoid
+        return []
+
+    def _place_anywhere_if_stuck(self, grace_s: float, wait: bool) -> None:
+        """Spares kept off some nodes whose placement group is still not placed ``grace_s`` after
+        the request: ask for them again without the selector, since a spare on a node we would
+        rather avoid beats no spare. ``wait``: wait out each one's grace (a recovery needs it)."""
+        for m in list(self._pending_spares):
+            if not m.info.get("_avoid"):
+                continue
+            deadline = m.info["_since"] + grace_s
+            placed, _ = ray.wait([m.info["_pg_ready"]], timeout=max(0.0, deadline - time.time()) if wait else 0)
+            if placed or time.time() < deadline:
+                continue  # placed (it is building), or still has time
+            self._pending_spares.remove(m)
+            self._release(m)
+            self.placement_notes.append(
+                f"{m.name} found no room off node(s) {', '.join(n[:12] for n in m.info['_avoid'])} within "
+                f"{grace_s:g}s; asking for a spare on any node")
+            logger.warning("%s", self.placement_notes[-1])
+            self.request_spare(background=m.info["_background"])
 
     def collect_spares(self, block: bool = False, timeout_s: float | None = None) -> int:
-        """Move spares whose model is built into the ready list; returns how many are ready."""
+        """Move spares whose model is built into the ready list; returns how many are ready.
+
+        ``block``: a recovery waits for spares now, so a spare still kept off a node gets
+        ``AVOID_GRACE_S`` to be placed (not ``placement_timeout_s``) before it is asked for
+        anywhere."""
+        self._place_anywhere_if_stuck(min(AVOID_GRACE_S, self.scaling.placement_timeout_s) if block
+                                      else self.scaling.placement_timeout_s, wait=block)
         still = []
         deadline = time.time() + (timeout_s if timeout_s is not None else self.scaling.placement_timeout_s)
         for m in self._pending_spares:
