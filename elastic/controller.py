@@ -329,7 +329,7 @@ class Controller:
         self.transition(State.STARTING, "placement ready, starting worker actors")
         self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
         self.group.start(self.scaling.num_replicas)
-        self._log_rejected_spares()
+        self._log_spare_problems()
         for m in self.group.members:
             self.log("placed", f"rank {m.rank} on node {m.info.get('node_ip')} (node rank {m.node_rank}, "
                      f"local rank {m.local_rank})", rank=m.rank, node_id=m.info.get("node_id"))
@@ -1103,7 +1103,7 @@ class Controller:
                 for _ in range(max(0, missing)):
                     self.group.request_spare()
                 self.group.collect_spares(block=True, timeout_s=decision.timeout_s)
-                self._log_rejected_spares()
+                self._log_spare_problems()
                 waited = True
                 continue
             if isinstance(decision, Shrink):
@@ -1148,7 +1148,7 @@ class Controller:
         """Take in spares that finished building, and say so in the event log."""
         before = {m.name for m in self.group.spares}
         self.group.collect_spares()
-        self._log_rejected_spares()
+        self._log_spare_problems()
         for m in self.group.spares:
             if m.name not in before:
                 self._spare_failures_in_row, self._refill_stop_logged = 0, False
@@ -1157,8 +1157,9 @@ class Controller:
                          (" (built on idle CPU)" if background else ""), spare=m.name, node_id=m.info.get("node_id"),
                          started_in_background=background, ready=len(self.group.spares))
 
-    def _log_rejected_spares(self) -> None:
-        """Log spares that failed before they were ready; each one counts toward SPARE_START_ATTEMPTS."""
+    def _log_spare_problems(self) -> None:
+        """Log what the group noted about spares: those that failed before they were ready (each one
+        counts toward SPARE_START_ATTEMPTS) and those asked for again without avoiding nodes."""
         for message in self.group.rejected_spares:
             self._spare_failures_in_row += 1
             self.log("spare_rejected", message)
