@@ -341,7 +341,7 @@ def _summary(st: dict) -> str:
     parts = [
         f"[bold]run[/] {_dash(st.get('run'))}", f"[bold]state[/] {_dash(st.get('state'))}", f"[bold]step[/] {step}",
         f"[bold]loss[/] {_number(st.get('loss'))}", f"[bold]samples/s[/] {_number(st.get('samples_per_s'), '.0f')}",
-        f"[bold]world[/] {st.get('world_size')}", f"[bold]spares[/] {st.get('spares')}",
+        f"[bold]world[/] {st.get('world_size')}", f"[bold]spares[/] {_spares(st)}",
         f"[bold]failures[/] {st.get('failures')}", f"[bold]recoveries[/] {st.get('recoveries')}",
     ]
     if ckpt.get("latest") is not None or ckpt.get("lag") is not None:
@@ -349,6 +349,12 @@ def _summary(st: dict) -> str:
     if ckpt.get("storage_outage"):
         parts.append("[bold red]checkpoint storage not answering[/]")
     return "  ".join(parts)
+
+
+def _spares(st: dict) -> str:
+    """Ready spares, and those still starting: ``1 (+1 building)``."""
+    building = st.get("spares_building") or 0
+    return _dash(st.get("spares")) + (f" (+{building} building)" if building else "")
 
 
 def _node(row: dict) -> str:
@@ -386,7 +392,7 @@ def _runs_table(rows: list[tuple[str, Optional[dict]]]) -> Table:
             continue
         total = st.get("total_steps")
         step = f"{_dash(st.get('step'))}/{total}" if total else _dash(st.get("step"))
-        table.add_row(_dash(run), _dash(st.get("state")), step, _dash(st.get("world_size")), _dash(st.get("spares")),
+        table.add_row(_dash(run), _dash(st.get("state")), step, _dash(st.get("world_size")), _spares(st),
                       _dash(st.get("failures")))
     return table
 

@@ -1559,6 +1559,11 @@ class Controller:
                          "local_rank": None, "pid": m.info.get("pid"), "role": "spare", "state": "ready",
                          "step": None, "behind_steps": None, "step_time_s": None, "heartbeat_age_s": None,
                          "straggler_score": None})
+        for m in self.group.building_spares:  # asked for, not ready yet: where they will run is Ray's to say
+            rows.append({"rank": None, "name": m.name, "node_ip": None, "node_id": None, "node_rank": None,
+                         "local_rank": None, "pid": None, "role": "spare", "state": "building",
+                         "step": None, "behind_steps": None, "step_time_s": None, "heartbeat_age_s": None,
+                         "straggler_score": None})
         return rows
 
     def status(self) -> dict:
@@ -1569,6 +1574,7 @@ class Controller:
             "samples_per_s": (last.samples / last.step_time_s) if last and last.step_time_s else None,
             "world_size": len(self.group.members) if self.group else 0,
             "spares": len(self.group.spares) if self.group else 0,
+            "spares_building": self.group.pending_spares if self.group else 0,
             "failures": self.failures, "recoveries": len(self.recoveries), "ranks": self.rank_rows(),
             "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
                            "lag": self.committer.lag(self._progress_step())

@@ -43,6 +43,8 @@ class RunMetrics:
                                      tag_keys=rank_tags),
                 "world_size": Gauge("elastic_world_size", "Active ranks", tag_keys=("run",)),
                 "spares": Gauge("elastic_spares_available", "Hot spares ready to join", tag_keys=("run",)),
+                "spares_building": Gauge("elastic_spares_building", "Hot spares asked for and still starting",
+                                         tag_keys=("run",)),
                 "step": Gauge("elastic_step", "Last completed step", tag_keys=("run",)),
                 "failures": Counter("elastic_failures_total", "Worker failures by kind", tag_keys=("run", "kind")),
                 "recoveries": Counter("elastic_recoveries_total", "Completed recoveries by kind",
@@ -77,12 +79,15 @@ class RunMetrics:
                 m["samples"].set(record.samples / record.step_time_s, tags=run)
             m["world_size"].set(record.world_size, tags=run)
             m["spares"].set(len(controller.group.spares), tags=run)
+            m["spares_building"].set(controller.group.pending_spares, tags=run)
             m["step"].set(record.step, tags=run)
             if record.grad_norm is not None:
                 m["grad_norm"].set(record.grad_norm, tags=run)
             if record.dropped:
                 m["dropped"].inc(record.dropped, tags=run)
             for row in controller.rank_rows() if per_rank else ():
+                if row["role"] != "active":
+                    continue  # a spare has no rank, step time or straggler score
                 tags = {"run": self.run, "rank": str(row["rank"])}
                 m["heartbeat_age"].set(row["heartbeat_age_s"], tags=tags)
                 m["straggler"].set(row["straggler_score"], tags=tags)

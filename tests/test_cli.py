@@ -243,3 +243,17 @@ def test_status_table_shows_how_far_a_rank_is_behind():
     cells = {ln.split("│")[2].strip(): [c.strip() for c in ln.split("│")] for ln in lines if ln.count("│") > 5}
     at = [c.strip() for c in header.split("┃")].index("behind")
     assert (cells["rank-0"][at], cells["rank-1"][at], cells["spare-0"][at]) == ("0", "8", "-")
+
+
+def test_status_counts_spares_still_building_beside_the_ready_ones():
+    from elastic.cli import _runs_table, _summary
+    from rich.console import Console
+
+    st = {"run": "r", "state": "running", "step": 5, "world_size": 4, "spares": 0, "spares_building": 1,
+          "failures": 1, "recoveries": 1, "checkpoint": {}}
+    assert "spares 0 (+1 building)" in Console(width=300).render_str(_summary(st)).plain
+    st["spares"], st["spares_building"] = 1, 0
+    assert "(+" not in _summary(st) and "spares[/] 1" in _summary(st)
+    console = Console(width=200, record=True)
+    console.print(_runs_table([("r", {**st, "spares": 1, "spares_building": 2})]))
+    assert "1 (+2 building)" in console.export_text()

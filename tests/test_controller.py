@@ -367,8 +367,20 @@ def kill_spare_at(step):
 
 def test_a_spare_that_dies_between_failures_is_replaced_while_the_ranks_train(ray_cluster):
     c = controller("fake-spare-dies", backups=1)
-    pool = run_until(c, lambda ctl: any(m.name == "spare-1" for m in ctl.group.spares), extra=kill_spare_at(2))
+    kill, building = kill_spare_at(2), []
+
+    def extra(record, ctl):
+        kill(record, ctl)
+        st = ctl.status()
+        if st["spares_building"] and not building:
+            building.append((st, ctl.rank_rows()))
+
+    pool = run_until(c, lambda ctl: any(m.name == "spare-1" for m in ctl.group.spares), extra=extra)
     assert pool == ["spare-1"]
+    # While the replacement starts, status says so, and its row shows it building.
+    st, rows = building[0]
+    assert (st["spares"], st["spares_building"]) == (0, 1)
+    assert [(r["name"], r["role"], r["state"]) for r in rows if r["role"] == "spare"] == [("spare-1", "spare", "building")]
     lost = [e for e in c.events if e.kind == "spare_lost"]
     assert [e.details["spare"] for e in lost] == ["spare-0"] and "died" in lost[0].message
     assert [e.message for e in c.events if e.kind == "spares"].count(

@@ -260,7 +260,8 @@ def test_digits_job_named_actors_status_and_metrics(ray_head):
         metrics = wait_for(rank_metrics, 90, interval_s=1, what="ray_elastic_* metrics with run and rank tags")
         for name in ("ray_elastic_straggler_score", "ray_elastic_rank_step_time_s", "ray_elastic_rank_behind_steps",
                      "ray_elastic_world_size",
-                     "ray_elastic_spares_available", "ray_elastic_samples_per_s", "ray_elastic_step"):
+                     "ray_elastic_spares_available", "ray_elastic_spares_building", "ray_elastic_samples_per_s",
+                     "ray_elastic_step"):
             assert name in metrics, f"{name} missing from {sorted(metrics)}"
         assert {re.search(r'rank="(\d+)"', ln).group(1) for ln in metrics["ray_elastic_straggler_score"]} == {"0", "1"}
 

@@ -295,6 +295,11 @@ class WorkerGroup:
     def pending_spares(self) -> int:
         return len(self._pending_spares)
 
+    @property
+    def building_spares(self) -> list[Member]:
+        """Spares asked for and not ready yet (placing, or building their model)."""
+        return list(self._pending_spares)
+
     def watch_spares(self, silent_after_s: float) -> list[tuple[Member, str]]:
         """Check the ready spares without waiting: each call reads the heartbeat the previous call
         asked each spare for, and asks for the next one. A spare whose heartbeat failed (the actor
