@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -387,6 +389,29 @@ def test_a_spare_that_dies_between_failures_is_replaced_while_the_ranks_train(ra
         "requested a replacement spare in the background") == 1
     ready = [e for e in c.events if e.kind == "spares" and e.details.get("spare") == "spare-1"]
     assert len(ready) == 1 and ready[0].details["started_in_background"] is True
+
+
+def test_a_spare_that_stops_answering_is_dropped_after_the_heartbeat_timeout(ray_cluster):
+    c = controller("fake-spare-silent", backups=1, failure=elastic.FailureConfig(heartbeat_timeout_s=1))
+    stopped = []
+
+    def stop_spare(record, ctl):
+        if record.step == 2:  # the process lives but answers nothing, as a SIGSTOPped one
+            stopped.append(ctl.group.spares[0].info["pid"])
+            os.kill(stopped[0], signal.SIGSTOP)
+
+    try:
+        pool = run_until(c, lambda ctl: any(m.name == "spare-1" for m in ctl.group.spares), extra=stop_spare)
+    finally:
+        for pid in stopped:  # ray.kill of a stopped worker ends in a SIGKILL from its raylet; make sure
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert pool == ["spare-1"]
+    lost = [e for e in c.events if e.kind == "spare_lost"]
+    assert len(lost) == 1 and lost[0].details["spare"] == "spare-0"
+    assert "did not answer a heartbeat" in lost[0].message
 
 
 def test_spares_that_keep_failing_to_build_stop_the_refill_and_say_so_once(ray_cluster):
