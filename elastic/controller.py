@@ -1221,7 +1221,7 @@ class Controller:
 
     def _replace(self, lost: tuple[int, ...]) -> None:
         for r in lost:
-            spare = self.group.promote_spare(r)
+            spare = self.group.promote_spare(r, avoid_nodes=self._straggler_nodes)
             self.straggler_policy.forget(r)
             self.log("replace", f"spare {spare.name} takes rank {r} on node {spare.info.get('node_ip')}",
                      rank=r, spare=spare.name)

@@ -149,3 +149,19 @@ def test_the_refill_after_evicting_a_straggler_is_asked_for_off_the_stragglers_n
     asked = [e for e in result.events_of("spares") if e["message"].startswith("requested a replacement")]
     assert [e["details"]["avoid_nodes"] for e in asked] == [[evictions[0]["details"]["node_id"]]]
     assert "where a straggler was evicted" in asked[0]["message"]
+
+
+def test_a_spare_off_the_stragglers_node_is_promoted_before_an_older_one_on_it(two_nodes):
+    a, b = node_ids()
+    group = FakeGroup(elastic.ScalingConfig(num_workers=1), spec(), "elastic-promote-off-node")
+    try:
+        group.start(1)
+        group.request_spare(avoid_nodes={b})  # spare-0 on node a
+        assert spare_node(group) == a
+        group.request_spare(avoid_nodes={a})  # spare-1 on node b
+        assert group.collect_spares(block=True, timeout_s=60) == 2
+        assert group.promote_spare(0, avoid_nodes={a}).name == "spare-1"
+        assert [m.name for m in group.spares] == ["spare-0"]
+        assert group.promote_spare(0, avoid_nodes={a}).name == "spare-0"  # none off node a is left
+    finally:
+        group.shutdown()

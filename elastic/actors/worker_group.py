@@ -341,9 +341,11 @@ class WorkerGroup:
         return lost
 
     # ---- membership changes ----------------------------------------------------------------
-    def promote_spare(self, rank: int) -> Member:
-        """The next ready spare takes over ``rank``."""
-        spare = self.spares.pop(0)
+    def promote_spare(self, rank: int, avoid_nodes: Iterable[str] = ()) -> Member:
+        """The next ready spare takes over ``rank``: the oldest one not on ``avoid_nodes`` (nodes
+        a straggler was evicted from), else the oldest."""
+        avoid = set(avoid_nodes)
+        spare = self.spares.pop(next((i for i, m in enumerate(self.spares) if m.info.get("node_id") not in avoid), 0))
         self._spare_beats.pop(spare.name, None)
         spare.spare = False
         spare.rank = rank
