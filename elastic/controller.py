@@ -1089,7 +1089,7 @@ class Controller:
     def _decide_and_apply(self, lost: tuple[int, ...], kind: str) -> None:
         waited = False
         while True:
-            self._refresh_spares()
+            self._refresh_spares(wait=True)
             view = FailureView(lost, kind, len(self.group.members), len(self.group.spares),
                                self.group.pending_spares, self.failures, waited)
             decision = self.failure_policy.decide(view)
@@ -1174,10 +1174,8 @@ class Controller:
 
     def _tend_spares(self) -> None:
         """While ranks train: take in spares that are built, drop dead ones, ask for missing ones.
-        Never blocks (``WorkerGroup.watch_spares``)."""
-        self._collect_spares()
-        for m, why in self.group.watch_spares(self.failure_config.heartbeat_timeout_s):
-            self.log("spare_lost", f"spare {m.name} {why}; dropping it", spare=m.name)
+        Never blocks."""
+        self._refresh_spares()
         self._refill_spares()
 
     def _refill_spares(self) -> None:
@@ -1201,23 +1199,13 @@ class Controller:
                 if avoided else ""
             self.log("spares", "requested a replacement spare in the background" + where, avoid_nodes=avoided)
 
-    def _refresh_spares(self) -> None:
+    def _refresh_spares(self, wait: bool = False) -> None:
+        """Take in spares that are built and drop dead ones (``WorkerGroup.watch_spares``):
+        without ``wait`` never blocking, while ranks train; with it, before a recovery uses the
+        pool, waiting up to ``heartbeat_timeout_s`` for every spare's answer."""
         self._collect_spares()
-        if not self.group.spares:
-            return
-        refs = [m.actor.heartbeat.remote() for m in self.group.spares]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)
-        alive = []
-        for ref in refs:
-            ok = ref in ready
-            if ok:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError:
-                    ok = False
-            alive.append(ok)
-        for m in self.group.drop_dead_spares(alive):
-            self.log("spare_lost", f"spare {m.name} died; dropping it")
+        for m, why in self.group.watch_spares(self.failure_config.heartbeat_timeout_s, wait=wait):
+            self.log("spare_lost", f"spare {m.name} {why}; dropping it", spare=m.name)
 
     def _replace(self, lost: tuple[int, ...]) -> None:
         for r in lost:
@@ -1533,7 +1521,8 @@ class Controller:
         return out
 
     # ---- status for the CLI and dashboard ---------------------------------------------------
-    def rank_rows(self) -> list[dict]:
+    def rank_rows(self, spares: bool = True) -> list[dict]:
+        """One row per active rank, then (``spares``) one per spare, ready or still building."""
         scores = self.straggler_policy.scores()
         now = time.time()
         rows = []
@@ -1553,15 +1542,13 @@ class Controller:
                 "heartbeat_age_s": now - self._last_beat.get(m.rank, now),
                 "straggler_score": scores.get(m.rank, 1.0),
             })
-        for m in self.group.spares:
+        if not spares:
+            return rows
+        pool = [(m, "ready") for m in self.group.spares] + [(m, "building") for m in self.group.building_spares]
+        for m, state in pool:  # a spare still building has no node or pid yet: Ray has not placed it
             rows.append({"rank": None, "name": m.name, "node_ip": m.info.get("node_ip"),
                          "node_id": m.info.get("node_id"), "node_rank": None,
-                         "local_rank": None, "pid": m.info.get("pid"), "role": "spare", "state": "ready",
-                         "step": None, "behind_steps": None, "step_time_s": None, "heartbeat_age_s": None,
-                         "straggler_score": None})
-        for m in self.group.building_spares:  # asked for, not ready yet: where they will run is Ray's to say
-            rows.append({"rank": None, "name": m.name, "node_ip": None, "node_id": None, "node_rank": None,
-                         "local_rank": None, "pid": None, "role": "spare", "state": "building",
+                         "local_rank": None, "pid": m.info.get("pid"), "role": "spare", "state": state,
                          "step": None, "behind_steps": None, "step_time_s": None, "heartbeat_age_s": None,
                          "straggler_score": None})
         return rows

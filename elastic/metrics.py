@@ -85,9 +85,7 @@ class RunMetrics:
                 m["grad_norm"].set(record.grad_norm, tags=run)
             if record.dropped:
                 m["dropped"].inc(record.dropped, tags=run)
-            for row in controller.rank_rows() if per_rank else ():
-                if row["role"] != "active":
-                    continue  # a spare has no rank, step time or straggler score
+            for row in controller.rank_rows(spares=False) if per_rank else ():
                 tags = {"run": self.run, "rank": str(row["rank"])}
                 m["heartbeat_age"].set(row["heartbeat_age_s"], tags=tags)
                 m["straggler"].set(row["straggler_score"], tags=tags)

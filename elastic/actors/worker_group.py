@@ -303,23 +303,30 @@ class WorkerGroup:
         """Spares asked for and not ready yet (placing, or building their model)."""
         return list(self._pending_spares)
 
-    def watch_spares(self, silent_after_s: float) -> list[tuple[Member, str]]:
-        """Check the ready spares without waiting: each call reads the heartbeat the previous call
-        asked each spare for, and asks for the next one. A spare whose heartbeat failed (the actor
-        or its node died) or that has not answered for ``silent_after_s`` is released and dropped
-        from the pool; returns those spares with what happened to each.
+    def watch_spares(self, silent_after_s: float, wait: bool = False) -> list[tuple[Member, str]]:
+        """Check the ready spares: each call reads the heartbeat the previous call asked each spare
+        for, and asks for the next one. A spare whose heartbeat failed (the actor or its node died)
+        or that has not answered for ``silent_after_s`` is released and dropped from the pool;
+        returns those spares with what happened to each.
 
-        Why between failures, and not only when a failure needs a spare: a spare that died
+        Without ``wait`` (while ranks train) it never blocks: an answer not in yet is read next
+        time. Why between failures, and not only when a failure needs a spare: a spare that died
         unnoticed counts as ready until the next failure finds it dead, and that failure then
         waits for a new spare to be built (``when_no_spare``), the seconds a hot spare exists to
-        save. Checked this way it costs one small actor call per spare per check and never
-        blocks the training loop."""
+        save. Checked this way it costs one small actor call per spare per check.
+
+        ``wait`` (a recovery about to use the pool): every spare with no question pending is asked
+        now, answers are waited for up to ``silent_after_s``, and a spare that gives none is silent."""
         now = time.time()
+        if wait:
+            for m in self.spares:
+                self._spare_beats.setdefault(m.name, (m.actor.heartbeat.remote(), now))
         asked = {m.name: self._spare_beats[m.name] for m in self.spares if m.name in self._spare_beats}
         answered: set = set()
         if asked:
             refs = [ref for ref, _ in asked.values()]
-            answered = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            answered = set(ray.wait(refs, num_returns=len(refs), timeout=silent_after_s if wait else 0)[0])
+            now = time.time()
         lost: list[tuple[Member, str]] = []
         keep: list[Member] = []
         for m in self.spares:
@@ -331,7 +338,7 @@ class WorkerGroup:
                 except ray.exceptions.RayError as exc:
                     lost.append((m, f"died ({type(exc).__name__})"))
                     continue
-            elif ref is not None and now - since > silent_after_s:
+            elif ref is not None and (wait or now - since > silent_after_s):
                 lost.append((m, f"did not answer a heartbeat for {now - since:.0f}s"))
                 continue
             if ref is None:
@@ -376,14 +383,6 @@ class WorkerGroup:
                 remove_placement_group(member.pg)
             except Exception:
                 logger.debug("removing the placement group of %s failed", member.name, exc_info=True)
-
-    def drop_dead_spares(self, alive: list[bool]) -> list[Member]:
-        dead = [m for m, ok in zip(self.spares, alive) if not ok]
-        self.spares = [m for m, ok in zip(self.spares, alive) if ok]
-        for m in dead:
-            self._spare_beats.pop(m.name, None)
-            self._release(m)
-        return dead
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's node IP and a port free on that node, for a fresh TCP store."""
