@@ -348,7 +348,15 @@ def _summary(st: dict) -> str:
         parts.append(f"[bold]checkpoint[/] {_dash(ckpt.get('latest'))} (lag {_dash(ckpt.get('lag'))})")
     if ckpt.get("storage_outage"):
         parts.append("[bold red]checkpoint storage not answering[/]")
+    if st.get("avoided_nodes"):
+        parts.append(f"[bold]spares kept off[/] {_avoided(st['avoided_nodes'])}")
     return "  ".join(parts)
+
+
+def _avoided(nodes: dict) -> str:
+    """Nodes a straggler was evicted from, and for how long spares stay off them: ``a1b2c3 (55 s)``."""
+    return ", ".join(f"{node[:12]} ({'the run' if left == float('inf') else f'{left:.0f} s'})"
+                     for node, left in sorted(nodes.items()))
 
 
 def _spares(st: dict) -> str:

@@ -206,6 +206,10 @@ class FailureConfig:
     straggler_window: int = 5
     straggler_warmup_steps: int = 5
     evict_stragglers: bool = False
+    # After a straggler is evicted, spares refilling the pool stay off its node this long (while
+    # another node can host them). Spark excludes a failing executor's node for an hour the same
+    # way (spark.excludeOnFailure.timeout); a node slow only for a while gets spares again after it.
+    straggler_node_avoid_s: float = 3600.0
     checksum_every_n_steps: int = 10
 
     def __post_init__(self) -> None:
@@ -234,6 +238,10 @@ class FailureConfig:
             raise ConfigError(f"FailureConfig.straggler_window must be an integer >= 1, got {self.straggler_window!r}.")
         if not isinstance(self.straggler_warmup_steps, int) or self.straggler_warmup_steps < 0:
             raise ConfigError("FailureConfig.straggler_warmup_steps must be an integer >= 0.")
+        avoid = self.straggler_node_avoid_s
+        if isinstance(avoid, bool) or not isinstance(avoid, (int, float)) or not avoid >= 0:
+            raise ConfigError(f"FailureConfig.straggler_node_avoid_s must be seconds >= 0 (0: spares may go back on a "
+                              f"straggler's node at once; math.inf: never for this run), got {avoid!r}.")
         if not isinstance(self.checksum_every_n_steps, int) or self.checksum_every_n_steps < 0:
             raise ConfigError("FailureConfig.checksum_every_n_steps must be an integer >= 0 (0 turns the check off).")
 

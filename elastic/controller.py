@@ -195,10 +195,11 @@ class Controller:
         self._eviction_held: int | None = None  # a straggler waiting for a spare (see _note_held_back)
         self._spare_failures_in_row = 0  # spares that failed before they were ready (SPARE_START_ATTEMPTS)
         self._refill_stop_logged = False
-        # Nodes a straggler was evicted from: spares refilling the pool are kept off them while
-        # another node can host one (WorkerGroup.request_spare), so a node that is slow (a
-        # throttled GPU, a noisy neighbour) does not get the next spare. Kept for the run.
-        self._straggler_nodes: set[str] = set()
+        # Nodes a straggler was evicted from -> time.monotonic() until which spares refilling the
+        # pool are kept off them while another node can host one (WorkerGroup.request_spare), so
+        # a node that is slow (a throttled GPU, a noisy neighbour) does not get the next spare.
+        # For FailureConfig.straggler_node_avoid_s: a neighbour that left frees the node again.
+        self._straggler_nodes: dict[str, float] = {}
         self._last_beat: dict[int, float] = {}
         self.restored_from: int | None = None
         self.total_steps = 0
@@ -1194,7 +1195,7 @@ class Controller:
                          ready=len(self.group.spares), wanted=self.scaling.num_hot_spares)
             return
         for _ in range(missing):
-            avoided = self.group.request_spare(background=True, avoid_nodes=self._straggler_nodes)
+            avoided = self.group.request_spare(background=True, avoid_nodes=self._nodes_to_avoid())
             where = f" off node(s) {', '.join(n[:12] for n in avoided)}, where a straggler was evicted" \
                 if avoided else ""
             self.log("spares", "requested a replacement spare in the background" + where, avoid_nodes=avoided)
@@ -1209,7 +1210,7 @@ class Controller:
 
     def _replace(self, lost: tuple[int, ...]) -> None:
         for r in lost:
-            spare = self.group.promote_spare(r, avoid_nodes=self._straggler_nodes)
+            spare = self.group.promote_spare(r, avoid_nodes=self._nodes_to_avoid())
             self.straggler_policy.forget(r)
             self.log("replace", f"spare {spare.name} takes rank {r} on node {spare.info.get('node_ip')}",
                      rank=r, spare=spare.name)
@@ -1453,8 +1454,7 @@ class Controller:
         self._wait_late(exclude=r)
         self._lagging.clear()
         victim = self.group.members[r]
-        if node:
-            self._straggler_nodes.add(node)
+        self._avoid_node(node)
         self.group.evict(victim)
         ray.get([m.actor.leave.remote() for m in self.group.members if m.rank != r])
         self._replace((r,))
@@ -1464,6 +1464,24 @@ class Controller:
             self.metrics.on_recovery("straggler", time.time() - t0)
         self._refill_spares()
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
+
+    def _avoid_node(self, node: str | None, now: float | None = None) -> None:
+        """Keep refill spares off ``node`` for ``straggler_node_avoid_s`` from now (again, if it
+        is avoided already: its newest straggler counts)."""
+        avoid_s = self.failure_config.straggler_node_avoid_s
+        if node and avoid_s > 0:
+            self._straggler_nodes[node] = (time.monotonic() if now is None else now) + avoid_s
+
+    def _nodes_to_avoid(self, now: float | None = None) -> set[str]:
+        """The nodes spares stay off now; a node whose time is up is dropped, with an event."""
+        now = time.monotonic() if now is None else now
+        for node, until in list(self._straggler_nodes.items()):
+            if now >= until:
+                del self._straggler_nodes[node]
+                self.log("spares", f"node {node[:12]} may host spares again: a straggler was evicted from it "
+                         f"{self.failure_config.straggler_node_avoid_s:g}s ago (straggler_node_avoid_s)",
+                         node_id=node)
+        return set(self._straggler_nodes)
 
     def _finish_checkpoints(self) -> None:
         """Commit what the ranks have written, and the last step even when ``every_n_steps``
@@ -1562,6 +1580,9 @@ class Controller:
             "world_size": len(self.group.members) if self.group else 0,
             "spares": len(self.group.spares) if self.group else 0,
             "spares_building": self.group.pending_spares if self.group else 0,
+            # Nodes refill spares stay off (a straggler was evicted there), with the seconds left.
+            "avoided_nodes": {node: max(0.0, until - time.monotonic())
+                              for node, until in self._straggler_nodes.copy().items()},  # copy: step thread edits
             "failures": self.failures, "recoveries": len(self.recoveries), "ranks": self.rank_rows(),
             "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
                            "lag": self.committer.lag(self._progress_step())

@@ -257,3 +257,14 @@ def test_status_counts_spares_still_building_beside_the_ready_ones():
     console = Console(width=200, record=True)
     console.print(_runs_table([("r", {**st, "spares": 1, "spares_building": 2})]))
     assert "1 (+2 building)" in console.export_text()
+
+
+def test_status_names_the_nodes_spares_are_kept_off_and_for_how_long():
+    from elastic.cli import _summary
+    from rich.console import Console
+
+    st = {"run": "r", "state": "running", "step": 5, "checkpoint": {},
+          "avoided_nodes": {"b" * 40: float("inf"), "a" * 40: 3541.6}}
+    plain = Console(width=300).render_str(_summary(st)).plain
+    assert f"spares kept off {'a' * 12} (3542 s), {'b' * 12} (the run)" in plain
+    assert "kept off" not in _summary({**st, "avoided_nodes": {}})

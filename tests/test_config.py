@@ -39,6 +39,9 @@ def test_scaling_rejects(kwargs, field):
     ({"on_failure": "shrink"}, "allow_shrink"),
     ({"min_workers": 0}, "min_workers"),
     ({"heartbeat_timeout_s": 0}, "heartbeat_timeout_s"),
+    ({"straggler_node_avoid_s": -1}, "straggler_node_avoid_s"),
+    ({"straggler_node_avoid_s": float("nan")}, "straggler_node_avoid_s"),
+    ({"straggler_node_avoid_s": "1h"}, "straggler_node_avoid_s"),
 ])
 def test_failure_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):

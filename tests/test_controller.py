@@ -312,6 +312,28 @@ def test_a_straggler_held_back_for_want_of_a_spare_is_logged_once_per_episode():
     assert "no spare is ready" in held[0].message
 
 
+def test_spares_stay_off_a_stragglers_node_for_straggler_node_avoid_s_then_may_go_back():
+    c = controller("fake-avoid", failure=elastic.FailureConfig(straggler_node_avoid_s=60))
+    c._avoid_node("node-a", now=100.0)
+    c._avoid_node("node-b", now=130.0)
+    c._avoid_node(None, now=130.0)  # a rank whose node was never learnt
+    assert c._nodes_to_avoid(now=159.9) == {"node-a", "node-b"}
+    assert c._nodes_to_avoid(now=160.0) == {"node-b"}
+    c._avoid_node("node-b", now=170.0)  # evicted from again: its newest straggler counts
+    assert c._nodes_to_avoid(now=200.0) == {"node-b"}
+    assert c._nodes_to_avoid(now=230.0) == set()
+    freed = [e for e in c.events if e.kind == "spares"]
+    assert [e.details["node_id"] for e in freed] == ["node-a", "node-b"]
+    assert "may host spares again" in freed[0].message and "60s ago" in freed[0].message
+
+    never = controller("fake-avoid-off", failure=elastic.FailureConfig(straggler_node_avoid_s=0))
+    never._avoid_node("node-a", now=100.0)
+    assert never._nodes_to_avoid(now=100.0) == set() and not never.events
+    always = controller("fake-avoid-run", failure=elastic.FailureConfig(straggler_node_avoid_s=float("inf")))
+    always._avoid_node("node-a", now=100.0)
+    assert always._nodes_to_avoid(now=1e12) == {"node-a"}
+
+
 def test_a_failed_constructor_is_read_from_rays_text_and_other_text_is_given_whole():
     from elastic.actors.worker_group import describe_worker_failure
 
