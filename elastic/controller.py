@@ -1159,19 +1159,13 @@ class Controller:
                          started_in_background=background, ready=len(self.group.spares))
 
     def _log_spare_problems(self) -> None:
-        """Log what the group noted about spares: those that failed before they were ready (each one
-        counts toward SPARE_START_ATTEMPTS) and those asked for again without avoiding nodes."""
-        for message in self.group.rejected_spares:
-            self._spare_failures_in_row += 1
-            self.log("spare_rejected", message)
-        for message in self.group.failed_spares:
-            self._spare_failures_in_row += 1
-            self.log("spare_lost", message)
-        for message in self.group.placement_notes:
-            self.log("spares", message)
-        self.group.rejected_spares.clear()
-        self.group.failed_spares.clear()
-        self.group.placement_notes.clear()
+        """Log what the group noted about spares. One that failed before it was ready (lost or
+        rejected) counts toward SPARE_START_ATTEMPTS; a note that a spare was asked for again
+        without avoiding nodes does not."""
+        for kind, message in self.group.take_spare_notes():
+            if kind in ("spare_lost", "spare_rejected"):
+                self._spare_failures_in_row += 1
+            self.log(kind, message)
 
     def _tend_spares(self) -> None:
         """While ranks train: take in spares that are built, drop dead ones, ask for missing ones.

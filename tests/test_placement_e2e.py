@@ -127,7 +127,8 @@ def test_a_spare_kept_off_a_node_is_asked_for_anywhere_when_the_other_nodes_stay
         assert group.request_spare(background=True, avoid_nodes={avoid}) == [avoid]
         time.sleep(1.5)
         assert group.collect_spares() == 0  # past placement_timeout_s: asked for again, anywhere
-        assert len(group.placement_notes) == 1 and "spare-0 found no room off node(s)" in group.placement_notes[0]
+        notes = group.take_spare_notes()
+        assert len(notes) == 1 and notes[0][0] == "spares" and "spare-0 found no room off node(s)" in notes[0][1]
         assert [m.name for m in group._pending_spares] == ["spare-1"]
         assert spare_node(group) == avoid
         assert group.spares[0].info["started_in_background"] is True  # still a background refill

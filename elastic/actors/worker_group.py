@@ -120,9 +120,9 @@ class WorkerGroup:
         self._spare_counter = 0
         self._pending_spares: list[Member] = []
         self.dataset_size: int | None = None  # the ranks' (all equal), once they are built
-        self.rejected_spares: list[str] = []  # why spares were not used; the controller logs and clears it
-        self.failed_spares: list[str] = []  # spares that died before they were ready; likewise
-        self.placement_notes: list[str] = []  # spares asked for again without avoiding nodes; likewise
+        # (event kind, message) about spares, for the controller's event log (take_spare_notes):
+        # "spare_lost" (died before it was ready), "spare_rejected" (not used), "spares" (other).
+        self.spare_notes: list[tuple[str, str]] = []
         self._spare_beats: dict[str, tuple[Any, float]] = {}  # ready spare -> (heartbeat ref, when asked)
         self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
 
@@ -250,11 +250,18 @@ class WorkerGroup:
                 continue  # placed (it is building), or still has time
             self._pending_spares.remove(m)
             self._release(m)
-            self.placement_notes.append(
-                f"{m.name} found no room off node(s) {', '.join(n[:12] for n in m.info['_avoid'])} within "
-                f"{grace_s:g}s; asking for a spare on any node")
-            logger.warning("%s", self.placement_notes[-1])
+            self._note_spare("spares", f"{m.name} found no room off node(s) {', '.join(n[:12] for n in m.info['_avoid'])} "
+                             f"within {grace_s:g}s; asking for a spare on any node")
             self.request_spare(background=m.info["_background"])
+
+    def _note_spare(self, kind: str, message: str) -> None:
+        logger.warning("%s", message)
+        self.spare_notes.append((kind, message))
+
+    def take_spare_notes(self) -> list[tuple[str, str]]:
+        """What happened to spares since the last call, as (event kind, message), oldest first."""
+        notes, self.spare_notes = self.spare_notes, []
+        return notes
 
     def collect_spares(self, block: bool = False, timeout_s: float | None = None) -> int:
         """Move spares whose model is built into the ready list; returns how many are ready.
@@ -274,18 +281,15 @@ class WorkerGroup:
                 try:
                     m.info = ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    self.failed_spares.append(describe_worker_failure(exc, f"{m.name} died before it was ready"))
-                    logger.warning("%s", self.failed_spares[-1])
+                    self._note_spare("spare_lost", describe_worker_failure(exc, f"{m.name} died before it was ready"))
                     self._release(m)
                     continue
                 size = m.info.get("dataset_size")
                 if None not in (size, self.dataset_size) and size != self.dataset_size:
                     # Never a rank: see _check_same_dataset. The controller logs the refusal.
-                    self.rejected_spares.append(
-                        f"{m.name} on node {m.info.get('node_ip')} built a dataset of {size} samples, the "
-                        f"ranks' has {self.dataset_size}: not used (dataset_fn must build the same dataset "
-                        f"on every node)")
-                    logger.warning("%s", self.rejected_spares[-1])
+                    self._note_spare("spare_rejected", f"{m.name} on node {m.info.get('node_ip')} built a dataset of "
+                                     f"{size} samples, the ranks' has {self.dataset_size}: not used (dataset_fn must "
+                                     f"build the same dataset on every node)")
                     self._release(m)
                     continue
                 self.spares.append(m)
