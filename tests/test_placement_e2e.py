@@ -47,6 +47,9 @@ def test_ranks_grouped_by_node(two_nodes):
         # actor names match ranks in the run's namespace
         for m in members:
             assert ray.get_actor(f"rank-{m.rank}", namespace="elastic-placement") is not None
+            # torch's import-time objects and the model are out of every later full collection
+            # (elastic/actors/worker.py: _freeze_startup_heap)
+            assert m.info["gc_frozen_objects"] > 10_000
     finally:
         group.shutdown()
 
