@@ -354,8 +354,9 @@ def _summary(st: dict) -> str:
 
 
 def _avoided(nodes: dict) -> str:
-    """Nodes a straggler was evicted from, and for how long spares stay off them: ``a1b2c3 (55 s)``."""
-    return ", ".join(f"{node[:12]} ({'the run' if left == float('inf') else f'{left:.0f} s'})"
+    """Nodes a straggler was evicted from, and for how long spares stay off them: ``a1b2c3 (55 s)``
+    (seconds left; None: for the rest of the run)."""
+    return ", ".join(f"{node[:12]} ({'the run' if left is None else f'{left:.0f} s'})"
                      for node, left in sorted(nodes.items()))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import socket
 import statistics
 import threading
@@ -1477,6 +1478,10 @@ class Controller:
                          node_id=node)
         return set(self._straggler_nodes)
 
+    def _avoided_for(self, now: float) -> dict[str, float | None]:
+        return {node: None if until == math.inf else until - now
+                for node, until in self._straggler_nodes.copy().items() if until > now}  # copy: the step thread edits
+
     def _finish_checkpoints(self) -> None:
         """Commit what the ranks have written, and the last step even when ``every_n_steps``
         skips it: a run that finishes or is stopped at step 37 with ``every_n_steps=10`` ends
@@ -1574,9 +1579,9 @@ class Controller:
             "world_size": len(self.group.members) if self.group else 0,
             "spares": len(self.group.spares) if self.group else 0,
             "spares_building": self.group.pending_spares if self.group else 0,
-            # Nodes refill spares stay off (a straggler was evicted there), with the seconds left.
-            "avoided_nodes": {node: max(0.0, until - time.monotonic())
-                              for node, until in self._straggler_nodes.copy().items()},  # copy: step thread edits
+            # Nodes refill spares stay off (a straggler was evicted there) -> seconds left, None
+            # for the rest of the run (straggler_node_avoid_s=inf; JSON has no infinity).
+            "avoided_nodes": self._avoided_for(time.monotonic()),
             "failures": self.failures, "recoveries": len(self.recoveries), "ranks": self.rank_rows(),
             "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
                            "lag": self.committer.lag(self._progress_step())

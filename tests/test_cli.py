@@ -264,7 +264,7 @@ def test_status_names_the_nodes_spares_are_kept_off_and_for_how_long():
     from rich.console import Console
 
     st = {"run": "r", "state": "running", "step": 5, "checkpoint": {},
-          "avoided_nodes": {"b" * 40: float("inf"), "a" * 40: 3541.6}}
+          "avoided_nodes": {"b" * 40: None, "a" * 40: 3541.6}}
     plain = Console(width=300).render_str(_summary(st)).plain
     assert f"spares kept off {'a' * 12} (3542 s), {'b' * 12} (the run)" in plain
     assert "kept off" not in _summary({**st, "avoided_nodes": {}})

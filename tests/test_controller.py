@@ -318,6 +318,7 @@ def test_spares_stay_off_a_stragglers_node_for_straggler_node_avoid_s_then_may_g
     c._avoid_node("node-b", now=130.0)
     c._avoid_node(None, now=130.0)  # a rank whose node was never learnt
     assert c._nodes_to_avoid(now=159.9) == {"node-a", "node-b"}
+    assert c._avoided_for(170.0) == {"node-b": 20.0}  # status(): node-a's time is up, even before it is dropped
     assert c._nodes_to_avoid(now=160.0) == {"node-b"}
     c._avoid_node("node-b", now=170.0)  # evicted from again: its newest straggler counts
     assert c._nodes_to_avoid(now=200.0) == {"node-b"}
@@ -332,6 +333,7 @@ def test_spares_stay_off_a_stragglers_node_for_straggler_node_avoid_s_then_may_g
     always = controller("fake-avoid-run", failure=elastic.FailureConfig(straggler_node_avoid_s=float("inf")))
     always._avoid_node("node-a", now=100.0)
     assert always._nodes_to_avoid(now=1e12) == {"node-a"}
+    assert always._avoided_for(1e12) == {"node-a": None}  # JSON has no infinity
 
 
 def test_a_failed_constructor_is_read_from_rays_text_and_other_text_is_given_whole():
