@@ -45,6 +45,48 @@ def buckets_reduced(tmp_path, caps: list) -> list[int]:
     return counts
 
 
+def _leave_after_losing_the_peer(rank: int, port: int, out) -> None:
+    """A real TrainWorker (no Ray) in a two-rank DDP group; rank 1 SIGKILLs itself in step 2."""
+    from helpers import loss_fn, make_dataset, make_model, make_sgd
+
+    from elastic.actors.protocol import CollectiveError, TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, loss_fn))
+    worker.join(rank, 2, "127.0.0.1", port, 1, 20.0)
+    if rank == 1:
+        worker.inject_kill(at_step=2)
+    try:
+        worker.train_steps(1, [[0, 1], [2, 3]], 1)
+        out.put(("no failure", None))
+    except CollectiveError:
+        out.put((worker.teardown_leaks, dist.is_initialized()))
+
+
+def test_a_collective_failure_frees_the_ddp_wrapper_before_its_group():
+    # leave() must free the DDP wrapper while it still holds the group itself, so that the
+    # reducer never drops the group's last reference with the GIL held (a deadlock with gloo's
+    # worker threads, elastic/actors/worker.py: TrainWorker.leave). The failed step's frames
+    # held the wrapper until Ray dropped the exception; now they are cleared first.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_leave_after_losing_the_peer, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    leaks, still_in_group = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    assert procs[1].exitcode == -9  # rank 1 died in its step, as injected
+    assert procs[0].exitcode == 0
+    assert (leaks, still_in_group) == (0, False)
+
+
 def test_bucket_arguments_by_backend():
     assert ddp_bucket_kwargs("gloo", None) == {"bucket_cap_mb": 25}
     assert ddp_bucket_kwargs("nccl", None) == {}  # torch's default: a small first bucket to overlap

@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 import traceback
+import weakref
 import zlib
 from collections import deque
 from contextlib import contextmanager
@@ -160,6 +161,7 @@ class TrainWorker:
                             "step-based scheduler (LambdaLR, StepLR, OneCycleLR, CosineAnnealingLR, ...).")
         self.dataset = spec.dataset_fn()
         self.ddp = None  # DistributedDataParallel while in a group (aggregation "all")
+        self.teardown_leaks = 0  # leave() calls the DDP wrapper outlived (see leave)
         self.rank = -1
         self.world_size = 0
         self.generation = -1
@@ -207,6 +209,7 @@ class TrainWorker:
             "started_in_background": self.started_in_background,
             "idle_threads": idle_threads(),
             "gc_frozen_objects": gc.get_freeze_count(),
+            "teardown_leaks": self.teardown_leaks,
             "dataset_size": len(self.dataset),
         }
 
@@ -352,7 +355,29 @@ class TrainWorker:
         return {"rank": rank, "join_s": time.time() - t0}
 
     def leave(self) -> None:
-        """Tear down the group. Peers blocked on us see their sockets close and raise at once."""
+        """Tear down the group. Peers blocked on us see their sockets close and raise at once.
+
+        The group's ``ProcessGroup`` objects are held here until the end, and dropped last. Why:
+        the DDP reducer also owns the group, and a reducer is freed with the GIL held (pybind's
+        default), while a ``ProcessGroup`` object lets go of the GIL in its destructor (torch's
+        ``IntrusivePtrNoGilDestructor``). Gloo's destructor waits for its worker threads, and a
+        worker thread that just finished a collective frees that work under the group's mutex,
+        which needs the GIL (the work's saved thread-local state holds a Python object). So a
+        reducer that drops the last reference deadlocks the process: its thread holds the GIL and
+        waits for the mutex, the worker thread holds the mutex and waits for the GIL. Seen on the
+        recovery benchmark about once in 20-50 SIGKILLs: a survivor answered no heartbeat until it
+        was killed as hung (py-spy: ``~Reducer -> ~ProcessGroupGloo -> pthread_mutex_lock`` on one
+        thread, ``~AsyncAllreduceWork -> gil_scoped_acquire`` on gloo's). That happened when Ray
+        freed the failed step's exception, whose frames still held the DDP wrapper; now
+        ``_run_guarded`` clears them, the wrapper dies in here (``gc.collect`` for its cycles),
+        and the last reference to the group is ours. ``teardown_leaks`` counts leaves where the
+        wrapper was still alive at the end; dropping the group is not put off then, because a
+        group kept alive keeps its sockets open and peers blocked on us would wait out the timeout.
+        """
+        held = list(self._subgroups.values())
+        if dist.is_initialized():
+            held.append(dist.group.WORLD)
+        wrapper = weakref.ref(self.ddp) if self.ddp is not None else None
         self._subgroups.clear()
         self._fn_store, self._fn_sends = None, None  # unfinished sends went to peers of the old group
         self._fn_buffer_sends = None
@@ -369,6 +394,12 @@ class TrainWorker:
             except Exception:  # an already-broken group may refuse a clean destroy
                 logger.debug("destroy_process_group failed", exc_info=True)
         gc.collect()
+        if wrapper is not None and wrapper() is not None:
+            self.teardown_leaks += 1
+            logger.warning("rank %s: the DistributedDataParallel wrapper outlived leaving group generation %s "
+                           "(something still references it); its reducer may free the group later",
+                           self.rank, self.generation)
+        del held  # the last references: the gloo group is destroyed here, without the GIL
 
     # ---- training --------------------------------------------------------------------------
     def _batch(self, indices: list[int]):
@@ -419,8 +450,13 @@ class TrainWorker:
             collective = isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
             # DDP's error names its own constructor argument, which a user of elastic never calls.
             unused = self.ddp is not None and "find_unused_parameters" in str(exc)
-            exc = None  # drop frames that reference the DDP reducer before tearing down
+            failed = exc
+            exc = None
             if collective:
+                # The failed step's frames hold the DDP wrapper (its forward's ``model``, say) for as
+                # long as the exception lives, past this call; cleared, it dies inside leave().
+                _clear_frames(failed)
+                failed = None
                 self.leave()
                 raise CollectiveError(msg)
             if unused:
@@ -873,6 +909,19 @@ def _mark_abandoned(store, step: int, rank: int) -> None:
         client.compare_set(_fast_key(step), "", ABANDONED)
     except Exception as exc:  # noqa: BLE001 - the store died with rank 0: its clients raise already
         logger.debug("rank %s: cannot mark first-N steps abandoned: %s", rank, exc)
+
+
+def _clear_frames(exc: BaseException | None) -> None:
+    """Drop the local variables of the finished frames in ``exc``'s traceback, and in those of
+    the exceptions it chains (``__cause__``, ``__context__``). Frames still running are left."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def fetch_samples(dataset, indices: list[int]) -> list:
