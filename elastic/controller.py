@@ -1479,6 +1479,8 @@ class Controller:
         return set(self._straggler_nodes)
 
     def _avoided_for(self, now: float) -> dict[str, float | None]:
+        """For status(): the nodes spares stay off at ``now``, read only (``_nodes_to_avoid``
+        drops expired ones), with the seconds left; None for the rest of the run."""
         return {node: None if until == math.inf else until - now
                 for node, until in self._straggler_nodes.copy().items() if until > now}  # copy: the step thread edits
 

@@ -24,6 +24,7 @@ import random
 import signal
 import socket
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -209,7 +210,6 @@ class TrainWorker:
             "started_in_background": self.started_in_background,
             "idle_threads": idle_threads(),
             "gc_frozen_objects": gc.get_freeze_count(),
-            "teardown_leaks": self.teardown_leaks,
             "dataset_size": len(self.dataset),
         }
 
@@ -366,11 +366,13 @@ class TrainWorker:
         reducer that drops the last reference deadlocks the process: its thread holds the GIL and
         waits for the mutex, the worker thread holds the mutex and waits for the GIL. Seen on the
         recovery benchmark's workload in 4 of 59 SIGKILL runs (and 0 of 70 since): a survivor
-        answered no heartbeat until it was killed as hung (py-spy: ``~Reducer -> ~ProcessGroupGloo -> pthread_mutex_lock`` on one
-        thread, ``~AsyncAllreduceWork -> gil_scoped_acquire`` on gloo's). That happened when Ray
-        freed the failed step's exception, whose frames still held the DDP wrapper; now
-        ``_run_guarded`` clears them, the wrapper dies in here (``gc.collect`` for its cycles),
-        and the last reference to the group is ours. ``teardown_leaks`` counts leaves where the
+        answered no heartbeat until it was killed as hung (py-spy: ``~Reducer ->
+        ~ProcessGroupGloo -> pthread_mutex_lock`` on one thread, ``~AsyncAllreduceWork ->
+        gil_scoped_acquire`` on gloo's). That happened when Ray freed the failed step's
+        exception, whose frames still held the DDP wrapper (the step's ``model``). So a leave()
+        called while a failure is being handled clears that exception's frames first; the
+        wrapper dies in here (``gc.collect`` for its cycles), and the last reference to the group
+        is ours. ``teardown_leaks`` counts leaves where the
         wrapper was still alive at the end; dropping the group is not put off then, because a
         group kept alive keeps its sockets open and peers blocked on us would wait out the timeout.
         """
@@ -378,6 +380,7 @@ class TrainWorker:
         if dist.is_initialized():
             held.append(dist.group.WORLD)
         wrapper = weakref.ref(self.ddp) if self.ddp is not None else None
+        _clear_frames(sys.exception())  # the failure being handled, if any (see above)
         self._subgroups.clear()
         self._fn_store, self._fn_sends = None, None  # unfinished sends went to peers of the old group
         self._fn_buffer_sends = None
@@ -450,13 +453,7 @@ class TrainWorker:
             collective = isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
             # DDP's error names its own constructor argument, which a user of elastic never calls.
             unused = self.ddp is not None and "find_unused_parameters" in str(exc)
-            failed = exc
-            exc = None
             if collective:
-                # The failed step's frames hold the DDP wrapper (its forward's ``model``, say) for as
-                # long as the exception lives, past this call; cleared, it dies inside leave().
-                _clear_frames(failed)
-                failed = None
                 self.leave()
                 raise CollectiveError(msg)
             if unused:
