@@ -372,9 +372,9 @@ class TrainWorker:
         exception, whose frames still held the DDP wrapper (the step's ``model``). So a leave()
         called while a failure is being handled clears that exception's frames first; the
         wrapper dies in here (``gc.collect`` for its cycles), and the last reference to the group
-        is ours. ``teardown_leaks`` counts leaves where the
-        wrapper was still alive at the end; dropping the group is not put off then, because a
-        group kept alive keeps its sockets open and peers blocked on us would wait out the timeout.
+        is ours. ``teardown_leaks`` counts leaves where the wrapper was still alive at the end;
+        dropping the group is not put off then, because a group kept alive keeps its sockets open
+        and peers blocked on us would wait out the timeout.
         """
         held = list(self._subgroups.values())
         if dist.is_initialized():
