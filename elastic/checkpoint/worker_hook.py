@@ -34,7 +34,19 @@ def live_state(worker: Any) -> dict:
 
 def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: StagingBuffers | None = None) -> Snapshot:
     """This rank's share of tensors (private host copies, in ``staging``'s recycled buffers when
-    given), its RNG, and with the first share the state skeleton."""
+    given), its RNG, and with the first share the state skeleton.
+
+    Why the copies are made inside the step: CheckFreq pipelines them with the next step's
+    forward and backward, since only the next optimizer step changes the parameters and optimizer
+    state. That was tried here: a background thread copied those tensors (one
+    ``torch._foreach_copy_``, so it took the GIL once), their version counters caught a tensor
+    changed before its copy was whole, and the next optimizer step waited for the copy. With a
+    core free (one rank, ``benchmarks/checkpoint_overhead.py --workers 1 --batch-per-worker
+    256``, alternating runs) the mean step went from 12.16 and 11.24 ms to 11.46 and 10.65 ms.
+    On the benchmark's default, 4 ranks on 2 cores, it went from 21.7 and 20.7 ms to 23.6 and
+    24.0 ms, so it was not adopted: where the ranks already fill the cores, the copy moved off
+    the step's path still takes the same CPU, plus a thread hand-off each step.
+    """
     return Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size), capture_rng(),
                              min_shard_bytes, copy=staging.copy if staging is not None else host_copy)
 
