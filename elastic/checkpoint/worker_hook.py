@@ -44,8 +44,8 @@ def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: Sta
     core free (one rank, ``benchmarks/checkpoint_overhead.py --workers 1 --batch-per-worker
     256``, alternating runs) the mean step went from 12.16 and 11.24 ms to 11.46 and 10.65 ms.
     On the benchmark's default, 4 ranks on 2 cores, it went from 21.7 and 20.7 ms to 23.6 and
-    24.0 ms, so it was not adopted: where the ranks already fill the cores, the copy moved off
-    the step's path still takes the same CPU, plus a thread hand-off each step.
+    24.0 ms, so it was not adopted. Where the ranks already fill the cores, a copy moved off the
+    step's path still takes the same CPU; what costs the extra 2-3 ms there was not found.
     """
     return Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size), capture_rng(),
                              min_shard_bytes, copy=staging.copy if staging is not None else host_copy)
