@@ -1,14 +1,24 @@
 """The on-storage checkpoint layout of one run: per-rank shard files, a manifest written last, and cleanup.
 
 A step is committed iff ``step-NNNNNNNNN/manifest.json`` exists and its self-checksum matches; it is
-valid iff, in addition, every file it lists has the recorded size and sha256. No renames anywhere.
+valid iff, in addition, every file it lists has the recorded size and checksum. No renames anywhere.
 
 Each writing rank writes one safetensors file a step: its share of the tensors, with its JSON meta
 (RNG state; with shard 0 the skeleton of the non-tensor state) in the header's ``__metadata__``.
 Version 1 wrote that meta as a second file per rank (``meta-rN.json``): one more write, checksum,
 fsync and, on S3, PUT per rank per step. Version 3: a rank whose share is empty (a small state is
 spread over fewer ranks, ``CheckpointConfig.min_shard_bytes``) writes no file, and the manifest
-carries its RNG state. Version 1 and 2 steps still load.
+carries its RNG state. Version 4: files are checked by CRC-32 (``crc32`` in the manifest's file
+records) instead of sha256; the manifest's own checksum stays sha256. Steps of versions 1 to 3
+still load, checked by the sha256 they recorded.
+
+Why CRC-32 for the files: the checksum guards against accidental damage (a torn or truncated
+write, flipped bits, a file from another step), which CRC-32 detects, as S3's and GCS's own
+object checksums do; it is no defence against someone who can write the storage, and neither is
+sha256, since they could rewrite the manifest too. The shards are hashed by the ranks in every
+step, on the cores that train. Measured here: 0.41 ms for 1.6 MB against sha256's 0.99 ms (with
+SHA-NI), and on the checkpoint benchmark (4 ranks on 2 cores, a checkpoint every step, file://,
+alternating runs) mean steps of 23.0 and 21.5 ms against 24.7 and 22.8 ms.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ if TYPE_CHECKING:
 
 from elastic.checkpoint.codec import (
     canonical_json,
+    crc32,
     decode_metadata,
     decode_tensors,
     encode_tensor_buffers,
@@ -42,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "elastic-checkpoint"
-VERSION = 3
+VERSION = 4
 _META_KEY = "elastic"  # the rank's JSON meta, under this key of the shard's safetensors __metadata__
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 
@@ -62,20 +73,39 @@ class CorruptCheckpoint(RuntimeError):
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One written file, ``path`` relative to the run directory."""
+    """One written file, ``path`` relative to the run directory, with its checksum: ``crc32``
+    (version 4 on), or ``sha256`` for files of earlier versions."""
 
     path: str
     size: int
-    sha256: str
+    crc32: str | None = None
+    sha256: str | None = None
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+        out: dict = {"path": self.path, "size": self.size}
+        if self.crc32 is not None:
+            out["crc32"] = self.crc32
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        return out
 
     @classmethod
     def from_dict(cls, d: "dict | FileEntry") -> "FileEntry":
         if isinstance(d, FileEntry):
             return d
-        return cls(path=str(d["path"]), size=int(d["size"]), sha256=str(d["sha256"]))
+        crc, sha = d.get("crc32"), d.get("sha256")
+        if crc is None and sha is None:
+            raise ValueError(f"file record {d.get('path')!r} has no checksum (crc32 or sha256)")
+        return cls(path=str(d["path"]), size=int(d["size"]), crc32=None if crc is None else str(crc),
+                   sha256=None if sha is None else str(sha))
+
+    def mismatch(self, data: bytes) -> str | None:
+        """Why ``data`` is not this file's bytes (size or checksum), or None when it is."""
+        if len(data) != self.size:
+            return f"size {len(data)} != recorded {self.size} (truncated?)"
+        if self.crc32 is not None:
+            return None if crc32(data) == self.crc32 else "crc32 mismatch (bytes changed)"
+        return None if sha256(data) == self.sha256 else "sha256 mismatch (bytes changed)"
 
 
 @dataclass
@@ -219,7 +249,7 @@ class CheckpointStore:
         data = encode_tensor_buffers(snap.tensors, {_META_KEY: canonical_json(meta).decode()})
         rel = shard_name(snap.step, snap.rank, snap.world_size)
         self.storage.write_bytes(rel, data)
-        return [FileEntry(rel, sum(memoryview(b).nbytes for b in data), sha256(data))]
+        return [FileEntry(rel, sum(memoryview(b).nbytes for b in data), crc32=crc32(data))]
 
     def commit(self, step: int, entries: Iterable[FileEntry | dict], world_size: int,
                meta: dict | None = None, rng: dict[int, dict | None] | None = None) -> dict:
@@ -288,6 +318,12 @@ class CheckpointStore:
         if manifest.get("format") != FORMAT or manifest.get("step") != step:
             raise CorruptCheckpoint(step, where, f"manifest is for step {manifest.get('step')!r}, "
                                                  f"format {manifest.get('format')!r}")
+        try:
+            for record in manifest["files"]:
+                FileEntry.from_dict(record)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpoint(step, where, f"manifest's file records do not parse "
+                                                 f"({type(exc).__name__}: {exc})") from None
         return manifest
 
     def committed_steps(self) -> list[int]:
@@ -310,10 +346,9 @@ class CheckpointStore:
             data = self.storage.read_bytes(entry.path)
         except FileNotFoundError:
             raise CorruptCheckpoint(step, where, "file is missing") from None
-        if len(data) != entry.size:
-            raise CorruptCheckpoint(step, where, f"size {len(data)} != recorded {entry.size} (truncated?)")
-        if sha256(data) != entry.sha256:
-            raise CorruptCheckpoint(step, where, "sha256 mismatch (bytes changed)")
+        problem = entry.mismatch(data)
+        if problem is not None:
+            raise CorruptCheckpoint(step, where, problem)
         return data
 
     def verify(self, step: int) -> dict:
