@@ -13,9 +13,10 @@ records) instead of sha256; the manifest's own checksum stays sha256. Steps of v
 still load, checked by the sha256 they recorded.
 
 Why CRC-32 for the files: the checksum guards against accidental damage (a torn or truncated
-write, flipped bits, a file from another step), which CRC-32 detects, as S3's and GCS's own
-object checksums do; it is no defence against someone who can write the storage, and neither is
-sha256, since they could rewrite the manifest too. The shards are hashed by the ranks in every
+write, flipped bits, a file from another step). CRC-32 catches every error burst of up to 32
+bits and misses other damage with odds of 2**-32, the kind of check S3 and GCS make on their own
+objects (CRC32C, CRC64). It is no defence against someone who can write the storage, and
+neither is sha256, since they could rewrite the manifest too. The shards are hashed by the ranks in every
 step, on the cores that train. Measured here: 0.41 ms for 1.6 MB against sha256's 0.99 ms (with
 SHA-NI), and on the checkpoint benchmark (4 ranks on 2 cores, a checkpoint every step, file://,
 alternating runs) mean steps of 23.0 and 21.5 ms against 24.7 and 22.8 ms.
