@@ -651,7 +651,7 @@ def checkpoints(
     storage_option: list[str] = typer.Option(
         [], "--storage-option", "-o", help="KEY=VALUE for fsspec (repeatable); dotted keys nest "
                                            "(client_kwargs.region_name=eu-west-1); values parse as JSON if they can."),
-    verify: bool = typer.Option(True, "--verify/--no-verify", help="Read every file and check its size and checksum."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Read every file and check its size and sha256."),
     as_json: bool = typer.Option(False, "--json", help="Print the listing as JSON."),
 ) -> None:
     """List committed checkpoint steps with sizes and commit times; mark partial and corrupt steps.

@@ -153,7 +153,7 @@ def test_checkpoints_lists_steps_and_marks_partial_and_corrupt(tmp_path):
     assert result.exit_code == 0, result.stdout + result.stderr
     rows = {ln.split("│")[1].strip(): ln for ln in result.stdout.splitlines() if ln.count("│") > 3}
     assert "valid" in rows["10"]
-    assert "corrupt" in rows["20"] and "crc32 mismatch" in rows["20"]
+    assert "corrupt" in rows["20"] and "sha256 mismatch" in rows["20"]
     assert "partial" in rows["30"]
     assert "latest usable: step 10" in result.stdout
 

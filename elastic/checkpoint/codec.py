@@ -11,7 +11,6 @@ import hashlib
 import json
 import random
 import sys
-import zlib
 from typing import Any
 
 import numpy as np
@@ -279,14 +278,6 @@ def sha256(data: bytes | list) -> str:
     for part in (data if isinstance(data, list) else [data]):
         h.update(part)
     return h.hexdigest()
-
-
-def crc32(data: bytes | list) -> str:
-    """CRC-32 (zlib's) of ``data``, or of a list of buffers written one after another, as 8 hex digits."""
-    c = 0
-    for part in (data if isinstance(data, list) else [data]):
-        c = zlib.crc32(part, c)
-    return f"{c:08x}"
 
 
 def canonical_json(obj: Any) -> bytes:

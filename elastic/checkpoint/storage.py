@@ -130,7 +130,7 @@ def resolve_url(url: str) -> str:
 def _s3_defaults(options: dict) -> dict:
     """``storage_options`` for s3fs, with botocore's own checksums off unless the user set them.
 
-    Why: every file we write is named in the step's manifest with its size and CRC-32, and every
+    Why: every file we write is named in the step's manifest with its size and sha256, and every
     read of a checkpoint verifies them (``CheckpointStore``), so botocore's CRC32 on each PUT
     (default since botocore 1.36) and its check of each GET hash the same bytes a second time, on
     the training process's CPU. Measured with s3fs against moto on loopback (plain HTTP), one
