@@ -280,6 +280,10 @@ class CheckpointStore:
 
     def load_manifest(self, step: int) -> dict:
         """The parsed manifest of ``step``. FileNotFoundError if absent, CorruptCheckpoint if it does not check."""
+        return self._load_manifest(step)[0]
+
+    def _load_manifest(self, step: int) -> tuple[dict, list[FileEntry]]:
+        """``load_manifest``, with its file records parsed (once, for the readers that verify them)."""
         rel = f"{step_dir(step)}/{MANIFEST}"
         data = self.storage.read_bytes(rel)
         where = self.storage.describe(rel)
@@ -296,12 +300,11 @@ class CheckpointStore:
             raise CorruptCheckpoint(step, where, f"manifest is for step {manifest.get('step')!r}, "
                                                  f"format {manifest.get('format')!r}")
         try:  # a record without its path, size or checksum vouches for nothing
-            for record in manifest["files"]:
-                FileEntry.from_dict(record)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            entries = [FileEntry.from_dict(record) for record in manifest["files"]]
+        except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpoint(step, where, f"manifest's file records do not parse "
                                                  f"({type(exc).__name__}: {exc})") from None
-        return manifest
+        return manifest, entries
 
     def committed_steps(self) -> list[int]:
         """Steps whose manifest exists and checks out (files not verified), oldest first."""
@@ -331,9 +334,9 @@ class CheckpointStore:
 
     def verify(self, step: int) -> dict:
         """Check the manifest and every file of ``step``; returns the manifest or raises CorruptCheckpoint."""
-        manifest = self.load_manifest(step)
-        for entry in manifest["files"]:
-            self._read_verified(step, FileEntry.from_dict(entry))
+        manifest, entries = self._load_manifest(step)
+        for entry in entries:
+            self._read_verified(step, entry)
         return manifest
 
     def latest_valid(self) -> int | None:
@@ -360,14 +363,13 @@ class CheckpointStore:
             if step is None:
                 raise FileNotFoundError(f"no valid checkpoint in {self.location}")
         try:
-            manifest = self.load_manifest(step)
+            manifest, entries = self._load_manifest(step)
         except FileNotFoundError:
             raise FileNotFoundError(f"checkpoint step {step} is not committed in {self.location}") from None
         tensors: dict[str, torch.Tensor] = {}
         skeleton = None
         world_size = int(manifest["world_size"])
-        for raw in manifest["files"]:
-            entry = FileEntry.from_dict(raw)
+        for entry in entries:
             data = self._read_verified(step, entry)
             where = self.storage.describe(entry.path)
             try:
@@ -407,10 +409,10 @@ class CheckpointStore:
 
     def read_rng(self, step: int, rank: int) -> dict | None:
         """The RNG state rank ``rank`` saved at ``step`` (verified against the manifest), or None."""
-        manifest = self.load_manifest(step)
+        manifest, entries = self._load_manifest(step)
         if str(rank) in manifest.get("rng", {}):  # a rank that wrote no shard (version 3)
             return manifest["rng"][str(rank)]
-        files = {e["path"]: FileEntry.from_dict(e) for e in manifest["files"]}
+        files = {e.path: e for e in entries}
         for path in (meta_name(step, rank), shard_name(step, rank, int(manifest["world_size"]))):
             if path in files:
                 data = self._read_verified(step, files[path])
