@@ -79,6 +79,17 @@ def test_failure_replaced_by_spare(ray_cluster):
     assert [i["started_in_background"] for i in refill] == [True]
 
 
+def test_on_failure_wait_heals_with_a_spare_that_is_ready(ray_cluster):
+    c = controller("fake-wait", backups=1, failure=elastic.FailureConfig(on_failure="wait", capacity_timeout_s=1),
+                   faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    try:
+        c.run_for(steps=5)
+    finally:
+        c.shutdown()
+    assert c.state is State.FINISHED and c.step == 5
+    assert [e.details["decision"] for e in c.events if e.kind == "decision"] == ["ReplaceWithSpares"]
+
+
 def test_lost_work_counted_once_when_healing_runs_twice(ray_cluster):
     # A failure while healing runs the state sync again; the step the survivors began and lost
     # must count once, not once per pass.

@@ -38,6 +38,12 @@ def view(lost=(1,), active=4, ready=0, pending=0, failures=1, waited=False):
     (FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=1), view(ready=3), Shrink),
     (FailureConfig(on_failure="restart"), view(ready=3), RestartFromCheckpoint),
     (FailureConfig(max_failures=1), view(ready=1, failures=2), Fail),
+    # on_failure="wait" waits for spares, and uses them once they are there (or already were)
+    (FailureConfig(on_failure="wait"), view(ready=0), WaitForCapacity),
+    (FailureConfig(on_failure="wait"), view(ready=1), ReplaceWithSpares),
+    (FailureConfig(on_failure="wait"), view(ready=1, waited=True), ReplaceWithSpares),
+    (FailureConfig(on_failure="wait"), view(ready=0, waited=True), Fail),
+    (FailureConfig(), view(lost=(1, 2), ready=2, waited=True), ReplaceWithSpares),
 ])
 def test_failure_policy(cfg, v, expected):
     decision = FailurePolicy(cfg, num_workers=4).decide(v)

@@ -57,6 +57,11 @@ class FailurePolicy:
         lost = view.lost_ranks
         remaining = view.num_active - len(lost)
         if action == "wait":
+            # Capacity is spares: those ready now (built while the run trained, or during the
+            # wait) heal the failure whether "wait" is the first choice or the fallback.
+            if view.spares_ready >= len(lost):
+                return ReplaceWithSpares(f"{why}; {view.spares_ready} hot spare(s) ready for rank(s) {list(lost)}",
+                                         lost)
             if view.waited:
                 return Fail(f"{why}; no capacity came within capacity_timeout_s={cfg.capacity_timeout_s:g}s")
             return WaitForCapacity(f"{why}; waiting up to {cfg.capacity_timeout_s:g}s for capacity", lost,
