@@ -167,6 +167,9 @@ class ScalingConfig:
                     f"{self.num_replicas} ranks on one GPU, and NCCL refuses two ranks on one device. Give each "
                     "worker a whole GPU (resources_per_worker['GPU'] >= 1), or train with one rank.")
         self.resources_per_worker = resources
+        if not self.bundle():
+            raise ConfigError(f"ScalingConfig.resources_per_worker={resources!r} asks for no resource, and Ray "
+                              "cannot place an empty bundle: give each worker CPU > 0 (or another resource).")
         if self.placement_timeout_s <= 0:
             raise ConfigError("ScalingConfig.placement_timeout_s must be > 0 seconds.")
 

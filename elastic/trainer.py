@@ -118,6 +118,30 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
     return False
 
 
+def _check_failure_actions(failure: FailureConfig, run: RunConfig, num_workers: int, global_batch: int) -> None:
+    """Refuse, before any actor starts, a failure action that could never heal a failure. Why
+    here: each of these used to be found only at the run's first lost rank, after hours of
+    training perhaps, where the run then stopped."""
+    actions = {failure.on_failure, failure.when_no_spare}
+    for name in ("on_failure", "when_no_spare"):
+        if getattr(failure, name) == "restart" and (run.storage is None or run.checkpoint.every_n_steps < 1):
+            raise ConfigError(
+                f"FailureConfig.{name}='restart' restarts every rank from the last committed checkpoint, and this "
+                "run writes none: set RunConfig.storage (with CheckpointConfig.every_n_steps >= 1), or choose "
+                "another action (wait, shrink, fail).")
+    if "shrink" in actions:
+        low = failure.min_workers if failure.min_workers is not None else num_workers
+        sizes = range(low, num_workers)
+        usable = [k for k in sizes if global_batch % k == 0]
+        if not usable:
+            why = (f"FailureConfig.min_workers={low} leaves no smaller size to shrink to"
+                   if low >= num_workers else
+                   f"Trainer.global_batch_size={global_batch} divides over none of the sizes "
+                   f"{low}..{num_workers - 1} (a shrunk run keeps the global batch)")
+            raise ConfigError(f"FailureConfig asks to shrink, but {why}: set FailureConfig.min_workers below "
+                              f"ScalingConfig.num_workers={num_workers} to a size the global batch divides over.")
+
+
 class Trainer:
     """Synchronous data-parallel training on Ray that survives failures and stragglers."""
 
@@ -175,6 +199,7 @@ class Trainer:
                               f"keeps none: set ScalingConfig.{field} >= 1, or evict_stragglers=False.")
         if self.scaling.aggregation == "first_n" and self.failure.allow_shrink:
             raise ConfigError("FailureConfig.allow_shrink is not supported with aggregation='first_n'; set it False.")
+        _check_failure_actions(self.failure, self.run, n, global_batch_size)
         self.spec = TrainingSpec(
             model_fn=model_fn, optimizer_fn=optimizer_fn, dataset_fn=dataset_fn, loss_fn=loss_fn, step_fn=step_fn,
             scheduler_fn=scheduler_fn, seed=self.run.seed, use_gpu=self.scaling.use_gpu,

@@ -174,3 +174,28 @@ def test_find_unused_parameters_is_a_flag_for_data_parallel():
 def test_max_grad_norm_must_be_a_positive_number(value):
     with pytest.raises(ConfigError, match="Trainer.max_grad_norm must be a number > 0"):
         _trainer(max_grad_norm=value)
+
+
+@pytest.mark.parametrize("failure, run, match", [
+    (FailureConfig(when_no_spare="restart"), None, r"when_no_spare='restart'.*RunConfig.storage"),
+    (FailureConfig(on_failure="restart"), elastic.RunConfig(storage="file:///tmp/x",
+                                                            checkpoint=elastic.CheckpointConfig(every_n_steps=0)),
+     r"on_failure='restart'.*every_n_steps >= 1"),
+    # shrink without min_workers: min_workers defaults to num_workers, so it could never shrink
+    (FailureConfig(when_no_spare="shrink", allow_shrink=True), None, "min_workers=4 leaves no smaller size"),
+    (FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=3), None,
+     "global_batch_size=32 divides over none of the sizes 3..3"),
+])
+def test_a_failure_action_that_could_never_heal_is_refused_before_start(failure, run, match):
+    with pytest.raises(ConfigError, match=match):
+        _trainer(failure=failure, **({"run": run} if run else {}))
+
+
+def test_failure_actions_that_can_heal_are_accepted(tmp_path):
+    _trainer(failure=FailureConfig(when_no_spare="restart"), run=elastic.RunConfig(storage=str(tmp_path)))
+    _trainer(failure=FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=2))  # 32 over 2
+
+
+def test_a_worker_bundle_of_no_resource_is_refused():
+    with pytest.raises(ConfigError, match="resources_per_worker.*asks for no resource"):
+        ScalingConfig(resources_per_worker={"CPU": 0})
