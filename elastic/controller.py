@@ -337,6 +337,15 @@ class Controller:
                      f"local rank {m.local_rank})", rank=m.rank, node_id=m.info.get("node_id"))
         self.log("spares", f"{len(self.group.spares)} hot spare(s) ready", ready=len(self.group.spares))
         self.dataset_size = self.group.dataset_size  # every rank's, compared when they were built
+        # A step hands every replica a shard (first-N's late ones too). Checked here, the moment the
+        # size is known: with fit(epochs=...) a smaller dataset meant 0 steps an epoch, and the run
+        # "finished" untrained; with fit(steps=...) the plan refused at the first step.
+        need = self.scaling.num_replicas * (self.global_batch_size // self.scaling.num_workers)
+        if self.dataset_size < need:
+            raise ConfigError(
+                f"the dataset has {self.dataset_size} samples, fewer than one step hands out ({need}: "
+                f"{self.scaling.num_replicas} replicas x {need // self.scaling.num_replicas} samples): lower "
+                f"Trainer.global_batch_size, or use a larger dataset.")
         self._setup_data_and_checkpoints()
         self._form_group("initial rendezvous")
         self._apply_fault_plan()

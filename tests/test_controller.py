@@ -16,11 +16,11 @@ from elastic.controller import Controller, State, TrainingFailed, _split_wall
 from fake_workers import FakeGroup, SparesThatFailToBuild
 
 
-def controller(name, workers=2, backups=0, failure=None, faults=None):
+def controller(name, workers=2, backups=0, failure=None, faults=None, global_batch_size=8):
     spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
                         loss_fn=lambda m, b: None)
     c = Controller(spec, elastic.ScalingConfig(num_workers=workers, num_backups=backups),
-                   elastic.RunConfig(name=name), failure or elastic.FailureConfig(), global_batch_size=8,
+                   elastic.RunConfig(name=name), failure or elastic.FailureConfig(), global_batch_size=global_batch_size,
                    fault_plan=faults)
     c.worker_group_cls = FakeGroup
     return c
@@ -88,6 +88,17 @@ def test_on_failure_wait_heals_with_a_spare_that_is_ready(ray_cluster):
         c.shutdown()
     assert c.state is State.FINISHED and c.step == 5
     assert [e.details["decision"] for e in c.events if e.kind == "decision"] == ["ReplaceWithSpares"]
+
+
+@pytest.mark.parametrize("fit", [{"epochs": 2}, {"steps": 3}])
+def test_a_dataset_smaller_than_a_step_is_refused_before_training(ray_cluster, fit):
+    c = controller("fake-small-data", global_batch_size=128)  # the fake workers' datasets hold 64
+    with pytest.raises(elastic.ConfigError, match="64 samples, fewer than one step hands out .128"):
+        try:
+            c.run_for(**fit)
+        finally:
+            c.shutdown()
+    assert c.step == 0 and not c.history
 
 
 def test_lost_work_counted_once_when_healing_runs_twice(ray_cluster):
