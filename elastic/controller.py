@@ -1554,7 +1554,7 @@ class Controller:
         scores = self.straggler_policy.scores()
         now = time.time()
         rows = []
-        late = {r for r, *_ in self._lagging.values()}
+        late = {r for r, *_ in list(self._lagging.values())}  # a copy: the training thread changes it (see scores())
         if self.group is None:
             return rows
         for m in self.group.members:

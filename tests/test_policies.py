@@ -223,3 +223,39 @@ def test_the_sampler_keeps_an_epoch_order_of_millions_of_samples_small():
     epoch, shards = plan.take(2, 4)
     assert [i for s in shards for i in s] == epoch_order(n, 3, 0)[:8]
     assert all(type(i) is int for s in shards for i in s)  # plain ints: JSON, the ledger, the workers
+
+
+def test_scores_read_from_another_thread_while_ranks_are_observed():
+    # The controller's status thread scores ranks while its training thread observes them; before
+    # scores() copied the dicts, this raised "dictionary changed size during iteration".
+    import sys
+    import threading
+    import time
+
+    policy = StragglerPolicy(2.0, 5, evict=False)
+    stop, errors = threading.Event(), []
+
+    def observe():
+        while not stop.is_set():
+            for r in range(64):
+                policy.observe(r, 0.01 * (r + 1))
+                policy.observe_pending(r, 0.5)
+            for r in range(64):
+                policy.forget(r)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    thread = threading.Thread(target=observe)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline and not errors:
+            try:
+                policy.scores()
+            except RuntimeError as exc:
+                errors.append(exc)
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert errors == []

@@ -65,8 +65,12 @@ class StragglerPolicy:
         scored 1.99), and the default threshold of 2 could never evict the slow rank of a
         two-rank group. Without itself in the median a rank's score is its slowdown against its
         peers at any group size; with many ranks the two medians barely differ."""
-        medians = {r: statistics.median(t) for r, t in self._times.items() if t}
-        for r, busy in self._busy_for.items():
+        # Over copies: the controller's status thread (``elastic status``, metrics) scores while
+        # the training thread observes. ``list(d.items())`` runs in C under the GIL, so the copy
+        # is whole; iterating the dict itself in Python code could meet a key added meanwhile
+        # ("dictionary changed size during iteration"), and ``median`` copies a deque in C too.
+        medians = {r: statistics.median(t) for r, t in list(self._times.items()) if t}
+        for r, busy in list(self._busy_for.items()):
             medians[r] = max(medians.get(r, 0.0), busy)
         if len(medians) < 2:
             return {r: 1.0 for r in medians}
