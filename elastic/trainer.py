@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from contextlib import contextmanager, nullcontext
@@ -98,6 +99,7 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
     through torch, so torch's count is the one that matters; CUDA_VISIBLE_DEVICES limits both.
     """
     if ray.is_initialized():
+        _check_same_cluster(address)
         return False
     if address is None and os.environ.get("RAY_ADDRESS"):
         address = "auto"
@@ -140,6 +142,32 @@ def _check_failure_actions(failure: FailureConfig, run: RunConfig, num_workers: 
                    f"{low}..{num_workers - 1} (a shrunk run keeps the global batch)")
             raise ConfigError(f"FailureConfig asks to shrink, but {why}: set FailureConfig.min_workers below "
                               f"ScalingConfig.num_workers={num_workers} to a size the global batch divides over.")
+
+
+def _check_same_cluster(address: str | None) -> None:
+    """This process already joined Ray, and ``ray.init`` joins one cluster per process: refuse an
+    ``address`` that names another one, instead of training on the wrong cluster in silence.
+    Only a ``host:port`` GCS address can be compared (``ray://`` names a client server, not the
+    GCS; ``auto`` and ``local`` name no one cluster), and hosts are compared by resolved IP, so
+    ``localhost`` and ``127.0.0.1`` are the same."""
+    if address is None or address in ("auto", "local") or "://" in address:
+        if address is not None:
+            logger.info("Ray is already initialised in this process; Trainer.address=%r uses that connection",
+                        address)
+        return
+    current = ray.get_runtime_context().gcs_address
+    if _resolve(address) != _resolve(current):
+        raise ConfigError(f"Trainer.address={address!r}, but this process is already connected to the Ray "
+                          f"cluster at {current}: call ray.shutdown() first, or pass address=None to train "
+                          "on the cluster it is connected to.")
+
+
+def _resolve(host_port: str) -> tuple[str, str]:
+    host, _, port = host_port.rpartition(":")
+    try:
+        return socket.gethostbyname(host.strip("[]")), port
+    except OSError:
+        return host, port
 
 
 class Trainer:

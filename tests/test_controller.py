@@ -475,3 +475,14 @@ def test_spares_that_keep_failing_to_build_stop_the_refill_and_say_so_once(ray_c
     assert spares_events.count("requested a replacement spare in the background") == \
         controller_module.SPARE_START_ATTEMPTS
     assert len([m for m in spares_events if "not starting more spares" in m]) == 1
+
+
+def test_an_address_naming_another_cluster_is_refused_once_ray_is_joined(ray_cluster):
+    from elastic.trainer import connect
+
+    assert connect(ray_cluster.address) is False  # the cluster this process joined: used as it is
+    assert connect("auto") is False and connect(None) is False
+    host, port = ray_cluster.address.rsplit(":", 1)
+    with pytest.raises(elastic.ConfigError, match=f"Trainer.address='{host}:{int(port) + 1}'.*already connected"):
+        connect(f"{host}:{int(port) + 1}")
+    assert ray.is_initialized()
