@@ -1446,6 +1446,13 @@ class Controller:
 
     def _evict(self, decision: EvictStraggler) -> None:
         r = decision.rank
+        # The pool is watched only every few steps while ranks train: a spare that died since
+        # must not be the one the straggler is swapped for (the victim would be gone first).
+        self._refresh_spares(wait=True)
+        if not self.group.spares:
+            self._note_held_back(Continue(f"rank {r} is a persistent straggler, but no live spare is ready "
+                                          "(the pool lost one); it is evicted once one is", straggler=r))
+            return
         node = self.group.members[r].info.get("node_id")
         self.transition(State.RECOVERING, f"evicting straggler rank {r}: {decision.reason}")
         self.log("decision", f"EvictStraggler: {decision.reason}", decision="EvictStraggler", rank=r, node_id=node)
@@ -1460,10 +1467,23 @@ class Controller:
         victim = self.group.members[r]
         self._avoid_node(node)
         self.group.evict(victim)
-        ray.get([m.actor.leave.remote() for m in self.group.members if m.rank != r])
-        self._replace((r,))
-        self._sync_state()
-        self._form_group(f"evicted straggler rank {r}")
+        try:
+            ray.get([m.actor.leave.remote() for m in self.group.members if m.rank != r])
+            self._replace((r,))
+            self._sync_state()
+            self._form_group(f"evicted straggler rank {r}")
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            # A rank or the promoted spare died while the ring was rebuilt: a failure like any
+            # other, healed (and counted against max_failures) by the recovery loop, which
+            # rebuilds the ring again from whoever is alive. The victim is already gone.
+            newly = self._probe_dead()
+            if not newly:
+                raise TrainingFailed(self._fail_message(f"rebuild after evicting rank {r} failed without a "
+                                                        f"lost rank: {exc}")) from exc
+            self.log("failure", f"rank(s) {sorted(newly)} lost while evicting straggler rank {r}: "
+                     f"{type(exc).__name__}", ranks=sorted(newly))
+            self._recover(Failure(newly, "failure_during_recovery"))
+            return
         if self.metrics is not None:
             self.metrics.on_recovery("straggler", time.time() - t0)
         self._refill_spares()

@@ -486,3 +486,60 @@ def test_an_address_naming_another_cluster_is_refused_once_ray_is_joined(ray_clu
     with pytest.raises(elastic.ConfigError, match=f"Trainer.address='{host}:{int(port) + 1}'.*already connected"):
         connect(f"{host}:{int(port) + 1}")
     assert ray.is_initialized()
+
+
+def _evict_rank_1_at(c, step):
+    """Make the straggler policy ask, once, to evict rank 1 after ``step``."""
+    from elastic.policies import EvictStraggler
+
+    decide = c.straggler_policy.decide
+
+    def forced(spares_ready, steps=1):
+        decision = decide(spares_ready, steps)
+        return EvictStraggler("rank 1 is slow (test)", 1) if c.step == step else decision
+    c.straggler_policy.decide = forced
+
+
+def test_an_eviction_waits_when_the_spare_died_since_the_pool_was_last_watched(ray_cluster):
+    c = controller("fake-evict-dead-spare", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
+    c.scaling.steps_per_dispatch = 1
+
+    def kill_spare(record, ctl):
+        if record.step == 12:
+            spare = ctl.group.spares[0].actor
+            ray.kill(spare)
+            with pytest.raises(ray.exceptions.RayActorError):  # dead before step 13's decision
+                ray.get(spare.heartbeat.remote(), timeout=30)
+    c.on_step = kill_spare
+    _evict_rank_1_at(c, 13)
+    try:
+        c.run_for(steps=16)
+    finally:
+        c.shutdown()
+    assert c.state is State.FINISHED and c.failures == 0
+    assert any(e.kind == "spare_lost" for e in c.events)
+    held = [e for e in c.events if e.kind == "decision" and e.details.get("decision") == "Continue"]
+    assert held and "no live spare" in held[0].message
+    assert not any("evicting" in e.message for e in c.events if e.kind == "transition")
+
+
+def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_healed_like_any(ray_cluster):
+    c = controller("fake-evict-spare-dies", backups=2, failure=elastic.FailureConfig(evict_stragglers=True))
+    c.scaling.steps_per_dispatch = 1
+    _evict_rank_1_at(c, 13)
+    replace, killed = c._replace, []
+
+    def replace_then_kill(lost):
+        replace(lost)
+        if not killed:  # the eviction's promotion, not the recovery's after it
+            killed.append(c.group.members[lost[0]].name)
+            ray.kill(c.group.members[lost[0]].actor)
+    c._replace = replace_then_kill
+    try:
+        c.run_for(steps=16)
+    finally:
+        c.shutdown()
+    assert c.state is State.FINISHED and c.step == 16
+    assert c.failures == 1 and [r["kind"] for r in c.recoveries] == ["failure_during_recovery"]
+    decisions = [e.details["decision"] for e in c.events if e.kind == "decision"]
+    assert decisions == ["EvictStraggler", "ReplaceWithSpares"]

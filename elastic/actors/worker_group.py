@@ -319,11 +319,21 @@ class WorkerGroup:
         waits for a new spare to be built (``when_no_spare``), the seconds a hot spare exists to
         save. Checked this way it costs one small actor call per spare per check.
 
-        ``wait`` (a recovery about to use the pool): every spare with no question pending is asked
-        now, answers are waited for up to ``silent_after_s``, and a spare that gives none is silent."""
+        ``wait`` (a recovery or an eviction about to use the pool): every spare is asked now,
+        answers are waited for up to ``silent_after_s``, and a spare that gives none is silent.
+        A question asked earlier and already answered well is asked again: that answer may be
+        from before the spare died (a pool watched every few steps), and the spare about to be
+        promoted must be alive now. One answered with an error is read below, as lost."""
         now = time.time()
         if wait:
             for m in self.spares:
+                old = self._spare_beats.get(m.name)
+                if old is not None and ray.wait([old[0]], timeout=0)[0]:
+                    try:
+                        ray.get(old[0])
+                    except ray.exceptions.RayError:
+                        continue
+                    del self._spare_beats[m.name]
                 self._spare_beats.setdefault(m.name, (m.actor.heartbeat.remote(), now))
         asked = {m.name: self._spare_beats[m.name] for m in self.spares if m.name in self._spare_beats}
         answered: set = set()
