@@ -233,7 +233,8 @@ class FailureConfig:
                      "step_timeout_s", "node_settle_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"FailureConfig.{name} must be > 0 seconds.")
-        if self.straggler_factor <= 1.0:
+        if isinstance(self.straggler_factor, bool) or not isinstance(self.straggler_factor, (int, float)) \
+                or not self.straggler_factor > 1.0:  # "not >" refuses NaN too, which compares False to all
             raise ConfigError(
                 f"FailureConfig.straggler_factor must be > 1 (a rank is a straggler above factor x median), got {self.straggler_factor!r}."
             )

@@ -34,6 +34,9 @@ def test_scaling_rejects(kwargs, field):
 @pytest.mark.parametrize("kwargs, field", [
     ({"straggler_factor": 1.0}, "straggler_factor"),
     ({"straggler_factor": 0.5}, "straggler_factor"),
+    ({"straggler_factor": float("nan")}, "straggler_factor"),
+    ({"straggler_factor": "3"}, "straggler_factor"),
+    ({"straggler_factor": None}, "straggler_factor"),
     ({"max_failures": -1}, "max_failures"),
     ({"on_failure": "pray"}, "on_failure"),
     ({"on_failure": "shrink"}, "allow_shrink"),
