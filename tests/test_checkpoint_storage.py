@@ -18,6 +18,7 @@ from elastic.checkpoint.storage import (
     resolve_url,
 )
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
+from elastic.checkpoint.store import CheckpointStore
 from elastic.config import ConfigError
 
 FAST = RetryPolicy(attempts=3, base_s=0.01, max_s=0.05)
@@ -218,6 +219,25 @@ def test_resolve_url_makes_plain_paths_absolute(tmp_path, monkeypatch):
     assert resolve_url("ckpts") == f"{tmp_path}/ckpts"
     assert resolve_url("s3://b/p") == "s3://b/p"
     assert resolve_url("memory://x") == "memory://x"
+    # file:// and local:// with a relative path: every process would resolve it against its own cwd
+    assert resolve_url("file://ckpts") == f"file://{tmp_path}/ckpts"
+    assert resolve_url("local://./ckpts") == f"local://{tmp_path}/ckpts"
+    assert resolve_url("file:///abs/ckpts") == "file:///abs/ckpts"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert resolve_url("~/ckpts") == f"{tmp_path}/home/ckpts"  # not <cwd>/~/ckpts
+
+
+@pytest.mark.parametrize("url, match", [
+    ("s3:/bucket/prefix", "starts with 's3:' but not 's3://'"),
+    ("s3:bucket", "starts with 's3:' but not 's3://'"),
+    ("s3://", "names no bucket"),
+    ("s3:///", "names no bucket"),
+])
+def test_a_mistyped_or_bucketless_url_is_refused_before_anything_is_written(tmp_path, monkeypatch, url, match):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=match):
+        CheckpointStore(url, "run", {"key": "k", "secret": "s"})
+    assert list(tmp_path.iterdir()) == []  # no local directory named "s3:"
 
 
 def test_permanent_errors_are_not_retried(tmp_path):

@@ -119,11 +119,32 @@ def _join(*parts: str) -> str:
     return out
 
 
+_SCHEME_TYPO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)")  # 2+ letters: "C:" is a drive, not a scheme
+
+
 def resolve_url(url: str) -> str:
-    """Make a plain relative path absolute, so every process (each with its own cwd) means the same place."""
-    protocol, _ = fsspec.core.split_protocol(url)
+    """Make a local path absolute (``~`` expanded), plain or ``file://``/``local://``, so every
+    process (each with its own cwd and no say in it) means the same place; refuse what would
+    quietly be written somewhere the user did not mean.
+
+    - ``file://ckpt`` is relative to the cwd of whichever process opens it: the controller
+      and each worker would resolve it apart. ``~`` is expanded here, before ``abspath``
+      would make it ``<cwd>/~``.
+    - ``s3:/bucket/x`` (one slash) has no scheme to fsspec and would be a local directory named
+      ``s3:``, the credentials ignored: a known scheme not followed by ``//`` is an error.
+    - An object store URL with no bucket (``s3://``) would take the run name as its bucket."""
+    protocol, path = fsspec.core.split_protocol(url)
     if protocol is None:
-        return os.path.abspath(url)
+        typo = _SCHEME_TYPO.match(url)
+        if typo and typo.group(1).lower() in fsspec.available_protocols():
+            scheme = typo.group(1)
+            raise ConfigError(f"RunConfig.storage starts with '{scheme}:' but not '{scheme}://'; write "
+                              f"{scheme}://BUCKET/prefix (or ./{scheme}:... for a local directory of that name).")
+        return os.path.abspath(os.path.expanduser(url))
+    if protocol in ("file", "local"):
+        return f"{protocol}://{os.path.abspath(os.path.expanduser(path))}"
+    if protocol in _S3 and not path.strip("/"):
+        raise ConfigError(f"RunConfig.storage='{protocol}://' names no bucket; use {protocol}://BUCKET/prefix.")
     return url
 
 
