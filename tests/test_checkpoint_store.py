@@ -492,6 +492,42 @@ def test_retention_on_every_backend_never_deletes_the_newest(backend):
     assert state["completed_step"] == 3
 
 
+@pytest.mark.parametrize("keep_last, keep_every, old, corrupt, resumed", [
+    (1, 0, [10], [10], None),                        # nothing to resume from: the run starts over
+    (3, 100, [100, 147, 148, 149], [147, 148, 149], 100),
+])
+def test_retention_of_a_resumed_run_never_deletes_what_it_commits_below_newer_corrupt_steps(
+        tmp_path, keep_last, keep_every, old, corrupt, resumed):
+    # Resume skips newer steps whose files fail their checksums. Counted by step number, they
+    # used to take keep_last's places, and each step the resumed run committed was deleted at once.
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in old:
+        commit_tiny(store, step)
+    for step in corrupt:
+        path = shard_name(step, 0, 1)
+        store.storage.write_bytes(path, store.storage.read_bytes(path)[:-3])
+    assert store.latest_valid() == resumed
+    committer = CheckpointCommitter(store, CheckpointConfig(keep_last=keep_last, keep_every=keep_every),
+                                    latest_committed=resumed, retention_interval_s=0, gc_interval_s=0)
+    try:
+        first = (resumed or 0) + 1
+        for step in range(first, first + 4):
+            committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, tiny_state(step)))
+            committer.set_meta(step, {})
+            assert committer.flush(timeout_s=10)
+            assert store.latest_valid() == step
+        mine = [s for s in store.committed_steps() if s not in old]
+        assert mine == list(range(first, first + 4))[-keep_last:]  # retention still keeps exactly keep_last
+        # A restart that goes back to `first`: the later steps are this run's past, written again next.
+        committer.rewind(first)
+        committer.add(first + 1, 0, 1, store.write_rank_files(first + 1, 0, 1, tiny_state(first + 1)))
+        committer.set_meta(first + 1, {})
+        assert committer.flush(timeout_s=10)
+        assert store.latest_valid() == first + 3 and first + 1 in store.committed_steps()
+    finally:
+        committer.close()
+
+
 def test_retention_during_an_outage_never_raises_and_catches_up():
     server = MotoS3().start()
     try:

@@ -49,6 +49,10 @@ class CheckpointCommitter:
         self._reports: dict[int, dict] = {}  # step -> {"world_size": w, "ranks": {rank: [FileEntry]}}
         self._metas: dict[int, dict] = {}
         self._latest = latest_committed
+        # The step this run (re)started from. Committed steps above it on storage belong to a
+        # timeline this run left: steps resume skipped as corrupt, or steps a restart rolled back
+        # past. They neither count toward ``keep_last`` nor are deleted for it (see ``_cleanup``).
+        self._base = latest_committed
         # The newest step training is known to have finished: a commit's lag is measured against
         # it at the moment of the commit.
         self._progress = progress or (lambda: 0)
@@ -116,6 +120,12 @@ class CheckpointCommitter:
             if self._latest is not None and (step is None or self._latest > step):
                 # Later steps will be written again and committed over the old ones.
                 self._latest = step
+        with self._cleanup_lock:
+            self._base = step
+            if self._committed is not None:
+                self._committed = [s for s in self._committed if step is not None and s <= step]
+                self._files = {s: f for s, f in self._files.items() if step is not None and s <= step}
+            self.store.forget_deletes_above(step)
 
     def _is_stale(self, step: int) -> bool:
         return (self._submitted is not None and step <= self._submitted) or (
@@ -214,6 +224,20 @@ class CheckpointCommitter:
             self._files = {s: f for s, f in self._files.items() if s in kept}
         return retention
 
+    def _steps_below_base(self, on_storage: list[int]) -> list[int]:
+        """The committed steps retention may count and delete: those at or below the step this
+        run started from. Why not the rest: resume skips a newer step whose files fail their
+        checksums, and a restart can roll back past newer steps; counted by step number they
+        would hold ``keep_last``'s places, and every step this run commits below them would be
+        deleted as it commits (with ``keep_last=1``, all of them). This run writes those step
+        numbers again and commits over them; until then they stay as they are."""
+        above = [s for s in on_storage if self._base is None or s > self._base]
+        if above:
+            logger.warning("checkpoint steps %s on storage are newer than step %s this run started from; "
+                           "retention leaves them until this run commits those steps over them",
+                           above, self._base)
+        return [s for s in on_storage if s not in above]
+
     def _cleanup(self, step: int, pending: set, force: bool = False) -> tuple[CleanupReport, CleanupReport]:
         """Retention (``_retain``) and the storage-wide sweep for uncommitted directories (torn or
         superseded writes) below committed ``step``, each batched by its interval unless
@@ -224,7 +248,7 @@ class CheckpointCommitter:
         try:
             with self._cleanup_lock:
                 if self._committed is None:
-                    self._committed = self.store.committed_steps()  # once: steps from earlier runs
+                    self._committed = self._steps_below_base(self.store.committed_steps())  # once: earlier runs
                 if step not in self._committed:
                     self._committed.append(step)
                     self._committed.sort()

@@ -439,6 +439,11 @@ class CheckpointStore:
         self._retry_deletes.difference_update(steps)
         report.deleted.extend(steps)
 
+    def forget_deletes_above(self, step: int | None) -> None:
+        """Training went back to ``step`` (None: the start): a failed delete of a later step must
+        not be retried, since that step is about to be written again."""
+        self._retry_deletes = {s for s in self._retry_deletes if step is not None and s <= step}
+
     def _delete_step(self, step: int, report: CleanupReport, files: list[str] | None = None) -> None:
         """Manifest first: a step half-deleted by a failure is then merely uncommitted, never a
         committed step with missing files; GC or the next call finishes the job. ``files``: the
