@@ -167,11 +167,34 @@ def test_warmup_steps_are_ignored_and_reset_restarts_warmup():
 def test_decide_over_a_window_counts_its_steps():
     # Decisions come once per dispatch window: 3 steps over the threshold count as 3.
     p = StragglerPolicy(factor=2.0, window=6, evict=True)
-    for r in range(4):
-        p.observe(r, 0.3 if r == 1 else 0.1)
-    assert isinstance(p.decide(spares_ready=1, steps=3), Continue)
+    for decision in range(2):
+        for r in range(4):
+            p.observe(r, 0.3 if r == 1 else 0.1)
+        if decision == 0:
+            assert isinstance(p.decide(spares_ready=1, steps=3), Continue)
     d = p.decide(spares_ready=1, steps=3)
     assert isinstance(d, EvictStraggler) and d.rank == 1
+
+
+def test_one_slow_timing_counts_once_however_many_decisions_the_rank_sits_out():
+    # A first-N replica late once sits out the next steps and reports no timing for them; its one
+    # slow timing (a GC pause) used to count again at every decision until it was evicted on it.
+    p = StragglerPolicy(factor=2.0, window=5, evict=True)
+    for step in range(1, 30):
+        for r in range(4):
+            if r == 3 and 6 < step <= 10:
+                continue  # sitting out: no timing
+            p.observe(r, 0.6 if (r == 3 and step == 6) else 0.2)
+        assert isinstance(p.decide(spares_ready=1, steps=1), Continue), step
+    # A rank slow every time it computes, sitting out in between, is still evicted.
+    slow = StragglerPolicy(factor=2.0, window=5, evict=True)
+    decisions = []
+    for step in range(1, 60):
+        for r in range(4):
+            if r != 3 or step % 5 == 0:
+                slow.observe(r, 0.6 if r == 3 else 0.2)
+        decisions.append(slow.decide(spares_ready=1, steps=1))
+    assert any(isinstance(d, EvictStraggler) and d.rank == 3 for d in decisions)
 
 
 def test_pending_time_cleared_when_rank_catches_up():
@@ -188,10 +211,10 @@ def test_pending_time_cleared_when_rank_catches_up():
 def test_one_noisy_window_is_not_persistent():
     # A whole 16-step dispatch window over the threshold is one decision: not enough to evict.
     p = StragglerPolicy(factor=2.0, window=5, evict=True)
-    for r in range(4):
-        p.observe(r, 0.3 if r == 1 else 0.1)
-    assert isinstance(p.decide(spares_ready=1, steps=16), Continue)
-    assert isinstance(p.decide(spares_ready=1, steps=16), EvictStraggler)
+    for expected in (Continue, EvictStraggler):
+        for r in range(4):
+            p.observe(r, 0.3 if r == 1 else 0.1)
+        assert isinstance(p.decide(spares_ready=1, steps=16), expected)
 
 
 def test_the_slow_rank_of_a_two_rank_group_scores_its_slowdown_and_is_evicted():
@@ -202,6 +225,7 @@ def test_the_slow_rank_of_a_two_rank_group_scores_its_slowdown_and_is_evicted():
         p.observe(1, 0.3)
     assert p.scores() == pytest.approx({0: 0.001 / 0.3, 1: 300.0})
     assert isinstance(p.decide(spares_ready=1), Continue)  # one decision counts half a window
+    p.observe(1, 0.3)
     d = p.decide(spares_ready=1)
     assert isinstance(d, EvictStraggler) and d.rank == 1
     lone = StragglerPolicy(factor=2.0, window=1, evict=True)

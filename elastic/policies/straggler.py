@@ -26,6 +26,7 @@ class StragglerPolicy:
         self._times: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
         self._over: dict[int, int] = defaultdict(int)
         self._busy_for: dict[int, float] = {}
+        self._fresh: dict[int, int] = defaultdict(int)  # timings observed since the last decision
         # Early steps after a (re)start are noisy (allocators, caches, a spare warming up) and on
         # a crowded machine vary by more than 2x; they would name healthy ranks as stragglers.
         self.warmup_steps = warmup_steps
@@ -36,12 +37,14 @@ class StragglerPolicy:
         self._times.clear()
         self._over.clear()
         self._busy_for.clear()
+        self._fresh.clear()
         self._steps = 0
 
     def observe(self, rank: int, local_time_s: float) -> None:
         if self._steps < self.warmup_steps:
             return
         self._times[rank].append(local_time_s)
+        self._fresh[rank] += 1
         self._busy_for.pop(rank, None)
 
     def observe_pending(self, rank: int, elapsed_s: float) -> None:
@@ -56,6 +59,7 @@ class StragglerPolicy:
         self._times.pop(rank, None)
         self._over.pop(rank, None)
         self._busy_for.pop(rank, None)
+        self._fresh.pop(rank, None)
 
     def scores(self) -> dict[int, float]:
         """Each rank's median step time over the median of the other ranks' medians.
@@ -88,12 +92,21 @@ class StragglerPolicy:
         policy window per decision: one noisy dispatch window (on a crowded machine a healthy
         rank can look 2x slow for a dozen steps) is never enough to evict; it takes at least two
         consecutive decisions, and at least ``window`` steps.
+
+        Only a rank with new evidence since the last decision counts: a timing observed, or a
+        step it is still busy with. Why: a late first-N replica sits out the next steps and
+        reports no timing for them, and its one slow timing (a GC pause) would otherwise be
+        counted again at every decision until it was evicted on that one sample. Without new
+        evidence its count stays as it was.
         """
         self._steps += steps
         scores = self.scores()
         counted = min(steps, max(1, (self.window + 1) // 2))
         for rank, score in scores.items():
+            if not self._fresh.get(rank) and rank not in self._busy_for:
+                continue
             self._over[rank] = self._over[rank] + counted if score > self.factor else 0
+        self._fresh.clear()
         if not self.evict:
             return Continue()
         candidates = [r for r, n in self._over.items() if n >= self.window]
