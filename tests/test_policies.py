@@ -179,7 +179,8 @@ def test_decide_over_a_window_counts_its_steps():
 def test_one_slow_timing_counts_once_however_many_decisions_the_rank_sits_out():
     # A first-N replica late once sits out the next steps and reports no timing for them; its one
     # slow timing (a GC pause) used to count again at every decision until it was evicted on it.
-    p = StragglerPolicy(factor=2.0, window=5, evict=True)
+    # The first timing after the warm-up, so that it is the rank's whole record.
+    p = StragglerPolicy(factor=2.0, window=5, evict=True, warmup_steps=5)
     for step in range(1, 30):
         for r in range(4):
             if r == 3 and 6 < step <= 10:
