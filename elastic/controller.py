@@ -730,6 +730,11 @@ class Controller:
                 dropped += len(shard)
                 if self.requeue_dropped:
                     self.plan.requeue(shard, epoch)
+        if self.requeue_dropped and dropped and step in self._positions:
+            # The place recorded at dispatch predates these drops. Requeueing sends one step at a
+            # time, so the plan's place now is this step's, drops included: a rollback to this
+            # step (_sync_state) replans from it and must not lose them.
+            self._positions[step] = self.plan.position.to_dict()
         return StepRecord(step, epoch, loss, step_time_s, 0.0, len(shards),
                           sum(len(shards[r]) for r in used), dropped, sorted(used))
 

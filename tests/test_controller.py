@@ -543,3 +543,22 @@ def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_h
     assert c.failures == 1 and [r["kind"] for r in c.recoveries] == ["failure_during_recovery"]
     decisions = [e.details["decision"] for e in c.events if e.kind == "decision"]
     assert decisions == ["EvictStraggler", "ReplaceWithSpares"]
+
+
+def test_with_requeueing_a_steps_recorded_data_position_holds_its_drops():
+    # A rollback to a step replans from the data position recorded for it; recorded at dispatch,
+    # that position lacked the step's dropped (requeued) samples, and they were never used.
+    from elastic.data import DataPosition, ShardPlan
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    scaling = elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n")
+    c = Controller(spec, scaling, elastic.RunConfig(name="requeue-position"), elastic.FailureConfig(),
+                   global_batch_size=16, requeue_dropped=True)
+    c.plan, c._per_worker = ShardPlan(64, seed=0), 8
+    _, shards = c._shards_for(1, 3)
+    c._book_step(1, used=[0, 1], loss=0.0, step_time_s=0.1)  # rank 2 was late
+    position = DataPosition.from_dict(c._positions[1])
+    assert position.requeued == shards[2] and position.cursor == 24
+    replanned = ShardPlan(64, seed=0, position=position)
+    assert replanned.take(3, 8)[1][0] == shards[2]  # the replay of step 2 uses them first
