@@ -562,3 +562,35 @@ def test_with_requeueing_a_steps_recorded_data_position_holds_its_drops():
     assert position.requeued == shards[2] and position.cursor == 24
     replanned = ShardPlan(64, seed=0, position=position)
     assert replanned.take(3, 8)[1][0] == shards[2]  # the replay of step 2 uses them first
+
+
+def test_a_lost_ranks_bundle_hosts_the_spare_that_refills_the_pool(ray_cluster):
+    # Ray frees a bundle only with its whole placement group: a lost rank's bundle in the ranks'
+    # group stayed reserved and idle, and on a cluster sized for ranks plus spares the refill
+    # spare could never be placed. Here 3 bundles of 2.5 CPUs fill 7.5 of the cluster's 8.
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    scaling = elastic.ScalingConfig(num_workers=2, num_backups=1, resources_per_worker={"CPU": 2.5})
+    c = Controller(spec, scaling, elastic.RunConfig(name="fake-bundle-reuse"), elastic.FailureConfig(),
+                   global_batch_size=8, fault_plan=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    c.worker_group_cls = FakeGroup
+    try:
+        c.run_for(steps=5)
+        group = c.group
+        assert group.collect_spares(block=True, timeout_s=30) == 1
+        refill = group.spares[0]
+        assert refill.pg is group._ranks_pg and group._free_bundles == []
+    finally:
+        c.shutdown()
+    assert [r["ranks"] for r in c.recoveries] == [[1]]
+
+
+def test_a_wait_for_capacity_that_gets_none_fails_after_capacity_timeout_s(ray_cluster):
+    # No spare, and the one asked for when rank 1 dies cannot be built: the wait is bounded.
+    c = controller("fake-nocap", failure=elastic.FailureConfig(when_no_spare="wait", capacity_timeout_s=2),
+                   faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    c.worker_group_cls = SparesThatFailToBuild
+    t0 = time.time()
+    run_expecting_failure(c, 6, "no capacity came within capacity_timeout_s=2s")
+    assert time.time() - t0 < 60
+    assert [e.details["decision"] for e in c.events if e.kind == "decision"] == ["WaitForCapacity", "Fail"]

@@ -69,6 +69,7 @@ class Member:
     name: str
     info: dict = field(default_factory=dict)
     pg: PlacementGroup | None = None
+    bundle_index: int = 0  # its bundle in ``pg``
     rank: int = -1
     local_rank: int = 0
     node_rank: int = 0
@@ -117,6 +118,14 @@ class WorkerGroup:
         self.members: list[Member] = []  # index == rank
         self.spares: list[Member] = []
         self._pgs: list[PlacementGroup] = []
+        # The ranks' placement group, and its bundles whose actor is gone (a rank lost, evicted
+        # or shrunk away, or a spare placed there that was lost): see ``request_spare``.
+        self._ranks_pg: PlacementGroup | None = None
+        self._free_bundles: list[int] = []
+        # Bundle -> the name of the actor placed in it: a release frees a bundle only for its
+        # holder, so releasing a member twice (evicted, then replaced) cannot free it under a
+        # spare placed there in between.
+        self._bundle_holder: dict[int, str] = {}
         self._spare_counter = 0
         self._pending_spares: list[Member] = []
         self.dataset_size: int | None = None  # the ranks' (all equal), once they are built
@@ -153,6 +162,7 @@ class WorkerGroup:
         pg = placement_group([dict(bundle) for _ in range(num_active)], strategy=self.scaling.placement_strategy,
                              name=f"{self.namespace}/ranks")
         self._pgs.append(pg)
+        self._ranks_pg = pg
         _wait_ready(pg, self.scaling.placement_timeout_s, f"{num_active} worker bundles {bundle}")
         # Ranks follow the nodes the bundles landed on, so actor "rank-i" really is rank i.
         bundle_nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
@@ -160,7 +170,9 @@ class WorkerGroup:
         for i in range(num_active):
             node_order.setdefault(bundle_nodes.get(i, ""), len(node_order))
         by_node = sorted(range(num_active), key=lambda i: node_order[bundle_nodes.get(i, "")])
-        pending = [Member(self._spawn(pg, b, f"rank-{r}"), f"rank-{r}", pg=pg) for r, b in enumerate(by_node)]
+        pending = [Member(self._spawn(pg, b, f"rank-{r}"), f"rank-{r}", pg=pg, bundle_index=b)
+                   for r, b in enumerate(by_node)]
+        self._bundle_holder = {m.bundle_index: m.name for m in pending}
         for _ in range(self.scaling.num_hot_spares):
             self.request_spare()
         refs = [m.actor.info.remote() for m in pending]  # every rank builds at once
@@ -209,21 +221,51 @@ class WorkerGroup:
         on another node. Only when another live node could host the bundle at all; on a cluster of
         one node, or when every other node is too small, the spare is placed as usual. Returns the
         nodes avoided. A spare still unplaced after ``placement_timeout_s`` (the other nodes stay
-        full) is asked for again without the selector (``collect_spares``)."""
+        full) is asked for again without the selector (``collect_spares``).
+
+        A bundle of the ranks' placement group whose actor is gone is used first. Why: Ray frees a
+        bundle only with its whole group, so a lost or evicted rank's CPU or GPU stayed reserved
+        and idle for the rest of the run, while its replacement spare asked the cluster for one
+        more. On a cluster sized for ranks plus spares (8 GPUs: 7 ranks and a spare) the refill
+        then never placed, and the next failure found no spare. After a node loss, Ray places that
+        bundle again on a live node (when one has room), and the spare waits for it there. A free
+        bundle on a node to avoid is left for a later spare."""
         avoid = self._avoidable(avoid_nodes)
         idx = self._spare_counter
         self._spare_counter += 1
+        name = f"spare-{idx}"
+        reuse = self._free_bundle_off(avoid_nodes)
+        if reuse is not None:
+            pg = self._ranks_pg
+            self._bundle_holder[reuse] = name
+            member = Member(self._spawn(pg, reuse, name, background and self.scaling.background_spare_start), name,
+                            pg=pg, bundle_index=reuse, spare=True)
+            member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time(),
+                           "_avoid": [], "_background": background}
+            self._pending_spares.append(member)
+            return []
         selector = [{NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None
         pg = placement_group([self.scaling.bundle()], strategy="PACK", name=f"{self.namespace}/spare-{idx}",
                              bundle_label_selector=selector)
         self._pgs.append(pg)
-        name = f"spare-{idx}"
         member = Member(self._spawn(pg, 0, name, background and self.scaling.background_spare_start), name, pg=pg,
                         spare=True)
         member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time(),
                        "_avoid": avoid, "_background": background}
         self._pending_spares.append(member)
         return avoid
+
+    def _free_bundle_off(self, avoid_nodes: Iterable[str]) -> int | None:
+        """A free bundle of the ranks' group (taken off the free list), not on ``avoid_nodes``."""
+        if not self._free_bundles or self._ranks_pg is None:
+            return None
+        avoid = set(avoid_nodes)
+        nodes = ray.util.placement_group_table(self._ranks_pg).get("bundles_to_node_id", {}) if avoid else {}
+        for i in self._free_bundles:
+            if nodes.get(i) not in avoid:
+                self._free_bundles.remove(i)
+                return i
+        return None
 
     def _avoidable(self, avoid_nodes: Iterable[str]) -> list[str]:
         """``avoid_nodes`` (sorted) if some other live node has the resources of a bundle, else []."""
@@ -371,6 +413,8 @@ class WorkerGroup:
         avoid = set(avoid_nodes)
         spare = self.spares.pop(next((i for i, m in enumerate(self.spares) if m.info.get("node_id") not in avoid), 0))
         self._spare_beats.pop(spare.name, None)
+        if rank < len(self.members):
+            self._release(self.members[rank])  # lost or evicted: its bundle is free for a spare
         spare.spare = False
         spare.rank = rank
         self.members[rank] = spare
@@ -380,6 +424,9 @@ class WorkerGroup:
     def remove_ranks(self, ranks: list[int]) -> None:
         """Shrink: drop ``ranks`` and renumber the rest in order."""
         gone = set(ranks)
+        for m in self.members:
+            if m.rank in gone:
+                self._release(m)
         self.members = [m for m in self.members if m.rank not in gone]
         self._name_ranks()
 
@@ -391,7 +438,11 @@ class WorkerGroup:
             ray.kill(member.actor, no_restart=True)
         except Exception:
             logger.debug("kill of %s failed", member.name, exc_info=True)
-        if member.pg is not None and member.pg is not self._pgs[0] and member.pg in self._pgs:
+        if member.pg is not None and member.pg is self._ranks_pg:
+            if self._bundle_holder.get(member.bundle_index) == member.name:
+                del self._bundle_holder[member.bundle_index]
+                self._free_bundles.append(member.bundle_index)
+        elif member.pg is not None and member.pg in self._pgs:
             self._pgs.remove(member.pg)
             try:
                 remove_placement_group(member.pg)
@@ -416,6 +467,7 @@ class WorkerGroup:
             except Exception:
                 logger.debug("remove_placement_group failed", exc_info=True)
         self.members, self.spares, self._pending_spares, self._pgs = [], [], [], []
+        self._ranks_pg, self._free_bundles, self._bundle_holder = None, [], {}
 
 
 def order_by_node(members: list[Member]) -> list[Member]:
