@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -436,7 +437,7 @@ def status(
                     except CliError:
                         rows.append((name, None))
                 if as_json:
-                    _stdout().print_json(json.dumps({name: st for name, st in rows}, default=str))
+                    _stdout().print_json(_strict_json({name: st for name, st in rows}))
                 else:
                     _stdout().print(_runs_table(rows))
                     _stdout().print(f"{len(runs)} live runs; `elastic status RUN` shows one.", highlight=False)
@@ -444,7 +445,7 @@ def status(
             run = runs[0]
         st = _controller_status(run, addr, timeout_s)
         if as_json:
-            _stdout().print_json(json.dumps(st, default=str))
+            _stdout().print_json(_strict_json(st))
             return
         out = _stdout()
         out.print(_summary(st), highlight=False)
@@ -584,14 +585,14 @@ def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, re
         _stdout().print_json(json.dumps([s.to_dict() for s in steps]))
         return
     if not steps:
-        _stdout().print(f"no checkpoints for run {run!r} in {store.location}", highlight=False)
+        _stdout().print(f"no checkpoints for run {run!r} in {store.location}", highlight=False, markup=False)
         return
     _stdout().print(_steps_table(steps))
     good = [s.step for s in steps if s.status in ("valid", "committed")]
     counts = {k: sum(1 for s in steps if s.status == k) for k in ("valid", "committed", "partial", "corrupt")}
     summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
     latest = f"; latest usable: step {good[-1]}" if good else "; no usable step"
-    _stdout().print(f"{store.location}: {len(steps)} step(s): {summary}{latest}", highlight=False)
+    _stdout().print(f"{store.location}: {len(steps)} step(s): {summary}{latest}", highlight=False, markup=False)
 
 
 def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
@@ -623,7 +624,7 @@ def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
         _stdout().print_json(json.dumps({name: [s.to_dict() for s in steps] for name, steps in rows}))
         return
     if not rows:
-        _stdout().print(f"no checkpoints in {root.location}", highlight=False)
+        _stdout().print(f"no checkpoints in {root.location}", highlight=False, markup=False)
         return
     table = Table(header_style="bold")
     for header, justify in (("run", "left"), ("steps", "right"), ("committed", "right"), ("partial", "right"),
@@ -638,7 +639,8 @@ def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
                       str(committed[-1].step) if committed else "-", _size(sum(s.size_bytes for s in steps)),
                       _when(committed[-1].committed_at) if committed else "-")
     _stdout().print(table)
-    _stdout().print(f"`elastic checkpoints {url} --run RUN` lists one run's steps and verifies their files.",
+    # root.location, not url: the URL may carry credentials (user:secret@, a signed query).
+    _stdout().print(f"`elastic checkpoints {root.location} --run RUN` lists one run's steps and verifies their files.",
                   highlight=False, markup=False)
 
 
@@ -676,6 +678,20 @@ def checkpoints(
         _list_runs(url, options, as_json, retry)
 
 
+def _strict_json(obj: Any) -> str:
+    """JSON that strict parsers (jq) read: a non-finite float (the NaN loss of a step kept after a
+    recovery, a diverged loss, an infinite avoid time) is null, where ``json.dumps`` writes NaN."""
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(obj), default=str, allow_nan=False)
+
+
 # ---- submit -----------------------------------------------------------------------------------
 
 def _quiet_ray_logs() -> None:
@@ -688,6 +704,20 @@ def _quiet_ray_logs() -> None:
 def _job_address(address: Optional[str]) -> Optional[str]:
     """Like ``ray job submit``: --address, then RAY_API_SERVER_ADDRESS, then RAY_ADDRESS, then the local cluster."""
     return address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or None
+
+
+# Ray's client resolves its address with these first, over the one it is given
+# (``get_address_for_submission_client``): --address must win, as the help says.
+_ADDRESS_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+
+
+@contextlib.contextmanager
+def _env_without(*names: str):
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _script_in(working_dir: str, script: str) -> str:
@@ -708,7 +738,7 @@ def submit(
     script: str = typer.Argument(..., help="Python script, relative to the working directory."),
     args: Optional[list[str]] = typer.Argument(None, help="Arguments for the script (put them after --)."),
     address: Optional[str] = typer.Option(
-        None, "--address", help="Dashboard URL, e.g. http://HEAD:8265; default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS "
+        None, "--address", help="Dashboard URL, e.g. http://HEAD:8265 (it wins over the environment); default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS "
                                 "or the local cluster."),
     working_dir: str = typer.Option(".", "--working-dir", help="Directory uploaded as the job's working_dir."),
     submission_id: Optional[str] = typer.Option(None, "--submission-id", help="Job id to use (default: generated)."),
@@ -724,7 +754,8 @@ def submit(
     entrypoint = shlex.join(["python", rel, *(args or [])])
     target = _job_address(address)
     try:
-        client = JobSubmissionClient(target)
+        with _env_without(*(_ADDRESS_VARS if address else ())):
+            client = JobSubmissionClient(target)
     except Exception as exc:  # noqa: BLE001 - ConnectionError, auth or version errors: one line each
         where = target or "the local cluster"
         text = str(exc)

@@ -176,6 +176,26 @@ def test_checkpoints_without_run_lists_runs(tmp_path):
     assert run_dir.exit_code == 0 and "latest usable: step 5" in run_dir.stdout
 
 
+def test_checkpoints_never_prints_credentials_from_the_url_and_takes_brackets_literally():
+    import uuid
+
+    from elastic.checkpoint.testing import clear_memory
+
+    url = f"memory://alice:hunter2secret@root-{uuid.uuid4().hex[:8]}"
+    try:
+        write_run(url, "a[red]b", {1: "committed"})
+        listing = runner.invoke(app, ["checkpoints", url])
+        one = runner.invoke(app, ["checkpoints", url, "--run", "a[red]b"])
+        empty = runner.invoke(app, ["checkpoints", url, "--run", "x[/y]"])
+    finally:
+        clear_memory(url)
+    for result in (listing, one, empty):
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert "hunter2secret" not in result.stdout + result.stderr
+    assert "a[red]b" in listing.stdout and "a[red]b: 1 step(s)" in one.stdout
+    assert "no checkpoints for run 'x[/y]'" in empty.stdout
+
+
 def test_checkpoints_empty_dir(tmp_path):
     result = runner.invoke(app, ["checkpoints", str(tmp_path)])
     assert result.exit_code == 0
@@ -268,3 +288,46 @@ def test_status_names_the_nodes_spares_are_kept_off_and_for_how_long():
     plain = Console(width=300).render_str(_summary(st)).plain
     assert f"spares kept off {'a' * 12} (3542 s), {'b' * 12} (the run)" in plain
     assert "kept off" not in _summary({**st, "avoided_nodes": {}})
+
+
+def test_status_json_writes_null_for_a_nan_loss(monkeypatch):
+    # A step kept after a recovery has no loss (NaN); `json.dumps` wrote NaN, which jq rejects.
+    import elastic.cli as cli
+
+    st = {"run": "r", "state": "running", "step": 7, "loss": float("nan"), "ranks": [{"straggler_score": float("inf")}]}
+    monkeypatch.setattr(cli, "_cluster_address", lambda address: "127.0.0.1:1")
+    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s: None)
+    monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
+    monkeypatch.setattr(cli, "_controller_status", lambda run, addr, timeout_s: st)
+    monkeypatch.setattr("ray.shutdown", lambda: None)
+    result = runner.invoke(app, ["status", "r", "--json"])
+    assert result.exit_code == 0, result.stdout + result.stderr
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    out = json.loads(result.stdout, parse_constant=refuse)
+    assert out["loss"] is None and out["ranks"][0]["straggler_score"] is None and out["step"] == 7
+
+
+def test_submit_address_wins_over_the_environment(monkeypatch, tmp_path):
+    # Ray's client takes RAY_API_SERVER_ADDRESS / RAY_ADDRESS over the address it is given.
+    import ray.job_submission
+    from ray.dashboard.utils import get_address_for_submission_client
+
+    seen = []
+
+    class Client:
+        def __init__(self, address):
+            seen.append(get_address_for_submission_client(address))
+            raise ConnectionError("stop here")
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    monkeypatch.setenv("RAY_ADDRESS", "http://a.example:8265")
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://a.example:8265")
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path),
+                                 "--address", "http://b.example:8265"])
+    assert result.exit_code != 0 and seen == ["http://b.example:8265"]
+    assert os.environ["RAY_ADDRESS"] == "http://a.example:8265"  # put back
+    runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path)])
+    assert seen[-1] == "http://a.example:8265"  # without --address the environment still counts
