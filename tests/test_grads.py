@@ -76,3 +76,26 @@ def test_parameters_of_another_dtype_are_averaged_in_the_widest_and_rounded_once
     # the fp32 head's gradients are views into the buffer, the bf16 body's are not
     fp32 = [p for p in replicas[0].parameters() if p.dtype == torch.float32]
     assert all(p.grad.untyped_storage().data_ptr() == buffers[0].untyped_storage().data_ptr() for p in fp32)
+
+
+def test_a_step_fn_that_drops_the_views_still_fills_the_buffer():
+    # model.zero_grad() sets .grad to None by default: backward then makes new tensors, and the
+    # buffer (what the replicas all-reduce) held zeros for them.
+    torch.manual_seed(0)
+    model = make_model_with_unused_branch()
+    reference = make_model_with_unused_branch()
+    reference.load_state_dict(model.state_dict())
+    grads = FlatGrads(model)
+    flat = grads.bind(torch.device("cpu"))
+    x = torch.randn(4, 16)
+    grads.before_backward()
+    model.zero_grad()  # what the user's step_fn did
+    loss = model(x).sum()
+    loss.backward()
+    grads.after_backward(loss)
+    reference(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), name  # a view again
+        expected = torch.zeros_like(p) if q.grad is None else q.grad
+        assert torch.equal(p.grad, expected), name
+    assert flat[:-1].abs().sum() > 0

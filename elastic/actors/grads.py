@@ -49,6 +49,7 @@ class FlatGrads:
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied parameters once
         self.dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params)) if self.params else None
         self._cast = [i for i, p in enumerate(self.params) if p.dtype != self.dtype]  # no view: copied in and out
+        self._viewed = [i for i, p in enumerate(self.params) if p.dtype == self.dtype]
         self._reached = [False] * len(self.params)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._mark(i))
@@ -79,7 +80,23 @@ class FlatGrads:
 
     def after_backward(self, loss) -> None:
         """Write this replica's gradients that are not views, its presence marks and its loss
-        into the buffer."""
+        into the buffer.
+
+        A gradient that should be a view and is not (a ``step_fn`` that called
+        ``model.zero_grad()``, whose default ``set_to_none=True`` drops the views, so backward
+        made new tensors) is copied into its slot and the view put back. Otherwise the buffer
+        would hold zeros for it, and each replica would step on its own gradient: replicas that
+        differ, found only by the checksum."""
+        for i in self._viewed:
+            p, slot = self.params[i], self._slots[i]
+            grad = p.grad
+            if grad is not None and grad.data_ptr() == slot.data_ptr():
+                continue
+            if grad is None or not self._reached[i]:
+                slot.zero_()
+            else:
+                slot.copy_(grad.to_dense() if grad.is_sparse else grad)
+            p.grad = slot
         for i in self._cast:
             grad = self.params[i].grad
             if grad is None or not self._reached[i]:
