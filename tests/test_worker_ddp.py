@@ -280,3 +280,65 @@ def test_torch_distributed_errors_are_told_from_the_users_by_class():
     assert isinstance(raised(dist.DistBackendError("gloo")), CollectiveError)
     user = RuntimeError("Modules with uninitialized parameters")
     assert raised(user) is user
+
+
+def test_a_batch_keeps_its_container_types_on_the_way_to_the_device():
+    import collections
+    from collections import UserDict, namedtuple
+
+    from elastic.actors.worker import _to_device
+
+    Pair = namedtuple("Pair", "x y")
+    batch = {"pair": Pair(torch.ones(2), [torch.zeros(1)]), "enc": UserDict({"ids": torch.arange(3)}),
+             "od": collections.OrderedDict(a=torch.ones(1)), "t": (torch.ones(1), 3)}
+    out = _to_device(batch, torch.device("meta"))  # a device other than the CPU, without a GPU
+    assert type(out["pair"]) is Pair and out["pair"].x.device.type == "meta"
+    assert out["pair"].y[0].device.type == "meta"
+    assert type(out["enc"]) is UserDict and out["enc"]["ids"].device.type == "meta"
+    assert type(out["od"]) is collections.OrderedDict and out["od"]["a"].device.type == "meta"
+    assert out["t"][0].device.type == "meta" and out["t"][1] == 3
+
+
+class _WithExtraState(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def get_extra_state(self):
+        return {"scale": 0.5}  # not a tensor, as TransformerEngine's and some quantised layers'
+
+    def set_extra_state(self, state):
+        self.scale = state["scale"]
+
+
+def test_a_model_with_non_tensor_extra_state_is_checksummed_and_handed_over():
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    model = _WithExtraState()
+    w = SimpleNamespace(model=model)
+    assert isinstance(TrainWorker.param_checksum(w), int)
+    state = TrainWorker.model_state(w)
+    assert state["_extra_state"] == {"scale": 0.5} and state["lin.weight"].device.type == "cpu"
+    _WithExtraState().load_state_dict(state)
+
+
+def test_set_state_leaves_adams_step_counters_where_torch_keeps_them():
+    # torch's load_state_dict moves moments to each parameter's device but keeps plain Adam's
+    # step on the CPU; moving the whole state first put it on the GPU (two syncs per parameter a step).
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": None, "completed_step": 1}
+    calls = []
+    fresh = torch.optim.Adam(model.parameters())
+    fresh.load_state_dict = lambda sd: calls.append(sd)
+    TrainWorker.set_state(SimpleNamespace(model=model, optimizer=fresh, scheduler=None, device=torch.device("meta")),
+                          state)
+    assert all(s["step"].device.type == "cpu" for s in calls[0]["state"].values())

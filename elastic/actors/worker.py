@@ -15,6 +15,7 @@ Two ways to synchronise gradients:
 
 from __future__ import annotations
 
+import collections.abc
 import gc
 import inspect
 import itertools
@@ -753,11 +754,17 @@ class TrainWorker:
 
     def model_state(self) -> dict:
         """The model's state dict on the CPU (the final weights a ``Result`` carries)."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        # A module's extra state (``get_extra_state``: TransformerEngine's, some quantised layers')
+        # need not be a tensor: it goes as it is.
+        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in self.model.state_dict().items()}
 
     def set_state(self, state: dict) -> int:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(_to_device(state["optimizer"], self.device))
+        # As it came (on the CPU): torch's load_state_dict moves each state tensor to its
+        # parameter's device itself, except plain Adam's ``step`` counters, which it keeps on the
+        # CPU on purpose; moved to a GPU, each optimizer step would read them back with two
+        # device syncs per parameter.
+        self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.completed_step = self.started_step = int(state["completed_step"])
@@ -780,6 +787,8 @@ class TrainWorker:
         elastic/actors/buffers.py)."""
         crc = 0
         for t in self.model.state_dict(keep_vars=True).values():
+            if not isinstance(t, torch.Tensor):
+                continue  # a module's non-tensor extra state: not a parameter or buffer
             crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
         return crc
 
@@ -959,10 +968,22 @@ def _looks_collective(exc: BaseException) -> bool:
 
 
 def _to_device(obj, device: torch.device):
+    """A collated batch on ``device``, its containers of the types ``default_collate`` kept:
+    namedtuples stay namedtuples (``batch.x``), and mappings that are not dicts (transformers'
+    ``BatchEncoding``, a ``UserDict``) are rebuilt as their own type with their tensors moved
+    (left as they were, their tensors stayed on the CPU beside a GPU model)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, collections.abc.Mapping):
+        moved = {k: _to_device(v, device) for k, v in obj.items()}
+        if type(obj) is dict:
+            return moved
+        try:
+            return type(obj)(moved)
+        except TypeError:  # a mapping type that cannot be built from a dict (as default_collate does)
+            return moved
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_to_device(v, device) for v in obj))
     if isinstance(obj, list):
         return [_to_device(v, device) for v in obj]
     if isinstance(obj, tuple):
