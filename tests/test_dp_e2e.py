@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import elastic
@@ -66,6 +68,31 @@ def test_worker_exception_reaches_user_with_rank_and_traceback(ray_cluster):
     assert "boom from user code" in str(info.value)
     assert "bad_loss" in str(info.value)  # the original traceback
     assert info.value.rank in (0, 1)
+
+
+def loss_that_fails_on_rank_1(model, batch):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank 1 only")
+    return loss_fn(model, batch)
+
+
+def test_a_user_error_on_one_rank_is_reported_not_healed_as_a_hang(ray_cluster):
+    # Rank 0 waits in DDP's all-reduce for rank 1, whose loss_fn raised. Before rank 1 left its
+    # group, rank 0 sat there until collective_timeout_s, was killed as hung, and the replayed
+    # step failed the same way until max_failures ran out.
+    t = elastic.Trainer(model_fn=make_model, optimizer_fn=make_sgd, dataset_fn=make_dataset,
+                        loss_fn=loss_that_fails_on_rank_1, global_batch_size=8,
+                        scaling=elastic.ScalingConfig(num_workers=2, num_backups=1),
+                        run=elastic.RunConfig(name="boom-one"),
+                        failure=elastic.FailureConfig(collective_timeout_s=60))
+    t0 = time.monotonic()
+    with pytest.raises(elastic.WorkerError, match="boom from rank 1 only") as info:
+        t.fit(steps=2)
+    assert info.value.rank == 1
+    # A bound on a hang, not a speed figure: rank 0 was released, not left to the 60 s timeout.
+    assert time.monotonic() - t0 < 45
 
 
 def dataset_from_a_module_workers_lack():

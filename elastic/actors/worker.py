@@ -457,6 +457,12 @@ class TrainWorker:
             if collective:
                 self.leave()
                 raise CollectiveError(msg)
+            if self.world_size > 1:
+                # Not the group's fault, but the peers wait on this rank in the step's collective
+                # and would sit there until collective_timeout_s, when the controller kills one
+                # as hung and replays the step into the same error, failure after failure. Left
+                # now, they raise at once, no rank is lost, and the controller reports this error.
+                self.leave()
             if unused:
                 raise RuntimeError(f"{msg}\nelastic builds the DistributedDataParallel: set "
                                    "ScalingConfig(find_unused_parameters=True).") from None
