@@ -1050,6 +1050,9 @@ class Controller:
                 stuck = {k: v for k, v in pending.items() if v == r}
                 self._kill_hung(stuck, f"missed heartbeats for {cfg.heartbeat_timeout_s:g}s")
                 del beats[r]
+        if self.metrics is not None:
+            now = time.time()
+            self.metrics.on_heartbeats({r: now - self._last_beat.get(r, now) for r in set(pending.values())})
 
     def _probe_dead(self) -> set[int]:
         refs = {m.actor.heartbeat.remote(): m.rank for m in self.group.members}

@@ -20,9 +20,10 @@ class RunMetrics:
     def __init__(self, run: str):
         self.run = run
         self._m = None
+        self._ranks: set[str] = set()  # ranks the per-rank gauges were last set for
 
     def __getstate__(self):
-        return {"run": self.run, "_m": None}
+        return {"run": self.run, "_m": None, "_ranks": set()}
 
     def _metrics(self):
         if self._m is None:
@@ -85,15 +86,37 @@ class RunMetrics:
                 m["grad_norm"].set(record.grad_norm, tags=run)
             if record.dropped:
                 m["dropped"].inc(record.dropped, tags=run)
-            for row in controller.rank_rows(spares=False) if per_rank else ():
-                tags = {"run": self.run, "rank": str(row["rank"])}
-                m["heartbeat_age"].set(row["heartbeat_age_s"], tags=tags)
-                m["straggler"].set(row["straggler_score"], tags=tags)
-                m["rank_behind"].set(row["behind_steps"], tags=tags)
-                if row["step_time_s"] is not None:
-                    m["rank_step_time"].set(row["step_time_s"], tags=tags)
+            if per_rank:
+                rows = controller.rank_rows(spares=False)
+                for row in rows:
+                    tags = {"run": self.run, "rank": str(row["rank"])}
+                    m["heartbeat_age"].set(row["heartbeat_age_s"], tags=tags)
+                    m["straggler"].set(row["straggler_score"], tags=tags)
+                    m["rank_behind"].set(row["behind_steps"], tags=tags)
+                    if row["step_time_s"] is not None:
+                        m["rank_step_time"].set(row["step_time_s"], tags=tags)
+                self._forget_ranks(m, {str(row["rank"]) for row in rows})
             if controller.committer is not None:
                 m["ckpt_lag"].set(controller.committer.lag(record.step), tags=run)
+        self._safe(update)
+
+    def _forget_ranks(self, m, ranks: set[str]) -> None:
+        """Ranks gone since the last update (the group shrank) get NaN, "no value": a gauge keeps
+        its last value for as long as the process lives, and a rank that no longer exists would
+        go on showing its last straggler score or heartbeat age on dashboards and alerts."""
+        for rank in self._ranks - ranks:
+            tags = {"run": self.run, "rank": rank}
+            for name in ("heartbeat_age", "straggler", "rank_behind", "rank_step_time"):
+                m[name].set(float("nan"), tags=tags)
+        self._ranks = ranks
+
+    def on_heartbeats(self, ages: dict[int, float]) -> None:
+        """Heartbeat ages while the controller waits on a step, so the gauge grows on a rank
+        that is hung or lost: in data parallel no step completes then, and ``on_step`` does
+        not run."""
+        def update(m):
+            for rank, age in ages.items():
+                m["heartbeat_age"].set(age, tags={"run": self.run, "rank": str(rank)})
         self._safe(update)
 
     def on_failure(self, kind: str) -> None:

@@ -1,0 +1,54 @@
+"""The dashboard metrics' bookkeeping, with recording stand-ins for Ray's metric objects (the
+real ones are scraped from Prometheus in tests/test_jobs_e2e.py)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+from elastic.metrics import RunMetrics
+
+
+class Recorder:
+    def __init__(self):
+        self.values = defaultdict(list)
+
+    def set(self, value, tags):
+        self.values[tags.get("rank")].append(value)
+
+    observe = inc = set
+
+
+def metrics() -> RunMetrics:
+    m = RunMetrics("r")
+    m._m = defaultdict(Recorder)
+    return m
+
+
+def controller(ranks):
+    rows = [{"rank": r, "heartbeat_age_s": 0.1, "straggler_score": 1.0, "behind_steps": 0, "step_time_s": 0.2}
+            for r in ranks]
+    return SimpleNamespace(rank_rows=lambda spares: rows, group=SimpleNamespace(spares=[], pending_spares=0),
+                           committer=None)
+
+
+def record(step, world):
+    return SimpleNamespace(step=step, step_time_s=0.2, samples=64, world_size=world, grad_norm=None, dropped=0)
+
+
+def test_a_rank_gone_after_a_shrink_stops_showing_its_last_values():
+    m = metrics()
+    m.on_step(record(1, 4), controller(range(4)))
+    m.on_step(record(2, 3), controller(range(3)))  # shrunk: rank 3 is no more
+    for name in ("heartbeat_age", "straggler", "rank_behind", "rank_step_time"):
+        assert math.isnan(m._m[name].values["3"][-1]), name
+        assert m._m[name].values["2"][-1] == m._m[name].values["2"][0]
+    m.on_step(record(3, 3), controller(range(3)))
+    assert len(m._m["straggler"].values["3"]) == 2  # set to NaN once, then left alone
+
+
+def test_heartbeat_ages_are_published_while_a_step_waits():
+    m = metrics()
+    m.on_heartbeats({0: 0.5, 1: 12.0})
+    assert m._m["heartbeat_age"].values == {"0": [0.5], "1": [12.0]}
