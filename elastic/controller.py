@@ -859,7 +859,7 @@ class Controller:
         first_problem: float | None = None
         beats: dict[int, Any] = {}
         node_suspect = False
-        released = False
+        released = aborted = False
         while pending:
             timeout = cfg.heartbeat_interval_s
             t_wait = time.perf_counter()
@@ -898,6 +898,16 @@ class Controller:
                 for m in self.group.members:
                     if m.rank not in dead:
                         m.actor.abandon_first_n.remote(self.generation)
+            if (dead or collective_failed or user_error) and not aborted and self._on_nccl():
+                # A survivor waiting on NCCL never sees a peer's death: its kernel waits on the
+                # GPU for data that will not come, and no socket closes to wake it as on gloo.
+                # Its communicators are aborted from its control thread, so its blocking wait
+                # raises and it leaves the group like a gloo rank (TrainWorker.abort_collectives).
+                aborted = True
+                bad = dead | {r for r in collective_failed} | ({user_error[0]} if user_error else set())
+                for m in self.group.members:
+                    if m.rank not in bad:
+                        m.actor.abort_collectives.remote(self.generation)
             if not (dead or collective_failed or user_error) and got >= need:
                 now = time.time()
                 for ref in results:
@@ -938,6 +948,9 @@ class Controller:
         else:
             kind = "actor_died"
         raise Failure(dead, kind, detect_s=(first_problem or time.time()) - t0)
+
+    def _on_nccl(self) -> bool:
+        return any(m.info.get("backend") == "nccl" for m in self.group.members)
 
     def _co_located_losses(self, dead: set[int], down: set, settle: bool) -> tuple[set[int], set]:
         """Other ranks lost with the same node, so a node loss is healed in one rebuild.

@@ -108,3 +108,28 @@ class SparesThatFailToBuild(FakeGroup):
         if name.startswith("spare-") and name not in self._first_spares:
             return self._broken_cls.options(**self._options(pg, index, name)).remote(self.spec, name, background)
         return super()._spawn(pg, index, name, background)
+
+
+class NcclFakeWorker(FakeWorker):
+    """A worker that says it trains on NCCL, and records the aborts the controller asks of it."""
+
+    def __init__(self, spec, name="", background_start=False):
+        super().__init__(spec, name, background_start)
+        self.aborted = []
+
+    def info(self):
+        return {**super().info(), "backend": "nccl"}
+
+    @ray.method(concurrency_group="control")
+    def abort_collectives(self, generation):
+        self.aborted.append(generation)
+        return True
+
+    def aborts(self):
+        return list(self.aborted)
+
+
+class NcclFakeGroup(FakeGroup):
+    def __init__(self, scaling, spec, namespace):
+        super().__init__(scaling, spec, namespace)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(NcclFakeWorker)

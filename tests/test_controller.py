@@ -13,7 +13,7 @@ import elastic
 from elastic.actors.worker import TrainingSpec
 from elastic import controller as controller_module
 from elastic.controller import Controller, State, TrainingFailed, _split_wall
-from fake_workers import FakeGroup, SparesThatFailToBuild
+from fake_workers import FakeGroup, NcclFakeGroup, SparesThatFailToBuild
 
 
 def controller(name, workers=2, backups=0, failure=None, faults=None, global_batch_size=8):
@@ -594,3 +594,22 @@ def test_a_wait_for_capacity_that_gets_none_fails_after_capacity_timeout_s(ray_c
     run_expecting_failure(c, 6, "no capacity came within capacity_timeout_s=2s")
     assert time.time() - t0 < 60
     assert [e.details["decision"] for e in c.events if e.kind == "decision"] == ["WaitForCapacity", "Fail"]
+
+
+def test_on_nccl_the_survivors_of_a_lost_rank_have_their_communicators_aborted(ray_cluster):
+    # An NCCL survivor's kernel would wait on the GPU for the dead peer until the timeout; gloo
+    # ranks are woken by the peer's sockets closing and are never asked.
+    c = controller("fake-nccl-abort", workers=3, backups=1, faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    c.worker_group_cls = NcclFakeGroup
+    try:
+        c.run_for(steps=5)
+        aborts = {m.rank: ray.get(m.actor.aborts.remote()) for m in c.group.members}
+    finally:
+        c.shutdown()
+    assert aborts == {0: [1], 1: [], 2: [1]}  # generation 1's survivors; rank 1 is the spare now
+    gloo = controller("fake-gloo-no-abort", backups=1, faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    try:
+        gloo.run_for(steps=5)  # FakeWorker has no abort_collectives: a call would fail the run
+    finally:
+        gloo.shutdown()
+    assert gloo.state is State.FINISHED

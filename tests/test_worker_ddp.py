@@ -342,3 +342,15 @@ def test_set_state_leaves_adams_step_counters_where_torch_keeps_them():
     TrainWorker.set_state(SimpleNamespace(model=model, optimizer=fresh, scheduler=None, device=torch.device("meta")),
                           state)
     assert all(s["step"].device.type == "cpu" for s in calls[0]["state"].values())
+
+
+def test_abort_collectives_acts_only_on_an_nccl_group_of_the_generation_asked():
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import NCCL_ERROR_ENV, TrainWorker
+
+    assert NCCL_ERROR_ENV["TORCH_NCCL_BLOCKING_WAIT"] == "1"  # so an aborted collective raises in wait()
+    assert TrainWorker.abort_collectives(SimpleNamespace(backend="gloo", generation=1, rank=0), 1) is False
+    # NCCL, but no group formed (or an older generation asked): nothing to abort
+    assert TrainWorker.abort_collectives(SimpleNamespace(backend="nccl", generation=1, rank=0), 1) is False
+    assert TrainWorker.abort_collectives(SimpleNamespace(backend="nccl", generation=2, rank=0), 1) is False

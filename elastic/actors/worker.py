@@ -221,6 +221,27 @@ class TrainWorker:
                 "rank": self.rank, "phase": self.phase, "phase_since": self.phase_since}
 
     @ray.method(concurrency_group="control")
+    def abort_collectives(self, generation: int) -> bool:
+        """Abort this rank's NCCL communicators of group ``generation``; the controller calls it,
+        from this actor's control thread, when a peer of the group died or failed. Returns
+        whether there was one to abort.
+
+        Why: on NCCL a rank whose peer died does not fail. Its collective kernel waits on the
+        GPU for data that never comes, and no socket closes to wake it (gloo's way out, see
+        ``_run_guarded``); it would wait out the collective timeout and be killed, survivors and
+        the state they hold lost with it. Aborted, its kernels return, and with blocking waits
+        (``NCCL_ERROR_ENV``) the step's ``wait()`` raises before the optimizer steps on partly
+        reduced gradients: a CollectiveError, and the rank leaves the group as a gloo rank does.
+        On gloo there is nothing to do (its abort does not unblock a waiting collective)."""
+        if self.backend != "nccl" or generation != self.generation or not dist.is_initialized():
+            return False
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # the training thread may be tearing the group down at the same moment
+            logger.debug("rank %s: aborting the NCCL group failed", self.rank, exc_info=True)
+        return True
+
+    @ray.method(concurrency_group="control")
     def reap(self, pid: int) -> bool:
         """SIGKILL a hung peer's process on this node (the controller found it by its heartbeats)."""
         try:
@@ -304,6 +325,9 @@ class TrainWorker:
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         # A failure of the group itself (a peer gone, the store unreachable) is a CollectiveError, as
         # in a step, for the controller to recover from; anything else is the model's, the user's.
+        if self.backend == "nccl":
+            for key, value in NCCL_ERROR_ENV.items():
+                os.environ.setdefault(key, value)  # the user's own setting wins
         with _group_failures_as_collective(f"rank {rank} could not join generation {generation}"):
             dist.init_process_group(
                 self.backend,
@@ -863,6 +887,14 @@ class TrainWorker:
             self._ckpt.close()
         self.leave()
 
+
+# Set for NCCL ranks before the group forms, unless the user set them. Blocking waits: an NCCL
+# collective's wait() (DDP's at the end of backward, ours) blocks until the collective is done and
+# raises if it failed or was aborted, instead of queueing the next kernels behind it. Without it a
+# rank whose communicators were aborted (abort_collectives) would go on to step the optimizer on
+# partly reduced gradients, and hand that state to peers in the recovery. The cost: the CPU waits
+# for the last bucket's all-reduce before it launches the optimizer step.
+NCCL_ERROR_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout",
                        "broken pipe", "process group", "socket", "peer", "aborted")
