@@ -90,12 +90,12 @@ def test_on_failure_wait_heals_with_a_spare_that_is_ready(ray_cluster):
     assert [e.details["decision"] for e in c.events if e.kind == "decision"] == ["ReplaceWithSpares"]
 
 
-@pytest.mark.parametrize("fit", [{"epochs": 2}, {"steps": 3}])
-def test_a_dataset_smaller_than_a_step_is_refused_before_training(ray_cluster, fit):
+def test_a_dataset_smaller_than_a_step_is_refused_before_training(ray_cluster):
+    # fit(epochs=...) made it 0 steps an epoch, and the run "finished" untrained
     c = controller("fake-small-data", global_batch_size=128)  # the fake workers' datasets hold 64
     with pytest.raises(elastic.ConfigError, match="64 samples, fewer than one step hands out .128"):
         try:
-            c.run_for(**fit)
+            c.run_for(epochs=2)
         finally:
             c.shutdown()
     assert c.step == 0 and not c.history
@@ -607,9 +607,5 @@ def test_on_nccl_the_survivors_of_a_lost_rank_have_their_communicators_aborted(r
     finally:
         c.shutdown()
     assert aborts == {0: [1], 1: [], 2: [1]}  # generation 1's survivors; rank 1 is the spare now
-    gloo = controller("fake-gloo-no-abort", backups=1, faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
-    try:
-        gloo.run_for(steps=5)  # FakeWorker has no abort_collectives: a call would fail the run
-    finally:
-        gloo.shutdown()
-    assert gloo.state is State.FINISHED
+    # Gloo ranks are never asked: FakeWorker has no abort_collectives, and the gloo runs above
+    # that lose a rank (test_failure_replaced_by_spare) would fail on the call.

@@ -84,7 +84,7 @@ def test_a_user_error_on_one_rank_is_reported_not_healed_as_a_hang(ray_cluster):
     # step failed the same way until max_failures ran out.
     t = elastic.Trainer(model_fn=make_model, optimizer_fn=make_sgd, dataset_fn=make_dataset,
                         loss_fn=loss_that_fails_on_rank_1, global_batch_size=8,
-                        scaling=elastic.ScalingConfig(num_workers=2, num_backups=1),
+                        scaling=elastic.ScalingConfig(num_workers=2),
                         run=elastic.RunConfig(name="boom-one"),
                         failure=elastic.FailureConfig(collective_timeout_s=60))
     t0 = time.monotonic()
