@@ -163,6 +163,15 @@ def _check_same_cluster(address: str | None) -> None:
 
 
 def _resolve(host_port: str) -> tuple[str, str]:
+    """(IP, port) of a GCS address, as Ray records it: Ray stores a loopback host (``localhost``,
+    ``127.0.0.1``) as this node's IP (``canonicalize_bootstrap_address``), so the user's address
+    goes through the same function before the host is resolved."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        host_port = canonicalize_bootstrap_address(host_port) or host_port
+    except Exception:  # a private helper: if it moves or refuses, compare the address as given
+        logger.debug("could not canonicalise %s as Ray does", host_port, exc_info=True)
     host, _, port = host_port.rpartition(":")
     try:
         return socket.gethostbyname(host.strip("[]")), port

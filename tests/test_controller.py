@@ -481,6 +481,8 @@ def test_an_address_naming_another_cluster_is_refused_once_ray_is_joined(ray_clu
     from elastic.trainer import connect
 
     assert connect(ray_cluster.address) is False  # the cluster this process joined: used as it is
+    port = ray_cluster.address.rsplit(":", 1)[1]
+    assert connect(f"localhost:{port}") is False and connect(f"127.0.0.1:{port}") is False  # Ray's own spelling
     assert connect("auto") is False and connect(None) is False
     host, port = ray_cluster.address.rsplit(":", 1)
     with pytest.raises(elastic.ConfigError, match=f"Trainer.address='{host}:{int(port) + 1}'.*already connected"):
