@@ -8,6 +8,7 @@ progress while it drives the workers, and returns a ``Result``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -179,6 +180,12 @@ def _resolve(host_port: str) -> tuple[str, str]:
         return host, port
 
 
+def last_loss(history: list[dict]) -> float | None:
+    """The newest known loss: a step kept after a failure (its survivors finished it, its results
+    were lost) is booked with a NaN loss, and may be the run's last."""
+    return next((h["loss"] for h in reversed(history) if h["loss"] is not None and math.isfinite(h["loss"])), None)
+
+
 class Trainer:
     """Synchronous data-parallel training on Ray that survives failures and stragglers."""
 
@@ -340,7 +347,7 @@ class Trainer:
         hist, totals = out["history"], out["totals"]
         metrics = {
             "steps": out["steps"],
-            "loss": hist[-1]["loss"] if hist else None,
+            "loss": last_loss(hist),
             "samples_per_s": totals["timed_samples"] / totals["time_s"] if totals["time_s"] else 0.0,
             "mean_step_time_s": totals["time_s"] / totals["timed_steps"] if totals["timed_steps"] else 0.0,
             "dropped_samples": out["dropped_samples"],

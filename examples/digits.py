@@ -87,7 +87,8 @@ def main(argv=None) -> float:
         print(f"test_accuracy so far={test_accuracy(stopped.result.model_state):.4f}")
         raise SystemExit(130) from None
     acc = test_accuracy(result.model_state)
-    print(f"steps={result.metrics['steps']} loss={result.metrics['loss']:.4f} "
+    loss = result.metrics["loss"]  # None when a resumed run had nothing left to train
+    print(f"steps={result.metrics['steps']} loss={'-' if loss is None else format(loss, '.4f')} "
           f"samples/s={result.metrics['samples_per_s']:.0f} test_accuracy={acc:.4f}")
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}")

@@ -202,3 +202,10 @@ def test_failure_actions_that_can_heal_are_accepted(tmp_path):
 def test_a_worker_bundle_of_no_resource_is_refused():
     with pytest.raises(ConfigError, match="resources_per_worker.*asks for no resource"):
         ScalingConfig(resources_per_worker={"CPU": 0})
+
+
+def test_the_runs_loss_is_the_newest_known_one():
+    from elastic.trainer import last_loss
+
+    assert last_loss([{"loss": 0.5}, {"loss": 0.4}, {"loss": float("nan")}]) == 0.4  # the last step was kept
+    assert last_loss([]) is None and last_loss([{"loss": float("nan")}]) is None

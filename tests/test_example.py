@@ -18,3 +18,17 @@ def test_docstring_starts_with_both_launch_commands():
     doc = digits.__doc__
     assert "python examples/digits.py" in doc
     assert "ray job submit --working-dir . -- python examples/digits.py" in doc
+
+
+def test_a_rerun_with_nothing_left_to_train_prints_its_result(monkeypatch, capsys):
+    # fit() again on a finished run (same name and storage) trains no step: no loss to print.
+    import elastic
+    from elastic.trainer import Result
+
+    def fit(self, epochs=None, steps=None):
+        return Result(metrics={"steps": 315, "loss": None, "samples_per_s": 0.0}, history=[], events=[],
+                      checkpoint={"latest_step": 315}, recoveries=[], ledger=[],
+                      model_state=digits.make_model().state_dict(), replica_checksums=[])
+    monkeypatch.setattr(elastic.Trainer, "fit", fit)
+    digits.main(["--no-progress", "--name", "digits-rerun"])
+    assert "steps=315 loss=- " in capsys.readouterr().out
