@@ -388,6 +388,20 @@ class Trainer:
                 f"(job {owner}; its controller is the actor 'controller' in namespace {self.namespace!r}). "
                 f"Choose another RunConfig.name, or stop that run first (Ctrl-C in its driver, or ray job stop).")
         ray.kill(old, no_restart=True)
+        self._release_placement()
+
+    def _release_placement(self) -> None:
+        """After a kill of this run's controller: its placement groups (see
+        ``remove_run_placement_groups``)."""
+        from elastic.actors.worker_group import remove_run_placement_groups
+
+        try:
+            removed = remove_run_placement_groups(self.namespace)
+        except Exception:  # noqa: BLE001 - best effort on a path that is already failing
+            logger.debug("could not remove the placement groups of %s", self.namespace, exc_info=True)
+            return
+        if removed:
+            logger.warning("removed the placement groups the killed controller left: %s", ", ".join(removed))
 
     def _stop(self, ref, why: str) -> dict:
         """Ask the running controller to stop after the steps already dispatched and wait, up to
@@ -401,6 +415,7 @@ class Trainer:
         except BaseException:
             ray.kill(self.controller, no_restart=True)
             self.controller = None
+            self._release_placement()
             raise
 
     def _stopped_message(self, why: str, out: dict) -> str:

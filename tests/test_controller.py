@@ -205,8 +205,14 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
 
     from helpers import loss_fn, make_adam, make_dataset, make_model
 
+    from ray.util.placement_group import placement_group, placement_group_table
+
     @ray.remote(num_cpus=0)
     class Stuck:  # a controller that never gets to the end of its steps
+        def __init__(self):  # and holds a placement group, as a controller's worker group does
+            self.pg = placement_group([{"CPU": 0.01}], name="elastic-stuck/ranks")
+            ray.get(self.pg.ready(), timeout=30)
+
         def run(self):
             time.sleep(3600)
 
@@ -216,6 +222,7 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
                               run=elastic.RunConfig(name="stuck", stop_timeout_s=0.5))
     trainer.controller = Stuck.remote()
+    ray.get(trainer.controller.__ray_ready__.remote(), timeout=60)  # its placement group is placed
     ref = trainer.controller.run.remote()
     handle = trainer.controller
     with pytest.raises(ray.exceptions.GetTimeoutError):
@@ -225,6 +232,9 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
         ray.get(ref, timeout=30)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(handle.stop.remote("again"), timeout=30)
+    # Ray frees a killed actor's placement group only when its job ends too: the driver removes it.
+    states = [row["state"] for row in placement_group_table().values() if row["name"] == "elastic-stuck/ranks"]
+    assert states and set(states) == {"REMOVED"}
 
 
 def test_routine_events_keep_their_newest_and_every_other_event_stays(ray_cluster):

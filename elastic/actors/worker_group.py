@@ -470,6 +470,30 @@ class WorkerGroup:
         self._ranks_pg, self._free_bundles, self._bundle_holder = None, [], {}
 
 
+def remove_run_placement_groups(namespace: str) -> list[str]:
+    """Remove the placement groups of the run whose actors live in ``namespace`` ("elastic-<run>");
+    returns their names. For the driver, after it killed that run's controller.
+
+    Why: the controller actor creates them, and Ray frees a placement group when its creator
+    actor and its creator's job are both dead. A controller killed (a second interrupt, the
+    stop timeout, a leftover of this driver's earlier fit()) skips ``WorkerGroup.shutdown``, and
+    while the driver lives its groups stay: their CPUs and GPUs reserved, a next fit() of the
+    same run waiting for resources that nothing uses."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    removed = []
+    for pg_id, row in placement_group_table().items():
+        name = row.get("name") or ""
+        if name.startswith(f"{namespace}/") and row.get("state") != "REMOVED":
+            try:
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+                removed.append(name)
+            except Exception:  # gone meanwhile, or the GCS refused: nothing more to do here
+                logger.debug("removing placement group %s failed", name, exc_info=True)
+    return removed
+
+
 def order_by_node(members: list[Member]) -> list[Member]:
     """Group ranks by node, nodes in order of first appearance, so node and local ranks are right."""
     node_order: dict[str, int] = {}
