@@ -412,11 +412,18 @@ class Trainer:
         try:
             self.controller.stop.remote(why)
             return ray.get(ref, timeout=self.run.stop_timeout_s)
-        except BaseException:
+        except BaseException as exc:
             ray.kill(self.controller, no_restart=True)
             self.controller = None
             self._release_placement()
-            raise
+            # A KeyboardInterrupt, as a clean stop's TrainingStopped is: Ray's GetTimeoutError is
+            # an Exception, so `except Exception` swallowed the user's interrupt and said nothing of it.
+            what = ("a second interrupt" if isinstance(exc, KeyboardInterrupt)
+                    else f"RunConfig.stop_timeout_s={self.run.stop_timeout_s:g}s ran out before the stop finished")
+            raise KeyboardInterrupt(
+                f"run {self.run.name!r} killed ({what}): steps not yet committed are lost, as in a crash; fit() "
+                f"again with RunConfig.name={self.run.name!r} and the same storage continues from the latest "
+                "committed checkpoint") from exc
 
     def _stopped_message(self, why: str, out: dict) -> str:
         ckpt = out.get("checkpoint") or {}

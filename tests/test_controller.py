@@ -225,8 +225,9 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     ray.get(trainer.controller.__ray_ready__.remote(), timeout=60)  # its placement group is placed
     ref = trainer.controller.run.remote()
     handle = trainer.controller
-    with pytest.raises(ray.exceptions.GetTimeoutError):
+    with pytest.raises(KeyboardInterrupt, match="run 'stuck' killed .RunConfig.stop_timeout_s=0.5s ran out") as info:
         trainer._stop(ref, "KeyboardInterrupt")
+    assert isinstance(info.value.__cause__, ray.exceptions.GetTimeoutError)
     assert trainer.controller is None
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(ref, timeout=30)
