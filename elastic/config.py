@@ -7,6 +7,7 @@ Checks that need the cluster (GPUs present, placement can fit) live in ``elastic
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -233,7 +234,7 @@ class FailureConfig:
                      "step_timeout_s", "node_settle_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"FailureConfig.{name} must be > 0 seconds.")
-        if isinstance(self.straggler_factor, bool) or not isinstance(self.straggler_factor, (int, float)) \
+        if isinstance(self.straggler_factor, bool) or not isinstance(self.straggler_factor, numbers.Real) \
                 or not self.straggler_factor > 1.0:  # "not >" refuses NaN too, which compares False to all
             raise ConfigError(
                 f"FailureConfig.straggler_factor must be > 1 (a rank is a straggler above factor x median), got {self.straggler_factor!r}."

@@ -1498,12 +1498,14 @@ class Controller:
             # other, healed (and counted against max_failures) by the recovery loop, which
             # rebuilds the ring again from whoever is alive. The victim is already gone.
             newly = self._probe_dead()
-            if not newly:
+            unreplaced = self.group.members[r] is victim  # the rebuild failed before the spare took rank r
+            lost = newly - {r} if unreplaced else newly  # the victim was killed on purpose: not a loss
+            if not lost:
                 raise TrainingFailed(self._fail_message(f"rebuild after evicting rank {r} failed without a "
                                                         f"lost rank: {exc}")) from exc
-            self.log("failure", f"rank(s) {sorted(newly)} lost while evicting straggler rank {r}: "
-                     f"{type(exc).__name__}", ranks=sorted(newly))
-            self._recover(Failure(newly, "failure_during_recovery"))
+            self.log("failure", f"rank(s) {sorted(lost)} lost while evicting straggler rank {r}: "
+                     f"{type(exc).__name__}", ranks=sorted(lost))
+            self._recover(Failure(lost | ({r} if unreplaced else set()), "failure_during_recovery"))
             return
         if self.metrics is not None:
             self.metrics.on_recovery("straggler", time.time() - t0)

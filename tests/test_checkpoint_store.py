@@ -528,6 +528,29 @@ def test_retention_of_a_resumed_run_never_deletes_what_it_commits_below_newer_co
         committer.close()
 
 
+def test_newer_steps_a_resumed_run_left_behind_go_once_it_commits_past_them(tmp_path):
+    # Resumed from 100 below corrupt 147-149, with another every_n_steps: the run never commits
+    # those numbers again, and they used to stay on storage for good.
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in (100, 147, 148, 149):
+        commit_tiny(store, step)
+    for step in (147, 148, 149):
+        path = shard_name(step, 0, 1)
+        store.storage.write_bytes(path, store.storage.read_bytes(path)[:-3])
+    committer = CheckpointCommitter(store, CheckpointConfig(keep_last=3, every_n_steps=10),
+                                    latest_committed=100, retention_interval_s=0, gc_interval_s=0)
+    try:
+        for step in (110, 120, 130, 140, 150):
+            committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, tiny_state(step)))
+            committer.set_meta(step, {})
+            assert committer.flush(timeout_s=10)
+            on_storage = store.committed_steps()
+            assert [s for s in on_storage if s >= 147 and s != 150] == ([] if step == 150 else [147, 148, 149])
+        assert store.committed_steps() == [130, 140, 150] and store.latest_valid() == 150
+    finally:
+        committer.close()
+
+
 def test_retention_during_an_outage_never_raises_and_catches_up():
     server = MotoS3().start()
     try:

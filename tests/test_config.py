@@ -209,3 +209,9 @@ def test_the_runs_loss_is_the_newest_known_one():
 
     assert last_loss([{"loss": 0.5}, {"loss": 0.4}, {"loss": float("nan")}]) == 0.4  # the last step was kept
     assert last_loss([]) is None and last_loss([{"loss": float("nan")}]) is None
+
+
+def test_a_numpy_straggler_factor_is_a_number():
+    import numpy as np
+
+    assert FailureConfig(straggler_factor=np.float32(2.5)).straggler_factor == np.float32(2.5)

@@ -234,7 +234,7 @@ class WorkerGroup:
         idx = self._spare_counter
         self._spare_counter += 1
         name = f"spare-{idx}"
-        reuse = self._free_bundle_off(avoid_nodes)
+        reuse = self._free_bundle_off(avoid)
         if reuse is not None:
             pg = self._ranks_pg
             self._bundle_holder[reuse] = name
@@ -256,13 +256,21 @@ class WorkerGroup:
         return avoid
 
     def _free_bundle_off(self, avoid_nodes: Iterable[str]) -> int | None:
-        """A free bundle of the ranks' group (taken off the free list), not on ``avoid_nodes``."""
+        """A free bundle of the ranks' group (taken off the free list) placed on a live node not in
+        ``avoid_nodes`` (those ``_avoidable`` kept: on a cluster of one node, none).
+
+        Only a bundle placed now: one lost with its node waits for Ray to place it again, which
+        under the group's strategy may never happen (STRICT_SPREAD allows no node that holds
+        another of its bundles), and a spare put there would wait with it, counted as pending,
+        while a group of its own could have placed. It stays on the free list for a later spare,
+        once Ray has placed it."""
         if not self._free_bundles or self._ranks_pg is None:
             return None
         avoid = set(avoid_nodes)
-        nodes = ray.util.placement_group_table(self._ranks_pg).get("bundles_to_node_id", {}) if avoid else {}
+        nodes = ray.util.placement_group_table(self._ranks_pg).get("bundles_to_node_id", {})
+        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
         for i in self._free_bundles:
-            if nodes.get(i) not in avoid:
+            if nodes.get(i) in alive and nodes.get(i) not in avoid:
                 self._free_bundles.remove(i)
                 return i
         return None

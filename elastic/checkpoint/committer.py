@@ -53,6 +53,7 @@ class CheckpointCommitter:
         # timeline this run left: steps resume skipped as corrupt, or steps a restart rolled back
         # past. They neither count toward ``keep_last`` nor are deleted for it (see ``_cleanup``).
         self._base = latest_committed
+        self._above_base: list[int] = []  # those steps, as found on storage (see _cleanup)
         # The newest step training is known to have finished: a commit's lag is measured against
         # it at the moment of the commit.
         self._progress = progress or (lambda: 0)
@@ -122,9 +123,11 @@ class CheckpointCommitter:
                 self._latest = step
         with self._cleanup_lock:
             self._base = step
+            later = lambda s: step is None or s > step  # noqa: E731
+            self._above_base = sorted({s for s in (self._committed or []) + self._above_base if later(s)})
             if self._committed is not None:
-                self._committed = [s for s in self._committed if step is not None and s <= step]
-                self._files = {s: f for s, f in self._files.items() if step is not None and s <= step}
+                self._committed = [s for s in self._committed if not later(s)]
+                self._files = {s: f for s, f in self._files.items() if not later(s)}
             self.store.forget_deletes_above(step)
 
     def _is_stale(self, step: int) -> bool:
@@ -232,6 +235,7 @@ class CheckpointCommitter:
         deleted as it commits (with ``keep_last=1``, all of them). This run writes those step
         numbers again and commits over them; until then they stay as they are."""
         above = [s for s in on_storage if self._base is None or s > self._base]
+        self._above_base = above
         if above:
             logger.warning("checkpoint steps %s on storage are newer than step %s this run started from; "
                            "retention leaves them until this run commits those steps over them",
@@ -252,6 +256,14 @@ class CheckpointCommitter:
                 if step not in self._committed:
                     self._committed.append(step)
                     self._committed.sort()
+                # Steps of the timeline this run left, now older than a step it committed: the
+                # newer one supersedes them (and resume had skipped them, or rolled back past
+                # them), so they go with the next retention pass. Without this a run that never
+                # commits their exact numbers again (another every_n_steps) left them for good.
+                passed = [s for s in self._above_base if s < step]
+                if passed:
+                    self._above_base = [s for s in self._above_base if s >= step]
+                    self.store.schedule_deletes(passed)
                 return self._retain(force), self._sweep(step, pending, force)
         except Exception as exc:  # noqa: BLE001
             logger.exception("checkpoint cleanup at step %d failed", step)

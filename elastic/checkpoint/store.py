@@ -439,6 +439,11 @@ class CheckpointStore:
         self._retry_deletes.difference_update(steps)
         report.deleted.extend(steps)
 
+    def schedule_deletes(self, steps: list[int]) -> None:
+        """Delete ``steps`` at the next retention pass (below the newest committed step only, as
+        any step on the retry list)."""
+        self._retry_deletes.update(steps)
+
     def forget_deletes_above(self, step: int | None) -> None:
         """Training went back to ``step`` (None: the start): a failed delete of a later step must
         not be retried, since that step is about to be written again."""
