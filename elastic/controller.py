@@ -281,7 +281,7 @@ class Controller:
                     stopping = True
                     continue
                 self._run_one_step()
-            self._wait_late()
+            self._finish_late()
             self._finish_checkpoints()
             if stopping and self.step < total_steps:
                 self.transition(State.STOPPED, f"stopped after step {self.step} of {total_steps} on request: "
@@ -791,6 +791,38 @@ class Controller:
                     self._collect_late(r, ray.get(ref))
                 except ray.exceptions.RayError:
                     pass  # a death or a broken group shows up on the rank's next call
+
+    def _finish_late(self) -> None:
+        """At the end of a run: let late first-N replicas finish their windows, and let go of one
+        that cannot. Every step is applied on the fast ranks by now, and nothing more is sent to a
+        late replica, so a death or a broken group in its last window would otherwise only show at
+        the final checkpoint flush or the replica check: the finished run failed there, or waited
+        forever on a hung one (those calls queue behind its window). A replica that died, broke its
+        group or is still busy after ``step_timeout_s`` is released and the run ends without it;
+        its user error is the user's (WorkerError), as in a step."""
+        if not self._lagging:
+            return
+        late = dict(self._lagging)
+        ready, _ = ray.wait(list(late), num_returns=len(late), timeout=self.failure_config.step_timeout_s)
+        gone: dict[int, str] = {}
+        for ref, (r, _) in late.items():
+            self._lagging.pop(ref, None)
+            if ref not in ready:
+                gone[r] = f"still busy after step_timeout_s={self.failure_config.step_timeout_s:g}s"
+                continue
+            try:
+                self._collect_late(r, ray.get(ref))
+            except ray.exceptions.RayActorError:
+                gone[r] = "died"
+            except ray.exceptions.RayTaskError as exc:
+                if not isinstance(getattr(exc, "cause", None), CollectiveError):
+                    raise WorkerError(r, str(exc)) from None
+                gone[r] = "lost its group"
+        if gone:
+            self.log("late_released", "late replica(s) " + ", ".join(f"{r} ({why})" for r, why in sorted(gone.items()))
+                     + " did not finish the run's last window; released, the run ends without them",
+                     ranks=sorted(gone))
+            self.group.remove_ranks(sorted(gone))
 
     def _tune_window(self, worker_times: list[float]) -> None:
         """Automatic ``steps_per_dispatch``: one call spans about ``dispatch_target_s``.

@@ -629,3 +629,38 @@ def test_on_nccl_the_survivors_of_a_lost_rank_have_their_communicators_aborted(r
     assert aborts == {0: [1], 1: [], 2: [1]}  # generation 1's survivors; rank 1 is the spare now
     # Gloo ranks are never asked: FakeWorker has no abort_collectives, and the gloo runs above
     # that lose a rank (test_failure_replaced_by_spare) would fail on the call.
+
+
+def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_run_ends(ray_cluster):
+    # At the end of a first-N run nothing more is sent to a late replica: one that died or hangs
+    # in its last window used to fail the finished run at the final flush, or block it for good.
+    @ray.remote(num_cpus=0)
+    def busy():
+        time.sleep(60)
+
+    @ray.remote(num_cpus=0)
+    def user_code_fails():
+        raise ValueError("boom in the last window")
+
+    c = controller("fake-late-end", workers=3)
+    try:
+        c.run_for(steps=2)
+        c.failure_config.step_timeout_s = 1.0
+        dead = c.group.members[1].actor
+        ray.kill(dead)
+        while True:  # ray.kill returns before the actor is gone
+            ref = dead.progress.remote()
+            try:
+                ray.get(ref, timeout=30)
+            except ray.exceptions.RayActorError:
+                break
+        c._lagging = {ref: (1, time.time()), busy.remote(): (2, time.time())}
+        c._finish_late()
+        assert [m.name for m in c.group.members] == ["rank-0"] and not c._lagging
+        released = [e for e in c.events if e.kind == "late_released"]
+        assert released and released[0].details["ranks"] == [1, 2] and "died" in released[0].message
+        c._lagging = {user_code_fails.remote(): (0, time.time())}
+        with pytest.raises(elastic.WorkerError, match="boom in the last window"):
+            c._finish_late()
+    finally:
+        c.shutdown()
