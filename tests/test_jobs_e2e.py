@@ -186,11 +186,7 @@ class RayHead:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    head = RayHead().start()
-    yield head
-    head.stop()
+# ray_head: conftest.py's, shared with tests/test_cli.py (a `ray start --head` costs ~8 s to start and stop).
 
 
 LIST_ACTORS = """
