@@ -86,19 +86,6 @@ def _stop_shared_cluster():
     release_shared_cluster()
 
 
-@pytest.fixture(scope="session")
-def ray_head():
-    """A cluster started the way users start one (``ray start --head``, token auth on), for the
-    tests that reach it from outside as the CLI and Ray Jobs do (tests/test_cli.py,
-    tests/test_jobs_e2e.py): started once, when the first of them needs it, stopped at the end.
-    This driver never connects to it, so it coexists with the shared cluster above."""
-    from test_jobs_e2e import RayHead
-
-    head = RayHead().start()
-    yield head
-    head.stop()
-
-
 @pytest.fixture(scope="module")
 def moto_s3():
     """A real S3-compatible endpoint on 127.0.0.1 (moto's threaded server, port 0)."""

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from elastic.checkpoint import CheckpointStore
 from elastic.cli import app, parse_storage_options
-from test_jobs_e2e import ROOT, free_ports
+from test_jobs_e2e import ROOT, RayHead, free_ports
 
 runner = CliRunner(env={"COLUMNS": "200"})  # tables unabridged whatever the terminal
 
@@ -40,7 +40,11 @@ def one_line_error(returncode: int, stdout: str, stderr: str) -> str:
     return lines[0]
 
 
-# ray_head: one `ray start --head` for this module and tests/test_jobs_e2e.py (conftest.py).
+@pytest.fixture(scope="module")
+def ray_head():
+    head = RayHead(num_cpus=2).start()
+    yield head
+    head.stop()
 
 
 # ---- status -----------------------------------------------------------------------------------

@@ -186,7 +186,11 @@ class RayHead:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-# ray_head: conftest.py's, shared with tests/test_cli.py (a `ray start --head` costs ~8 s to start and stop).
+@pytest.fixture(scope="module")
+def ray_head():
+    head = RayHead().start()
+    yield head
+    head.stop()
 
 
 LIST_ACTORS = """
