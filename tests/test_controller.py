@@ -600,6 +600,12 @@ def test_a_lost_ranks_bundle_hosts_the_spare_that_refills_the_pool(ray_cluster):
         assert group.collect_spares(block=True, timeout_s=30) == 1
         refill = group.spares[0]
         assert refill.pg is group._ranks_pg and group._free_bundles == []
+        # Its bundle, freed again, is offered to the next spare, unless on a node spares stay off.
+        group.spares.remove(refill)
+        group._release(refill)
+        node = refill.info["node_id"]
+        assert group._free_bundle_off({node}) is None and group._free_bundles == [refill.bundle_index]
+        assert group._free_bundle_off(set()) == refill.bundle_index and group._free_bundles == []
     finally:
         c.shutdown()
     assert [r["ranks"] for r in c.recoveries] == [[1]]
