@@ -780,17 +780,28 @@ class Controller:
                 stuck = {ref: rr for ref, (rr, _) in self._lagging.items() if rr == r}
                 self._kill_hung(stuck, f"made no progress for step_timeout_s={self.failure_config.step_timeout_s:g}s")
 
-    def _wait_late(self, exclude: int | None = None) -> None:
-        """Let late ranks finish their windows (before an eviction, or at the end)."""
+    def _wait_late(self, exclude: int | None = None) -> dict[int, BaseException | None]:
+        """Let late ranks (but ``exclude``) finish their windows, for up to ``step_timeout_s``, and
+        take in those that did. Returns the ranks whose window did not: rank -> its error, or
+        None for one still busy (its window stays in ``_lagging``). Before an eviction these are
+        left alone (a death or a broken group shows up on the rank's next call); at the end of
+        the run ``_finish_late`` acts on them."""
         refs = [ref for ref, (r, _) in self._lagging.items() if r != exclude]
-        if refs:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.step_timeout_s)
-            for ref in ready:
-                r, _ = self._lagging.pop(ref)
-                try:
-                    self._collect_late(r, ray.get(ref))
-                except ray.exceptions.RayError:
-                    pass  # a death or a broken group shows up on the rank's next call
+        if not refs:
+            return {}
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.step_timeout_s)
+        unfinished: dict[int, BaseException | None] = {}
+        for ref in refs:
+            r = self._lagging[ref][0]
+            if ref not in ready:
+                unfinished[r] = None
+                continue
+            del self._lagging[ref]
+            try:
+                self._collect_late(r, ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                unfinished[r] = exc
+        return unfinished
 
     def _finish_late(self) -> None:
         """At the end of a run: let late first-N replicas finish their windows, and let go of one
@@ -800,24 +811,20 @@ class Controller:
         forever on a hung one (those calls queue behind its window). A replica that died, broke its
         group or is still busy after ``step_timeout_s`` is released and the run ends without it;
         its user error is the user's (WorkerError), as in a step."""
-        if not self._lagging:
-            return
-        late = dict(self._lagging)
-        ready, _ = ray.wait(list(late), num_returns=len(late), timeout=self.failure_config.step_timeout_s)
+        unfinished = self._wait_late()
+        self._lagging.clear()
         gone: dict[int, str] = {}
-        for ref, (r, _) in late.items():
-            self._lagging.pop(ref, None)
-            if ref not in ready:
+        for r, exc in unfinished.items():
+            if exc is None:
                 gone[r] = f"still busy after step_timeout_s={self.failure_config.step_timeout_s:g}s"
-                continue
-            try:
-                self._collect_late(r, ray.get(ref))
-            except ray.exceptions.RayActorError:
+            elif isinstance(exc, ray.exceptions.RayActorError):
                 gone[r] = "died"
-            except ray.exceptions.RayTaskError as exc:
-                if not isinstance(getattr(exc, "cause", None), CollectiveError):
-                    raise WorkerError(r, str(exc)) from None
+            elif not isinstance(exc, ray.exceptions.RayTaskError):
+                raise exc
+            elif isinstance(getattr(exc, "cause", None), CollectiveError):
                 gone[r] = "lost its group"
+            else:
+                raise WorkerError(r, str(exc)) from None
         if gone:
             self.log("late_released", "late replica(s) " + ", ".join(f"{r} ({why})" for r, why in sorted(gone.items()))
                      + " did not finish the run's last window; released, the run ends without them",

@@ -12,7 +12,7 @@ import time
 import ray
 
 from elastic.actors.worker import StepResult
-from elastic.actors.worker_group import Member, WorkerGroup
+from elastic.actors.worker_group import WorkerGroup
 
 
 class FakeWorker:
@@ -139,19 +139,12 @@ class SparesThatNeverPlace(FakeGroup):
     """Every spare asked for during the run needs more CPUs than any node has, and no freed bundle
     of the ranks' group is offered to it: it stays pending, as on a cluster with no capacity left."""
 
-    def _free_bundle_off(self, avoid_nodes):
+    def _free_bundle_off(self, avoid_nodes, holder=""):
         return None
 
-    def request_spare(self, background=False, avoid_nodes=()):
+    def _spare_group(self, idx, avoid):
         from ray.util.placement_group import placement_group
 
-        idx = self._spare_counter
-        self._spare_counter += 1
         pg = placement_group([{"CPU": 10_000}], name=f"{self.namespace}/spare-{idx}")
         self._pgs.append(pg)
-        name = f"spare-{idx}"
-        member = Member(self._spawn(pg, 0, name), name, pg=pg, spare=True)
-        member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time(),
-                       "_avoid": [], "_background": background}
-        self._pending_spares.append(member)
-        return []
+        return pg

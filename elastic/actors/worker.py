@@ -478,15 +478,15 @@ class TrainWorker:
             collective = isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
             # DDP's error names its own constructor argument, which a user of elastic never calls.
             unused = self.ddp is not None and "find_unused_parameters" in str(exc)
+            if collective or self.world_size > 1:
+                # A user error too: not the group's fault, but the peers wait on this rank in the
+                # step's collective and would sit there until collective_timeout_s, when the
+                # controller kills one as hung and replays the step into the same error, failure
+                # after failure. Left now, they raise at once, no rank is lost, and the
+                # controller reports this error.
+                self.leave()
             if collective:
-                self.leave()
                 raise CollectiveError(msg)
-            if self.world_size > 1:
-                # Not the group's fault, but the peers wait on this rank in the step's collective
-                # and would sit there until collective_timeout_s, when the controller kills one
-                # as hung and replays the step into the same error, failure after failure. Left
-                # now, they raise at once, no rank is lost, and the controller reports this error.
-                self.leave()
             if unused:
                 raise RuntimeError(f"{msg}\nelastic builds the DistributedDataParallel: set "
                                    "ScalingConfig(find_unused_parameters=True).") from None

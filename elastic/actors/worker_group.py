@@ -118,13 +118,11 @@ class WorkerGroup:
         self.members: list[Member] = []  # index == rank
         self.spares: list[Member] = []
         self._pgs: list[PlacementGroup] = []
-        # The ranks' placement group, and its bundles whose actor is gone (a rank lost, evicted
-        # or shrunk away, or a spare placed there that was lost): see ``request_spare``.
+        # The ranks' placement group, and bundle -> the name of the actor placed in it. A bundle
+        # with no holder is free (its rank lost, evicted or shrunk away, or a spare placed there
+        # lost): see ``request_spare``. A release frees a bundle only for its holder, so releasing
+        # a member twice (evicted, then replaced) cannot free it under a spare placed there since.
         self._ranks_pg: PlacementGroup | None = None
-        self._free_bundles: list[int] = []
-        # Bundle -> the name of the actor placed in it: a release frees a bundle only for its
-        # holder, so releasing a member twice (evicted, then replaced) cannot free it under a
-        # spare placed there in between.
         self._bundle_holder: dict[int, str] = {}
         self._spare_counter = 0
         self._pending_spares: list[Member] = []
@@ -234,29 +232,34 @@ class WorkerGroup:
         idx = self._spare_counter
         self._spare_counter += 1
         name = f"spare-{idx}"
-        reuse = self._free_bundle_off(avoid)
-        if reuse is not None:
-            pg = self._ranks_pg
-            self._bundle_holder[reuse] = name
-            member = Member(self._spawn(pg, reuse, name, background and self.scaling.background_spare_start), name,
-                            pg=pg, bundle_index=reuse, spare=True)
-            member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time(),
-                           "_avoid": [], "_background": background}
-            self._pending_spares.append(member)
-            return []
-        selector = [{NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None
-        pg = placement_group([self.scaling.bundle()], strategy="PACK", name=f"{self.namespace}/spare-{idx}",
-                             bundle_label_selector=selector)
-        self._pgs.append(pg)
-        member = Member(self._spawn(pg, 0, name, background and self.scaling.background_spare_start), name, pg=pg,
-                        spare=True)
+        index = self._free_bundle_off(avoid, holder=name)
+        if index is not None:
+            pg, avoid = self._ranks_pg, []
+        else:
+            pg, index = self._spare_group(idx, avoid), 0
+        member = Member(self._spawn(pg, index, name, background and self.scaling.background_spare_start), name,
+                        pg=pg, bundle_index=index, spare=True)
         member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time(),
                        "_avoid": avoid, "_background": background}
         self._pending_spares.append(member)
         return avoid
 
-    def _free_bundle_off(self, avoid_nodes: Iterable[str]) -> int | None:
-        """A free bundle of the ranks' group (taken off the free list) placed on a live node not in
+    def _spare_group(self, idx: int, avoid: list[str]) -> PlacementGroup:
+        """A placement group of its own for spare ``idx``, kept off ``avoid`` (a node-ID label selector)."""
+        selector = [{NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None
+        pg = placement_group([self.scaling.bundle()], strategy="PACK", name=f"{self.namespace}/spare-{idx}",
+                             bundle_label_selector=selector)
+        self._pgs.append(pg)
+        return pg
+
+    @property
+    def _free_bundles(self) -> list[int]:
+        """The ranks' group's bundles with no actor in them."""
+        count = len(self._ranks_pg.bundle_specs) if self._ranks_pg is not None else 0
+        return [i for i in range(count) if i not in self._bundle_holder]
+
+    def _free_bundle_off(self, avoid_nodes: Iterable[str], holder: str = "") -> int | None:
+        """A free bundle of the ranks' group, now held by ``holder``, placed on a live node not in
         ``avoid_nodes`` (those ``_avoidable`` kept: on a cluster of one node, none).
 
         Only a bundle placed now: one lost with its node waits for Ray to place it again, which
@@ -264,14 +267,15 @@ class WorkerGroup:
         another of its bundles), and a spare put there would wait with it, counted as pending,
         while a group of its own could have placed. It stays on the free list for a later spare,
         once Ray has placed it."""
-        if not self._free_bundles or self._ranks_pg is None:
+        free = self._free_bundles
+        if not free:
             return None
         avoid = set(avoid_nodes)
         nodes = ray.util.placement_group_table(self._ranks_pg).get("bundles_to_node_id", {})
         alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
-        for i in self._free_bundles:
+        for i in free:
             if nodes.get(i) in alive and nodes.get(i) not in avoid:
-                self._free_bundles.remove(i)
+                self._bundle_holder[i] = holder
                 return i
         return None
 
@@ -449,7 +453,6 @@ class WorkerGroup:
         if member.pg is not None and member.pg is self._ranks_pg:
             if self._bundle_holder.get(member.bundle_index) == member.name:
                 del self._bundle_holder[member.bundle_index]
-                self._free_bundles.append(member.bundle_index)
         elif member.pg is not None and member.pg in self._pgs:
             self._pgs.remove(member.pg)
             try:
@@ -475,7 +478,7 @@ class WorkerGroup:
             except Exception:
                 logger.debug("remove_placement_group failed", exc_info=True)
         self.members, self.spares, self._pending_spares, self._pgs = [], [], [], []
-        self._ranks_pg, self._free_bundles, self._bundle_holder = None, [], {}
+        self._ranks_pg, self._bundle_holder = None, {}
 
 
 def remove_run_placement_groups(namespace: str) -> list[str]:

@@ -227,20 +227,20 @@ class CheckpointCommitter:
             self._files = {s: f for s, f in self._files.items() if s in kept}
         return retention
 
-    def _steps_below_base(self, on_storage: list[int]) -> list[int]:
-        """The committed steps retention may count and delete: those at or below the step this
-        run started from. Why not the rest: resume skips a newer step whose files fail their
+    def _take_in(self, on_storage: list[int]) -> None:
+        """Split the committed steps found on storage: those at or below the step this run started
+        from are ``_committed``, which retention counts and deletes; the newer ones are
+        ``_above_base``. Why the newer ones are not counted: resume skips a newer step whose files fail their
         checksums, and a restart can roll back past newer steps; counted by step number they
         would hold ``keep_last``'s places, and every step this run commits below them would be
         deleted as it commits (with ``keep_last=1``, all of them). This run writes those step
-        numbers again and commits over them; until then they stay as they are."""
+        numbers again and commits over them, or deletes them once it commits past them (``_cleanup``)."""
         above = [s for s in on_storage if self._base is None or s > self._base]
-        self._above_base = above
         if above:
             logger.warning("checkpoint steps %s on storage are newer than step %s this run started from; "
-                           "retention leaves them until this run commits those steps over them",
-                           above, self._base)
-        return [s for s in on_storage if s not in above]
+                           "retention leaves them until this run commits past them", above, self._base)
+        self._above_base = above
+        self._committed = [s for s in on_storage if s not in above]
 
     def _cleanup(self, step: int, pending: set, force: bool = False) -> tuple[CleanupReport, CleanupReport]:
         """Retention (``_retain``) and the storage-wide sweep for uncommitted directories (torn or
@@ -252,7 +252,7 @@ class CheckpointCommitter:
         try:
             with self._cleanup_lock:
                 if self._committed is None:
-                    self._committed = self._steps_below_base(self.store.committed_steps())  # once: earlier runs
+                    self._take_in(self.store.committed_steps())  # once: steps from earlier runs
                 if step not in self._committed:
                     self._committed.append(step)
                     self._committed.sort()
