@@ -175,7 +175,7 @@ class Controller:
         self._trimmed_through = 0  # the newest step trimmed
         self._resume_outage: Any = None  # the OutageTracker of the newest resume (see _restore_latest)
         self.ledger = SampleLedger()
-        self.failure_policy = FailurePolicy(failure, scaling.num_workers)
+        self.failure_policy = FailurePolicy(failure, scaling.num_workers, global_batch_size)
         self.straggler_policy = StragglerPolicy(failure.straggler_factor, failure.straggler_window,
                                                 failure.evict_stragglers, failure.straggler_warmup_steps)
         self.group: Any = None
@@ -1178,7 +1178,7 @@ class Controller:
                 waited = True
                 continue
             if isinstance(decision, Shrink):
-                self._shrink(lost)
+                self._shrink(lost, decision.size)
                 return
             if isinstance(decision, RestartFromCheckpoint):
                 self._restart_all()
@@ -1279,19 +1279,26 @@ class Controller:
             self.log("replace", f"spare {spare.name} takes rank {r} on node {spare.info.get('node_ip')}",
                      rank=r, spare=spare.name)
 
-    def _shrink(self, lost: tuple[int, ...]) -> None:
-        remaining = len(self.group.members) - len(lost)
+    def _shrink(self, lost: tuple[int, ...], size: int) -> None:
+        """Go on with ``size`` ranks: the lost ones are dropped, and survivors beyond ``size`` (the
+        highest ranks; the policy chose the largest size the global batch divides over) stand by
+        as hot spares. They are healthy and warm, so the next failure is healed by them instead of
+        shrinking again (or failing below ``min_workers``)."""
         if self.scaling.aggregation == "first_n":
             raise TrainingFailed(self._fail_message("shrinking is not supported with aggregation='first_n'"))
-        if self.global_batch_size % remaining:
+        if size < 1 or self.global_batch_size % size:
             raise TrainingFailed(self._fail_message(
-                f"cannot shrink to {remaining} workers: global batch {self.global_batch_size} is not divisible"))
-        self.group.remove_ranks(list(lost))
-        self._per_worker = self.global_batch_size // remaining
-        for r in lost:
+                f"cannot shrink to {size} workers: global batch {self.global_batch_size} is not divisible"))
+        survivors = [m.rank for m in self.group.members if m.rank not in lost]
+        standby = survivors[size:]
+        names = [self.group.members[r].name for r in standby]
+        self.group.remove_ranks(list(lost), stand_by=standby)
+        self._per_worker = self.global_batch_size // size
+        for r in (*lost, *standby):
             self.straggler_policy.forget(r)
-        self.log("shrink", f"continuing with {remaining} worker(s), {self._per_worker} samples each",
-                 world_size=remaining)
+        self.log("shrink", f"continuing with {size} worker(s), {self._per_worker} samples each" +
+                 (f"; {', '.join(names)} stand(s) by as hot spare(s)" if names else ""),
+                 world_size=size, standby=names)
 
     def _restart_all(self) -> None:
         if self.store is None:

@@ -58,6 +58,35 @@ def test_failure_policy_reasons_name_the_limit():
     assert "min_workers=4" in d.reason
 
 
+SHRINK = FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=2)
+
+
+def test_shrink_goes_to_the_largest_size_the_global_batch_divides_over():
+    policy = FailurePolicy(SHRINK, 4, global_batch=64)
+    d = policy.decide(view(lost=(1,), active=4))  # 3 survivors: 64 does not divide over 3
+    assert isinstance(d, Shrink) and d.size == 2 and d.ranks == (1,)
+    assert "shrinking to 2" in d.reason and "1 survivor(s) stand by" in d.reason
+    d = FailurePolicy(SHRINK, 4, global_batch=63).decide(view(lost=(1,), active=4))
+    assert isinstance(d, Shrink) and d.size == 3 and "stand by" not in d.reason
+    assert FailurePolicy(SHRINK, 4).shrink_size(3) == 3  # no global batch given: any size
+
+
+def test_shrink_with_no_usable_size_fails_naming_the_batch_or_uses_ready_spares():
+    policy = FailurePolicy(SHRINK, 4, global_batch=64)
+    d = policy.decide(view(lost=(1, 2), active=3))  # one survivor, below min_workers
+    assert isinstance(d, Fail) and "min_workers=2" in d.reason
+    d = FailurePolicy(SHRINK, 5, global_batch=5).decide(view(lost=(4,), active=5))  # 4, 3, 2: none divides 5
+    assert isinstance(d, Fail) and "global batch 5 divides over no size" in d.reason
+    # Survivors an earlier shrink stood by are hot spares: they heal what shrinking cannot.
+    # With on_failure="replace" they are used before any shrink; with "shrink" once it cannot.
+    assert isinstance(policy.decide(view(lost=(1,), active=2, ready=1)), ReplaceWithSpares)
+    first = FailurePolicy(FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=2), 4, global_batch=64)
+    assert isinstance(first.decide(view(lost=(1,), active=4, ready=1)), Shrink)
+    d = first.decide(view(lost=(1,), active=2, ready=1))
+    assert isinstance(d, ReplaceWithSpares) and d.ranks == (1,) and "1 < min_workers=2" in d.reason
+    assert isinstance(first.decide(view(lost=(0, 1), active=2, ready=1)), Fail)
+
+
 def test_straggler_scores_and_persistence():
     p = StragglerPolicy(factor=2.0, window=3, evict=True)
     for _ in range(2):

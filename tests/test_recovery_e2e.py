@@ -147,13 +147,22 @@ def test_no_spare_wait_for_capacity_then_replace(ray_cluster, clean_weights):
     assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 
 
-def test_no_spare_shrink(ray_cluster, clean_weights):
-    failure = elastic.FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=1)
-    result = make_trainer("shrink", workers=2, backups=0, failure=failure,
-                          faults=[{"kind": "kill", "rank": 1, "at_step": 3}]).fit(steps=STEPS)
-    assert "Shrink" in decisions(result)
-    assert result.metrics["world_size"] == 1
-    assert recomputed(result) <= 1
+def test_no_spare_shrink_to_a_size_the_batch_divides_over_and_the_survivor_left_over_stands_by(
+        ray_cluster, clean_weights):
+    # 4 ranks, global batch 32: losing rank 1 leaves 3 survivors, over which 32 does not divide.
+    # The run goes on as 2 ranks and the third survivor (the highest rank, 3) stands by as a hot
+    # spare; it heals the next failure (rank 2, rank 1 by then) in place of another shrink.
+    failure = elastic.FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=2)
+    result = make_trainer("shrink", workers=4, backups=0, failure=failure,
+                          faults=[{"kind": "kill", "rank": 1, "at_step": 3},
+                                  {"kind": "kill", "rank": 2, "at_step": 6}]).fit(steps=STEPS)
+    assert decisions(result) == ["Shrink", "ReplaceWithSpares"]
+    shrink = result.events_of("shrink")[0]
+    assert shrink["details"]["world_size"] == 2 and shrink["details"]["standby"] == ["rank-3"]
+    replace = result.events_of("replace")[0]
+    assert replace["details"]["spare"] == "rank-3" and replace["details"]["rank"] == 1
+    assert result.metrics["world_size"] == 2
+    assert recomputed(result) <= 2
     assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 
 

@@ -433,13 +433,19 @@ class WorkerGroup:
         assign_local_ranks(self.members)
         return spare
 
-    def remove_ranks(self, ranks: list[int]) -> None:
-        """Shrink: drop ``ranks`` and renumber the rest in order."""
-        gone = set(ranks)
+    def remove_ranks(self, ranks: list[int], stand_by: Iterable[int] = ()) -> None:
+        """Shrink: drop ``ranks`` and renumber the rest in order. The members ranked ``stand_by``
+        join the ready spares instead of being released: they have left the group like every
+        survivor of a failure, and a promotion brings a spare's state up to date either way.
+        They keep their bundles, so a spare asked for later does not take them."""
+        gone, idle = set(ranks), set(stand_by)
         for m in self.members:
             if m.rank in gone:
                 self._release(m)
-        self.members = [m for m in self.members if m.rank not in gone]
+            elif m.rank in idle:
+                m.spare, m.rank = True, -1
+                self.spares.append(m)
+        self.members = [m for m in self.members if m.rank not in gone and not m.spare]
         self._name_ranks()
 
     def evict(self, member: Member) -> None:

@@ -27,9 +27,12 @@ class ReplaceWithSpares(Decision):
 
 @dataclass(frozen=True)
 class Shrink(Decision):
-    """Drop ``ranks``; the survivors keep the global batch by taking bigger shards."""
+    """Drop ``ranks`` and go on with ``size`` ranks, which keep the global batch by taking bigger
+    shards. Survivors beyond ``size`` (the global batch does not divide over all of them) stand by
+    as hot spares."""
 
     ranks: tuple[int, ...] = ()
+    size: int = 0
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,21 @@ class FailureView:
 
 
 class FailurePolicy:
-    def __init__(self, config: FailureConfig, num_workers: int):
+    def __init__(self, config: FailureConfig, num_workers: int, global_batch: int | None = None):
+        """``global_batch``: a shrunk run keeps it, so it must divide over the new size (None: any size)."""
         self.config = config
         self.min_workers = config.min_workers if config.min_workers is not None else num_workers
+        self.global_batch = global_batch
+
+    def shrink_size(self, survivors: int) -> int | None:
+        """The largest size from ``min_workers`` up to ``survivors`` that the global batch divides
+        over, or None. Why not always ``survivors``: 4 ranks with a global batch of 64 that lose
+        one cannot go on as 3, and going on as 2 (the third survivor standing by) beats failing a
+        run whose config promised it could shrink to 2."""
+        for size in range(survivors, self.min_workers - 1, -1):
+            if size >= 1 and (self.global_batch is None or self.global_batch % size == 0):
+                return size
+        return None
 
     def decide(self, view: FailureView) -> Decision:
         cfg = self.config
@@ -69,9 +81,22 @@ class FailurePolicy:
         if action == "shrink":
             if not cfg.allow_shrink:
                 return Fail(f"{why}; shrinking is not allowed (FailureConfig.allow_shrink=False)")
-            if remaining < self.min_workers:
-                return Fail(f"{why}; shrinking would leave {remaining} < min_workers={self.min_workers}")
-            return Shrink(f"{why}; shrinking to {remaining} worker(s) (min_workers={self.min_workers})", lost)
+            size = self.shrink_size(remaining)
+            if size is None:
+                cannot = (f"shrinking would leave {remaining} < min_workers={self.min_workers}"
+                          if remaining < self.min_workers else
+                          f"the global batch {self.global_batch} divides over no size from "
+                          f"min_workers={self.min_workers} to the {remaining} survivor(s)")
+                if view.spares_ready >= len(lost):
+                    # Survivors an earlier shrink stood by (or spares of a run that shrinks first)
+                    # keep the run going where shrinking cannot.
+                    return ReplaceWithSpares(f"{why}; {cannot}, and {view.spares_ready} hot spare(s) are ready "
+                                             f"for rank(s) {list(lost)}", lost)
+                return Fail(f"{why}; {cannot}")
+            standby = (f"; {remaining - size} survivor(s) stand by as hot spares (the global batch "
+                       f"{self.global_batch} does not divide over {remaining})" if size < remaining else "")
+            return Shrink(f"{why}; shrinking to {size} worker(s) (min_workers={self.min_workers}){standby}", lost,
+                          size=size)
         if action == "restart":
             return RestartFromCheckpoint(f"{why}; restarting every rank from the last committed checkpoint")
         return Fail(f"{why}; FailureConfig says fail")
