@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import ray
 
-from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, TrainingSpec, WorkerError
+from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, StopRequested, TrainingSpec, WorkerError
 from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits, describe_worker_failure
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan
@@ -205,6 +205,8 @@ class Controller:
         self.restored_from: int | None = None
         self.total_steps = 0
         self._stop_reason: str | None = None  # set from another thread by request_stop()
+        self._stop_asked = threading.Event()  # ... and this, which ends the controller's waits early
+        self._stopped_while: str | None = None  # what the run was waiting for when a stop ended it
         self._ended = threading.Event()  # set on the transition into a terminal state
         self._hung: set[int] = set()  # ranks the controller killed as hung
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
@@ -288,6 +290,8 @@ class Controller:
                                 f"{self._stop_reason}")
             else:
                 self.transition(State.FINISHED, f"completed {self.step} steps")
+        except StopRequested as stop:
+            self._stop_in_wait(str(stop))
         except BaseException as exc:
             if not self.state.is_terminal:
                 self.transition(State.ERRORED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -302,6 +306,37 @@ class Controller:
         the state STOPPED. A later ``fit()`` of the same run continues right after that step."""
         if self._stop_reason is None:
             self._stop_reason = str(reason)[:200]
+        self._stop_asked.set()
+
+    def _interrupted(self) -> bool:
+        return self._stop_asked.is_set()
+
+    def _check_stop(self, waiting_for: str) -> None:
+        """Raise ``StopRequested`` if a stop came while the controller waited for ``waiting_for``."""
+        if self._stop_asked.is_set():
+            raise StopRequested(f"stopped while {waiting_for}")
+
+    def _stop_in_wait(self, why: str) -> None:
+        """A stop that came while the run waited (placement, spares or capacity, storage): end it
+        now, STOPPED, with what its ranks have written committed, instead of when the wait runs
+        out, often after the driver's ``stop_timeout_s`` has killed the run and its checkpoints
+        with it. The steps of this fit() (none, while starting) were committed as they trained;
+        the ranks' weights are not collected, since a rank may be lost or out of its group."""
+        self._stopped_while = why
+        self.log("stop", f"stop requested ({self._stop_reason}): {why}; ending the run at step {self.step}",
+                 step=self.step)
+        if self.committer is not None and self.group is not None:
+            refs = {m.rank: m.actor.flush_checkpoint.remote(None) for m in self.group.members}
+            for r, ref in refs.items():
+                try:
+                    self._merge_ckpt(r, ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s))
+                except (ray.exceptions.RayError, TimeoutError):
+                    pass  # a lost rank: what it wrote and reported is all there is of it
+            if not self.committer.flush(timeout_s=30):
+                self.log("checkpoint_storage", "checkpoints not committed within 30s of the stop; storage may be down")
+            for ev in self.committer.drain_events():
+                self._log_storage_event(ev)
+        self.transition(State.STOPPED, f"{why}, at step {self.step}: {self._stop_reason}")
 
     def _stop_after_dispatched(self) -> None:
         """Training thread: end after the last step already dispatched. Why not at once: a
@@ -329,8 +364,9 @@ class Controller:
 
     def _start(self) -> None:
         self.transition(State.STARTING, "placement ready, starting worker actors")
-        self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
+        self._new_group()
         self.group.start(self.scaling.num_replicas)
+        self._check_stop("starting the ranks")
         self._log_spare_problems()
         for m in self.group.members:
             self.log("placed", f"rank {m.rank} on node {m.info.get('node_ip')} (node rank {m.node_rank}, "
@@ -349,6 +385,10 @@ class Controller:
         self._setup_data_and_checkpoints()
         self._form_group("initial rendezvous")
         self._apply_fault_plan()
+
+    def _new_group(self) -> None:
+        self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
+        self.group.interrupted = self._interrupted  # its placement and spare waits end on a stop
 
     def _setup_data_and_checkpoints(self) -> None:
         position = None
@@ -423,7 +463,8 @@ class Controller:
                         f"resume from: {unavailable}") from None
                 outage.failed(None, unavailable)
                 self._log_outage_events(events)
-                time.sleep(min(backoff.delay_s(outage.failures), max(0.0, deadline - time.monotonic())))
+                self._stop_asked.wait(min(backoff.delay_s(outage.failures), max(0.0, deadline - time.monotonic())))
+                self._check_stop(f"waiting for checkpoint storage {self.store.location} to answer")
                 continue
             outage.succeeded(None)
             self._log_outage_events(events)
@@ -1175,6 +1216,7 @@ class Controller:
                     self.group.request_spare()
                 self.group.collect_spares(block=True, timeout_s=decision.timeout_s)
                 self._log_spare_problems()
+                self._check_stop(f"waiting for capacity to replace rank(s) {list(lost)}")
                 waited = True
                 continue
             if isinstance(decision, Shrink):
@@ -1307,7 +1349,7 @@ class Controller:
             self.committer.flush(timeout_s=30)
         lost_up_to = max(self._begun_by_survivors(), self.step)
         self.group.shutdown()
-        self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
+        self._new_group()
         self.group.start(self.scaling.num_replicas)
         self._configured.clear()
         self._configure_checkpoints(self._all_actors())
@@ -1606,7 +1648,7 @@ class Controller:
 
     def result(self, include_state: bool) -> dict:
         final = {}
-        if include_state and self.group is not None and self.group.members:
+        if include_state and self.group is not None and self.group.members and self._stopped_while is None:
             final["replica_checksums"] = self.verify_replicas()  # waits for late replicas to catch up
             # Handed on as a reference the driver resolves: deserializing tensors here would
             # import torch into the controller (see elastic/_lazy.py). Waited for without
@@ -1630,6 +1672,7 @@ class Controller:
             "checkpoint": None,
             "state": self.state.value,
             "stop_reason": self._stop_reason,
+            "stopped_while": self._stopped_while,
             "world_size": len(self.group.members) if self.group else 0,
         }
         if self.committer is not None:

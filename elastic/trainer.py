@@ -432,9 +432,12 @@ class Trainer:
                       f"with RunConfig.name={self.run.name!r} and the same storage continues from there")
         elif self.run.storage is not None:
             resume = "no checkpoint was committed"
+        elif out.get("stopped_while"):
+            resume = "no checkpoint storage was set (RunConfig.storage), so its weights were not kept"
         else:
             resume = "no checkpoint storage was set (RunConfig.storage); the weights are in .result.model_state"
-        return f"{why}: run {self.run.name!r} stopped after step {out['steps']}; {resume}"
+        where = f" ({out['stopped_while']})" if out.get("stopped_while") else ""
+        return f"{why}: run {self.run.name!r} stopped after step {out['steps']}{where}; {resume}"
 
     def _wait_with_progress(self, ref) -> dict:
         if not self.run.progress:

@@ -670,3 +670,85 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
             c._finish_late()
     finally:
         c.shutdown()
+
+
+def stop_once(c, condition, reason="a stop from the test"):
+    """``request_stop`` from another thread, as the driver's Ctrl-C does, once ``condition()``."""
+    import threading
+
+    def go():
+        deadline = time.time() + 60
+        while time.time() < deadline and not condition():
+            time.sleep(0.05)
+        c.request_stop(reason)
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    return th
+
+
+def run_until_stopped(c, steps):
+    """run_for, then the result the controller actor would hand the driver."""
+    try:
+        c.run_for(steps=steps)
+        return c.result(include_state=True)
+    finally:
+        c.shutdown()
+
+
+def test_a_stop_while_waiting_for_capacity_ends_the_run_then_not_when_the_wait_runs_out(ray_cluster):
+    # The spare asked for when rank 1 dies never places; the wait would last 120 s, far past the
+    # driver's stop_timeout_s (which would then kill the run).
+    c = controller("fake-stop-capacity", failure=elastic.FailureConfig(when_no_spare="wait", capacity_timeout_s=120),
+                   faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    c.worker_group_cls = SparesThatNeverPlace
+    stop_once(c, lambda: any(e.details.get("decision") == "WaitForCapacity" for e in list(c.events)))
+    t0 = time.time()
+    out = run_until_stopped(c, 6)
+    assert time.time() - t0 < 60
+    assert c.state is State.STOPPED and out["state"] == "stopped" and out["stop_reason"] == "a stop from the test"
+    assert out["stopped_while"] == "stopped while waiting for capacity to replace rank(s) [1]"
+    assert "model_state_ref" not in out  # rank 1 is gone and the others left their group: no weights to hand over
+    assert out["steps"] == 2  # rank 1 died in step 3
+    assert [e.details["decision"] for e in c.events if e.kind == "decision"] == ["WaitForCapacity"]
+
+
+def test_a_stop_while_the_ranks_wait_for_placement_ends_the_run_without_a_placement_timeout(ray_cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    # Another job holds all but one of the cluster's CPUs: the two ranks cannot be placed.
+    hog = placement_group([{"CPU": ray.cluster_resources()["CPU"] - 1}])
+    ray.get(hog.ready(), timeout=30)
+    try:
+        c = controller("fake-stop-placement")
+        c.scaling.placement_timeout_s = 120
+        stop_once(c, lambda: c.state is State.STARTING)
+        t0 = time.time()
+        out = run_until_stopped(c, 5)
+    finally:
+        remove_placement_group(hog)
+    assert time.time() - t0 < 60
+    assert c.state is State.STOPPED and out["steps"] == 0
+    assert out["stopped_while"] == "stopped while placing 2 worker bundles {'CPU': 1.0}"
+    assert not [pg for pg in ray.util.placement_group_table().values()
+                if pg["name"].startswith("elastic-fake-stop-placement") and pg["state"] != "REMOVED"]
+
+
+def test_a_stop_while_a_resume_waits_for_storage_ends_the_run(ray_cluster):
+    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.storage import StorageUnavailable
+
+    c = controller("fake-stop-storage")
+    c.store = CheckpointStore("memory://fake-stop-storage", "fake-stop-storage")
+
+    def storage_down():
+        raise StorageUnavailable("listing memory://fake-stop-storage: endpoint down")
+
+    c._restore_latest_once = storage_down
+    stop_once(c, lambda: any(e.kind == "storage_outage" for e in list(c.events)))
+    t0 = time.time()
+    out = run_until_stopped(c, 5)
+    assert time.time() - t0 < 60  # CheckpointConfig.resume_timeout_s is 300 s
+    assert c.state is State.STOPPED
+    assert out["stopped_while"] == (
+        "stopped while waiting for checkpoint storage memory://fake-stop-storage/fake-stop-storage to answer")

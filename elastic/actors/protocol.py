@@ -20,6 +20,12 @@ class StaleStep(CollectiveError):
     """A step queued for a group generation that no longer exists on this rank."""
 
 
+class StopRequested(Exception):
+    """A stop (Ctrl-C, SIGTERM, ``elastic stop``) came while the controller waited: for placement,
+    for spares or capacity, or for storage to answer. The run ends there instead of when the
+    wait runs out, which could be long after the driver's ``stop_timeout_s`` killed it."""
+
+
 class WorkerError(RuntimeError):
     """User code raised on a worker (in a step, or while the worker built the model, optimizer
     and dataset); carries the rank and the original traceback."""

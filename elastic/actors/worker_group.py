@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastic.actors.protocol import PackedSpec, TrainingSpec, WorkerError
+from elastic.actors.protocol import PackedSpec, StopRequested, TrainingSpec, WorkerError
 from elastic.actors.worker import TrainWorker
 from elastic.config import ConfigError, ScalingConfig
 
@@ -31,6 +31,8 @@ NODE_ID_LABEL = "ray.io/node-id"
 # How long a spare a recovery is waiting for may stay unplaced while it avoids a node, before
 # it is asked for on any node (see ``WorkerGroup.collect_spares``).
 AVOID_GRACE_S = 5.0
+# The longest a blocking wait goes without looking whether a stop was asked for.
+STOP_POLL_S = 0.25
 
 
 class PlacementTimeout(RuntimeError):
@@ -96,10 +98,24 @@ def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
             )
 
 
-def _wait_ready(pg: PlacementGroup, timeout_s: float, what: str) -> None:
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
+def wait_refs(refs: list, timeout_s: float, interrupted=lambda: False) -> list:
+    """``ray.wait`` for every one of ``refs`` up to ``timeout_s``, in slices of ``STOP_POLL_S``
+    that end the wait early once ``interrupted()``; returns the ready ones."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    pending, ready = list(refs), []
+    while pending:
+        left = deadline - time.monotonic()
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(STOP_POLL_S, left)))
+        ready += done
+        if left <= STOP_POLL_S or interrupted():
+            break
+    return ready
+
+
+def _wait_ready(pg: PlacementGroup, timeout_s: float, what: str, interrupted=lambda: False) -> None:
+    if not wait_refs([pg.ready()], timeout_s, interrupted):
+        if interrupted():
+            raise StopRequested(f"stopped while placing {what}")
         remove_placement_group(pg)
         raise PlacementTimeout(
             f"{what} could not be placed within {timeout_s:g}s (ScalingConfig.placement_timeout_s): the cluster "
@@ -132,6 +148,8 @@ class WorkerGroup:
         self.spare_notes: list[tuple[str, str]] = []
         self._spare_beats: dict[str, tuple[Any, float]] = {}  # ready spare -> (heartbeat ref, when asked)
         self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
+        # The controller's "was a stop asked for?": blocking waits here end early when it says so.
+        self.interrupted: Any = lambda: False
 
     # ---- creation --------------------------------------------------------------------------
     def _options(self, pg: PlacementGroup, bundle_index: int, name: str) -> dict:
@@ -161,7 +179,7 @@ class WorkerGroup:
                              name=f"{self.namespace}/ranks")
         self._pgs.append(pg)
         self._ranks_pg = pg
-        _wait_ready(pg, self.scaling.placement_timeout_s, f"{num_active} worker bundles {bundle}")
+        _wait_ready(pg, self.scaling.placement_timeout_s, f"{num_active} worker bundles {bundle}", self.interrupted)
         # Ranks follow the nodes the bundles landed on, so actor "rank-i" really is rank i.
         bundle_nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
         node_order: dict[str, int] = {}
@@ -299,7 +317,7 @@ class WorkerGroup:
             if not m.info.get("_avoid"):
                 continue
             deadline = m.info["_since"] + grace_s
-            placed, _ = ray.wait([m.info["_pg_ready"]], timeout=max(0.0, deadline - time.time()) if wait else 0)
+            placed = wait_refs([m.info["_pg_ready"]], max(0.0, deadline - time.time()) if wait else 0, self.interrupted)
             if placed or time.time() < deadline:
                 continue  # placed (it is building), or still has time
             self._pending_spares.remove(m)
@@ -329,8 +347,8 @@ class WorkerGroup:
         deadline = time.time() + (timeout_s if timeout_s is not None else self.scaling.placement_timeout_s)
         for m in self._pending_spares:
             ref = m.info["_ref"]
-            wait_s = max(0.0, deadline - time.time()) if block else 0
-            ready, _ = ray.wait([ref], timeout=wait_s)
+            wait_s = max(0.0, deadline - time.time()) if block and not self.interrupted() else 0
+            ready = wait_refs([ref], wait_s, self.interrupted)
             if ready:
                 try:
                     m.info = ray.get(ref)
