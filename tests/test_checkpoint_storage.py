@@ -232,6 +232,9 @@ def test_resolve_url_makes_plain_paths_absolute(tmp_path, monkeypatch):
     ("s3:bucket", "starts with 's3:' but not 's3://'"),
     ("s3://", "names no bucket"),
     ("s3:///", "names no bucket"),
+    ("gs://", "names no bucket"),
+    ("az:///", "names no bucket"),
+    ("abfs://", "names no bucket"),
 ])
 def test_a_mistyped_or_bucketless_url_is_refused_before_anything_is_written(tmp_path, monkeypatch, url, match):
     monkeypatch.chdir(tmp_path)

@@ -28,6 +28,8 @@ T = TypeVar("T")
 # an empty listing.
 _OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 _S3 = ("s3", "s3a")
+# Object stores whose URLs start with a bucket (container) name: gcsfs, adlfs, ossfs and s3fs.
+_BUCKETED = (*_S3, "gs", "gcs", "az", "abfs", "abfss", "oss")
 _LOCAL = ("file", "local")
 
 # storage_options keys whose values are secrets. Values of any key that merely *looks* secret are
@@ -132,7 +134,8 @@ def resolve_url(url: str) -> str:
       would make it ``<cwd>/~``.
     - ``s3:/bucket/x`` (one slash) has no scheme to fsspec and would be a local directory named
       ``s3:``, the credentials ignored: a known scheme not followed by ``//`` is an error.
-    - An object store URL with no bucket (``s3://``) would take the run name as its bucket."""
+    - An object store URL with no bucket (``s3://``, ``gs://``, ``az://``) would take the run
+      name as its bucket."""
     protocol, path = fsspec.core.split_protocol(url)
     if protocol is None:
         typo = _SCHEME_TYPO.match(url)
@@ -143,7 +146,7 @@ def resolve_url(url: str) -> str:
         return os.path.abspath(os.path.expanduser(url))
     if protocol in ("file", "local"):
         return f"{protocol}://{os.path.abspath(os.path.expanduser(path))}"
-    if protocol in _S3 and not path.strip("/"):
+    if protocol in _BUCKETED and not path.strip("/"):
         raise ConfigError(f"RunConfig.storage='{protocol}://' names no bucket; use {protocol}://BUCKET/prefix.")
     return url
 
