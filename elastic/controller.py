@@ -645,6 +645,9 @@ class Controller:
                 flat = [i for s in shards for i in s]
                 per = len(flat) // n
                 shards = [flat[i * per:(i + 1) * per] for i in range(n)]
+                # The step is booked as it is trained: with the first split kept, the ledger
+                # said the shards of ranks past the new size were dropped (and counted them).
+                self._planned[step] = (epoch, shards)
             return epoch, shards
         epoch, shards = self.plan.take(n, self._per_worker)
         self._planned[step] = (epoch, shards)

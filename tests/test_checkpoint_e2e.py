@@ -232,17 +232,17 @@ def test_elastic_stop_stops_cleanly_and_fit_again_continues_exactly(ray_cluster,
                          atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["file", "memory"])
-def test_restart_from_checkpoint_when_no_spare(ray_cluster, tmp_path, uninterrupted, kind):
-    # memory://: the restarted ranks are new processes; they read the step from the run's shared copy
-    url = f"file://{tmp_path}/ckpt" if kind == "file" else f"memory://elastic-e2e-{uuid.uuid4().hex}"
+def test_restart_from_checkpoint_when_no_spare(ray_cluster, uninterrupted):
+    # memory://, the backend where this is hardest: the restarted ranks are new processes, and
+    # they read the step from the run's shared copy. (The restart reads through the same
+    # CheckpointStore as any resume; file:// and s3:// resumes are tested above and below.)
+    url = f"memory://elastic-e2e-{uuid.uuid4().hex}"
     failure = elastic.FailureConfig(when_no_spare="restart")
     try:
         result = trainer("restart", url, failure=failure, blocking=True,
                          faults=[{"kind": "kill", "rank": 1, "at_step": 7}]).fit(steps=12)
     finally:
-        if kind == "memory":
-            clear_memory(url)
+        clear_memory(url)
     assert "RestartFromCheckpoint" in [e["details"]["decision"] for e in result.events if e["kind"] == "decision"]
     assert result.events_of("restart") and result.events_of("resume")
     steps = [h["step"] for h in result.history]
