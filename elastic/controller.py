@@ -207,6 +207,10 @@ class Controller:
         self._stop_reason: str | None = None  # set from another thread by request_stop()
         self._stop_asked = threading.Event()  # ... and this, which ends the controller's waits early
         self._stopped_while: str | None = None  # what the run was waiting for when a stop ended it
+        self._unhealed: tuple[int, ...] = ()  # ranks lost and not yet replaced or shrunk away
+        # Survivors a shrink stood by as spares: the state they hold is from before that, so the
+        # state sync of their promotion treats them as holding none (a fresh spare's) and replaces it.
+        self._stood_by: set[str] = set()
         self._ended = threading.Event()  # set on the transition into a terminal state
         self._hung: set[int] = set()  # ranks the controller killed as hung
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
@@ -321,7 +325,7 @@ class Controller:
         now, STOPPED, with what its ranks have written committed, instead of when the wait runs
         out, often after the driver's ``stop_timeout_s`` has killed the run and its checkpoints
         with it. The steps of this fit() (none, while starting) were committed as they trained;
-        the ranks' weights are not collected, since a rank may be lost or out of its group."""
+        the weights handed back are those of the rank holding the newest step (``result``)."""
         self._stopped_while = why
         self.log("stop", f"stop requested ({self._stop_reason}): {why}; ending the run at step {self.step}",
                  step=self.step)
@@ -1203,6 +1207,7 @@ class Controller:
 
     def _decide_and_apply(self, lost: tuple[int, ...], kind: str) -> None:
         waited = False
+        self._unhealed = lost
         while True:
             self._refresh_spares(wait=True)
             view = FailureView(lost, kind, len(self.group.members), len(self.group.spares),
@@ -1212,6 +1217,7 @@ class Controller:
                      lost=list(lost))
             if isinstance(decision, ReplaceWithSpares):
                 self._replace(lost)
+                self._unhealed = ()
                 return
             if isinstance(decision, WaitForCapacity):
                 missing = len(lost) - len(self.group.spares) - self.group.pending_spares
@@ -1224,8 +1230,10 @@ class Controller:
                 continue
             if isinstance(decision, Shrink):
                 self._shrink(lost, decision.size)
+                self._unhealed = ()
                 return
             if isinstance(decision, RestartFromCheckpoint):
+                self._unhealed = ()
                 self._restart_all()
                 return
             raise TrainingFailed(self._fail_message(decision.reason))
@@ -1338,6 +1346,7 @@ class Controller:
         standby = survivors[size:]
         names = [self.group.members[r].name for r in standby]
         self.group.remove_ranks(list(lost), stand_by=standby)
+        self._stood_by.update(names)
         self._per_worker = self.global_batch_size // size
         for r in (*lost, *standby):
             self.straggler_policy.forget(r)
@@ -1438,9 +1447,10 @@ class Controller:
         # counts it once. (Counting twice happened when a spare died after this call succeeded.)
         refs = [m.actor.progress.remote(True) for m in self.group.members]
         progress, error = [], None
-        for ref in refs:
+        for m, ref in zip(self.group.members, refs):
             try:
-                progress.append(ray.get(ref))
+                done = ray.get(ref)
+                progress.append((0, 0) if m.name in self._stood_by else done)  # see _stood_by
             except ray.exceptions.RayError as exc:
                 error = error or exc
         steps = [done for done, _ in progress]
@@ -1467,6 +1477,7 @@ class Controller:
                 # No member holds a state training can go on from: fall back to the newest
                 # committed checkpoint, and replay from there.
                 self._restore_members_from_checkpoint()
+                self._stood_by -= {m.name for m in self.group.members}
                 self.recomputed += lost_up_to - self.step
                 return
             begun = lost_up_to
@@ -1478,6 +1489,7 @@ class Controller:
             ray.get([m.actor.set_state.remote(state_ref) for m in behind])
             self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "
                      f"{[m.rank for m in behind]} through the object store", source=source.rank)
+        self._stood_by -= {m.name for m in self.group.members}
         fast = ray.get(source.actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
         # A step that finished on a survivor before the failure (or a queued step that finished
         # before an eviction) stands: it is accounted, not replayed.
@@ -1649,14 +1661,39 @@ class Controller:
         for ev in self.committer.drain_events():
             self._log_storage_event(ev)
 
+    def _newest_live_member(self) -> Member | None:
+        """A stop in a wait: the rank, of those not lost, holding the newest step (the ranks may
+        be out of their group, and one may have finished a step another had not), or None if
+        none answers, or none holds a step yet (stopped while starting). Its weights are the
+        run's so far: without storage, all there is of it."""
+        live = [m for m in self.group.members if m.rank not in self._unhealed]
+        refs = [m.actor.progress.remote() for m in live]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)[0])
+        best, best_step = None, -1
+        for m, ref in zip(live, refs):
+            if ref in ready:
+                try:
+                    done = ray.get(ref)[0]
+                except ray.exceptions.RayError:
+                    continue
+                if done > best_step:
+                    best, best_step = m, done
+        return best if best_step > 0 else None  # weights nothing trained or restored: not the run's
+
     def result(self, include_state: bool) -> dict:
         final = {}
-        if include_state and self.group is not None and self.group.members and self._stopped_while is None:
-            final["replica_checksums"] = self.verify_replicas()  # waits for late replicas to catch up
+        holder = None
+        if include_state and self.group is not None and self.group.members:
+            if self._stopped_while is None:
+                final["replica_checksums"] = self.verify_replicas()  # waits for late replicas to catch up
+                holder = self.group.members[0]
+            else:
+                holder = self._newest_live_member()
+        if holder is not None:
             # Handed on as a reference the driver resolves: deserializing tensors here would
             # import torch into the controller (see elastic/_lazy.py). Waited for without
             # fetching, so it exists before the workers are shut down.
-            ref = self.group.members[0].actor.model_state.remote()
+            ref = holder.actor.model_state.remote()
             ray.wait([ref], timeout=self.failure_config.step_timeout_s, fetch_local=False)
             final["model_state_ref"] = [ref]  # in a list: Ray must not resolve it on the way out
         totals = self.totals()
@@ -1676,7 +1713,7 @@ class Controller:
             "state": self.state.value,
             "stop_reason": self._stop_reason,
             "stopped_while": self._stopped_while,
-            "world_size": len(self.group.members) if self.group else 0,
+            "world_size": len(self.group.members) - len(self._unhealed) if self.group else 0,
         }
         if self.committer is not None:
             out["checkpoint"] = {"location": self.store.location, "latest_step": self.committer.latest_committed}
@@ -1722,7 +1759,7 @@ class Controller:
             "run": self.run_config.name, "state": self.state.value, "step": self.step,
             "total_steps": self.total_steps, "loss": last.loss if last else None,
             "samples_per_s": (last.samples / last.step_time_s) if last and last.step_time_s else None,
-            "world_size": len(self.group.members) if self.group else 0,
+            "world_size": len(self.group.members) - len(self._unhealed) if self.group else 0,
             "spares": len(self.group.spares) if self.group else 0,
             "spares_building": self.group.pending_spares if self.group else 0,
             # Nodes refill spares stay off (a straggler was evicted there) -> seconds left, None

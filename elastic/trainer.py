@@ -430,10 +430,13 @@ class Trainer:
         if ckpt.get("latest_step") is not None:
             resume = (f"latest committed checkpoint: step {ckpt['latest_step']} at {ckpt['location']}; fit() again "
                       f"with RunConfig.name={self.run.name!r} and the same storage continues from there")
+        elif self.run.storage is not None and out.get("stopped_while") and out.get("restored_from") is None:
+            resume = (f"the checkpoints on storage were not read; fit() again with RunConfig.name={self.run.name!r} "
+                      "and the same storage continues from the newest committed one, if any")
         elif self.run.storage is not None:
             resume = "no checkpoint was committed"
-        elif out.get("stopped_while"):
-            resume = "no checkpoint storage was set (RunConfig.storage), so its weights were not kept"
+        elif out.get("model_state") is None:
+            resume = "no checkpoint storage was set (RunConfig.storage), and no rank handed its weights back"
         else:
             resume = "no checkpoint storage was set (RunConfig.storage); the weights are in .result.model_state"
         where = f" ({out['stopped_while']})" if out.get("stopped_while") else ""

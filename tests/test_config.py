@@ -215,3 +215,23 @@ def test_a_numpy_straggler_factor_is_a_number():
     import numpy as np
 
     assert FailureConfig(straggler_factor=np.float32(2.5)).straggler_factor == np.float32(2.5)
+
+
+def test_a_stop_in_a_wait_says_what_the_run_waited_for_and_where_it_will_resume(tmp_path):
+    t = _trainer(run=elastic.RunConfig(name="stops", storage=f"file://{tmp_path}/ckpt"))
+    waited = "stopped while waiting for checkpoint storage file:///x to answer"
+    msg = t._stopped_message("KeyboardInterrupt", {"steps": 0, "checkpoint": None, "stopped_while": waited,
+                                                   "restored_from": None})
+    assert f"stopped after step 0 ({waited})" in msg
+    assert "checkpoints on storage were not read" in msg and "no checkpoint was committed" not in msg
+    msg = t._stopped_message("SIGTERM", {"steps": 7, "checkpoint": {"latest_step": 7, "location": "file:///x"},
+                                         "stopped_while": "stopped while waiting for capacity to replace rank(s) [1]",
+                                         "restored_from": 5})
+    assert "latest committed checkpoint: step 7" in msg
+    bare = _trainer(run=elastic.RunConfig(name="stops"))
+    msg = bare._stopped_message("KeyboardInterrupt", {"steps": 3, "checkpoint": None, "stopped_while": waited,
+                                                      "restored_from": None, "model_state": None})
+    assert "no rank handed its weights back" in msg and ".result.model_state" not in msg
+    msg = bare._stopped_message("KeyboardInterrupt", {"steps": 3, "checkpoint": None, "stopped_while": waited,
+                                                      "restored_from": None, "model_state": {"w": 1}})
+    assert "the weights are in .result.model_state" in msg

@@ -708,8 +708,10 @@ def test_a_stop_while_waiting_for_capacity_ends_the_run_then_not_when_the_wait_r
     assert time.time() - t0 < 60
     assert c.state is State.STOPPED and out["state"] == "stopped" and out["stop_reason"] == "a stop from the test"
     assert out["stopped_while"] == "stopped while waiting for capacity to replace rank(s) [1]"
-    assert "model_state_ref" not in out  # rank 1 is gone and the others left their group: no weights to hand over
+    # Rank 0 (out of its group, which broke) hands back the weights: all there is of a run without storage.
+    assert "model_state_ref" in out
     assert out["steps"] == 2  # rank 1 died in step 3
+    assert out["world_size"] == 1  # rank 1 was not replaced
     assert [e.details["decision"] for e in c.events if e.kind == "decision"] == ["WaitForCapacity"]
 
 
@@ -752,3 +754,22 @@ def test_a_stop_while_a_resume_waits_for_storage_ends_the_run(ray_cluster):
     assert c.state is State.STOPPED
     assert out["stopped_while"] == (
         "stopped while waiting for checkpoint storage memory://fake-stop-storage/fake-stop-storage to answer")
+    assert "model_state_ref" not in out  # the ranks hold only their initial weights
+
+
+def test_a_survivor_stood_by_by_a_shrink_gets_the_state_when_it_is_promoted_even_at_the_same_step(ray_cluster):
+    # Its state is from before the shrink. When the kept ranks replayed that step with fewer ranks
+    # and it finished it in the old world, both say "step t": without this it kept its own copy.
+    c = controller("fake-stood-by", workers=3)
+    try:
+        c.run_for(steps=3)
+        standby = c.group.members[2]
+        c._stood_by.add(standby.name)
+        c._sync_state()
+        syncs = [e.message for e in c.events if e.kind == "state_sync"]
+        assert syncs == ["rank 0 sent step-3 state to rank(s) [2] through the object store"]
+        assert not c._stood_by
+        c._sync_state()  # once replaced, it is a rank like the others
+        assert len([e for e in c.events if e.kind == "state_sync"]) == 1
+    finally:
+        c.shutdown()

@@ -35,7 +35,8 @@ def view(lost=(1,), active=4, ready=0, pending=0, failures=1, waited=False):
     (FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=3), view(), Shrink),
     (FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=4), view(), Fail),
     (FailureConfig(when_no_spare="shrink", allow_shrink=True), view(), Fail),  # min_workers defaults to all
-    (FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=1), view(ready=3), Shrink),
+    (FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=1), view(ready=0), Shrink),
+    (FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=1), view(ready=3), ReplaceWithSpares),
     (FailureConfig(on_failure="restart"), view(ready=3), RestartFromCheckpoint),
     (FailureConfig(max_failures=1), view(ready=1, failures=2), Fail),
     # on_failure="wait" waits for spares, and uses them once they are there (or already were)
@@ -78,13 +79,14 @@ def test_shrink_with_no_usable_size_fails_naming_the_batch_or_uses_ready_spares(
     d = FailurePolicy(SHRINK, 5, global_batch=5).decide(view(lost=(4,), active=5))  # 4, 3, 2: none divides 5
     assert isinstance(d, Fail) and "global batch 5 divides over no size" in d.reason
     # Survivors an earlier shrink stood by are hot spares: they heal what shrinking cannot.
-    # With on_failure="replace" they are used before any shrink; with "shrink" once it cannot.
+    # They are used before any shrink, with on_failure="replace" and with "shrink" alike: a
+    # second shrink would leave them idle, holding their bundles, for the rest of the run.
     assert isinstance(policy.decide(view(lost=(1,), active=2, ready=1)), ReplaceWithSpares)
-    first = FailurePolicy(FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=2), 4, global_batch=64)
-    assert isinstance(first.decide(view(lost=(1,), active=4, ready=1)), Shrink)
-    d = first.decide(view(lost=(1,), active=2, ready=1))
-    assert isinstance(d, ReplaceWithSpares) and d.ranks == (1,) and "1 < min_workers=2" in d.reason
-    assert isinstance(first.decide(view(lost=(0, 1), active=2, ready=1)), Fail)
+    first = FailurePolicy(FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=1), 8, global_batch=64)
+    d = first.decide(view(lost=(1,), active=4, ready=3))
+    assert isinstance(d, ReplaceWithSpares) and d.ranks == (1,) and "instead of a shrink" in d.reason
+    d = first.decide(view(lost=(0, 1), active=4, ready=1))  # too few spares for both: shrink to 2
+    assert isinstance(d, Shrink) and d.size == 2
 
 
 def test_straggler_scores_and_persistence():

@@ -81,17 +81,18 @@ class FailurePolicy:
         if action == "shrink":
             if not cfg.allow_shrink:
                 return Fail(f"{why}; shrinking is not allowed (FailureConfig.allow_shrink=False)")
+            if view.spares_ready >= len(lost):
+                # Ready spares keep the size: with on_failure="shrink" these are survivors an
+                # earlier shrink stood by (they hold a bundle each; shrinking again would leave
+                # them idle for the rest of the run).
+                return ReplaceWithSpares(f"{why}; {view.spares_ready} hot spare(s) ready for rank(s) {list(lost)} "
+                                         "keep the run's size instead of a shrink", lost)
             size = self.shrink_size(remaining)
             if size is None:
                 cannot = (f"shrinking would leave {remaining} < min_workers={self.min_workers}"
                           if remaining < self.min_workers else
                           f"the global batch {self.global_batch} divides over no size from "
                           f"min_workers={self.min_workers} to the {remaining} survivor(s)")
-                if view.spares_ready >= len(lost):
-                    # Survivors an earlier shrink stood by (or spares of a run that shrinks first)
-                    # keep the run going where shrinking cannot.
-                    return ReplaceWithSpares(f"{why}; {cannot}, and {view.spares_ready} hot spare(s) are ready "
-                                             f"for rank(s) {list(lost)}", lost)
                 return Fail(f"{why}; {cannot}")
             standby = (f"; {remaining - size} survivor(s) stand by as hot spares (the global batch "
                        f"{self.global_batch} does not divide over {remaining})" if size < remaining else "")
