@@ -73,7 +73,9 @@ def ray_cluster():
 
     Starting and stopping a cluster costs ~8 s on a 2-core machine; the modules that use this one
     only create and tear down their own named actors, so they can share it. It is stopped at
-    the end of the session, or earlier when a module needs a cluster of its own.
+    the end of the session, or earlier when a module needs a cluster of its own. Under
+    pytest-xdist (``make test`` runs two processes, whole modules each) every process has its
+    own: clusters never share a driver, and each names its own address.
     """
     if _shared["cluster"] is None:
         _shared["cluster"] = start_cluster()

@@ -665,7 +665,9 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
         assert [m.name for m in c.group.members] == ["rank-0"] and not c._lagging
         released = [e for e in c.events if e.kind == "late_released"]
         assert released and released[0].details["ranks"] == [1, 2] and "died" in released[0].message
-        c._lagging = {user_code_fails.remote(): (0, time.time())}
+        failed = user_code_fails.remote()
+        ray.wait([failed], timeout=60)  # its error is in, however long a worker process takes to start here
+        c._lagging = {failed: (0, time.time())}
         with pytest.raises(elastic.WorkerError, match="boom in the last window"):
             c._finish_late()
     finally:
