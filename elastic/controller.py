@@ -212,7 +212,9 @@ class Controller:
         # state sync of their promotion treats them as holding none (a fresh spare's) and replaces it.
         self._stood_by: set[str] = set()
         self._ended = threading.Event()  # set on the transition into a terminal state
-        self._hung: set[int] = set()  # ranks the controller killed as hung
+        # Names of the actors the controller killed as hung. Names, not ranks: a spare takes the
+        # rank over, and a rank number kept here hid that spare's own hang from _check_late_hung.
+        self._hung: set[str] = set()
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
         self.late_gradients = 0  # first-N: gradients a rank computed that came too late to be used
         self._planned: dict[int, tuple[int, list[list[int]]]] = {}  # step -> (epoch, shards) handed out
@@ -824,7 +826,7 @@ class Controller:
         for m in self.group.members:
             self.straggler_policy.observe_pending(m.rank, now - oldest[m.rank] if m.rank in oldest else 0.0)
         for r, since in oldest.items():
-            if now - since > self.failure_config.step_timeout_s and r not in self._hung:
+            if now - since > self.failure_config.step_timeout_s and self.group.members[r].name not in self._hung:
                 stuck = {ref: rr for ref, (rr, _) in self._lagging.items() if rr == r}
                 self._kill_hung(stuck, f"made no progress for step_timeout_s={self.failure_config.step_timeout_s:g}s")
 
@@ -1028,7 +1030,7 @@ class Controller:
             dead |= lost
         if not dead:
             kind = "collective"
-        elif dead & self._hung:
+        elif any(self.group.members[r].name in self._hung for r in dead):
             kind = "hang"
         elif down:
             kind = "node_lost"
@@ -1111,7 +1113,7 @@ class Controller:
     def _kill_hung(self, pending: dict, why: str) -> None:
         for ref, r in pending.items():
             self.log("hang", f"rank {r} {why}; killing it so its peers unblock", rank=r)
-            self._hung.add(r)
+            self._hung.add(self.group.members[r].name)
             ray.kill(self.group.members[r].actor, no_restart=True)
             self._reap(self.group.members[r])
 
@@ -1128,7 +1130,7 @@ class Controller:
         if not node or not pid:
             return
         for other in self._all_actors():
-            if other is not hung and other.info.get("node_id") == node and (other.spare or other.rank not in self._hung):
+            if other is not hung and other.info.get("node_id") == node and other.name not in self._hung:
                 other.actor.reap.remote(pid)  # fire and forget: the death shows up on the refs
                 return
 
@@ -1182,6 +1184,7 @@ class Controller:
             self.failures += 1
             if self.metrics is not None:
                 self.metrics.on_failure(kind)
+            self._unhealed = lost
             self._settle_survivors(set(lost))
             self._decide_and_apply(lost, kind)
             try:
@@ -1363,6 +1366,9 @@ class Controller:
         self.group.shutdown()
         self._new_group()
         self.group.start(self.scaling.num_replicas)
+        # Every rank is new: none stood by, and the run is back at its configured size.
+        self._stood_by.clear()
+        self._per_worker = self.global_batch_size // self.scaling.num_workers
         self._configured.clear()
         self._configure_checkpoints(self._all_actors())
         position = self._restore_latest()
@@ -1658,6 +1664,14 @@ class Controller:
             self._merge_ckpt(r, extra)
         if not self.committer.flush(timeout_s=60):
             self.log("checkpoint_storage", "final checkpoint not committed within 60s; storage may be down")
+        elif (self.committer.latest_committed or 0) < self.step and self.step > (self.restored_from or 0):
+            # Every handed-over step is committed, yet not the last: some rank's part of it never
+            # came. Known case: a late first-N replica released at the end (late_released) took
+            # its part of the steps it had not reached, and the others' snapshots still count it.
+            self.log("checkpoint_incomplete", f"the run ends at step {self.step}, but its newest committed checkpoint "
+                     f"is step {self.committer.latest_committed}: a rank's part of the later steps never came; "
+                     f"fit() again resumes from step {self.committer.latest_committed}",
+                     step=self.step, latest=self.committer.latest_committed)
         for ev in self.committer.drain_events():
             self._log_storage_event(ev)
 
@@ -1666,7 +1680,7 @@ class Controller:
         be out of their group, and one may have finished a step another had not), or None if
         none answers, or none holds a step yet (stopped while starting). Its weights are the
         run's so far: without storage, all there is of it."""
-        live = [m for m in self.group.members if m.rank not in self._unhealed]
+        live = [m for m in self.group.members if m.rank not in self._unhealed and m.name not in self._stood_by]
         refs = [m.actor.progress.remote() for m in live]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)[0])
         best, best_step = None, -1
@@ -1678,7 +1692,8 @@ class Controller:
                     continue
                 if done > best_step:
                     best, best_step = m, done
-        return best if best_step > 0 else None  # weights nothing trained or restored: not the run's
+        # Weights nothing trained or restored, or older than the run's step: not the run's.
+        return best if best_step > 0 and best_step >= self.step else None
 
     def result(self, include_state: bool) -> dict:
         final = {}

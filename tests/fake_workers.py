@@ -7,6 +7,7 @@ at a step. The controller under test is the real one.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import ray
@@ -33,6 +34,15 @@ class FakeWorker:
 
     def free_port(self):
         return 1
+
+    @ray.method(concurrency_group="control")
+    def reap(self, pid):
+        """As TrainWorker.reap: SIGKILL a hung peer's process on this node."""
+        try:
+            os.kill(pid, signal.SIGKILL)
+            return True
+        except ProcessLookupError:
+            return False
 
     def join(self, rank, world, *args):
         self.rank, self.world = rank, world

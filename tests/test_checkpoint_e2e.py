@@ -51,6 +51,7 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
     assert first.checkpoint["latest_step"] == 5
     commits = [e["details"]["step"] for e in first.events if e["kind"] == "checkpoint_commit"]
     assert commits == [1, 2, 3, 4, 5]  # blocking mode: every step, in order
+    assert not first.events_of("checkpoint_incomplete")
     store = CheckpointStore(url, "resume")
     assert store.committed_steps() == [3, 4, 5]  # keep_last=3
     assert len(store.load_manifest(5)["files"]) == 2

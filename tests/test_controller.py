@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -773,5 +774,29 @@ def test_a_survivor_stood_by_by_a_shrink_gets_the_state_when_it_is_promoted_even
         assert not c._stood_by
         c._sync_state()  # once replaced, it is a rank like the others
         assert len([e for e in c.events if e.kind == "state_sync"]) == 1
+    finally:
+        c.shutdown()
+
+
+def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hangs(ray_cluster):
+    # The hung set named ranks: the spare in rank 1's slot was then never checked, and stayed
+    # late for the rest of the run (first-N), a backup lost for good.
+    @ray.remote(num_cpus=0)
+    def busy():
+        time.sleep(60)
+
+    c = controller("fake-hung-slot", workers=3, backups=1)
+    try:
+        c.run_for(steps=2)
+        c._kill_hung({busy.remote(): 1}, "made no progress (test)")
+        spare = c.group.promote_spare(1)
+        c.scaling = dataclasses.replace(c.scaling, aggregation="first_n", num_backups=1)
+        c.failure_config.step_timeout_s = 0.5
+        c._lagging = {busy.remote(): (1, time.time() - 5)}
+        c._check_late_hung()
+        hangs = [e for e in c.events if e.kind == "hang"]
+        assert len(hangs) == 2 and hangs[1].details["rank"] == 1
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(spare.actor.progress.remote(), timeout=30)
     finally:
         c.shutdown()

@@ -152,6 +152,7 @@ def test_checkpoints_commit_every_step_mid_window_and_a_resumed_run_continues_fr
     assert max(e["details"]["lag"] for e in commits) <= 2
     second = make("firstn-ckpt", faults=[], storage=url).fit(steps=16)
     assert second.metrics["restored_from"] == 12 and second.checkpoint["latest_step"] == 16
+    assert not first.events_of("checkpoint_incomplete") and not second.events_of("checkpoint_incomplete")
     ref = reference_weights(16, N * PER, batches=used_batches(first) + used_batches(second, first=13))
     assert_weights_close(second.model_state, ref, atol=1e-6)
     assert len(set(second.replica_checksums)) == 1 and len(second.replica_checksums) == N + B
