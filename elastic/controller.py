@@ -211,6 +211,7 @@ class Controller:
         # Survivors a shrink stood by as spares: the state they hold is from before that, so the
         # state sync of their promotion treats them as holding none (a fresh spare's) and replaces it.
         self._stood_by: set[str] = set()
+        self._snapshot_last = False  # late replicas were released at the end: snapshot the last step again
         self._ended = threading.Event()  # set on the transition into a terminal state
         # Names of the actors the controller killed as hung. Names, not ranks: a spare takes the
         # rank over, and a rank number kept here hid that spare's own hang from _check_late_hung.
@@ -880,6 +881,20 @@ class Controller:
                      + " did not finish the run's last window; released, the run ends without them",
                      ranks=sorted(gone))
             self.group.remove_ranks(sorted(gone))
+            if self.committer is not None and self.group.members:
+                # The others' snapshots still count the released replicas (rank and world size
+                # are the group's), so the steps those had not reached can never commit, the
+                # last one included. A group without them takes the last step's snapshot again.
+                try:
+                    self._settle_survivors(set())
+                    self._form_group(f"late replica(s) {sorted(gone)} released: the last step's checkpoint "
+                                     "is taken without them")
+                    self._snapshot_last = True
+                except (ray.exceptions.RayError, TimeoutError, TrainingFailed) as exc:
+                    # The run's steps are done: end it on the checkpoints it has (checkpoint_incomplete
+                    # says which) rather than fail it here.
+                    self.log("late_released", f"could not re-form the group without the released replica(s) "
+                             f"({type(exc).__name__}); the last steps' checkpoints may not commit", ranks=sorted(gone))
 
     def _tune_window(self, worker_times: list[float]) -> None:
         """Automatic ``steps_per_dispatch``: one call spans about ``dispatch_target_s``.
@@ -1654,7 +1669,7 @@ class Controller:
             return
         final = None
         every = self.run_config.checkpoint.every_n_steps
-        if every > 0 and self.step % every and self.step > (self.restored_from or 0):
+        if every > 0 and (self.step % every or self._snapshot_last) and self.step > (self.restored_from or 0):
             final = self.step
             position = self._positions.get(final) if self._look_ahead else None
             self.committer.set_meta(final, self._checkpoint_meta(final, position or self.plan.position.to_dict()),

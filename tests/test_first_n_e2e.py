@@ -234,3 +234,19 @@ def test_a_survivor_already_in_the_next_window_is_released_too(ray_cluster):
     result = heal_two_of_three_lost("firstn-next-window", RANKS_1_2_SLOWED, after_update=True)
     assert result.recoveries[0]["step"] == 4  # step 3 finished on the survivor: kept, not replayed
 
+
+
+def test_a_replica_released_at_the_end_does_not_cost_the_run_its_final_checkpoint(ray_cluster, tmp_path):
+    # Rank 2 is late all run and dies in the last step: the run ends without it (late_released).
+    # The others' snapshots of the last steps still counted it, so its part never came and the
+    # run ended on an older committed step; the final snapshot is now taken without it.
+    from elastic.checkpoint import CheckpointStore
+
+    url = f"file://{tmp_path}/ckpt"
+    faults = [{"kind": "slow", "rank": 2, "delay_s": 0.3, "from_step": 1},
+              {"kind": "kill", "rank": 2, "at_step": STEPS}]
+    result = make("firstn-late-end", faults=faults, late_backoff_steps=0, storage=url).fit(steps=STEPS)
+    assert [e["details"]["ranks"] for e in result.events_of("late_released")] == [[2]]
+    assert result.checkpoint["latest_step"] == STEPS and not result.events_of("checkpoint_incomplete")
+    store = CheckpointStore(url, "firstn-late-end")
+    assert store.latest_valid() == STEPS and store.load_manifest(STEPS)["world_size"] == N + B - 1
