@@ -333,16 +333,7 @@ class Controller:
         self.log("stop", f"stop requested ({self._stop_reason}): {why}; ending the run at step {self.step}",
                  step=self.step)
         if self.committer is not None and self.group is not None:
-            refs = {m.rank: m.actor.flush_checkpoint.remote(None) for m in self.group.members}
-            for r, ref in refs.items():
-                try:
-                    self._merge_ckpt(r, ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s))
-                except (ray.exceptions.RayError, TimeoutError):
-                    pass  # a lost rank: what it wrote and reported is all there is of it
-            if not self.committer.flush(timeout_s=30):
-                self.log("checkpoint_storage", "checkpoints not committed within 30s of the stop; storage may be down")
-            for ev in self.committer.drain_events():
-                self._log_storage_event(ev)
+            self._commit_what_ranks_wrote(None, 30, "checkpoints of the steps before the stop", lost_ok=True)
         self.transition(State.STOPPED, f"{why}, at step {self.step}: {self._stop_reason}")
 
     def _stop_after_dispatched(self) -> None:
@@ -1008,7 +999,7 @@ class Controller:
                 # Its communicators are aborted from its control thread, so its blocking wait
                 # raises and it leaves the group like a gloo rank (TrainWorker.abort_collectives).
                 aborted = True
-                bad = dead | {r for r in collective_failed} | ({user_error[0]} if user_error else set())
+                bad = dead | collective_failed | ({user_error[0]} if user_error else set())
                 for m in self.group.members:
                     if m.rank not in bad:
                         m.actor.abort_collectives.remote(self.generation)
@@ -1199,9 +1190,10 @@ class Controller:
             self.failures += 1
             if self.metrics is not None:
                 self.metrics.on_failure(kind)
-            self._unhealed = lost
+            self._unhealed = lost  # until the decision is carried out: not in world_size
             self._settle_survivors(set(lost))
             self._decide_and_apply(lost, kind)
+            self._unhealed = ()
             try:
                 self._maybe_kill_spare_during_recovery()
                 self._sync_state()
@@ -1225,7 +1217,6 @@ class Controller:
 
     def _decide_and_apply(self, lost: tuple[int, ...], kind: str) -> None:
         waited = False
-        self._unhealed = lost
         while True:
             self._refresh_spares(wait=True)
             view = FailureView(lost, kind, len(self.group.members), len(self.group.spares),
@@ -1235,7 +1226,6 @@ class Controller:
                      lost=list(lost))
             if isinstance(decision, ReplaceWithSpares):
                 self._replace(lost)
-                self._unhealed = ()
                 return
             if isinstance(decision, WaitForCapacity):
                 missing = len(lost) - len(self.group.spares) - self.group.pending_spares
@@ -1248,10 +1238,8 @@ class Controller:
                 continue
             if isinstance(decision, Shrink):
                 self._shrink(lost, decision.size)
-                self._unhealed = ()
                 return
             if isinstance(decision, RestartFromCheckpoint):
-                self._unhealed = ()
                 self._restart_all()
                 return
             raise TrainingFailed(self._fail_message(decision.reason))
@@ -1380,6 +1368,7 @@ class Controller:
         lost_up_to = max(self._begun_by_survivors(), self.step)
         self.group.shutdown()
         self._new_group()
+        self._unhealed = ()  # the lost ranks went with the old group
         self.group.start(self.scaling.num_replicas)
         # Every rank is new: none stood by, and the run is back at its configured size.
         self._stood_by.clear()
@@ -1398,15 +1387,21 @@ class Controller:
 
     def _begun_by_survivors(self) -> int:
         """Newest step any reachable rank began (0 if none answers): work a restart throws away."""
-        refs = [m.actor.progress.remote() for m in self.group.members]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)
-        begun = 0
-        for ref in ready:
-            try:
-                begun = max(begun, ray.get(ref)[1])
-            except ray.exceptions.RayError:
-                pass  # a lost rank: its work is gone either way
-        return begun
+        return max((begun for _, (_, begun) in self._ask_progress(self.group.members)), default=0)
+
+    def _ask_progress(self, members: list[Member]) -> list[tuple[Member, tuple[int, int]]]:
+        """(member, (newest step completed, newest begun)) of those that answer within
+        ``heartbeat_timeout_s``; a lost rank is left out (its work is gone either way)."""
+        refs = [m.actor.progress.remote() for m in members]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)[0])
+        out = []
+        for m, ref in zip(members, refs):
+            if ref in ready:
+                try:
+                    out.append((m, ray.get(ref)))
+                except ray.exceptions.RayError:
+                    pass
+        return out
 
     def _restore_members_from_checkpoint(self) -> None:
         if self.store is None:
@@ -1674,12 +1669,8 @@ class Controller:
             position = self._positions.get(final) if self._look_ahead else None
             self.committer.set_meta(final, self._checkpoint_meta(final, position or self.plan.position.to_dict()),
                                     force=True)
-        refs = [m.actor.flush_checkpoint.remote(final) for m in self.group.members]
-        for r, extra in enumerate(ray.get(refs)):
-            self._merge_ckpt(r, extra)
-        if not self.committer.flush(timeout_s=60):
-            self.log("checkpoint_storage", "final checkpoint not committed within 60s; storage may be down")
-        elif (self.committer.latest_committed or 0) < self.step and self.step > (self.restored_from or 0):
+        if self._commit_what_ranks_wrote(final, 60, "final checkpoint") and \
+                (self.committer.latest_committed or 0) < self.step and self.step > (self.restored_from or 0):
             # Every handed-over step is committed, yet not the last: some rank's part of it never
             # came. Known case: a late first-N replica released at the end (late_released) took
             # its part of the steps it had not reached, and the others' snapshots still count it.
@@ -1687,8 +1678,25 @@ class Controller:
                      f"is step {self.committer.latest_committed}: a rank's part of the later steps never came; "
                      f"fit() again resumes from step {self.committer.latest_committed}",
                      step=self.step, latest=self.committer.latest_committed)
+
+    def _commit_what_ranks_wrote(self, final: int | None, timeout_s: float, what: str, lost_ok: bool = False) -> bool:
+        """Have every rank finish its pending writes (and snapshot ``final``, see
+        ``TrainWorker.flush_checkpoint``), then commit every complete step; False if storage did
+        not take them within ``timeout_s``. ``lost_ok``: a rank that does not answer (lost in a
+        recovery) is skipped, what it wrote and reported is all there is of it."""
+        refs = [(m.rank, m.actor.flush_checkpoint.remote(final)) for m in self.group.members]
+        for r, ref in refs:
+            try:
+                self._merge_ckpt(r, ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s if lost_ok else None))
+            except (ray.exceptions.RayError, TimeoutError):
+                if not lost_ok:
+                    raise
+        committed = self.committer.flush(timeout_s=timeout_s)
+        if not committed:
+            self.log("checkpoint_storage", f"{what} not committed within {timeout_s:g}s; storage may be down")
         for ev in self.committer.drain_events():
             self._log_storage_event(ev)
+        return committed
 
     def _newest_live_member(self) -> Member | None:
         """A stop in a wait: the rank, of those not lost, holding the newest step (the ranks may
@@ -1696,19 +1704,14 @@ class Controller:
         none answers, or none holds a step yet (stopped while starting). Its weights are the
         run's so far: without storage, all there is of it."""
         live = [m for m in self.group.members if m.rank not in self._unhealed and m.name not in self._stood_by]
-        refs = [m.actor.progress.remote() for m in live]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)[0])
-        best, best_step = None, -1
-        for m, ref in zip(live, refs):
-            if ref in ready:
-                try:
-                    done = ray.get(ref)[0]
-                except ray.exceptions.RayError:
-                    continue
-                if done > best_step:
-                    best, best_step = m, done
+        best, (best_step, _) = max(self._ask_progress(live), key=lambda answer: answer[1][0], default=(None, (-1, 0)))
         # Weights nothing trained or restored, or older than the run's step: not the run's.
         return best if best_step > 0 and best_step >= self.step else None
+
+    @property
+    def _world_size(self) -> int:
+        """Ranks in the group, the lost ones not yet replaced or shrunk away left out."""
+        return len(self.group.members) - len(self._unhealed) if self.group else 0
 
     def result(self, include_state: bool) -> dict:
         final = {}
@@ -1743,7 +1746,7 @@ class Controller:
             "state": self.state.value,
             "stop_reason": self._stop_reason,
             "stopped_while": self._stopped_while,
-            "world_size": len(self.group.members) - len(self._unhealed) if self.group else 0,
+            "world_size": self._world_size,
         }
         if self.committer is not None:
             out["checkpoint"] = {"location": self.store.location, "latest_step": self.committer.latest_committed}
@@ -1789,7 +1792,7 @@ class Controller:
             "run": self.run_config.name, "state": self.state.value, "step": self.step,
             "total_steps": self.total_steps, "loss": last.loss if last else None,
             "samples_per_s": (last.samples / last.step_time_s) if last and last.step_time_s else None,
-            "world_size": len(self.group.members) - len(self._unhealed) if self.group else 0,
+            "world_size": self._world_size,
             "spares": len(self.group.spares) if self.group else 0,
             "spares_building": self.group.pending_spares if self.group else 0,
             # Nodes refill spares stay off (a straggler was evicted there) -> seconds left, None

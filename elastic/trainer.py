@@ -25,6 +25,7 @@ from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.controller import TrainingFailed, WorkerError
+from elastic.policies import FailurePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +135,8 @@ def _check_failure_actions(failure: FailureConfig, run: RunConfig, num_workers: 
                 "another action (wait, shrink, fail).")
     if "shrink" in actions:
         low = failure.min_workers if failure.min_workers is not None else num_workers
-        sizes = range(low, num_workers)
-        usable = [k for k in sizes if global_batch % k == 0]
-        if not usable:
+        # The size the policy would shrink to on the first lost rank, by the same rule.
+        if FailurePolicy(failure, num_workers, global_batch).shrink_size(num_workers - 1) is None:
             why = (f"FailureConfig.min_workers={low} leaves no smaller size to shrink to"
                    if low >= num_workers else
                    f"Trainer.global_batch_size={global_batch} divides over none of the sizes "

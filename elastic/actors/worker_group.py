@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastic.actors.protocol import PackedSpec, StopRequested, TrainingSpec, WorkerError
@@ -515,7 +515,6 @@ def remove_run_placement_groups(namespace: str) -> list[str]:
     while the driver lives its groups stay: their CPUs and GPUs reserved, a next fit() of the
     same run waiting for resources that nothing uses."""
     from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup, placement_group_table
 
     removed = []
     for pg_id, row in placement_group_table().items():

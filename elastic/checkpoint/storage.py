@@ -24,12 +24,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Schemes whose object stores have no directories: no makedirs, and a missing "directory" is just
-# an empty listing.
-_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+# Schemes of object stores (s3fs, gcsfs, adlfs, ossfs): no directories (no makedirs, and a missing
+# "directory" is just an empty listing), and a URL starts with a bucket (container) name.
+_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss")
 _S3 = ("s3", "s3a")
-# Object stores whose URLs start with a bucket (container) name: gcsfs, adlfs, ossfs and s3fs.
-_BUCKETED = (*_S3, "gs", "gcs", "az", "abfs", "abfss", "oss")
 _LOCAL = ("file", "local")
 
 # storage_options keys whose values are secrets. Values of any key that merely *looks* secret are
@@ -144,9 +142,9 @@ def resolve_url(url: str) -> str:
             raise ConfigError(f"RunConfig.storage starts with '{scheme}:' but not '{scheme}://'; write "
                               f"{scheme}://BUCKET/prefix (or ./{scheme}:... for a local directory of that name).")
         return os.path.abspath(os.path.expanduser(url))
-    if protocol in ("file", "local"):
+    if protocol in _LOCAL:
         return f"{protocol}://{os.path.abspath(os.path.expanduser(path))}"
-    if protocol in _BUCKETED and not path.strip("/"):
+    if protocol in _OBJECT_STORES and not path.strip("/"):
         raise ConfigError(f"RunConfig.storage='{protocol}://' names no bucket; use {protocol}://BUCKET/prefix.")
     return url
 
