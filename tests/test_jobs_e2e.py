@@ -143,7 +143,14 @@ class RayHead:
             pytest.fail(f"ray start exited with {self.proc.returncode}:\n{self.log_tail()}")
         req = urllib.request.Request(f"{self.dashboard_url}/api/version", headers=self.auth_headers)
         with urllib.request.urlopen(req, timeout=3) as resp:
-            return resp.status == 200
+            if resp.status != 200:
+                return False
+        # The jobs API answers before the dashboard agent, which runs the jobs, is up: a job
+        # submitted then fails with "No available agent to submit job" when the agent takes
+        # longer than the head waits for it (a loaded machine). The agent opens its HTTP port
+        # just before it registers with the GCS.
+        with socket.create_connection(("127.0.0.1", self.agent_listen_port), timeout=3):
+            return True
 
     def log_tail(self, n: int = 4000) -> str:
         try:
