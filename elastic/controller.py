@@ -394,7 +394,7 @@ class Controller:
             position = self._restore_latest()
         n = self.scaling.num_workers
         self._per_worker = self.global_batch_size // n
-        self.plan = ShardPlan(self.dataset_size, self.run_config.seed, position)
+        self._replan(position, self.step)
         if self.store is not None:
             from elastic.checkpoint import CheckpointCommitter
 
@@ -877,7 +877,8 @@ class Controller:
                 # are the group's), so the steps those had not reached can never commit, the
                 # last one included. A group without them takes the last step's snapshot again.
                 try:
-                    self._settle_survivors(set())
+                    if self._settle_survivors(set()):
+                        raise TrainingFailed("another replica died as the group re-formed")
                     self._form_group(f"late replica(s) {sorted(gone)} released: the last step's checkpoint "
                                      "is taken without them")
                     self._snapshot_last = True
@@ -1184,14 +1185,20 @@ class Controller:
         t0 = time.time()
         recomputed_before = self.recomputed
         lost = tuple(sorted(failure.dead))
+        healed = set(lost)
         kind = failure.kind
         self.transition(State.RECOVERING, f"{kind} of rank(s) {list(lost)} in step {self.step + 1}")
         while True:
             self.failures += 1
             if self.metrics is not None:
                 self.metrics.on_failure(kind)
+            found = self._settle_survivors(set(lost))
+            if found:
+                self.log("failure", f"rank(s) {sorted(found)} found dead too as the survivors left the group",
+                         ranks=sorted(found))
+                lost = tuple(sorted(set(lost) | found))
+            healed |= set(lost)
             self._unhealed = lost  # until the decision is carried out: not in world_size
-            self._settle_survivors(set(lost))
             self._decide_and_apply(lost, kind)
             self._unhealed = ()
             try:
@@ -1207,7 +1214,7 @@ class Controller:
                 self.log("failure", f"rank(s) {list(lost)} lost while healing: {type(exc).__name__}",
                          ranks=list(lost))
         seconds = time.time() - t0
-        self.recoveries.append({"kind": failure.kind, "ranks": sorted(failure.dead), "detect_s": failure.detect_s,
+        self.recoveries.append({"kind": failure.kind, "ranks": sorted(healed), "detect_s": failure.detect_s,
                                 "rebuild_s": seconds, "step": self.step + 1,
                                 "recomputed": self.recomputed - recomputed_before})
         if self.metrics is not None:
@@ -1261,18 +1268,33 @@ class Controller:
                  else "no checkpoint was committed")
         return f"training stopped at step {self.step}: {reason}; {where}"
 
-    def _settle_survivors(self, dead: set[int]) -> None:
-        """Make every survivor leave the broken group (they are unblocked by now)."""
+    def _settle_survivors(self, dead: set[int]) -> set[int]:
+        """Make every survivor leave the broken group (they are unblocked by now), and evict the
+        lost. Returns the ranks that leave found dead too.
+
+        Ranks that die together (a node going, a step that kills two) are not always seen
+        together: one whose call was queued behind a late first-N window, or that died a moment
+        after the first, shows its death only on its next call, and this is that call. Taken
+        in here, they are healed with the others in one decision, not in a second round after
+        the rebuild has failed on them.
+        """
         survivors = [m for m in self.group.members if m.rank not in dead]
         refs = [m.actor.leave.remote() for m in survivors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.collective_timeout_s)
+        found: set[int] = set()
         for m, ref in zip(survivors, refs):
             if ref not in ready:
                 raise TrainingFailed(self._fail_message(f"rank {m.rank} did not leave the broken group"))
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                found.add(m.rank)
+        dead = dead | found
         for m in self.group.members:
             if m.rank in dead:
                 self.group.evict(m)
         self._lagging.clear()
+        return found
 
     def _collect_spares(self) -> None:
         """Take in spares that finished building, and say so in the event log."""
@@ -1376,9 +1398,9 @@ class Controller:
         self._configured.clear()
         self._configure_checkpoints(self._all_actors())
         position = self._restore_latest()
-        self._replan(position)
         if position is None:
             self.step = 0
+        self._replan(position, self.step)
         self.recomputed += lost_up_to - self.step
         # Steps after the restored one will be trained (and committed) again.
         self.committer.rewind(self.step if position is not None else None)
@@ -1413,17 +1435,24 @@ class Controller:
         if position is None:
             raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
                                                     "no checkpoint is committed"))
-        self._replan(position)
+        self._replan(position, self.step)
         self.committer.rewind(self.step)
         self._truncate_history(self.step)
         self.log("state_sync", f"no peer held the state: every rank loaded committed step {self.step}")
 
-    def _replan(self, position: DataPosition | None) -> None:
-        """After loading a checkpoint: sample from its data position; nothing planned is pending."""
+    def _replan(self, position: DataPosition | None, step: int) -> None:
+        """Training goes on from ``step`` (a start, a loaded checkpoint, a rollback): sample from
+        ``position``, the data's place right after it; nothing planned is pending.
+
+        ``step``'s own position is kept, so that a rollback can come back to it: a first-N
+        replica late since this step holds its state and no later one (see ``_sync_state``).
+        Without it, losing every fast replica before the first position was recorded (the late
+        one still at the start) ended a run that a survivor could carry on."""
         self.plan = ShardPlan(self.dataset_size, self.run_config.seed, position)
         self._planned.clear()
         self._positions.clear()
         self._inflight.clear()
+        self._positions[step] = self.plan.position.to_dict()
 
     def _add_history(self, record: StepRecord) -> None:
         self.history.append(record)
@@ -1484,9 +1513,9 @@ class Controller:
                 # stood after that step.
                 self.log("state_sync", f"no survivor holds step {self.step}; rolling back to step {newest}, "
                          f"the newest a survivor holds", step=newest)
-                self._replan(DataPosition.from_dict(self._positions[newest]))
+                self._replan(DataPosition.from_dict(self._positions[newest]), newest)
                 if self.committer is not None:
-                    self.committer.rewind(newest)
+                    self.committer.rewind(newest or None)  # 0: the start, no checkpoint of it
                 self._truncate_history(newest)
                 self.step = newest
             else:
