@@ -208,9 +208,10 @@ class Controller:
         self._stop_asked = threading.Event()  # ... and this, which ends the controller's waits early
         self._stopped_while: str | None = None  # what the run was waiting for when a stop ended it
         self._unhealed: tuple[int, ...] = ()  # ranks lost and not yet replaced or shrunk away
-        # Survivors a shrink stood by as spares: the state they hold is from before that, so the
-        # state sync of their promotion treats them as holding none (a fresh spare's) and replaces it.
-        self._stood_by: set[str] = set()
+        # Members that hold no state of the run (names): spares promoted into a rank (a fresh
+        # model) and survivors a shrink stood by as spares (the state from before that). The
+        # state sync gives them the state and never takes it, nor a rollback point, from them.
+        self._stateless: set[str] = set()
         self._snapshot_last = False  # late replicas were released at the end: snapshot the last step again
         self._ended = threading.Event()  # set on the transition into a terminal state
         # Names of the actors the controller killed as hung. Names, not ranks: a spare takes the
@@ -1356,6 +1357,7 @@ class Controller:
     def _replace(self, lost: tuple[int, ...]) -> None:
         for r in lost:
             spare = self.group.promote_spare(r, avoid_nodes=self._nodes_to_avoid())
+            self._stateless.add(spare.name)
             self.straggler_policy.forget(r)
             self.log("replace", f"spare {spare.name} takes rank {r} on node {spare.info.get('node_ip')}",
                      rank=r, spare=spare.name)
@@ -1374,7 +1376,7 @@ class Controller:
         standby = survivors[size:]
         names = [self.group.members[r].name for r in standby]
         self.group.remove_ranks(list(lost), stand_by=standby)
-        self._stood_by.update(names)
+        self._stateless.update(names)
         self._per_worker = self.global_batch_size // size
         for r in (*lost, *standby):
             self.straggler_policy.forget(r)
@@ -1393,7 +1395,7 @@ class Controller:
         self._unhealed = ()  # the lost ranks went with the old group
         self.group.start(self.scaling.num_replicas)
         # Every rank is new: none stood by, and the run is back at its configured size.
-        self._stood_by.clear()
+        self._stateless.clear()
         self._per_worker = self.global_batch_size // self.scaling.num_workers
         self._configured.clear()
         self._configure_checkpoints(self._all_actors())
@@ -1424,6 +1426,14 @@ class Controller:
                 except ray.exceptions.RayError:
                     pass
         return out
+
+    def _committed_after(self, step: int) -> bool:
+        """Whether a checkpoint newer than ``step`` is committed (those in flight first finish)."""
+        if self.committer is None:
+            return False
+        self.committer.flush(timeout_s=30)
+        latest = self.committer.latest_committed
+        return latest is not None and latest > step
 
     def _restore_members_from_checkpoint(self) -> None:
         if self.store is None:
@@ -1491,26 +1501,26 @@ class Controller:
         # here even if another rank fails this call, so a failure while healing (this runs again)
         # counts it once. (Counting twice happened when a spare died after this call succeeded.)
         refs = [m.actor.progress.remote(True) for m in self.group.members]
-        progress, error = [], None
+        held, error = [], None  # (member, (completed, begun)) of the members holding the run's state
         for m, ref in zip(self.group.members, refs):
             try:
                 done = ray.get(ref)
-                progress.append((0, 0) if m.name in self._stood_by else done)  # see _stood_by
+                if m.name not in self._stateless:
+                    held.append((m, done))
             except ray.exceptions.RayError as exc:
                 error = error or exc
-        steps = [done for done, _ in progress]
-        begun = max((started for _, started in progress), default=0)
-        newest = max(steps, default=0)
+        begun = max((started for _, (_, started) in held), default=0)
+        newest = max((done for _, (done, _) in held), default=0)
         if error is not None:
             self.recomputed += max(0, begun - newest)
             raise error
         if newest < self.step:
             lost_up_to = max(begun, self.step)
-            if newest in self._positions:
+            if held and newest in self._positions and not self._committed_after(newest):
                 # Every holder of the current state died, but a survivor holds an older one: a
                 # first-N replica that was late, still waiting for an update the dead leader
                 # never sent. Roll back to its step and replay from there, with the data as it
-                # stood after that step.
+                # stood after that step. (A newer committed checkpoint loses less: it wins.)
                 self.log("state_sync", f"no survivor holds step {self.step}; rolling back to step {newest}, "
                          f"the newest a survivor holds", step=newest)
                 self._replan(DataPosition.from_dict(self._positions[newest]), newest)
@@ -1522,19 +1532,22 @@ class Controller:
                 # No member holds a state training can go on from: fall back to the newest
                 # committed checkpoint, and replay from there.
                 self._restore_members_from_checkpoint()
-                self._stood_by -= {m.name for m in self.group.members}
+                self._stateless -= {m.name for m in self.group.members}
                 self.recomputed += lost_up_to - self.step
                 return
             begun = lost_up_to
         self.recomputed += max(0, begun - newest)
-        source = self.group.members[steps.index(newest)]
-        behind = [m for m, s in zip(self.group.members, steps) if s != newest]
+        current = [m for m, (done, _) in held if done == newest]
+        # No holder at all only at the run's start (a failure in step 1 that took every rank):
+        # the spares' fresh models are the start, and one of them gives its state to the others.
+        source = current[0] if current else self.group.members[0]
+        behind = [m for m in self.group.members if m is not source and m not in current]
         if behind:
             state_ref = source.actor.get_state.remote()
             ray.get([m.actor.set_state.remote(state_ref) for m in behind])
             self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "
                      f"{[m.rank for m in behind]} through the object store", source=source.rank)
-        self._stood_by -= {m.name for m in self.group.members}
+        self._stateless -= {m.name for m in self.group.members}
         fast = ray.get(source.actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
         # A step that finished on a survivor before the failure (or a queued step that finished
         # before an eviction) stands: it is accounted, not replayed.
@@ -1732,7 +1745,7 @@ class Controller:
         be out of their group, and one may have finished a step another had not), or None if
         none answers, or none holds a step yet (stopped while starting). Its weights are the
         run's so far: without storage, all there is of it."""
-        live = [m for m in self.group.members if m.rank not in self._unhealed and m.name not in self._stood_by]
+        live = [m for m in self.group.members if m.rank not in self._unhealed and m.name not in self._stateless]
         best, (best_step, _) = max(self._ask_progress(live), key=lambda answer: answer[1][0], default=(None, (-1, 0)))
         # Weights nothing trained or restored, or older than the run's step: not the run's.
         return best if best_step > 0 and best_step >= self.step else None

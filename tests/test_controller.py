@@ -136,6 +136,57 @@ def test_a_survivor_late_since_the_start_is_rolled_back_to(ray_cluster):
     assert c.step == 3 and [h.step for h in c.history] == [1, 2, 3]
 
 
+def test_a_fresh_spare_is_no_state_to_roll_back_to(ray_cluster):
+    # Every rank of step 2 is gone and only promoted spares are left: their fresh models report
+    # step 0, which is no state of this run (once a step-0 position was kept, the run would
+    # have rolled back to them and trained on from scratch, the checkpoint unused).
+    c = controller("fake-fresh-spares", workers=2, backups=2)
+    try:
+        c.run_for(steps=2)
+        for m in c.group.members:
+            ray.kill(m.actor, no_restart=True)
+            assert_dies(m.actor)
+        with pytest.raises(TrainingFailed, match="no surviving rank holds the training state"):
+            c._recover(Failure({0, 1}, "actor_died"))
+        assert not any("rolling back" in e.message for e in c.events)
+    finally:
+        c.shutdown()
+
+
+class CommittedAt:
+    """A committer stand-in that has committed ``step``."""
+
+    def __init__(self, step):
+        self.latest_committed = step
+
+    def flush(self, timeout_s=None):
+        return True
+
+    def close(self, timeout_s=30.0):
+        return True
+
+    def rewind(self, step):
+        self.latest_committed = step
+
+
+def test_a_newer_committed_checkpoint_wins_over_a_rollback(ray_cluster):
+    c = controller("fake-ckpt-over-rollback", workers=2)
+    try:
+        c.run_for(steps=3)
+        ray.get([m.actor.set_state.remote({"completed_step": 1}) for m in c.group.members])
+        c.committer = CommittedAt(2)
+        restored = []
+        c._restore_members_from_checkpoint = lambda: restored.append(True)
+        c._sync_state()
+        assert restored and not any("rolling back" in e.message for e in c.events)
+        c.committer = CommittedAt(1)  # as old as the survivors' state: theirs is used
+        c._sync_state()
+        assert len(restored) == 1 and any("rolling back to step 1" in e.message for e in c.events)
+    finally:
+        c.committer = None
+        c.shutdown()
+
+
 def test_on_failure_wait_heals_with_a_spare_that_is_ready(ray_cluster):
     c = controller("fake-wait", backups=1, failure=elastic.FailureConfig(on_failure="wait", capacity_timeout_s=1),
                    faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
@@ -823,11 +874,11 @@ def test_a_survivor_stood_by_by_a_shrink_gets_the_state_when_it_is_promoted_even
     try:
         c.run_for(steps=3)
         standby = c.group.members[2]
-        c._stood_by.add(standby.name)
+        c._stateless.add(standby.name)
         c._sync_state()
         syncs = [e.message for e in c.events if e.kind == "state_sync"]
         assert syncs == ["rank 0 sent step-3 state to rank(s) [2] through the object store"]
-        assert not c._stood_by
+        assert not c._stateless
         c._sync_state()  # once replaced, it is a rank like the others
         assert len([e for e in c.events if e.kind == "state_sync"]) == 1
     finally:
