@@ -1262,6 +1262,9 @@ class Controller:
                 self.log("fault_injection", f"killing {victim.name}, now rank {victim.rank}, while healing "
                          "(test aid)", rank=victim.rank)
                 ray.kill(victim.actor, no_restart=True)
+                # ray.kill goes through the GCS while calls go straight to the actor: the sync
+                # right after could still be answered, and the fault land after the rebuild.
+                _wait_dead(victim.actor, timeout_s=self.failure_config.heartbeat_timeout_s)
 
     def _fail_message(self, reason: str) -> str:
         latest = self.committer.latest_committed if self.committer is not None else None
@@ -1897,6 +1900,20 @@ def _unreachable_nodes(node_ids: set, timeout_s: float = 1.0) -> set:
 def _raylet_reachable(node_id: str | None) -> bool:
     """Whether the raylet of ``node_id`` accepts a TCP connection (the node is up)."""
     return not _unreachable_nodes({node_id})
+
+
+def _wait_dead(actor, timeout_s: float) -> bool:
+    """Whether ``actor`` was seen dead within ``timeout_s`` (asked every 0.1 s)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            ray.get(actor.heartbeat.remote(), timeout=max(0.1, deadline - time.time()))
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            return False
+        time.sleep(0.1)
+    return False
 
 
 def _looks_like_node_death(exc: BaseException) -> bool:

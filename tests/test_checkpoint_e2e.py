@@ -81,7 +81,9 @@ def test_commits_do_not_wait_for_the_dispatch_window(ray_cluster, tmp_path, unin
     by_step = {e["details"]["step"]: e for e in commits}
     # committed mid-window (details carry the commit's own time), long before its results arrived
     assert by_step[6]["details"]["time"] < finished - 0.2
-    assert max(e["details"]["lag"] for e in commits) <= 2
+    # Commits that waited for the window would lag up to 11 steps. Not <= 2: the lag is read after the
+    # commit, and a commit thread 0.3 s behind on a loaded machine is 3 steps of 0.1 s.
+    assert max(e["details"]["lag"] for e in commits) <= 6
     assert all(e["details"]["persist_s"] >= 0 for e in commits)
     assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
 
@@ -212,12 +214,14 @@ def test_elastic_stop_stops_cleanly_and_fit_again_continues_exactly(ray_cluster,
 
     helper = threading.Thread(target=elastic_stop_after_step_4, daemon=True)
     helper.start()
+    # 2000 steps (100 s or more): the stop ends the run long before. With 200 (about 10 s), a CLI
+    # that starts Python, imports ray and connects on a loaded machine could come after the end.
     with pytest.raises(elastic.TrainingStopped) as info:
-        trainer("stopme", url, faults=slow).fit(steps=200)
+        trainer("stopme", url, faults=slow).fit(steps=2000)
     helper.join(60)
     stopped = info.value.result
     last = stopped.metrics["steps"]
-    assert isinstance(info.value, KeyboardInterrupt) and 4 <= last < 200
+    assert isinstance(info.value, KeyboardInterrupt) and 4 <= last < 2000
     assert f"elastic stop: run 'stopme' stopped after step {last}; latest committed checkpoint: step {last}" \
         in str(info.value)
     assert cli["out"].returncode == 0, cli["out"].stderr

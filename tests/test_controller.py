@@ -35,14 +35,9 @@ def train_on(c, to_step):
 
 
 def assert_dies(actor, within_s=30.0):
-    deadline = time.time() + within_s
-    while True:
-        try:
-            ray.get(actor.progress.remote(), timeout=max(0.1, deadline - time.time()))
-        except ray.exceptions.RayActorError:
-            return
-        assert time.time() < deadline, "the actor still answers"
-        time.sleep(0.2)
+    """ray.kill goes through the GCS while a call goes straight to the actor: a call made just
+    after the kill may still be answered. Ask until the death shows."""
+    assert controller_module._wait_dead(actor, within_s), "the actor still answers"
 
 
 def transitions(c):
@@ -662,6 +657,7 @@ def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_h
         if not killed:  # the eviction's promotion, not the recovery's after it
             killed.append(c.group.members[lost[0]].name)
             ray.kill(c.group.members[lost[0]].actor)
+            assert_dies(c.group.members[lost[0]].actor)  # before the sync asks it
     c._replace = replace_then_kill
     try:
         c.run_for(steps=16)
@@ -903,8 +899,6 @@ def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hang
         c._check_late_hung()
         hangs = [e for e in c.events if e.kind == "hang"]
         assert len(hangs) == 2 and hangs[1].details["rank"] == 1 and spare.name in c._hung
-        # ray.kill goes through the GCS while a call goes straight to the actor: a call made just
-        # after the kill may still be answered. Ask until the death shows.
         assert_dies(spare.actor)
     finally:
         c.shutdown()

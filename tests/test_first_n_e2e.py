@@ -5,7 +5,6 @@ persistent straggler is evicted for a hot spare.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -104,13 +103,13 @@ def test_max_grad_norm_clips_the_fast_ranks_mean_on_every_replica(ray_cluster):
 
 
 def test_a_persistent_straggler_sits_out_instead_of_computing_gradients_nobody_uses(ray_cluster):
-    # Every rank is paced by a delay, the straggler 4x the others: it is late every time it
-    # computes. With late_backoff_steps=8 the k-th late gradient in a row is followed by
+    # Every rank is paced by a delay, the straggler 10x the others: it is late every time it
+    # computes (at 4x, a 90 ms stall of a fast rank on a loaded machine let it into a fast set). With late_backoff_steps=8 the k-th late gradient in a row is followed by
     # min(4 * 2**(k-1), 8) steps sat out, so in 40 steps it computes at most 5 gradients (at steps
     # 1, 6, 15, 24, 33 at the latest). With late_backoff_steps=0 it computed 18 in 60 steps
     # here: one every time it had caught up. Sitting out still applies every update.
     steps = 40
-    faults = [{"kind": "slow", "rank": r, "delay_s": 0.12 if r == 2 else 0.03, "from_step": 1} for r in range(N + B)]
+    faults = [{"kind": "slow", "rank": r, "delay_s": 0.3 if r == 2 else 0.03, "from_step": 1} for r in range(N + B)]
     result = make("firstn-backoff", faults=faults, steps_per_dispatch=4).fit(steps=steps)
     assert all(h["ranks"] == [0, 1] for h in result.history)
     assert 1 <= result.metrics["late_gradients"] <= 5
@@ -149,7 +148,9 @@ def test_checkpoints_commit_every_step_mid_window_and_a_resumed_run_continues_fr
     assert [e["details"]["step"] for e in commits] == list(range(1, 13))  # blocking: every step, in order
     finished = [e["time"] for e in first.events_of("transition") if e["details"]["new"] == "finished"][0]
     assert {e["details"]["step"]: e for e in commits}[6]["details"]["time"] < finished - 0.2
-    assert max(e["details"]["lag"] for e in commits) <= 2
+    # Commits that waited for the window would lag up to 11 steps. Not <= 2: the lag is read after the
+    # commit, and a commit thread 0.3 s behind on a loaded machine is 3 steps of 0.1 s.
+    assert max(e["details"]["lag"] for e in commits) <= 6
     second = make("firstn-ckpt", faults=[], storage=url).fit(steps=16)
     assert second.metrics["restored_from"] == 12 and second.checkpoint["latest_step"] == 16
     assert not first.events_of("checkpoint_incomplete") and not second.events_of("checkpoint_incomplete")
@@ -180,15 +181,16 @@ RANKS_1_2_SLOWED = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} 
 
 def heal_two_of_three_lost(name: str, faults: list, after_update: bool = False):
     """Ranks 1 and 2 die in step 3 (or right after its update), with two spares and one step per
-    call; the run must heal in one recovery, within a minute, with identical replicas."""
+    call; the run must heal in one recovery, at once, with identical replicas."""
     kill = {"after_update": True} if after_update else {}
     faults = [{"kind": "kill", "rank": r, "at_step": 3, **kill} for r in (1, 2)] + faults
-    t0 = time.time()
     result = make(name, faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
     assert result.metrics["steps"] == STEPS
     assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
     assert result.recoveries[0]["kind"] != "hang"
-    assert time.time() - t0 < 60
+    # Healed well inside the collective timeout (20 s) that a survivor must not sit out. (Not the
+    # whole fit(): that also starts three ranks and two spares on a loaded machine.)
+    assert result.recoveries[0]["detect_s"] + result.recoveries[0]["rebuild_s"] < 20
     assert len(set(result.replica_checksums)) == 1
     return result
 

@@ -45,7 +45,9 @@ def trainer(name, backups):
         make_model, make_sgd, make_dataset, loss_fn, 32,
         scaling=elastic.ScalingConfig(num_workers=4, num_backups=backups),
         run=elastic.RunConfig(name=name, seed=0),
-        faults=[{"kind": "slow", "rank": 0, "delay_s": 0.05, "from_step": 1}])
+        # Paced so the node goes mid-run: at 0.05 s a step, steps 6-15 went in one dispatch
+        # window and the run could end about 0.6 s after step 3 showed.
+        faults=[{"kind": "slow", "rank": 0, "delay_s": 0.2, "from_step": 1}])
 
 
 def test_remove_node_with_two_ranks(cluster):

@@ -50,8 +50,10 @@ def recomputed(result) -> int:
 
 def run_and_signal(name, sig, at_step=3, **kw):
     """Train in a thread; from outside the worker, send ``sig`` to rank 1's process mid-run."""
-    # Slow every step down a little so the signal lands inside one.
-    trainer = make_trainer(name, faults=[{"kind": "slow", "rank": 0, "delay_s": 0.05, "from_step": 1}], **kw)
+    # Slow every step down so the signal lands inside one, with the run far from over: at 0.05 s
+    # a step, the steps after the first few go in one dispatch window, and the run could end
+    # about 0.25 s after step 3 showed (a stalled poller on a loaded machine missed it).
+    trainer = make_trainer(name, faults=[{"kind": "slow", "rank": 0, "delay_s": 0.25, "from_step": 1}], **kw)
     box = {}
     th = threading.Thread(target=lambda: box.setdefault("result", trainer.fit(steps=STEPS)))
     th.start()
@@ -67,9 +69,11 @@ def run_and_signal(name, sig, at_step=3, **kw):
         if st["step"] >= at_step and st["state"] == "running":
             pid = next(r["pid"] for r in st["ranks"] if r["rank"] == 1)
             os.kill(pid, sig)
+            assert st["step"] < STEPS - 1, "the signal came as the run ended"
             break
         time.sleep(0.01)
     th.join(timeout=180)
+    assert not th.is_alive() and "result" in box
     return box["result"]
 
 
