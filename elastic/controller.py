@@ -207,6 +207,7 @@ class Controller:
         self._stop_reason: str | None = None  # set from another thread by request_stop()
         self._stop_asked = threading.Event()  # ... and this, which ends the controller's waits early
         self._stopped_while: str | None = None  # what the run was waiting for when a stop ended it
+        self._stop_holder: tuple[Member, int] | None = None  # ... and the rank whose weights it hands back
         self._unhealed: tuple[int, ...] = ()  # ranks lost and not yet replaced or shrunk away
         # Members that hold no state of the run (names): spares promoted into a rank (a fresh
         # model) and survivors a shrink stood by as spares (the state from before that). The
@@ -329,8 +330,20 @@ class Controller:
         now, STOPPED, with what its ranks have written committed, instead of when the wait runs
         out, often after the driver's ``stop_timeout_s`` has killed the run and its checkpoints
         with it. The steps of this fit() (none, while starting) were committed as they trained;
-        the weights handed back are those of the rank holding the newest step (``result``)."""
+        the weights handed back are those of the rank holding the newest step (``result``).
+
+        That rank may have finished steps whose results never came back (a survivor of a broken
+        group, in the queued window): they are kept and booked, as a state sync would, so that
+        the step the run reports is the step of the weights it hands back.
+        """
         self._stopped_while = why
+        holder = self._stop_holder = self._newest_live_member() if self.group is not None else None
+        if holder is not None and holder[1] > self.step:
+            newest = holder[1]
+            fast = ray.get(holder[0].actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
+            self._keep_completed_steps(list(range(self.step + 1, newest + 1)), "completed on a survivor before "
+                                       "the stop", fast)
+            self.step = newest
         self.log("stop", f"stop requested ({self._stop_reason}): {why}; ending the run at step {self.step}",
                  step=self.step)
         if self.committer is not None and self.group is not None:
@@ -1743,15 +1756,15 @@ class Controller:
             self._log_storage_event(ev)
         return committed
 
-    def _newest_live_member(self) -> Member | None:
-        """A stop in a wait: the rank, of those not lost, holding the newest step (the ranks may
-        be out of their group, and one may have finished a step another had not), or None if
-        none answers, or none holds a step yet (stopped while starting). Its weights are the
-        run's so far: without storage, all there is of it."""
+    def _newest_live_member(self) -> tuple[Member, int] | None:
+        """A stop in a wait: the rank, of those not lost, holding the newest step, and that step
+        (the ranks may be out of their group, and one may have finished a step another had
+        not), or None if none answers, or none holds a step yet (stopped while starting). Its
+        weights are the run's so far: without storage, all there is of it."""
         live = [m for m in self.group.members if m.rank not in self._unhealed and m.name not in self._stateless]
         best, (best_step, _) = max(self._ask_progress(live), key=lambda answer: answer[1][0], default=(None, (-1, 0)))
         # Weights nothing trained or restored, or older than the run's step: not the run's.
-        return best if best_step > 0 and best_step >= self.step else None
+        return (best, best_step) if best_step > 0 and best_step >= self.step else None
 
     @property
     def _world_size(self) -> int:
@@ -1765,8 +1778,8 @@ class Controller:
             if self._stopped_while is None:
                 final["replica_checksums"] = self.verify_replicas()  # waits for late replicas to catch up
                 holder = self.group.members[0]
-            else:
-                holder = self._newest_live_member()
+            elif self._stop_holder is not None:
+                holder = self._stop_holder[0]
         if holder is not None:
             # Handed on as a reference the driver resolves: deserializing tensors here would
             # import torch into the controller (see elastic/_lazy.py). Waited for without
