@@ -340,10 +340,14 @@ class Controller:
         holder = self._stop_holder = self._newest_live_member() if self.group is not None else None
         if holder is not None and holder[1] > self.step:
             newest = holder[1]
-            fast = ray.get(holder[0].actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
-            self._keep_completed_steps(list(range(self.step + 1, newest + 1)), "completed on a survivor before "
-                                       "the stop", fast)
-            self.step = newest
+            try:
+                fast = ray.get(holder[0].actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
+            except ray.exceptions.RayError:  # it died since it answered: no weights, steps as they were
+                holder = self._stop_holder = None
+            else:
+                self._keep_completed_steps(list(range(self.step + 1, newest + 1)), "completed on a survivor "
+                                           "before the stop", fast)
+                self.step = newest
         self.log("stop", f"stop requested ({self._stop_reason}): {why}; ending the run at step {self.step}",
                  step=self.step)
         if self.committer is not None and self.group is not None:
@@ -891,8 +895,14 @@ class Controller:
                 # are the group's), so the steps those had not reached can never commit, the
                 # last one included. A group without them takes the last step's snapshot again.
                 try:
-                    if self._settle_survivors(set()):
-                        raise TrainingFailed("another replica died as the group re-formed")
+                    while found := self._settle_survivors(set()):
+                        # Dead too (its leave said so): out of the group like the released ones,
+                        # or the final flush would ask it and fail the finished run.
+                        self.log("late_released", f"rank(s) {sorted(found)} found dead as the group re-formed; "
+                                 "released too", ranks=sorted(found))
+                        self.group.remove_ranks(sorted(found))
+                    if not self.group.members:
+                        raise TrainingFailed("no replica is left to re-form the group")
                     self._form_group(f"late replica(s) {sorted(gone)} released: the last step's checkpoint "
                                      "is taken without them")
                     self._snapshot_last = True
@@ -1304,7 +1314,7 @@ class Controller:
                 raise TrainingFailed(self._fail_message(f"rank {m.rank} did not leave the broken group"))
             try:
                 ray.get(ref)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayError:  # dead, or could not leave its group: lost either way
                 found.add(m.rank)
         dead = dead | found
         for m in self.group.members:
@@ -1380,7 +1390,8 @@ class Controller:
 
     def _shrink(self, lost: tuple[int, ...], size: int) -> None:
         """Go on with ``size`` ranks: the lost ones are dropped, and survivors beyond ``size`` (the
-        highest ranks; the policy chose the largest size the global batch divides over) stand by
+        highest ranks, those holding no state first; the policy chose the largest size the global
+        batch divides over) stand by
         as hot spares. They are healthy and warm, so the next failure is healed by them instead of
         shrinking again (or failing below ``min_workers``)."""
         if self.scaling.aggregation == "first_n":
@@ -1388,7 +1399,10 @@ class Controller:
         if size < 1 or self.global_batch_size % size:
             raise TrainingFailed(self._fail_message(
                 f"cannot shrink to {size} workers: global batch {self.global_batch_size} is not divisible"))
-        survivors = [m.rank for m in self.group.members if m.rank not in lost]
+        # Those holding no state stand by first (a spare promoted in a pass of this recovery that
+        # failed): the survivors holding the state must stay, or the sync finds no one to take it from.
+        survivors = sorted((m.rank for m in self.group.members if m.rank not in lost),
+                           key=lambda r: self.group.members[r].name in self._stateless)
         standby = survivors[size:]
         names = [self.group.members[r].name for r in standby]
         self.group.remove_ranks(list(lost), stand_by=standby)
@@ -1530,7 +1544,9 @@ class Controller:
         if error is not None:
             self.recomputed += max(0, begun - newest)
             raise error
-        if newest < self.step:
+        # No holder at the start of a run: a checkpoint committed meanwhile (ranks report their
+        # parts straight away, mid-window) is newer than the spares' fresh models.
+        if newest < self.step or (not held and self._committed_after(newest)):
             lost_up_to = max(begun, self.step)
             if held and newest in self._positions and not self._committed_after(newest):
                 # Every holder of the current state died, but a survivor holds an older one: a
@@ -1560,7 +1576,18 @@ class Controller:
         behind = [m for m in self.group.members if m is not source and m not in current]
         if behind:
             state_ref = source.actor.get_state.remote()
-            ray.get([m.actor.set_state.remote(state_ref) for m in behind])
+            sets = [(m, m.actor.set_state.remote(state_ref)) for m in behind]
+            failed = None
+            for m, ref in sets:
+                try:
+                    ray.get(ref)
+                    # Holds the state now, whatever another member does: a spare that took it
+                    # must count as a holder if the next pass (a loss while healing) finds no one else.
+                    self._stateless.discard(m.name)
+                except ray.exceptions.RayError as exc:
+                    failed = failed or exc
+            if failed is not None:
+                raise failed
             self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "
                      f"{[m.rank for m in behind]} through the object store", source=source.rank)
         self._stateless -= {m.name for m in self.group.members}

@@ -80,7 +80,13 @@ class FakeWorker:
     def get_state(self):
         return {"completed_step": self.done}
 
+    def refuse_state(self):
+        """Test aid: the next set_state fails (as when the state's fetch fails)."""
+        self.refusing = True
+
     def set_state(self, state):
+        if getattr(self, "refusing", False):
+            raise RuntimeError("set_state refused (test)")
         self.done = self.started = state["completed_step"]
         return self.done
 

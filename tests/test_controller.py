@@ -148,6 +148,61 @@ def test_a_fresh_spare_is_no_state_to_roll_back_to(ray_cluster):
         c.shutdown()
 
 
+def test_a_spare_that_took_the_state_holds_it_though_another_ones_sync_failed(ray_cluster):
+    # The sync sent the state to two promoted spares; one took it, the other's failed. The one
+    # that took it stayed "holding no state" until every spare had it, so a second loss while
+    # healing (its survivor gone) left no holder: the run fell back to a checkpoint or failed.
+    c = controller("fake-partial-sync", workers=3, backups=2)
+    try:
+        c.run_for(steps=2)
+        c._replace((1, 2))
+        took, refused = c.group.members[1], c.group.members[2]
+        assert {took.name, refused.name} <= c._stateless
+        ray.get(refused.actor.refuse_state.remote())
+        with pytest.raises(ray.exceptions.RayTaskError):
+            c._sync_state()
+        assert took.name not in c._stateless and refused.name in c._stateless
+    finally:
+        c.shutdown()
+
+
+def test_a_shrink_stands_by_the_members_holding_no_state_first(ray_cluster):
+    # Rank 1 is a spare promoted in a pass of the recovery that then failed: it holds no state.
+    # Standing by rank 3 (the highest) instead kept it in the group, and lost a holder of the state.
+    c = controller("fake-shrink-stateless", workers=4)
+    try:
+        c.run_for(steps=2)
+        stateless, holders = c.group.members[1].name, [c.group.members[r].name for r in (2, 3)]
+        c._stateless.add(stateless)
+        c._shrink((0,), 2)
+        assert [m.name for m in c.group.members] == holders
+        assert stateless in [m.name for m in c.group.spares]
+    finally:
+        c.shutdown()
+
+
+def test_a_checkpoint_committed_at_the_start_wins_over_fresh_spares(ray_cluster):
+    # Every rank died in the first window (the run still at step 0) after step 2 had committed
+    # (ranks report their parts mid-window): the spares' fresh models are older than that.
+    c = controller("fake-start-ckpt", workers=2)
+    try:
+        c.run_for(steps=2)
+        c.step = 0
+        c._stateless.update(m.name for m in c.group.members)
+        c.committer = CommittedAt(2)
+        restored = []
+        c._restore_members_from_checkpoint = lambda: restored.append(True)
+        c._sync_state()
+        assert restored
+        c.committer = CommittedAt(None)  # nothing committed: a spare's model is the start
+        c._stateless.update(m.name for m in c.group.members)
+        c._sync_state()
+        assert len(restored) == 1 and not c._stateless
+    finally:
+        c.committer = None
+        c.shutdown()
+
+
 class CommittedAt:
     """A committer stand-in that has committed ``step``."""
 
