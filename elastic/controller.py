@@ -339,15 +339,10 @@ class Controller:
         self._stopped_while = why
         holder = self._stop_holder = self._newest_live_member() if self.group is not None else None
         if holder is not None and holder[1] > self.step:
-            newest = holder[1]
             try:
-                fast = ray.get(holder[0].actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
+                self._keep_steps_held_by(*holder, "completed on a survivor before the stop")
             except ray.exceptions.RayError:  # it died since it answered: no weights, steps as they were
-                holder = self._stop_holder = None
-            else:
-                self._keep_completed_steps(list(range(self.step + 1, newest + 1)), "completed on a survivor "
-                                           "before the stop", fast)
-                self.step = newest
+                self._stop_holder = None
         self.log("stop", f"stop requested ({self._stop_reason}): {why}; ending the run at step {self.step}",
                  step=self.step)
         if self.committer is not None and self.group is not None:
@@ -1391,9 +1386,8 @@ class Controller:
     def _shrink(self, lost: tuple[int, ...], size: int) -> None:
         """Go on with ``size`` ranks: the lost ones are dropped, and survivors beyond ``size`` (the
         highest ranks, those holding no state first; the policy chose the largest size the global
-        batch divides over) stand by
-        as hot spares. They are healthy and warm, so the next failure is healed by them instead of
-        shrinking again (or failing below ``min_workers``)."""
+        batch divides over) stand by as hot spares. They are healthy and warm, so the next failure
+        is healed by them instead of shrinking again (or failing below ``min_workers``)."""
         if self.scaling.aggregation == "first_n":
             raise TrainingFailed(self._fail_message("shrinking is not supported with aggregation='first_n'"))
         if size < 1 or self.global_batch_size % size:
@@ -1544,15 +1538,17 @@ class Controller:
         if error is not None:
             self.recomputed += max(0, begun - newest)
             raise error
-        # No holder at the start of a run: a checkpoint committed meanwhile (ranks report their
-        # parts straight away, mid-window) is newer than the spares' fresh models.
-        if newest < self.step or (not held and self._committed_after(newest)):
+        if newest < self.step or not held:
+            # Nobody holds the run's step. A committed checkpoint newer than what is held loses
+            # less than a rollback; with no holder at the start of a run, it is newer than the
+            # spares' fresh models (ranks report their parts mid-window).
+            newer_checkpoint = self._committed_after(newest)
             lost_up_to = max(begun, self.step)
-            if held and newest in self._positions and not self._committed_after(newest):
+            if held and newest in self._positions and not newer_checkpoint:
                 # Every holder of the current state died, but a survivor holds an older one: a
                 # first-N replica that was late, still waiting for an update the dead leader
                 # never sent. Roll back to its step and replay from there, with the data as it
-                # stood after that step. (A newer committed checkpoint loses less: it wins.)
+                # stood after that step.
                 self.log("state_sync", f"no survivor holds step {self.step}; rolling back to step {newest}, "
                          f"the newest a survivor holds", step=newest)
                 self._replan(DataPosition.from_dict(self._positions[newest]), newest)
@@ -1560,14 +1556,14 @@ class Controller:
                     self.committer.rewind(newest or None)  # 0: the start, no checkpoint of it
                 self._truncate_history(newest)
                 self.step = newest
-            else:
+                begun = lost_up_to
+            elif newest < self.step or newer_checkpoint:
                 # No member holds a state training can go on from: fall back to the newest
                 # committed checkpoint, and replay from there.
                 self._restore_members_from_checkpoint()
                 self._stateless -= {m.name for m in self.group.members}
                 self.recomputed += lost_up_to - self.step
                 return
-            begun = lost_up_to
         self.recomputed += max(0, begun - newest)
         current = [m for m, (done, _) in held if done == newest]
         # No holder at all only at the run's start (a failure in step 1 that took every rank):
@@ -1591,13 +1587,18 @@ class Controller:
             self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "
                      f"{[m.rank for m in behind]} through the object store", source=source.rank)
         self._stateless -= {m.name for m in self.group.members}
-        fast = ray.get(source.actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
         # A step that finished on a survivor before the failure (or a queued step that finished
         # before an eviction) stands: it is accounted, not replayed.
-        self._keep_completed_steps(list(range(self.step + 1, newest + 1)), "completed on a survivor before the rebuild",
-                                   fast)
-        self.step = newest
+        self._keep_steps_held_by(source, newest, "completed on a survivor before the rebuild")
         self._inflight.clear()
+
+    def _keep_steps_held_by(self, holder: Member, newest: int, how: str) -> None:
+        """``holder`` finished the steps after the run's up to ``newest`` (their results never
+        came back): book them as done, with the ranks whose gradients made each (first-N, the
+        holder's record), and make ``newest`` the run's step."""
+        fast = ray.get(holder.actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
+        self._keep_completed_steps(list(range(self.step + 1, newest + 1)), how, fast)
+        self.step = newest
 
     def _keep_completed_steps(self, steps: list[int], how: str, fast: dict[int, list[int]] | None = None) -> None:
         """Account ``steps`` (finished, their results never came back) as done, with one event

@@ -20,6 +20,7 @@ class FakeWorker:
     def __init__(self, spec, name="", background_start=False):
         self.name, self.rank, self.world, self.done, self.started = name, -1, 0, 0, 0
         self.kill_at, self.kill_after_update = None, False
+        self.refusing = False  # refuse_state
         self.background_start = background_start  # asked for; the real worker also needs the right
 
     def info(self):
@@ -85,7 +86,7 @@ class FakeWorker:
         self.refusing = True
 
     def set_state(self, state):
-        if getattr(self, "refusing", False):
+        if self.refusing:
             raise RuntimeError("set_state refused (test)")
         self.done = self.started = state["completed_step"]
         return self.done

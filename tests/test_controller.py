@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -25,6 +26,18 @@ def controller(name, workers=2, backups=0, failure=None, faults=None, global_bat
                    fault_plan=faults)
     c.worker_group_cls = FakeGroup
     return c
+
+
+@contextlib.contextmanager
+def trained(name, steps, **kw):
+    """A fake-group controller that has run ``steps`` steps; shut down afterwards."""
+    c = controller(name, **kw)
+    try:
+        c.run_for(steps=steps)
+        yield c
+    finally:
+        c.committer = None  # a stand-in's (CommittedAt), if the test gave it one
+        c.shutdown()
 
 
 def train_on(c, to_step):
@@ -97,16 +110,12 @@ def test_a_rank_found_dead_as_the_survivors_leave_is_healed_in_the_same_decision
     # Rank 2 died with rank 1 but its death showed on no ref of the step (as a first-N replica
     # whose call was queued behind its late window): the survivors' leave finds it. It was
     # healed in a second round, after the rebuild failed on it, and the recovery named rank 1 only.
-    c = controller("fake-found-dead", workers=3, backups=2)
-    try:
-        c.run_for(steps=2)
+    with trained("fake-found-dead", workers=3, backups=2, steps=2) as c:
         for r in (1, 2):
             ray.kill(c.group.members[r].actor, no_restart=True)
             assert_dies(c.group.members[r].actor)
         c._recover(Failure({1}, "actor_died"))
         train_on(c, to_step=4)
-    finally:
-        c.shutdown()
     assert c.state is State.RUNNING and c.step == 4
     decisions = [e for e in c.events if e.kind == "decision"]
     assert len(decisions) == 1 and decisions[0].details["lost"] == [1, 2]
@@ -119,15 +128,11 @@ def test_a_survivor_late_since_the_start_is_rolled_back_to(ray_cluster):
     # (late since step 1, waiting for updates the dead leader never sent). No position of step 0
     # was kept (only of steps handed out), so the run ended "no surviving rank holds the
     # training state" although it could go on from theirs.
-    c = controller("fake-rollback-to-start", workers=2)
-    try:
-        c.run_for(steps=2)
+    with trained("fake-rollback-to-start", workers=2, steps=2) as c:
         ray.get([m.actor.set_state.remote({"completed_step": 0}) for m in c.group.members])
         c._sync_state()
         assert c.step == 0 and any("rolling back to step 0" in e.message for e in c.events)
         train_on(c, to_step=3)
-    finally:
-        c.shutdown()
     assert c.step == 3 and [h.step for h in c.history] == [1, 2, 3]
 
 
@@ -135,26 +140,20 @@ def test_a_fresh_spare_is_no_state_to_roll_back_to(ray_cluster):
     # Every rank of step 2 is gone and only promoted spares are left: their fresh models report
     # step 0, which is no state of this run (once a step-0 position was kept, the run would
     # have rolled back to them and trained on from scratch, the checkpoint unused).
-    c = controller("fake-fresh-spares", workers=2, backups=2)
-    try:
-        c.run_for(steps=2)
+    with trained("fake-fresh-spares", workers=2, backups=2, steps=2) as c:
         for m in c.group.members:
             ray.kill(m.actor, no_restart=True)
             assert_dies(m.actor)
         with pytest.raises(TrainingFailed, match="no surviving rank holds the training state"):
             c._recover(Failure({0, 1}, "actor_died"))
         assert not any("rolling back" in e.message for e in c.events)
-    finally:
-        c.shutdown()
 
 
 def test_a_spare_that_took_the_state_holds_it_though_another_ones_sync_failed(ray_cluster):
     # The sync sent the state to two promoted spares; one took it, the other's failed. The one
     # that took it stayed "holding no state" until every spare had it, so a second loss while
     # healing (its survivor gone) left no holder: the run fell back to a checkpoint or failed.
-    c = controller("fake-partial-sync", workers=3, backups=2)
-    try:
-        c.run_for(steps=2)
+    with trained("fake-partial-sync", workers=3, backups=2, steps=2) as c:
         c._replace((1, 2))
         took, refused = c.group.members[1], c.group.members[2]
         assert {took.name, refused.name} <= c._stateless
@@ -162,45 +161,41 @@ def test_a_spare_that_took_the_state_holds_it_though_another_ones_sync_failed(ra
         with pytest.raises(ray.exceptions.RayTaskError):
             c._sync_state()
         assert took.name not in c._stateless and refused.name in c._stateless
-    finally:
-        c.shutdown()
 
 
 def test_a_shrink_stands_by_the_members_holding_no_state_first(ray_cluster):
     # Rank 1 is a spare promoted in a pass of the recovery that then failed: it holds no state.
     # Standing by rank 3 (the highest) instead kept it in the group, and lost a holder of the state.
-    c = controller("fake-shrink-stateless", workers=4)
-    try:
-        c.run_for(steps=2)
+    with trained("fake-shrink-stateless", workers=4, steps=2) as c:
         stateless, holders = c.group.members[1].name, [c.group.members[r].name for r in (2, 3)]
         c._stateless.add(stateless)
         c._shrink((0,), 2)
         assert [m.name for m in c.group.members] == holders
         assert stateless in [m.name for m in c.group.spares]
-    finally:
-        c.shutdown()
 
 
 def test_a_checkpoint_committed_at_the_start_wins_over_fresh_spares(ray_cluster):
     # Every rank died in the first window (the run still at step 0) after step 2 had committed
     # (ranks report their parts mid-window): the spares' fresh models are older than that.
-    c = controller("fake-start-ckpt", workers=2)
-    try:
-        c.run_for(steps=2)
+    with trained("fake-start-ckpt", workers=2, steps=2) as c:
         c.step = 0
         c._stateless.update(m.name for m in c.group.members)
-        c.committer = CommittedAt(2)
-        restored = []
-        c._restore_members_from_checkpoint = lambda: restored.append(True)
+        restored = committed_at(c, 2)
         c._sync_state()
         assert restored
         c.committer = CommittedAt(None)  # nothing committed: a spare's model is the start
         c._stateless.update(m.name for m in c.group.members)
         c._sync_state()
         assert len(restored) == 1 and not c._stateless
-    finally:
-        c.committer = None
-        c.shutdown()
+
+
+def committed_at(c, step):
+    """Give ``c`` a committer stand-in that has committed ``step``; returns the list each restore
+    from a checkpoint appends to (the restore itself is not run)."""
+    restored = []
+    c.committer = CommittedAt(step)
+    c._restore_members_from_checkpoint = lambda: restored.append(True)
+    return restored
 
 
 class CommittedAt:
@@ -220,21 +215,14 @@ class CommittedAt:
 
 
 def test_a_newer_committed_checkpoint_wins_over_a_rollback(ray_cluster):
-    c = controller("fake-ckpt-over-rollback", workers=2)
-    try:
-        c.run_for(steps=3)
+    with trained("fake-ckpt-over-rollback", workers=2, steps=3) as c:
         ray.get([m.actor.set_state.remote({"completed_step": 1}) for m in c.group.members])
-        c.committer = CommittedAt(2)
-        restored = []
-        c._restore_members_from_checkpoint = lambda: restored.append(True)
+        restored = committed_at(c, 2)
         c._sync_state()
         assert restored and not any("rolling back" in e.message for e in c.events)
         c.committer = CommittedAt(1)  # as old as the survivors' state: theirs is used
         c._sync_state()
         assert len(restored) == 1 and any("rolling back to step 1" in e.message for e in c.events)
-    finally:
-        c.committer = None
-        c.shutdown()
 
 
 def test_on_failure_wait_heals_with_a_spare_that_is_ready(ray_cluster):
@@ -813,12 +801,8 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
         c.failure_config.step_timeout_s = 1.0
         dead = c.group.members[1].actor
         ray.kill(dead)
-        while True:  # ray.kill returns before the actor is gone
-            ref = dead.progress.remote()
-            try:
-                ray.get(ref, timeout=30)
-            except ray.exceptions.RayActorError:
-                break
+        assert_dies(dead)
+        ref = dead.progress.remote()
         c._lagging = {ref: (1, time.time()), busy.remote(): (2, time.time())}
         c._finish_late()
         assert [m.name for m in c.group.members] == ["rank-0"] and not c._lagging
@@ -925,9 +909,7 @@ def test_a_stop_while_a_resume_waits_for_storage_ends_the_run(ray_cluster):
 def test_a_survivor_stood_by_by_a_shrink_gets_the_state_when_it_is_promoted_even_at_the_same_step(ray_cluster):
     # Its state is from before the shrink. When the kept ranks replayed that step with fewer ranks
     # and it finished it in the old world, both say "step t": without this it kept its own copy.
-    c = controller("fake-stood-by", workers=3)
-    try:
-        c.run_for(steps=3)
+    with trained("fake-stood-by", workers=3, steps=3) as c:
         standby = c.group.members[2]
         c._stateless.add(standby.name)
         c._sync_state()
@@ -936,8 +918,6 @@ def test_a_survivor_stood_by_by_a_shrink_gets_the_state_when_it_is_promoted_even
         assert not c._stateless
         c._sync_state()  # once replaced, it is a rank like the others
         assert len([e for e in c.events if e.kind == "state_sync"]) == 1
-    finally:
-        c.shutdown()
 
 
 def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hangs(ray_cluster):
@@ -947,9 +927,7 @@ def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hang
     def busy():
         time.sleep(60)
 
-    c = controller("fake-hung-slot", workers=3, backups=1)
-    try:
-        c.run_for(steps=2)
+    with trained("fake-hung-slot", workers=3, backups=1, steps=2) as c:
         c._kill_hung({busy.remote(): 1}, "made no progress (test)")
         spare = c.group.promote_spare(1)
         c.scaling = dataclasses.replace(c.scaling, aggregation="first_n", num_backups=1)
@@ -959,5 +937,3 @@ def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hang
         hangs = [e for e in c.events if e.kind == "hang"]
         assert len(hangs) == 2 and hangs[1].details["rank"] == 1 and spare.name in c._hung
         assert_dies(spare.actor)
-    finally:
-        c.shutdown()
