@@ -157,6 +157,29 @@ def shard_name(step: int, rank: int, world_size: int) -> str:
     return f"{step_dir(step)}/shard-r{rank}-of-{world_size}.safetensors"
 
 
+def rank_meta(step: int, rank: int, world_size: int, tensor_names: Iterable[str], rng: dict | None,
+              skeleton: Any = None) -> dict:
+    """The JSON a rank's shard carries in its header: what it is, its tensors, its RNG and, with
+    the first share, the skeleton of the non-tensor state."""
+    meta: dict[str, Any] = {
+        "format": FORMAT + "-rank-meta",
+        "version": VERSION,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "tensors": sorted(tensor_names),
+        "rng": rng,
+    }
+    if skeleton is not None:
+        meta["state"] = skeleton
+    return meta
+
+
+def shard_metadata(meta: dict | bytes) -> dict[str, str]:
+    """A rank's meta (a dict, or its ``canonical_json``) as a shard header's ``__metadata__``."""
+    return {_META_KEY: (meta if isinstance(meta, bytes) else canonical_json(meta)).decode()}
+
+
 def meta_name(step: int, rank: int) -> str:
     """Version 1 only: the rank's meta as a file of its own."""
     return f"{step_dir(step)}/meta-r{rank}.json"
@@ -212,21 +235,16 @@ class CheckpointStore:
             raise ValueError(f"rank {snap.rank} is outside world_size {snap.world_size}")
         if not snap.writes_file:
             return []
-        meta: dict[str, Any] = {
-            "format": FORMAT + "-rank-meta",
-            "version": VERSION,
-            "step": snap.step,
-            "rank": snap.rank,
-            "world_size": snap.world_size,
-            "tensors": sorted(snap.tensors),
-            "rng": snap.rng,
-        }
-        if snap.skeleton is not None:
-            meta["state"] = snap.skeleton
-        data = encode_tensor_buffers(snap.tensors, {_META_KEY: canonical_json(meta).decode()})
-        rel = shard_name(snap.step, snap.rank, snap.world_size)
-        self.storage.write_bytes(rel, data)
-        return [FileEntry(rel, sum(memoryview(b).nbytes for b in data), sha256(data))]
+        meta = rank_meta(snap.step, snap.rank, snap.world_size, snap.tensors, snap.rng, snap.skeleton)
+        return [self.write_shard(snap.step, snap.rank, snap.world_size,
+                                 encode_tensor_buffers(snap.tensors, shard_metadata(meta)))]
+
+    def write_shard(self, step: int, rank: int, world_size: int, buffers: list) -> FileEntry:
+        """Write the safetensors ``buffers`` (header first) as ``rank``'s shard of ``step``;
+        returns its record (size and sha256) for the manifest."""
+        rel = shard_name(step, rank, world_size)
+        self.storage.write_bytes(rel, buffers)
+        return FileEntry(rel, sum(memoryview(b).nbytes for b in buffers), sha256(buffers))
 
     def commit(self, step: int, entries: Iterable[FileEntry | dict], world_size: int,
                meta: dict | None = None, rng: dict[int, dict | None] | None = None) -> dict:
