@@ -22,6 +22,8 @@ import ray
 
 from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, StopRequested, TrainingSpec, WorkerError
 from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits, describe_worker_failure
+from elastic.checkpoint import shm
+from elastic.checkpoint.agent import NodeAgents
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan
 from elastic.policies import (
@@ -185,6 +187,7 @@ class Controller:
         self.recoveries: list[dict] = []
         self.plan: ShardPlan | None = None
         self.committer = None
+        self._agents: Any = None  # NodeAgents: the nodes' checkpoint writers (elastic/checkpoint/agent.py)
         self.dataset_size = 0
         self._per_worker = 0
         # first-N: a late rank's window result, not waited for -> (rank, time it was late from)
@@ -366,6 +369,8 @@ class Controller:
             except Exception:
                 logger.debug("worker shutdown failed", exc_info=True)
             self.group.shutdown()
+        if self._agents is not None:
+            self._agents.shutdown()
 
     def _schedule(self) -> None:
         # Only the ranks must fit now; spares may wait for capacity an autoscaler will add.
@@ -403,6 +408,11 @@ class Controller:
 
     def _setup_data_and_checkpoints(self) -> None:
         position = None
+        if self._agents_wanted():
+            # Started now, so their processes come up while the resume reads storage.
+            self._agents = NodeAgents(self.store, self.run_config.name, self._self_handle,
+                                      namespace=f"elastic-{self.run_config.name}")
+            self._agents.start({m.info.get("node_id") for m in self._all_actors()})
         if self.store is not None:
             position = self._restore_latest()
         n = self.scaling.num_workers
@@ -417,16 +427,35 @@ class Controller:
 
     def _configure_checkpoints(self, members: list[Member]) -> None:
         """Give actors their checkpoint writer (once each; a spare started later gets it when it
-        first joins). Inside the controller actor, ranks report written parts straight to it."""
+        first joins). Inside the controller actor, ranks report written parts straight to it,
+        and unless writes block the step, each node's agent writes them (``NodeAgents``)."""
         todo = [m for m in members if m.name not in self._configured]
         if self.store is None or not todo:
             return
         ckpt = self.run_config.checkpoint
+        addresses: dict = {}
+        if self._agents is not None:
+            addresses = self._agents.addresses({m.info.get("node_id") for m in todo})
+            self.log("checkpoint_agents", f"{sum(a is not None for a in addresses.values())} of {len(addresses)} "
+                     f"node(s) write checkpoints through a checkpoint agent",
+                     nodes={node: a is not None for node, a in addresses.items()})
         ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options, self.run_config.name,
                                                      ckpt.every_n_steps, ckpt.blocking, self._self_handle,
-                                                     ckpt.min_shard_bytes)
+                                                     ckpt.min_shard_bytes, addresses.get(m.info.get("node_id")))
                  for m in todo])
         self._configured.update(m.name for m in todo)
+
+    def _agents_wanted(self) -> bool:
+        """Nodes' checkpoint agents write the snapshots: storage, writes in the background (not
+        ``blocking``), a controller actor for them to report to, and memfds (Linux)."""
+        ckpt = self.run_config.checkpoint
+        return (self.store is not None and self._self_handle is not None and not ckpt.blocking
+                and ckpt.every_n_steps > 0 and shm.supported())
+
+    def checkpoint_events(self, events: list) -> None:
+        """Storage events of the nodes' checkpoint agents: ``[(rank, event), ...]``."""
+        for rank, ev in events:
+            self._log_storage_event(ev, rank)
 
     def checkpoint_written(self, step: int, world_size: int, parts: dict) -> None:
         """From a rank's writer thread, through the controller actor's "checkpoint" thread: ``parts``
@@ -569,6 +598,8 @@ class Controller:
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
         addr, port = self.group.rendezvous()
         world = len(self.group.members)
+        if self._agents is not None:
+            self._agents.expect(world, self.group.members)
         first_n = self.scaling.aggregation == "first_n"
         t0 = time.time()
         refs = [m.actor.join.remote(m.rank, world, addr, port, self.generation,

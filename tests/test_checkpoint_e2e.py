@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -86,6 +87,49 @@ def test_commits_do_not_wait_for_the_dispatch_window(ray_cluster, tmp_path, unin
     assert max(e["details"]["lag"] for e in commits) <= 6
     assert all(e["details"]["persist_s"] >= 0 for e in commits)
     assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
+
+
+def test_checkpoints_go_through_the_node_agent_and_survive_its_death(ray_cluster, tmp_path, uninterrupted):
+    """In the background (the default) each node's checkpoint agent writes its ranks' snapshots.
+    Its process is killed mid-run: the ranks write their own from then on and the run ends on
+    its last step committed, with the weights of one process."""
+    url = f"file://{tmp_path}/ckpt"
+    t = trainer("agent", url, faults=[{"kind": "slow", "rank": 0, "delay_s": 0.1, "from_step": 1}])
+    killed = {}
+
+    def kill():
+        # Once an agent has written step 3 (the ranks, a dispatch window ahead of the
+        # controller, are not far past it: rank 0 takes 0.1 s a step).
+        deadline, agents = time.time() + 120, []
+        while time.time() < deadline and not agents:
+            agents = [ray.get_actor(a["name"], namespace="elastic-agent")
+                      for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["namespace"] == "elastic-agent" and a["name"].startswith("checkpoint-agent-")]
+            time.sleep(0.02)
+        while time.time() < deadline:
+            stats = [ray.get(a.stats.remote()) for a in agents]
+            if any(step >= 3 for s in stats for step in s["written"].values()):
+                break
+            time.sleep(0.02)
+        for s in stats:
+            os.kill(s["pid"], signal.SIGKILL)
+        killed.update(at=max(step for s in stats for step in s["written"].values()), agents=len(agents))
+
+    th = threading.Thread(target=kill)
+    th.start()
+    result = t.fit(steps=12)
+    th.join()
+    (started,) = result.events_of("checkpoint_agents")
+    assert started["details"]["nodes"] and all(started["details"]["nodes"].values())
+    assert killed["agents"] >= 1 and killed["at"] < 12
+    lost = [e for e in result.events_of("checkpoint_storage") if e["details"].get("event") == "checkpoint_agent_lost"]
+    assert {e["details"]["rank"] for e in lost} == {0, 1}
+    commits = [e["details"]["step"] for e in result.events_of("checkpoint_commit")]
+    assert min(commits) <= killed["at"] and commits[-1] == 12  # before the kill by the agent, after it by the ranks
+    assert result.checkpoint["latest_step"] == 12
+    assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
+    state, _ = CheckpointStore(url, "agent").read_state(12)
+    assert_weights_close(state["model"], uninterrupted, atol=1e-5)
 
 
 def test_the_last_step_commits_whatever_every_n_steps_says(ray_cluster, tmp_path, uninterrupted):

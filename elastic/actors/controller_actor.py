@@ -63,3 +63,8 @@ class ControllerActor:
     def checkpoint_written(self, step: int, world_size: int, parts: dict) -> None:
         """Ranks wrote their parts of ``step`` (sent from a writer thread, not with step results)."""
         self.controller.checkpoint_written(step, world_size, parts)
+
+    @ray.method(concurrency_group="checkpoint")
+    def checkpoint_events(self, events: list) -> None:
+        """Storage events of the nodes' checkpoint agents, ``[(rank, event), ...]``."""
+        self.controller.checkpoint_events(events)

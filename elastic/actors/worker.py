@@ -829,22 +829,37 @@ class TrainWorker:
 
     # ---- checkpoints (elastic.checkpoint does the storage work) ------------------------------
     def configure_checkpoint(self, url: str, storage_options: dict, run_name: str, every_n_steps: int,
-                             blocking: bool, controller: Any = None, min_shard_bytes: int = 0) -> None:
+                             blocking: bool, controller: Any = None, min_shard_bytes: int = 0,
+                             agent_address: str | None = None) -> None:
         """``controller``: the controller actor, told of each written part the moment it is written.
-        ``min_shard_bytes``: see ``CheckpointConfig``."""
+        ``min_shard_bytes``: see ``CheckpointConfig``. ``agent_address``: the socket of this
+        node's checkpoint agent, which then writes this rank's snapshots (``AgentCheckpointer``)."""
         from elastic.checkpoint import WorkerCheckpointer
+        from elastic.checkpoint.worker_hook import AgentCheckpointer
 
         if self._ckpt is not None:
             self._ckpt.close()
+            self._ckpt = None
+        if every_n_steps <= 0:
+            return
         notify = None
         if controller is not None:
             def notify(step, world_size, parts):  # writer thread; fire and forget
                 controller.checkpoint_written.remote(step, world_size, parts)
-        self._ckpt = WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
-                                        progress=lambda: self.completed_step, min_shard_bytes=min_shard_bytes
-                                        ) if every_n_steps > 0 else None
-        if self._ckpt is not None:
-            self._ckpt.warm_up()
+
+        def in_process() -> WorkerCheckpointer:
+            return WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
+                                      progress=lambda: self.completed_step, min_shard_bytes=min_shard_bytes)
+
+        if agent_address is not None and not blocking:
+            try:
+                self._ckpt = AgentCheckpointer(agent_address, every_n_steps, in_process, min_shard_bytes)
+                return
+            except OSError as exc:
+                logger.warning("rank %s: cannot reach the node's checkpoint agent (%s); writing checkpoints "
+                               "in this process", self.rank, exc)
+        self._ckpt = in_process()
+        self._ckpt.warm_up()
 
     def restore_checkpoint(self, url: str, storage_options: dict, run_name: str, step: int) -> dict:
         """Load a committed step (checksums verified while reading); returns its manifest meta.
@@ -868,7 +883,7 @@ class TrainWorker:
         if self._ckpt is None:
             return {}
         events = self._ckpt.snapshot(self, final_step) if final_step == self.completed_step else []
-        self._ckpt.flush()
+        self._ckpt.flush(worker=self)
         return {**self._ckpt.drain(events), "world_size": self.world_size}
 
     def _after_step(self, step: int, grad_norm: float | None = None) -> dict:

@@ -1,10 +1,12 @@
 """Sharded, deduplicated, atomically committed checkpoints on any fsspec storage (file, memory, s3).
 
-Workers write their share of the replicated state in the background (``WorkerCheckpointer``); the
-controller commits a step with a manifest written last (``CheckpointCommitter``); ``CheckpointStore``
-reads, verifies, lists and cleans up.
+Ranks snapshot their share of the replicated state inside the step; each node's agent writes the
+snapshots of its ranks in the background (``CheckpointAgent``, ``AgentCheckpointer`` on the rank),
+or a rank writes its own (``WorkerCheckpointer``); the controller commits a step with a manifest
+written last (``CheckpointCommitter``); ``CheckpointStore`` reads, verifies, lists and cleans up.
 """
 
+from elastic.checkpoint.agent import CheckpointAgent, NodeAgents
 from elastic.checkpoint.codec import capture_rng, restore_rng
 from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.checkpoint.compat import CheckpointMismatch, state_mismatches
@@ -18,10 +20,10 @@ from elastic.checkpoint.store import (
     Snapshot,
     StepInfo,
 )
-from elastic.checkpoint.worker_hook import WorkerCheckpointer
+from elastic.checkpoint.worker_hook import AgentCheckpointer, WorkerCheckpointer
 
 __all__ = [
-    "AsyncPersister", "CheckpointCommitter", "CheckpointMismatch", "CheckpointStore", "CleanupReport", "CorruptCheckpoint", "FileEntry",
-    "RetryPolicy", "Snapshot", "StepInfo", "Storage", "StorageError", "StorageUnavailable", "WorkerCheckpointer",
+    "AgentCheckpointer", "AsyncPersister", "CheckpointAgent", "CheckpointCommitter", "CheckpointMismatch", "CheckpointStore", "CleanupReport", "CorruptCheckpoint", "FileEntry",
+    "NodeAgents", "RetryPolicy", "Snapshot", "StepInfo", "Storage", "StorageError", "StorageUnavailable", "WorkerCheckpointer",
     "capture_rng", "resolve_url", "restore_rng", "state_mismatches",
 ]

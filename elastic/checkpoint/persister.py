@@ -102,8 +102,11 @@ class AsyncPersister:
     def __init__(self, write_fn: Callable[[Any], list], blocking: bool = False, name: str = "checkpoint write",
                  retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256,
                  keep_done: bool = True, on_done: Callable[[int, Any, Any], None] | None = None,
-                 max_light: int = 32, on_release: Callable[[Any], None] | None = None):
+                 max_light: int = 32, on_release: Callable[[Any], None] | None = None,
+                 thread_init: Callable[[], None] | None = None, thread_exit: Callable[[], None] | None = None):
         self._write_fn = write_fn
+        # Run first and last on the writer thread (its CPU priority, say).
+        self._thread_init, self._thread_exit = thread_init, thread_exit
         self._on_release = on_release
         # Called from the writer thread with (step, payload, what write_fn returned) as each write finishes,
         # instead of keeping it for drain(): the worker pushes it straight to the controller.
@@ -257,6 +260,15 @@ class AsyncPersister:
         return min(self.retry_max_s, self.retry_min_s * (2 ** min(attempt, 30))) * random.uniform(0.5, 1.0)
 
     def _run(self) -> None:
+        if self._thread_init is not None:
+            self._thread_init()
+        try:
+            self._serve()
+        finally:
+            if self._thread_exit is not None:
+                self._thread_exit()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._queue) or self._closing)

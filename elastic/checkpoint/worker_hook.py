@@ -9,14 +9,18 @@ plus ``"rng"`` when the rank wrote no file (no share of a small state), for the 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from typing import Any, Callable
 
-from elastic.checkpoint.codec import capture_rng, host_copy
+from elastic.checkpoint.agent import receive_message, send_message
+from elastic.checkpoint.codec import canonical_json, capture_rng, host_copy, shard_layout
 from elastic.checkpoint.persister import AsyncPersister
+from elastic.checkpoint.shm import SlotRing
 from elastic.checkpoint.staging import StagingBuffers
 from elastic.checkpoint.storage import RetryPolicy
-from elastic.checkpoint.store import CheckpointStore, Snapshot
+from elastic.checkpoint.store import CheckpointStore, Snapshot, rank_meta
 
 logger = logging.getLogger(__name__)
 
@@ -166,11 +170,231 @@ class WorkerCheckpointer:
             out["ckpt_done"].append(self._last_pushed)
         return out
 
-    def flush(self, timeout_s: float | None = None) -> bool:
+    def flush(self, timeout_s: float | None = None, worker: Any = None) -> bool:
         """Wait for the pending write; at most ``timeout_s`` (default close_timeout_s) so an outage at
-        the end of training cannot hang the worker. False if it timed out."""
+        the end of training cannot hang the worker. False if it timed out. (``worker``: for
+        ``AgentCheckpointer``'s signature; a write in this process cannot be lost that way.)"""
         return self.persister.flush(self.close_timeout_s if timeout_s is None else timeout_s)
 
     def close(self) -> None:
         """Write what is waiting (bounded by close_timeout_s) and stop the thread."""
         self.persister.close(self.close_timeout_s)
+
+
+class AgentCheckpointer:
+    """The rank's side of its node's checkpoint agent (``elastic.checkpoint.agent``), with the
+    interface of ``WorkerCheckpointer``: inside the step, this rank's share is copied into a
+    free slot of memory shared with the agent and one message says so; the agent writes it and
+    reports it. Nothing of the checkpoint runs on a thread of this process.
+
+    With no free slot (the agent is still busy with the previous snapshots), the step's snapshot
+    is dropped rather than waited for: a newer one follows at the next step. If the agent is
+    gone, or cannot take a snapshot (a dtype safetensors has no name for), this rank writes in
+    process from then on (``fallback``, a ``WorkerCheckpointer``)."""
+
+    SLOTS = 3  # one being written, one waiting, one being filled: as many as the in-process writer holds
+    MAX_RINGS = 4  # shard layouts kept mapped (with fewer writers than ranks a rank's share rotates)
+
+    def __init__(self, address: str, every_n_steps: int, fallback: Callable[[], WorkerCheckpointer],
+                 min_shard_bytes: int = 0, close_timeout_s: float = 30.0):
+        if not isinstance(every_n_steps, int) or every_n_steps < 0:
+            raise ValueError(f"every_n_steps must be an integer >= 0, got {every_n_steps!r}")
+        self.every_n_steps = every_n_steps
+        self.min_shard_bytes = min_shard_bytes
+        self.close_timeout_s = close_timeout_s
+        self._make_fallback = fallback
+        self.fallback: WorkerCheckpointer | None = None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(address)
+        self._rings: dict[tuple, int] = {}  # layout key -> ring id
+        self._ring_of: dict[int, tuple[Any, set[int]]] = {}  # ring id -> (SlotRing, free slots)
+        self._retired: set[int] = set()  # rings to unmap once the agent has handed all their slots back
+        self._next_ring = 0
+        self._events: list[dict] = []
+        self._flushed: dict | None = None
+        self._flush_id = 0
+        self.dropped = 0  # snapshots dropped because no slot was free
+        self.last_snapshot_s = 0.0
+
+    def due(self, step: int) -> bool:
+        return self.every_n_steps > 0 and step % self.every_n_steps == 0
+
+    def warm_up(self) -> None:
+        """The agent opens the storage client; nothing to do here."""
+
+    def after_step(self, worker: Any, step: int) -> dict:
+        if self.fallback is not None:
+            return self.fallback.after_step(worker, step)
+        return self._report(self.snapshot(worker, step) if self.due(step) else [])
+
+    def snapshot(self, worker: Any, step: int) -> list[dict]:
+        """Snapshot ``step`` into a slot and hand it to the agent; the events of a failure."""
+        if self.fallback is not None:
+            return self.fallback.snapshot(worker, step)
+        t0 = time.perf_counter()
+        try:
+            self._poll()
+            snap = Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size),
+                                     capture_rng(), self.min_shard_bytes)  # live tensors: copied into the slot
+            message: dict[str, Any] = {"op": "snap", "step": step, "rank": snap.rank, "world_size": snap.world_size,
+                                       "taken_at": snap.taken_at}
+            slot = None
+            if snap.writes_file:
+                layout = shard_layout(snap.tensors)
+                if layout is None:
+                    return self._fall_back(worker, step, "a tensor's dtype has no safetensors name here")
+                meta = canonical_json(rank_meta(step, snap.rank, snap.world_size, snap.tensors, snap.rng,
+                                                snap.skeleton))
+                ring_id = self._ring(layout, len(meta))
+                ring, free = self._ring_of[ring_id]
+                if not free:
+                    self.dropped += 1
+                    logger.debug("rank %s: no free snapshot slot at step %d; the agent is behind", snap.rank, step)
+                    return []
+                slot = free.pop()
+                ring.copy_in(slot, snap.tensors)
+                ring.put_meta(slot, meta)
+                message.update(ring=ring_id, slot=slot, meta_len=len(meta))
+            else:
+                message["rng"] = snap.rng
+            try:
+                send_message(self.sock, message, block=False)
+            except BlockingIOError:  # the agent's queue is full: it is far behind
+                self.dropped += 1
+                if slot is not None:
+                    self._ring_of[message["ring"]][1].add(slot)
+                return []
+        except OSError as exc:
+            return self._fall_back(worker, step, f"the checkpoint agent is gone ({type(exc).__name__}: {exc})")
+        except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
+            logger.exception("rank %s: cannot snapshot step %d for checkpointing", worker.rank, step)
+            return [{"event": "checkpoint_failed", "what": "snapshot", "step": step, "time": time.time(),
+                     "error": f"{type(exc).__name__}: {exc}"[:300],
+                     "message": f"cannot snapshot step {step} for a checkpoint: {type(exc).__name__}: {exc}"[:400]}]
+        self.last_snapshot_s = time.perf_counter() - t0
+        return []
+
+    def _ring(self, layout: list[dict], meta_len: int) -> int:
+        """The id of a ring for ``layout`` with room for ``meta_len`` bytes of meta; a new one
+        (sent to the agent) when there is none, or its meta room is too small."""
+        key = tuple((e["name"], e["dtype"], tuple(e["shape"])) for e in layout)
+        ring_id = self._rings.get(key)
+        if ring_id is not None and self._ring_of[ring_id][0].meta_capacity >= meta_len:
+            return ring_id
+        if ring_id is not None:
+            self._retire(ring_id)
+        while len(self._rings) >= self.MAX_RINGS:
+            self._retire(next(iter(self._rings.values())))
+        ring = SlotRing.create(layout, self.SLOTS, meta_capacity=max(64 << 10, 2 * meta_len))
+        ring_id, self._next_ring = self._next_ring, self._next_ring + 1
+        fd = ring.take_fd()
+        try:
+            send_message(self.sock, {"op": "ring", "ring": ring_id, **ring.desc}, fds=[fd])
+        except BaseException:
+            ring.close()
+            raise
+        finally:
+            os.close(fd)
+        self._rings[key] = ring_id
+        self._ring_of[ring_id] = (ring, set(range(self.SLOTS)))
+        return ring_id
+
+    def _retire(self, ring_id: int) -> None:
+        self._rings = {k: v for k, v in self._rings.items() if v != ring_id}
+        self._retired.add(ring_id)
+
+    def _poll(self, block: bool = False) -> None:
+        """Take in what the agent sent: slots handed back, a flush's answer."""
+        while True:
+            try:
+                message, fds = receive_message(self.sock, block=block)
+            except BlockingIOError:
+                break
+            for fd in fds:
+                os.close(fd)
+            if message is None:
+                raise ConnectionResetError("the checkpoint agent closed the connection")
+            if message.get("op") == "free" and int(message["ring"]) in self._ring_of:
+                self._ring_of[int(message["ring"])][1].add(int(message["slot"]))
+            elif message.get("op") == "flushed" and message.get("id") == self._flush_id:
+                self._flushed = message  # (an answer to an earlier flush that timed out is dropped)
+                if block:
+                    break
+        for ring_id in [r for r in self._retired if len(self._ring_of[r][1]) == self.SLOTS]:
+            self._retired.discard(ring_id)
+            ring, _ = self._ring_of.pop(ring_id)
+            send_message(self.sock, {"op": "drop_ring", "ring": ring_id})
+            ring.close()
+
+    def _fall_back(self, worker: Any, step: int, why: str) -> list[dict]:
+        logger.warning("rank %s: %s; writing checkpoints in this process from step %d on", worker.rank, why, step)
+        self._close_link()
+        self.fallback = self._make_fallback()
+        events = [{"event": "checkpoint_agent_lost", "step": step, "time": time.time(), "error": why[:300],
+                   "message": f"checkpoints of this rank are written in its own process from step {step} on: "
+                              f"{why[:300]}"}]
+        return events + self.fallback.snapshot(worker, step)
+
+    def _report(self, extra_events: list[dict] | None = None) -> dict:
+        events, self._events = self._events + list(extra_events or []), []
+        return {"ckpt_done": [], "ckpt_events": events}
+
+    def drain(self, extra_events: list[dict] | None = None) -> dict:
+        """What the last flush brought back (the newest part the agent reported for this rank,
+        and its events), with ``extra_events``; see ``WorkerCheckpointer.drain``."""
+        if self.fallback is not None:
+            events, self._events = self._events + list(extra_events or []), []
+            return self.fallback.drain(events)
+        out = self._report(extra_events)
+        if self._flushed is not None:
+            out["ckpt_done"] = [tuple(d) for d in self._flushed.get("done", [])]
+            out["ckpt_events"] = list(self._flushed.get("events", [])) + out["ckpt_events"]
+            self._flushed = None
+        return out
+
+    def flush(self, timeout_s: float | None = None, worker: Any = None) -> bool:
+        """Wait until the agent has written (or given up on) every snapshot of this rank. If the
+        agent is gone, the snapshots it had not written went with it: with ``worker`` (its
+        state still that of its newest step) this rank snapshots that step again and writes it
+        in process."""
+        if self.fallback is not None:
+            return self.fallback.flush(timeout_s)
+        timeout_s = self.close_timeout_s if timeout_s is None else timeout_s
+        self._flushed = None
+        self._flush_id += 1
+        try:
+            send_message(self.sock, {"op": "flush", "id": self._flush_id, "timeout_s": timeout_s})
+            self.sock.settimeout(timeout_s + 5.0)
+            try:
+                while self._flushed is None:
+                    self._poll(block=True)
+            finally:
+                self.sock.settimeout(None)
+        except TimeoutError:
+            logger.warning("the checkpoint agent did not answer a flush within %.0fs", timeout_s + 5.0)
+            return False
+        except OSError as exc:
+            if worker is None:
+                return False
+            self._events += self._fall_back(worker, int(worker.completed_step),
+                                             f"the checkpoint agent is gone ({type(exc).__name__}: {exc})")
+            return self.fallback.flush(timeout_s)
+        return bool(self._flushed.get("ok"))
+
+    def _close_link(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        for ring, _ in self._ring_of.values():
+            ring.close()
+        self._ring_of.clear()
+        self._rings.clear()
+        self._retired.clear()
+
+    def close(self) -> None:
+        if self.fallback is not None:
+            self.fallback.close()
+            return
+        self.flush(self.close_timeout_s)
+        self._close_link()
