@@ -12,19 +12,17 @@ import time
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointCommitter, CheckpointStore, RetryPolicy, WorkerCheckpointer
+from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheckpointer
 from elastic.checkpoint.agent import CheckpointAgent, receive_message, send_message
 from elastic.checkpoint.codec import encode_tensor_buffers, shard_layout
 from elastic.checkpoint.shm import SlotRing, supported
 from elastic.checkpoint.store import shard_name
-from elastic.checkpoint.testing import BACKENDS, backend_url, clear_memory
 from elastic.checkpoint.worker_hook import AgentCheckpointer
 from elastic.config import CheckpointConfig
-from test_checkpoint_store import FakeWorker, assert_same
+from test_checkpoint_store import FAST, FakeWorker, assert_same, backend, finish, run_training  # noqa: F401 - backend: a fixture
 
 pytestmark = pytest.mark.skipif(not supported(), reason="memfds are Linux only")
 
-FAST = RetryPolicy(attempts=3, base_s=0.01, max_s=0.05)
 RUN = "agent-run"
 
 
@@ -52,19 +50,10 @@ class FakeController:
                                rng=part.get("rng"))
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request, tmp_path):
-    moto = request.getfixturevalue("moto_s3") if request.param == "s3" else None
-    url, options = backend_url(request.param, str(tmp_path), moto)
-    yield url, options
-    if request.param == "memory":
-        clear_memory(url)
-
-
 @pytest.fixture
 def node(backend):
     """An agent with a fake controller and a committer in the background mode of a run."""
-    url, options = backend
+    _, url, options = backend
     store = CheckpointStore(url, RUN, options, retry=FAST)
     committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=1, keep_last=2))
     controller = FakeController(committer)
@@ -76,29 +65,6 @@ def node(backend):
 
 def link(agent, every=1, min_shard_bytes=0, fallback=None) -> AgentCheckpointer:
     return AgentCheckpointer(agent.address(), every, fallback or (lambda: pytest.fail("fell back")), min_shard_bytes)
-
-
-def train(workers, hooks, controller, steps) -> list[dict]:
-    reports = []
-    for step in steps:
-        for worker, hook in zip(workers, hooks):
-            worker.train(step)
-            reports.append(hook.after_step(worker, step))
-        controller.committer.set_meta(step, {"data": {"cursor": step}})
-    return reports
-
-
-def finish(workers, hooks, controller) -> list[dict]:
-    """End of training as the controller runs it: flush every rank, take what the flush brought."""
-    events = []
-    for worker, hook in zip(workers, hooks):
-        assert hook.flush(10)
-        out = hook.drain()
-        events += out["ckpt_events"]
-        for step, part in out["ckpt_done"]:
-            controller.committer.add(step, worker.rank, worker.world_size, part["entries"], rng=part.get("rng"))
-    assert controller.committer.flush(10)
-    return events
 
 
 def test_slot_ring_holds_the_data_section_of_the_shard_file():
@@ -165,10 +131,10 @@ def test_agent_persists_a_nodes_snapshots_and_reports_one_message_a_step(node, m
     hooks = [link(agent, every=2, min_shard_bytes=min_shard_bytes) for _ in workers]
     agent.expect(2, [0, 1])  # as the controller does when the group forms
     try:
-        train(workers, hooks, controller, range(1, 5))
+        run_training(workers, hooks, committer, range(1, 5))
         expected = workers[0].get_state()
-        train(workers, hooks, controller, [5])  # trains on before the writes are done: the slot is a copy
-        finish(workers, hooks, controller)
+        run_training(workers, hooks, committer, [5])  # trains on before the writes are done: the slot is a copy
+        finish(workers, hooks, committer)
         assert committer.latest_committed == 4
         state, meta = store.read_state(4)
         assert_same(state, expected)
@@ -200,13 +166,13 @@ def test_a_busy_agent_keeps_only_the_newest_snapshot_and_the_rank_never_waits(no
     hook = link(agent)
     try:
         t0 = time.monotonic()
-        train([worker], [hook], controller, range(1, 9))  # step 1's write hangs meanwhile
+        run_training([worker], [hook], committer, range(1, 9))  # step 1's write hangs meanwhile
         assert time.monotonic() - t0 < 5
         assert hook.flush(0.2) is False  # still writing the first snapshot
         release.set()
         assert hook.flush(10)
-        train([worker], [hook], controller, [9])
-        finish([worker], [hook], controller)
+        run_training([worker], [hook], committer, [9])
+        finish([worker], [hook], committer)
         committed = [e["step"] for e in committer.drain_events() if e["event"] == "checkpoint_committed"]
         # The first write hung while steps 2..8 came: each replaced the one waiting before it,
         # so at most the first, the newest of them and step 9 were written.
@@ -269,7 +235,7 @@ def test_a_rank_whose_agent_is_gone_writes_its_checkpoints_itself(node):
 
     hook = link(agent, fallback=in_process)
     try:
-        train([worker], [hook], controller, [1, 2])
+        run_training([worker], [hook], committer, [1, 2])
         assert hook.flush(10)
         agent.shutdown()
         for link_ in list(agent._links):
@@ -277,10 +243,10 @@ def test_a_rank_whose_agent_is_gone_writes_its_checkpoints_itself(node):
         deadline = time.monotonic() + 5
         while agent._links and time.monotonic() < deadline:
             time.sleep(0.01)
-        reports = train([worker], [hook], controller, [3])
+        reports = run_training([worker], [hook], committer, [3])
         assert fallbacks and hook.fallback is fallbacks[0]
         assert [e["event"] for e in reports[0]["ckpt_events"]] == ["checkpoint_agent_lost"]
-        events = finish([worker], [hook], controller)
+        events = finish([worker], [hook], committer)
         assert not [e for e in events if e["event"] == "checkpoint_failed"]
         assert committer.latest_committed == 3
         assert_same(store.read_state(3)[0], worker.get_state())
@@ -295,12 +261,12 @@ def test_an_agent_gone_before_the_last_write_costs_the_run_no_step(node):
     worker = FakeWorker(rank=0, world_size=1)
     hook = link(agent, fallback=lambda: WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
     try:
-        train([worker], [hook], controller, [1])
+        run_training([worker], [hook], committer, [1])
         assert hook.flush(10)
         for link_ in list(agent._links):
             link_.persister.close(0.1)  # drops whatever arrives from now on
         agent.shutdown()
-        train([worker], [hook], controller, [2])  # handed over, never written
+        run_training([worker], [hook], committer, [2])  # handed over, never written
         for link_ in list(agent._links):
             link_.conn.shutdown(socket.SHUT_RDWR)
         assert hook.flush(10, worker=worker) and hook.fallback is not None
@@ -319,7 +285,7 @@ def test_a_bigger_meta_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_free
     worker = FakeWorker(rank=0, world_size=1)
     hook = link(agent)
     try:
-        train([worker], [hook], controller, [1])
+        run_training([worker], [hook], committer, [1])
         assert hook.flush(10)
         (first,) = hook._ring_of
         ring = hook._ring_of[first][0]
@@ -327,8 +293,8 @@ def test_a_bigger_meta_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_free
         assert bigger != first and first in hook._retired  # the old one waits for its slots
         hook._poll()
         assert first not in hook._ring_of and first not in hook._retired  # all of its slots were back
-        train([worker], [hook], controller, [2])
-        finish([worker], [hook], controller)
+        run_training([worker], [hook], committer, [2])
+        finish([worker], [hook], committer)
         assert committer.latest_committed == 2
     finally:
         hook.close()
