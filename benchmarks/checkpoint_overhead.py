@@ -29,16 +29,19 @@ seconds (step end -> commit): ``checkpoint_commit`` details ``persist_s``; else 
 against the step timeline; else the retained steps' manifest ``created_at`` (``keep_last`` of
 them). Size: the retained committed steps' bytes on storage. Each figure names its source.
 
-Where the overhead goes on the 2-vCPU benchmark VM (probed with per-section timers in the ranks,
-per-thread CPU from /proc and py-spy; 4 ranks, 3.25 MB state, a step of ~16 ms without
-checkpoints): the whole step-time distribution shifts by ~5 ms (p10 12 -> 18 ms), not a tail.
-About 2 ms of it is the in-step snapshot on the ranks that write that step (2.2-2.5 ms in place,
-0.3 ms for the same copy in an idle process), ~2-3 ms is the other ranks waiting for them in the
-next all-reduce, and the rest is batch and forward slowing by ~0.5 ms each. The writer threads
-use ~3 ms of CPU a step across the ranks and the controller's commit thread ~0.5 ms, on a
-machine that is 50-75% busy. What did not move the mean step time beyond this machine's noise
-(+-10% between identical runs): no fsync, a 0.5 ms GIL switch interval, the writer thread at
-nice 19 or SCHED_IDLE, and 0.8 MB instead of 2 MiB shards (four writers a step instead of two).
+Where the overhead goes on the 2-vCPU benchmark VM (CPU per process from /proc over 350 steps;
+4 ranks, 3.25 MB state, a step of ~19-25 ms without checkpoints, when ~90% of the two cores are
+busy): checkpointing adds ~15-20 ms of CPU a step in all, and with the cores full, wall time
+follows CPU. With the node checkpoint agent (elastic/checkpoint/agent.py) the ranks spend +5-10
+ms a step (the in-step snapshot, RNG, a message), the agent ~5-8 ms (hashing 1.1 ms and writing
+plus fsync ~1.4 ms per 1.6 MB shard, two shards a step; the rest its threads and messages), the
+controller +2.5-3 ms (one report a step, the manifest, retention). The writer threads inside the
+ranks (before the agent) cost about the same in total, spread over the ranks: alternating runs
+of ``--skip-s3 --skip-raytrain`` gave 1.533, 1.371 and 1.448 in process against 1.459, 1.517
+and 1.349 with the agent. What did not move the mean step time beyond this machine's noise
+(+-10% between identical runs): no fsync, CRC-32 instead of sha256, a 0.5 ms GIL switch
+interval, the writer at nice 19 or SCHED_IDLE, and 0.8 MB instead of 2 MiB shards. The ~2.5 ms a
+step of per-byte work alone (hash, page cache, fsync) is ~5% of the CPU a step has here.
 """
 
 from __future__ import annotations

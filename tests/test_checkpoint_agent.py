@@ -310,3 +310,41 @@ def test_messages_are_refused_when_the_agent_queue_is_full_not_waited_for():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("may_restore", [True, False])
+def test_writer_threads_run_in_the_background_and_at_normal_priority_while_a_flush_waits(monkeypatch, may_restore):
+    """Where the process may raise a thread back (root here; ``RLIMIT_NICE`` or ``CAP_SYS_NICE``
+    elsewhere) writers are idle-class and a flush lifts them; elsewhere they run at nice 19 and
+    stay there."""
+    from elastic.checkpoint import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "can_restore_priority", lambda: may_restore)
+    priority = agent_module.WriterPriority(background=True)
+    seen: dict = {}
+    entered, done = threading.Event(), threading.Event()
+
+    def writer():
+        priority.enter()
+        seen["tid"] = threading.get_native_id()
+        entered.set()
+        done.wait(10)
+        priority.leave()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert entered.wait(10)
+        tid = seen["tid"]
+        if may_restore:
+            assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+            with priority.boosted():
+                assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+            assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        else:
+            assert os.sched_getscheduler(tid) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, tid) == 19
+            with priority.boosted():
+                assert os.getpriority(os.PRIO_PROCESS, tid) == 19
+    finally:
+        done.set()
+        thread.join(10)

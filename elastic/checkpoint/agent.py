@@ -7,19 +7,21 @@ ranks and sends the controller one message a step.
 
 Why a process of its own and not a thread in each rank (as ``WorkerCheckpointer`` does): a
 writer thread shares the rank's interpreter lock with training, and every time it takes the lock
-back (after a write, a hash, a store round trip, a Ray call) the training thread has to hand it
-over at its next bytecode. Measured on the checkpoint benchmark (4 ranks, 2 cores, 3.25 MB a
-step, ``/proc`` CPU between steps 30 and 380): with the writer thread doing everything but
-the writes, pooling the parts through the group's TCP store alone cost +6 ms a step (+23%), the
-whole in-rank pipeline +14 ms (+50%), while the in-step snapshot with nothing behind it cost
-nothing measurable. In one process, a Python thread spinning beside a thread doing TCP store
-round trips cut those round trips from ~45,000/s to 193/s: each return waits for the GIL. The
-agent does the same work in a process that shares no lock with training, with its writer
-threads on idle CPU (``WriterPriority``), so on a node whose cores training fills it takes what
-training leaves. CheckFreq (FAST'21) persists from a separate process for the same reason. Per
-process, from ``/proc`` over 350 steps of the benchmark (4 ranks, 2 cores): the ranks' CPU a step
-rose by 15-27 ms with checkpoints written in process, by 2-6 ms with the agent, which itself
-used 7-9 ms, and the controller ~4 ms either way.
+back (after a write, a hash, a store round trip, a Ray call) it waits for the training thread to
+hand it over. In one process, a Python thread spinning beside a thread doing TCP store round
+trips cut those round trips from ~46,000/s to 193/s; on a GPU the training thread is the one
+that launches the kernels. The agent does that work in a process that shares no lock with
+training, with its writer threads on idle CPU (``WriterPriority``). CheckFreq (FAST'21)
+persists from a separate process for the same reason, as does torch.distributed.checkpoint's
+``AsyncCheckpointerType.PROCESS`` (one process per rank, each with torch, writing DCP's own
+format; here one light process per node writes the safetensors shards and reports to the
+committer, whose manifest, checksums and retention stay as they are).
+
+What it does not do on the 2-vCPU benchmark VM: lower the checkpoint overhead. With the cores
+full, wall time follows total CPU, and the work itself (hash, write, fsync of 3.25 MB a step, a
+manifest, reports) is the same wherever it runs: alternating runs of the checkpoint benchmark
+gave ratios of 1.533, 1.371, 1.448 with the in-process writer and 1.459, 1.517, 1.349 with the
+agent; per process, the ranks' added CPU moved to the agent (benchmarks/checkpoint_overhead.py).
 
 Messages are JSON on a ``SOCK_SEQPACKET`` socket (one message per datagram, in order); a
 rank's ring of slots travels once as a file descriptor (``SCM_RIGHTS``). A rank never waits
@@ -92,9 +94,9 @@ class WriterPriority:
     otherwise nice 19, which still gets a small share. Per thread: the agent's socket and Ray
     threads stay at normal priority, so slots go back to the ranks at once.
 
-    Measured on the checkpoint benchmark (4 ranks on 2 cores, alternating runs): mean steps of
+    On the checkpoint benchmark (4 ranks on 2 cores, one run of each, alternating): mean steps of
     31.3 and 35.6 ms with ``SCHED_IDLE`` writers against 37.2 and 37.4 ms at normal priority
-    (baselines 22.3-25.2 ms)."""
+    (baselines 22.3-25.2 ms); within this machine's noise, but never worse."""
 
     def __init__(self, background: bool = True):
         self.background = background and sys.platform.startswith("linux")
