@@ -94,9 +94,11 @@ class WriterPriority:
     otherwise nice 19, which still gets a small share. Per thread: the agent's socket and Ray
     threads stay at normal priority, so slots go back to the ranks at once.
 
-    On the checkpoint benchmark (4 ranks on 2 cores, one run of each, alternating): mean steps of
-    31.3 and 35.6 ms with ``SCHED_IDLE`` writers against 37.2 and 37.4 ms at normal priority
-    (baselines 22.3-25.2 ms); within this machine's noise, but never worse."""
+    On the checkpoint benchmark (4 ranks on 2 cores, alternating runs): mean steps of 31.3 and
+    35.6 ms with ``SCHED_IDLE`` writers against 37.2 and 37.4 ms at normal priority (baselines
+    22.3-25.2 ms); overhead ratios of 1.387 and 1.144 (file) against 1.528 and 1.455 at nice 19,
+    which commits sooner (lag p95 0-1 steps against 2 on file, 2 against 3-4 on S3 with the moto
+    server sharing the cores)."""
 
     def __init__(self, background: bool = True):
         self.background = background and sys.platform.startswith("linux")
