@@ -4,6 +4,7 @@ agent, and a rank whose agent is gone writing its checkpoints itself."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -67,23 +68,27 @@ def link(agent, every=1, min_shard_bytes=0, fallback=None) -> AgentCheckpointer:
     return AgentCheckpointer(agent.address(), every, fallback or (lambda: pytest.fail("fell back")), min_shard_bytes)
 
 
-def test_slot_ring_holds_the_data_section_of_the_shard_file():
+def test_slot_ring_holds_the_data_section_of_the_shard_file_and_the_meta_after_it():
     tensors = {"w": torch.randn(3, 5), "steps": torch.arange(4, dtype=torch.int64), "half": torch.randn(7).bfloat16(),
                "mask": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
     layout = shard_layout(tensors)
-    ring = SlotRing.create(layout, nslots=2, meta_capacity=100)
-    fd = ring.take_fd()
-    other = SlotRing.attach(fd, ring.desc)  # the agent's mapping, as received over the socket
+    nbytes = sum(e["nbytes"] for e in layout)
+    ring = SlotRing.create(nslots=2, slot_bytes=nbytes + 100)
+    other = SlotRing(ring.take_fd(), ring.desc)  # the agent's mapping, as received over the socket
     try:
-        ring.copy_in(1, tensors)
-        ring.put_meta(1, b'{"rng": 1}')
+        ring.copy_in(1, "a", layout, tensors)
+        ring.put_meta(1, nbytes, b'{"rng": 1}')
         expected = b"".join(bytes(b) for b in encode_tensor_buffers(tensors)[1:])
-        assert bytes(other.data(1)) == expected and other.meta(1, 10) == b'{"rng": 1}'
-        assert other.layout == layout and bytes(other.data(0)) == bytes(len(expected))  # slot 0 untouched
+        assert bytes(other.data(1, nbytes)) == expected and other.meta(1, nbytes, 10) == b'{"rng": 1}'
+        assert bytes(other.data(0, nbytes)) == bytes(nbytes)  # slot 0 untouched
+        # Another layout in the same slot (a rank whose share rotates): the same bytes, other views.
+        small = shard_layout({"x": torch.arange(3, dtype=torch.int32)})
+        ring.copy_in(1, "b", small, {"x": torch.arange(3, dtype=torch.int32)})
+        assert bytes(other.data(1, 12)) == torch.arange(3, dtype=torch.int32).numpy().tobytes()
         with pytest.raises(ValueError):
-            ring.put_meta(0, b"x" * (ring.meta_capacity + 1))
+            ring.put_meta(0, nbytes, b"x" * (ring.slot_bytes - nbytes + 1))
         with pytest.raises(ValueError):
-            other.data(2)
+            other.data(2, 1)
         with pytest.raises(ValueError):
             ring.take_fd()  # sent once
     finally:
@@ -107,20 +112,88 @@ def test_slot_memory_is_page_locked_once_for_gpu_copies_and_released_with_the_ri
             return 0
 
     layout = shard_layout({"w": torch.randn(16)})
-    ring = SlotRing.create(layout, nslots=3, meta_capacity=64)
+    ring = SlotRing.create(nslots=3, slot_bytes=128)
     cudart = FakeCudart()
     assert ring.pin(cudart) and ring.pin(cudart)
     (register,) = cudart.calls
     assert register[0] == "register" and register[2] == ring.desc["size"] and register[3] == 0
     ring.close()
     assert cudart.calls[-1] == ("unregister", register[1])
-    refused = SlotRing.create(layout, nslots=3, meta_capacity=64)
+    refused = SlotRing.create(nslots=3, slot_bytes=128)
     try:
         assert refused.pin(FakeCudart(result=1)) is False  # copies still work, unpinned
-        refused.copy_in(0, {"w": torch.ones(16)})
-        assert bytes(refused.data(0)) == torch.ones(16).numpy().tobytes()
+        refused.copy_in(0, 0, layout, {"w": torch.ones(16)})
+        assert bytes(refused.data(0, 64)) == torch.ones(16).numpy().tobytes()
     finally:
         refused.close()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def on_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_cpu(v) for v in obj)
+    return obj
+
+
+class GpuWorker(FakeWorker):
+    """FakeWorker training on the GPU: parameters and Adam's moments live in device memory."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        super().__init__(rank, world_size)
+        self.model.cuda()  # in place: the optimizer's parameter references stay valid
+
+    def train(self, step: int) -> None:
+        gen = torch.Generator().manual_seed(1000 + step)
+        x, y = torch.randn(5, 8, generator=gen).cuda(), torch.randn(5, 4, generator=gen).cuda()
+        self.optimizer.zero_grad()
+        torch.nn.functional.mse_loss(self.model(x), y).backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.completed_step = step
+
+
+@needs_cuda
+def test_a_slot_is_page_locked_by_the_cuda_runtime_and_takes_device_tensors():
+    tensors = {"w": torch.randn(256, 33, device="cuda"), "i": torch.arange(7, device="cuda"),
+               "h": torch.randn(5, device="cuda").bfloat16(), "cpu": torch.ones(3)}
+    layout = shard_layout(tensors)
+    nbytes = sum(e["nbytes"] for e in layout)
+    ring = SlotRing.create(nslots=3, slot_bytes=nbytes + 64)
+    try:
+        ring.copy_in(2, 0, layout, tensors)
+        assert ring._pinned is True
+        whole = torch.frombuffer(ring.data(2, nbytes), dtype=torch.uint8)
+        assert whole.is_pinned()  # the runtime knows the mapping as page-locked host memory
+        del whole
+        expected = b"".join(bytes(b) for b in encode_tensor_buffers({k: v.cpu() for k, v in tensors.items()})[1:])
+        assert bytes(ring.data(2, nbytes)) == expected
+    finally:
+        ring.close()  # unregisters; a CUDA error here would raise in the next CUDA call
+    torch.cuda.synchronize()
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["file", "memory"], indirect=True)
+def test_a_gpu_rank_checkpoints_through_the_agent_and_the_state_reads_back_on_the_host(node):
+    agent, controller, committer, store, _ = node
+    worker = GpuWorker()
+    hook = link(agent)
+    try:
+        run_training([worker], [hook], committer, [1, 2, 3])
+        finish([worker], [hook], committer)
+        assert committer.latest_committed == 3
+        state, _ = store.read_state(3)
+        assert all(t.device.type == "cpu" for t in state["model"].values())
+        assert_same(state, on_cpu(worker.get_state()))
+        assert all(ring._pinned for ring, _ in hook._rings.values())
+    finally:
+        hook.close()
 
 
 @pytest.mark.parametrize("min_shard_bytes", [0, 10**9])
@@ -211,13 +284,18 @@ def test_with_no_free_slot_the_rank_drops_the_snapshot_instead_of_waiting():
     hook = link(type("A", (), {"address": lambda self: address})())
     try:
         t0 = time.monotonic()
+        reports = []
         for step in range(1, 7):
             worker.train(step)
-            assert hook.after_step(worker, step) == {"ckpt_done": [], "ckpt_events": []}
+            reports.append(hook.after_step(worker, step))
         assert time.monotonic() - t0 < 5
         assert hook.dropped == 6 - AgentCheckpointer.SLOTS
+        # The first drop is told at once, the next ones with the next event (at most one a minute).
+        events = [e for r in reports for e in r["ckpt_events"]]
+        assert [(e["event"], e["step"], e["dropped"]) for e in events] == [("checkpoint_snapshots_dropped", 4, 1)]
         assert hook.flush(5)
-        assert received.count("snap") == AgentCheckpointer.SLOTS and received.count("ring") == 1
+        assert received.count("snap") == AgentCheckpointer.SLOTS
+        assert received.count("ring") == 1 and received.count("layout") == 1
     finally:
         hook.close()
         server.close()
@@ -238,10 +316,10 @@ def test_a_rank_whose_agent_is_gone_writes_its_checkpoints_itself(node):
         run_training([worker], [hook], committer, [1, 2])
         assert hook.flush(10)
         agent.shutdown()
-        for link_ in list(agent._links):
+        for link_ in list(agent.pool.links):
             link_.conn.shutdown(2)  # as if the agent's process died: its sockets close
         deadline = time.monotonic() + 5
-        while agent._links and time.monotonic() < deadline:
+        while agent.pool.links and time.monotonic() < deadline:
             time.sleep(0.01)
         reports = run_training([worker], [hook], committer, [3])
         assert fallbacks and hook.fallback is fallbacks[0]
@@ -263,11 +341,11 @@ def test_an_agent_gone_before_the_last_write_costs_the_run_no_step(node):
     try:
         run_training([worker], [hook], committer, [1])
         assert hook.flush(10)
-        for link_ in list(agent._links):
+        for link_ in list(agent.pool.links):
             link_.persister.close(0.1)  # drops whatever arrives from now on
         agent.shutdown()
         run_training([worker], [hook], committer, [2])  # handed over, never written
-        for link_ in list(agent._links):
+        for link_ in list(agent.pool.links):
             link_.conn.shutdown(socket.SHUT_RDWR)
         assert hook.flush(10, worker=worker) and hook.fallback is not None
         out = hook.drain()
@@ -280,24 +358,48 @@ def test_an_agent_gone_before_the_last_write_costs_the_run_no_step(node):
         hook.close()
 
 
-def test_a_bigger_meta_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_free(node):
-    agent, controller, committer, store, _ = node
+@contextlib.contextmanager
+def linked_after_step_one(agent, committer):
+    """A rank linked to ``agent`` whose step 1 is written."""
     worker = FakeWorker(rank=0, world_size=1)
     hook = link(agent)
     try:
         run_training([worker], [hook], committer, [1])
         assert hook.flush(10)
-        (first,) = hook._ring_of
-        ring = hook._ring_of[first][0]
-        bigger = hook._ring(ring.layout, ring.meta_capacity + 1)
-        assert bigger != first and first in hook._retired  # the old one waits for its slots
+        yield worker, hook
+    finally:
+        hook.close()
+
+
+def test_a_bigger_snapshot_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_free(node):
+    agent, controller, committer, store, _ = node
+    with linked_after_step_one(agent, committer) as (worker, hook):
+        first = hook._ring_id
+        bigger = hook._ring_for(hook._rings[first][0].slot_bytes + 1)
+        assert bigger != first and first in hook._rings  # the old one waits for its slots
         hook._poll()
-        assert first not in hook._ring_of and first not in hook._retired  # all of its slots were back
+        assert first not in hook._rings and hook._ring_id == bigger  # all of its slots were back
         run_training([worker], [hook], committer, [2])
         finish([worker], [hook], committer)
         assert committer.latest_committed == 2
-    finally:
-        hook.close()
+        (link_,) = agent.pool.links
+        assert set(link_.rings) == {bigger}  # the agent unmapped the old one too
+
+
+def test_a_snapshot_dropped_for_want_of_a_slot_is_taken_again_by_the_flush(node):
+    """The run's last step must not be the one missing: dropped in the step, taken by the flush."""
+    agent, controller, committer, store, _ = node
+    with linked_after_step_one(agent, committer) as (worker, hook):
+        ring, free = hook._rings[hook._ring_id]
+        taken = set(free)
+        free.clear()  # as if the agent's answers were not in yet
+        worker.train(2)
+        assert hook.after_step(worker, 2)["ckpt_events"][0]["event"] == "checkpoint_snapshots_dropped"
+        committer.set_meta(2, {"data": {"cursor": 2}})
+        free.update(taken)
+        finish([worker], [hook], committer)  # flush(worker=...) as the worker calls it
+        assert committer.latest_committed == 2
+        assert_same(store.read_state(2)[0], worker.get_state())
 
 
 def test_messages_are_refused_when_the_agent_queue_is_full_not_waited_for():

@@ -756,7 +756,7 @@ def finish(workers, hooks, committer) -> list[dict]:
     """End of training: wait for the writers, hand their last reports over, wait for the commit."""
     events = []
     for worker, hook in zip(workers, hooks):
-        assert hook.flush(10)
+        assert hook.flush(10, worker=worker)  # as TrainWorker.flush_checkpoint
         out = hook.drain()
         events += out["ckpt_events"]
         add_parts(committer, worker, out)

@@ -35,7 +35,9 @@ import array
 import json
 import logging
 import os
+import queue
 import socket
+import struct
 import sys
 import threading
 import time
@@ -46,13 +48,12 @@ from typing import Any, Iterator
 from elastic.actors.priority import can_restore_priority
 from elastic.checkpoint.codec import safetensors_header
 from elastic.checkpoint.persister import AsyncPersister
-from elastic.checkpoint.shm import SlotRing
-from elastic.checkpoint.storage import RetryPolicy
+from elastic.checkpoint.shm import SlotRing, read_memfd
 from elastic.checkpoint.store import CheckpointStore, shard_metadata
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE = 1 << 20  # a message is a header, a ring's description or a small rank's RNG
+MAX_MESSAGE = 1 << 20  # a message is a header, a ring's description or a small rank's RNG (a layout has a memfd)
 MAX_FDS = 4
 # How long a node's parts of a step wait for the node's other ranks before they go to the
 # controller on their own (a rank that stopped writing, or one far behind in first-N).
@@ -161,26 +162,30 @@ class WriterPriority:
 class _Payload:
     """One snapshot handed to the agent: a slot of a ring (a shard to write) or an RNG alone."""
 
-    __slots__ = ("step", "rank", "world_size", "taken_at", "ring", "slot", "meta_len", "rng")
+    __slots__ = ("step", "rank", "world_size", "taken_at", "ring", "slot", "layout", "meta_len", "rng")
 
     def __init__(self, m: dict):
         self.step, self.rank, self.world_size = int(m["step"]), int(m["rank"]), int(m["world_size"])
         self.taken_at = float(m["taken_at"])
-        self.ring, self.slot, self.meta_len = m.get("ring"), m.get("slot"), int(m.get("meta_len", 0))
+        self.ring, self.slot, self.layout = m.get("ring"), m.get("slot"), m.get("layout")
+        self.meta_len = int(m.get("meta_len", 0))
         self.rng = m.get("rng")
 
 
 class _RankLink:
-    """One rank's connection: its rings, its writer (one ``AsyncPersister``) and its newest part."""
+    """One rank's connection: its rings and layouts, its writer (one ``AsyncPersister``) and its
+    newest part."""
 
     def __init__(self, agent: "CheckpointAgent", conn: socket.socket, number: int):
         self.agent, self.conn, self.number = agent, conn, number
         self.rings: dict[int, SlotRing] = {}
+        self.layouts: dict[int, list[dict]] = {}
         self.send_lock = threading.Lock()
         self.rank: int | None = None
         self.world_size: int | None = None
         self.newest_step = 0
         self.last_part: tuple[int, dict] | None = None
+        self.gone = False  # the rank closed the connection (or died): nothing of it is reported any more
         self.persister = AsyncPersister(self._write, name=f"checkpoint write (agent link {number})",
                                         on_done=self._written, on_release=self._release,
                                         thread_init=agent.priority.enter, thread_exit=agent.priority.leave)
@@ -189,16 +194,18 @@ class _RankLink:
     def _write(self, p: _Payload) -> dict:
         if p.ring is None:
             return {"entries": [], "taken_at": p.taken_at, "rng": p.rng}
-        ring = self.rings[p.ring]
-        meta = ring.meta(p.slot, p.meta_len)
-        header = safetensors_header(ring.layout, shard_metadata(meta))
-        entry = self.agent.store.write_shard(p.step, p.rank, p.world_size, [header, ring.data(p.slot)])
+        ring, layout = self.rings[p.ring], self.layouts[p.layout]
+        nbytes = sum(e["nbytes"] for e in layout)
+        header = safetensors_header(layout, shard_metadata(ring.meta(p.slot, nbytes, p.meta_len)))
+        entry = self.agent.store.write_shard(p.step, p.rank, p.world_size, [header, ring.data(p.slot, nbytes)])
         return {"entries": [entry.to_dict()], "taken_at": p.taken_at}
 
     def _written(self, step: int, p: _Payload, part: dict) -> None:
+        if self.gone:
+            return  # see serve(): a rank that died takes its unreported parts along, as in process
         part = {**part, "progress": self.newest_step}
         self.last_part = (step, part)
-        self.agent.pool.add(p.rank, p.world_size, step, part)
+        self.agent.reports.put((p.rank, p.world_size, step, part))
 
     def _release(self, p: _Payload) -> None:
         if p.ring is not None:
@@ -221,39 +228,50 @@ class _RankLink:
                     break
                 if message is None:
                     break
-                self._handle(message, fds)
+                try:
+                    self._handle(message, fds)
+                except Exception:  # noqa: BLE001 - a bad message must not end the rank's link
+                    logger.exception("checkpoint agent: cannot handle %r from rank %s", message.get("op"), self.rank)
         finally:
+            # The rank closed its end: after a flush at the end of a run (nothing waits), or in
+            # its death. What still waits then is not written: in process it would have died with
+            # the rank, and a write landing after a recovery rolled the run back could put an
+            # old shard under a step number the new group writes again.
+            self.gone = True
             self.agent.forget(self)
-            with self.agent.priority.boosted():
-                self.persister.close(self.agent.close_timeout_s)
+            dropped = self.persister.abort()
+            if dropped:
+                logger.info("checkpoint agent: rank %s is gone; its snapshots of steps %s are not written",
+                            self.rank, dropped)
             for ring in self.rings.values():
                 ring.close()
             self.conn.close()
 
     def _handle(self, m: dict, fds: list[int]) -> None:
         op = m.get("op")
-        if op == "ring":
-            old = self.rings.pop(int(m["ring"]), None)
-            if old is not None:
-                old.close()
-            self.rings[int(m["ring"])] = SlotRing.attach(fds.pop(0), m)
-        elif op == "drop_ring":
-            ring = self.rings.pop(int(m["ring"]), None)
-            if ring is not None:
-                ring.close()
-        elif op == "snap":
-            p = _Payload(m)
-            self.rank, self.world_size = p.rank, p.world_size
-            self.newest_step = max(self.newest_step, p.step)
-            self.agent.pool.seen(self, p.world_size)
-            self.persister.submit(p.step, p, light=p.ring is None)
-        elif op == "flush":
-            threading.Thread(target=self._flush, args=(m.get("id"), float(m.get("timeout_s", 30.0))),
-                             name="elastic-checkpoint agent flush", daemon=True).start()
-        else:
-            logger.warning("checkpoint agent: unknown message %r from a rank", op)
-        for fd in fds:
-            os.close(fd)
+        try:
+            if op == "ring":
+                self.rings[int(m["ring"])] = SlotRing(fds.pop(0), m)
+            elif op == "drop_ring":
+                ring = self.rings.pop(int(m["ring"]), None)
+                if ring is not None:
+                    ring.close()
+            elif op == "layout":
+                self.layouts[int(m["layout"])] = json.loads(read_memfd(fds.pop(0), int(m["len"])))
+            elif op == "snap":
+                p = _Payload(m)
+                self.rank, self.world_size = p.rank, p.world_size
+                self.newest_step = max(self.newest_step, p.step)
+                self.agent.pool.seen(self, p.world_size)
+                self.persister.submit(p.step, p, light=p.ring is None)
+            elif op == "flush":
+                threading.Thread(target=self._flush, args=(m.get("id"), float(m.get("timeout_s", 30.0))),
+                                 name="elastic-checkpoint agent flush", daemon=True).start()
+            else:
+                logger.warning("checkpoint agent: unknown message %r from a rank", op)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _flush(self, flush_id: Any, timeout_s: float) -> None:
         # What this rank wrote last goes back in the answer (the controller adds it with the
@@ -274,6 +292,7 @@ class _NodePool:
         self._world: dict[_RankLink, int] = {}  # link -> the world size of its newest snapshot
         self._waiting: dict[tuple[int, int], dict] = {}  # (world size, step) -> {"ranks": {rank: part}, "since"}
         self._told: dict[int, set[int]] = {}  # world size -> this node's ranks in it, as the controller said
+        self.links: set[_RankLink] = set()  # the connected ranks (CheckpointAgent keeps it)
 
     def expect(self, world_size: int, ranks: set[int]) -> None:
         """The controller formed a group of ``world_size`` with ``ranks`` on this node."""
@@ -290,14 +309,17 @@ class _NodePool:
     def drop(self, link: _RankLink) -> None:
         with self._lock:
             self._world.pop(link, None)
-        self.send_waiting()
+        self.sweep(0.0)  # the others' parts of its steps go on their own
 
     def _expected(self, world_size: int) -> set[int]:
-        """The ranks the controller said are here; else those that have sent a snapshot of that
-        world size (a part then may go before a slower rank's first one: harmless, only one
-        more message)."""
+        """The ranks the controller said are here, less any with no connection (it writes in its
+        own process); else those that have sent a snapshot of that world size (a part then may
+        go before a slower rank's first one: harmless, only one more message)."""
         if world_size in self._told:
-            return self._told[world_size]
+            ranks = {link.rank for link in self.links}
+            if None in ranks:  # a rank connected but not yet heard from: it may be any of them
+                return self._told[world_size]
+            return self._told[world_size] & ranks
         return {link.rank for link, w in self._world.items() if w == world_size and link.rank is not None}
 
     def add(self, rank: int, world_size: int, step: int, part: dict) -> None:
@@ -311,16 +333,15 @@ class _NodePool:
                 out.append((key, self._waiting.pop(key)))
             if set(entry["ranks"]) >= self._expected(world_size):
                 out.append(((world_size, step), self._waiting.pop((world_size, step))))
-            now = time.monotonic()
-            for key in [k for k, e in self._waiting.items() if now - e["since"] > POOL_WAIT_S]:
-                out.append((key, self._waiting.pop(key)))
         for (w, s), e in out:
             self._report(s, w, e["ranks"])
 
-    def send_waiting(self) -> None:
-        """Send every part that waits (a rank left: the others' parts of its steps go on their own)."""
+    def sweep(self, older_than_s: float = POOL_WAIT_S) -> None:
+        """Send what has waited longer than ``older_than_s`` for a rank that did not come."""
+        now = time.monotonic()
         with self._lock:
-            out, self._waiting = list(self._waiting.items()), {}
+            keys = [k for k, e in self._waiting.items() if now - e["since"] >= older_than_s]
+            out = [(k, self._waiting.pop(k)) for k in keys]
         for (w, s), e in out:
             self._report(s, w, e["ranks"])
 
@@ -335,7 +356,10 @@ class CheckpointAgent:
         self.priority = WriterPriority(background)
         self.close_timeout_s = close_timeout_s
         self.pool = _NodePool(self._report)
-        self._links: set[_RankLink] = set()
+        # Written parts, reported from a thread of normal priority: the writers may be idle-class,
+        # and one preempted while it holds this process's GIL in a Ray call would hold up every
+        # other thread here, the one that hands slots back included.
+        self.reports: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._count = 0
         self._address = f"\0elastic-checkpoint-{uuid.uuid4().hex}"
@@ -343,8 +367,8 @@ class CheckpointAgent:
         self._server.bind(self._address)
         self._server.listen(64)
         self._closed = False
-        threading.Thread(target=self._accept, name="elastic-checkpoint agent", daemon=True).start()
-        threading.Thread(target=self._pump_events, name="elastic-checkpoint agent events", daemon=True).start()
+        for target, name in ((self._accept, "agent"), (self._pump, "agent reports")):
+            threading.Thread(target=target, name=f"elastic-checkpoint {name}", daemon=True).start()
 
     def address(self) -> str:
         return self._address
@@ -354,20 +378,18 @@ class CheckpointAgent:
         self.pool.expect(world_size, set(ranks))
 
     def warm_up(self) -> None:
-        """Open the storage client now (see ``WorkerCheckpointer.warm_up``)."""
-        try:
-            self.store.storage.exists("", retry=RetryPolicy(attempts=1))
-        except Exception as exc:  # noqa: BLE001 - storage may be down now; training must still start
-            logger.warning("checkpoint storage %s did not answer a warm-up request: %s", self.store.location, exc)
+        """Open the storage client now (``CheckpointStore.warm_up``)."""
+        self.store.warm_up()
 
     def stats(self) -> dict:
         with self._lock:
-            links = list(self._links)
+            links = list(self.pool.links)
         return {"pid": os.getpid(), "links": len(links),
                 "ranks": sorted(link.rank for link in links if link.rank is not None),
                 "written": {link.rank: link.last_part[0] for link in links if link.last_part is not None}}
 
     def shutdown(self) -> None:
+        """Take no more connections (a test aid: on Ray the controller kills the actor)."""
         self._closed = True
         self._server.close()
 
@@ -378,17 +400,21 @@ class CheckpointAgent:
                 conn, _ = self._server.accept()
             except OSError:
                 return
+            if not _same_user(conn):
+                conn.close()
+                continue
             with self._lock:
                 self._count += 1
                 link = _RankLink(self, conn, self._count)
-                self._links.add(link)
+                self.pool.links.add(link)
             threading.Thread(target=link.serve, name=f"elastic-checkpoint agent link {link.number}",
                              daemon=True).start()
 
     def forget(self, link: _RankLink) -> None:
         with self._lock:
-            self._links.discard(link)
+            self.pool.links.discard(link)
         self.pool.drop(link)
+        self._send_events([(link.rank, ev) for ev in link.persister.drain_events()])
 
     def _report(self, step: int, world_size: int, parts: dict) -> None:
         try:
@@ -396,18 +422,41 @@ class CheckpointAgent:
         except Exception as exc:  # noqa: BLE001 - the controller is gone: the run is over
             logger.warning("checkpoint agent: cannot report step %d: %s", step, exc)
 
-    def _pump_events(self, every_s: float = 0.5) -> None:
-        """Storage outages and failed writes, to the controller's event log (with the rank)."""
+    def _send_events(self, events: list) -> None:
+        if events:
+            try:
+                self.controller.checkpoint_events.remote(events)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("checkpoint agent: cannot report events: %s", exc)
+
+    def _pump(self, every_s: float = 0.5) -> None:
+        """Written parts into the node's pool as they come; every ``every_s`` the parts that
+        waited too long and the storage events (outages, failed writes) with their rank."""
+        last = time.monotonic()
         while not self._closed:
-            time.sleep(every_s)
-            with self._lock:
-                links = list(self._links)
-            events = [(link.rank, ev) for link in links for ev in link.persister.drain_events()]
-            if events:
-                try:
-                    self.controller.checkpoint_events.remote(events)
-                except Exception as exc:  # noqa: BLE001
-                    logger.warning("checkpoint agent: cannot report events: %s", exc)
+            try:
+                self.pool.add(*self.reports.get(timeout=every_s))
+            except queue.Empty:
+                pass
+            if time.monotonic() - last >= every_s:
+                last = time.monotonic()
+                self.pool.sweep()
+                with self._lock:
+                    links = list(self.pool.links)
+                self._send_events([(link.rank, ev) for link in links for ev in link.persister.drain_events()])
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end runs as this one's user (``SO_PEERCRED``): the
+    socket's name is abstract, so file permissions cannot keep other users from writing shards."""
+    try:
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError):
+        return False
+    if uid != os.getuid():
+        logger.warning("checkpoint agent: refused a connection from user %d", uid)
+        return False
+    return True
 
 
 class AgentActor(CheckpointAgent):

@@ -215,6 +215,20 @@ class AsyncPersister:
             thread.join(5.0)
         return clean
 
+    def abort(self, timeout_s: float = 5.0) -> list[int]:
+        """Stop without writing what waits (each released, not written); a write in progress
+        finishes, an outage's retries end. Returns the steps dropped."""
+        with self._cond:
+            self._closing = self._abort = True
+            dropped = [item[0] for item in self._queue]
+            for item in self._queue:
+                self._release(item[1])
+            self._queue.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return dropped
+
     # ---- writer side ------------------------------------------------------------------------
     def _release(self, payload: Any) -> None:
         if self._on_release is None:

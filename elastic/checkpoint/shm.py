@@ -1,20 +1,20 @@
-"""Snapshot slots in memory a rank shares with its node's checkpoint agent (one Linux memfd).
+"""Snapshot slots in memory a rank shares with its node's checkpoint agent (Linux memfds).
 
 The rank copies its share of the state into a free slot inside the step; the agent writes the
-shard straight from that memory and hands the slot back. Layout of the memfd: the shard layout
-as JSON (``codec.shard_layout``) on the first pages, then ``nslots`` slots, each the shard's
-safetensors data section (tensors back to back, in file order) followed by room for the rank's
-meta JSON of that step (RNG, and with the first share the state skeleton).
+shard straight from that memory and hands the slot back. A slot holds one snapshot: the shard's
+safetensors data section (tensors back to back, in file order, as a registered layout says),
+then the rank's meta JSON of that step (RNG, and with the first share the state skeleton). A
+layout (``codec.shard_layout``) travels once, in a memfd of its own; slots are plain bytes, so a
+rank whose share changes with the step (fewer writers than ranks) needs no more memory.
 
-Why a memfd and not ``multiprocessing.shared_memory``: a memfd has no name to leak or to
-collide (it goes with the last process that maps it, a killed rank included), it is not bound
-by the size of ``/dev/shm`` (64 MB in a default container), and it travels to the agent over
-the Unix socket they already share (``SCM_RIGHTS``).
+Why memfds and not ``multiprocessing.shared_memory``: a memfd has no name to leak or to collide
+(it goes with the last process that maps it, a killed rank included), it is not bound by the size
+of ``/dev/shm`` (64 MB in a default container), and it travels to the agent over the Unix socket
+they already share (``SCM_RIGHTS``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import mmap
@@ -39,46 +39,52 @@ def supported() -> bool:
     return hasattr(os, "memfd_create")
 
 
-class SlotRing:
-    """``nslots`` snapshot slots of one shard layout. ``create`` on the rank, ``attach`` on the agent."""
+def memfd_with(data: bytes) -> int:
+    """A new memfd holding ``data`` (a layout, to send once); the caller sends and closes it."""
+    fd = os.memfd_create("elastic-checkpoint-layout", os.MFD_CLOEXEC)
+    try:
+        os.pwrite(fd, data, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
-    def __init__(self, fd: int, desc: dict, layout: list[dict] | None = None):
-        self.desc = dict(desc)
-        self.nslots = int(desc["nslots"])
-        self.slot_bytes = int(desc["slot_bytes"])
-        self.data_bytes = int(desc["data_bytes"])
-        self.meta_capacity = int(desc["meta_capacity"])
-        self.slots_offset = int(desc["slots_offset"])
-        self._mm = mmap.mmap(fd, int(desc["size"]))
+
+def read_memfd(fd: int, length: int) -> bytes:
+    """The first ``length`` bytes of a received memfd, which is closed."""
+    try:
+        return os.pread(fd, length, 0)
+    finally:
+        os.close(fd)
+
+
+class SlotRing:
+    """``nslots`` slots of ``slot_bytes`` each in one memfd: ``create`` on the rank; the agent
+    maps the descriptor it receives with the ring's ``desc``."""
+
+    def __init__(self, fd: int, desc: dict):
+        self.desc = {k: int(desc[k]) for k in ("nslots", "slot_bytes", "size")}
+        self.nslots, self.slot_bytes = self.desc["nslots"], self.desc["slot_bytes"]
+        self._mm = mmap.mmap(fd, self.desc["size"])
         os.close(fd)  # the mapping keeps the memory
         self._export: int | None = None  # a descriptor for the agent, until it is sent
-        if layout is None:
-            n = int(desc["layout_len"])
-            layout = json.loads(self._mm[:n])
-        self.layout = layout
-        self._views: dict[int, list] = {}
+        self._views: dict[tuple[int, Any], list] = {}  # (slot, layout id) -> tensors over the slot
         self._pinned: bool | None = None  # page-locked for CUDA (``pin``)
         self._unpin: tuple | None = None
 
     @classmethod
-    def create(cls, layout: list[dict], nslots: int, meta_capacity: int) -> "SlotRing":
-        """A new memfd for ``nslots`` snapshots of tensors laid out as ``layout``."""
-        text = json.dumps(layout, separators=(",", ":")).encode()
-        data_bytes = sum(e["nbytes"] for e in layout)
-        slots_offset = _round_up(len(text))
-        slot_bytes = _round_up(data_bytes + meta_capacity)
-        desc = {"nslots": nslots, "slot_bytes": slot_bytes, "data_bytes": data_bytes,
-                "meta_capacity": slot_bytes - data_bytes, "slots_offset": slots_offset,
-                "layout_len": len(text), "size": slots_offset + nslots * slot_bytes}
+    def create(cls, nslots: int, slot_bytes: int) -> "SlotRing":
+        """A new memfd for ``nslots`` snapshots of up to ``slot_bytes`` (rounded up to pages)."""
+        slot_bytes = _round_up(slot_bytes)
+        desc = {"nslots": nslots, "slot_bytes": slot_bytes, "size": nslots * slot_bytes}
         fd = os.memfd_create("elastic-checkpoint", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, desc["size"])
-            ring = cls(os.dup(fd), desc, layout)
+            ring = cls(os.dup(fd), desc)
         except BaseException:
             os.close(fd)
             raise
         ring._export = fd
-        ring._mm[:len(text)] = text
         return ring
 
     def take_fd(self) -> int:
@@ -88,47 +94,41 @@ class SlotRing:
             raise ValueError("this ring's descriptor was already taken")
         return fd
 
-    @classmethod
-    def attach(cls, fd: int, desc: dict) -> "SlotRing":
-        """The agent's mapping of a ring a rank created (``fd`` received over the socket)."""
-        return cls(fd, desc)
-
-    def _start(self, slot: int) -> int:
+    def _span(self, slot: int, offset: int, length: int) -> tuple[int, int]:
         if not 0 <= slot < self.nslots:
             raise ValueError(f"slot {slot} is outside a ring of {self.nslots}")
-        return self.slots_offset + slot * self.slot_bytes
+        if offset < 0 or length < 0 or offset + length > self.slot_bytes:
+            raise ValueError(f"{length} bytes at {offset} do not fit a slot of {self.slot_bytes}")
+        start = slot * self.slot_bytes + offset
+        return start, start + length
 
-    def data(self, slot: int) -> memoryview:
-        """The slot's tensors, as the data section of the shard file."""
-        start = self._start(slot)
-        return memoryview(self._mm)[start:start + self.data_bytes]
+    def data(self, slot: int, nbytes: int) -> memoryview:
+        """The slot's first ``nbytes``: the data section of the shard file."""
+        start, end = self._span(slot, 0, nbytes)
+        return memoryview(self._mm)[start:end]
 
-    def meta(self, slot: int, length: int) -> bytes:
-        if not 0 <= length <= self.meta_capacity:
-            raise ValueError(f"meta of {length} bytes in a slot with room for {self.meta_capacity}")
-        start = self._start(slot) + self.data_bytes
-        return self._mm[start:start + length]
+    def meta(self, slot: int, offset: int, length: int) -> bytes:
+        start, end = self._span(slot, offset, length)
+        return self._mm[start:end]
 
-    def put_meta(self, slot: int, data: bytes) -> None:
-        if len(data) > self.meta_capacity:
-            raise ValueError(f"meta of {len(data)} bytes in a slot with room for {self.meta_capacity}")
-        start = self._start(slot) + self.data_bytes
-        self._mm[start:start + len(data)] = data
+    def put_meta(self, slot: int, offset: int, data: bytes) -> None:
+        start, end = self._span(slot, offset, len(data))
+        self._mm[start:end] = data
 
-    def copy_in(self, slot: int, tensors: dict[str, Any]) -> None:
+    def copy_in(self, slot: int, layout_id: Any, layout: list[dict], tensors: dict[str, Any]) -> None:
         """Copy ``tensors`` (the layout's names) into ``slot``, from any device; synchronous."""
-        views = self._views.get(slot)
+        views = self._views.get((slot, layout_id))
         if views is None:
-            start = self._start(slot)
+            start, _ = self._span(slot, 0, sum(e["nbytes"] for e in layout))
             views = []
-            for e in self.layout:
+            for e in layout:
                 dtype = getattr(torch, TORCH_DTYPES[e["dtype"]])
                 count = math.prod(e["shape"])
                 views.append(torch.frombuffer(self._mm, dtype=dtype, count=count, offset=start + e["offset"])
                              .view(e["shape"]) if count else None)
-            self._views[slot] = views
+            self._views[(slot, layout_id)] = views
         dst, src = [], []
-        for e, view in zip(self.layout, views):
+        for e, view in zip(layout, views):
             if view is not None:
                 dst.append(view)
                 src.append(tensors[e["name"]].detach())

@@ -8,16 +8,19 @@ plus ``"rng"`` when the rank wrote no file (no share of a small state), for the 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import select
 import socket
+import sys
 import time
 from typing import Any, Callable
 
 from elastic.checkpoint.agent import receive_message, send_message
 from elastic.checkpoint.codec import canonical_json, capture_rng, host_copy, shard_layout
 from elastic.checkpoint.persister import AsyncPersister
-from elastic.checkpoint.shm import SlotRing
+from elastic.checkpoint.shm import SlotRing, memfd_with
 from elastic.checkpoint.staging import StagingBuffers
 from elastic.checkpoint.storage import RetryPolicy
 from elastic.checkpoint.store import CheckpointStore, Snapshot, rank_meta
@@ -90,15 +93,8 @@ class WorkerCheckpointer:
         self._snapshot_error: str | None = None
 
     def warm_up(self) -> None:
-        """Open the storage client now, before training, with one cheap request. Why: an S3
-        client (s3fs/aiobotocore) sets itself up on its first request, 0.43 s for the first
-        0.8 MB PUT against moto on loopback where the next ones took 0.016 s, and in a
-        rank's first checkpoint that delay is lag. A failure here is only logged: the writes
-        retry and report an outage on their own."""
-        try:
-            self.store.storage.exists("", retry=RetryPolicy(attempts=1))
-        except Exception as exc:  # noqa: BLE001 - storage may be down now; training must still start
-            logger.warning("checkpoint storage %s did not answer a warm-up request: %s", self.store.location, exc)
+        """Open the storage client now (``CheckpointStore.warm_up``)."""
+        self.store.warm_up()
 
     def due(self, step: int) -> bool:
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
@@ -185,15 +181,18 @@ class AgentCheckpointer:
     """The rank's side of its node's checkpoint agent (``elastic.checkpoint.agent``), with the
     interface of ``WorkerCheckpointer``: inside the step, this rank's share is copied into a
     free slot of memory shared with the agent and one message says so; the agent writes it and
-    reports it. Nothing of the checkpoint runs on a thread of this process.
+    reports it. Nothing of the checkpoint runs on a thread of this process, and nothing here
+    waits for the agent inside a step.
 
-    With no free slot (the agent is still busy with the previous snapshots), the step's snapshot
-    is dropped rather than waited for: a newer one follows at the next step. If the agent is
-    gone, or cannot take a snapshot (a dtype safetensors has no name for), this rank writes in
-    process from then on (``fallback``, a ``WorkerCheckpointer``)."""
+    With no free slot (the agent still busy with the previous snapshots, or its answers not in
+    yet), the step's snapshot is dropped rather than waited for: a newer one follows. A flush
+    (the end of the run, a recovery) takes again a dropped snapshot of the step the rank is at,
+    so the last step is never the one missing. If the agent is gone, or cannot take a snapshot
+    (a dtype safetensors has no name for), this rank writes in process from then on
+    (``fallback``, a ``WorkerCheckpointer``)."""
 
     SLOTS = 3  # one being written, one waiting, one being filled: as many as the in-process writer holds
-    MAX_RINGS = 4  # shard layouts kept mapped (with fewer writers than ranks a rank's share rotates)
+    DROP_EVENT_EVERY_S = 60.0
 
     def __init__(self, address: str, every_n_steps: int, fallback: Callable[[], WorkerCheckpointer],
                  min_shard_bytes: int = 0, close_timeout_s: float = 30.0):
@@ -206,21 +205,23 @@ class AgentCheckpointer:
         self.fallback: WorkerCheckpointer | None = None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.connect(address)
-        self._rings: dict[tuple, int] = {}  # layout key -> ring id
-        self._ring_of: dict[int, tuple[Any, set[int]]] = {}  # ring id -> (SlotRing, free slots)
-        self._retired: set[int] = set()  # rings to unmap once the agent has handed all their slots back
-        self._next_ring = 0
+        self._ring_id: int | None = None  # the ring snapshots go into; older ones wait for their slots
+        self._rings: dict[int, tuple[SlotRing, set[int]]] = {}  # ring id -> (ring, free slots)
+        self._layouts: dict[tuple, tuple[int, list[dict]]] = {}  # layout key -> (id, layout), sent once
+        self._next_id = 0
         self._events: list[dict] = []
         self._flushed: dict | None = None
         self._flush_id = 0
-        self.dropped = 0  # snapshots dropped because no slot was free
-        self.last_snapshot_s = 0.0
+        self._handed: int | None = None  # the newest step the agent was given
+        self._dropped: int | None = None  # the newest step dropped since, for want of a slot
+        self.dropped = 0  # snapshots dropped, in all
+        self._drops_told = (0, time.monotonic() - self.DROP_EVENT_EVERY_S)  # (count, when) of the last event
 
     def due(self, step: int) -> bool:
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
 
     def warm_up(self) -> None:
-        """The agent opens the storage client; nothing to do here."""
+        """The agent opens the storage client (``CheckpointAgent.warm_up``)."""
 
     def after_step(self, worker: Any, step: int) -> dict:
         if self.fallback is not None:
@@ -231,39 +232,27 @@ class AgentCheckpointer:
         """Snapshot ``step`` into a slot and hand it to the agent; the events of a failure."""
         if self.fallback is not None:
             return self.fallback.snapshot(worker, step)
-        t0 = time.perf_counter()
         try:
             self._poll()
             snap = Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size),
                                      capture_rng(), self.min_shard_bytes)  # live tensors: copied into the slot
             message: dict[str, Any] = {"op": "snap", "step": step, "rank": snap.rank, "world_size": snap.world_size,
                                        "taken_at": snap.taken_at}
-            slot = None
             if snap.writes_file:
                 layout = shard_layout(snap.tensors)
                 if layout is None:
                     return self._fall_back(worker, step, "a tensor's dtype has no safetensors name here")
                 meta = canonical_json(rank_meta(step, snap.rank, snap.world_size, snap.tensors, snap.rng,
                                                 snap.skeleton))
-                ring_id = self._ring(layout, len(meta))
-                ring, free = self._ring_of[ring_id]
-                if not free:
-                    self.dropped += 1
-                    logger.debug("rank %s: no free snapshot slot at step %d; the agent is behind", snap.rank, step)
-                    return []
-                slot = free.pop()
-                ring.copy_in(slot, snap.tensors)
-                ring.put_meta(slot, meta)
-                message.update(ring=ring_id, slot=slot, meta_len=len(meta))
+                if not self._fill(message, layout, meta, snap.tensors):
+                    return self._drop(step)
             else:
                 message["rng"] = snap.rng
             try:
                 send_message(self.sock, message, block=False)
             except BlockingIOError:  # the agent's queue is full: it is far behind
-                self.dropped += 1
-                if slot is not None:
-                    self._ring_of[message["ring"]][1].add(slot)
-                return []
+                self._give_back(message)
+                return self._drop(step)
         except OSError as exc:
             return self._fall_back(worker, step, f"the checkpoint agent is gone ({type(exc).__name__}: {exc})")
         except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
@@ -271,69 +260,140 @@ class AgentCheckpointer:
             return [{"event": "checkpoint_failed", "what": "snapshot", "step": step, "time": time.time(),
                      "error": f"{type(exc).__name__}: {exc}"[:300],
                      "message": f"cannot snapshot step {step} for a checkpoint: {type(exc).__name__}: {exc}"[:400]}]
-        self.last_snapshot_s = time.perf_counter() - t0
+        self._handed, self._dropped = step, None
         return []
 
-    def _ring(self, layout: list[dict], meta_len: int) -> int:
-        """The id of a ring for ``layout`` with room for ``meta_len`` bytes of meta; a new one
-        (sent to the agent) when there is none, or its meta room is too small."""
-        key = tuple((e["name"], e["dtype"], tuple(e["shape"])) for e in layout)
-        ring_id = self._rings.get(key)
-        if ring_id is not None and self._ring_of[ring_id][0].meta_capacity >= meta_len:
-            return ring_id
-        if ring_id is not None:
-            self._retire(ring_id)
-        while len(self._rings) >= self.MAX_RINGS:
-            self._retire(next(iter(self._rings.values())))
-        ring = SlotRing.create(layout, self.SLOTS, meta_capacity=max(64 << 10, 2 * meta_len))
-        ring_id, self._next_ring = self._next_ring, self._next_ring + 1
-        fd = ring.take_fd()
+    def _fill(self, message: dict, layout: list[dict], meta: bytes, tensors: dict) -> bool:
+        """Copy ``tensors`` and ``meta`` into a free slot and name it in ``message``; False
+        when no slot is free (or the agent cannot be told of a new ring or layout right now)."""
+        layout_id = self._layout_id(layout)
+        data_bytes = sum(e["nbytes"] for e in layout)
+        ring_id = self._ring_for(data_bytes + len(meta))
+        if layout_id is None or ring_id is None:
+            return False
+        ring, free = self._rings[ring_id]
+        if not free:
+            return False
+        slot = free.pop()
         try:
-            send_message(self.sock, {"op": "ring", "ring": ring_id, **ring.desc}, fds=[fd])
+            ring.copy_in(slot, layout_id, layout, tensors)
+            ring.put_meta(slot, data_bytes, meta)
+        except BaseException:
+            free.add(slot)
+            raise
+        message.update(ring=ring_id, slot=slot, layout=layout_id, meta_len=len(meta))
+        return True
+
+    def _give_back(self, message: dict) -> None:
+        if "slot" in message:
+            self._rings[message["ring"]][1].add(message["slot"])
+
+    def _drop(self, step: int) -> list[dict]:
+        """No slot for ``step``: counted, told now and then, and taken again by a flush."""
+        self.dropped += 1
+        self._dropped = step
+        told, when = self._drops_told
+        if time.monotonic() - when < self.DROP_EVENT_EVERY_S:
+            return []
+        self._drops_told = (self.dropped, time.monotonic())
+        return [{"event": "checkpoint_snapshots_dropped", "step": step, "time": time.time(),
+                 "dropped": self.dropped - told,
+                 "message": f"{self.dropped - told} snapshot(s) dropped (the newest at step {step}): the "
+                            "checkpoint agent had no free slot, it is behind; newer steps are written instead"}]
+
+    def _layout_id(self, layout: list[dict]) -> int | None:
+        """The id the agent knows ``layout`` by; sent (in a memfd of its own) the first time."""
+        key = tuple((e["name"], e["dtype"], tuple(e["shape"])) for e in layout)
+        known = self._layouts.get(key)
+        if known is not None:
+            return known[0]
+        text = json.dumps(layout, separators=(",", ":")).encode()
+        layout_id, fd = self._new_id(), memfd_with(text)
+        try:
+            send_message(self.sock, {"op": "layout", "layout": layout_id, "len": len(text)}, fds=[fd], block=False)
+        except BlockingIOError:
+            return None
+        finally:
+            os.close(fd)
+        self._layouts[key] = (layout_id, layout)
+        return layout_id
+
+    def _ring_for(self, nbytes: int) -> int | None:
+        """The ring snapshots of ``nbytes`` go into: the current one, or a bigger one (told to
+        the agent) when they outgrow it; the old ring is unmapped once all its slots are back."""
+        if self._ring_id is not None and self._rings[self._ring_id][0].slot_bytes >= nbytes:
+            return self._ring_id
+        ring = SlotRing.create(self.SLOTS, max(nbytes + (64 << 10), nbytes * 5 // 4))
+        ring_id, fd = self._new_id(), ring.take_fd()
+        try:
+            send_message(self.sock, {"op": "ring", "ring": ring_id, **ring.desc}, fds=[fd], block=False)
         except BaseException:
             ring.close()
+            if isinstance(sys.exc_info()[1], BlockingIOError):
+                return None
             raise
         finally:
             os.close(fd)
-        self._rings[key] = ring_id
-        self._ring_of[ring_id] = (ring, set(range(self.SLOTS)))
+        self._rings[ring_id] = (ring, set(range(self.SLOTS)))
+        self._ring_id = ring_id
         return ring_id
 
-    def _retire(self, ring_id: int) -> None:
-        self._rings = {k: v for k, v in self._rings.items() if v != ring_id}
-        self._retired.add(ring_id)
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
 
-    def _poll(self, block: bool = False) -> None:
-        """Take in what the agent sent: slots handed back, a flush's answer."""
+    def _wait(self, deadline: float, write: bool = False) -> None:
+        """Until the socket can be read (or written), or ``TimeoutError`` at ``deadline``.
+
+        Why select and not ``sock.settimeout``: a Python socket with a timeout polls before
+        every call, ``MSG_DONTWAIT`` or not, so the step's non-blocking sends and receives
+        would wait out the flush's timeout. The socket stays blocking without a timeout, and
+        only the flush waits, here."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the checkpoint agent did not answer in time")
+            ready = select.select([], [self.sock], [], left)[1] if write else select.select([self.sock], [], [], left)[0]
+            if ready:
+                return
+
+    def _poll(self, deadline: float | None = None) -> None:
+        """Take in what the agent sent: slots handed back, a flush's answer; unmap a ring that
+        was outgrown once all its slots are back. With ``deadline``, wait (until then) for one
+        message first."""
+        if deadline is not None:
+            self._wait(deadline)
         while True:
             try:
-                message, fds = receive_message(self.sock, block=block)
+                message, fds = receive_message(self.sock, block=False)
             except BlockingIOError:
                 break
             for fd in fds:
                 os.close(fd)
             if message is None:
                 raise ConnectionResetError("the checkpoint agent closed the connection")
-            if message.get("op") == "free" and int(message["ring"]) in self._ring_of:
-                self._ring_of[int(message["ring"])][1].add(int(message["slot"]))
+            if message.get("op") == "free" and int(message["ring"]) in self._rings:
+                self._rings[int(message["ring"])][1].add(int(message["slot"]))
             elif message.get("op") == "flushed" and message.get("id") == self._flush_id:
                 self._flushed = message  # (an answer to an earlier flush that timed out is dropped)
-                if block:
-                    break
-        for ring_id in [r for r in self._retired if len(self._ring_of[r][1]) == self.SLOTS]:
-            self._retired.discard(ring_id)
-            ring, _ = self._ring_of.pop(ring_id)
-            send_message(self.sock, {"op": "drop_ring", "ring": ring_id})
+        for ring_id in [r for r, (_, free) in self._rings.items() if r != self._ring_id and len(free) == self.SLOTS]:
+            ring, _ = self._rings.pop(ring_id)
+            try:
+                send_message(self.sock, {"op": "drop_ring", "ring": ring_id}, block=False)
+            except BlockingIOError:  # tell it next time
+                self._rings[ring_id] = (ring, set(range(self.SLOTS)))
+                break
             ring.close()
 
-    def _fall_back(self, worker: Any, step: int, why: str) -> list[dict]:
+    def _fall_back(self, worker: Any, step: int, why: str, snapshot: bool = True) -> list[dict]:
+        """Write in this process from now on (and ``step`` now, if ``snapshot``)."""
         logger.warning("rank %s: %s; writing checkpoints in this process from step %d on", worker.rank, why, step)
         self._close_link()
         self.fallback = self._make_fallback()
         events = [{"event": "checkpoint_agent_lost", "step": step, "time": time.time(), "error": why[:300],
                    "message": f"checkpoints of this rank are written in its own process from step {step} on: "
                               f"{why[:300]}"}]
-        return events + self.fallback.snapshot(worker, step)
+        return events + (self.fallback.snapshot(worker, step) if snapshot else [])
 
     def _report(self, extra_events: list[dict] | None = None) -> dict:
         events, self._events = self._events + list(extra_events or []), []
@@ -353,44 +413,64 @@ class AgentCheckpointer:
         return out
 
     def flush(self, timeout_s: float | None = None, worker: Any = None) -> bool:
-        """Wait until the agent has written (or given up on) every snapshot of this rank. If the
-        agent is gone, the snapshots it had not written went with it: with ``worker`` (its
-        state still that of its newest step) this rank snapshots that step again and writes it
-        in process."""
+        """Wait until the agent has written (or given up on) every snapshot of this rank.
+
+        With ``worker`` (whose state is still that of its newest step), the snapshot of that
+        step is taken again first if it was dropped for want of a slot (waiting for one now:
+        training waits for the flush anyway), and if the agent is gone, the step it was given
+        last is written in this process: what it had not written went with it."""
         if self.fallback is not None:
             return self.fallback.flush(timeout_s)
         timeout_s = self.close_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s + 5.0
         self._flushed = None
         self._flush_id += 1
         try:
-            send_message(self.sock, {"op": "flush", "id": self._flush_id, "timeout_s": timeout_s})
-            self.sock.settimeout(timeout_s + 5.0)
-            try:
-                while self._flushed is None:
-                    self._poll(block=True)
-            finally:
-                self.sock.settimeout(None)
+            if worker is not None and self._dropped is not None and self._dropped == int(worker.completed_step):
+                self._take_again(worker, deadline)
+            if self.fallback is not None:  # the agent went while the dropped step was taken again
+                return self.fallback.flush(timeout_s)
+            while True:
+                try:
+                    send_message(self.sock, {"op": "flush", "id": self._flush_id, "timeout_s": timeout_s},
+                                 block=False)
+                    break
+                except BlockingIOError:
+                    self._wait(deadline, write=True)
+            while self._flushed is None:
+                self._poll(deadline)
         except TimeoutError:
             logger.warning("the checkpoint agent did not answer a flush within %.0fs", timeout_s + 5.0)
             return False
         except OSError as exc:
             if worker is None:
                 return False
-            self._events += self._fall_back(worker, int(worker.completed_step),
-                                             f"the checkpoint agent is gone ({type(exc).__name__}: {exc})")
+            step = int(worker.completed_step)
+            # What the agent had not written went with it: the step it was last given (or that
+            # was dropped) is taken again here, from the rank's state, which is still that step's.
+            self._events += self._fall_back(worker, step, f"the checkpoint agent is gone ({type(exc).__name__}: "
+                                            f"{exc})", snapshot=step in (self._handed, self._dropped))
             return self.fallback.flush(timeout_s)
         return bool(self._flushed.get("ok"))
+
+    def _take_again(self, worker: Any, deadline: float) -> None:
+        """Snapshot the dropped step once a slot is free (waiting until ``deadline`` at most)."""
+        while self._dropped is not None:
+            if self._ring_id is None or self._rings[self._ring_id][1]:
+                self._events += self.snapshot(worker, self._dropped)
+                if self._dropped is None or self.fallback is not None:
+                    return
+            self._poll(deadline)
 
     def _close_link(self) -> None:
         try:
             self.sock.close()
         except OSError:
             pass
-        for ring, _ in self._ring_of.values():
+        for ring, _ in self._rings.values():
             ring.close()
-        self._ring_of.clear()
         self._rings.clear()
-        self._retired.clear()
+        self._ring_id = None
 
     def close(self) -> None:
         if self.fallback is not None:
