@@ -22,6 +22,15 @@ The runs default to 300 steps (291 measured). At 50 steps (41 measured, about tw
 training) the onset of the slowdown and the dispatch window still growing from one step dominate:
 first-N read 0.597 at 50 steps and 0.956 at 300 steps on the same code, and over 1,200 steps
 first-N with the straggler ran as fast as first-N without it (19.2-21.5 against 19.9 steps/s).
+
+On a lent 16-core machine (CPU ranks, one round, ``--skip-accuracy``, 2026-11-26) the fifth
+replica costs no cores, and what first-N costs is its exchange: the gradient's all-reduce starts
+only once the fast set is known (DDP overlaps it with the backward) and two store round trips,
+~1.5 ms a step. On the default 5.6 ms step: plain 0.309, first-N 0.768 (0.994 of first-N with no
+straggler), evict 0.856. With ``--batch-per-worker 512 --steps 200`` (a 23 ms healthy step; that
+run was cut off before the eviction mode and its figure lines, so these come from its per-mode
+log lines): healthy 89,012 samples/s, plain with the straggler 32,980 (0.371), first-N 92,409
+(1.038).
 """
 
 from __future__ import annotations
