@@ -348,14 +348,145 @@ def test_an_agent_gone_before_the_last_write_costs_the_run_no_step(node):
         for link_ in list(agent.pool.links):
             link_.conn.shutdown(socket.SHUT_RDWR)
         assert hook.flush(10, worker=worker) and hook.fallback is not None
-        out = hook.drain()
-        assert [e["event"] for e in out["ckpt_events"]] == ["checkpoint_agent_lost"]
-        for step, part in out["ckpt_done"]:
-            committer.add(step, 0, 1, part["entries"], rng=part.get("rng"))
-        assert committer.flush(10) and committer.latest_committed == 2
-        assert_same(store.read_state(2)[0], worker.get_state())
+        commit_after_agent_loss(hook, worker, committer, store, 2)
     finally:
         hook.close()
+
+
+def commit_after_agent_loss(hook, worker, committer, store, step: int) -> list:
+    """The flushed rank's report after its agent died: the loss told, its parts committing
+    ``step`` with the rank's state. Returns the parts."""
+    out = hook.drain()
+    assert [e["event"] for e in out["ckpt_events"]] == ["checkpoint_agent_lost"]
+    for done_step, part in out["ckpt_done"]:
+        committer.add(done_step, 0, 1, part["entries"], rng=part.get("rng"))
+    assert committer.flush(10) and committer.latest_committed == step
+    assert_same(store.read_state(step)[0], worker.get_state())
+    return out["ckpt_done"]
+
+
+def test_an_agent_gone_after_writing_the_last_step_is_not_written_again_its_part_is_reported(node, monkeypatch):
+    """The slot of a written step comes back saying so: if the agent dies before the flush, the
+    rank reports that part itself instead of rewriting a file a committed manifest may name."""
+    agent, controller, committer, store, (url, options) = node
+    worker = FakeWorker(rank=0, world_size=1)
+    rewrites = []
+
+    def in_process():
+        hook = WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST)
+        monkeypatch.setattr(hook, "snapshot", lambda *a: rewrites.append(a) or [])
+        return hook
+
+    hook = link(agent, fallback=in_process)
+    try:
+        run_training([worker], [hook], committer, [1])
+        deadline = time.monotonic() + 10
+        while (hook._written or (0,))[0] != 1 and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                hook._poll(time.monotonic() + 0.1)  # the free message of step 1's slot
+        assert hook._written[0] == 1
+        for link_ in agent.pool.connected():
+            link_.conn.shutdown(socket.SHUT_RDWR)  # the agent dies (whether or not it reported)
+        assert hook.flush(10, worker=worker) and hook.fallback is not None
+        assert rewrites == []
+        ((step, part),) = commit_after_agent_loss(hook, worker, committer, store, 1)
+        assert step == 1 and part["entries"] == hook._written[1]["entries"]
+    finally:
+        hook.close()
+
+
+def test_a_flush_whose_retaken_snapshot_is_dropped_again_goes_on_without_waiting(node, monkeypatch):
+    agent, controller, committer, store, _ = node
+    with linked_after_step_one(agent, committer) as (worker, hook):
+        worker.train(2)
+        hook._dropped = 2  # as if step 2 found no free slot
+        from elastic.checkpoint import worker_hook
+        real = worker_hook.send_message
+
+        def queue_full(sock, message, *args, **kwargs):
+            if message.get("op") == "snap":
+                raise BlockingIOError
+            return real(sock, message, *args, **kwargs)
+
+        monkeypatch.setattr(worker_hook, "send_message", queue_full)
+        started = time.monotonic()
+        assert hook.flush(10, worker=worker)
+        assert time.monotonic() - started < 5  # not the flush's whole deadline
+        assert hook._dropped == 2 and hook.fallback is None
+
+
+def test_the_report_thread_survives_links_coming_and_going_and_a_failing_report(node, monkeypatch):
+    """Links are added and dropped by the connection threads while the report thread works out
+    whom a step waits for; before they shared the pool's lock that raised 'Set changed size
+    during iteration' and ended the report thread, and no step of the node committed again."""
+    import sys
+
+    from elastic.checkpoint.agent import _NodePool
+
+    class Link:
+        def __init__(self, rank):
+            self.rank = rank
+
+    pool = _NodePool(lambda *a: None)
+    pool.expect(4, {0, 1, 2, 3})
+    for _ in range(50):
+        pool.connect(Link(0))
+    stop = threading.Event()
+
+    def churn():
+        i = 0
+        while not stop.is_set():
+            link_ = Link(i % 4)
+            pool.connect(link_)
+            pool.drop(link_)
+            i += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        for step in range(3000):
+            pool.add(0, 4, step, {})
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+
+    agent, controller, committer, store, _ = node
+    failing = [True]
+    real_add = agent.pool.add
+
+    def add_once_failing(*args):
+        if failing.pop() if failing else False:
+            raise RuntimeError("injected")
+        return real_add(*args)
+
+    monkeypatch.setattr(agent.pool, "add", add_once_failing)
+    with linked_after_step_one(agent, committer) as (worker, hook):
+        run_training([worker], [hook], committer, [2])
+        finish([worker], [hook], committer)
+        assert committer.latest_committed == 2
+
+
+def test_a_message_that_does_not_fit_or_is_not_json_is_refused_with_its_descriptors_closed():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        fd = os.memfd_create("t")
+        send_message(a, {"op": "x", "pad": "y" * 100}, fds=[fd])
+        before = set(os.listdir("/proc/self/fd"))
+        with pytest.raises(ValueError, match="cut short"):
+            receive_message(b, buffer=bytearray(64))
+        assert set(os.listdir("/proc/self/fd")) <= before  # the received descriptor is closed
+        os.close(fd)
+        a.send(b"not json")
+        with pytest.raises(ValueError):
+            receive_message(b, buffer=bytearray(64))
+        send_message(a, {"op": "ok"})
+        assert receive_message(b, buffer=bytearray(64)) == ({"op": "ok"}, [])
+    finally:
+        a.close()
+        b.close()
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from elastic.checkpoint.agent import receive_message, send_message
+from elastic.checkpoint.agent import MAX_MESSAGE, receive_message, send_message
 from elastic.checkpoint.codec import canonical_json, capture_rng, host_copy, shard_layout
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.shm import SlotRing, memfd_with
@@ -213,6 +213,9 @@ class AgentCheckpointer:
         self._flushed: dict | None = None
         self._flush_id = 0
         self._handed: int | None = None  # the newest step the agent was given
+        self._written: tuple[int, dict] | None = None  # the newest step the agent wrote (free's "written"), its part
+        self._orphans: list[tuple[int, dict]] = []  # parts the agent wrote but may not have reported before it died
+        self._rbuf = bytearray(MAX_MESSAGE)  # what the agent sends is received into this (receive_message)
         self._dropped: int | None = None  # the newest step dropped since, for want of a slot
         self.dropped = 0  # snapshots dropped, in all
         self._drops_told = (0, time.monotonic() - self.DROP_EVENT_EVERY_S)  # (count, when) of the last event
@@ -365,15 +368,20 @@ class AgentCheckpointer:
             self._wait(deadline)
         while True:
             try:
-                message, fds = receive_message(self.sock, block=False)
+                message, fds = receive_message(self.sock, block=False, buffer=self._rbuf)
             except BlockingIOError:
                 break
+            except ValueError as exc:  # a malformed message: the link is not to be trusted any more
+                raise ConnectionResetError(f"the checkpoint agent sent a malformed message: {exc}") from exc
             for fd in fds:
                 os.close(fd)
             if message is None:
                 raise ConnectionResetError("the checkpoint agent closed the connection")
             if message.get("op") == "free" and int(message["ring"]) in self._rings:
                 self._rings[int(message["ring"])][1].add(int(message["slot"]))
+                written = message.get("written")
+                if written and (self._written is None or int(written[0]) >= self._written[0]):
+                    self._written = (int(written[0]), written[1])
             elif message.get("op") == "flushed" and message.get("id") == self._flush_id:
                 self._flushed = message  # (an answer to an earlier flush that timed out is dropped)
         for ring_id in [r for r, (_, free) in self._rings.items() if r != self._ring_id and len(free) == self.SLOTS]:
@@ -404,7 +412,11 @@ class AgentCheckpointer:
         and its events), with ``extra_events``; see ``WorkerCheckpointer.drain``."""
         if self.fallback is not None:
             events, self._events = self._events + list(extra_events or []), []
-            return self.fallback.drain(events)
+            out = self.fallback.drain(events)
+            if self._orphans:  # reported twice if the agent did report them: harmless
+                out["ckpt_done"] = [tuple(d) for d in self._orphans] + list(out["ckpt_done"])
+                self._orphans = []
+            return out
         out = self._report(extra_events)
         if self._flushed is not None:
             out["ckpt_done"] = [tuple(d) for d in self._flushed.get("done", [])]
@@ -448,19 +460,24 @@ class AgentCheckpointer:
             step = int(worker.completed_step)
             # What the agent had not written went with it: the step it was last given (or that
             # was dropped) is taken again here, from the rank's state, which is still that step's.
+            # A step it wrote (its slot came back saying so) is not written again, since a
+            # committed manifest may name that file already; its part is reported from here, in
+            # case the agent died before it did.
+            written = self._written is not None and self._written[0] == step == self._handed
+            if written:
+                self._orphans.append(self._written)
             self._events += self._fall_back(worker, step, f"the checkpoint agent is gone ({type(exc).__name__}: "
-                                            f"{exc})", snapshot=step in (self._handed, self._dropped))
+                                            f"{exc})", snapshot=not written and step in (self._handed, self._dropped))
             return self.fallback.flush(timeout_s)
         return bool(self._flushed.get("ok"))
 
     def _take_again(self, worker: Any, deadline: float) -> None:
-        """Snapshot the dropped step once a slot is free (waiting until ``deadline`` at most)."""
-        while self._dropped is not None:
-            if self._ring_id is None or self._rings[self._ring_id][1]:
-                self._events += self.snapshot(worker, self._dropped)
-                if self._dropped is None or self.fallback is not None:
-                    return
-            self._poll(deadline)
+        """Snapshot the dropped step once a slot is free (waiting until ``deadline`` at most),
+        once: if it is dropped again (the agent's queue full) or fails, the flush goes on
+        without it, as no slot may come back to wait for."""
+        while self._ring_id is not None and not self._rings[self._ring_id][1]:
+            self._poll(deadline)  # the agent's writes in flight hand their slots back
+        self._events += self.snapshot(worker, self._dropped)
 
     def _close_link(self) -> None:
         try:
