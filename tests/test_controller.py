@@ -214,6 +214,18 @@ class CommittedAt:
         self.latest_committed = step
 
 
+@pytest.mark.parametrize("latest, told", [(3, True), (5, False)])
+def test_a_run_that_ends_past_its_newest_commit_says_so(ray_cluster, latest, told):
+    """Every handed-over step committed, yet not the last (a rank's part of the later steps
+    never came): the run ends, with checkpoint_incomplete naming where fit() again resumes."""
+    with trained("fake-incomplete", workers=2, steps=5) as c:
+        committed_at(c, latest)
+        c._commit_what_ranks_wrote = lambda final, timeout_s, what, lost_ok=False: True
+        c._finish_checkpoints()
+        events = [e for e in c.events if e.kind == "checkpoint_incomplete"]
+        assert [(e.details["step"], e.details["latest"]) for e in events] == ([(5, latest)] if told else [])
+
+
 def test_a_newer_committed_checkpoint_wins_over_a_rollback(ray_cluster):
     with trained("fake-ckpt-over-rollback", workers=2, steps=3) as c:
         ray.get([m.actor.set_state.remote({"completed_step": 1}) for m in c.group.members])
