@@ -316,10 +316,10 @@ def test_a_rank_whose_agent_is_gone_writes_its_checkpoints_itself(node):
         run_training([worker], [hook], committer, [1, 2])
         assert hook.flush(10)
         agent.shutdown()
-        for link_ in list(agent.pool.links):
+        for link_ in agent.pool.connected():
             link_.conn.shutdown(2)  # as if the agent's process died: its sockets close
         deadline = time.monotonic() + 5
-        while agent.pool.links and time.monotonic() < deadline:
+        while agent.pool.connected() and time.monotonic() < deadline:
             time.sleep(0.01)
         reports = run_training([worker], [hook], committer, [3])
         assert fallbacks and hook.fallback is fallbacks[0]
@@ -341,11 +341,11 @@ def test_an_agent_gone_before_the_last_write_costs_the_run_no_step(node):
     try:
         run_training([worker], [hook], committer, [1])
         assert hook.flush(10)
-        for link_ in list(agent.pool.links):
+        for link_ in agent.pool.connected():
             link_.persister.close(0.1)  # drops whatever arrives from now on
         agent.shutdown()
         run_training([worker], [hook], committer, [2])  # handed over, never written
-        for link_ in list(agent.pool.links):
+        for link_ in agent.pool.connected():
             link_.conn.shutdown(socket.SHUT_RDWR)
         assert hook.flush(10, worker=worker) and hook.fallback is not None
         commit_after_agent_loss(hook, worker, committer, store, 2)
@@ -513,7 +513,7 @@ def test_a_bigger_snapshot_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_
         run_training([worker], [hook], committer, [2])
         finish([worker], [hook], committer)
         assert committer.latest_committed == 2
-        (link_,) = agent.pool.links
+        (link_,) = agent.pool.connected()
         assert set(link_.rings) == {bigger}  # the agent unmapped the old one too
 
 

@@ -197,7 +197,6 @@ class _RankLink:
         self.agent, self.conn, self.number = agent, conn, number
         self.rings: dict[int, SlotRing] = {}
         self.layouts: dict[int, list[dict]] = {}
-        self.send_lock = threading.Lock()
         self.rank: int | None = None
         self.world_size: int | None = None
         self.newest_step = 0
@@ -238,9 +237,9 @@ class _RankLink:
             self.agent.reports.put(("send", (self, message)))
 
     def send(self, message: dict) -> None:
+        """From the report thread, the only one that writes to the rank (no lock needed)."""
         try:
-            with self.send_lock:
-                send_message(self.conn, message)
+            send_message(self.conn, message)
         except OSError:
             pass  # the rank is gone; its loop ends on its own
 
@@ -294,7 +293,6 @@ class _RankLink:
                 p = _Payload(m)
                 self.rank, self.world_size = p.rank, p.world_size
                 self.newest_step = max(self.newest_step, p.step)
-                self.agent.pool.seen(self, p.world_size)
                 self.persister.submit(p.step, p, light=p.ring is None)
             elif op == "flush":
                 threading.Thread(target=self._flush, args=(m.get("id"), float(m.get("timeout_s", 30.0))),
@@ -324,7 +322,6 @@ class _NodePool:
     def __init__(self, report):
         self._report = report
         self._lock = threading.Lock()
-        self._world: dict[_RankLink, int] = {}  # link -> the world size of its newest snapshot
         self._waiting: dict[tuple[int, int], dict] = {}  # (world size, step) -> {"ranks": {rank: part}, "since"}
         self._told: dict[int, set[int]] = {}  # world size -> this node's ranks in it, as the controller said
         self.links: set[_RankLink] = set()  # the connected ranks; changed only under the lock (connect, drop)
@@ -345,14 +342,9 @@ class _NodePool:
         with self._lock:
             return list(self.links)
 
-    def seen(self, link: _RankLink, world_size: int) -> None:
-        with self._lock:
-            self._world[link] = world_size
-
     def drop(self, link: _RankLink) -> None:
         with self._lock:
             self.links.discard(link)
-            self._world.pop(link, None)
         self.sweep(0.0)  # the others' parts of its steps go on their own
 
     def _expected(self, world_size: int) -> set[int]:
@@ -366,7 +358,7 @@ class _NodePool:
             if None in ranks:  # a rank connected but not yet heard from: it may be any of them
                 return self._told[world_size]
             return self._told[world_size] & ranks
-        return {link.rank for link, w in self._world.items() if w == world_size and link.rank is not None}
+        return {link.rank for link in self.links if link.world_size == world_size and link.rank is not None}
 
     def add(self, rank: int, world_size: int, step: int, part: dict) -> None:
         out = []
@@ -402,12 +394,10 @@ class CheckpointAgent:
         self.priority = WriterPriority(background)
         self.close_timeout_s = close_timeout_s
         self.pool = _NodePool(self._report)
-        # Written parts, reported from a thread of normal priority: the writers may be idle-class,
-        # and one preempted while it holds this process's GIL in a Ray call would hold up every
-        # other thread here, the one that hands slots back included.
+        # Written parts and messages to the ranks (slots back, flush answers), handled by a thread
+        # of normal priority: the writers may be idle-class, and one preempted while it holds
+        # this process's GIL in a Ray call would hold up every other thread here.
         self.reports: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._count = 0
         self._address = f"\0elastic-checkpoint-{uuid.uuid4().hex}"
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._server.bind(self._address)
@@ -440,6 +430,7 @@ class CheckpointAgent:
 
     # ---- inside -----------------------------------------------------------------------------
     def _accept(self) -> None:
+        number = 0
         while not self._closed:
             try:
                 conn, _ = self._server.accept()
@@ -448,9 +439,8 @@ class CheckpointAgent:
             if not _same_user(conn):
                 conn.close()
                 continue
-            with self._lock:
-                self._count += 1
-                link = _RankLink(self, conn, self._count)
+            number += 1
+            link = _RankLink(self, conn, number)
             self.pool.connect(link)
             threading.Thread(target=link.serve, name=f"elastic-checkpoint agent link {link.number}",
                              daemon=True).start()
@@ -551,9 +541,11 @@ class NodeAgents:
         node whose agent does not start (its ranks then write checkpoints in their own processes)."""
         import ray
 
-        for node in [n for n in node_ids if n in self._agents]:
+        pings = {node: self._agents[node][0].stats.remote() for node in node_ids if node in self._agents}
+        deadline = time.monotonic() + 10  # all asked at once: one wait, not one per node
+        for node, ref in pings.items():
             try:
-                ray.get(self._agents[node][0].stats.remote(), timeout=10)
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - dead or unreachable: start another
                 self._kill(node)
         self.start(node_ids)

@@ -205,14 +205,9 @@ class AsyncPersister:
         if not clean:
             # Storage is still down: give up on the last snapshot rather than hang shutdown.
             with self._cond:
-                self._abort = True
                 dropped = self._queue[-1][0] if self._queue else self._inflight
-                for item in self._queue:
-                    self._release(item[1])
-                self._queue.clear()
-                self._cond.notify_all()
             logger.warning("%s: gave up on step %s at close after %.1fs", self.name, dropped, timeout_s)
-            thread.join(5.0)
+            self.abort(5.0)
         return clean
 
     def abort(self, timeout_s: float = 5.0) -> list[int]:

@@ -58,6 +58,23 @@ def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: Sta
                              min_shard_bytes, copy=staging.copy if staging is not None else host_copy)
 
 
+class SnapshotFailures:
+    """The event of a snapshot that failed, for either writer; each distinct error is logged
+    with its traceback once, not every step (a state that cannot be saved fails every step
+    alike). Call it inside the ``except`` block."""
+
+    def __init__(self):
+        self._last: str | None = None
+
+    def __call__(self, worker: Any, step: int, exc: BaseException) -> list[dict]:
+        text = f"{type(exc).__name__}: {exc}"
+        if text != self._last:
+            logger.exception("rank %s: cannot snapshot step %d for checkpointing", worker.rank, step)
+            self._last = text
+        return [{"event": "checkpoint_failed", "what": "snapshot", "step": step, "time": time.time(),
+                 "error": text[:300], "message": f"cannot snapshot step {step} for a checkpoint: {text[:300]}"}]
+
+
 class WorkerCheckpointer:
     """Installed on a TrainWorker as ``worker._ckpt``; ``after_step`` runs after every optimizer step."""
 
@@ -90,7 +107,7 @@ class WorkerCheckpointer:
                                         on_done=self._push if notify is not None else None,
                                         on_release=lambda payload: self.staging.release(payload[0].tensors.values()))
         self.last_snapshot_s = 0.0
-        self._snapshot_error: str | None = None
+        self._snapshot_failed = SnapshotFailures()
 
     def warm_up(self) -> None:
         """Open the storage client now (``CheckpointStore.warm_up``)."""
@@ -109,12 +126,7 @@ class WorkerCheckpointer:
         try:
             snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging)
         except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
-            text = f"{type(exc).__name__}: {exc}"
-            if text != self._snapshot_error:  # log a repeating error once, not every step
-                logger.exception("rank %s: cannot snapshot step %d for checkpointing", worker.rank, step)
-                self._snapshot_error = text
-            return [{"event": "checkpoint_failed", "what": "snapshot", "step": step, "time": time.time(),
-                     "error": text[:300], "message": f"cannot snapshot step {step} for a checkpoint: {text[:300]}"}]
+            return self._snapshot_failed(worker, step, exc)
         self.last_snapshot_s = time.perf_counter() - t0
         self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None)), light=not snapshot.writes_file)
         return []
@@ -219,6 +231,7 @@ class AgentCheckpointer:
         self._dropped: int | None = None  # the newest step dropped since, for want of a slot
         self.dropped = 0  # snapshots dropped, in all
         self._drops_told = (0, time.monotonic() - self.DROP_EVENT_EVERY_S)  # (count, when) of the last event
+        self._snapshot_failed = SnapshotFailures()
 
     def due(self, step: int) -> bool:
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
@@ -259,10 +272,7 @@ class AgentCheckpointer:
         except OSError as exc:
             return self._fall_back(worker, step, f"the checkpoint agent is gone ({type(exc).__name__}: {exc})")
         except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
-            logger.exception("rank %s: cannot snapshot step %d for checkpointing", worker.rank, step)
-            return [{"event": "checkpoint_failed", "what": "snapshot", "step": step, "time": time.time(),
-                     "error": f"{type(exc).__name__}: {exc}"[:300],
-                     "message": f"cannot snapshot step {step} for a checkpoint: {type(exc).__name__}: {exc}"[:400]}]
+            return self._snapshot_failed(worker, step, exc)
         self._handed, self._dropped = step, None
         return []
 
