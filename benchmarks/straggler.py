@@ -103,6 +103,7 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
            "spare_ready_step": ready, **tp, **extra,
            "whole_run_samples_per_s": sum(h["samples"] for h in res.history) / whole,
            "dropped_samples": res.metrics["dropped_samples"], "late_gradients": res.metrics["late_gradients"],
+           "agreed_steps": res.metrics["agreed_steps"],
            "wall_s": wall}
     logger.info("%s: %s", mode, out)
     return out
@@ -206,7 +207,8 @@ def main(argv=None) -> None:
              measured_after_step=[r["measured_after_step"] for r in runs],
              whole_run_samples_per_s=[r["whole_run_samples_per_s"] for r in runs],
              dropped_samples=[r["dropped_samples"] for r in runs],
-             late_gradients=[r["late_gradients"] for r in runs], **common)
+             late_gradients=[r["late_gradients"] for r in runs], agreed_steps=[r["agreed_steps"] for r in runs],
+             **common)
 
     if not args.skip_accuracy:
         healthy = digits_accuracy("healthy", w.workers, args.digits_epochs, slow, 0)

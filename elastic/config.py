@@ -60,15 +60,17 @@ class ScalingConfig:
     process may restore its priority afterwards), so its start-up does not slow ranks sharing
     its node. Spares that training waits for always start at normal priority.
 
-    ``late_backoff_steps`` (first-N only): a replica whose gradient came late ``k`` times in a row
-    sits out the next ``min(4 * 2**(k-1), late_backoff_steps)`` steps. It still receives and applies
-    every update, so it stays identical, but it computes no gradient that would only be dropped,
-    and then tries again. A persistent straggler thus computes about one step in
-    ``late_backoff_steps + 1``, and where replicas share a node's cores the CPU it would have
-    wasted goes to the fast ones. The price: a replica that sits out is no backup for those
-    steps, so a rank that turns slow meanwhile holds up at most ``late_backoff_steps`` steps
-    before the rested replica is back. 0 turns it off: a late replica then computes every step
-    unless N gradients arrived before it started (Chen et al.'s backups always compute).
+    ``late_backoff_steps`` (first-N only): a replica whose gradient came late (or was skipped)
+    ``k`` times in a row sits out the next ``min(4 * 2**(k-1), late_backoff_steps)`` steps. It
+    still receives and applies every update, so it stays identical, but it computes no gradient
+    that would only be dropped, and then tries again. A persistent straggler thus computes about
+    one step in ``late_backoff_steps + 1``, and where replicas share a node's cores the CPU it
+    would have wasted goes to the fast ones. The price: a replica that sits out is no backup for
+    those steps, so a rank that turns slow meanwhile holds up at most ``late_backoff_steps`` steps
+    before the rested replica is back. A step in which only N replicas may compute needs no
+    agreement on who came first (every rank knows the schedule), so it costs what a data-parallel
+    step without overlap does. 0 turns it off: a late replica then computes every step unless N
+    gradients arrived before it started (Chen et al.'s backups always compute).
     """
 
     num_workers: int = 1

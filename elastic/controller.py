@@ -223,6 +223,7 @@ class Controller:
         self._hung: set[str] = set()
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
         self.late_gradients = 0  # first-N: gradients a rank computed that came too late to be used
+        self.agreed_steps = 0  # first-N: steps whose fast set was agreed on the store (the rest were known)
         self._planned: dict[int, tuple[int, list[list[int]]]] = {}  # step -> (epoch, shards) handed out
         self._positions: dict[int, dict] = {}  # step -> sampler position right after that step
         # first step of a window -> (refs, ranks, dispatch time, steps in the window)
@@ -795,6 +796,7 @@ class Controller:
             # and holds the same averaged loss.
             some = next(iter(results.values()))
             used, loss = some.extra["fast"], some.loss
+            self.agreed_steps += bool(some.extra.get("agreed"))
         else:
             used, loss = list(results), statistics.fmean(res.loss for res in results.values())
         for r, res in results.items():
@@ -1856,6 +1858,7 @@ class Controller:
             "failures": self.failures,
             "recomputed_steps": self.recomputed,
             "late_gradients": self.late_gradients,
+            "agreed_steps": self.agreed_steps,
             "ledger": [asdict(e) for e in self.ledger.entries],
             "dropped_samples": totals.dropped,
             "restored_from": self.restored_from,

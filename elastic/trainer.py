@@ -352,6 +352,7 @@ class Trainer:
             "mean_step_time_s": totals["time_s"] / totals["timed_steps"] if totals["timed_steps"] else 0.0,
             "dropped_samples": out["dropped_samples"],
             "late_gradients": out["late_gradients"],
+            "agreed_steps": out["agreed_steps"],
             "failures": out["failures"],
             "recomputed_steps": out["recomputed_steps"],
             "world_size": out["world_size"],

@@ -3,6 +3,8 @@ first-N's helpers, and how a batch is fetched from the dataset."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -150,31 +152,53 @@ def test_first_n_agreement_keys_are_forgotten_a_horizon_behind_so_the_store_stay
 
 
 def test_a_late_first_n_replica_sits_out_four_steps_then_twice_as_long_each_time_up_to_the_cap():
-    from types import SimpleNamespace
+    from elastic.actors.sitout import SitOutSchedule
 
-    from elastic.actors.worker import TrainWorker
+    def rests_after_late_gradients(cap: int, lates: int) -> list[int]:
+        """Rank 2 of 3 late each time it may compute: the steps it rests after each."""
+        s, step, rests = SitOutSchedule(3, cap), 1, []
+        while len(rests) < lates:
+            eligible = s.eligible(step)
+            assert 2 in eligible or s.sits_out(2, step)
+            if 2 in eligible:
+                s.record(step, eligible, (0, 1))
+                rests.append(sum(1 for t in range(step + 1, step + 100) if s.sits_out(2, t)))
+                step += rests[-1]
+            step += 1
+        return rests
 
-    w = SimpleNamespace(_fn_late_streak=0, _fn_sit_out=0, _fn_backoff_max=8)
-    sat_out = []
-    for _ in range(6):
-        TrainWorker._first_n_late_backoff(w, late=True)
-        sat_out.append(w._fn_sit_out)
-    assert sat_out == [4, 8, 8, 8, 8, 8]
-    TrainWorker._first_n_late_backoff(w, late=False)  # one gradient in time ends the backoff
-    assert w._fn_late_streak == 0
-    TrainWorker._first_n_late_backoff(w, late=True)
-    assert w._fn_sit_out == 4
-    long = SimpleNamespace(_fn_late_streak=0, _fn_sit_out=0, _fn_backoff_max=32)
-    for expected in (4, 8, 16, 32, 32):
-        TrainWorker._first_n_late_backoff(long, late=True)
-        assert long._fn_sit_out == expected
-    short = SimpleNamespace(_fn_late_streak=0, _fn_sit_out=0, _fn_backoff_max=2)
-    TrainWorker._first_n_late_backoff(short, late=True)
-    assert short._fn_sit_out == 2  # the cap bounds the first sit-out too
-    off = SimpleNamespace(_fn_late_streak=0, _fn_sit_out=0, _fn_backoff_max=0)
-    for _ in range(3):
-        TrainWorker._first_n_late_backoff(off, late=True)
-    assert off._fn_sit_out == 0  # late_backoff_steps=0: never sits out
+    assert rests_after_late_gradients(8, 6) == [4, 8, 8, 8, 8, 8]
+    assert rests_after_late_gradients(32, 5) == [4, 8, 16, 32, 32]
+    assert rests_after_late_gradients(2, 1) == [2]  # the cap bounds the first sit-out too
+    assert rests_after_late_gradients(0, 3) == [0, 0, 0]  # late_backoff_steps=0: never sits out
+    s = SitOutSchedule(3, 8)
+    s.record(1, (0, 1, 2), (0, 1))
+    assert s.streak == [0, 0, 1] and s.eligible(2) == (0, 1) and s.eligible(6) == (0, 1, 2)
+    s.record(6, (0, 1, 2), (1, 2))  # one gradient in time ends the backoff; rank 0 is late now
+    assert s.streak == [1, 0, 0] and s.eligible(7) == (1, 2)
+
+
+def test_every_rank_knows_the_steps_only_n_may_compute_from_the_fast_sets_alone():
+    # Five replicas, N = 4: each rank records the same fast sets, so each holds the same
+    # schedule. A step with exactly N eligible is agreed without the store (its fast set is the
+    # eligible set); a rank that rests is in none of them.
+    from elastic.actors.sitout import SitOutSchedule
+
+    schedules = [SitOutSchedule(5, 8) for _ in range(5)]
+    rng = random.Random(0)
+    known_steps = 0
+    for step in range(1, 200):
+        eligible = schedules[0].eligible(step)
+        assert all(s.eligible(step) == eligible for s in schedules)
+        assert len(eligible) >= 4
+        if len(eligible) == 4:
+            fast = eligible
+            known_steps += 1
+        else:
+            fast = tuple(sorted(rng.sample(eligible, 4)))  # who arrives first: anyone eligible
+        for s in schedules:
+            s.record(step, eligible, fast)
+    assert known_steps > 100  # a late replica rests 4 steps at least: most steps need no agreement
 
 
 def test_a_batch_is_fetched_the_way_dataloader_fetches_it():

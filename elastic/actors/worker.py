@@ -8,9 +8,10 @@ group it runs in, and who is in it.
 Two ways to synchronise gradients:
 - ``_train_step`` (aggregation "all"): DDP over the whole group.
 - ``_first_n_step`` (aggregation "first_n"): each replica computes a local gradient, the replicas
-  agree through the rendezvous store which N arrived first, those N all-reduce in a subgroup
-  created once for that exact set, and the late ones receive the same averaged gradient from the
-  fastest rank and apply it.
+  agree through the rendezvous store which N arrived first (or, when replicas that were late rest
+  and exactly N compute, know it without asking), those N all-reduce in a subgroup created once
+  for that exact set, and the late ones receive the same averaged gradient from the fastest rank
+  and apply it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's 
 from elastic.actors.buffers import ReplicaBuffers
 from elastic.actors.grads import FlatGrads
 from elastic.actors.sends import MAX_IN_FLIGHT, UpdateSends, in_flight_limit
+from elastic.actors.sitout import SitOutSchedule
 
 # Imported on first use, in the worker process: the controller imports this module to name the
 # actor class and must not pay for torch (see elastic/_lazy.py).
@@ -176,11 +178,8 @@ class TrainWorker:
         self.part_pool = None  # where this group's ranks pool written checkpoint parts (world > 1)
         self._fn_n = 0  # first-N: how many gradients make a step
         self._fn_grads: FlatGrads | None = None  # first-N: every gradient, in one buffer (elastic/actors/grads.py)
-        # first-N: gradients in a row this rank computed that came late; 0 = its last gradient was in
-        # time. A rank only ever skips after a late gradient, so 0 also means "was fast last step".
-        self._fn_late_streak = 0
-        self._fn_sit_out = 0  # first-N: steps this rank still skips computing (see _first_n_late_backoff)
-        self._fn_backoff_max = 0  # ScalingConfig.late_backoff_steps
+        self._fn_schedule: SitOutSchedule | None = None  # first-N: who rests which step (elastic/actors/sitout.py)
+        self._fn_agreed: deque = deque()  # first-N: steps agreed on the store whose keys are not yet forgotten
         self._fn_sends: UpdateSends | None = None  # first-N leader: the update's sends to late ranks
         self._fn_buffer_sends: UpdateSends | None = None  # ... and of the agreed buffers (models that have any)
         self._buffers: ReplicaBuffers | None = None  # agreed after every step (elastic/actors/buffers.py)
@@ -369,9 +368,9 @@ class TrainWorker:
                 self._fn_sends = UpdateSends(dist.isend, in_flight_limit(flat_bytes))
                 if self._buffers is not None:
                     self._fn_buffer_sends = UpdateSends(dist.isend, self._fn_sends.limit)
-                self._fn_late_streak, self._fn_sit_out = 0, 0
+                self._fn_schedule = SitOutSchedule(world_size, late_backoff_steps)
+                self._fn_agreed.clear()  # the old generation's keys died with its store
                 self._fn_abandoned = False
-                self._fn_backoff_max = late_backoff_steps
             self._checksum_every = checksum_every
             if world_size > 1:
                 from elastic.checkpoint.pool import PartPool
@@ -556,13 +555,15 @@ class TrainWorker:
         worker and steps go out in windows like DDP steps.
 
         The protocol, for step t in one group generation (the store is fresh per generation),
-        costs each rank two store round trips:
+        costs each rank at most two store round trips:
+        0. Every rank keeps the same sit-out schedule (elastic/actors/sitout.py): a replica
+           whose gradients came late rests a few steps, and every rank knows who rests in step
+           t before it starts. If exactly N may compute, they are the fast set: they compute and
+           go to 3 with no store round trip (a resting replica goes to 4 the same way).
         1. A rank that was late last step first reads the arrival counter (``add(count, 0)``).
            If N ranks have already arrived its gradient could only be dropped: it skips the
            compute and goes to 4. This is what lets a straggler catch up instead of falling
-           further behind, and stops it spending CPU on gradients nobody will use. A rank whose
-           gradients came late several times in a row sits out a few steps without asking
-           (``_first_n_late_backoff``).
+           further behind, and stops it spending CPU on gradients nobody will use.
         2. Otherwise it computes its gradient and arrives with ``add(count, 1 + 2**(8 + rank))``:
            one atomic add returns both its arrival order (low 8 bits) and the set of ranks
            arrived so far, itself included (the bits above). The N-th arrival therefore knows
@@ -575,11 +576,11 @@ class TrainWorker:
            receives when it gets there, so it never holds up the fast N while it is within a
            bound of sends behind (``UpdateSends``, elastic/actors/sends.py: beyond it the leader
            waits for it, which bounds the copies it holds).
-        4. A late rank reads the fast set, receives the vector from the lowest fast rank and
-           applies it. Every replica runs the same optimizer step on the same averaged gradient,
-           so parameters stay bitwise identical (checked by checksum every K steps). A model's
-           buffers go the same way in a vector of their own: the fast N's mean, sent to the late
-           (elastic/actors/buffers.py).
+        4. A late rank reads the fast set (or knows it, 0), receives the vector from the lowest
+           fast rank and applies it. Every replica runs the same optimizer step on the same
+           averaged gradient, so parameters stay bitwise identical (checked by checksum every K
+           steps). A model's buffers go the same way in a vector of their own: the fast N's
+           mean, sent to the late (elastic/actors/buffers.py).
         Alternatives measured or reasoned out: a DDP comm hook runs inside backward, before
         anyone knows which N finished first; an all-reduce over the world waits for the
         straggler by definition; cutting stragglers short at a micro-batch boundary still makes
@@ -587,16 +588,19 @@ class TrainWorker:
         """
         t0 = time.perf_counter()
         self.current_step = self.started_step = step
-        store, n = self._fn_store, self._fn_n
+        store, n, schedule = self._fn_store, self._fn_n, self._fn_schedule
         count_key, fast_key = _count_key(step), _fast_key(step)
+        eligible = schedule.eligible(step)
+        # Exactly N may compute: they are the fast set, known to every rank without asking.
+        known = len(eligible) == n
         order = n + 1
         flat = self._fn_grads.flat  # every gradient (views into it, bar other dtypes) and the loss
         local = 0.0
         computed = False
         self._check_abandoned(step)
-        if self._fn_sit_out > 0:
-            self._fn_sit_out -= 1
-        elif self._fn_late_streak == 0 or (store.add(count_key, 0) & 0xFF) < n:
+        if self.rank not in eligible:
+            pass  # resting (elastic/actors/sitout.py): no gradient, the update all the same
+        elif known or schedule.streak[self.rank] == 0 or (store.add(count_key, 0) & 0xFF) < n:
             _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device.type)
             batch = self._batch(indices)
             self.model.train()
@@ -607,24 +611,31 @@ class TrainWorker:
             if self._buffers is not None:
                 self._buffers.pack()
             computed = True
-            self._enter("arrive")
-            arrived = store.add(count_key, 1 + (1 << (8 + self.rank)))
-            order = arrived & 0xFF
+            if known:
+                order = eligible.index(self.rank) + 1
+            else:
+                self._enter("arrive")
+                arrived = store.add(count_key, 1 + (1 << (8 + self.rank)))
+                order = arrived & 0xFF
         if not computed:
             self._injected_kill(step)  # a replica skipping this step's gradient dies in it all the same
         self._enter("allreduce" if order <= n else "late")
-        if order == n:
-            # compare_set, not set: the key is written once, so every rank reads the same value,
-            # the fast set or the controller's ABANDONED (see abandon_first_n), never both.
-            agreed = store.compare_set(fast_key, "", str(arrived >> 8))
+        if known:
+            fast = eligible
         else:
-            self._check_abandoned(step)
-            agreed = store.get(fast_key)
-        if agreed == ABANDONED:
-            raise FirstNAbandoned(f"rank {self.rank}: step {step} abandoned: a peer was lost before "
-                                  f"{n} gradients arrived")
-        mask = int(agreed)
-        fast = tuple(r for r in range(self.world_size) if mask >> r & 1)
+            if order == n:
+                # compare_set, not set: the key is written once, so every rank reads the same value,
+                # the fast set or the controller's ABANDONED (see abandon_first_n), never both.
+                agreed = store.compare_set(fast_key, "", str(arrived >> 8))
+            else:
+                self._check_abandoned(step)
+                agreed = store.get(fast_key)
+            if agreed == ABANDONED:
+                raise FirstNAbandoned(f"rank {self.rank}: step {step} abandoned: a peer was lost before "
+                                      f"{n} gradients arrived")
+            mask = int(agreed)
+            fast = tuple(r for r in range(self.world_size) if mask >> r & 1)
+            self._fn_agreed.append(step)
         leader = fast[0]
         late = [r for r in range(self.world_size) if r not in fast]
         tag = step if self.backend == "gloo" else 0  # NCCL has no tags; its pairs match in issue order
@@ -648,10 +659,15 @@ class TrainWorker:
             dist.recv(flat, src=leader, tag=tag)
             if buffers is not None:
                 dist.recv(buffers, src=leader, tag=buffer_tag)
-        # One rank a step forgets an old step's keys: the first late replica, off the fast N's
+        schedule.record(step, eligible, fast)
+        # An agreed step's keys are forgotten ``agreement_horizon`` steps later (every rank keeps
+        # the same list of agreed steps), by one rank: the first late replica, off the fast N's
         # path (it has slack), or the leader when a group down to N ranks has no late one.
-        if self.rank == (late[0] if late else leader):
-            forget_agreement(store, step - agreement_horizon(self.world_size))
+        horizon = step - agreement_horizon(self.world_size)
+        while self._fn_agreed and self._fn_agreed[0] <= horizon:
+            old = self._fn_agreed.popleft()
+            if self.rank == (late[0] if late else leader):
+                forget_agreement(store, old)
         if buffers is not None:
             self._buffers.unpack()
         # The averaged gradient is in ``flat``, which the .grad views share (other dtypes' grads
@@ -659,48 +675,15 @@ class TrainWorker:
         # update, as in one process.
         with self._fn_grads.for_update():
             grad_norm = self._apply_update(step)
-        if computed:
-            self._first_n_late_backoff(order > n)
         self._fast_log[step] = fast
         if len(self._fast_log) > 4096:
             self._fast_log.pop(next(iter(self._fast_log)))
-        extra = {**self._after_step(step, grad_norm), "fast": list(fast), "computed": computed}
+        extra = {**self._after_step(step, grad_norm), "fast": list(fast), "computed": computed, "agreed": not known}
         if computed:
             extra["local_time_s"] = local
         self._note_step_time(step, time.perf_counter() - t0)
         return StepResult(self.rank, step, self._fn_grads.loss, time.perf_counter() - t0, local, len(indices),
                           self.completed_step, extra)
-
-    def _first_n_late_backoff(self, late: bool) -> None:
-        """After a computed first-N step: how many steps to sit out (ScalingConfig.late_backoff_steps).
-
-        Why: the rule in step 1 of ``_first_n_step`` skips only a gradient that is sure to be
-        dropped (N had arrived before this rank started). A late rank starts its next step last
-        (it waits for the update first), so it is rarely that sure and is late again. Counted on
-        the straggler benchmark's workload (5 replicas, 300 steps, 2 cores): with no straggler a
-        late gradient was computed and dropped in every one of the 300 steps, a fifth of all the
-        CPU the replicas spent; with a 3x straggler, in 90-101 of them. With a cap of 8: 85-123
-        and 36-39. In alternating runs, training after an eviction (five healthy replicas
-        again) went from ~5,050 to ~6,100 samples/s; with the 3x straggler it moved within
-        the noise.
-        Exponential backoff, as for a retry: each late gradient in a row doubles the steps sat
-        out, up to the cap, and one gradient in time ends it, so a rank that recovers is back in
-        the fast set within the cap. A rank that sits out still takes part in every step (it
-        reads the fast set and applies the update), so the replicas stay identical and the
-        controller sees only a dropped shard, as for any late rank.
-        The first sit-out is ``FIRST_SIT_OUT`` (4) steps, not 1. Why: with no straggler the late
-        rank of a step is nearly a coin toss among the replicas, so streaks stay short, and with
-        1 step first, 103-122 of 300 steps still computed a gradient that was dropped. Starting
-        at 4 (then 8, the cap): 45-49. Four alternating rounds each (5 replicas against 4 plain
-        DDP ranks, 2 cores): first-N with no straggler at 0.79/1.01/0.88/1.02 of plain against
-        0.76/0.78/0.72/0.75, and with the 3x straggler 0.78/0.89/0.88/0.80 against
-        0.72/0.83/0.65/0.83. The cost: a backup that was late once is no backup for 4 steps.
-        """
-        if not late:
-            self._fn_late_streak = 0
-            return
-        self._fn_late_streak += 1
-        self._fn_sit_out = min(FIRST_SIT_OUT << min(self._fn_late_streak - 1, 16), self._fn_backoff_max)  # 0: off
 
     def _check_abandoned(self, step: int) -> None:
         """Fail a first-N step of a group the controller has given up (see ``abandon_first_n``)."""
@@ -915,7 +898,6 @@ _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", 
                        "broken pipe", "process group", "socket", "peer", "aborted")
 
 
-FIRST_SIT_OUT = 4  # steps a first-N replica sits out after its first late gradient (see _first_n_late_backoff)
 ABANDONED = b"abandoned"  # a first-N agreement key's value when the controller gave the step up
 # Gloo tags of the agreed buffers' sends: the update's tag is the step; these set bit 30 and keep the
 # step's low 30 bits (gloo takes tags below 2**31), so they can only meet an update's tag 2**30
