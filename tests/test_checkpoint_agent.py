@@ -581,3 +581,19 @@ def test_writer_threads_run_in_the_background_and_at_normal_priority_while_a_flu
     finally:
         done.set()
         thread.join(10)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_both_rank_side_writers_refuse_an_every_n_steps_that_is_not_a_count(bad):
+    with pytest.raises(ValueError, match="every_n_steps must be an integer >= 0"):
+        WorkerCheckpointer("memory://x", None, "run", bad)
+    with pytest.raises(ValueError, match="every_n_steps must be an integer >= 0"):
+        AgentCheckpointer("/nonexistent/agent.sock", bad, fallback=lambda: None)
+
+
+def test_a_rank_snapshots_every_nth_step_and_none_with_zero():
+    from elastic.checkpoint.worker_hook import is_due
+
+    assert [s for s in range(1, 11) if is_due(3, s)] == [3, 6, 9]
+    assert [s for s in range(1, 4) if is_due(1, s)] == [1, 2, 3]
+    assert not any(is_due(0, s) for s in range(1, 10))

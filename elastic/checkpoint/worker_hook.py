@@ -58,6 +58,18 @@ def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: Sta
                              min_shard_bytes, copy=staging.copy if staging is not None else host_copy)
 
 
+def checked_every_n_steps(every_n_steps: int) -> int:
+    """``CheckpointConfig.every_n_steps`` as either rank-side writer takes it (0: never)."""
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
+        raise ValueError(f"every_n_steps must be an integer >= 0, got {every_n_steps!r}")
+    return every_n_steps
+
+
+def is_due(every_n_steps: int, step: int) -> bool:
+    """Whether a rank snapshots ``step``."""
+    return every_n_steps > 0 and step % every_n_steps == 0
+
+
 class SnapshotFailures:
     """The event of a snapshot that failed, for either writer; each distinct error is logged
     with its traceback once, not every step (a state that cannot be saved fails every step
@@ -89,10 +101,8 @@ class WorkerCheckpointer:
         Ranks of a group pool their parts (``elastic.checkpoint.pool``) and the rank that completes
         a step sends all of them; without a pool a rank sends its own part. Without ``notify``,
         finished writes ride on the step results (``after_step``'s report)."""
-        if not isinstance(every_n_steps, int) or every_n_steps < 0:
-            raise ValueError(f"every_n_steps must be an integer >= 0, got {every_n_steps!r}")
+        self.every_n_steps = checked_every_n_steps(every_n_steps)
         self.store = CheckpointStore(url, run_name, storage_options, retry=retry)
-        self.every_n_steps = every_n_steps
         self.min_shard_bytes = min_shard_bytes
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
@@ -114,7 +124,7 @@ class WorkerCheckpointer:
         self.store.warm_up()
 
     def due(self, step: int) -> bool:
-        return self.every_n_steps > 0 and step % self.every_n_steps == 0
+        return is_due(self.every_n_steps, step)
 
     def after_step(self, worker: Any, step: int) -> dict:
         """Snapshot and submit when the step is due; always report what finished since the last call."""
@@ -208,9 +218,7 @@ class AgentCheckpointer:
 
     def __init__(self, address: str, every_n_steps: int, fallback: Callable[[], WorkerCheckpointer],
                  min_shard_bytes: int = 0, close_timeout_s: float = 30.0):
-        if not isinstance(every_n_steps, int) or every_n_steps < 0:
-            raise ValueError(f"every_n_steps must be an integer >= 0, got {every_n_steps!r}")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = checked_every_n_steps(every_n_steps)
         self.min_shard_bytes = min_shard_bytes
         self.close_timeout_s = close_timeout_s
         self._make_fallback = fallback
@@ -234,7 +242,7 @@ class AgentCheckpointer:
         self._snapshot_failed = SnapshotFailures()
 
     def due(self, step: int) -> bool:
-        return self.every_n_steps > 0 and step % self.every_n_steps == 0
+        return is_due(self.every_n_steps, step)
 
     def warm_up(self) -> None:
         """The agent opens the storage client (``CheckpointAgent.warm_up``)."""
