@@ -30,7 +30,17 @@ only once the fast set is known (DDP overlaps it with the backward) and two stor
 straggler), evict 0.856. With ``--batch-per-worker 512 --steps 200`` (a 23 ms healthy step; that
 run was cut off before the eviction mode and its figure lines, so these come from its per-mode
 log lines): healthy 89,012 samples/s, plain with the straggler 32,980 (0.371), first-N 92,409
-(1.038).
+(1.038). Those 16-core figures predate the known-set steps (elastic/actors/sitout.py): since
+then a step in which exactly N replicas may compute skips the store agreement, which on this
+workload is 85-90% of the first-N steps (``agreed_steps`` per mode: 35 of 300 with the
+straggler, 43-50 of 300 with none); not yet measured on a machine with cores to spare.
+
+On the 2-vCPU VM, 2026-11-26, one clean run of this script with that change (``--skip-accuracy``):
+plain 0.356, first-N 0.879, evict 0.742 (healthy 9,431 and 9,067 samples/s). Alternating
+``--modes first_n,evict,first_n_healthy --rounds 1`` runs of the code before and after it could
+not tell them apart: first-N 9,684 and 8,705 samples/s before against 9,788 and 8,735 after,
+with healthy plain moving between 9,730 and 12,843 from run to run. With every core busy, what
+a step costs is its CPU, and the agreement's round trips were mostly waiting.
 """
 
 from __future__ import annotations
