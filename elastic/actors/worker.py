@@ -1006,7 +1006,11 @@ def _to_device(obj, device: torch.device):
     """A collated batch on ``device``, its containers of the types ``default_collate`` kept:
     namedtuples stay namedtuples (``batch.x``), and mappings that are not dicts (transformers'
     ``BatchEncoding``, a ``UserDict``) are rebuilt as their own type with their tensors moved
-    (left as they were, their tensors stayed on the CPU beside a GPU model)."""
+    (left as they were, their tensors stayed on the CPU beside a GPU model).
+
+    Why not ``torch.utils._pytree.tree_map``: it is private, and it takes a mapping type it has
+    no registration for (``UserDict``, ``BatchEncoding``) as a leaf, so that mapping's tensors
+    would stay where they were (checked with torch 2.13: it returns the same ``UserDict``)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, collections.abc.Mapping):
