@@ -18,6 +18,7 @@ from elastic.checkpoint.agent import CheckpointAgent, receive_message, send_mess
 from elastic.checkpoint.codec import encode_tensor_buffers, shard_layout
 from elastic.checkpoint.shm import SlotRing, supported
 from elastic.checkpoint.store import shard_name
+from elastic.actors.worker import _to_device
 from elastic.checkpoint.worker_hook import AgentCheckpointer
 from elastic.config import CheckpointConfig
 from test_checkpoint_store import FAST, FakeWorker, assert_same, backend, finish, run_training  # noqa: F401 - backend: a fixture
@@ -131,16 +132,6 @@ def test_slot_memory_is_page_locked_once_for_gpu_copies_and_released_with_the_ri
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def on_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: on_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(on_cpu(v) for v in obj)
-    return obj
-
-
 class GpuWorker(FakeWorker):
     """FakeWorker training on the GPU: parameters and Adam's moments live in device memory."""
 
@@ -190,7 +181,7 @@ def test_a_gpu_rank_checkpoints_through_the_agent_and_the_state_reads_back_on_th
         assert committer.latest_committed == 3
         state, _ = store.read_state(3)
         assert all(t.device.type == "cpu" for t in state["model"].values())
-        assert_same(state, on_cpu(worker.get_state()))
+        assert_same(state, _to_device(worker.get_state(), torch.device("cpu")))
         assert all(ring._pinned for ring, _ in hook._rings.values())
     finally:
         hook.close()

@@ -61,9 +61,6 @@ class SitOutSchedule:
         """The ranks that may compute ``step``'s gradient, in rank order."""
         return tuple(r for r, last in enumerate(self._rests_through) if last < step)
 
-    def sits_out(self, rank: int, step: int) -> bool:
-        return self._rests_through[rank] >= step
-
     def record(self, step: int, eligible: tuple[int, ...], fast: tuple[int, ...]) -> None:
         """``step`` is agreed: ``fast`` its fast set, ``eligible`` what ``eligible(step)`` was.
         A replica that could compute and is not in the fast set rests the next steps."""

@@ -470,15 +470,15 @@ class CheckpointAgent:
         last = time.monotonic()
         while not self._closed:
             try:
-                try:
-                    kind, item = self.reports.get(timeout=every_s)
-                    if kind == "send":
-                        link, message = item
-                        link.send(message)
-                    else:
-                        self.pool.add(*item)
-                except queue.Empty:
-                    pass
+                kind, item = self.reports.get(timeout=every_s)
+            except queue.Empty:
+                kind = item = None
+            try:
+                if kind == "send":
+                    link, message = item
+                    link.send(message)
+                elif kind == "part":
+                    self.pool.add(*item)
                 if time.monotonic() - last >= every_s:
                     last = time.monotonic()
                     self.pool.sweep()

@@ -13,7 +13,6 @@ import logging
 import os
 import select
 import socket
-import sys
 import time
 from typing import Any, Callable
 
@@ -199,6 +198,16 @@ class WorkerCheckpointer:
         self.persister.close(self.close_timeout_s)
 
 
+class _Layout:
+    """A shard layout a rank has met: ``codec.shard_layout``'s entries, the bytes of its data
+    section, and the id the agent knows it by (None until it is sent)."""
+
+    __slots__ = ("entries", "nbytes", "id")
+
+    def __init__(self, entries: list[dict]):
+        self.entries, self.nbytes, self.id = entries, sum(e["nbytes"] for e in entries), None
+
+
 class AgentCheckpointer:
     """The rank's side of its node's checkpoint agent (``elastic.checkpoint.agent``), with the
     interface of ``WorkerCheckpointer``: inside the step, this rank's share is copied into a
@@ -227,7 +236,7 @@ class AgentCheckpointer:
         self.sock.connect(address)
         self._ring_id: int | None = None  # the ring snapshots go into; older ones wait for their slots
         self._rings: dict[int, tuple[SlotRing, set[int]]] = {}  # ring id -> (ring, free slots)
-        self._layouts: dict[tuple, tuple[int, list[dict]]] = {}  # layout key -> (id, layout), sent once
+        self._layouts: dict[tuple, _Layout] = {}  # (name, dtype, shape) of each tensor -> its layout
         self._next_id = 0
         self._events: list[dict] = []
         self._flushed: dict | None = None
@@ -263,7 +272,7 @@ class AgentCheckpointer:
             message: dict[str, Any] = {"op": "snap", "step": step, "rank": snap.rank, "world_size": snap.world_size,
                                        "taken_at": snap.taken_at}
             if snap.writes_file:
-                layout = shard_layout(snap.tensors)
+                layout = self._layout_of(snap.tensors)
                 if layout is None:
                     return self._fall_back(worker, step, "a tensor's dtype has no safetensors name here")
                 meta = canonical_json(rank_meta(step, snap.rank, snap.world_size, snap.tensors, snap.rng,
@@ -284,25 +293,25 @@ class AgentCheckpointer:
         self._handed, self._dropped = step, None
         return []
 
-    def _fill(self, message: dict, layout: list[dict], meta: bytes, tensors: dict) -> bool:
+    def _fill(self, message: dict, layout: "_Layout", meta: bytes, tensors: dict) -> bool:
         """Copy ``tensors`` and ``meta`` into a free slot and name it in ``message``; False
         when no slot is free (or the agent cannot be told of a new ring or layout right now)."""
-        layout_id = self._layout_id(layout)
-        data_bytes = sum(e["nbytes"] for e in layout)
-        ring_id = self._ring_for(data_bytes + len(meta))
-        if layout_id is None or ring_id is None:
+        if layout.id is None and not self._send_layout(layout):
+            return False
+        ring_id = self._ring_for(layout.nbytes + len(meta))
+        if ring_id is None:
             return False
         ring, free = self._rings[ring_id]
         if not free:
             return False
         slot = free.pop()
         try:
-            ring.copy_in(slot, layout_id, layout, tensors)
-            ring.put_meta(slot, data_bytes, meta)
+            ring.copy_in(slot, layout.id, layout.entries, tensors)
+            ring.put_meta(slot, layout.nbytes, meta)
         except BaseException:
             free.add(slot)
             raise
-        message.update(ring=ring_id, slot=slot, layout=layout_id, meta_len=len(meta))
+        message.update(ring=ring_id, slot=slot, layout=layout.id, meta_len=len(meta))
         return True
 
     def _give_back(self, message: dict) -> None:
@@ -322,22 +331,31 @@ class AgentCheckpointer:
                  "message": f"{self.dropped - told} snapshot(s) dropped (the newest at step {step}): the "
                             "checkpoint agent had no free slot, it is behind; newer steps are written instead"}]
 
-    def _layout_id(self, layout: list[dict]) -> int | None:
-        """The id the agent knows ``layout`` by; sent (in a memfd of its own) the first time."""
-        key = tuple((e["name"], e["dtype"], tuple(e["shape"])) for e in layout)
-        known = self._layouts.get(key)
-        if known is not None:
-            return known[0]
-        text = json.dumps(layout, separators=(",", ":")).encode()
+    def _layout_of(self, tensors: dict) -> "_Layout | None":
+        """Where ``tensors`` go in a shard (``codec.shard_layout``), worked out once per set of
+        names, dtypes and shapes: a step's share is the same set as the last one's but for a
+        rank whose share rotates. None when a dtype has no safetensors name."""
+        key = tuple((name, t.dtype, t.shape) for name, t in tensors.items())
+        layout = self._layouts.get(key)
+        if layout is None:
+            entries = shard_layout(tensors)
+            if entries is None:
+                return None
+            layout = self._layouts[key] = _Layout(entries)
+        return layout
+
+    def _send_layout(self, layout: "_Layout") -> bool:
+        """Tell the agent ``layout`` (in a memfd of its own) under a new id; False if its queue is full."""
+        text = json.dumps(layout.entries, separators=(",", ":")).encode()
         layout_id, fd = self._new_id(), memfd_with(text)
         try:
             send_message(self.sock, {"op": "layout", "layout": layout_id, "len": len(text)}, fds=[fd], block=False)
         except BlockingIOError:
-            return None
+            return False
         finally:
             os.close(fd)
-        self._layouts[key] = (layout_id, layout)
-        return layout_id
+        layout.id = layout_id
+        return True
 
     def _ring_for(self, nbytes: int) -> int | None:
         """The ring snapshots of ``nbytes`` go into: the current one, or a bigger one (told to
@@ -348,10 +366,11 @@ class AgentCheckpointer:
         ring_id, fd = self._new_id(), ring.take_fd()
         try:
             send_message(self.sock, {"op": "ring", "ring": ring_id, **ring.desc}, fds=[fd], block=False)
+        except BlockingIOError:  # the agent's queue is full: no ring this time
+            ring.close()
+            return None
         except BaseException:
             ring.close()
-            if isinstance(sys.exc_info()[1], BlockingIOError):
-                return None
             raise
         finally:
             os.close(fd)
@@ -403,13 +422,11 @@ class AgentCheckpointer:
             elif message.get("op") == "flushed" and message.get("id") == self._flush_id:
                 self._flushed = message  # (an answer to an earlier flush that timed out is dropped)
         for ring_id in [r for r, (_, free) in self._rings.items() if r != self._ring_id and len(free) == self.SLOTS]:
-            ring, _ = self._rings.pop(ring_id)
             try:
                 send_message(self.sock, {"op": "drop_ring", "ring": ring_id}, block=False)
             except BlockingIOError:  # tell it next time
-                self._rings[ring_id] = (ring, set(range(self.SLOTS)))
                 break
-            ring.close()
+            self._rings.pop(ring_id)[0].close()
 
     def _fall_back(self, worker: Any, step: int, why: str, snapshot: bool = True) -> list[dict]:
         """Write in this process from now on (and ``step`` now, if ``snapshot``)."""
