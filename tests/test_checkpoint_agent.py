@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheckpointer
 from elastic.checkpoint.agent import CheckpointAgent, receive_message, send_message
-from elastic.checkpoint.codec import encode_tensor_buffers, shard_layout
+from elastic.checkpoint.codec import capture_rng, encode_tensor_buffers, shard_layout
 from elastic.checkpoint.shm import SlotRing, supported
 from elastic.checkpoint.store import shard_name
 from elastic.actors.worker import _to_device
@@ -183,6 +185,28 @@ def test_a_gpu_rank_checkpoints_through_the_agent_and_the_state_reads_back_on_th
         assert all(t.device.type == "cpu" for t in state["model"].values())
         assert_same(state, _to_device(worker.get_state(), torch.device("cpu")))
         assert all(ring._pinned for ring, _ in hook._rings.values())
+    finally:
+        hook.close()
+
+
+def test_the_agent_writes_the_rng_the_rank_read_inside_the_step(node):
+    """The rank reads its RNG into the slot; the agent encodes it into the shard's meta later,
+    and what it wrote is the state at the snapshot, not after the draws the rank made since."""
+    agent, controller, committer, store, _ = node
+    worker, hook = FakeWorker(), link(agent)
+    agent.expect(1, [0])
+    try:
+        worker.train(1)
+        torch.manual_seed(21)
+        np.random.seed(22)
+        random.seed(23)
+        expected = capture_rng()
+        hook.after_step(worker, 1)
+        torch.rand(3), np.random.rand(3), random.random()  # the next step's draws, before the agent writes
+        committer.set_meta(1, {"data": {"cursor": 1}})
+        finish([worker], [hook], committer)
+        assert committer.latest_committed == 1
+        assert store.read_rng(1, 0) == expected
     finally:
         hook.close()
 

@@ -29,6 +29,7 @@ from elastic.checkpoint import (
     restore_rng,
 )
 from elastic.checkpoint.codec import (
+    RawRng,
     assign_shards,
     canonical_json,
     capture_rng,
@@ -927,6 +928,33 @@ def test_rng_is_saved_per_rank(tmp_path):
     restore_rng(store.read_rng(1, 0))
     assert torch.equal(torch.rand(3), expected)
     hook.close()
+
+
+def test_rng_read_inside_the_step_encodes_later_to_what_it_was_then():
+    """``RawRng``: its reads are private copies (draws after ``take`` change nothing it encodes),
+    its blobs back from one buffer (as the agent reads them from the slot) encode the same, and
+    what it encodes restores every generator, numpy's cached gaussian included."""
+    torch.manual_seed(5)
+    np.random.seed(6)
+    random.seed(7)
+    np.random.standard_normal()  # leaves a cached gaussian behind: has_gauss is state too
+    raw, expected = RawRng.take(), capture_rng()
+    draws = (torch.rand(2), float(np.random.standard_normal()), float(np.random.rand()), random.random())
+    assert raw.encode() == expected and expected["numpy"]["has_gauss"] == 1
+    joined = b"".join(memoryview(b).cast("B").tobytes() for b in raw.blobs)
+    assert len(joined) == sum(raw.lengths)
+    fields = json.loads(json.dumps(raw.fields))  # as it travels in the message
+    assert RawRng.from_bytes(fields, joined, raw.lengths).encode() == expected
+    with pytest.raises(ValueError):
+        RawRng.from_bytes(fields, joined + b"\0", raw.lengths)  # bytes the lengths do not account for
+    with pytest.raises(ValueError):
+        RawRng.from_bytes(fields, joined[:sum(raw.lengths[:2])], raw.lengths[:2])  # a generator missing
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    restore_rng(json.loads(json.dumps(raw.encode())))
+    assert torch.equal(torch.rand(2), draws[0])
+    assert (float(np.random.standard_normal()), float(np.random.rand()), random.random()) == draws[1:]
 
 
 def test_rng_of_earlier_versions_as_json_lists_still_restores():

@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from elastic.actors.priority import can_restore_priority
-from elastic.checkpoint.codec import safetensors_header
+from elastic.checkpoint.codec import RawRng, canonical_json, safetensors_header
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.shm import SlotRing, read_memfd
 from elastic.checkpoint.store import CheckpointStore, shard_metadata
@@ -178,14 +178,16 @@ class WriterPriority:
 class _Payload:
     """One snapshot handed to the agent: a slot of a ring (a shard to write) or an RNG alone."""
 
-    __slots__ = ("step", "rank", "world_size", "taken_at", "ring", "slot", "layout", "meta_len", "rng", "part")
+    __slots__ = ("step", "rank", "world_size", "taken_at", "ring", "slot", "layout", "meta_len", "rng", "rng_raw",
+                 "rng_lens", "part")
 
     def __init__(self, m: dict):
         self.step, self.rank, self.world_size = int(m["step"]), int(m["rank"]), int(m["world_size"])
         self.taken_at = float(m["taken_at"])
         self.ring, self.slot, self.layout = m.get("ring"), m.get("slot"), m.get("layout")
         self.meta_len = int(m.get("meta_len", 0))
-        self.rng = m.get("rng")
+        self.rng = m.get("rng")  # encoded: a rank with no shard
+        self.rng_raw, self.rng_lens = m.get("rng_raw"), m.get("rng_lens")  # RawRng's fields and blob sizes in the slot
         self.part: dict | None = None  # what it was written as, once written
 
 
@@ -212,7 +214,13 @@ class _RankLink:
             return {"entries": [], "taken_at": p.taken_at, "rng": p.rng}
         ring, layout = self.rings[p.ring], self.layouts[p.layout]
         nbytes = sum(e["nbytes"] for e in layout)
-        header = safetensors_header(layout, shard_metadata(ring.meta(p.slot, nbytes, p.meta_len)))
+        meta = ring.meta(p.slot, nbytes, p.meta_len)
+        if p.rng_lens is not None:  # the rank's RNG as it read it, after the meta: encoded here, off its step
+            blobs = ring.meta(p.slot, nbytes + p.meta_len, sum(int(n) for n in p.rng_lens))
+            meta_dict = json.loads(meta)
+            meta_dict["rng"] = RawRng.from_bytes(p.rng_raw, blobs, p.rng_lens).encode()
+            meta = canonical_json(meta_dict)
+        header = safetensors_header(layout, shard_metadata(meta))
         entry = self.agent.store.write_shard(p.step, p.rank, p.world_size, [header, ring.data(p.slot, nbytes)])
         return {"entries": [entry.to_dict()], "taken_at": p.taken_at}
 

@@ -308,44 +308,105 @@ def canonical_json(obj: Any) -> bytes:
 
 
 # ---- RNG ---------------------------------------------------------------------------------------
-def _b64_uint32(values: Any) -> str:
-    """Base64 of little-endian uint32. Python's state (a tuple of 625 ints) goes through
-    ``struct``, which packs it several times faster than numpy converts a tuple; numpy's key
-    array is encoded from its own buffer. Both run inside every checkpointed step."""
-    if isinstance(values, tuple):
-        return base64.b64encode(struct.pack(f"<{len(values)}I", *values)).decode("ascii")
-    return base64.b64encode(np.ascontiguousarray(values, dtype="<u4")).decode("ascii")
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _b64(data: Any) -> str:
+    return base64.b64encode(data).decode("ascii")
 
 
 def _uint32_b64(text: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), dtype="<u4")
 
 
-def capture_rng() -> dict:
-    """torch, numpy and python RNG state as JSON-safe data.
+class RawRng:
+    """This process's RNG state (torch, numpy, python, and each CUDA device's) as read, not yet
+    encoded: JSON-safe ``fields`` and byte ``blobs`` (torch's state, numpy's and python's
+    Mersenne Twister keys as little-endian uint32, the CUDA states). ``encode()`` makes what
+    ``capture_rng`` returns.
 
-    The two Mersenne Twister states (624 words each, plus the position in python's) are stored
-    as base64 of little-endian uint32, not as JSON lists of ints. Why: a rank with no shard
-    sends its RNG through the part pool and into the manifest every step, and as lists they
-    were most of the manifest's bytes and of the controller's JSON time (py-spy on the
-    benchmark workload: 19% of the controller's samples in json.dumps). Lists (``keys``,
-    ``internal``) written by earlier versions still restore."""
-    np_state = np.random.get_state()
-    py_version, py_internal, py_gauss = random.getstate()
-    out = {
-        "torch": base64.b64encode(torch.get_rng_state().numpy()).decode("ascii"),
-        "numpy": {
-            "kind": str(np_state[0]),
-            "keys_b64": _b64_uint32(np_state[1]),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
-        },
-        "python": {"version": py_version, "internal_b64": _b64_uint32(py_internal), "gauss_next": py_gauss},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = [base64.b64encode(s.numpy()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
-    return out
+    Why the two halves: the reads must happen inside the step, but the base64 and the JSON of
+    ~10 KB need not. Timed inside the step, right after real training steps on the benchmark's
+    state (2-vCPU VM, cold caches as in training), the reads took ~200 us (numpy's
+    ``get_state`` ~90, python's ``getstate`` ~30, torch's ~20) and encoding them into the meta
+    JSON ~80 us more. The node's checkpoint agent receives the blobs in the snapshot's slot and
+    encodes them in its own process; the in-process writer encodes them on its thread. A
+    rank's whole ``AgentCheckpointer.snapshot`` (median CPU over 300 steps, a stand-in agent
+    that hands slots straight back, alternating runs) went from 1083, 1037 and 1090 us to
+    1033, 1024 and 1037 us; the reads, numpy's first, are most of what is left of the RNG.
+    """
+
+    __slots__ = ("fields", "blobs")
+
+    def __init__(self, fields: dict, blobs: list):
+        self.fields, self.blobs = fields, blobs
+
+    @classmethod
+    def take(cls) -> "RawRng":
+        """Read every RNG now (private copies: later draws do not change them)."""
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        py_version, py_internal, py_gauss = random.getstate()
+        # Python's state (625 ints) goes through ``struct``, which packs it several times faster
+        # than numpy converts a tuple; numpy's key array is a fresh copy of native uint32 already.
+        blobs = [torch.get_rng_state().numpy(), keys if _LITTLE_ENDIAN else keys.astype("<u4"),
+                 struct.pack(f"<{len(py_internal)}I", *py_internal)]
+        fields: dict[str, Any] = {
+            "numpy": {"kind": str(kind), "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached)},
+            "python": {"version": py_version, "gauss_next": py_gauss},
+        }
+        # Initialized implies available, and costs 60 ns against is_available()'s ~1 us (20 us
+        # right after a step, its caches cold): this runs inside every checkpointed step.
+        if torch.cuda.is_initialized():
+            cuda = torch.cuda.get_rng_state_all()
+            fields["cuda"] = len(cuda)
+            blobs += [s.numpy() for s in cuda]
+        return cls(fields, blobs)
+
+    @classmethod
+    def from_bytes(cls, fields: dict, data: Any, lengths: list[int]) -> "RawRng":
+        """The blobs back from ``data``, their bytes one after another (``lengths`` each)."""
+        view, blobs, at = memoryview(data), [], 0
+        for n in lengths:
+            blobs.append(view[at:at + int(n)])
+            at += int(n)
+        if at != len(view) or len(blobs) != 3 + int(fields.get("cuda", 0)):
+            raise ValueError(f"RNG blobs of {list(lengths)} bytes do not match {len(view)} bytes and the fields")
+        return cls(fields, blobs)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [memoryview(b).nbytes for b in self.blobs]
+
+    def encode(self) -> dict:
+        """The JSON-safe dict ``capture_rng`` returns and ``restore_rng`` takes.
+
+        The two Mersenne Twister states (624 words each, plus the position in python's) are
+        stored as base64 of little-endian uint32, not as JSON lists of ints. Why: a rank with no
+        shard sends its RNG through the part pool and into the manifest every step, and as lists
+        they were most of the manifest's bytes and of the controller's JSON time (py-spy on the
+        benchmark workload: 19% of the controller's samples in json.dumps). Lists (``keys``,
+        ``internal``) written by earlier versions still restore."""
+        n, p = self.fields["numpy"], self.fields["python"]
+        out = {
+            "torch": _b64(self.blobs[0]),
+            "numpy": {"kind": n["kind"], "keys_b64": _b64(self.blobs[1]), "pos": n["pos"],
+                      "has_gauss": n["has_gauss"], "cached_gaussian": n["cached_gaussian"]},
+            "python": {"version": p["version"], "internal_b64": _b64(self.blobs[2]), "gauss_next": p["gauss_next"]},
+        }
+        if "cuda" in self.fields:
+            out["cuda"] = [_b64(b) for b in self.blobs[3:]]
+        return out
+
+
+def encoded_rng(rng: "RawRng | dict | None") -> dict | None:
+    """``rng`` as ``restore_rng`` takes it, whether still raw or encoded already."""
+    return rng.encode() if isinstance(rng, RawRng) else rng
+
+
+def capture_rng() -> dict:
+    """torch, numpy and python RNG state as JSON-safe data (``RawRng``, encoded at once)."""
+    return RawRng.take().encode()
 
 
 def restore_rng(rng: dict) -> None:

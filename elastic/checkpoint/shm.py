@@ -3,7 +3,8 @@
 The rank copies its share of the state into a free slot inside the step; the agent writes the
 shard straight from that memory and hands the slot back. A slot holds one snapshot: the shard's
 safetensors data section (tensors back to back, in file order, as a registered layout says),
-then the rank's meta JSON of that step (RNG, and with the first share the state skeleton). A
+then the rank's meta JSON of that step (with the first share the state skeleton), then its RNG
+as read (``codec.RawRng``'s blobs, which the agent encodes into the meta). A
 layout (``codec.shard_layout``) travels once, in a memfd of its own; slots are plain bytes, so a
 rank whose share changes with the step (fewer writers than ranks) needs no more memory.
 
@@ -108,12 +109,16 @@ class SlotRing:
         return memoryview(self._mm)[start:end]
 
     def meta(self, slot: int, offset: int, length: int) -> bytes:
+        """A copy of ``length`` bytes at ``offset``: the meta, the RNG's blobs."""
         start, end = self._span(slot, offset, length)
         return self._mm[start:end]
 
-    def put_meta(self, slot: int, offset: int, data: bytes) -> None:
-        start, end = self._span(slot, offset, len(data))
+    def put_meta(self, slot: int, offset: int, data: Any) -> int:
+        """Copy ``data`` (bytes or a buffer) into ``slot`` at ``offset``; returns its byte count."""
+        data = memoryview(data).cast("B")
+        start, end = self._span(slot, offset, data.nbytes)
         self._mm[start:end] = data
+        return data.nbytes
 
     def copy_in(self, slot: int, layout_id: Any, layout: list[dict], tensors: dict[str, Any]) -> None:
         """Copy ``tensors`` (the layout's names) into ``slot``, from any device; synchronous."""

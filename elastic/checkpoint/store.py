@@ -31,10 +31,12 @@ if TYPE_CHECKING:
     import torch
 
 from elastic.checkpoint.codec import (
+    RawRng,
     canonical_json,
     decode_metadata,
     decode_tensors,
     encode_tensor_buffers,
+    encoded_rng,
     flatten_state,
     rank_share,
     sha256,
@@ -95,7 +97,7 @@ class Snapshot:
     world_size: int
     tensors: dict[str, torch.Tensor]
     skeleton: Any = None
-    rng: dict | None = None
+    rng: RawRng | dict | None = None  # raw when read inside the step: the writer encodes it (``encoded_rng``)
     taken_at: float = field(default_factory=time.time)  # wall clock when the copies were made
 
     @property
@@ -103,7 +105,7 @@ class Snapshot:
         return sum(tensor_nbytes(t) for t in self.tensors.values())
 
     @classmethod
-    def of_state(cls, state: dict, step: int, rank: int, world_size: int, rng: dict | None = None,
+    def of_state(cls, state: dict, step: int, rank: int, world_size: int, rng: RawRng | dict | None = None,
                  min_shard_bytes: int = 0, copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Snapshot:
         """``rank``'s share of ``state`` (a ``get_state()``-shaped dict) at ``step``, and with the
         first share the state skeleton. ``copy`` makes the private copies a background write
@@ -246,7 +248,7 @@ class CheckpointStore:
             raise ValueError(f"rank {snap.rank} is outside world_size {snap.world_size}")
         if not snap.writes_file:
             return []
-        meta = rank_meta(snap.step, snap.rank, snap.world_size, snap.tensors, snap.rng, snap.skeleton)
+        meta = rank_meta(snap.step, snap.rank, snap.world_size, snap.tensors, encoded_rng(snap.rng), snap.skeleton)
         return [self.write_shard(snap.step, snap.rank, snap.world_size,
                                  encode_tensor_buffers(snap.tensors, shard_metadata(meta)))]
 

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from elastic.checkpoint.agent import MAX_MESSAGE, receive_message, send_message
-from elastic.checkpoint.codec import canonical_json, capture_rng, host_copy, shard_layout
+from elastic.checkpoint.codec import RawRng, canonical_json, encoded_rng, host_copy, shard_layout
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.shm import SlotRing, memfd_with
 from elastic.checkpoint.staging import StagingBuffers
@@ -40,7 +40,8 @@ def live_state(worker: Any) -> dict:
 
 def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: StagingBuffers | None = None) -> Snapshot:
     """This rank's share of tensors (private host copies, in ``staging``'s recycled buffers when
-    given), its RNG, and with the first share the state skeleton.
+    given), its RNG (read now, encoded by the writer: ``RawRng``), and with the first share the
+    state skeleton.
 
     Why the copies are made inside the step: CheckFreq pipelines them with the next step's
     forward and backward, since only the next optimizer step changes the parameters and optimizer
@@ -53,7 +54,7 @@ def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: Sta
     24.0 ms, so it was not adopted. Where the ranks already fill the cores, a copy moved off the
     step's path still takes the same CPU; what costs the extra 2-3 ms there was not found.
     """
-    return Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size), capture_rng(),
+    return Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size), RawRng.take(),
                              min_shard_bytes, copy=staging.copy if staging is not None else host_copy)
 
 
@@ -145,7 +146,7 @@ class WorkerCheckpointer:
         entries = self.store.write_snapshot(snapshot)
         part = {"entries": [e.to_dict() for e in entries], "taken_at": snapshot.taken_at}
         if not entries:
-            part["rng"] = snapshot.rng
+            part["rng"] = encoded_rng(snapshot.rng)
         return part
 
     def _push(self, step: int, payload: tuple, written: dict) -> None:
@@ -267,20 +268,21 @@ class AgentCheckpointer:
             return self.fallback.snapshot(worker, step)
         try:
             self._poll()
+            rng = RawRng.take()
             snap = Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size),
-                                     capture_rng(), self.min_shard_bytes)  # live tensors: copied into the slot
+                                     rng, self.min_shard_bytes)  # live tensors: copied into the slot
             message: dict[str, Any] = {"op": "snap", "step": step, "rank": snap.rank, "world_size": snap.world_size,
                                        "taken_at": snap.taken_at}
             if snap.writes_file:
                 layout = self._layout_of(snap.tensors)
                 if layout is None:
                     return self._fall_back(worker, step, "a tensor's dtype has no safetensors name here")
-                meta = canonical_json(rank_meta(step, snap.rank, snap.world_size, snap.tensors, snap.rng,
-                                                snap.skeleton))
-                if not self._fill(message, layout, meta, snap.tensors):
+                # The meta without the RNG, whose bytes follow it in the slot: the agent encodes them.
+                meta = canonical_json(rank_meta(step, snap.rank, snap.world_size, snap.tensors, None, snap.skeleton))
+                if not self._fill(message, layout, meta, snap.tensors, rng):
                     return self._drop(step)
             else:
-                message["rng"] = snap.rng
+                message["rng"] = rng.encode()
             try:
                 send_message(self.sock, message, block=False)
             except BlockingIOError:  # the agent's queue is full: it is far behind
@@ -293,12 +295,14 @@ class AgentCheckpointer:
         self._handed, self._dropped = step, None
         return []
 
-    def _fill(self, message: dict, layout: "_Layout", meta: bytes, tensors: dict) -> bool:
-        """Copy ``tensors`` and ``meta`` into a free slot and name it in ``message``; False
-        when no slot is free (or the agent cannot be told of a new ring or layout right now)."""
+    def _fill(self, message: dict, layout: "_Layout", meta: bytes, tensors: dict, rng: RawRng) -> bool:
+        """Copy ``tensors``, ``meta`` and ``rng``'s blobs, one after another, into a free slot and
+        name it in ``message``; False when no slot is free (or the agent cannot be told of a new
+        ring or layout right now)."""
         if layout.id is None and not self._send_layout(layout):
             return False
-        ring_id = self._ring_for(layout.nbytes + len(meta))
+        lengths = rng.lengths
+        ring_id = self._ring_for(layout.nbytes + len(meta) + sum(lengths))
         if ring_id is None:
             return False
         ring, free = self._rings[ring_id]
@@ -307,11 +311,14 @@ class AgentCheckpointer:
         slot = free.pop()
         try:
             ring.copy_in(slot, layout.id, layout.entries, tensors)
-            ring.put_meta(slot, layout.nbytes, meta)
+            at = layout.nbytes
+            for part in (meta, *rng.blobs):
+                at += ring.put_meta(slot, at, part)
         except BaseException:
             free.add(slot)
             raise
-        message.update(ring=ring_id, slot=slot, layout=layout.id, meta_len=len(meta))
+        message.update(ring=ring_id, slot=slot, layout=layout.id, meta_len=len(meta), rng_raw=rng.fields,
+                       rng_lens=lengths)
         return True
 
     def _give_back(self, message: dict) -> None:
