@@ -35,6 +35,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/checkpoint_overhead.py
+	$(BIN)/python benchmarks/snapshot_cost.py
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/straggler.py
 

@@ -1,0 +1,133 @@
+"""Issue #3: what a checkpoint costs inside one rank's step, alone: the CPU of
+``AgentCheckpointer.snapshot`` right after each real training step of the default workload.
+
+    python benchmarks/snapshot_cost.py [--steps 300 --rank 0 --workers 4 ...workload args]
+
+Why a figure of its own: with cores to spare (a lent 16-core machine), what is left of
+``ckpt_every_step_overhead_*`` is this in-step snapshot (state_dict, the state's walk, the RNG
+reads, the meta's JSON, the copy into shared memory, one message), a fixed time a step; the
+full benchmark cannot show it on a 2-vCPU VM, where the agent's writes and hashing compete with
+the ranks for the cores and the run-to-run noise is +-10%. Here nothing else runs: one process
+trains (``--workers`` only sets which share of the state this rank writes), and a stand-in agent
+in a forked process hands every slot straight back, so no snapshot is dropped and the agent's own
+work is not timed.
+
+Each snapshot follows a training step (forward, backward, optimizer step) as in a real run, so
+its caches are as cold as they are there: the same calls take 2-3x longer than in a hot loop.
+Thread CPU time, not wall time, so a preempted snapshot does not count the preemption.
+
+Figures: ``ckpt_snapshot_cpu_us`` (median over the steps, with p90 and the wall-clock median),
+``ckpt_snapshot_share_of_step`` (the median snapshot's CPU over the median training step's CPU
+in this process; a real rank's step also waits for its all-reduce, so this is an upper bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+
+from common import add_workload_args, claim_stdout, emit, workload_from_args
+from elastic.checkpoint.agent import receive_message, send_message
+from elastic.checkpoint.codec import flatten_state, rank_share, tensor_nbytes
+from elastic.checkpoint.worker_hook import AgentCheckpointer, live_state
+
+
+def stand_in_agent(path: str, ready) -> None:
+    """The agent's side of the protocol, minus the writing: every snapshot's slot goes back at once."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(1)
+    ready.set()
+    conn, _ = server.accept()
+    while True:
+        message, fds = receive_message(conn)
+        for fd in fds:  # rings and layouts: nothing reads them here
+            os.close(fd)
+        if message is None:
+            return
+        if message.get("op") == "snap" and "slot" in message:
+            send_message(conn, {"op": "free", "ring": message["ring"], "slot": message["slot"]})
+        elif message.get("op") == "flush":
+            send_message(conn, {"op": "flushed", "id": message["id"], "ok": True, "done": [], "events": []})
+
+
+class Rank:
+    """What ``AgentCheckpointer.snapshot`` reads of a TrainWorker."""
+
+    def __init__(self, w, rank: int):
+        torch.manual_seed(w.seed)
+        self.model, self.scheduler = w.model_fn(), None
+        self.optimizer = w.optimizer_fn(self.model.parameters())
+        self.rank, self.world_size, self.completed_step = rank, w.workers, 0
+        g = torch.Generator().manual_seed(w.seed)
+        self.x = torch.randn(w.batch_per_worker, w.in_dim, generator=g)
+        self.y = torch.randint(0, w.classes, (w.batch_per_worker,), generator=g)
+
+    def train_step(self) -> None:
+        self.optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(self.model(self.x), self.y).backward()
+        self.optimizer.step()
+        self.completed_step += 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p, steps=300)
+    p.add_argument("--rank", type=int, default=0, help="whose share to snapshot (rank 0 also writes the skeleton)")
+    p.add_argument("--warmup", type=int, default=20)
+    args = p.parse_args()
+    claim_stdout()
+    w = workload_from_args(args)
+    if not 0 <= args.rank < w.workers:
+        p.error(f"--rank must be in [0, {w.workers})")
+
+    path = os.path.join(tempfile.mkdtemp(prefix="elastic-snapshot-cost-"), "agent.sock")
+    ctx = multiprocessing.get_context("fork")  # before this process has threads of its own
+    ready = ctx.Event()
+    agent = ctx.Process(target=stand_in_agent, args=(path, ready), daemon=True)
+    agent.start()
+    ready.wait(30)
+    rank = Rank(w, args.rank)
+    link = AgentCheckpointer(path, 1, fallback=lambda: None)
+    snap_cpu, snap_wall, step_cpu = [], [], []
+    try:
+        for i in range(args.warmup + args.steps):
+            c = time.thread_time()
+            rank.train_step()
+            c1, t1 = time.thread_time(), time.perf_counter()
+            events = link.snapshot(rank, rank.completed_step)
+            c2, t2 = time.thread_time(), time.perf_counter()
+            if events or link.fallback is not None:
+                raise RuntimeError(f"snapshot of step {rank.completed_step} did not go to the agent: {events}")
+            if i >= args.warmup:
+                step_cpu.append(c1 - c)
+                snap_cpu.append(c2 - c1)
+                snap_wall.append(t2 - t1)
+        if link.dropped:
+            raise RuntimeError(f"{link.dropped} snapshots were dropped: the stand-in agent fell behind")
+    finally:
+        link.close()
+        agent.join(10)
+
+    tensors, _ = flatten_state(live_state(rank))
+    names, _ = rank_share(tensors, args.rank, w.workers, 0, rank.completed_step)
+    share = {"share_bytes": sum(tensor_nbytes(tensors[n]) for n in names), "share_tensors": len(names),
+             "state_bytes": sum(tensor_nbytes(t) for t in tensors.values())}
+    median_snap, median_step = statistics.median(snap_cpu), statistics.median(step_cpu)
+    details = {"rank": args.rank, "world_size": w.workers, "steps": args.steps, **share, **w.describe()}
+    emit("ckpt_snapshot_cpu_us", median_snap * 1e6, "us",
+         p90_us=sorted(snap_cpu)[int(0.9 * len(snap_cpu))] * 1e6, wall_median_us=statistics.median(snap_wall) * 1e6,
+         **details)
+    emit("ckpt_snapshot_share_of_step", median_snap / median_step, "ratio",
+         train_step_cpu_us=median_step * 1e6, **details)
+
+
+if __name__ == "__main__":
+    main()
