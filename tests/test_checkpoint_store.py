@@ -205,6 +205,14 @@ def test_assign_shards_is_deterministic_and_balanced():
     assert max(loads) - min(loads) <= max(sizes.values())
     assert sorted(n for s in a for n in s) == sorted(sizes)
     assert assign_shards({"only": 5}, 3) == [["only"], [], []]  # an empty shard is fine
+    # The split is remembered per names and sizes; what a caller gets is its own to change.
+    a[0].append("mine")
+    assert assign_shards(sizes, 4) == b
+    share, _ = rank_share({n: torch.zeros(sizes[n], dtype=torch.uint8) for n in sizes}, 1, 4)
+    share.append("mine")
+    assert rank_share({n: torch.zeros(sizes[n], dtype=torch.uint8) for n in sizes}, 1, 4)[0] == b[1]
+    with pytest.raises(ValueError):
+        assign_shards(sizes, 0)
 
 
 def test_rank_without_a_share_writes_no_file_and_its_rng_goes_in_the_manifest(backend):
