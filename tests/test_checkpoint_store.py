@@ -38,6 +38,7 @@ from elastic.checkpoint.codec import (
     encode_tensor_buffers,
     encode_tensors,
     flatten_state,
+    unflatten_state,
     rank_share,
     sha256,
     tensor_nbytes,
@@ -194,6 +195,30 @@ def test_read_state_with_a_different_world_size(backend):
     write_step(store, worker, step=3, world_size=3)
     state, _ = store.read_state()
     assert_same(state, worker.get_state())
+
+
+def test_flatten_state_keeps_every_plain_value_and_refuses_what_json_cannot_key():
+    """The walk's fast path for plain children (exact int, str, bool, None) keeps them as they
+    are; everything else goes through the full checks, subclasses included."""
+    import enum
+    import math
+
+    class Name(str, enum.Enum):
+        LR = "lr"
+
+    state = {"model": {"w": torch.arange(3.0)}, 7: [1, True, None, "x", 2.5, float("nan"), (3, False, torch.ones(2))],
+             Name.LR: np.float32(0.5), "nested": {"ids": list(range(5)), "inf": float("-inf"), "n": np.int64(4)}}
+    tensors, skeleton = flatten_state(state)
+    assert sorted(tensors) == ["7/6/2", "model/w"]
+    back = unflatten_state(tensors, json.loads(canonical_json(skeleton)))
+    assert back[7][:5] == [1, True, None, "x", 2.5] and math.isnan(back[7][5])
+    assert back[7][6][:2] == (3, False) and torch.equal(back[7][6][2], torch.ones(2))
+    assert back["lr"] == 0.5 and back["nested"] == {"ids": [0, 1, 2, 3, 4], "inf": float("-inf"), "n": 4}
+    for bad_key in (True, (1, 2), 1.5):
+        with pytest.raises(TypeError, match="must be str or int"):
+            flatten_state({"optimizer": {bad_key: 1}})
+    with pytest.raises(TypeError, match="without pickle"):
+        flatten_state({"x": [1, object()]})
 
 
 def test_assign_shards_is_deterministic_and_balanced():

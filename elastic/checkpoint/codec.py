@@ -30,6 +30,7 @@ _TENSOR = "__tensor__"
 _DICT = "__dict__"
 _TUPLE = "__tuple__"
 _FLOAT = "__float__"
+_PLAIN = frozenset({int, str, bool, type(None)})  # kept in a skeleton as they are (exact types only)
 
 
 def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
@@ -39,11 +40,16 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
     returned as they are (no copy); callers clone what they keep.
     """
     tensors: dict[str, torch.Tensor] = {}
+    tensor_type = torch.Tensor  # once: through the lazy module each lookup is a __getattr__ call
 
-    # The path travels as its joined string, not a tuple joined at each tensor: this walk runs
-    # inside every checkpointed step, over every optimizer state entry.
+    # This walk runs inside every checkpointed step, over every optimizer state entry, so it is
+    # written for speed: the path travels as its joined string, not a tuple joined at each
+    # tensor, and a child of a plain type (int, str, bool, None: an optimizer's param ids, its
+    # hyperparameters) is kept as it is without a call or a path of its own. For 1280 tensors
+    # (a 160-layer MLP under Adam) that took the walk from 8.3-9.0 to 1.3-2.7 ms a step, with the
+    # same skeleton (alternating runs in a hot loop, 2-vCPU VM).
     def walk(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, tensor_type):
             name = path or "tensor"
             if name in tensors:  # only if keys themselves contain '/': make it unique
                 i = 1
@@ -56,14 +62,15 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
         if isinstance(obj, dict):
             pairs = []
             for key, value in obj.items():
-                if not isinstance(key, (str, int)) or isinstance(key, bool):
+                if type(key) is not str and type(key) is not int and (
+                        not isinstance(key, (str, int)) or isinstance(key, bool)):
                     raise TypeError(f"checkpoint state key {key!r} at {path or '<root>'} must be str or int")
-                pairs.append([key, walk(value, f"{prefix}{key}")])
+                pairs.append([key, value if type(value) in _PLAIN else walk(value, f"{prefix}{key}")])
             return {_DICT: pairs}
         if isinstance(obj, tuple):
-            return {_TUPLE: [walk(v, f"{prefix}{i}") for i, v in enumerate(obj)]}
+            return {_TUPLE: [v if type(v) in _PLAIN else walk(v, f"{prefix}{i}") for i, v in enumerate(obj)]}
         if isinstance(obj, list):
-            return [walk(v, f"{prefix}{i}") for i, v in enumerate(obj)]
+            return [v if type(v) in _PLAIN else walk(v, f"{prefix}{i}") for i, v in enumerate(obj)]
         if isinstance(obj, np.generic):
             return walk(obj.item(), path)
         if isinstance(obj, float):
