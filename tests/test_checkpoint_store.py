@@ -30,6 +30,7 @@ from elastic.checkpoint import (
 )
 from elastic.checkpoint.codec import (
     RawRng,
+    SkeletonJson,
     assign_shards,
     canonical_json,
     capture_rng,
@@ -38,10 +39,11 @@ from elastic.checkpoint.codec import (
     encode_tensor_buffers,
     encode_tensors,
     flatten_state,
-    unflatten_state,
+    json_object_plus,
     rank_share,
     sha256,
     tensor_nbytes,
+    unflatten_state,
     writer_count,
     writer_slot,
 )
@@ -219,6 +221,37 @@ def test_flatten_state_keeps_every_plain_value_and_refuses_what_json_cannot_key(
             flatten_state({"optimizer": {bad_key: 1}})
     with pytest.raises(TypeError, match="without pickle"):
         flatten_state({"x": [1, object()]})
+
+
+def test_a_member_spliced_into_a_json_object_reads_back_with_the_rest():
+    text = canonical_json({"b": [1, {"c": None}], "a": "x}"})
+    assert json.loads(json_object_plus(text, "rng", canonical_json({"torch": "AAA="}))) == {
+        "a": "x}", "b": [1, {"c": None}], "rng": {"torch": "AAA="}}
+    assert json.loads(json_object_plus(b"{ }", "k", b"[1]")) == {"k": [1]}
+    for bad in (b"[1]", b'"x"', b"{"):
+        with pytest.raises(ValueError):
+            json_object_plus(bad, "k", b"1")
+
+
+def test_a_skeleton_encoded_step_after_step_reads_back_as_it_is_each_step():
+    """SkeletonJson reuses the text of the parts that did not change; every step still reads back
+    as that step's skeleton (the step counter, a scheduled learning rate, a new optimizer entry)."""
+    worker = FakeWorker()
+    cache = SkeletonJson()
+    texts = []
+    for step in range(1, 6):
+        worker.train(step)  # StepLR halves the learning rate every second step
+        state = worker.get_state()
+        if step == 4:
+            state["optimizer"]["state"][99] = {"note": "new entry"}
+        _, skeleton = flatten_state(state)
+        text = cache.dumps(skeleton)
+        assert json.loads(text) == json.loads(canonical_json(skeleton))
+        texts.append(text)
+        if step == 1:
+            weight_text = cache._last[("model", "0.weight")][1]
+    assert len(set(texts)) == 5
+    assert cache._last[("model", "0.weight")][1] is weight_text  # a tensor's name: encoded once, reused since
 
 
 def test_assign_shards_is_deterministic_and_balanced():

@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from elastic.actors.priority import can_restore_priority
-from elastic.checkpoint.codec import RawRng, canonical_json, safetensors_header
+from elastic.checkpoint.codec import RawRng, canonical_json, json_object_plus, safetensors_header
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.shm import SlotRing, read_memfd
 from elastic.checkpoint.store import CheckpointStore, shard_metadata
@@ -217,9 +217,8 @@ class _RankLink:
         meta = ring.meta(p.slot, nbytes, p.meta_len)
         if p.rng_lens is not None:  # the rank's RNG as it read it, after the meta: encoded here, off its step
             blobs = ring.meta(p.slot, nbytes + p.meta_len, sum(int(n) for n in p.rng_lens))
-            meta_dict = json.loads(meta)
-            meta_dict["rng"] = RawRng.from_bytes(p.rng_raw, blobs, p.rng_lens).encode()
-            meta = canonical_json(meta_dict)
+            rng = RawRng.from_bytes(p.rng_raw, blobs, p.rng_lens).encode()
+            meta = json_object_plus(meta, "rng", canonical_json(rng))
         header = safetensors_header(layout, shard_metadata(meta))
         entry = self.agent.store.write_shard(p.step, p.rank, p.world_size, [header, ring.data(p.slot, nbytes)])
         return {"entries": [entry.to_dict()], "taken_at": p.taken_at}

@@ -327,6 +327,55 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
+def json_object_plus(text: bytes, key: str, value: bytes) -> bytes:
+    """The JSON object ``text`` with one more member, ``key``, whose value is already JSON
+    (``value``), spliced in before the closing brace: nothing of ``text`` is parsed or encoded
+    again. Its members are then not in sorted order, which a reader's ``json.loads`` does not
+    mind; a rank's meta needs no byte-stable form (a shard's checksum is of the file as written)."""
+    body = text.rstrip()
+    if not (body.startswith(b"{") and body.endswith(b"}")):
+        raise ValueError("not a JSON object")
+    sep = b"" if body[1:-1].strip() == b"" else b","
+    return body[:-1] + sep + json.dumps(key).encode() + b":" + value + b"}"
+
+
+class SkeletonJson:
+    """The JSON of a rank's state skeleton step after step, encoding again only the parts that
+    changed since the last call: the top-level entries of the state and of each of those
+    (``model``, ``optimizer/state``, ``optimizer/param_groups``, ``scheduler``, ...; a dict of
+    more than ``FANOUT`` members, a model's tensors, is one entry), each compared with its
+    predecessor (``==``, in C) and its text reused when equal.
+
+    Why: the skeleton names every tensor of the state, and between two steps only a few
+    scalars in it change (the step counter, a scheduled learning rate). For 1280 tensors (a
+    160-layer MLP under Adam with StepLR, 2-vCPU VM, alternating runs) the meta of the rank
+    that carries the skeleton took 2.3 and 3.2 ms a step as one ``canonical_json``, and 1.15
+    and 1.35 ms this way (``AgentCheckpointer._meta``).
+    A value equal to its predecessor but of another type (1 and 1.0, 1 and True) keeps the old
+    text: the restored number then has the old type, and the same value."""
+
+    DEPTH, FANOUT = 2, 16  # entries of more members (a model's tensors) are compared whole
+
+    def __init__(self):
+        self._last: dict[tuple, tuple[Any, bytes]] = {}  # path -> (subtree, its JSON)
+
+    def dumps(self, skeleton: Any) -> bytes:
+        return self._encode(skeleton, (), 0)
+
+    def _encode(self, node: Any, path: tuple, depth: int) -> bytes:
+        if (depth < self.DEPTH and isinstance(node, dict) and len(node) == 1 and _DICT in node
+                and len(node[_DICT]) <= self.FANOUT):
+            parts = [b"[" + json.dumps(key).encode() + b"," + self._encode(value, path + (key,), depth + 1) + b"]"
+                     for key, value in node[_DICT]]
+            return b'{"' + _DICT.encode() + b'":[' + b",".join(parts) + b"]}"
+        last = self._last.get(path)
+        if last is not None and last[0] == node:
+            return last[1]
+        text = canonical_json(node)
+        self._last[path] = (node, text)
+        return text
+
+
 # ---- RNG ---------------------------------------------------------------------------------------
 _LITTLE_ENDIAN = sys.byteorder == "little"
 

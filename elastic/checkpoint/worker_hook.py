@@ -17,7 +17,8 @@ import time
 from typing import Any, Callable
 
 from elastic.checkpoint.agent import MAX_MESSAGE, receive_message, send_message
-from elastic.checkpoint.codec import RawRng, canonical_json, encoded_rng, host_copy, shard_layout
+from elastic.checkpoint.codec import (RawRng, SkeletonJson, canonical_json, encoded_rng, host_copy,
+                                      json_object_plus, shard_layout)
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.shm import SlotRing, memfd_with
 from elastic.checkpoint.staging import StagingBuffers
@@ -238,6 +239,7 @@ class AgentCheckpointer:
         self._ring_id: int | None = None  # the ring snapshots go into; older ones wait for their slots
         self._rings: dict[int, tuple[SlotRing, set[int]]] = {}  # ring id -> (ring, free slots)
         self._layouts: dict[tuple, _Layout] = {}  # (name, dtype, shape) of each tensor -> its layout
+        self._skeleton_json = SkeletonJson()
         self._next_id = 0
         self._events: list[dict] = []
         self._flushed: dict | None = None
@@ -277,8 +279,7 @@ class AgentCheckpointer:
                 layout = self._layout_of(snap.tensors)
                 if layout is None:
                     return self._fall_back(worker, step, "a tensor's dtype has no safetensors name here")
-                # The meta without the RNG, whose bytes follow it in the slot: the agent encodes them.
-                meta = canonical_json(rank_meta(step, snap.rank, snap.world_size, snap.tensors, None, snap.skeleton))
+                meta = self._meta(snap)
                 if not self._fill(message, layout, meta, snap.tensors, rng):
                     return self._drop(step)
             else:
@@ -294,6 +295,16 @@ class AgentCheckpointer:
             return self._snapshot_failed(worker, step, exc)
         self._handed, self._dropped = step, None
         return []
+
+    def _meta(self, snap: Snapshot) -> bytes:
+        """The rank's meta for the slot: without the RNG, whose bytes follow it there (the agent
+        splices it in), and with the skeleton's JSON mostly as it was last time (``SkeletonJson``)."""
+        meta = rank_meta(snap.step, snap.rank, snap.world_size, snap.tensors, None)
+        del meta["rng"]
+        text = canonical_json(meta)
+        if snap.skeleton is not None:
+            text = json_object_plus(text, "state", self._skeleton_json.dumps(snap.skeleton))
+        return text
 
     def _fill(self, message: dict, layout: "_Layout", meta: bytes, tensors: dict, rng: RawRng) -> bool:
         """Copy ``tensors``, ``meta`` and ``rng``'s blobs, one after another, into a free slot and
