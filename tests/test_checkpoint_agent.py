@@ -80,16 +80,16 @@ def test_slot_ring_holds_the_data_section_of_the_shard_file_and_the_meta_after_i
     other = SlotRing(ring.take_fd(), ring.desc)  # the agent's mapping, as received over the socket
     try:
         ring.copy_in(1, "a", layout, tensors)
-        ring.put_meta(1, nbytes, b'{"rng": 1}')
+        ring.put(1, nbytes, b'{"rng": 1}')
         expected = b"".join(bytes(b) for b in encode_tensor_buffers(tensors)[1:])
-        assert bytes(other.data(1, nbytes)) == expected and other.meta(1, nbytes, 10) == b'{"rng": 1}'
+        assert bytes(other.data(1, nbytes)) == expected and other.read(1, nbytes, 10) == b'{"rng": 1}'
         assert bytes(other.data(0, nbytes)) == bytes(nbytes)  # slot 0 untouched
         # Another layout in the same slot (a rank whose share rotates): the same bytes, other views.
         small = shard_layout({"x": torch.arange(3, dtype=torch.int32)})
         ring.copy_in(1, "b", small, {"x": torch.arange(3, dtype=torch.int32)})
         assert bytes(other.data(1, 12)) == torch.arange(3, dtype=torch.int32).numpy().tobytes()
         with pytest.raises(ValueError):
-            ring.put_meta(0, nbytes, b"x" * (ring.slot_bytes - nbytes + 1))
+            ring.put(0, nbytes, b"x" * (ring.slot_bytes - nbytes + 1))
         with pytest.raises(ValueError):
             other.data(2, 1)
         with pytest.raises(ValueError):

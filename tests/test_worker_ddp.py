@@ -160,7 +160,7 @@ def test_a_late_first_n_replica_sits_out_four_steps_then_twice_as_long_each_time
         while len(rests) < lates:
             eligible = s.eligible(step)
             if 2 in eligible:
-                s.record(step, eligible, (0, 1))
+                s.record(step, (0, 1))
                 rests.append(sum(1 for t in range(step + 1, step + 100) if 2 not in s.eligible(t)))
                 step += rests[-1]
             step += 1
@@ -171,9 +171,9 @@ def test_a_late_first_n_replica_sits_out_four_steps_then_twice_as_long_each_time
     assert rests_after_late_gradients(2, 1) == [2]  # the cap bounds the first sit-out too
     assert rests_after_late_gradients(0, 3) == [0, 0, 0]  # late_backoff_steps=0: never sits out
     s = SitOutSchedule(3, 8)
-    s.record(1, (0, 1, 2), (0, 1))
+    s.record(1, (0, 1))
     assert s.streak == [0, 0, 1] and s.eligible(2) == (0, 1) and s.eligible(6) == (0, 1, 2)
-    s.record(6, (0, 1, 2), (1, 2))  # one gradient in time ends the backoff; rank 0 is late now
+    s.record(6, (1, 2))  # one gradient in time ends the backoff; rank 0 is late now
     assert s.streak == [1, 0, 0] and s.eligible(7) == (1, 2)
 
 
@@ -196,7 +196,7 @@ def test_every_rank_knows_the_steps_only_n_may_compute_from_the_fast_sets_alone(
         else:
             fast = tuple(sorted(rng.sample(eligible, 4)))  # who arrives first: anyone eligible
         for s in schedules:
-            s.record(step, eligible, fast)
+            s.record(step, fast)
     assert known_steps > 100  # a late replica rests 4 steps at least: most steps need no agreement
 
 

@@ -61,10 +61,11 @@ class SitOutSchedule:
         """The ranks that may compute ``step``'s gradient, in rank order."""
         return tuple(r for r, last in enumerate(self._rests_through) if last < step)
 
-    def record(self, step: int, eligible: tuple[int, ...], fast: tuple[int, ...]) -> None:
-        """``step`` is agreed: ``fast`` its fast set, ``eligible`` what ``eligible(step)`` was.
-        A replica that could compute and is not in the fast set rests the next steps."""
-        for r in eligible:
+    def record(self, step: int, fast: tuple[int, ...]) -> None:
+        """``step`` is agreed, ``fast`` its fast set: a replica that could compute it and is not
+        in the fast set rests the next steps. (Who could is ``eligible(step)`` still: only this
+        changes the schedule.)"""
+        for r in self.eligible(step):
             if r in fast:
                 self.streak[r] = 0
             else:

@@ -589,9 +589,9 @@ class TrainWorker:
         t0 = time.perf_counter()
         self.current_step = self.started_step = step
         store, n, schedule = self._fn_store, self._fn_n, self._fn_schedule
-        count_key, fast_key = _count_key(step), _fast_key(step)
         eligible = schedule.eligible(step)
-        # Exactly N may compute: they are the fast set, known to every rank without asking.
+        # Exactly N may compute: they are the fast set, known to every rank without asking (and
+        # the step's store keys are never formatted).
         known = len(eligible) == n
         order = n + 1
         flat = self._fn_grads.flat  # every gradient (views into it, bar other dtypes) and the loss
@@ -600,7 +600,7 @@ class TrainWorker:
         self._check_abandoned(step)
         if self.rank not in eligible:
             pass  # resting (elastic/actors/sitout.py): no gradient, the update all the same
-        elif known or schedule.streak[self.rank] == 0 or (store.add(count_key, 0) & 0xFF) < n:
+        elif known or schedule.streak[self.rank] == 0 or (store.add(_count_key(step), 0) & 0xFF) < n:
             _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device.type)
             batch = self._batch(indices)
             self.model.train()
@@ -615,7 +615,7 @@ class TrainWorker:
                 order = eligible.index(self.rank) + 1
             else:
                 self._enter("arrive")
-                arrived = store.add(count_key, 1 + (1 << (8 + self.rank)))
+                arrived = store.add(_count_key(step), 1 + (1 << (8 + self.rank)))
                 order = arrived & 0xFF
         if not computed:
             self._injected_kill(step)  # a replica skipping this step's gradient dies in it all the same
@@ -626,10 +626,10 @@ class TrainWorker:
             if order == n:
                 # compare_set, not set: the key is written once, so every rank reads the same value,
                 # the fast set or the controller's ABANDONED (see abandon_first_n), never both.
-                agreed = store.compare_set(fast_key, "", str(arrived >> 8))
+                agreed = store.compare_set(_fast_key(step), "", str(arrived >> 8))
             else:
                 self._check_abandoned(step)
-                agreed = store.get(fast_key)
+                agreed = store.get(_fast_key(step))
             if agreed == ABANDONED:
                 raise FirstNAbandoned(f"rank {self.rank}: step {step} abandoned: a peer was lost before "
                                       f"{n} gradients arrived")
@@ -659,7 +659,7 @@ class TrainWorker:
             dist.recv(flat, src=leader, tag=tag)
             if buffers is not None:
                 dist.recv(buffers, src=leader, tag=buffer_tag)
-        schedule.record(step, eligible, fast)
+        schedule.record(step, fast)
         # An agreed step's keys are forgotten ``agreement_horizon`` steps later (every rank keeps
         # the same list of agreed steps), by one rank: the first late replica, off the fast N's
         # path (it has slack), or the leader when a group down to N ranks has no late one.

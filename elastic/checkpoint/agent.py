@@ -214,9 +214,9 @@ class _RankLink:
             return {"entries": [], "taken_at": p.taken_at, "rng": p.rng}
         ring, layout = self.rings[p.ring], self.layouts[p.layout]
         nbytes = sum(e["nbytes"] for e in layout)
-        meta = ring.meta(p.slot, nbytes, p.meta_len)
+        meta = ring.read(p.slot, nbytes, p.meta_len)
         if p.rng_lens is not None:  # the rank's RNG as it read it, after the meta: encoded here, off its step
-            blobs = ring.meta(p.slot, nbytes + p.meta_len, sum(int(n) for n in p.rng_lens))
+            blobs = ring.read(p.slot, nbytes + p.meta_len, sum(int(n) for n in p.rng_lens))
             rng = RawRng.from_bytes(p.rng_raw, blobs, p.rng_lens).encode()
             meta = json_object_plus(meta, "rng", canonical_json(rng))
         header = safetensors_header(layout, shard_metadata(meta))

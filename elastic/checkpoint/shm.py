@@ -108,12 +108,12 @@ class SlotRing:
         start, end = self._span(slot, 0, nbytes)
         return memoryview(self._mm)[start:end]
 
-    def meta(self, slot: int, offset: int, length: int) -> bytes:
+    def read(self, slot: int, offset: int, length: int) -> bytes:
         """A copy of ``length`` bytes at ``offset``: the meta, the RNG's blobs."""
         start, end = self._span(slot, offset, length)
         return self._mm[start:end]
 
-    def put_meta(self, slot: int, offset: int, data: Any) -> int:
+    def put(self, slot: int, offset: int, data: Any) -> int:
         """Copy ``data`` (bytes or a buffer) into ``slot`` at ``offset``; returns its byte count."""
         data = memoryview(data).cast("B")
         start, end = self._span(slot, offset, data.nbytes)

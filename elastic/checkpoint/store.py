@@ -161,8 +161,9 @@ def shard_name(step: int, rank: int, world_size: int) -> str:
 
 def rank_meta(step: int, rank: int, world_size: int, tensor_names: Iterable[str], rng: dict | None,
               skeleton: Any = None) -> dict:
-    """The JSON a rank's shard carries in its header: what it is, its tensors, its RNG and, with
-    the first share, the skeleton of the non-tensor state."""
+    """The JSON a rank's shard carries in its header: what it is, its tensors, its RNG (when
+    given; the node agent adds it later) and, with the first share, the skeleton of the
+    non-tensor state."""
     meta: dict[str, Any] = {
         "format": FORMAT + "-rank-meta",
         "version": VERSION,
@@ -170,8 +171,9 @@ def rank_meta(step: int, rank: int, world_size: int, tensor_names: Iterable[str]
         "rank": rank,
         "world_size": world_size,
         "tensors": sorted(tensor_names),
-        "rng": rng,
     }
+    if rng is not None:
+        meta["rng"] = rng
     if skeleton is not None:
         meta["state"] = skeleton
     return meta

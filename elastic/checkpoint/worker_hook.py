@@ -299,9 +299,7 @@ class AgentCheckpointer:
     def _meta(self, snap: Snapshot) -> bytes:
         """The rank's meta for the slot: without the RNG, whose bytes follow it there (the agent
         splices it in), and with the skeleton's JSON mostly as it was last time (``SkeletonJson``)."""
-        meta = rank_meta(snap.step, snap.rank, snap.world_size, snap.tensors, None)
-        del meta["rng"]
-        text = canonical_json(meta)
+        text = canonical_json(rank_meta(snap.step, snap.rank, snap.world_size, snap.tensors, None))
         if snap.skeleton is not None:
             text = json_object_plus(text, "state", self._skeleton_json.dumps(snap.skeleton))
         return text
@@ -324,7 +322,7 @@ class AgentCheckpointer:
             ring.copy_in(slot, layout.id, layout.entries, tensors)
             at = layout.nbytes
             for part in (meta, *rng.blobs):
-                at += ring.put_meta(slot, at, part)
+                at += ring.put(slot, at, part)
         except BaseException:
             free.add(slot)
             raise
