@@ -658,7 +658,8 @@ class Controller:
             else:
                 ray.get(m.actor.inject_hang.remote(fault["at_step"]))
                 what = f"hangs in step {fault['at_step']}"
-            self.log("fault_injection", f"rank {fault['rank']} {what} (test/demo aid)", fault=dict(fault))
+            self.log("fault_injection", f"rank {fault['rank']} ({m.name}) {what} (test/demo aid)",
+                     fault=dict(fault), worker=m.name)
 
     # ---- one step ---------------------------------------------------------------------------
     def _run_one_step(self) -> None:
