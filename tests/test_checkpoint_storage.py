@@ -246,11 +246,11 @@ def test_a_mistyped_or_bucketless_url_is_refused_before_anything_is_written(tmp_
 def test_permanent_errors_are_not_retried(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    storage = Storage(str(blocker), retry=RetryPolicy(attempts=50, base_s=0.5, max_s=1.0))
+    storage = Storage(str(blocker), retry=RetryPolicy(attempts=50, base_s=10.0, max_s=20.0))
     t0 = time.monotonic()
     with pytest.raises(StorageError):
         storage.write_bytes("sub/x", b"1")  # parent is a file: NotADirectoryError/FileExistsError
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 4.0  # one retry would have slept at least 5 s (jitter: 0.5-1x)
 
 
 def test_s3_leaves_integrity_to_the_manifest_unless_the_user_says_otherwise(moto_s3):

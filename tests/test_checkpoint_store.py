@@ -691,7 +691,7 @@ def test_newest_snapshot_replaces_the_waiting_one():
         persister.submit(step, step)
         assert persister.waiting_step == step  # one slot: the newest, never a queue
         assert persister.inflight_step == 1
-    assert time.monotonic() - t0 < 0.5  # submit never waits for the write
+    assert time.monotonic() - t0 < 5  # submit never waits for the write (held until released below)
     assert persister.superseded == 48
     writer.release.set()
     assert persister.flush(5)
