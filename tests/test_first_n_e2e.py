@@ -21,11 +21,13 @@ STEPS = 8
 
 
 def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8,
-         storage=None, checkpoint=None, max_grad_norm=None, model_fn=make_model, optimizer_fn=make_sgd):
+         storage=None, checkpoint=None, max_grad_norm=None, model_fn=make_model, optimizer_fn=make_sgd,
+         bucket_cap_mb=None):
     return elastic.Trainer(
         model_fn, optimizer_fn, make_dataset, loss_fn, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
-                                      steps_per_dispatch=steps_per_dispatch, late_backoff_steps=late_backoff_steps),
+                                      steps_per_dispatch=steps_per_dispatch, late_backoff_steps=late_backoff_steps,
+                                      bucket_cap_mb=bucket_cap_mb),
         run=elastic.RunConfig(name=name, seed=0, storage=storage, checkpoint=checkpoint or elastic.CheckpointConfig()),
         failure=failure or elastic.FailureConfig(checksum_every_n_steps=1),
         faults=faults, requeue_dropped=requeue, max_grad_norm=max_grad_norm)
@@ -64,8 +66,12 @@ def test_slow_rank_never_enters_update_and_replicas_stay_identical(ray_cluster):
 def test_a_parameter_no_replica_reached_is_not_stepped_as_in_one_process(ray_cluster):
     # A branch the forward never uses has no gradient in one process, and AdamW leaves it alone;
     # a first-N replica's .grad is a view holding zeros, which AdamW's weight decay would shrink.
+    # Buckets of ~1 KiB: in the steps the slow rank sits out (the fast set known, not agreed),
+    # the fast two reduce bucket by bucket during the backward, and the unused branch's bucket,
+    # with every one after it, at the end.
     result = make("firstn-unused", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
-                  model_fn=make_model_with_unused_branch, optimizer_fn=make_adamw).fit(steps=STEPS)
+                  model_fn=make_model_with_unused_branch, optimizer_fn=make_adamw, bucket_cap_mb=0.001).fit(steps=STEPS)
+    assert result.metrics["agreed_steps"] < STEPS
     ref = reference_weights(STEPS, N * PER, batches=used_batches(result), optimizer_fn=make_adamw,
                             model_fn=make_model_with_unused_branch)
     assert_weights_close(result.model_state, ref, atol=1e-6)
@@ -79,8 +85,10 @@ def test_a_model_of_two_dtypes_averages_in_the_wider_one_and_keeps_its_dtypes(ra
     # A bf16 body and an fp32 head share one fp32 buffer: the bf16 gradients are copied in,
     # averaged over the fast N there and rounded once, as the one-process reference averages its
     # shards' gradients.
+    # Small buckets, as above: the bf16 gradients' bucket goes out after the backward.
     result = make("firstn-mixed", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
-                  model_fn=make_mixed_precision_model).fit(steps=STEPS)
+                  model_fn=make_mixed_precision_model, bucket_cap_mb=0.001).fit(steps=STEPS)
+    assert result.metrics["agreed_steps"] < STEPS
     ref = reference_weights(STEPS, N * PER, batches=used_batches(result), model_fn=make_mixed_precision_model,
                             shards=N)
     assert {k: v.dtype for k, v in result.model_state.items()} == {k: v.dtype for k, v in ref.items()}

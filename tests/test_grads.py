@@ -98,4 +98,131 @@ def test_a_step_fn_that_drops_the_views_still_fills_the_buffer():
         assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), name  # a view again
         expected = torch.zeros_like(p) if q.grad is None else q.grad
         assert torch.equal(p.grad, expected), name
-    assert flat[:-1].abs().sum() > 0
+    assert flat[1 + len(list(model.parameters())):].abs().sum() > 0  # the gradients
+
+
+# ---- reducing during the backward (known fast sets) ---------------------------------------------
+class Branchy(torch.nn.Module):
+    """A bf16 input layer, five fp32 ones, and a branch only some replicas' batches reach."""
+
+    def __init__(self):
+        super().__init__()
+        self.low = torch.nn.Linear(32, 32).to(torch.bfloat16)
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(5)])
+        self.branch = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 2)
+
+    def forward(self, x, reach_branch: bool):
+        h = self.body(self.low(x.to(torch.bfloat16)).float())
+        if reach_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+class Reentrant(torch.nn.Module):
+    """A layer used inside and outside a reentrant checkpoint: its gradient accumulates twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 2)
+
+    def forward(self, x, reach_branch: bool):
+        from torch.utils.checkpoint import checkpoint
+
+        x = x.requires_grad_()
+        return self.head(checkpoint(self.shared, x, use_reentrant=True) + self.shared(x))
+
+
+def _reduce_both_ways(rank: int, init_file: str, out) -> None:
+    """Each model's summed buffer reduced during the backward and in one all-reduce after it, on a
+    real two-rank gloo group; what went out before the backward returned."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        found = {}
+        for build in (Branchy, Reentrant):
+            torch.manual_seed(0)
+            model = build()
+            grads = FlatGrads(model)
+            flat = grads.bind(torch.device("cpu"))
+            grads.plan_buckets(1, 4096)  # a first bucket of one parameter, then ~1 Linear(32, 32) each
+            sums, early = [], []
+            for way in ("after", "agreed", "during"):  # "agreed": a first step, reduced after
+                torch.manual_seed(100 + rank)
+                x = torch.randn(8, 32)
+                grads.before_backward()
+                if way == "during":
+                    grads.begin_early_reduce(None)
+                loss = model(x, reach_branch=rank == 0).square().mean()
+                model.zero_grad(set_to_none=False)
+                loss.backward()
+                early.append(len(grads._works))
+                grads.after_backward(loss)
+                if way == "during":
+                    grads.finish_reduce()
+                else:
+                    dist.all_reduce(flat)
+                sums.append(flat.tolist())  # plain data: a tensor in the queue outlives its process
+                flat.zero_()
+            found[build.__name__] = (sums, early, len(grads.buckets), grads.accumulates_twice)
+        out.put((rank, found))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reducing_during_the_backward_sums_what_one_all_reduce_after_it_sums():
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_reduce_both_ways, args=(r, f"{tmp}/init", out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    for rank in (0, 1):
+        sums, early, buckets, twice = results[rank]["Branchy"]
+        assert buckets >= 6 and not twice
+        assert sums[2] == sums[0]  # bucket by bucket during the backward: the same sum
+        assert sums[2] == results[1 - rank]["Branchy"][0][2]  # and the same on both ranks
+        # Buckets, in the order they go out: the head's bias; the head's weight with the
+        # branch; then the body's, one layer each; last the bf16 layer's (copied in after the
+        # backward). Rank 0's batch reaches the branch: all but the last go out during its
+        # backward. Rank 1's does not: the branch's bucket waits for the end, and so do all after it.
+        assert early[0] == early[1] == 0
+        assert early[2] == (buckets - 1 if rank == 0 else 1)
+        # reentrant checkpointing accumulates twice: seen in the first step, never early again
+        sums, early, _, twice = results[rank]["Reentrant"]
+        assert twice and early == [0, 0, 0]
+        assert sums[2] == sums[0]
+
+
+def test_buckets_cover_the_gradients_in_reverse_order_at_the_caps_and_wait_for_other_dtypes():
+    torch.manual_seed(0)
+    model = Branchy()
+    grads = FlatGrads(model)
+    flat = grads.bind(torch.device("cpu"))
+    sizes = [p.numel() * 4 for p in grads.params]  # fp32 buffer
+    grads.plan_buckets(sizes[-1], 3 * 32 * 33 * 4)
+    # reverse order, contiguous, from the buffer's end down to 0 (the loss and marks go last)
+    assert grads.buckets[0][1] == flat.numel() and grads.buckets[-1][0] == 0
+    assert all(a[0] == b[1] for a, b in zip(grads.buckets, grads.buckets[1:]))
+    assert grads.buckets[0] == (flat.numel() - grads.params[-1].numel(), flat.numel())  # the first cap
+    assert len(grads.buckets) == 4  # head bias; head weight, branch, body 4-3; body 2-0; the bf16 layer
+    # only the last bucket (with the bf16 input layer, copied in after the backward) waits
+    assert grads._early_ok == [True, True, True, False]
+    assert {grads._bucket_of[i] for i, p in enumerate(grads.params) if p.dtype == torch.bfloat16} == {3}
+    # a bf16 layer anywhere keeps its bucket back
+    mixed = FlatGrads(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16),
+                                          torch.nn.Linear(4, 4)))
+    mixed.bind(torch.device("cpu"))
+    mixed.plan_buckets(1, 1)  # a bucket per parameter
+    assert mixed._early_ok == [True, True, False, False, True, False]

@@ -1,7 +1,7 @@
 """First-N's gradient vector: every trainable parameter's gradient, which parameters got one, and
 the loss, in one flat buffer that a step all-reduces, sends and receives whole.
 
-Layout: ``[gradients (parameter order) | presence, one slot per parameter | loss]``.
+Layout: ``[loss | presence, one slot per parameter | gradients (parameter order)]``.
 
 The gradients are views: each parameter's ``.grad`` is its slice of the buffer, so backward
 accumulates straight into it and nothing is copied in or out (the idea of DDP's
@@ -20,6 +20,30 @@ parameter that no fast replica reached gets ``.grad = None`` (its view is put ba
 mean of the marked gradients is one process's full-batch gradient: a replica that did not reach
 a parameter adds zeros, as samples that do not reach it add nothing. Data parallel needs none of
 this: DDP leaves a globally unused parameter's gradient untouched (``find_unused_parameters``).
+
+Reducing during the backward (``begin_early_reduce``/``finish_reduce``). In a step whose fast set
+is known before it starts (elastic/actors/sitout.py), the fast N reduce the buffer bucket by
+bucket while their backward still runs, as DDP does, instead of in one all-reduce after it. The
+buckets are fixed at ``bind``: runs of parameters in reverse order (the order backward mostly
+produces them), each closed once it holds ``cap_bytes`` (the first once it holds
+``first_cap_bytes``), DDP's sizes for the device (``ddp_bucket_kwargs``); the last one also holds
+the loss and the presence marks. Why it holds:
+- Collectives on a group must be issued in the same order on every member, so buckets go out
+  strictly in bucket order: a bucket whose gradients are all in waits for the buckets before it,
+  and one that never fills early (a parameter this replica's batch did not reach, a parameter of
+  another dtype, whose slot is written only after the backward, and the last, with the loss and
+  the marks) holds back every later one until ``finish_reduce``, which issues the rest in order.
+  When a bucket goes out differs from replica to replica; the order never does. A model of one
+  bucket is reduced as in any other step: one all-reduce of the whole buffer, after the backward.
+- A bucket's slots are final once each of its parameters' post-accumulate hook has run with its
+  ``.grad`` still the view: nothing writes them again before the update. A ``.grad`` that is not
+  the view at its hook (``after_backward`` copies it in later) keeps its bucket back.
+- The sums are the same, element by element, as one all-reduce's, up to the reduction's
+  association (which gloo's ring picks per chunk), and identical on every fast replica; the late
+  ones receive the leader's copy as before.
+Why not DDP with a comm hook here: its reducer belongs to one process group, and its first-step
+bucket rebuild and its buffer broadcast are collectives over all of it, which a replica sitting
+the step out never joins.
 """
 
 from __future__ import annotations
@@ -55,28 +79,106 @@ class FlatGrads:
             p.register_post_accumulate_grad_hook(self._mark(i))
         self.flat = None
         self._slots: list = []
+        # Buckets for reducing during the backward (module docstring): (start, end) element ranges
+        # of the buffer in the order they go out, each parameter's bucket, and which buckets may
+        # go out early (none holds a parameter of another dtype).
+        self.buckets: list[tuple[int, int]] = []
+        self._bucket_of: list[int] = []
+        self._bucket_params: list[int] = []
+        self._early_ok: list[bool] = []
+        self._reducing = False  # a step reducing during its backward is under way
+        self.accumulates_twice = False  # seen once: no early reduce for this model (see _mark)
+        self._group = None
+        self._works: list = []
+        self._waiting: list[int] = []  # per bucket: its parameters whose gradients are not in yet
+        self._next = 0  # the next bucket to go out
 
     def _mark(self, i: int):
-        def hook(_param) -> None:
+        def hook(param) -> None:
+            if self._reached[i]:
+                # Accumulated twice in one backward (reentrant activation checkpointing runs a
+                # backward of its own): a bucket could go out before its last addition, so this
+                # model's buckets go out after the backward from now on. Every first step of a
+                # group is agreed (nobody rests yet), so this is seen before any early reduce.
+                self.accumulates_twice = True
+                if self._reducing:
+                    raise RuntimeError(
+                        f"first-N: parameter {i}'s gradient was accumulated twice in one backward, "
+                        "after its bucket may have been sent (this had not happened in earlier steps); "
+                        "with activation checkpointing, use torch.utils.checkpoint(..., use_reentrant=False)")
             self._reached[i] = True
+            if self._reducing and param.grad is not None and param.grad.data_ptr() == self._slots[i].data_ptr():
+                self._waiting[self._bucket_of[i]] -= 1
+                self._issue_ready()
         return hook
 
     def bind(self, device) -> "torch.Tensor":
         """A new zeroed buffer on ``device``, every ``.grad`` of the buffer's dtype a view into
         it; returns it."""
         sizes = [p.numel() for p in self.params]
-        self.flat = torch.zeros(sum(sizes) + len(self.params) + 1, device=device, dtype=self.dtype)
-        self._slots, offset = [], 0
+        self.flat = torch.zeros(1 + len(self.params) + sum(sizes), device=device, dtype=self.dtype)
+        self._presence = self.flat[1: 1 + len(self.params)]
+        self._slots, self._offsets, offset = [], [], 1 + len(self.params)
         for p, n in zip(self.params, sizes):
             slot = self.flat[offset: offset + n].view(p.shape)
             self._slots.append(slot)
+            self._offsets.append(offset)
             p.grad = slot if p.dtype == self.dtype else None  # None: its own tensor, made by the next backward
             offset += n
-        self._presence = self.flat[offset: offset + len(self.params)]
         return self.flat
+
+    def plan_buckets(self, first_cap_bytes: int, cap_bytes: int) -> None:
+        """Fix the buckets of ``bind``'s buffer (module docstring); call after ``bind``."""
+        size, cast = self.flat.element_size(), set(self._cast)
+        self.buckets, self._bucket_of, self._bucket_params, self._early_ok = [], [0] * len(self.params), [], []
+        cap, members, nbytes = first_cap_bytes, [], 0
+        for i in reversed(range(len(self.params))):
+            members.append(i)
+            nbytes += self._slots[i].numel() * size
+            self._bucket_of[i] = len(self.buckets)
+            if i == 0 or nbytes >= cap:
+                end = self._offsets[members[0]] + self._slots[members[0]].numel()
+                # The last bucket starts at 0: with the loss and the presence marks, which
+                # after_backward writes, it goes out last, in finish_reduce (a model of one
+                # bucket: one all-reduce of the whole buffer, as in a step reduced after).
+                self.buckets.append((self._offsets[i] if i else 0, end))
+                self._bucket_params.append(len(members))
+                self._early_ok.append(i > 0 and not cast.intersection(members))
+                cap, members, nbytes = cap_bytes, [], 0
+
+    def begin_early_reduce(self, group) -> None:
+        """This step's backward sends each bucket to ``group`` (a process group; None: the
+        default one) as soon as it and every bucket before it are in; ``finish_reduce``, after
+        ``after_backward``, sends the rest and waits for all of it. Call after ``before_backward``."""
+        self._group, self._works, self._next = group, [], 0
+        # A bucket that may not go out early waits for one more "parameter": finish_reduce.
+        self._waiting = [n if ok else n + 1 for n, ok in zip(self._bucket_params, self._early_ok)]
+        self._reducing = not self.accumulates_twice
+
+    def _issue_ready(self) -> None:
+        while self._next < len(self.buckets) and self._waiting[self._next] <= 0:
+            self._works.append(self._issue(self._next))
+
+    def _issue(self, b: int):
+        start, end = self.buckets[b]
+        self._next = b + 1
+        return torch.distributed.all_reduce(self.flat[start:end], group=self._group, async_op=True)
+
+    def finish_reduce(self) -> None:
+        """Send the buckets not yet out, in order (the last with the loss and the presence
+        marks), and wait for all of it: the buffer then holds the fast replicas' sum. (A failure
+        on the way leaves the works behind: the step's group is torn down, see
+        ``TrainWorker._run_guarded``.)"""
+        self._reducing = False
+        works, self._works = self._works, []
+        while self._next < len(self.buckets):
+            works.append(self._issue(self._next))
+        for work in works:
+            work.wait()
 
     def before_backward(self) -> None:
         self._reached = [False] * len(self.params)
+        self._reducing = False  # a step that failed mid-backward left it on
 
     def after_backward(self, loss) -> None:
         """Write this replica's gradients that are not views, its presence marks and its loss
@@ -107,11 +209,11 @@ class FlatGrads:
             self._presence.fill_(1)
         else:
             self._presence.copy_(torch.tensor(self._reached, dtype=self._presence.dtype))
-        self.flat[-1] = loss.detach()
+        self.flat[0] = loss.detach()
 
     @property
     def loss(self) -> float:
-        return float(self.flat[-1])
+        return float(self.flat[0])
 
     @contextmanager
     def for_update(self) -> Iterator[None]:

@@ -98,6 +98,15 @@ def ddp_bucket_kwargs(backend: str, bucket_cap_mb: float | None) -> dict:
     return {"bucket_cap_mb": 25} if backend == "gloo" else {}
 
 
+def bucket_bytes(backend: str, bucket_cap_mb: float | None) -> tuple[int, int]:
+    """The first bucket's and every other bucket's size in bytes that DDP gets from
+    ``ddp_bucket_kwargs``: first-N's buckets (elastic/actors/grads.py) are the same size."""
+    cap = ddp_bucket_kwargs(backend, bucket_cap_mb).get("bucket_cap_mb")
+    if cap is None:  # torch's defaults, as DDP applies them
+        return dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20
+    return int(cap * 2**20), int(cap * 2**20)
+
+
 def ddp_no_forward_buffer_sync(ddp_init) -> dict:
     """DDP's argument that stops it broadcasting buffers at every forward (elastic broadcasts
     them at the end of each step, elastic/actors/buffers.py): ``forward_sync_buffers=False``
@@ -364,6 +373,7 @@ class TrainWorker:
                 if self._fn_grads is None:  # once per model: it hooks every parameter
                     self._fn_grads = FlatGrads(self.model)
                 flat = self._fn_grads.bind(self.device)
+                self._fn_grads.plan_buckets(*bucket_bytes(self.backend, self.spec.bucket_cap_mb))
                 flat_bytes = flat.numel() * flat.element_size()
                 self._fn_sends = UpdateSends(dist.isend, in_flight_limit(flat_bytes))
                 if self._buffers is not None:
@@ -571,7 +581,10 @@ class TrainWorker:
            (``get`` blocks until it is set).
         3. The fast N all-reduce [gradient, loss] in the subgroup cached for exactly that set
            (made at rendezvous by every rank in the same order: ``new_group`` is collective over
-           the world), divide by N, and step. The lowest fast rank sends the averaged vector to
+           the world), divide by N, and step. In a step whose fast set was known before it
+           began (0) they reduce bucket by bucket during the backward, as DDP does
+           (``FlatGrads.begin_early_reduce``, elastic/actors/grads.py); otherwise in one
+           all-reduce after it. The lowest fast rank sends the averaged vector to
            each late rank with a non-blocking ``isend`` and does not wait for it: a late rank
            receives when it gets there, so it never holds up the fast N while it is within a
            bound of sends behind (``UpdateSends``, elastic/actors/sends.py: beyond it the leader
@@ -582,7 +595,8 @@ class TrainWorker:
            steps). A model's buffers go the same way in a vector of their own: the fast N's
            mean, sent to the late (elastic/actors/buffers.py).
         Alternatives measured or reasoned out: a DDP comm hook runs inside backward, before
-        anyone knows which N finished first; an all-reduce over the world waits for the
+        anyone knows which N finished first (and where the set is known, DDP's reducer still
+        belongs to the world group: see elastic/actors/grads.py); an all-reduce over the world waits for the
         straggler by definition; cutting stragglers short at a micro-batch boundary still makes
         the step wait for their partial gradient.
         """
@@ -606,6 +620,8 @@ class TrainWorker:
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
             self._fn_grads.before_backward()
+            if known:  # the fast set is this step's computing N: they reduce during the backward
+                self._fn_grads.begin_early_reduce(self._fn_group(eligible))
             loss, local = self._forward_backward(self.model, batch, step, False, t0)
             self._fn_grads.after_backward(loss)
             if self._buffers is not None:
@@ -643,8 +659,11 @@ class TrainWorker:
         # The agreed buffers (the fast N's mean) travel under a tag of their own.
         buffer_tag = _BUFFER_TAG | (step & (_BUFFER_TAG - 1)) if self.backend == "gloo" else 0
         if order <= n:
-            group = self._subgroups.get(fast) if n < self.world_size else None
-            dist.all_reduce(flat, group=group)
+            group = self._fn_group(fast)
+            if known:
+                self._fn_grads.finish_reduce()
+            else:
+                dist.all_reduce(flat, group=group)
             flat.div_(n)
             if buffers is not None:
                 dist.all_reduce(buffers, group=group)
@@ -684,6 +703,11 @@ class TrainWorker:
         self._note_step_time(step, time.perf_counter() - t0)
         return StepResult(self.rank, step, self._fn_grads.loss, time.perf_counter() - t0, local, len(indices),
                           self.completed_step, extra)
+
+    def _fn_group(self, fast: tuple[int, ...]):
+        """The process group of a fast set: its cached subgroup, or the world's (None) in a group
+        down to N ranks."""
+        return self._subgroups.get(fast) if self._fn_n < self.world_size else None
 
     def _check_abandoned(self, step: int) -> None:
         """Fail a first-N step of a group the controller has given up (see ``abandon_first_n``)."""
