@@ -22,7 +22,7 @@ STEPS = 8
 
 def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8,
          storage=None, checkpoint=None, max_grad_norm=None, model_fn=make_model, optimizer_fn=make_sgd,
-         bucket_cap_mb=None):
+         bucket_cap_mb=None, step_fn=None):
     return elastic.Trainer(
         model_fn, optimizer_fn, make_dataset, loss_fn, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
@@ -30,7 +30,7 @@ def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch
                                       bucket_cap_mb=bucket_cap_mb),
         run=elastic.RunConfig(name=name, seed=0, storage=storage, checkpoint=checkpoint or elastic.CheckpointConfig()),
         failure=failure or elastic.FailureConfig(checksum_every_n_steps=1),
-        faults=faults, requeue_dropped=requeue, max_grad_norm=max_grad_norm)
+        faults=faults, requeue_dropped=requeue, max_grad_norm=max_grad_norm, step_fn=step_fn)
 
 
 def used_batches(result, first: int = 1) -> list[list[int]]:
@@ -97,6 +97,28 @@ def test_a_model_of_two_dtypes_averages_in_the_wider_one_and_keeps_its_dtypes(ra
     torch.manual_seed(0)
     initial = make_mixed_precision_model().state_dict()
     assert not torch.equal(result.model_state["body.weight"], initial["body.weight"])  # the bf16 body trained
+    assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
+
+
+def two_micro_batches(model, batch):
+    """Gradient accumulation: a backward for each half of the batch, each half's loss halved."""
+    x, y = batch
+    total = 0.0
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        loss = loss_fn(model, (xs, ys)) / 2
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def test_a_step_fn_that_calls_backward_twice_is_reduced_after_it(ray_cluster):
+    # Buckets of ~1 KiB and steps whose fast set is known: a bucket sent during the first
+    # backward would miss the second half's gradient. A step_fn's steps reduce after it.
+    result = make("firstn-accumulate", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
+                  bucket_cap_mb=0.001, step_fn=two_micro_batches).fit(steps=STEPS)
+    assert result.metrics["agreed_steps"] < STEPS
+    ref = reference_weights(STEPS, N * PER, batches=used_batches(result))
+    assert_weights_close(result.model_state, ref, atol=1e-6)
     assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
 
 

@@ -23,7 +23,8 @@ this: DDP leaves a globally unused parameter's gradient untouched (``find_unused
 
 Reducing during the backward (``begin_early_reduce``/``finish_reduce``). In a step whose fast set
 is known before it starts (elastic/actors/sitout.py), the fast N reduce the buffer bucket by
-bucket while their backward still runs, as DDP does, instead of in one all-reduce after it. The
+bucket while their backward still runs, as DDP does, instead of in one all-reduce after it (not
+under a ``step_fn``, which may call backward twice or change a gradient after it). The
 buckets are fixed at ``bind``: runs of parameters in reverse order (the order backward mostly
 produces them), each closed once it holds ``cap_bytes`` (the first once it holds
 ``first_cap_bytes``), DDP's sizes for the device (``ddp_bucket_kwargs``); the last one also holds

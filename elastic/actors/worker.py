@@ -582,7 +582,7 @@ class TrainWorker:
         3. The fast N all-reduce [gradient, loss] in the subgroup cached for exactly that set
            (made at rendezvous by every rank in the same order: ``new_group`` is collective over
            the world), divide by N, and step. In a step whose fast set was known before it
-           began (0) they reduce bucket by bucket during the backward, as DDP does
+           began (0), with no ``step_fn``, they reduce bucket by bucket during the backward, as DDP does
            (``FlatGrads.begin_early_reduce``, elastic/actors/grads.py); otherwise in one
            all-reduce after it. The lowest fast rank sends the averaged vector to
            each late rank with a non-blocking ``isend`` and does not wait for it: a late rank
@@ -607,6 +607,9 @@ class TrainWorker:
         # Exactly N may compute: they are the fast set, known to every rank without asking (and
         # the step's store keys are never formatted).
         known = len(eligible) == n
+        # ...and then the N reduce during the backward, unless a step_fn runs it: it may call
+        # backward more than once, or change a gradient after it, once its bucket is gone.
+        early = known and self.spec.step_fn is None
         order = n + 1
         flat = self._fn_grads.flat  # every gradient (views into it, bar other dtypes) and the loss
         local = 0.0
@@ -620,7 +623,7 @@ class TrainWorker:
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
             self._fn_grads.before_backward()
-            if known:  # the fast set is this step's computing N: they reduce during the backward
+            if early:
                 self._fn_grads.begin_early_reduce(self._fn_group(eligible))
             loss, local = self._forward_backward(self.model, batch, step, False, t0)
             self._fn_grads.after_backward(loss)
@@ -660,7 +663,7 @@ class TrainWorker:
         buffer_tag = _BUFFER_TAG | (step & (_BUFFER_TAG - 1)) if self.backend == "gloo" else 0
         if order <= n:
             group = self._fn_group(fast)
-            if known:
+            if early:
                 self._fn_grads.finish_reduce()
             else:
                 dist.all_reduce(flat, group=group)
