@@ -226,3 +226,9 @@ def test_buckets_cover_the_gradients_in_reverse_order_at_the_caps_and_wait_for_o
     mixed.bind(torch.device("cpu"))
     mixed.plan_buckets(1, 1)  # a bucket per parameter
     assert mixed._early_ok == [True, True, False, False, True, False]
+
+
+def test_a_buffer_with_no_bucket_plan_is_reduced_whole_after_the_backward():
+    grads = FlatGrads(torch.nn.Linear(3, 2))
+    flat = grads.bind(torch.device("cpu"))
+    assert grads.buckets == [(0, flat.numel())] and grads._early_ok == [False]

@@ -130,6 +130,9 @@ class FlatGrads:
             self._offsets.append(offset)
             p.grad = slot if p.dtype == self.dtype else None  # None: its own tensor, made by the next backward
             offset += n
+        # One bucket, reduced after the backward, until plan_buckets sizes them.
+        self.buckets, self._bucket_of = [(0, self.flat.numel())], [0] * len(self.params)
+        self._bucket_params, self._early_ok = [len(self.params)], [False]
         return self.flat
 
     def plan_buckets(self, first_cap_bytes: int, cap_bytes: int) -> None:
