@@ -10,6 +10,7 @@ import random
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -584,15 +585,32 @@ def test_writer_threads_run_in_the_background_and_at_normal_priority_while_a_flu
     try:
         assert entered.wait(10)
         tid = seen["tid"]
+        # A writer is hurried while the step it writes is behind its rank's newest snapshot.
+        link = SimpleNamespace(persister=SimpleNamespace(inflight_step=5), newest_step=5, writer_tid=tid,
+                               agent=SimpleNamespace(priority=priority))
         if may_restore:
             assert os.sched_getscheduler(tid) == os.SCHED_IDLE
             with priority.boosted():
                 assert os.sched_getscheduler(tid) == os.SCHED_OTHER
             assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+            agent_module._RankLink._pace(link)  # caught up: stays in the background
+            assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+            link.newest_step = 6
+            agent_module._RankLink._pace(link)
+            assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+            with priority.boosted():  # a flush's end leaves a hurried writer at normal priority
+                pass
+            assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+            link.persister.inflight_step = 6
+            agent_module._RankLink._pace(link)
+            assert os.sched_getscheduler(tid) == os.SCHED_IDLE
         else:
             assert os.sched_getscheduler(tid) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, tid) == 19
             with priority.boosted():
                 assert os.getpriority(os.PRIO_PROCESS, tid) == 19
+            link.newest_step = 6
+            agent_module._RankLink._pace(link)  # nice 19 cannot be undone here: it stays
+            assert os.getpriority(os.PRIO_PROCESS, tid) == 19
     finally:
         done.set()
         thread.join(10)
