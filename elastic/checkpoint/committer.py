@@ -220,9 +220,12 @@ class CheckpointCommitter:
             self._cleanup_wake.clear()
             if self._cleanup_stop:
                 return
-            with self._lock:
-                pending = set(self._reports)
-            self._report_cleanup(*self._cleanup(pending))
+            try:
+                with self._lock:
+                    pending = set(self._reports)
+                self._report_cleanup(*self._cleanup(pending))
+            except Exception:  # noqa: BLE001 - _cleanup never raises; nothing else may end this thread
+                logger.exception("checkpoint cleanup pass failed; the next commit retries it")
 
     def _report_cleanup(self, retention: CleanupReport, gc: CleanupReport) -> None:
         now = time.time()
