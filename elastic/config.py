@@ -68,8 +68,9 @@ class ScalingConfig:
     would have wasted goes to the fast ones. The price: a replica that sits out is no backup for
     those steps, so a rank that turns slow meanwhile holds up at most ``late_backoff_steps`` steps
     before the rested replica is back. A step in which only N replicas may compute needs no
-    agreement on who came first (every rank knows the schedule), so it costs what a data-parallel
-    step without overlap does. 0 turns it off: a late replica then computes every step unless N
+    agreement on who came first (every rank knows the schedule), and its N reduce the gradient
+    bucket by bucket during the backward, as DDP does, so it costs what a data-parallel step
+    does. 0 turns it off: a late replica then computes every step unless N
     gradients arrived before it started (Chen et al.'s backups always compute).
     """
 
