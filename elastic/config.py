@@ -70,8 +70,8 @@ class ScalingConfig:
     before the rested replica is back. A step in which only N replicas may compute needs no
     agreement on who came first (every rank knows the schedule), and its N reduce the gradient
     bucket by bucket during the backward, as DDP does, so it costs what a data-parallel step
-    does. 0 turns it off: a late replica then computes every step unless N
-    gradients arrived before it started (Chen et al.'s backups always compute).
+    does. 0 turns it off: a late replica then computes every step unless N gradients arrived
+    before it started (Chen et al.'s backups always compute).
     """
 
     num_workers: int = 1

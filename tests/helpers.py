@@ -126,3 +126,20 @@ def assert_weights_close(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], atol=atol, rtol=0), f"{k} differs by {(a[k] - b[k]).abs().max()}"
+
+
+def run_pair(target, *args) -> dict:
+    """``target(rank, *args, out)`` in two spawned processes (a gloo pair of ranks 0 and 1); each
+    puts one ``(key, value)`` into ``out``. Returns those as a dict, once both exited cleanly."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, *args, out)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from elastic.actors.grads import FlatGrads
-from helpers import make_model_with_unused_branch
+from helpers import make_model_with_unused_branch, run_pair
 
 
 def test_the_buffer_holds_views_marks_and_the_loss_and_unreached_parameters_sit_out():
@@ -173,21 +173,8 @@ def _reduce_both_ways(rank: int, init_file: str, out) -> None:
         dist.destroy_process_group()
 
 
-def test_reducing_during_the_backward_sums_what_one_all_reduce_after_it_sums():
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_reduce_both_ways, args=(r, f"{tmp}/init", out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = dict(out.get(timeout=120) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
+def test_reducing_during_the_backward_sums_what_one_all_reduce_after_it_sums(tmp_path):
+    results = run_pair(_reduce_both_ways, str(tmp_path / "init"))
     for rank in (0, 1):
         sums, early, buckets, twice = results[rank]["Branchy"]
         assert buckets >= 6 and not twice

@@ -8,13 +8,13 @@ arrives intact and in order, and a receiver more than ``limit`` sends behind hol
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import pytest
 
 from elastic.actors.sends import MAX_IN_FLIGHT, SEND_BUDGET_BYTES, UpdateSends, in_flight_limit
+from helpers import run_pair
 
 SIZE = 100_000
 LIMIT = 3
@@ -55,17 +55,7 @@ def _pair(rank: int, store_path: str, mode: str, out) -> None:
 
 
 def _run_pair(tmp_path, mode: str) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = os.path.join(str(tmp_path), f"store-{mode}")
-    procs = [ctx.Process(target=_pair, args=(rank, store, mode, out)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return results
+    return run_pair(_pair, os.path.join(str(tmp_path), f"store-{mode}"), mode)
 
 
 def test_copies_stay_bounded_and_reused_and_every_update_arrives_in_order(tmp_path):

@@ -54,6 +54,7 @@ the step out never joins.
 from __future__ import annotations
 
 import functools
+import math
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -130,9 +131,7 @@ class FlatGrads:
             self._offsets.append(offset)
             p.grad = slot if p.dtype == self.dtype else None  # None: its own tensor, made by the next backward
             offset += n
-        # One bucket, reduced after the backward, until plan_buckets sizes them.
-        self.buckets, self._bucket_of = [(0, self.flat.numel())], [0] * len(self.params)
-        self._bucket_params, self._early_ok = [len(self.params)], [False]
+        self.plan_buckets(math.inf, math.inf)  # one bucket, reduced after the backward, until sized
         return self.flat
 
     def plan_buckets(self, first_cap_bytes: int, cap_bytes: int) -> None:

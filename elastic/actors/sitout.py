@@ -32,8 +32,9 @@ one replica resting: most steps, with a persistent straggler or after one late g
 N are the fast set by definition, and the step needs no agreement at all: no arrival on the
 store, no wait for the N-th arrival to publish the set, the N reduce in the subgroup cached for
 that set, bucket by bucket during their backward as DDP does (elastic/actors/grads.py). The step
-then costs what a data-parallel one does, and it means the same as before: a replica that sits out was no backup for that step either way,
-and the step waited for the slowest of the N computing ones either way.
+then costs what a data-parallel one does, and it means the same as before: a replica that sits
+out was no backup for that step either way, and the step waited for the slowest of the N
+computing ones either way.
 
 What counts as late here is "was eligible and is not in the fast set": a replica that skipped its
 gradient because N had already arrived counts as late too (it was, and it is likely to be

@@ -104,7 +104,8 @@ def bucket_bytes(backend: str, bucket_cap_mb: float | None) -> tuple[int, int]:
     cap = ddp_bucket_kwargs(backend, bucket_cap_mb).get("bucket_cap_mb")
     if cap is None:  # torch's defaults, as DDP applies them
         return dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20
-    return int(cap * 2**20), int(cap * 2**20)
+    nbytes = int(cap * 2**20)
+    return nbytes, nbytes
 
 
 def ddp_no_forward_buffer_sync(ddp_init) -> dict:
@@ -582,10 +583,9 @@ class TrainWorker:
         3. The fast N all-reduce [gradient, loss] in the subgroup cached for exactly that set
            (made at rendezvous by every rank in the same order: ``new_group`` is collective over
            the world), divide by N, and step. In a step whose fast set was known before it
-           began (0), with no ``step_fn``, they reduce bucket by bucket during the backward, as DDP does
-           (``FlatGrads.begin_early_reduce``, elastic/actors/grads.py); otherwise in one
-           all-reduce after it. The lowest fast rank sends the averaged vector to
-           each late rank with a non-blocking ``isend`` and does not wait for it: a late rank
+           began (0), with no ``step_fn``, they reduce bucket by bucket during the backward, as
+           DDP does (``FlatGrads.begin_early_reduce``, elastic/actors/grads.py); otherwise in
+           one all-reduce after it. The lowest fast rank sends the averaged vector to each late rank with a non-blocking ``isend`` and does not wait for it: a late rank
            receives when it gets there, so it never holds up the fast N while it is within a
            bound of sends behind (``UpdateSends``, elastic/actors/sends.py: beyond it the leader
            waits for it, which bounds the copies it holds).
@@ -596,8 +596,8 @@ class TrainWorker:
            mean, sent to the late (elastic/actors/buffers.py).
         Alternatives measured or reasoned out: a DDP comm hook runs inside backward, before
         anyone knows which N finished first (and where the set is known, DDP's reducer still
-        belongs to the world group: see elastic/actors/grads.py); an all-reduce over the world waits for the
-        straggler by definition; cutting stragglers short at a micro-batch boundary still makes
+        belongs to the world group: see elastic/actors/grads.py); an all-reduce over the world
+        waits for the straggler by definition; cutting stragglers short at a micro-batch boundary still makes
         the step wait for their partial gradient.
         """
         t0 = time.perf_counter()

@@ -162,15 +162,13 @@ class WriterPriority:
         with self._lock:
             if on == (tid in self._hurried) or tid not in self._threads:
                 return
+            self._hurried ^= {tid}
+            if self._boosts:
+                return  # while boosted every writer is at normal priority already
             if on:
-                self._hurried.add(tid)
+                self._set(tid, os.SCHED_OTHER)
             else:
-                self._hurried.discard(tid)
-            if self._boosts == 0:  # while boosted every writer is at normal priority already
-                if on:
-                    self._set(tid, os.SCHED_OTHER)
-                else:
-                    self._lower(tid)
+                self._lower(tid)
 
     @contextmanager
     def boosted(self) -> Iterator[None]:
@@ -247,7 +245,8 @@ class _RankLink:
         """The writer at normal priority while the step it writes is ``HURRY_STEPS`` or more
         behind this rank's newest snapshot, in the background otherwise (``WriterPriority``)."""
         writing = self.persister.inflight_step
-        self.agent.priority.hurry(self.writer_tid, writing is not None and self.newest_step - writing >= HURRY_STEPS)
+        behind = writing is not None and self.newest_step - writing >= HURRY_STEPS
+        self.agent.priority.hurry(self.writer_tid, behind)
 
     # ---- the writer thread ------------------------------------------------------------------
     def _writer_enter(self) -> None:
