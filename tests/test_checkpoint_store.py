@@ -1372,36 +1372,3 @@ def test_checkpoint_mismatch_survives_pickling_whole():
     back = pickle.loads(pickle.dumps(err))
     assert (back.step, back.location, back.problems, str(back)) == (err.step, err.location, err.problems, str(err))
     assert "RunConfig.name" in str(back) and "step 7 in s3://bucket/run" in str(back)
-
-
-def test_commits_go_on_while_a_cleanup_pass_is_slow(tmp_path, caplog):
-    """Retention and GC run on a thread of their own: a pass that takes long (an S3 listing under
-    load) holds no commit back, and the commits it missed are all taken in by the next pass. A
-    fresh run's own commits are not mistaken for steps an earlier run left above its start."""
-    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
-    committer = CheckpointCommitter(store, keep_last=2, gc_interval_s=0, retention_interval_s=0)
-    release, entered = threading.Event(), threading.Event()
-    real = store.apply_retention
-
-    def slow_retention(*args, **kwargs):
-        entered.set()
-        assert release.wait(30)
-        return real(*args, **kwargs)
-
-    store.apply_retention = slow_retention
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.committer"):
-        hand_over(committer, store, 1, tiny_state(1))
-        assert entered.wait(10)  # the first pass is stuck in retention
-        for step in range(2, 6):
-            hand_over(committer, store, step, tiny_state(step))
-        deadline = time.monotonic() + 10
-        while committer.latest_committed != 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert committer.latest_committed == 5 and store.committed_steps() == [1, 2, 3, 4, 5]
-        release.set()
-        assert committer.flush(10)
-    assert store.committed_steps() == [4, 5]
-    assert not [r for r in caplog.records if "newer than step" in r.getMessage()]
-    commits = [e for e in committer.drain_events() if e["event"] == "checkpoint_committed"]
-    assert [e["step"] for e in commits] == [1, 2, 3, 4, 5]
-    committer.close()
