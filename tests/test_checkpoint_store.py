@@ -529,6 +529,16 @@ def hand_over(committer: CheckpointCommitter, store: CheckpointStore, step: int,
     committer.set_meta(step, {"cursor": step})
 
 
+def hand_over_and_wait(committer: CheckpointCommitter, store: CheckpointStore, step: int) -> None:
+    """``hand_over`` one step and wait until it commits: steps handed over faster than the commit
+    thread commits supersede the waiting one, which a test counting commits must not race."""
+    hand_over(committer, store, step, tiny_state(step))
+    deadline = time.monotonic() + 10
+    while committer.latest_committed != step and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert committer.latest_committed == step
+
+
 @pytest.mark.parametrize("keep_last,keep_every,expected", [
     (3, 0, [8, 9, 10]),
     (1, 0, [10]),
@@ -1372,3 +1382,67 @@ def test_checkpoint_mismatch_survives_pickling_whole():
     back = pickle.loads(pickle.dumps(err))
     assert (back.step, back.location, back.problems, str(back)) == (err.step, err.location, err.problems, str(err))
     assert "RunConfig.name" in str(back) and "step 7 in s3://bucket/run" in str(back)
+
+
+def test_commits_go_on_while_a_cleanup_pass_is_slow(tmp_path, caplog):
+    """Retention and GC run on a thread of their own: a pass that takes long (an S3 listing under
+    load) holds no commit back, and the commits it missed are all taken in by the next pass. A
+    fresh run's own commits are not mistaken for steps an earlier run left above its start."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=2, gc_interval_s=0, retention_interval_s=0)
+    release, entered = threading.Event(), threading.Event()
+    real = store.apply_retention
+
+    def slow_retention(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    store.apply_retention = slow_retention
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.committer"):
+        hand_over(committer, store, 1, tiny_state(1))
+        assert entered.wait(10)  # the first pass is stuck in retention
+        for step in range(2, 6):
+            hand_over_and_wait(committer, store, step)
+        assert store.committed_steps() == [1, 2, 3, 4, 5]
+        release.set()
+        assert committer.flush(10)
+    assert store.committed_steps() == [4, 5]
+    assert not [r for r in caplog.records if "newer than step" in r.getMessage()]
+    commits = [e for e in committer.drain_events() if e["event"] == "checkpoint_committed"]
+    assert [e["step"] for e in commits] == [1, 2, 3, 4, 5]
+    committer.close()
+
+
+def test_a_resumed_runs_commits_during_its_first_listing_are_its_own(tmp_path, caplog):
+    """The cleanup thread's first pass lists storage for the steps earlier runs left. Steps this
+    run commits while that listing runs show up in it above the step the run resumed from; they
+    are this run's, counted by retention, never deleted as another timeline's nor warned about."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in range(1, 6):
+        commit_tiny(store, step)
+    committer = CheckpointCommitter(store, CheckpointConfig(keep_last=3), latest_committed=5,
+                                    retention_interval_s=0, gc_interval_s=0)
+    listed, release = threading.Event(), threading.Event()
+    real = store.committed_steps
+
+    def slow_listing():
+        listed.set()
+        assert release.wait(30)
+        return real()
+
+    store.committed_steps = slow_listing
+    try:
+        with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.committer"):
+            hand_over(committer, store, 6, tiny_state(6))
+            assert listed.wait(10)  # the first pass lists, and commits go on meanwhile
+            for step in (7, 8):
+                hand_over_and_wait(committer, store, step)
+            release.set()
+            hand_over(committer, store, 9, tiny_state(9))
+            assert committer.flush(10)
+        assert real() == [7, 8, 9]
+        assert not [r for r in caplog.records if "newer than step" in r.getMessage()]
+    finally:
+        release.set()
+        committer.close()
