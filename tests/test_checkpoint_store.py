@@ -1446,3 +1446,35 @@ def test_a_resumed_runs_commits_during_its_first_listing_are_its_own(tmp_path, c
     finally:
         release.set()
         committer.close()
+
+
+def test_flush_waits_for_a_stuck_cleanup_pass_no_longer_than_its_timeout(tmp_path):
+    """A recovery flushes with a timeout: a retention pass stuck on storage (a listing the store
+    keeps retrying) must not hold it past that. flush() answers that every step is committed, the
+    event log says the cleanup is late, and the pass still finishes on its own afterwards."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0, retention_interval_s=0)
+    release, entered = threading.Event(), threading.Event()
+    real = store.apply_retention
+
+    def stuck_retention(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    store.apply_retention = stuck_retention
+    try:
+        hand_over_and_wait(committer, store, 1)
+        assert entered.wait(10)
+        hand_over_and_wait(committer, store, 2)
+        t0 = time.monotonic()
+        assert committer.flush(timeout_s=0.5)
+        assert time.monotonic() - t0 < 5
+        assert "checkpoint_cleanup_late" in [e["event"] for e in committer.drain_events()]
+        assert store.committed_steps() == [1, 2]  # the pass has not deleted anything yet
+        release.set()
+        assert committer.flush(timeout_s=10)  # this one waits for a pass that starts after it asks
+        assert store.committed_steps() == [2]
+    finally:
+        release.set()
+        committer.close()

@@ -77,9 +77,14 @@ class CheckpointCommitter:
         self._last_gc = float("-inf")
         self.retention_interval_s = retention_interval_s
         self._last_retention = float("-inf")
-        self._cleanup_lock = threading.Lock()  # the cleanup thread's passes, flush()'s final one, rewind()
-        self._cleanup_wake = threading.Event()
+        self._cleanup_lock = threading.Lock()  # a cleanup pass, or rewind()
+        # The cleanup thread's schedule: woken by commits; flush() asks for a forced pass (one
+        # that starts after the ask) and waits for it, at most as long as flush's timeout allows.
+        self._cleanup_cv = threading.Condition()
+        self._cleanup_due = False
         self._cleanup_stop = False
+        self._forced_asked = 0
+        self._forced_done = 0
         self._persister = AsyncPersister(self._commit, name="checkpoint commit",
                                          retry_min_s=retry_min_s, retry_max_s=retry_max_s, max_events=max_events,
                                          keep_done=False)
@@ -208,24 +213,36 @@ class CheckpointCommitter:
             })
         logger.info("committed checkpoint step %d to %s (%d files, %.3fs)", step, self.store.location,
                     len(entries), commit_s)
-        self._cleanup_wake.set()
+        with self._cleanup_cv:
+            self._cleanup_due = True
+            self._cleanup_cv.notify_all()
         return entries
 
     # ---- the cleanup thread -----------------------------------------------------------------
     def _cleanup_loop(self) -> None:
         """Retention and GC after commits, off the commit thread (module docstring); each pass
-        covers every commit since the last one. Passes stay batched by their intervals."""
+        covers every commit since the last one. Passes stay batched by their intervals, except
+        the one flush() asks for."""
         while True:
-            self._cleanup_wake.wait()
-            self._cleanup_wake.clear()
-            if self._cleanup_stop:
-                return
+            with self._cleanup_cv:
+                self._cleanup_cv.wait_for(lambda: self._cleanup_due or self._cleanup_stop)
+                if self._cleanup_stop:
+                    return
+                self._cleanup_due = False
+                forced = self._forced_asked
             try:
-                with self._lock:
-                    pending = set(self._reports)
-                self._report_cleanup(*self._cleanup(pending))
+                self._cleanup_pass(force=forced > self._forced_done)
             except Exception:  # noqa: BLE001 - _cleanup never raises; nothing else may end this thread
                 logger.exception("checkpoint cleanup pass failed; the next commit retries it")
+            finally:
+                with self._cleanup_cv:
+                    self._forced_done = max(self._forced_done, forced)
+                    self._cleanup_cv.notify_all()
+
+    def _cleanup_pass(self, force: bool = False) -> None:
+        with self._lock:
+            pending = set(self._reports)
+        self._report_cleanup(*self._cleanup(pending, force))
 
     def _report_cleanup(self, retention: CleanupReport, gc: CleanupReport) -> None:
         now = time.time()
@@ -364,21 +381,42 @@ class CheckpointCommitter:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every complete step handed over so far is committed (or superseded), then
         apply retention and sweep uncommitted directories now (both are batched while training
-        runs), so a finished or stopped run leaves exactly what retention promises; False on
-        timeout."""
+        runs), so a finished or stopped run leaves exactly what retention promises. False when
+        the steps are not committed within ``timeout_s``; a cleanup pass that outlasts it goes on
+        in the background (a ``checkpoint_cleanup_late`` event) and the answer is still True."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self._persister.flush(timeout_s):
             return False
         with self._lock:
-            latest, pending = self._latest, set(self._reports)
-        if latest is None:  # nothing committed by this run: nothing of it to clean up
+            if self._latest is None:  # nothing committed by this run: nothing of it to clean up
+                return True
+        if not self._cleanup_thread.is_alive():  # closed: the pass runs here
+            self._cleanup_pass(force=True)
             return True
-        self._report_cleanup(*self._cleanup(pending, force=True))
+        # The pass runs on the cleanup thread, and this waits for it no longer than the timeout:
+        # a recovery flushes with one, and a pass stuck in a listing on storage that does not
+        # answer (the store retries it) must not hold the recovery. It finishes in the background.
+        with self._cleanup_cv:
+            self._forced_asked += 1
+            asked = self._forced_asked
+            self._cleanup_due = True
+            self._cleanup_cv.notify_all()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._cleanup_cv.wait_for(lambda: self._forced_done >= asked, timeout=left):
+                return True
+        logger.warning("checkpoint retention and GC still running after flush's %.1fs; they finish in the "
+                       "background", timeout_s)
+        with self._lock:
+            self._events.append({"event": "checkpoint_cleanup_late", "time": time.time(),
+                                 "message": f"checkpoint retention and GC still running after {timeout_s:g}s; "
+                                            "all steps are committed, and they finish in the background"})
         return True
 
     def close(self, timeout_s: float = 30.0) -> bool:
         done = self._persister.close(timeout_s)
-        self._cleanup_stop = True
-        self._cleanup_wake.set()
+        with self._cleanup_cv:
+            self._cleanup_stop = True
+            self._cleanup_cv.notify_all()
         self._cleanup_thread.join(timeout_s)
         return done
 
