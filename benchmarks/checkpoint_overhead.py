@@ -47,9 +47,9 @@ Commit lag on the same VM (2026-11-27): the agent's idle-class writers now run a
 priority while they are a step or more behind (``WriterPriority.hurry``), and retention and GC
 no longer run on the commit thread (elastic/checkpoint/committer.py). A full run after both
 printed lag p95 1 (max 3) on file and 3 (max 12) on S3, and another at b7487b1 1 (max 3) and 4
-(max 8); the last full run before them
-(b5d9a5a) printed 3 (max 4) and 4, and one with the hurry alone 2 (max 6) and 3 (max 23). The
-alternating rounds that isolate each change are in those docstrings.
+(max 8); the last full run before them (b5d9a5a) printed 3 (max 4) and 4, and one with the
+hurry alone 2 (max 6) and 3 (max 23). The alternating rounds that isolate each change are in
+those docstrings.
 
 With cores to spare (a lent 16-core machine, the same CPU ranks, ``--skip-s3 --skip-raytrain``,
 2026-11-26) the default workload's step is ~6 ms, and the in-step snapshot (state_dict, the

@@ -539,6 +539,21 @@ def hand_over_and_wait(committer: CheckpointCommitter, store: CheckpointStore, s
     assert committer.latest_committed == step
 
 
+def stall(store: CheckpointStore, method: str) -> tuple[threading.Event, threading.Event]:
+    """Make ``store.<method>`` wait inside each call until released: ``(entered, release)``, set
+    when a call is waiting and to let calls go on. The real method runs once released."""
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(store, method)
+
+    def stalled(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    setattr(store, method, stalled)
+    return entered, release
+
+
 @pytest.mark.parametrize("keep_last,keep_every,expected", [
     (3, 0, [8, 9, 10]),
     (1, 0, [10]),
@@ -1390,15 +1405,7 @@ def test_commits_go_on_while_a_cleanup_pass_is_slow(tmp_path, caplog):
     fresh run's own commits are not mistaken for steps an earlier run left above its start."""
     store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
     committer = CheckpointCommitter(store, keep_last=2, gc_interval_s=0, retention_interval_s=0)
-    release, entered = threading.Event(), threading.Event()
-    real = store.apply_retention
-
-    def slow_retention(*args, **kwargs):
-        entered.set()
-        assert release.wait(30)
-        return real(*args, **kwargs)
-
-    store.apply_retention = slow_retention
+    entered, release = stall(store, "apply_retention")
     with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.committer"):
         hand_over(committer, store, 1, tiny_state(1))
         assert entered.wait(10)  # the first pass is stuck in retention
@@ -1423,15 +1430,7 @@ def test_a_resumed_runs_commits_during_its_first_listing_are_its_own(tmp_path, c
         commit_tiny(store, step)
     committer = CheckpointCommitter(store, CheckpointConfig(keep_last=3), latest_committed=5,
                                     retention_interval_s=0, gc_interval_s=0)
-    listed, release = threading.Event(), threading.Event()
-    real = store.committed_steps
-
-    def slow_listing():
-        listed.set()
-        assert release.wait(30)
-        return real()
-
-    store.committed_steps = slow_listing
+    listed, release = stall(store, "committed_steps")
     try:
         with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.committer"):
             hand_over(committer, store, 6, tiny_state(6))
@@ -1441,7 +1440,7 @@ def test_a_resumed_runs_commits_during_its_first_listing_are_its_own(tmp_path, c
             release.set()
             hand_over(committer, store, 9, tiny_state(9))
             assert committer.flush(10)
-        assert real() == [7, 8, 9]
+        assert CheckpointStore.committed_steps(store) == [7, 8, 9]
         assert not [r for r in caplog.records if "newer than step" in r.getMessage()]
     finally:
         release.set()
@@ -1454,15 +1453,7 @@ def test_flush_waits_for_a_stuck_cleanup_pass_no_longer_than_its_timeout(tmp_pat
     event log says the cleanup is late, and the pass still finishes on its own afterwards."""
     store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
     committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0, retention_interval_s=0)
-    release, entered = threading.Event(), threading.Event()
-    real = store.apply_retention
-
-    def stuck_retention(*args, **kwargs):
-        entered.set()
-        assert release.wait(30)
-        return real(*args, **kwargs)
-
-    store.apply_retention = stuck_retention
+    entered, release = stall(store, "apply_retention")
     try:
         hand_over_and_wait(committer, store, 1)
         assert entered.wait(10)

@@ -585,10 +585,11 @@ class TrainWorker:
            the world), divide by N, and step. In a step whose fast set was known before it
            began (0), with no ``step_fn``, they reduce bucket by bucket during the backward, as
            DDP does (``FlatGrads.begin_early_reduce``, elastic/actors/grads.py); otherwise in
-           one all-reduce after it. The lowest fast rank sends the averaged vector to each late rank with a non-blocking ``isend`` and does not wait for it: a late rank
-           receives when it gets there, so it never holds up the fast N while it is within a
-           bound of sends behind (``UpdateSends``, elastic/actors/sends.py: beyond it the leader
-           waits for it, which bounds the copies it holds).
+           one all-reduce after it. The lowest fast rank sends the averaged vector to each late
+           rank with a non-blocking ``isend`` and does not wait for it: a late rank receives
+           when it gets there, so it never holds up the fast N while it is within a bound of
+           sends behind (``UpdateSends``, elastic/actors/sends.py: beyond it the leader waits
+           for it, which bounds the copies it holds).
         4. A late rank reads the fast set (or knows it, 0), receives the vector from the lowest
            fast rank and applies it. Every replica runs the same optimizer step on the same
            averaged gradient, so parameters stay bitwise identical (checked by checksum every K
@@ -597,8 +598,8 @@ class TrainWorker:
         Alternatives measured or reasoned out: a DDP comm hook runs inside backward, before
         anyone knows which N finished first (and where the set is known, DDP's reducer still
         belongs to the world group: see elastic/actors/grads.py); an all-reduce over the world
-        waits for the straggler by definition; cutting stragglers short at a micro-batch boundary still makes
-        the step wait for their partial gradient.
+        waits for the straggler by definition; cutting stragglers short at a micro-batch
+        boundary still makes the step wait for their partial gradient.
         """
         t0 = time.perf_counter()
         self.current_step = self.started_step = step
