@@ -324,6 +324,7 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
 
         def outage():
             deadline = time.time() + 300  # placing and starting the ranks is slow on a loaded machine
+            st = {"step": 0, "checkpoint": {"latest": None}}  # no answer yet: the asserts below say so
             while time.time() < deadline:
                 try:
                     st = status()
