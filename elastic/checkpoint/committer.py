@@ -236,15 +236,12 @@ class CheckpointCommitter:
                 logger.exception("checkpoint cleanup pass failed; the next commit retries it")
             finally:
                 with self._cleanup_cv:
-                    self._forced_done = max(self._forced_done, forced)
+                    self._forced_done = forced  # only this thread sets it, and asks only grow
                     self._cleanup_cv.notify_all()
 
     def _cleanup_pass(self, force: bool = False) -> None:
-        with self._lock:
-            pending = set(self._reports)
-        self._report_cleanup(*self._cleanup(pending, force))
-
-    def _report_cleanup(self, retention: CleanupReport, gc: CleanupReport) -> None:
+        """One pass (``_cleanup``), its deletes, failed deletes and skipped cleanups into the event log."""
+        retention, gc = self._cleanup(force)
         now = time.time()
         with self._lock:
             for report, what in ((retention, "deleted checkpoint steps {} (retention)"),
@@ -252,18 +249,14 @@ class CheckpointCommitter:
                 if report.deleted:
                     self._events.append({"event": "checkpoint_deleted", "time": now, "deleted": sorted(report.deleted),
                                          "message": what.format(sorted(report.deleted))})
-            self._cleanup_events(retention, gc, now)
-
-    def _cleanup_events(self, retention: CleanupReport, gc: CleanupReport, now: float) -> None:
-        """Failed deletes and skipped cleanups, for the event log (caller holds ``_lock``)."""
-        for failed_step, error in {**retention.failed, **gc.failed}.items():
-            self._events.append({"event": "checkpoint_delete_failed", "step": failed_step, "time": now,
-                                 "error": error[:300],
-                                 "message": f"could not delete step {failed_step} (will retry): {error[:300]}"})
-        for error in (retention.error, gc.error):
-            if error:
-                self._events.append({"event": "checkpoint_cleanup_failed", "time": now, "error": error[:300],
-                                     "message": f"checkpoint cleanup skipped (will retry): {error[:300]}"})
+            for failed_step, error in {**retention.failed, **gc.failed}.items():
+                self._events.append({"event": "checkpoint_delete_failed", "step": failed_step, "time": now,
+                                     "error": error[:300],
+                                     "message": f"could not delete step {failed_step} (will retry): {error[:300]}"})
+            for error in (retention.error, gc.error):
+                if error:
+                    self._events.append({"event": "checkpoint_cleanup_failed", "time": now, "error": error[:300],
+                                         "message": f"checkpoint cleanup skipped (will retry): {error[:300]}"})
 
     def _retain(self, force: bool = False) -> CleanupReport:
         """Retention from the committer's own list of committed steps, at most every
@@ -297,7 +290,7 @@ class CheckpointCommitter:
         self._above_base = above
         self._committed = [s for s in on_storage if s not in above]
 
-    def _cleanup(self, pending: set, force: bool = False) -> tuple[CleanupReport, CleanupReport]:
+    def _cleanup(self, force: bool = False) -> tuple[CleanupReport, CleanupReport]:
         """Take in the commits since the last pass, then retention (``_retain``) and the
         storage-wide sweep for uncommitted directories (torn or superseded writes) below the
         newest committed step, each batched by its interval unless ``force``. Why batched:
@@ -315,7 +308,7 @@ class CheckpointCommitter:
                 # _latest is below it, and it is not "passed" below before the next pass takes it).
                 with self._lock:
                     done, self._done = self._done, []
-                    step = self._latest
+                    step, pending = self._latest, set(self._reports)  # pending: steps still being written
                 # This run's own commits, listed or committed over a step of an abandoned timeline,
                 # are not above the base: they are this run's, and retention counts them.
                 mine = {s for s, _ in done}
