@@ -16,6 +16,7 @@ from elastic.checkpoint.storage import (
     StorageUnavailable,
     redact_url,
     resolve_url,
+    _reads_concurrently,
 )
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
 from elastic.checkpoint.store import CheckpointStore
@@ -273,3 +274,48 @@ def test_s3_leaves_integrity_to_the_manifest_unless_the_user_says_otherwise(moto
     fs, _ = storage._filesystem()
     assert fs.config_kwargs == {"request_checksum_calculation": "when_supported", "read_timeout": 7,
                                 "response_checksum_validation": "when_required"}
+
+
+def test_s3_reads_a_small_or_unsized_file_with_one_get_and_a_large_one_in_ranges(moto_s3, monkeypatch):
+    # s3fs asks for an object's size before reading it (a HEAD, and a LIST too when the key is
+    # missing) to split a large one into concurrent ranged GETs. A manifest, or the missing one GC
+    # asks about every step, needs one GET; a shard the manifest says is large keeps the ranges.
+    url, options = backend_url("s3", "", moto_s3)
+    storage = Storage(url, options, retry=FAST)
+    storage.write_bytes("step-000000001/manifest.json", b"{}" * 100)
+    storage.write_bytes("step-000000001/shard.bin", bytes(range(256)) * 1000)
+    fs, _ = storage._filesystem()
+    calls = []
+    real = fs._call_s3
+
+    async def spy(method, *args, **kwargs):
+        calls.append(method)
+        return await real(method, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "_call_s3", spy)
+    assert storage.read_bytes("step-000000001/manifest.json") == b"{}" * 100
+    assert calls == ["get_object"]
+    calls.clear()
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes("step-000000002/manifest.json")
+    assert calls == ["get_object"]
+    calls.clear()
+    assert storage.read_bytes("step-000000001/shard.bin", size=256_000) == bytes(range(256)) * 1000
+    assert calls == ["get_object"]  # under one block
+    calls.clear()
+    monkeypatch.setattr(fs, "default_block_size", 100_000)
+    assert storage.read_bytes("step-000000001/shard.bin", size=256_000) == bytes(range(256)) * 1000
+    assert calls[0] == "head_object" and calls.count("get_object") == 3  # three ranges of a block
+
+
+def test_an_s3fs_without_concurrent_reads_gets_no_argument_it_does_not_know():
+    class OldS3FileSystem:
+        async def _cat_file(self, path, version_id=None, start=None, end=None):
+            raise NotImplementedError
+
+    class NewS3FileSystem:
+        async def _cat_file(self, path, version_id=None, start=None, end=None, max_concurrency=None):
+            raise NotImplementedError
+
+    assert not _reads_concurrently(OldS3FileSystem)
+    assert _reads_concurrently(NewS3FileSystem)

@@ -455,6 +455,25 @@ def test_corrupt_manifest_means_uncommitted(backend):
     assert store.gc_uncommitted(older_than=3).deleted == [2]
 
 
+def test_gc_takes_a_corrupt_manifest_away_first_and_a_missing_one_costs_no_delete(backend, monkeypatch):
+    store = make_store(backend)
+    write_step(store, trained_worker(steps=1), step=1, commit=False)  # torn: shards, no manifest
+    write_step(store, trained_worker(steps=2), step=2)
+    store.storage.write_bytes(f"{step_dir(2)}/manifest.json", b'{"format": "elastic-checkpoint", "ste')
+    write_step(store, trained_worker(steps=3), step=3)
+    calls = []
+    for name in ("delete", "delete_tree"):
+        real = getattr(store.storage, name)
+        monkeypatch.setattr(store.storage, name, lambda rel, _n=name, _r=real: (calls.append((_n, rel)), _r(rel))[1])
+    report = store.gc_uncommitted()
+    assert report.deleted == [1, 2] and not report.failed
+    # Step 1 had nothing to take away first; step 2's corrupt manifest goes before its shards, so
+    # a delete that fails half-way leaves no manifest over missing files.
+    assert calls == [("delete_tree", step_dir(1)), ("delete", f"{step_dir(2)}/manifest.json"),
+                     ("delete_tree", step_dir(2))]
+    assert store.step_dirs() == [3] and store.committed_steps() == [3]
+
+
 def write_version_1_step(store: CheckpointStore, worker: FakeWorker, step: int, world_size: int = 2) -> dict:
     """A step as version 1 wrote it: a bare safetensors shard plus a meta-rN.json per rank."""
     tensors, skeleton = flatten_state(worker.get_state())

@@ -6,6 +6,8 @@ Retries transient errors with bounded exponential backoff, checks the storage be
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import random
@@ -174,6 +176,16 @@ def _s3_defaults(options: dict) -> dict:
     return {**options, "config_kwargs": config}
 
 
+@functools.cache
+def _reads_concurrently(fs_class: type) -> bool:
+    """Whether this s3fs reads a whole object as concurrent ranged GETs (``max_concurrency``,
+    s3fs 2025 on). Older versions read with one GET and do not take the argument."""
+    try:
+        return "max_concurrency" in inspect.signature(fs_class._cat_file).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 class Storage:
     """One storage root (an fsspec URL) and relative paths under it.
 
@@ -308,10 +320,22 @@ class Storage:
             # A write that finds nothing means the bucket (or mount) is gone: a storage problem.
             raise StorageError(str(exc)) from None
 
-    def read_bytes(self, rel: str) -> bytes:
+    def read_bytes(self, rel: str, size: int | None = None) -> bytes:
+        """The whole file ``rel``. ``size``: its size, when a manifest's record gives it.
+
+        On S3, a file of unknown size (a manifest, a rank's meta) or one no larger than s3fs's
+        block is read with a single GET. Why: s3fs (2025 on) first asks for the size, to split a
+        large object into concurrent ranged GETs: a HEAD, and for a missing key a LIST as well (to
+        tell a directory from nothing). That is two requests for a manifest where one does, and
+        three for a missing one, which the GC of uncommitted steps asks about for every step it
+        removes (with a checkpoint every step, most steps). A shard larger than a block keeps the
+        concurrent read."""
         fs, _ = self._filesystem()
         path = self.full_path(rel)
-        return self._call("read", rel, lambda: fs.cat_file(path))
+        kwargs = {}
+        if self.protocol in _S3 and _reads_concurrently(type(fs)) and (size is None or size <= fs.default_block_size):
+            kwargs["max_concurrency"] = 1
+        return self._call("read", rel, lambda: fs.cat_file(path, **kwargs))
 
     def exists(self, rel: str, retry: RetryPolicy | None = None) -> bool:
         fs, _ = self._filesystem()

@@ -356,7 +356,7 @@ class CheckpointStore:
     def _read_verified(self, step: int, entry: FileEntry) -> bytes:
         where = self.storage.describe(entry.path)
         try:
-            data = self.storage.read_bytes(entry.path)
+            data = self.storage.read_bytes(entry.path, size=entry.size)
         except FileNotFoundError:
             raise CorruptCheckpoint(step, where, "file is missing") from None
         if len(data) != entry.size:
@@ -482,12 +482,16 @@ class CheckpointStore:
         not be retried, since that step is about to be written again."""
         self._retry_deletes = {s for s in self._retry_deletes if step is not None and s <= step}
 
-    def _delete_step(self, step: int, report: CleanupReport, files: list[str] | None = None) -> None:
+    def _delete_step(self, step: int, report: CleanupReport, files: list[str] | None = None,
+                     has_manifest: bool = True) -> None:
         """Manifest first: a step half-deleted by a failure is then merely uncommitted, never a
         committed step with missing files; GC or the next call finishes the job. ``files``: the
-        step's files when the caller knows them (no listing needed)."""
+        step's files when the caller knows them (no listing needed). ``has_manifest=False``: the
+        caller has just found none (GC), so there is no manifest to take away first (on S3, one
+        request a step less)."""
         def delete() -> None:
-            self.storage.delete(f"{step_dir(step)}/{MANIFEST}")
+            if has_manifest:
+                self.storage.delete(f"{step_dir(step)}/{MANIFEST}")
             if not (files and self.storage.delete_files(files, step_dir(step))):
                 self.storage.delete_tree(step_dir(step))
 
@@ -551,10 +555,12 @@ class CheckpointStore:
                 try:
                     self.load_manifest(step)
                     continue  # committed: retention's business, not GC's
-                except (FileNotFoundError, CorruptCheckpoint):
-                    pass
+                except FileNotFoundError:
+                    has_manifest = False
+                except CorruptCheckpoint:
+                    has_manifest = True
                 logger.info("removing uncommitted checkpoint directory %s", self.storage.describe(step_dir(step)))
-                self._delete_step(step, report)
+                self._delete_step(step, report, has_manifest=has_manifest)
         except (StorageError, OSError) as exc:
             report.error = str(exc)
             logger.warning("GC of uncommitted steps in %s failed (will retry): %s", self.location, exc)
