@@ -1456,8 +1456,29 @@ def test_a_resumed_runs_commits_during_its_first_listing_are_its_own(tmp_path, c
             assert listed.wait(10)  # the first pass lists, and commits go on meanwhile
             for step in (7, 8):
                 hand_over_and_wait(committer, store, step)
-            release.set()
+            # Step 9's manifest is written while the listing waits, and the commit thread takes
+            # it in only after the first pass is through: the listing sees 9 before the pass
+            # knows it as this run's (what a loaded machine once did, by chance).
+            written, passed = threading.Event(), threading.Event()
+            real_commit, real_retention = store.commit, store.apply_retention
+
+            def commit(step, *args, **kwargs):
+                out = real_commit(step, *args, **kwargs)
+                if step == 9:
+                    written.set()
+                    assert passed.wait(10)
+                return out
+
+            def apply_retention(*args, **kwargs):
+                try:
+                    return real_retention(*args, **kwargs)
+                finally:
+                    passed.set()
+
+            store.commit, store.apply_retention = commit, apply_retention
             hand_over(committer, store, 9, tiny_state(9))
+            assert written.wait(10)
+            release.set()
             assert committer.flush(10)
         assert CheckpointStore.committed_steps(store) == [7, 8, 9]
         assert not [r for r in caplog.records if "newer than step" in r.getMessage()]

@@ -69,6 +69,9 @@ class CheckpointCommitter:
         # it at the moment of the commit.
         self._progress = progress or (lambda: 0)
         self._submitted: int | None = None  # newest step handed to the commit thread
+        # The step the commit thread is writing the manifest of: on storage, a listing may see it
+        # before it is in ``_done`` (see _cleanup).
+        self._committing: int | None = None
         self._events: deque = deque(maxlen=max_events)
         self._committed: list[int] | None = None  # committed steps on storage, as the cleanup thread knows them
         self._files: dict[int, list[str]] = {}  # step -> its files, for the steps this committer committed
@@ -196,7 +199,14 @@ class CheckpointCommitter:
     def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None, dict | None]) -> list[FileEntry]:
         step, entries, world_size, meta, taken_at, rng = payload
         t0 = time.perf_counter()
-        self.store.commit(step, entries, world_size, meta, rng=rng)  # StorageError -> the persister retries
+        with self._lock:
+            self._committing = step
+        try:
+            self.store.commit(step, entries, world_size, meta, rng=rng)  # StorageError -> the persister retries
+        except BaseException:
+            with self._lock:
+                self._committing = None
+            raise
         commit_s = time.perf_counter() - t0
         committed_at = time.time()
         lag = max(0, self._progress() - step)
@@ -205,6 +215,7 @@ class CheckpointCommitter:
             if self._latest is None or step > self._latest:
                 self._latest = step
             self._done.append((step, [e.path for e in entries]))
+            self._committing = None  # in the same hold of the lock as the append (see _cleanup)
             self._events.append({
                 "event": "checkpoint_committed", "step": step, "time": committed_at, "files": len(entries),
                 "lag": lag, **({"persist_s": round(committed_at - taken_at, 4)} if taken_at is not None else {}),
@@ -309,14 +320,21 @@ class CheckpointCommitter:
                 with self._lock:
                     done, self._done = self._done, []
                     step, pending = self._latest, set(self._reports)  # pending: steps still being written
+                    committing = self._committing
                 # This run's own commits, listed or committed over a step of an abandoned timeline,
                 # are not above the base: they are this run's, and retention counts them.
                 mine = {s for s, _ in done}
                 self._above_base = [s for s in self._above_base if s not in mine]
-                if first and self._above_base:
+                # A step whose manifest the commit thread wrote while the listing ran, and has not
+                # put in _done yet, is in the listing but not in ``done``: it is ``committing``
+                # (cleared under the lock in the same hold as the append). It stays above the base
+                # until the next pass takes it in (its commit may yet fail, and a step of that
+                # number from an earlier timeline would then still be there), but it is no
+                # earlier run's step to warn about.
+                foreign = [s for s in self._above_base if s != committing]
+                if first and foreign:
                     logger.warning("checkpoint steps %s on storage are newer than step %s this run started from; "
-                                   "retention leaves them until this run commits past them", self._above_base,
-                                   self._base)
+                                   "retention leaves them until this run commits past them", foreign, self._base)
                 for s, files in done:
                     self._files[s] = files
                     if s not in self._committed:
