@@ -462,9 +462,17 @@ def test_gc_takes_a_corrupt_manifest_away_first_and_a_missing_one_costs_no_delet
     store.storage.write_bytes(f"{step_dir(2)}/manifest.json", b'{"format": "elastic-checkpoint", "ste')
     write_step(store, trained_worker(steps=3), step=3)
     calls = []
-    for name in ("delete", "delete_tree"):
+
+    def recorded(name: str):
         real = getattr(store.storage, name)
-        monkeypatch.setattr(store.storage, name, lambda rel, _n=name, _r=real: (calls.append((_n, rel)), _r(rel))[1])
+
+        def call(rel: str) -> None:
+            calls.append((name, rel))
+            real(rel)
+        return call
+
+    for name in ("delete", "delete_tree"):
+        monkeypatch.setattr(store.storage, name, recorded(name))
     report = store.gc_uncommitted()
     assert report.deleted == [1, 2] and not report.failed
     # Step 1 had nothing to take away first; step 2's corrupt manifest goes before its shards, so
