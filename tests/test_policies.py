@@ -240,6 +240,25 @@ def test_pending_time_cleared_when_rank_catches_up():
     assert isinstance(p.decide(spares_ready=1), Continue)
 
 
+def test_a_straggler_known_only_by_how_late_it_was_is_not_named_once_it_caught_up():
+    # A first-N replica late from its first measured step reports no timing of its own (it sat
+    # out); once it caught up, nothing scores it, and a decision used to fail on KeyError.
+    p = StragglerPolicy(factor=2.0, window=2, evict=True)
+    for spares in (0, 0):
+        for r in (0, 1):
+            p.observe(r, 1.0)
+        p.observe_pending(2, 5.0)
+        decision = p.decide(spares_ready=spares)
+    assert isinstance(decision, Continue) and decision.straggler == 2  # persistent, no spare yet
+    p.observe_pending(2, 0.0)
+    assert 2 not in p.scores()
+    for spares in (0, 1):
+        decision = p.decide(spares_ready=spares)
+        assert isinstance(decision, Continue) and decision.straggler is None
+    p.observe_pending(2, 5.0)  # late again: the count it kept makes it persistent at once
+    assert isinstance(p.decide(spares_ready=1), EvictStraggler)
+
+
 def test_one_noisy_window_is_not_persistent():
     # A whole 16-step dispatch window over the threshold is one decision: not enough to evict.
     p = StragglerPolicy(factor=2.0, window=5, evict=True)

@@ -109,10 +109,12 @@ class StragglerPolicy:
         self._fresh.clear()
         if not self.evict:
             return Continue()
-        candidates = [r for r, n in self._over.items() if n >= self.window]
+        # Only a rank scored now: one whose evidence is gone (no timing since the last reset, and
+        # no longer late) keeps its count, but nothing says it is slow now.
+        candidates = [r for r, n in self._over.items() if n >= self.window and r in scores]
         if not candidates:
             return Continue()
-        worst = max(candidates, key=lambda r: scores.get(r, 0.0))
+        worst = max(candidates, key=scores.__getitem__)
         if spares_ready < 1:
             return Continue(f"rank {worst} is a persistent straggler (score {scores[worst]:.2f}) but no spare is "
                             "ready; it is evicted once one is", straggler=worst)
