@@ -48,6 +48,7 @@ from elastic.checkpoint.codec import (
     writer_slot,
 )
 from elastic.checkpoint.staging import StagingBuffers
+from elastic.checkpoint.storage import StorageUnavailable
 from elastic.checkpoint.store import FileEntry, meta_name, shard_name, step_dir
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
 from elastic.config import CheckpointConfig, ConfigError
@@ -1516,4 +1517,113 @@ def test_flush_waits_for_a_stuck_cleanup_pass_no_longer_than_its_timeout(tmp_pat
         assert store.committed_steps() == [2]
     finally:
         release.set()
+        committer.close()
+
+
+def test_a_manifest_that_lands_after_a_rewind_past_it_never_costs_the_step_training_went_back_to(backend):
+    """A recovery flushes with a timeout, restores the newest committed step and rewinds to it,
+    while the commit of a later step may still be on its way to storage. When that manifest
+    landed, it used to count as committed: with keep_last=1 retention deleted the step training
+    went back to, the new timeline's reports of that step number were dropped as stale, and its
+    shards, written again, no longer matched the old manifest: nothing valid was left."""
+    store = make_store(backend)
+    committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0, retention_interval_s=0)
+    try:
+        for step in range(1, 6):
+            hand_over_and_wait(committer, store, step)
+        entered, release = stall(store, "commit")
+        hand_over(committer, store, 6, tiny_state(6))
+        assert entered.wait(10)
+        assert not committer.flush(timeout_s=0.2)  # the recovery's flush gives up on step 6
+        committer.rewind(5)
+        release.set()  # and now step 6's manifest lands
+        assert committer.flush(timeout_s=10)
+        assert committer.latest_committed == 5
+        assert 5 in store.committed_steps() and store.latest_valid() in (5, 6)
+        assert "checkpoint_left_behind" in [e["event"] for e in committer.drain_events()]
+        # The new timeline's step 6 (other bytes) commits over it, and step 5 goes as keep_last says.
+        hand_over(committer, store, 6, tiny_state(60))
+        assert committer.flush(timeout_s=10)
+        assert committer.latest_committed == 6
+        assert store.committed_steps() == [6] and store.latest_valid() == 6
+        state, _ = store.read_state()
+        assert state["completed_step"] == 60
+    finally:
+        committer.close()
+
+
+def test_a_commit_handed_over_before_a_rewind_past_it_is_not_written():
+    store = CheckpointStore("memory://rewind-drop/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0)
+    try:
+        hand_over_and_wait(committer, store, 1)
+        entered, release = stall(store, "commit")
+        hand_over(committer, store, 2, tiny_state(2))
+        assert entered.wait(10)
+        hand_over(committer, store, 3, tiny_state(3))  # waits behind step 2
+        committer.rewind(1)
+        release.set()
+        assert committer.flush(timeout_s=10)
+        assert committer.latest_committed == 1
+        assert store.committed_steps() == [1, 2]  # 2 was being written; 3 was never
+    finally:
+        committer.close()
+        clear_memory("memory://rewind-drop/ckpt")
+
+
+def test_a_rewind_does_not_wait_for_a_cleanup_pass_stuck_on_storage(tmp_path):
+    """flush() leaves a stuck pass to finish in the background so a recovery goes on; the
+    rewind that follows it used to wait for that pass's lock (minutes against S3 that does not
+    answer). The pass, or the next one, applies the rewind before anything else it does."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0, retention_interval_s=0)
+    entered, release = stall(store, "apply_retention")
+    unstick = threading.Timer(5, release.set)  # old code: rewind waits for this
+    try:
+        hand_over_and_wait(committer, store, 1)
+        assert entered.wait(10)
+        hand_over_and_wait(committer, store, 2)
+        assert committer.flush(timeout_s=0.2)
+        unstick.start()
+        t0 = time.monotonic()
+        committer.rewind(1)
+        assert time.monotonic() - t0 < 2
+        release.set()
+        assert committer.flush(timeout_s=10)
+        assert store.committed_steps() == [1, 2]  # 2 is above the step training went back to
+        hand_over_and_wait(committer, store, 2)  # written again
+        assert committer.flush(timeout_s=10)
+        assert store.committed_steps() == [2]
+    finally:
+        unstick.cancel()
+        release.set()
+        committer.close()
+
+
+def test_a_commit_that_failed_but_landed_is_counted_by_retention_once_superseded(tmp_path):
+    """A manifest PUT can land while its reply is lost: the commit fails, and a newer step
+    supersedes it during the backoff. The step is then on storage, committed and valid, but it
+    was in no list of this run's: retention never deleted it (GC leaves valid manifests alone)
+    until the next run listed storage, past keep_last."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0, retention_interval_s=0,
+                                    retry_min_s=1.0, retry_max_s=1.0)
+    real_commit, failed = store.commit, threading.Event()
+
+    def commit(step, *args, **kwargs):
+        out = real_commit(step, *args, **kwargs)
+        if step == 2:
+            failed.set()
+            raise StorageUnavailable("the reply was lost")
+        return out
+
+    store.commit = commit
+    try:
+        hand_over_and_wait(committer, store, 1)
+        hand_over(committer, store, 2, tiny_state(2))
+        assert failed.wait(10)
+        hand_over_and_wait(committer, store, 3)  # the persister moves on to it after the backoff
+        assert committer.flush(timeout_s=10)
+        assert store.committed_steps() == [3]
+    finally:
         committer.close()

@@ -23,7 +23,8 @@ from collections import deque
 from typing import Any, Callable, Iterable
 
 from elastic.checkpoint.persister import AsyncPersister
-from elastic.checkpoint.store import CheckpointStore, CleanupReport, FileEntry
+from elastic.checkpoint.storage import StorageError
+from elastic.checkpoint.store import CheckpointStore, CleanupReport, CorruptCheckpoint, FileEntry
 from elastic.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,23 @@ class CheckpointCommitter:
         # The step the commit thread is writing the manifest of: on storage, a listing may see it
         # before it is in ``_done`` (see _cleanup).
         self._committing: int | None = None
+        # Timelines: every rewind() starts a new one. A commit handed to the commit thread before a
+        # rewind may run (or finish) after it; ``_rewinds[t:]`` are the steps training went back
+        # to since timeline ``t`` (None: the start), so such a commit knows whether its step is
+        # still history both timelines share or state training threw away (``_left_behind``).
+        self._rewinds: list[int | None] = []
+        # rewind()s the cleanup thread has not applied yet, with the commits they left behind
+        # (see rewind: it does not wait for a pass that holds the cleanup lock).
+        self._pending_rewinds: list[tuple[int | None, list[int]]] = []
+        # Steps whose manifest a rewind left behind on storage, or may have: a commit that
+        # landed after the rewind, or one that failed and so may or may not have landed. The
+        # cleanup thread puts them with the steps above the base.
+        self._left_on_storage: list[int] = []
+        # Steps whose manifest write failed: it may still have landed (an S3 PUT whose reply was
+        # lost), and a newer commit then supersedes the step without this committer knowing
+        # whether it is on storage. The cleanup thread reads their manifests (_confirm).
+        self._unconfirmed: set[int] = set()
+        self._to_confirm: list[int] = []
         self._events: deque = deque(maxlen=max_events)
         self._committed: list[int] | None = None  # committed steps on storage, as the cleanup thread knows them
         self._files: dict[int, list[str]] = {}  # step -> its files, for the steps this committer committed
@@ -136,28 +154,61 @@ class CheckpointCommitter:
             self._maybe_submit(step)
 
     def rewind(self, step: int | None) -> None:
-        """Training restarted from ``step``: forget reports and metas of later steps (their state is gone)."""
+        """Training restarted from ``step``: forget reports and metas of later steps (their state
+        is gone). A commit of a later step that is waiting is dropped, and one being written when
+        this is called does not count as committed when it lands (``_commit``).
+
+        Returns without waiting for a cleanup pass under way: a recovery rewinds right after a
+        flush whose timeout let such a pass go on (a listing of storage that does not answer,
+        which the store retries for minutes), and must not wait for it here instead. The pass
+        holding the cleanup lock, or the next one, applies the rewind before anything else it
+        does (``_apply_rewinds``); every delete happens in a pass, so none can come first."""
+        later = lambda s: step is None or s > step  # noqa: E731
         with self._lock:
             for table in (self._reports, self._metas):
-                for s in [s for s in table if step is None or s > step]:
+                for s in [s for s in table if later(s)]:
                     del table[s]
-            if self._submitted is not None and (step is None or self._submitted > step):
+            if self._submitted is not None and later(self._submitted):
                 self._submitted = step
-            if self._latest is not None and (step is None or self._latest > step):
+            if self._latest is not None and later(self._latest):
                 # Later steps will be written again and committed over the old ones.
                 self._latest = step
-        with self._cleanup_lock:
+            self._rewinds.append(step)
+            # Commits the cleanup thread has not taken in: later ones left this timeline too, and
+            # so did failed ones (they may have landed) of later steps.
+            abandoned = [s for s, _ in self._done if later(s)] + [s for s in self._unconfirmed if later(s)]
+            self._done = [(s, files) for s, files in self._done if not later(s)]
+            self._unconfirmed = {s for s in self._unconfirmed if not later(s)}
+            self._to_confirm = [s for s in self._to_confirm if not later(s)]
+            self._pending_rewinds.append((step, abandoned))
+        if self._cleanup_lock.acquire(blocking=False):
+            try:
+                self._apply_rewinds()
+            finally:
+                self._cleanup_lock.release()
+
+    def _apply_rewinds(self) -> None:
+        """The cleanup side of ``rewind``, under the cleanup lock: the new base, and the steps of
+        the timeline training left moved above it (``_take_in``)."""
+        with self._lock:
+            pending, self._pending_rewinds = self._pending_rewinds, []
+            left, self._left_on_storage = self._left_on_storage, []
+        for step, abandoned in pending:
             self._base = step
             later = lambda s: step is None or s > step  # noqa: E731
-            with self._lock:  # commits the cleanup thread has not taken in: later ones left this timeline too
-                abandoned = [s for s, _ in self._done if later(s)]
-                self._done = [(s, files) for s, files in self._done if not later(s)]
             self._above_base = sorted({s for s in (self._committed or []) + self._above_base + abandoned
                                        if later(s)})
             if self._committed is not None:
                 self._committed = [s for s in self._committed if not later(s)]
                 self._files = {s: f for s, f in self._files.items() if not later(s)}
             self.store.forget_deletes_above(step)
+        # After the rewinds: these landed above the step the newest one went back to.
+        self._above_base = sorted(set(self._above_base) | set(left))
+
+    def _left_behind(self, step: int, timeline: int) -> bool:
+        """Whether a rewind since ``timeline`` went back before ``step``: its state is not this
+        timeline's. Call under the lock."""
+        return any(r is None or step > r for r in self._rewinds[timeline:])
 
     def _is_stale(self, step: int) -> bool:
         return (self._submitted is not None and step <= self._submitted) or (
@@ -192,29 +243,58 @@ class CheckpointCommitter:
             for s in [s for s in table if s <= step]:
                 del table[s]
         self._submitted = step
-        self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at"), record.get("rng")),
-                               light=self.blocking)
+        self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at"), record.get("rng"),
+                                      len(self._rewinds)), light=self.blocking)
 
     # ---- the commit thread ------------------------------------------------------------------
-    def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None, dict | None]) -> list[FileEntry]:
-        step, entries, world_size, meta, taken_at, rng = payload
+    def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None, dict | None, int]
+                ) -> list[FileEntry]:
+        step, entries, world_size, meta, taken_at, rng, timeline = payload
         t0 = time.perf_counter()
         with self._lock:
+            if self._left_behind(step, timeline):
+                # Handed over before a rewind to an earlier step (waiting, or retried through an
+                # outage): its state is gone from training, and its shards are being written again.
+                self._unconfirmed.discard(step)
+                logger.info("checkpoint step %d not committed: training went back to an earlier step", step)
+                return []
             self._committing = step
         try:
             self.store.commit(step, entries, world_size, meta, rng=rng)  # StorageError -> the persister retries
         except BaseException:
             with self._lock:
                 self._committing = None
+                # The manifest may have landed all the same (a reply lost): see _unconfirmed.
+                if self._left_behind(step, timeline):
+                    self._left_on_storage.append(step)
+                else:
+                    self._unconfirmed.add(step)
             raise
         commit_s = time.perf_counter() - t0
         committed_at = time.time()
         lag = max(0, self._progress() - step)
         nbytes = sum(e.size for e in entries)
         with self._lock:
+            self._unconfirmed.discard(step)
+            if self._left_behind(step, timeline):
+                self._committing = None
+                # A rewind came while this manifest was being written. The step is on storage but
+                # not this timeline's: counted by retention (or as _latest) it could take the place
+                # of the step training went back to, the newest whole one of this timeline, which
+                # keep_last would then delete. It goes above the base, like a newer step a resume
+                # skipped: committed over when training gets there again, deleted once passed.
+                self._left_on_storage.append(step)
+                self._events.append({"event": "checkpoint_left_behind", "step": step, "time": committed_at,
+                                     "message": f"step {step}'s manifest landed after training went back to an "
+                                                "earlier step; it is written again or deleted"})
+                logger.info("checkpoint step %d landed after a rewind past it; not counted as committed", step)
+                return entries
             if self._latest is None or step > self._latest:
                 self._latest = step
             self._done.append((step, [e.path for e in entries]))
+            # Failed commits this one supersedes: whether they landed is read off storage.
+            self._to_confirm.extend(s for s in self._unconfirmed if s < step)
+            self._unconfirmed = {s for s in self._unconfirmed if s > step}
             self._committing = None  # in the same hold of the lock as the append (see _cleanup)
             self._events.append({
                 "event": "checkpoint_committed", "step": step, "time": committed_at, "files": len(entries),
@@ -311,6 +391,7 @@ class CheckpointCommitter:
         retention report's ``error`` and the next pass retries."""
         try:
             with self._cleanup_lock:
+                self._apply_rewinds()
                 first = self._committed is None
                 if first:  # once: steps from earlier runs
                     self._take_in(self.store.committed_steps())
@@ -339,6 +420,7 @@ class CheckpointCommitter:
                     self._files[s] = files
                     if s not in self._committed:
                         self._committed.append(s)
+                self._confirm()
                 self._committed.sort()
                 if step is None:
                     return CleanupReport(), CleanupReport()
@@ -354,6 +436,32 @@ class CheckpointCommitter:
         except Exception as exc:  # noqa: BLE001
             logger.exception("checkpoint cleanup failed (retention and GC retry on the next pass)")
             return CleanupReport(error=f"{type(exc).__name__}: {exc}"), CleanupReport()
+
+    def _confirm(self) -> None:
+        """Steps whose commit failed and a newer one superseded (``_unconfirmed``): one whose
+        manifest landed all the same is committed, and retention counts it like any other;
+        without this it stayed on storage until the next run's first listing, past
+        ``keep_last``. One that did not land is left to the sweep. A read that fails is tried
+        again on the next pass."""
+        with self._lock:
+            steps, self._to_confirm = self._to_confirm, []
+        retry = []
+        for s in steps:
+            try:
+                self.store.load_manifest(s)
+            except (FileNotFoundError, CorruptCheckpoint):
+                continue
+            except (StorageError, OSError) as exc:
+                logger.warning("could not read checkpoint step %d's manifest to see whether its failed commit "
+                               "landed (will retry): %s", s, exc)
+                retry.append(s)
+                continue
+            logger.info("checkpoint step %d's commit had failed, but its manifest is on storage and checks out", s)
+            if s not in self._committed:
+                self._committed.append(s)
+        if retry:
+            with self._lock:
+                self._to_confirm.extend(retry)
 
     def _sweep(self, older_than: int, pending: set, force: bool = False) -> CleanupReport:
         """Remove uncommitted directories older than ``older_than`` (a committed step), at most
