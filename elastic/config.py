@@ -22,6 +22,56 @@ class ConfigError(ValueError):
     """A configuration value cannot work. The message names the field and what to change."""
 
 
+# Longest duration a *_timeout_s / *_s field may hold. Python's thread waits refuse more than
+# threading.TIMEOUT_MAX (about 292 years on Linux) and Ray's timeouts are int64 milliseconds, so
+# a larger value fails inside an actor; 1e9 s (about 31 years) stays well inside both.
+_MAX_SECONDS = 1e9
+
+
+def _got(value: Any) -> str:
+    """``got <repr>``, with the type where the repr alone hides it (``True``, ``'5'``, ``None``)."""
+    kind = "" if type(value) in (int, float) else f" ({type(value).__name__})"
+    return f"got {value!r}{kind}"
+
+
+def _hint(hint: str) -> str:
+    return f" {hint}" if hint else ""
+
+
+def _finite_real(value: Any) -> bool:
+    """A real number, not a bool, that is neither NaN nor infinite (nor an int too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _require_int(where: str, value: Any, minimum: int, hint: str = "") -> None:
+    """``value`` is an ``int`` >= ``minimum``; bools are refused (``True`` is an int to Python)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where} must be an integer >= {minimum}{_hint(hint)}, {_got(value)}.")
+
+
+def _require_flag(where: str, value: Any) -> None:
+    """``value`` is a real bool: the string ``"False"`` is truthy and would turn the option on."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be True or False, {_got(value)}.")
+
+
+def _require_positive(where: str, value: Any, what: str, hint: str = "", at_most: float = math.inf) -> None:
+    """``value`` is a finite real number (not a bool) > 0 and <= ``at_most``."""
+    if not _finite_real(value) or not 0 < value <= at_most:
+        limit = f" and <= {at_most:g}" if at_most < math.inf else ""
+        raise ConfigError(f"{where} must be {what} > 0{limit}{_hint(hint)}, {_got(value)}.")
+
+
+def _require_seconds(where: str, value: Any, hint: str = "") -> None:
+    """A duration: a finite number of seconds > 0 (NaN, inf and strings fail later, inside actors)."""
+    _require_positive(where, value, "a finite number of seconds", hint, at_most=_MAX_SECONDS)
+
+
 def _env_float(name: str, default: float) -> float:
     """Timeouts may be overridden from the environment so tests can make them tiny."""
     value = os.environ.get(name)
@@ -90,12 +140,20 @@ class ScalingConfig:
     late_backoff_steps: int = 8
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ConfigError(f"ScalingConfig.num_workers must be an integer >= 1, got {self.num_workers!r}.")
-        if not isinstance(self.num_backups, int) or self.num_backups < 0:
-            raise ConfigError(f"ScalingConfig.num_backups must be an integer >= 0, got {self.num_backups!r}.")
-        if not isinstance(self.num_spares, int) or self.num_spares < 0:
-            raise ConfigError(f"ScalingConfig.num_spares must be an integer >= 0, got {self.num_spares!r}.")
+        # Types first: the checks below do arithmetic with these (math.comb, sums, comparisons).
+        _require_int("ScalingConfig.num_workers", self.num_workers, 1)
+        _require_int("ScalingConfig.num_backups", self.num_backups, 0)
+        _require_int("ScalingConfig.num_spares", self.num_spares, 0)
+        _require_int("ScalingConfig.steps_per_dispatch", self.steps_per_dispatch, 0, "(0 = automatic)")
+        _require_int("ScalingConfig.late_backoff_steps", self.late_backoff_steps, 0,
+                     "(0 = a late first-N replica never sits out)")
+        for name in ("use_gpu", "background_spare_start", "find_unused_parameters"):
+            _require_flag(f"ScalingConfig.{name}", getattr(self, name))
+        _require_seconds("ScalingConfig.placement_timeout_s", self.placement_timeout_s)
+        _require_seconds("ScalingConfig.dispatch_target_s", self.dispatch_target_s)
+        if self.bucket_cap_mb is not None:
+            _require_positive("ScalingConfig.bucket_cap_mb", self.bucket_cap_mb, "a finite number of MiB",
+                              "(or None to choose by device)")
         strategy = str(self.placement_strategy).upper()
         if strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(
@@ -123,38 +181,25 @@ class ScalingConfig:
                 f"ScalingConfig: first_n with {self.num_workers} of {self.num_workers + self.num_backups} replicas "
                 "needs one process subgroup per possible fast set (more than 256); lower num_backups."
             )
-        if not isinstance(self.steps_per_dispatch, int) or self.steps_per_dispatch < 0:
-            raise ConfigError(f"ScalingConfig.steps_per_dispatch must be an integer >= 0 (0 = automatic), "
-                              f"got {self.steps_per_dispatch!r}.")
-        if not isinstance(self.background_spare_start, bool):
-            raise ConfigError(f"ScalingConfig.background_spare_start must be True or False, "
-                              f"got {self.background_spare_start!r}.")
-        if isinstance(self.late_backoff_steps, bool) or not isinstance(self.late_backoff_steps, int) \
-                or self.late_backoff_steps < 0:
-            raise ConfigError(f"ScalingConfig.late_backoff_steps must be an integer >= 0 (0 = a late first-N "
-                              f"replica never sits out), got {self.late_backoff_steps!r}.")
-        if self.bucket_cap_mb is not None and not (isinstance(self.bucket_cap_mb, (int, float))
-                                                   and self.bucket_cap_mb > 0):
-            raise ConfigError(f"ScalingConfig.bucket_cap_mb must be a number of MiB > 0, or None to choose by "
-                              f"device; got {self.bucket_cap_mb!r}.")
-        if not isinstance(self.find_unused_parameters, bool):
-            raise ConfigError(f"ScalingConfig.find_unused_parameters must be True or False, "
-                              f"got {self.find_unused_parameters!r}.")
         if self.find_unused_parameters and self.aggregation == "first_n":
             raise ConfigError("ScalingConfig.find_unused_parameters is DDP's (aggregation='all'); first-N "
                               "handles unused parameters without it: leave it False.")
-        if not self.dispatch_target_s > 0:
-            raise ConfigError(f"ScalingConfig.dispatch_target_s must be > 0 seconds, got {self.dispatch_target_s!r}.")
         if self.aggregation == "all" and self.num_spares:
             raise ConfigError(
                 "ScalingConfig.num_spares is for aggregation='first_n'; with aggregation='all' "
                 "the hot spares are num_backups. Move the value to num_backups."
             )
+        if not isinstance(self.resources_per_worker, Mapping):
+            raise ConfigError(f"ScalingConfig.resources_per_worker must be a mapping of Ray resource name to amount "
+                              f"per worker, e.g. {{'CPU': 2}}; {_got(self.resources_per_worker)}.")
         resources = dict(self.resources_per_worker)
         for key, value in resources.items():
-            if not isinstance(value, (int, float)) or value < 0:
+            if not isinstance(key, str):
+                raise ConfigError(f"ScalingConfig.resources_per_worker keys must be Ray resource names (str), got "
+                                  f"{key!r} ({type(key).__name__}).")
+            if not _finite_real(value) or value < 0:
                 raise ConfigError(
-                    f"ScalingConfig.resources_per_worker[{key!r}] must be a number >= 0, got {value!r}."
+                    f"ScalingConfig.resources_per_worker[{key!r}] must be a finite number >= 0, {_got(value)}."
                 )
         if "GPU" in resources and resources["GPU"] > 0 and not self.use_gpu:
             raise ConfigError("ScalingConfig.resources_per_worker asks for GPU but use_gpu=False; set use_gpu=True.")
@@ -174,8 +219,6 @@ class ScalingConfig:
         if not self.bundle():
             raise ConfigError(f"ScalingConfig.resources_per_worker={resources!r} asks for no resource, and Ray "
                               "cannot place an empty bundle: give each worker CPU > 0 (or another resource).")
-        if self.placement_timeout_s <= 0:
-            raise ConfigError("ScalingConfig.placement_timeout_s must be > 0 seconds.")
 
     @property
     def num_replicas(self) -> int:
@@ -220,8 +263,18 @@ class FailureConfig:
     checksum_every_n_steps: int = 10
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_failures, int) or self.max_failures < 0:
-            raise ConfigError(f"FailureConfig.max_failures must be an integer >= 0, got {self.max_failures!r}.")
+        _require_int("FailureConfig.max_failures", self.max_failures, 0)
+        if self.min_workers is not None:
+            _require_int("FailureConfig.min_workers", self.min_workers, 1,
+                         "or None (None: never fewer than num_workers)")
+        _require_int("FailureConfig.straggler_window", self.straggler_window, 1)
+        _require_int("FailureConfig.straggler_warmup_steps", self.straggler_warmup_steps, 0)
+        _require_int("FailureConfig.checksum_every_n_steps", self.checksum_every_n_steps, 0, "(0 turns the check off)")
+        for name in ("allow_shrink", "evict_stragglers"):
+            _require_flag(f"FailureConfig.{name}", getattr(self, name))
+        for name in ("capacity_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
+                     "step_timeout_s", "node_settle_s"):
+            _require_seconds(f"FailureConfig.{name}", getattr(self, name))
         for name in ("on_failure", "when_no_spare"):
             if getattr(self, name) not in FAILURE_ACTIONS:
                 raise ConfigError(
@@ -231,27 +284,21 @@ class FailureConfig:
             raise ConfigError("FailureConfig.when_no_spare cannot be 'replace' (there is no spare); use wait, shrink, restart or fail.")
         if "shrink" in (self.on_failure, self.when_no_spare) and not self.allow_shrink:
             raise ConfigError("FailureConfig asks to shrink but allow_shrink=False; set allow_shrink=True.")
-        if self.min_workers is not None and (not isinstance(self.min_workers, int) or self.min_workers < 1):
-            raise ConfigError(f"FailureConfig.min_workers must be an integer >= 1 or None, got {self.min_workers!r}.")
-        for name in ("capacity_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
-                     "step_timeout_s", "node_settle_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"FailureConfig.{name} must be > 0 seconds.")
-        if isinstance(self.straggler_factor, bool) or not isinstance(self.straggler_factor, numbers.Real) \
-                or not self.straggler_factor > 1.0:  # "not >" refuses NaN too, which compares False to all
+        factor = self.straggler_factor
+        if isinstance(factor, numbers.Real) and not isinstance(factor, bool) and factor > 1.0 \
+                and not _finite_real(factor):  # +inf, or an int too large for a float
+            raise ConfigError(f"FailureConfig.straggler_factor must be finite, got {factor!r}: so large a factor "
+                              "means no rank is ever a straggler. To leave slow ranks in place, keep "
+                              "straggler_factor finite and set evict_stragglers=False instead.")
+        if not _finite_real(factor) or not factor > 1.0:  # "not >" refuses NaN too, which compares False to all
             raise ConfigError(
-                f"FailureConfig.straggler_factor must be > 1 (a rank is a straggler above factor x median), got {self.straggler_factor!r}."
+                f"FailureConfig.straggler_factor must be > 1 (a rank is a straggler above factor x median), "
+                f"{_got(factor)}."
             )
-        if not isinstance(self.straggler_window, int) or self.straggler_window < 1:
-            raise ConfigError(f"FailureConfig.straggler_window must be an integer >= 1, got {self.straggler_window!r}.")
-        if not isinstance(self.straggler_warmup_steps, int) or self.straggler_warmup_steps < 0:
-            raise ConfigError("FailureConfig.straggler_warmup_steps must be an integer >= 0.")
         avoid = self.straggler_node_avoid_s
         if isinstance(avoid, bool) or not isinstance(avoid, (int, float)) or not avoid >= 0:
             raise ConfigError(f"FailureConfig.straggler_node_avoid_s must be seconds >= 0 (0: spares may go back on a "
                               f"straggler's node at once; math.inf: never for this run), got {avoid!r}.")
-        if not isinstance(self.checksum_every_n_steps, int) or self.checksum_every_n_steps < 0:
-            raise ConfigError("FailureConfig.checksum_every_n_steps must be an integer >= 0 (0 turns the check off).")
 
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -291,20 +338,23 @@ class CheckpointConfig:
     resume_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
-            raise ConfigError("CheckpointConfig.every_n_steps must be an integer >= 0 (0 turns checkpoints off).")
-        if not isinstance(self.keep_last, int) or self.keep_last < 1:
-            raise ConfigError("CheckpointConfig.keep_last must be an integer >= 1 (the newest committed step is always kept).")
-        if not isinstance(self.keep_every, int) or self.keep_every < 0:
-            raise ConfigError("CheckpointConfig.keep_every must be an integer >= 0 (0 keeps no extra steps).")
-        if not isinstance(self.min_shard_bytes, int) or isinstance(self.min_shard_bytes, bool) \
-                or self.min_shard_bytes < 0:
-            raise ConfigError("CheckpointConfig.min_shard_bytes must be an integer >= 0 "
-                              "(0: every rank writes a shard).")
-        if not isinstance(self.resume_timeout_s, (int, float)) or isinstance(self.resume_timeout_s, bool) \
-                or not self.resume_timeout_s > 0:
-            raise ConfigError("CheckpointConfig.resume_timeout_s must be a number of seconds > 0 "
-                              "(how long a resume waits for storage that does not answer).")
+        _require_int("CheckpointConfig.every_n_steps", self.every_n_steps, 0, "(0 turns checkpoints off)")
+        _require_int("CheckpointConfig.keep_last", self.keep_last, 1, "(the newest committed step is always kept)")
+        _require_int("CheckpointConfig.keep_every", self.keep_every, 0, "(0 keeps no extra steps)")
+        _require_int("CheckpointConfig.min_shard_bytes", self.min_shard_bytes, 0, "(0: every rank writes a shard)")
+        _require_flag("CheckpointConfig.blocking", self.blocking)
+        _require_seconds("CheckpointConfig.resume_timeout_s", self.resume_timeout_s,
+                         "(how long a resume waits for storage that does not answer)")
+        every, keep = self.every_n_steps, self.keep_every
+        if every > 0 and keep > 0 and keep % every:
+            # Retention keeps committed steps divisible by keep_every, and only multiples of
+            # every_n_steps are committed: the two together keep every lcm-th step only.
+            below, above = keep // every * every, (keep // every + 1) * every
+            nearest = f"{below} or {above}" if below else f"{above}"
+            raise ConfigError(
+                f"CheckpointConfig.keep_every={keep} is not a multiple of every_n_steps={every}: periodic checkpoints come "
+                f"only at multiples of {every}, so only multiples of {math.lcm(keep, every)} would be kept. Set "
+                f"keep_every to a multiple of every_n_steps (e.g. {nearest}).")
 
 
 @dataclass
@@ -326,9 +376,21 @@ class RunConfig:
             raise ConfigError(
                 f"RunConfig.name={self.name!r} must be 1-100 characters of letters, digits, '_', '.', '-', starting with a letter or digit."
             )
-        if not isinstance(self.seed, int):
-            raise ConfigError(f"RunConfig.seed must be an integer, got {self.seed!r}.")
-        if not isinstance(self.stop_timeout_s, (int, float)) or not self.stop_timeout_s > 0:
-            raise ConfigError(f"RunConfig.stop_timeout_s must be a number of seconds > 0, got {self.stop_timeout_s!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
+            raise ConfigError(f"RunConfig.seed must be an integer in [-2**63, 2**64) (torch's seed range), "
+                              f"{_got(self.seed)}.")
+        _require_seconds("RunConfig.stop_timeout_s", self.stop_timeout_s)
+        _require_flag("RunConfig.progress", self.progress)
         if self.storage is not None and not isinstance(self.storage, str):
             raise ConfigError("RunConfig.storage must be a string URL (file://, memory://, s3://) or a path.")
+        # storage_options hold credentials: the messages name types only, never a value.
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise ConfigError(f"RunConfig.storage_options must be a mapping of fsspec option name to value (a "
+                              f"dict), got a {type(self.storage_options).__name__}.")
+        bad_keys = [type(k).__name__ for k in self.storage_options or {} if not isinstance(k, str)]
+        if bad_keys:
+            raise ConfigError(f"RunConfig.storage_options keys must be option names (str), got a key of type "
+                              f"{bad_keys[0]}.")
+        if not isinstance(self.checkpoint, CheckpointConfig):
+            raise ConfigError(f"RunConfig.checkpoint must be a CheckpointConfig: pass "
+                              f"checkpoint=elastic.CheckpointConfig(...), got a {type(self.checkpoint).__name__}.")

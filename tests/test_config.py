@@ -25,6 +25,29 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
       "resources_per_worker": {"GPU": 0.5}}, "two ranks on one device"),
     ({"steps_per_dispatch": -1}, "steps_per_dispatch"),
     ({"dispatch_target_s": 0}, "dispatch_target_s"),
+    # bools are ints to Python, so each count refuses True by name
+    ({"num_workers": True}, r"ScalingConfig\.num_workers must be an integer >= 1, got True \(bool\)"),
+    ({"num_backups": True}, r"ScalingConfig\.num_backups must be an integer"),
+    ({"num_workers": 2, "num_backups": 1, "aggregation": "first_n", "num_spares": True}, r"ScalingConfig\.num_spares"),
+    ({"steps_per_dispatch": True}, r"ScalingConfig\.steps_per_dispatch must be an integer >= 0"),
+    ({"bucket_cap_mb": True}, r"ScalingConfig\.bucket_cap_mb"),
+    ({"bucket_cap_mb": float("inf")}, r"ScalingConfig\.bucket_cap_mb"),
+    # types come before arithmetic: a float count never reaches math.comb's TypeError
+    ({"num_workers": 2.0, "num_backups": 1, "aggregation": "first_n"}, r"ScalingConfig\.num_workers"),
+    ({"use_gpu": "False"}, r"ScalingConfig\.use_gpu must be True or False, got 'False' \(str\)"),
+    ({"placement_timeout_s": float("nan")},
+     r"ScalingConfig\.placement_timeout_s must be a finite number of seconds > 0"),
+    ({"placement_timeout_s": float("inf")}, r"ScalingConfig\.placement_timeout_s"),
+    ({"placement_timeout_s": "60"}, r"ScalingConfig\.placement_timeout_s"),
+    ({"dispatch_target_s": float("nan")}, r"ScalingConfig\.dispatch_target_s must be a finite number of seconds"),
+    ({"dispatch_target_s": True}, r"ScalingConfig\.dispatch_target_s"),
+    ({"resources_per_worker": None}, r"ScalingConfig\.resources_per_worker must be a mapping"),
+    ({"resources_per_worker": [("CPU", 1)]}, r"ScalingConfig\.resources_per_worker must be a mapping"),
+    ({"resources_per_worker": {1: 1}}, r"ScalingConfig\.resources_per_worker keys must be Ray resource names"),
+    ({"resources_per_worker": {"CPU": float("nan")}}, r"resources_per_worker\['CPU'\] must be a finite number >= 0"),
+    ({"resources_per_worker": {"CPU": float("inf")}}, r"resources_per_worker\['CPU'\] must be a finite number"),
+    ({"resources_per_worker": {"CPU": True}}, r"resources_per_worker\['CPU'\]"),
+    ({"resources_per_worker": {"CPU": "1"}}, r"resources_per_worker\['CPU'\]"),
 ])
 def test_scaling_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):
@@ -45,6 +68,21 @@ def test_scaling_rejects(kwargs, field):
     ({"straggler_node_avoid_s": -1}, "straggler_node_avoid_s"),
     ({"straggler_node_avoid_s": float("nan")}, "straggler_node_avoid_s"),
     ({"straggler_node_avoid_s": "1h"}, "straggler_node_avoid_s"),
+    ({"straggler_factor": float("inf")}, r"straggler_factor must be finite.*set evict_stragglers=False instead"),
+    ({"max_failures": True}, r"FailureConfig\.max_failures must be an integer >= 0, got True"),
+    ({"min_workers": True}, r"FailureConfig\.min_workers must be an integer >= 1 or None"),
+    ({"straggler_window": True}, r"FailureConfig\.straggler_window must be an integer >= 1"),
+    ({"straggler_warmup_steps": False}, r"FailureConfig\.straggler_warmup_steps must be an integer >= 0"),
+    ({"checksum_every_n_steps": True}, r"FailureConfig\.checksum_every_n_steps must be an integer >= 0"),
+    ({"allow_shrink": "yes"}, r"FailureConfig\.allow_shrink must be True or False"),
+    ({"evict_stragglers": "False"}, r"FailureConfig\.evict_stragglers must be True or False, got 'False'"),
+    ({"evict_stragglers": 0}, r"FailureConfig\.evict_stragglers must be True or False"),
+    ({"capacity_timeout_s": float("nan")}, r"FailureConfig\.capacity_timeout_s must be a finite number of seconds > 0"),
+    ({"heartbeat_interval_s": float("inf")}, r"FailureConfig\.heartbeat_interval_s must be a finite number"),
+    ({"heartbeat_timeout_s": "10"}, r"FailureConfig\.heartbeat_timeout_s must be a finite number"),
+    ({"collective_timeout_s": 1e300}, r"FailureConfig\.collective_timeout_s .*<= 1e\+09"),
+    ({"step_timeout_s": True}, r"FailureConfig\.step_timeout_s must be a finite number"),
+    ({"node_settle_s": None}, r"FailureConfig\.node_settle_s must be a finite number"),
 ])
 def test_failure_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):
@@ -60,6 +98,15 @@ def test_failure_rejects(kwargs, field):
     ({"min_shard_bytes": True}, "min_shard_bytes"),
     ({"resume_timeout_s": 0}, "resume_timeout_s"),
     ({"resume_timeout_s": "5"}, "resume_timeout_s"),
+    ({"resume_timeout_s": float("nan")}, r"CheckpointConfig\.resume_timeout_s must be a finite number of seconds"),
+    ({"resume_timeout_s": float("inf")}, r"CheckpointConfig\.resume_timeout_s"),
+    ({"every_n_steps": True}, r"CheckpointConfig\.every_n_steps must be an integer >= 0 \(0 turns checkpoints off\)"),
+    ({"keep_last": True}, r"CheckpointConfig\.keep_last must be an integer >= 1"),
+    ({"keep_every": True}, r"CheckpointConfig\.keep_every must be an integer >= 0"),
+    ({"blocking": "True"}, r"CheckpointConfig\.blocking must be True or False"),
+    ({"every_n_steps": 10, "keep_every": 15},
+     r"CheckpointConfig\.keep_every=15 is not a multiple of every_n_steps=10.*multiples of 30.*e\.g\. 10 or 20"),
+    ({"every_n_steps": 4, "keep_every": 3}, r"CheckpointConfig\.keep_every=3 .*\(e\.g\. 4\)"),
 ])
 def test_checkpoint_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):
@@ -109,10 +156,59 @@ def test_bad_run_name():
         elastic.RunConfig(name="bad/name")
 
 
-@pytest.mark.parametrize("value", [0, -1, "30", None])
+@pytest.mark.parametrize("value", [0, -1, "30", None, float("nan"), float("inf"), True, 1e300])
 def test_bad_stop_timeout(value):
     with pytest.raises(ConfigError, match="RunConfig.stop_timeout_s"):
         elastic.RunConfig(stop_timeout_s=value)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"seed": True}, r"RunConfig\.seed must be an integer in \[-2\*\*63, 2\*\*64\).*got True \(bool\)"),
+    ({"seed": 2**64}, r"RunConfig\.seed must be an integer in"),
+    ({"seed": -2**63 - 1}, r"RunConfig\.seed must be an integer in"),
+    ({"seed": 1.0}, r"RunConfig\.seed"),
+    ({"progress": "no"}, r"RunConfig\.progress must be True or False"),
+    ({"checkpoint": None},
+     r"RunConfig\.checkpoint must be a CheckpointConfig: pass checkpoint=elastic\.CheckpointConfig"),
+    ({"checkpoint": {"every_n_steps": -5}}, r"RunConfig\.checkpoint must be a CheckpointConfig.*got a dict"),
+    ({"storage_options": "key=abc"}, r"RunConfig\.storage_options must be a mapping"),
+    ({"storage_options": {("key",): "abc"}}, r"RunConfig\.storage_options keys must be option names \(str\).*tuple"),
+])
+def test_run_rejects(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        elastic.RunConfig(**kwargs)
+
+
+@pytest.mark.parametrize("options", [
+    "s3://AKIAEXAMPLESECRET:hunter2hunter2@bucket",
+    [("secret", "hunter2hunter2"), ("key", "AKIAEXAMPLESECRET")],
+    {"key": "AKIAEXAMPLESECRET", 7: "hunter2hunter2"},
+    {"client_kwargs": {"aws_secret_access_key": "hunter2hunter2"}, b"secret": "AKIAEXAMPLESECRET"},
+])
+def test_bad_storage_options_never_show_the_credentials(options):
+    with pytest.raises(ConfigError, match="RunConfig.storage_options") as info:
+        elastic.RunConfig(storage="s3://bucket/run", storage_options=options)
+    message = str(info.value)
+    assert "hunter2hunter2" not in message and "AKIAEXAMPLESECRET" not in message
+
+
+def test_valid_edge_values_still_pass():
+    assert elastic.RunConfig(seed=2**64 - 1).seed == 2**64 - 1
+    assert elastic.RunConfig(seed=-2**63).seed == -2**63
+    assert elastic.RunConfig(storage_options=None).storage_options is None  # "no options", as before
+    ckpt = elastic.CheckpointConfig(every_n_steps=10, keep_every=30)
+    assert (ckpt.every_n_steps, ckpt.keep_every) == (10, 30)
+    assert elastic.RunConfig(checkpoint=ckpt, progress=True, stop_timeout_s=0.5).checkpoint is ckpt
+    # keep_every is not tied to every_n_steps while checkpoints are off
+    assert elastic.CheckpointConfig(every_n_steps=0, keep_every=7).keep_every == 7
+    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5, "custom": 2}, placement_timeout_s=1e9,
+                            dispatch_target_s=0.01, bucket_cap_mb=0.5)
+    assert scaling.bundle() == {"CPU": 0.5, "custom": 2.0}
+    assert ScalingConfig(resources_per_worker={"CPU": 1, "memory": 0}).bundle() == {"CPU": 1.0}  # 0: not asked for
+    failure = FailureConfig(min_workers=1, max_failures=0, straggler_window=1, straggler_warmup_steps=0,
+                            checksum_every_n_steps=0, allow_shrink=True, evict_stragglers=True, node_settle_s=0.001,
+                            straggler_factor=1.5, straggler_node_avoid_s=float("inf"))
+    assert failure.straggler_node_avoid_s == float("inf") and failure.evict_stragglers is True
 
 
 def test_fractional_gpu_is_fine_for_one_rank():
