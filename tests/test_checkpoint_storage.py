@@ -215,6 +215,31 @@ def test_location_and_messages_never_carry_credentials(moto_s3):
     assert redact_url("https://u:p@host/x?sig=1") == "https://***@host/x"
 
 
+def test_a_password_with_a_slash_never_shows(moto_s3):
+    # AWS secret keys often hold a '/': the userinfo runs to the '@' all the same. Parsers split
+    # such a URL at the '/' (s3fs takes "AKIAEXAMPLE:wJalr" for the bucket), so no piece shows.
+    url = "s3://AKIAEXAMPLE:wJalr/XUtnFEMI+K7MDENG@bucket/p"
+    storage = Storage(url, moto_s3.storage_options(), retry=RetryPolicy(attempts=1))
+    with pytest.raises(StorageError) as info:
+        storage.read_bytes("step-000000001/manifest.json")
+    assert storage.location == "s3://***@bucket/p"
+    texts = [storage.location, repr(storage), storage.describe("step-000000001/x"), str(info.value),
+             storage.redact(f"GET {url}/x failed"), Redactor(None)(f"GET {url}/x failed"), redact_url(url)]
+    for text in texts:
+        assert "wJalr" not in text and "XUtnFEMI" not in text, text
+    assert Redactor(None)(f"GET {url}/x failed") == "GET s3://***@bucket/p/x failed"
+    # No ':' before the '@': a path, not userinfo.
+    assert redact_url("s3://bucket/key@v1/x") == "s3://bucket/key@v1/x"
+    assert Redactor(None)("s3://bucket/key@v1/x") == "s3://bucket/key@v1/x"
+
+
+def test_a_url_in_a_message_loses_its_query_string_and_the_rest_stays():
+    redact = Redactor(None)
+    assert redact("GET 's3://b/k?X-Amz-Signature=abc&X-Amz-Credential=AKIA%2F1': 403. Why? (denied)") == \
+        "GET 's3://b/k': 403. Why? (denied)"
+    assert redact("https://u:p/q@host/x?sig=1 and https://host/y?token=2") == "https://***@host/x and https://host/y"
+
+
 def test_resolve_url_makes_plain_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resolve_url("ckpts") == f"{tmp_path}/ckpts"
