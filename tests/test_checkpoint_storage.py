@@ -19,8 +19,9 @@ from elastic.checkpoint.storage import (
     _reads_concurrently,
 )
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
-from elastic.checkpoint.store import CheckpointStore
+from elastic.checkpoint.store import MANIFEST, CheckpointStore, step_dir
 from elastic.config import ConfigError
+from test_checkpoint_store import commit_tiny
 
 FAST = RetryPolicy(attempts=3, base_s=0.01, max_s=0.05)
 
@@ -215,6 +216,31 @@ def test_location_and_messages_never_carry_credentials(moto_s3):
     assert redact_url("https://u:p@host/x?sig=1") == "https://***@host/x"
 
 
+def test_a_password_with_a_slash_never_shows(moto_s3):
+    # AWS secret keys often hold a '/': the userinfo runs to the '@' all the same. Parsers split
+    # such a URL at the '/' (s3fs takes "AKIAEXAMPLE:wJalr" for the bucket), so no piece shows.
+    url = "s3://AKIAEXAMPLE:wJalr/XUtnFEMI+K7MDENG@bucket/p"
+    storage = Storage(url, moto_s3.storage_options(), retry=RetryPolicy(attempts=1))
+    with pytest.raises(StorageError) as info:
+        storage.read_bytes("step-000000001/manifest.json")
+    assert storage.location == "s3://***@bucket/p"
+    texts = [storage.location, repr(storage), storage.describe("step-000000001/x"), str(info.value),
+             storage.redact(f"GET {url}/x failed"), Redactor(None)(f"GET {url}/x failed"), redact_url(url)]
+    for text in texts:
+        assert "wJalr" not in text and "XUtnFEMI" not in text, text
+    assert Redactor(None)(f"GET {url}/x failed") == "GET s3://***@bucket/p/x failed"
+    # No ':' before the '@': a path, not userinfo.
+    assert redact_url("s3://bucket/key@v1/x") == "s3://bucket/key@v1/x"
+    assert Redactor(None)("s3://bucket/key@v1/x") == "s3://bucket/key@v1/x"
+
+
+def test_a_url_in_a_message_loses_its_query_string_and_the_rest_stays():
+    redact = Redactor(None)
+    assert redact("GET 's3://b/k?X-Amz-Signature=abc&X-Amz-Credential=AKIA%2F1': 403. Why? (denied)") == \
+        "GET 's3://b/k': 403. Why? (denied)"
+    assert redact("https://u:p/q@host/x?sig=1 and https://host/y?token=2") == "https://***@host/x and https://host/y"
+
+
 def test_resolve_url_makes_plain_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resolve_url("ckpts") == f"{tmp_path}/ckpts"
@@ -306,6 +332,68 @@ def test_s3_reads_a_small_or_unsized_file_with_one_get_and_a_large_one_in_ranges
     monkeypatch.setattr(fs, "default_block_size", 100_000)
     assert storage.read_bytes("step-000000001/shard.bin", size=256_000) == bytes(range(256)) * 1000
     assert calls[0] == "head_object" and calls.count("get_object") == 3  # three ranges of a block
+
+
+def refuse_in_bulk_deletes(fs, monkeypatch, refused: set[str], code: str = "InternalError") -> list[int]:
+    """Make the S3 client's DeleteObjects answer as S3 does when it fails some keys: 200, those
+    keys left in place and named under "Errors". Returns the number of keys of each request."""
+    client = fs.s3
+    real = client.delete_objects
+    sizes = []
+
+    async def delete_objects(**kwargs):
+        objects = kwargs["Delete"]["Objects"]
+        sizes.append(len(objects))
+        kept = [o for o in objects if o["Key"] in refused]
+        kwargs["Delete"] = {**kwargs["Delete"], "Objects": [o for o in objects if o not in kept]}
+        out = await real(**kwargs) if kwargs["Delete"]["Objects"] else {}  # S3 refuses an empty list
+        out["Errors"] = [{"Key": o["Key"], "Code": code, "Message": "We encountered an internal error."}
+                         for o in kept]
+        return out
+
+    monkeypatch.setattr(client, "delete_objects", delete_objects)
+    return sizes
+
+
+def test_s3_bulk_delete_raises_for_a_key_s3_did_not_delete(moto_s3, monkeypatch):
+    url, options = backend_url("s3", "", moto_s3)
+    storage = Storage(url, options, retry=FAST)
+    for name in ("a", "b", "c"):
+        storage.write_bytes(f"d/{name}", b"1")
+    fs, _ = storage._filesystem()
+    sizes = refuse_in_bulk_deletes(fs, monkeypatch, {"prefix/d/b"})
+    with pytest.raises(StorageUnavailable, match=r"DeleteObjects left 1 of 3 keys: .*prefix/d/b: InternalError"):
+        storage.delete_files(["d/a", "d/b", "d/c"], "d")
+    assert sizes == [3] * FAST.attempts  # a transient error: retried
+    assert storage.list_dir("d") == ["b"]
+    sizes = refuse_in_bulk_deletes(fs, monkeypatch, {"prefix/d/b"}, code="AccessDenied")
+    with pytest.raises(StorageError, match="AccessDenied") as info:
+        storage.delete_files(["d/b"], "d")
+    assert type(info.value) is StorageError and sizes == [1]  # PermissionError: not retried
+    monkeypatch.undo()
+    # Absent keys are deleted as far as S3 is concerned, and 1000 keys go in a request at most.
+    sizes = refuse_in_bulk_deletes(fs, monkeypatch, set())
+    assert storage.delete_files(["d/b"] + [f"d/absent-{i}" for i in range(1500)], "d")
+    assert sizes == [1000, 501] and storage.list_dir("") == []
+
+
+def test_retention_keeps_a_step_whose_manifest_s3_did_not_delete(moto_s3, monkeypatch):
+    """DeleteObjects answers 200 but leaves one of the manifests: that step must stay committed
+    and whole (its files not deleted after it), be reported failed, and go on the next pass."""
+    store = CheckpointStore(f"s3://{moto_s3.create_bucket()}", "run", moto_s3.storage_options(), retry=FAST)
+    for step in (1, 2, 3):
+        commit_tiny(store, step)
+    files = {s: [f["path"] for f in store.load_manifest(s)["files"]] for s in (1, 2, 3)}
+    fs, _ = store.storage._filesystem()
+    refuse_in_bulk_deletes(fs, monkeypatch, {f"run/{step_dir(1)}/{MANIFEST}"})
+    report = store.apply_retention(1, committed=[1, 2, 3], files=files)
+    assert report.deleted == [] and sorted(report.failed) == [1, 2]
+    assert "InternalError" in report.failed[1] and TEST_SECRET not in report.failed[1]
+    assert store.committed_steps() == [1, 3]
+    assert store.verify(1)  # committed and whole: its files are all there
+    monkeypatch.undo()
+    assert store.apply_retention(1, committed=[1, 3], files=files).deleted == [1, 2]
+    assert store.step_dirs() == [3] and store.committed_steps() == [3]
 
 
 def test_an_s3fs_without_concurrent_reads_gets_no_argument_it_does_not_know():

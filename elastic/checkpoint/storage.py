@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
+from urllib.parse import unquote
 
 import fsspec
 import fsspec.core
@@ -87,17 +88,29 @@ def _secret_values(options: Any) -> set[str]:
     return found
 
 
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+# The user:password@ of a URL. A password may hold '/' (AWS secret keys often do), so once a ':'
+# follows the user name, the userinfo runs to the last '@' before whitespace: that redacts too
+# much of a text like ``https://host:8080/a@b`` rather than too little of a secret. Without a ':'
+# it stops at the first '/', so a path such as ``s3://bucket/key@v1/x`` is left as it is.
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*://"
+_USERINFO = re.compile(rf"(?P<scheme>{_SCHEME})(?P<userinfo>[^/@\s:]*:\S*|[^/@\s]*)@")
 _QUERY = re.compile(r"\?.*$")
+# A URL's query string inside other text: up to whitespace or a character no URL holds unescaped
+# (a quote or an angle bracket), so the text around the URL stays readable.
+_URL_QUERY = re.compile(rf"(?P<url>{_SCHEME}[^\s?'\"<>]*)\?[^\s'\"<>]+")
+
+
+def _redact_userinfo(text: str) -> str:
+    return _USERINFO.sub(r"\g<scheme>***@", text)
 
 
 def redact_url(url: str) -> str:
     """A URL without user:password@ and without a query string (presigned URLs carry signatures there)."""
-    return _QUERY.sub("", _USERINFO.sub(r"\g<scheme>***@", url))
+    return _QUERY.sub("", _redact_userinfo(url))
 
 
 class Redactor:
-    """Replaces known secret values (and URL userinfo) in any text with ``***``."""
+    """Replaces known secret values, and the userinfo and query string of any URL, in text with ``***``."""
 
     def __init__(self, storage_options: dict | None, extra: tuple[str, ...] = ()):
         secrets = _secret_values(storage_options or {}) | {s for s in extra if s and len(s) >= 4}
@@ -105,7 +118,8 @@ class Redactor:
         self._secrets = sorted(secrets, key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
-        text = _USERINFO.sub(r"\g<scheme>***@", str(text))
+        # Userinfo first: a password may hold a '?', which would otherwise start a "query".
+        text = _URL_QUERY.sub(r"\g<url>", _redact_userinfo(str(text)))
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
@@ -393,7 +407,7 @@ class Storage:
         fs, _ = self._filesystem()
         paths = [self.full_path(r) for r in rels]
         if self.is_object_store:
-            self._call("delete", dir_rel, lambda: fs.rm(paths))  # one DeleteObjects; absent keys are fine
+            self._call("delete", dir_rel, lambda: self._delete_objects(fs, paths))
             return True
 
         def rm() -> bool:
@@ -411,6 +425,40 @@ class Storage:
             return True
 
         return self._call("delete", dir_rel, rm)
+
+    def _delete_objects(self, fs: Any, paths: list[str]) -> None:
+        """Delete the keys ``paths`` of an object store in bulk (absent keys are fine); raise if one
+        is left.
+
+        On S3, DeleteObjects through s3fs's own client call, 1000 keys a request (S3's limit), its
+        answer checked key by key. Why not ``fs.rm(paths)``: s3fs sends the same request but drops
+        the answer's "Errors" (``S3FileSystem._bulk_delete``: "we ... don't raise on any errors"),
+        and a key S3 refused (InternalError, SlowDown, AccessDenied under object lock) would pass
+        for deleted. The store deletes manifests first so that a failed delete never leaves a
+        committed step with missing files; a manifest refused in silence would. Other object
+        stores keep ``fs.rm``, on the assumption that it raises for a file it could not delete."""
+        if self.protocol not in _S3:
+            fs.rm(paths)
+            return
+        from botocore.exceptions import ClientError
+        from s3fs.errors import translate_boto_error
+
+        bucket = fs.split_path(paths[0])[0]  # every path is under the root, in its bucket
+        for start in range(0, len(paths), 1000):
+            chunk = paths[start:start + 1000]
+            for path in chunk:
+                fs.invalidate_cache(path)  # and its parents' listings, as ``fs.rm`` does
+            out = fs.call_s3("delete_objects", Bucket=bucket,
+                             Delete={"Objects": [{"Key": fs.split_path(p)[1]} for p in chunk], "Quiet": True})
+            # NoSuchKey: S3 itself reports an absent key as deleted, some S3-compatible stores do not.
+            errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                # The first key's error code decides the exception, as s3fs would for one key:
+                # AccessDenied is a PermissionError (not retried), InternalError an OSError (retried).
+                message = (f"DeleteObjects left {len(errors)} of {len(chunk)} keys: "
+                           + "; ".join(f"{e.get('Key')}: {e.get('Code')} {e.get('Message', '')}".rstrip()
+                                       for e in errors[:5]))
+                raise translate_boto_error(ClientError({"Error": errors[0]}, "DeleteObjects"), message, False)
 
     def delete_tree(self, rel: str) -> None:
         """Delete a directory and everything under it; a missing directory is not an error."""
@@ -536,8 +584,15 @@ class Storage:
 
 
 def _url_secrets(url: str) -> tuple[str, ...]:
-    """The user:password part of a URL, if any, so it is redacted wherever it shows up."""
-    m = re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://([^/@\s]*)@", url)
+    """The user and password of a URL, if any, so they are redacted wherever they show up.
+
+    A password with a '/' in it comes apart in messages: a URL parser (s3fs's included) takes
+    ``user:first-piece`` for the host or bucket and the rest for the path, so each of those is a
+    secret too."""
+    m = _USERINFO.match(url)
     if not m:
         return ()
-    return tuple(p for p in m.group(1).split(":") if p)
+    user, _, password = m.group("userinfo").partition(":")
+    pieces = password.split("/")
+    secrets = {user, password, unquote(password), f"{user}:{pieces[0]}" if user and pieces[0] else "", *pieces}
+    return tuple(s for s in secrets if s)

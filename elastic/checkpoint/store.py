@@ -189,6 +189,78 @@ def meta_name(step: int, rank: int) -> str:
     return f"{step_dir(step)}/meta-r{rank}.json"
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_RANK_KEY = re.compile(r"^(0|[1-9][0-9]*)$")  # str(rank), as ``commit`` writes the keys of "rng"
+
+
+def _path_problem(path: Any, step: int) -> str | None:
+    """Why ``path`` is not a normalized relative path of a file inside ``step``'s directory, or
+    None. A ``..`` (or a backslash, which some filesystems take for a separator) would let a
+    manifest vouch for, and ``verify`` read, a file outside the step, even outside the run."""
+    prefix = step_dir(step) + "/"
+    if (not isinstance(path, str) or not path.startswith(prefix) or "\\" in path
+            or any(part in ("", ".", "..") for part in path[len(prefix):].split("/"))):
+        return f"path {path!r} is not a normalized relative path inside {prefix}"
+    return None
+
+
+def _record_problem(record: Any) -> str | None:
+    """Why a manifest's file record (``FileEntry.to_dict``) does not parse, or None; its path aside."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not an object"
+    missing = [key for key in ("path", "size", "sha256") if key not in record]
+    if missing:
+        return f"no {missing[0]!r}"
+    if not _is_int(record["size"]) or record["size"] < 0:
+        return f"size {record['size']!r} is not a byte count"
+    if not isinstance(record["sha256"], str):
+        return f"sha256 {record['sha256']!r} is not a hex digest"
+    return None
+
+
+def _manifest_problem(manifest: dict, step: int) -> str | None:
+    """Why ``manifest`` (parsed, or the body ``commit`` is about to write) is not a manifest of
+    ``step`` that the readers can use, or None.
+
+    Its checksum only says the bytes are the ones written; this says they are what ``commit``
+    writes, in every version (1 to ``VERSION``): a manifest that checks out but lacks a field
+    would fail later, in ``read_state``, with a KeyError rather than as a corrupt step that
+    resuming skips. ``commit`` checks its own manifest with it, so what it writes always loads."""
+    if manifest.get("format") != FORMAT or not _is_int(manifest.get("step")) or manifest["step"] != step:
+        return f"manifest is for step {manifest.get('step')!r}, format {manifest.get('format')!r}"
+    version, world_size = manifest.get("version"), manifest.get("world_size")
+    if not _is_int(version) or not 1 <= version <= VERSION:
+        return f"manifest version {version!r} is not one this code reads (1 to {VERSION})"
+    if not _is_int(world_size) or world_size < 1:
+        return f"manifest's world_size {world_size!r} is not a positive integer"
+    created_at = manifest.get("created_at")
+    if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
+        return f"manifest's created_at {created_at!r} is not a time"
+    if not isinstance(manifest.get("meta"), dict):
+        return f"manifest's meta is a {type(manifest.get('meta')).__name__}, not an object"
+    rng = manifest.get("rng", {})
+    if not isinstance(rng, dict) or not all(
+            _RANK_KEY.match(rank) and int(rank) < world_size and (state is None or isinstance(state, dict))
+            for rank, state in rng.items()):
+        return f"manifest's rng is not an object of ranks below {world_size} and their RNG states"
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        return f"manifest's files are a {type(files).__name__}, not a list of file records"
+    if not files:
+        return "manifest lists no files"
+    for i, record in enumerate(files):
+        problem = _record_problem(record)
+        if problem:
+            return f"manifest's file records do not parse (record {i}: {problem})"
+        problem = _path_problem(record["path"], step)
+        if problem:
+            return f"manifest's file record {i}: {problem}"
+    return None
+
+
 def join_url(url: str, name: str) -> str:
     """``<url>/<name>`` as a string; never through pathlib, which would mangle ``s3://``."""
     return url + name if url.endswith("/") else f"{url}/{name}"
@@ -267,7 +339,8 @@ class CheckpointStore:
 
         ``entries`` are every rank's FileEntry records; ``rng`` the RNG state of each rank that
         wrote no shard. Every rank must be accounted for by one or the other, and at least one
-        shard (the one with the state skeleton) must be there.
+        shard (the one with the state skeleton) must be there. Every file must be inside the
+        step's directory: a normalized relative path (``_path_problem``).
         """
         files = sorted((FileEntry.from_dict(e) for e in entries), key=lambda e: e.path)
         paths = {e.path for e in files}
@@ -276,9 +349,6 @@ class CheckpointStore:
         missing = sorted(name for r, name in unwritten.items() if r not in rng)
         if missing or not paths:
             raise ValueError(f"cannot commit step {step}: missing files {missing}")
-        stray = [p for p in paths if not p.startswith(step_dir(step) + "/")]
-        if stray:
-            raise ValueError(f"cannot commit step {step}: files outside its directory {stray}")
         body = {
             "format": FORMAT,
             "version": VERSION,
@@ -290,6 +360,9 @@ class CheckpointStore:
         }
         if rng:
             body["rng"] = {str(r): rng[r] for r in sorted(rng)}
+        problem = _manifest_problem(body, step)
+        if problem:
+            raise ValueError(f"cannot commit step {step}: {problem}")
         try:
             checksum = sha256(canonical_json(body))
         except (TypeError, ValueError) as exc:
@@ -329,15 +402,10 @@ class CheckpointStore:
             raise CorruptCheckpoint(step, where, f"manifest does not parse ({type(exc).__name__}: {exc})") from None
         if recorded != actual:
             raise CorruptCheckpoint(step, where, "manifest checksum mismatch (truncated or edited)")
-        if manifest.get("format") != FORMAT or manifest.get("step") != step:
-            raise CorruptCheckpoint(step, where, f"manifest is for step {manifest.get('step')!r}, "
-                                                 f"format {manifest.get('format')!r}")
-        try:  # a record without its path, size or checksum vouches for nothing
-            entries = [FileEntry.from_dict(record) for record in manifest["files"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptCheckpoint(step, where, f"manifest's file records do not parse "
-                                                 f"({type(exc).__name__}: {exc})") from None
-        return manifest, entries
+        problem = _manifest_problem(manifest, step)  # e.g. a file record without its checksum vouches for nothing
+        if problem:
+            raise CorruptCheckpoint(step, where, problem)
+        return manifest, [FileEntry.from_dict(record) for record in manifest["files"]]
 
     def committed_steps(self) -> list[int]:
         """Steps whose manifest exists and checks out (files not verified), oldest first."""
