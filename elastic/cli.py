@@ -732,7 +732,10 @@ def _script_in(working_dir: str, script: str) -> str:
     return rel
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+# Not ``ignore_unknown_options``: with it a mistyped option (``--adress http://prod:8265``) went
+# to the script as an argument, and the job to the default cluster. The script's own arguments
+# come after ``--``, which click passes on as they are.
+@app.command(context_settings={"allow_extra_args": True})
 @_friendly
 def submit(
     script: str = typer.Argument(..., help="Python script, relative to the working directory."),

@@ -331,3 +331,33 @@ def test_submit_address_wins_over_the_environment(monkeypatch, tmp_path):
     assert os.environ["RAY_ADDRESS"] == "http://a.example:8265"  # put back
     runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path)])
     assert seen[-1] == "http://a.example:8265"  # without --address the environment still counts
+
+
+def test_submit_refuses_a_mistyped_option_and_passes_the_scripts_arguments_after_the_double_dash(
+        monkeypatch, tmp_path):
+    # A mistyped --address used to go to the script as an argument, and the job to the default cluster.
+    import ray.job_submission
+
+    submitted = []
+
+    class Client:
+        def __init__(self, address):
+            self.address = address
+
+        def submit_job(self, entrypoint, runtime_env, submission_id):
+            submitted.append((self.address, entrypoint))
+            return "raysubmit_test"
+
+        def get_address(self):
+            return self.address
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    for typo in (["--adress", "http://prod.example:8265"], ["--folow"]):
+        result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), *typo])
+        assert result.exit_code == 2 and f"No such option: {typo[0]}" in result.stdout + result.stderr
+    assert submitted == []
+    result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), "--address",
+                                 "http://prod.example:8265", "--", "--lr", "0.1", "--adress", "x"])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert submitted == [("http://prod.example:8265", "python job.py --lr 0.1 --adress x")]
