@@ -379,11 +379,12 @@ class Trainer:
             old = ray.get_actor("controller", namespace=self.namespace)
         except ValueError:
             return
-        try:
-            owner = ray.get(old.job_id.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - dead or not answering: a leftover, whoever started it
-            owner = None
-        if owner is not None and owner != ray.get_runtime_context().get_job_id():
+        # The job that created the actor is part of its ID (Ray's ActorID embeds the JobID), so
+        # this needs no answer from the actor. Why not ask it: a controller that is still
+        # starting, or too busy to answer within a timeout, used to count as a leftover and was
+        # killed, with another driver's live run under it.
+        owner = old._actor_id.job_id.hex()
+        if owner != ray.get_runtime_context().get_job_id():
             raise ConfigError(
                 f"RunConfig.name={self.run.name!r} is in use: a run of that name is training on this cluster "
                 f"(job {owner}; its controller is the actor 'controller' in namespace {self.namespace!r}). "

@@ -325,11 +325,14 @@ ray.init(address=sys.argv[1], log_to_driver=False)
 
 @ray.remote(num_cpus=0)
 class Holder:  # stands in for a live run's controller: a named actor owned by another driver
-    def job_id(self):
-        return ray.get_runtime_context().get_job_id()
+    def busy(self):  # a controller still starting, or too busy to answer anyone
+        import time
+        time.sleep(3600)
 
-h = Holder.options(name="controller", namespace="elastic-busy").remote()
-print(ray.get(h.job_id.remote()), flush=True)
+h = Holder.options(name="controller", namespace="elastic-busy", max_concurrency=2).remote()
+ray.get(h.__ray_ready__.remote())
+h.busy.remote()
+print(ray.get_runtime_context().get_job_id(), flush=True)
 sys.stdin.read()  # alive until the test closes stdin
 """
 
@@ -349,8 +352,8 @@ def test_a_run_name_another_driver_is_using_is_refused_and_its_run_left_alone(ra
                                   scaling=elastic.ScalingConfig(num_workers=1), run=elastic.RunConfig(name="busy"))
         with pytest.raises(elastic.ConfigError, match=f"RunConfig.name='busy' is in use.*job {owner}"):
             trainer.fit(steps=1)
-        still = ray.get_actor("controller", namespace="elastic-busy")
-        assert ray.get(still.job_id.remote(), timeout=10) == owner
+        still = ray.get_actor("controller", namespace="elastic-busy")  # left alone, though it answers nobody
+        assert ray.get(still.__ray_ready__.remote(), timeout=10) is True
     finally:
         other.stdin.close()
         other.wait(timeout=30)

@@ -45,11 +45,6 @@ class ControllerActor:
         return self.controller.status()
 
     @ray.method(concurrency_group="status")
-    def job_id(self) -> str:
-        """The job (driver) this run belongs to; ``Trainer`` asks before it reuses a run name."""
-        return ray.get_runtime_context().get_job_id()
-
-    @ray.method(concurrency_group="status")
     def stop(self, reason: str) -> None:
         """End the run after the steps already dispatched, with their checkpoint committed."""
         self.controller.request_stop(reason)
