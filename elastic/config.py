@@ -10,8 +10,10 @@ import math
 import numbers
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
+
+from elastic.redact import redact_url
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 AGGREGATIONS = ("all", "first_n")
@@ -370,6 +372,18 @@ class RunConfig:
     # Ctrl-C or SIGTERM (``ray job stop``) during fit(): how long the run may take to finish the
     # steps already dispatched and commit their checkpoint before it is killed instead.
     stop_timeout_s: float = 60.0
+
+    def __repr__(self) -> str:
+        """The dataclass's repr with the storage URL's credentials (``user:secret@``, a signed
+        query) taken out; ``storage_options`` is left out whole (``repr=False``)."""
+        shown = []
+        for f in fields(self):
+            if f.repr:
+                value = getattr(self, f.name)
+                if f.name == "storage" and isinstance(value, str):
+                    value = redact_url(value)
+                shown.append(f"{f.name}={value!r}")
+        return f"{type(self).__name__}({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _RUN_NAME.match(self.name):

@@ -331,3 +331,14 @@ def test_a_stop_in_a_wait_says_what_the_run_waited_for_and_where_it_will_resume(
     msg = bare._stopped_message("KeyboardInterrupt", {"steps": 3, "checkpoint": None, "stopped_while": waited,
                                                       "restored_from": None, "model_state": {"w": 1}})
     assert "the weights are in .result.model_state" in msg
+
+
+def test_a_run_configs_repr_shows_no_credentials():
+    run = elastic.RunConfig(name="r", storage="s3://AKIAEXAMPLE:wJalr/XUtnFEMI@bucket/ckpt?X-Amz-Signature=deadbeef",
+                            storage_options={"key": "AKIAOTHER", "secret": "hunter22-secret"})
+    shown = repr(run)
+    for secret in ("AKIAEXAMPLE", "wJalr", "XUtnFEMI", "deadbeef", "AKIAOTHER", "hunter22-secret"):
+        assert secret not in shown and secret not in str(run)
+    assert shown.startswith("RunConfig(name='r', storage='s3://***@bucket/ckpt', seed=0, checkpoint=CheckpointConfig(")
+    assert "storage_options" not in shown
+    assert "storage='/data/ckpt'" in repr(elastic.RunConfig(storage="/data/ckpt"))

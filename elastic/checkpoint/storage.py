@@ -22,6 +22,7 @@ import fsspec
 import fsspec.core
 
 from elastic.config import ConfigError
+from elastic.redact import USERINFO, redact_url, redact_urls_in
 
 logger = logging.getLogger(__name__)
 
@@ -88,27 +89,6 @@ def _secret_values(options: Any) -> set[str]:
     return found
 
 
-# The user:password@ of a URL. A password may hold '/' (AWS secret keys often do), so once a ':'
-# follows the user name, the userinfo runs to the last '@' before whitespace: that redacts too
-# much of a text like ``https://host:8080/a@b`` rather than too little of a secret. Without a ':'
-# it stops at the first '/', so a path such as ``s3://bucket/key@v1/x`` is left as it is.
-_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*://"
-_USERINFO = re.compile(rf"(?P<scheme>{_SCHEME})(?P<userinfo>[^/@\s:]*:\S*|[^/@\s]*)@")
-_QUERY = re.compile(r"\?.*$")
-# A URL's query string inside other text: up to whitespace or a character no URL holds unescaped
-# (a quote or an angle bracket), so the text around the URL stays readable.
-_URL_QUERY = re.compile(rf"(?P<url>{_SCHEME}[^\s?'\"<>]*)\?[^\s'\"<>]+")
-
-
-def _redact_userinfo(text: str) -> str:
-    return _USERINFO.sub(r"\g<scheme>***@", text)
-
-
-def redact_url(url: str) -> str:
-    """A URL without user:password@ and without a query string (presigned URLs carry signatures there)."""
-    return _QUERY.sub("", _redact_userinfo(url))
-
-
 class Redactor:
     """Replaces known secret values, and the userinfo and query string of any URL, in text with ``***``."""
 
@@ -118,8 +98,7 @@ class Redactor:
         self._secrets = sorted(secrets, key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
-        # Userinfo first: a password may hold a '?', which would otherwise start a "query".
-        text = _URL_QUERY.sub(r"\g<url>", _redact_userinfo(str(text)))
+        text = redact_urls_in(str(text))
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
@@ -589,7 +568,7 @@ def _url_secrets(url: str) -> tuple[str, ...]:
     A password with a '/' in it comes apart in messages: a URL parser (s3fs's included) takes
     ``user:first-piece`` for the host or bucket and the rest for the path, so each of those is a
     secret too."""
-    m = _USERINFO.match(url)
+    m = USERINFO.match(url)
     if not m:
         return ()
     user, _, password = m.group("userinfo").partition(":")
