@@ -72,7 +72,7 @@ def _sigterm_stops_the_run():
         yield seen
         return
     previous = signal.getsignal(signal.SIGTERM)
-    if not (previous in (signal.SIG_DFL, None) or getattr(previous, "__module__", "").startswith("ray.")):
+    if not _default_or_rays(previous):
         yield seen
         return
 
@@ -86,6 +86,26 @@ def _sigterm_stops_the_run():
         yield seen
     finally:
         if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _default_or_rays(handler) -> bool:
+    """Whether a SIGTERM handler is the default or the one ``ray.init`` installs: no user's."""
+    return handler in (signal.SIG_DFL, None) or getattr(handler, "__module__", "").startswith("ray.")
+
+
+@contextmanager
+def _users_sigterm_kept():
+    """``ray.init`` (in the main thread) installs a SIGTERM handler of its own that exits the
+    process, over whatever was there. A handler of the user's (or SIG_IGN) is put back, so it
+    stays in charge during fit() (``_sigterm_stops_the_run`` leaves it alone) and after it;
+    without this ``ray job stop`` got fit()'s stop instead, and after fit() SIGTERM exited."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if (threading.current_thread() is threading.main_thread() and not _default_or_rays(previous)
+                and signal.getsignal(signal.SIGTERM) is not previous):
             signal.signal(signal.SIGTERM, previous)
 
 
@@ -115,10 +135,12 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
             import torch
 
             gpus = {"num_gpus": torch.cuda.device_count()}
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, runtime_env={"env_vars": env}, **gpus)
+        with _users_sigterm_kept():
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+                     configure_logging=False, runtime_env={"env_vars": env}, **gpus)
         return True
-    ray.init(address=address, log_to_driver=True)
+    with _users_sigterm_kept():
+        ray.init(address=address, log_to_driver=True)
     return False
 
 

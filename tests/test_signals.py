@@ -46,3 +46,37 @@ def test_a_handler_of_the_users_stays_in_charge(default_sigterm):
         os.kill(os.getpid(), signal.SIGTERM)
         signal.sigtimedwait([], 0)
     assert got == [signal.SIGTERM] and signals == set()
+
+
+USERS_HANDLER_THROUGH_CONNECT = """
+import signal, sys
+import ray
+from elastic.trainer import _sigterm_stops_the_run, connect
+
+def mine(signum, frame):
+    print("mine", flush=True)
+
+signal.signal(signal.SIGTERM, mine)
+assert connect(None, min_cpus=1) is True  # an embedded Ray: ray.init installs a SIGTERM handler of its own
+try:
+    assert signal.getsignal(signal.SIGTERM) is mine, signal.getsignal(signal.SIGTERM)
+    with _sigterm_stops_the_run() as signals:  # as fit() waits
+        assert signal.getsignal(signal.SIGTERM) is mine
+    assert signal.getsignal(signal.SIGTERM) is mine
+finally:
+    ray.shutdown()
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_users_handler_stays_in_charge_through_the_ray_init_of_connect():
+    """README: "A SIGTERM handler of your own stays in charge." ray.init installs Ray's own
+    handler, which fit() used to take for the default: it took SIGTERM over and put Ray's back."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # connect(None) then starts its own Ray
+    out = subprocess.run([sys.executable, "-c", USERS_HANDLER_THROUGH_CONNECT], env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
