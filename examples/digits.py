@@ -84,7 +84,8 @@ def main(argv=None) -> float:
         result = trainer.fit(epochs=args.epochs)
     except elastic.TrainingStopped as stopped:  # Ctrl-C or `ray job stop`: the run stopped cleanly
         print(stopped, flush=True)  # first: `ray job stop` sends SIGKILL a few seconds after SIGTERM
-        print(f"test_accuracy so far={test_accuracy(stopped.result.model_state):.4f}")
+        if stopped.result.model_state is not None:  # None: stopped before any rank had started
+            print(f"test_accuracy so far={test_accuracy(stopped.result.model_state):.4f}")
         raise SystemExit(130) from None
     acc = test_accuracy(result.model_state)
     loss = result.metrics["loss"]  # None when a resumed run had nothing left to train

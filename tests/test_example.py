@@ -32,3 +32,20 @@ def test_a_rerun_with_nothing_left_to_train_prints_its_result(monkeypatch, capsy
     monkeypatch.setattr(elastic.Trainer, "fit", fit)
     digits.main(["--no-progress", "--name", "digits-rerun"])
     assert "steps=315 loss=- " in capsys.readouterr().out
+
+
+def test_a_run_stopped_before_any_rank_started_exits_130_without_a_traceback(monkeypatch, capsys):
+    # Ctrl-C (or `ray job stop`) while the run still waits for placement: no rank, no model state.
+    import elastic
+    from elastic.trainer import Result, TrainingStopped
+
+    def fit(self, epochs=None, steps=None):
+        raise TrainingStopped("run 'digits-early' stopped before any step", Result(
+            metrics={"steps": 0, "loss": None, "samples_per_s": 0.0}, history=[], events=[], checkpoint=None,
+            recoveries=[], ledger=[], model_state=None, replica_checksums=[]))
+    monkeypatch.setattr(elastic.Trainer, "fit", fit)
+    with pytest.raises(SystemExit) as exit_:
+        digits.main(["--no-progress", "--name", "digits-early"])
+    assert exit_.value.code == 130
+    out = capsys.readouterr().out
+    assert "stopped before any step" in out and "test_accuracy" not in out
