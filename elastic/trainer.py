@@ -23,7 +23,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
-from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
+from elastic.config import (ConfigError, FailureConfig, RunConfig, ScalingConfig, _require_flag, _require_int,
+                            _require_positive)
 from elastic.controller import TrainingFailed, WorkerError
 from elastic.policies import FailurePolicy
 
@@ -228,6 +229,11 @@ class Trainer:
         faults: list[dict] | None = None,
         max_grad_norm: float | None = None,
     ):
+        for name, value, kind in (("scaling", scaling, ScalingConfig), ("run", run, RunConfig),
+                                  ("failure", failure, FailureConfig)):
+            if value is not None and not isinstance(value, kind):
+                raise ConfigError(f"Trainer.{name} must be an elastic.{kind.__name__}(...) or None, "
+                                  f"got {type(value).__name__}.")
         self.scaling = scaling or ScalingConfig()
         self.run = run or RunConfig()
         self.failure = failure or FailureConfig()
@@ -238,13 +244,12 @@ class Trainer:
         for name, fn in (("step_fn", step_fn), ("scheduler_fn", scheduler_fn)):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"Trainer.{name} must be callable or None.")
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                          or not max_grad_norm > 0):
-            raise ConfigError(f"Trainer.max_grad_norm must be a number > 0 (the gradients' total 2-norm is clipped "
-                              f"to it), or None; got {max_grad_norm!r}.")
+        if max_grad_norm is not None:
+            _require_positive("Trainer.max_grad_norm", max_grad_norm, "a number",
+                              "(the gradients' total 2-norm is clipped to it), or None")
         n = self.scaling.num_workers
-        if not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ConfigError(f"Trainer.global_batch_size must be an integer >= 1, got {global_batch_size!r}.")
+        _require_int("Trainer.global_batch_size", global_batch_size, 1)
+        _require_flag("Trainer.requeue_dropped", requeue_dropped)
         if global_batch_size % n:
             raise ConfigError(
                 f"Trainer.global_batch_size={global_batch_size} is not divisible by ScalingConfig.num_workers={n}; "
@@ -305,8 +310,8 @@ class Trainer:
         if (steps is None) == (epochs is None):
             raise ConfigError("Trainer.fit needs exactly one of steps=... or epochs=...")
         for name, v in (("steps", steps), ("epochs", epochs)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ConfigError(f"Trainer.fit({name}={v!r}) must be an integer >= 1.")
+            if v is not None:
+                _require_int(f"Trainer.fit's {name}", v, 1)
         total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
             self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
         started = connect(self.address, total_cpu, self.scaling.use_gpu)

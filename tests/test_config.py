@@ -269,7 +269,26 @@ def test_find_unused_parameters_is_a_flag_for_data_parallel():
         ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n", find_unused_parameters=True)
 
 
-@pytest.mark.parametrize("value", [0, -1.0, "1", True])
+@pytest.mark.parametrize("kwargs, match", [
+    ({"global_batch_size": True}, r"Trainer\.global_batch_size must be an integer >= 1, got True \(bool\)"),
+    ({"global_batch_size": 32.0}, r"Trainer\.global_batch_size must be an integer >= 1"),
+    ({"requeue_dropped": "False"}, r"Trainer\.requeue_dropped must be True or False, got 'False' \(str\)"),
+    ({"scaling": {"num_workers": 4}}, r"Trainer\.scaling must be an elastic\.ScalingConfig\(\.\.\.\) or None, got dict"),
+    ({"run": "my-run"}, r"Trainer\.run must be an elastic\.RunConfig"),
+    ({"failure": FailureConfig}, r"Trainer\.failure must be an elastic\.FailureConfig"),
+])
+def test_trainer_arguments_of_the_wrong_type_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        _trainer(**kwargs)
+
+
+@pytest.mark.parametrize("value", [True, 2.0, "3", 0])
+def test_fit_steps_must_be_a_whole_positive_number(value):
+    with pytest.raises(ConfigError, match=r"Trainer\.fit's steps must be an integer >= 1"):
+        _trainer().fit(steps=value)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "1", True, float("nan"), float("inf")])
 def test_max_grad_norm_must_be_a_positive_number(value):
     with pytest.raises(ConfigError, match="Trainer.max_grad_norm must be a number > 0"):
         _trainer(max_grad_norm=value)
