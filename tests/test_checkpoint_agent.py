@@ -5,6 +5,7 @@ agent, and a rank whose agent is gone writing its checkpoints itself."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import socket
@@ -99,6 +100,34 @@ def test_slot_ring_holds_the_data_section_of_the_shard_file_and_the_meta_after_i
     finally:
         ring.close()
         other.close()
+
+
+def test_a_ring_that_cannot_be_mapped_leaves_no_descriptor_open(monkeypatch):
+    """mmap refused (ENOMEM, the vm.max_map_count limit): neither the memfd kept for the agent
+    nor the one being mapped stays open, whichever step fails."""
+    from elastic.checkpoint import shm
+
+    name = f"elastic-test-{uuid.uuid4().hex}"
+    memfd_create = os.memfd_create
+    monkeypatch.setattr(os, "memfd_create", lambda _, flags=0: memfd_create(name, flags))  # ours, to count
+
+    def refuse(*args):
+        assert len(memfd_descriptors(name)) == 2  # the agent's and the one being mapped
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(shm, "mmap", SimpleNamespace(mmap=refuse))
+    for _ in range(3):
+        with pytest.raises(OSError, match="Cannot allocate memory"):
+            SlotRing.create(nslots=3, slot_bytes=128)
+    assert memfd_descriptors(name) == []
+
+    def too_big(fd, size):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(os, "ftruncate", too_big)  # before the duplicate: the one descriptor is closed
+    with pytest.raises(OSError, match="too large"):
+        SlotRing.create(nslots=3, slot_bytes=128)
+    assert memfd_descriptors(name) == []
 
 
 def test_slot_memory_is_page_locked_once_for_gpu_copies_and_released_with_the_ring():
