@@ -471,6 +471,16 @@ class Controller:
     def _add_part(self, step: int, rank: int, world_size: int, part: dict) -> None:
         self.committer.add(step, rank, world_size, part["entries"], taken_at=part.get("taken_at"), rng=part.get("rng"))
 
+    def _rewind(self, step: int | None) -> None:
+        """Training goes back to ``step`` (None: to before any checkpoint): the committer forgets
+        the later steps, and the ranks' progress is that step again. Why reset it: a rank that
+        survives the rollback reports its new steps from there, and the commit lag measured from
+        the old maximum stayed inflated until training passed it again."""
+        if self.committer is None:
+            return
+        self._worker_progress = step or 0
+        self.committer.rewind(step)
+
     def _progress_step(self) -> int:
         """The newest step training is known to have finished: ours, or a rank's newer report."""
         return max(self.step, self._worker_progress)
@@ -1463,7 +1473,7 @@ class Controller:
         self._replan(position, self.step)
         self.recomputed += lost_up_to - self.step
         # Steps after the restored one will be trained (and committed) again.
-        self.committer.rewind(self.step if position is not None else None)
+        self._rewind(self.step if position is not None else None)
         self._truncate_history(self.step)
         self.log("restart", f"every rank restarted from step {self.step}")
 
@@ -1504,7 +1514,7 @@ class Controller:
             raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
                                                     "no checkpoint is committed"))
         self._replan(position, self.step)
-        self.committer.rewind(self.step)
+        self._rewind(self.step)
         self._truncate_history(self.step)
         self.log("state_sync", f"no peer held the state: every rank loaded committed step {self.step}")
 
@@ -1586,8 +1596,7 @@ class Controller:
                 self.log("state_sync", f"no survivor holds step {self.step}; rolling back to step {newest}, "
                          f"the newest a survivor holds", step=newest)
                 self._replan(DataPosition.from_dict(self._positions[newest]), newest)
-                if self.committer is not None:
-                    self.committer.rewind(newest or None)  # 0: the start, no checkpoint of it
+                self._rewind(newest or None)  # 0: the start, no checkpoint of it
                 self._truncate_history(newest)
                 self.step = newest
                 begun = lost_up_to

@@ -563,6 +563,32 @@ def linked_after_step_one(agent, committer):
         hook.close()
 
 
+def test_a_rank_rolled_back_counts_its_steps_from_there_on_both_sides(node):
+    """A rank that survives a rollback (it trained to step 6, the run went back to 3, its link
+    kept) writes steps 4 and 5 again: its parts' progress and its writer's pacing follow it, not
+    the old maximum (which inflated the commit lag and kept the writer hurried until training
+    passed it), and the step the agent wrote last is 5 (a flush whose agent is gone then reports
+    that part instead of writing the file again)."""
+    agent, controller, committer, store, _ = node
+    with linked_after_step_one(agent, committer) as (worker, hook):
+        run_training([worker], [hook], committer, [2, 3])
+        at_3 = worker.get_state()
+        run_training([worker], [hook], committer, [4, 5, 6])
+        assert hook.flush(10, worker=worker)  # step 6 taken again if it found no free slot
+        (link_,) = agent.pool.connected()
+        assert link_.newest_step == 6 and hook._written[0] == 6
+        worker.set_state(at_3)  # the rollback, as the controller carries it out
+        committer.rewind(3)
+        reported = len(controller.checkpoint_written.calls)
+        run_training([worker], [hook], committer, [4, 5])
+        finish([worker], [hook], committer)
+        assert link_.newest_step == 5 and hook._written[0] == 5
+        progress = {step: parts[0]["progress"] for step, _, parts in controller.checkpoint_written.calls[reported:]}
+        assert progress.get(5) == 5 and all(step <= p <= 5 for step, p in progress.items())  # the newest then
+        assert committer.latest_committed == 5
+        assert_same(store.read_state(5)[0], worker.get_state())
+
+
 def test_a_bigger_snapshot_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_free(node):
     agent, controller, committer, store, _ = node
     with linked_after_step_one(agent, committer) as (worker, hook):

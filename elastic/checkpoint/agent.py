@@ -344,7 +344,11 @@ class _RankLink:
             elif op == "snap":
                 p = _Payload(m)
                 self.rank, self.world_size = p.rank, p.world_size
-                self.newest_step = max(self.newest_step, p.step)
+                # The newest snapshot is the one sent last: a rank snapshots its steps in order,
+                # so one at or below the step before means training went back (a rollback), and
+                # the pacing and the parts' progress follow it there (with the old maximum the
+                # writer stayed hurried, and the commit lag inflated, until training passed it).
+                self.newest_step = p.step
                 self.persister.submit(p.step, p, light=p.ring is None)
                 self._pace()
             elif op == "flush":
