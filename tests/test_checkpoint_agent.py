@@ -568,9 +568,11 @@ def test_a_rank_rolled_back_counts_its_steps_from_there_on_both_sides(node):
     kept) writes steps 4 and 5 again: its parts' progress and its writer's pacing follow it, not
     the old maximum (which inflated the commit lag and kept the writer hurried until training
     passed it), and the step the agent wrote last is 5 (a flush whose agent is gone then reports
-    that part instead of writing the file again)."""
+    that part instead of writing the file again). Its parts carry the group generation it took
+    them in, by which the controller drops a part from before the rollback that comes after it."""
     agent, controller, committer, store, _ = node
     with linked_after_step_one(agent, committer) as (worker, hook):
+        worker.generation = 1  # as TrainWorker.join sets it
         run_training([worker], [hook], committer, [2, 3])
         at_3 = worker.get_state()
         run_training([worker], [hook], committer, [4, 5, 6])
@@ -579,11 +581,14 @@ def test_a_rank_rolled_back_counts_its_steps_from_there_on_both_sides(node):
         assert link_.newest_step == 6 and hook._written[0] == 6
         worker.set_state(at_3)  # the rollback, as the controller carries it out
         committer.rewind(3)
+        worker.generation = 2
         reported = len(controller.checkpoint_written.calls)
         run_training([worker], [hook], committer, [4, 5])
         finish([worker], [hook], committer)
-        assert link_.newest_step == 5 and hook._written[0] == 5
-        progress = {step: parts[0]["progress"] for step, _, parts in controller.checkpoint_written.calls[reported:]}
+        assert link_.newest_step == 5 and hook._written[0] == 5 and hook._written[1]["generation"] == 2
+        calls = controller.checkpoint_written.calls[reported:]
+        assert calls and all(parts[0]["generation"] == 2 for _, _, parts in calls)
+        progress = {step: parts[0]["progress"] for step, _, parts in calls}
         assert progress.get(5) == 5 and all(step <= p <= 5 for step, p in progress.items())  # the newest then
         assert committer.latest_committed == 5
         assert_same(store.read_state(5)[0], worker.get_state())

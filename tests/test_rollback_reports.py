@@ -11,9 +11,10 @@ import pytest
 import elastic
 from elastic import controller as controller_module
 from elastic.actors.worker import TrainingSpec
-from elastic.checkpoint import CheckpointCommitter, CheckpointStore
+from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheckpointer
 from elastic.config import CheckpointConfig
 from elastic.data import DataPosition
+from test_checkpoint_store import FakeWorker, assert_same
 
 
 @pytest.fixture
@@ -57,3 +58,57 @@ def test_a_rollback_takes_the_ranks_progress_back_to_the_step_it_went_back_to(co
     assert c._progress_step() == 3 and c.committer.lag(c._progress_step()) == 3
     c.checkpoint_written(4, 2, {0: part(4)})  # a rank writes step 4 again
     assert c._progress_step() == 4
+
+
+def test_a_part_taken_before_a_rollback_and_reported_after_it_does_not_complete_the_step(controller, tmp_path):
+    """Two ranks trained to step 5; rank 1's part of it is still on its way when every rank
+    loads step 3 and the run goes on in a new generation, on other data. Rank 0's new part of
+    step 5 comes first, then rank 1's old one: the old one is dropped, so step 5 commits with
+    rank 1's new part, and what it commits reads back as the new state. (Taken with the other's
+    new part, the manifest recorded the checksum of a file rank 1 then wrote again: a corrupt step.)"""
+    c = controller
+    c.generation = 1
+    held: list = []
+
+    def notify(step, world_size, parts):  # the ranks' pushes to the controller actor
+        if step == 5 and 1 in parts and c.generation == 1:
+            held.append((step, world_size, parts))  # in flight, as a write the rollback overtook
+        else:
+            c.checkpoint_written(step, world_size, parts)
+
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = [WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, blocking=True,
+                                notify=notify) for _ in workers]
+
+    def train(step, batch=None):
+        for worker, hook in zip(workers, hooks):
+            worker.generation = c.generation  # as TrainWorker.join sets it
+            worker.train(step if batch is None else batch)
+            worker.completed_step = step
+            hook.after_step(worker, step)
+        c.committer.set_meta(step, {"data": {"cursor": step}})
+
+    for step in (1, 2, 3):
+        train(step)
+    at_3 = [worker.get_state() for worker in workers]  # one each: Adam's state is loaded without a copy
+    for step in (4, 5):
+        train(step)
+    assert held and c.committer.flush(10) and c.committer.latest_committed == 4
+    for worker, state in zip(workers, at_3):  # every rank loads step 3 (no survivor held the state)
+        worker.set_state(state)
+    c._rewind(3)
+    c.generation = 2  # the rendezvous after it
+    train(4, batch=40)  # replanned: other samples than before the rollback
+    workers[0].train(50)
+    workers[0].completed_step = 5
+    hooks[0].after_step(workers[0], 5)
+    c.committer.set_meta(5, {"data": {"cursor": 5}})
+    c.checkpoint_written(*held.pop())  # rank 1's part of step 5 from before the rollback
+    assert c.committer.flush(10) and c.committer.latest_committed == 4
+    workers[1].train(50)
+    workers[1].completed_step = 5
+    hooks[1].after_step(workers[1], 5)
+    assert c.committer.flush(10) and c.committer.latest_committed == 5
+    assert_same(c.committer.store.read_state(5)[0], workers[1].get_state())
+    for hook in hooks:
+        hook.close()
