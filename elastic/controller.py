@@ -234,6 +234,9 @@ class Controller:
         self._last_done = 0.0
         self._configured: set[str] = set()  # actors with a checkpoint writer
         self._worker_progress = 0  # newest step a rank reported finished with a checkpoint part
+        # The newest group generation a rollback left behind: a part taken in it is dropped (_add_part).
+        self._rolled_back_through = 0
+        self._parts_lock = threading.Lock()  # parts come in on the checkpoint thread, rollbacks on the step thread
         try:  # inside the controller actor: ranks report checkpoint parts straight to it
             self._self_handle = ray.get_runtime_context().current_actor
         except Exception:  # a driver-side controller (tests): reports ride on step results
@@ -460,16 +463,46 @@ class Controller:
 
     def checkpoint_written(self, step: int, world_size: int, parts: dict) -> None:
         """From a rank's writer thread, through the controller actor's "checkpoint" thread: ``parts``
-        is ``{rank: {"entries", "taken_at", "progress"[, "rng"]}}``, every rank's part of ``step``
-        when the ranks pooled them (one message a step), else the sender's own."""
+        is ``{rank: {"entries", "taken_at", "progress", "generation"[, "rng"]}}``, every rank's part
+        of ``step`` when the ranks pooled them (one message a step), else the sender's own."""
         if self.committer is None:
             return
         for rank, part in parts.items():
-            self._worker_progress = max(self._worker_progress, int(part["progress"]))
             self._add_part(step, int(rank), world_size, part)
 
     def _add_part(self, step: int, rank: int, world_size: int, part: dict) -> None:
-        self.committer.add(step, rank, world_size, part["entries"], taken_at=part.get("taken_at"), rng=part.get("rng"))
+        """A rank's written part to the committer, unless the rank took its snapshot in a group
+        generation a rollback left behind (``_rewind``). Why: such a part can come after the
+        rollback (a write in flight, a node agent's pool sending what waited), of a step the
+        ranks train and write again from the state gone back to. The committer judges a part by
+        its step alone, so with the other ranks' new parts of that step it would complete the
+        step, and its manifest would record the checksum of a file the rank's rewrite replaces.
+        Every rollback comes before the rendezvous that lets training go on, in a new
+        generation, so the generation tells the two apart, whatever the step. Under the lock
+        ``_rewind`` takes too: a part is either in before a rollback (which forgets its step
+        with the later ones) or judged against it."""
+        with self._parts_lock:
+            generation = part.get("generation")
+            if generation is not None and int(generation) <= self._rolled_back_through:
+                logger.info("rank %d's checkpoint part of step %d was taken in generation %s, before a rollback; "
+                            "dropped", rank, step, generation)
+                return
+            if "progress" in part:
+                self._worker_progress = max(self._worker_progress, int(part["progress"]))
+            self.committer.add(step, rank, world_size, part["entries"], taken_at=part.get("taken_at"),
+                               rng=part.get("rng"))
+
+    def _rewind(self, step: int | None) -> None:
+        """Training goes back to ``step`` (None: to before any checkpoint): the committer forgets
+        the later steps, and the ranks' progress is that step again. Why reset it: a rank that
+        survives the rollback reports its new steps from there, and the commit lag measured from
+        the old maximum stayed inflated until training passed it again."""
+        if self.committer is None:
+            return
+        with self._parts_lock:
+            self._rolled_back_through = self.generation  # the generation of the state gone back from
+            self._worker_progress = step or 0
+            self.committer.rewind(step)
 
     def _progress_step(self) -> int:
         """The newest step training is known to have finished: ours, or a rank's newer report."""
@@ -1463,7 +1496,7 @@ class Controller:
         self._replan(position, self.step)
         self.recomputed += lost_up_to - self.step
         # Steps after the restored one will be trained (and committed) again.
-        self.committer.rewind(self.step if position is not None else None)
+        self._rewind(self.step if position is not None else None)
         self._truncate_history(self.step)
         self.log("restart", f"every rank restarted from step {self.step}")
 
@@ -1504,7 +1537,7 @@ class Controller:
             raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
                                                     "no checkpoint is committed"))
         self._replan(position, self.step)
-        self.committer.rewind(self.step)
+        self._rewind(self.step)
         self._truncate_history(self.step)
         self.log("state_sync", f"no peer held the state: every rank loaded committed step {self.step}")
 
@@ -1586,8 +1619,7 @@ class Controller:
                 self.log("state_sync", f"no survivor holds step {self.step}; rolling back to step {newest}, "
                          f"the newest a survivor holds", step=newest)
                 self._replan(DataPosition.from_dict(self._positions[newest]), newest)
-                if self.committer is not None:
-                    self.committer.rewind(newest or None)  # 0: the start, no checkpoint of it
+                self._rewind(newest or None)  # 0: the start, no checkpoint of it
                 self._truncate_history(newest)
                 self.step = newest
                 begun = lost_up_to

@@ -5,6 +5,7 @@ agent, and a rank whose agent is gone writing its checkpoints itself."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import socket
@@ -99,6 +100,34 @@ def test_slot_ring_holds_the_data_section_of_the_shard_file_and_the_meta_after_i
     finally:
         ring.close()
         other.close()
+
+
+def test_a_ring_that_cannot_be_mapped_leaves_no_descriptor_open(monkeypatch):
+    """mmap refused (ENOMEM, the vm.max_map_count limit): neither the memfd kept for the agent
+    nor the one being mapped stays open, whichever step fails."""
+    from elastic.checkpoint import shm
+
+    name = f"elastic-test-{uuid.uuid4().hex}"
+    memfd_create = os.memfd_create
+    monkeypatch.setattr(os, "memfd_create", lambda _, flags=0: memfd_create(name, flags))  # ours, to count
+
+    def refuse(*args):
+        assert len(memfd_descriptors(name)) == 2  # the agent's and the one being mapped
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(shm, "mmap", SimpleNamespace(mmap=refuse))
+    for _ in range(3):
+        with pytest.raises(OSError, match="Cannot allocate memory"):
+            SlotRing.create(nslots=3, slot_bytes=128)
+    assert memfd_descriptors(name) == []
+
+    def too_big(fd, size):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(os, "ftruncate", too_big)  # before the duplicate: the one descriptor is closed
+    with pytest.raises(OSError, match="too large"):
+        SlotRing.create(nslots=3, slot_bytes=128)
+    assert memfd_descriptors(name) == []
 
 
 def test_slot_memory_is_page_locked_once_for_gpu_copies_and_released_with_the_ring():
@@ -532,6 +561,37 @@ def linked_after_step_one(agent, committer):
         yield worker, hook
     finally:
         hook.close()
+
+
+def test_a_rank_rolled_back_counts_its_steps_from_there_on_both_sides(node):
+    """A rank that survives a rollback (it trained to step 6, the run went back to 3, its link
+    kept) writes steps 4 and 5 again: its parts' progress and its writer's pacing follow it, not
+    the old maximum (which inflated the commit lag and kept the writer hurried until training
+    passed it), and the step the agent wrote last is 5 (a flush whose agent is gone then reports
+    that part instead of writing the file again). Its parts carry the group generation it took
+    them in, by which the controller drops a part from before the rollback that comes after it."""
+    agent, controller, committer, store, _ = node
+    with linked_after_step_one(agent, committer) as (worker, hook):
+        worker.generation = 1  # as TrainWorker.join sets it
+        run_training([worker], [hook], committer, [2, 3])
+        at_3 = worker.get_state()
+        run_training([worker], [hook], committer, [4, 5, 6])
+        assert hook.flush(10, worker=worker)  # step 6 taken again if it found no free slot
+        (link_,) = agent.pool.connected()
+        assert link_.newest_step == 6 and hook._written[0] == 6
+        worker.set_state(at_3)  # the rollback, as the controller carries it out
+        committer.rewind(3)
+        worker.generation = 2
+        reported = len(controller.checkpoint_written.calls)
+        run_training([worker], [hook], committer, [4, 5])
+        finish([worker], [hook], committer)
+        assert link_.newest_step == 5 and hook._written[0] == 5 and hook._written[1]["generation"] == 2
+        calls = controller.checkpoint_written.calls[reported:]
+        assert calls and all(parts[0]["generation"] == 2 for _, _, parts in calls)
+        progress = {step: parts[0]["progress"] for step, _, parts in calls}
+        assert progress.get(5) == 5 and all(step <= p <= 5 for step, p in progress.items())  # the newest then
+        assert committer.latest_committed == 5
+        assert_same(store.read_state(5)[0], worker.get_state())
 
 
 def test_a_bigger_snapshot_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_free(node):

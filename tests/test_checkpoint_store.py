@@ -47,7 +47,6 @@ from elastic.checkpoint.codec import (
     writer_count,
     writer_slot,
 )
-from elastic.checkpoint.staging import StagingBuffers
 from elastic.checkpoint.storage import StorageUnavailable
 from elastic.checkpoint.store import FileEntry, meta_name, shard_name, step_dir
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
@@ -927,32 +926,6 @@ def test_worker_hook_and_committer_end_to_end(backend, blocking, min_shard_bytes
         for hook in hooks:
             hook.close()
         committer.close()
-
-
-def test_staging_buffers_reuse_only_memory_that_was_released():
-    staging = StagingBuffers()
-    src = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    a = staging.copy(src)
-    assert torch.equal(a, src) and a.data_ptr() != src.data_ptr() and a.is_contiguous()
-    b = staging.copy(src.t())  # another shape; a strided source still gives a contiguous copy
-    assert torch.equal(b, src.t()) and b.is_contiguous()
-    c = staging.copy(src)  # a is still out (its snapshot may be being written): fresh memory
-    assert c.data_ptr() != a.data_ptr() and staging.reused == 0
-    staging.release([a])
-    staging.release([a])  # twice, as a bug might: still only one snapshot may get it
-    staging.release([torch.zeros(3, 4)])  # not handed out by this: ignored
-    src.add_(100)
-    d = staging.copy(src)
-    assert d.data_ptr() == a.data_ptr() and torch.equal(d, src) and staging.reused == 1
-    e = staging.copy(src)
-    assert e.data_ptr() not in (a.data_ptr(), c.data_ptr())
-    staging.release([c, d, e])  # keep=1: one buffer of a shape waits, the others are freed
-    assert staging.copy(src).data_ptr() in (c.data_ptr(), d.data_ptr(), e.data_ptr()) and staging.reused == 2
-    staging.copy(src)
-    assert staging.reused == 2  # nothing was left to reuse
-    empty = staging.copy(torch.zeros(0, 4))
-    assert empty.shape == (0, 4)
-    staging.release([empty])
 
 
 def test_persister_releases_every_payload_exactly_once():

@@ -210,12 +210,13 @@ class WriterPriority:
 class _Payload:
     """One snapshot handed to the agent: a slot of a ring (a shard to write) or an RNG alone."""
 
-    __slots__ = ("step", "rank", "world_size", "taken_at", "ring", "slot", "layout", "meta_len", "rng", "rng_raw",
-                 "rng_lens", "part")
+    __slots__ = ("step", "rank", "world_size", "taken_at", "generation", "ring", "slot", "layout", "meta_len", "rng",
+                 "rng_raw", "rng_lens", "part")
 
     def __init__(self, m: dict):
         self.step, self.rank, self.world_size = int(m["step"]), int(m["rank"]), int(m["world_size"])
         self.taken_at = float(m["taken_at"])
+        self.generation = m.get("generation")  # the rank's group generation then (worker_hook.group_generation)
         self.ring, self.slot, self.layout = m.get("ring"), m.get("slot"), m.get("layout")
         self.meta_len = int(m.get("meta_len", 0))
         self.rng = m.get("rng")  # encoded: a rank with no shard
@@ -272,6 +273,8 @@ class _RankLink:
         if self.gone:
             return  # see serve(): a rank that died takes its unreported parts along, as in process
         part = {**part, "progress": self.newest_step}
+        if p.generation is not None:
+            part["generation"] = p.generation
         self.last_part = (step, part)
         p.part = part
         self.agent.reports.put(("part", (p.rank, p.world_size, step, part)))
@@ -344,7 +347,11 @@ class _RankLink:
             elif op == "snap":
                 p = _Payload(m)
                 self.rank, self.world_size = p.rank, p.world_size
-                self.newest_step = max(self.newest_step, p.step)
+                # The newest snapshot is the one sent last: a rank snapshots its steps in order,
+                # so one at or below the step before means training went back (a rollback), and
+                # the pacing and the parts' progress follow it there (with the old maximum the
+                # writer stayed hurried, and the commit lag inflated, until training passed it).
+                self.newest_step = p.step
                 self.persister.submit(p.step, p, light=p.ring is None)
                 self._pace()
             elif op == "flush":

@@ -78,12 +78,20 @@ class SlotRing:
         """A new memfd for ``nslots`` snapshots of up to ``slot_bytes`` (rounded up to pages)."""
         slot_bytes = _round_up(slot_bytes)
         desc = {"nslots": nslots, "slot_bytes": slot_bytes, "size": nslots * slot_bytes}
+        # Two descriptors: ``fd`` goes to the agent (``take_fd``), ``mapped`` is this side's,
+        # closed by ``__init__`` once mapped. ``__init__`` leaves it open when it raises (the
+        # agent's ``_handle`` closes a received one then), so a failed mapping (ENOMEM, the
+        # vm.max_map_count limit) closes both here.
         fd = os.memfd_create("elastic-checkpoint", os.MFD_CLOEXEC)
+        mapped = None
         try:
             os.ftruncate(fd, desc["size"])
-            ring = cls(os.dup(fd), desc)
+            mapped = os.dup(fd)
+            ring = cls(mapped, desc)
         except BaseException:
-            os.close(fd)
+            for d in (fd, mapped):
+                if d is not None:
+                    os.close(d)
             raise
         ring._export = fd
         return ring

@@ -26,14 +26,20 @@ class StagingBuffers:
     previous one may still be written. Here a buffer only returns when ``release`` says its
     snapshot is written or dropped (``AsyncPersister``'s ``on_release``), so a buffer is never
     handed out twice. Memory: the snapshots in flight (one being written, one waiting, one being
-    taken) hold buffers, as fresh copies would; between checkpoints at most ``keep`` buffers per
-    shape wait for reuse. One is enough when every step is saved: step t's buffers come back
-    while step t+1 is written and serve step t+2.
+    taken) hold buffers, as fresh copies would; between checkpoints, of each (shape, dtype) as
+    many buffers wait for reuse as one snapshot has given back at most. So when every step is
+    saved, step t's buffers come back while step t+1 is written and serve all of step t+2's
+    copies, and what waits is never more than one snapshot's worth of each shape. Why not one
+    per shape: a snapshot holds many tensors of one shape (Adam's two moments have their
+    parameter's; a transformer's blocks repeat theirs). 4 x Linear(64, 64) with Adam, each
+    snapshot released before the next: keeping one per shape reused 57 of 640 copies over 20
+    steps, the rest were fresh (on a GPU, pinned) memory; keeping this many reuses 608, all
+    but the first snapshot's.
     """
 
-    def __init__(self, keep: int = 1):
-        self.keep = keep
+    def __init__(self):
         self._free: dict[tuple, list] = {}  # (shape, dtype, pinned) -> buffers ready for reuse
+        self._keep: dict[tuple, int] = {}  # (shape, dtype, pinned) -> the most one release gave back
         self._out: dict[int, tuple] = {}  # data_ptr -> key of every buffer handed out, not yet back
         self._lock = threading.Lock()
         self.reused = 0  # copies made into a recycled buffer
@@ -56,14 +62,16 @@ class StagingBuffers:
         return buf
 
     def release(self, tensors) -> None:
-        """Take back buffers whose snapshot is written or dropped. Anything this did not hand
-        out, or already took back, is ignored, so a second release cannot put a buffer in two
-        snapshots."""
+        """Take back the buffers of one snapshot that is written or dropped. Anything this did
+        not hand out, or already took back, is ignored, so a second release cannot put a buffer
+        in two snapshots."""
         with self._lock:
+            back: dict[tuple, list] = {}
             for t in tensors:
                 key = self._out.pop(t.data_ptr(), None)  # empty tensors are never handed out
-                if key is None:
-                    continue
+                if key is not None:
+                    back.setdefault(key, []).append(t)
+            for key, buffers in back.items():
+                keep = self._keep[key] = max(self._keep.get(key, 0), len(buffers))
                 free = self._free.setdefault(key, [])
-                if len(free) < self.keep:
-                    free.append(t)
+                free.extend(buffers[:max(0, keep - len(free))])

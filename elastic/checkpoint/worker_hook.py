@@ -3,7 +3,8 @@ memory and hand it to a background writer.
 
 Returns small, JSON-friendly reports (finished writes and storage events) for the controller. A
 rank's report of a step is a part: ``{"entries": [file records], "taken_at": snapshot time}``,
-plus ``"rng"`` when the rank wrote no file (no share of a small state), for the manifest.
+plus ``"rng"`` when the rank wrote no file (no share of a small state), for the manifest, and
+``"generation"``, the group generation the rank took the snapshot in (``group_generation``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: Sta
                              min_shard_bytes, copy=staging.copy if staging is not None else host_copy)
 
 
+def group_generation(worker: Any) -> int | None:
+    """The group generation ``worker`` takes a snapshot in, which its part carries: a part may
+    reach the controller after a rollback (a write in flight, a node agent's pool), and the
+    controller drops one taken in a generation the rollback left behind (``Controller._add_part``).
+    None for a worker that never joined a group (a test's stand-in): its parts are not judged."""
+    generation = getattr(worker, "generation", None)
+    return None if generation is None else int(generation)
+
+
 def checked_every_n_steps(every_n_steps: int) -> int:
     """``CheckpointConfig.every_n_steps`` as either rank-side writer takes it (0: never)."""
     if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
@@ -97,8 +107,9 @@ class WorkerCheckpointer:
                  close_timeout_s: float = 30.0, notify: Callable[..., Any] | None = None,
                  progress: Callable[[], int] | None = None, min_shard_bytes: int = 0):
         """``notify(step, world_size, parts)``: called from the writer thread once a step's parts are
-        written, ``parts`` being ``{rank: {"entries", "taken_at", "progress"[, "rng"]}}`` (the worker sends it
-        to the controller actor), so a commit never waits for the step results to travel back.
+        written, ``parts`` being ``{rank: {"entries", "taken_at", "progress"[, "generation", "rng"]}}``
+        (the worker sends it to the controller actor), so a commit never waits for the step
+        results to travel back.
         Ranks of a group pool their parts (``elastic.checkpoint.pool``) and the rank that completes
         a step sends all of them; without a pool a rank sends its own part. Without ``notify``,
         finished writes ride on the step results (``after_step``'s report)."""
@@ -109,10 +120,10 @@ class WorkerCheckpointer:
         self._notify, self._progress = notify, progress
         self._last_pushed: tuple[int, dict] | None = None
         self._pool_error: str | None = None
-        # The payload is (snapshot, the group's PartPool at snapshot time or None). Its host
-        # copies go back to ``staging`` once the persister lets go of it.
+        # The payload is (snapshot, the group's PartPool at snapshot time or None, the group
+        # generation then). Its host copies go back to ``staging`` once the persister lets go of it.
         self.staging = StagingBuffers()
-        self.persister = AsyncPersister(lambda payload: self._write(payload[0]), blocking=blocking,
+        self.persister = AsyncPersister(self._write, blocking=blocking,
                                         name="checkpoint write",
                                         retry_min_s=retry_min_s, retry_max_s=retry_max_s,
                                         on_done=self._push if notify is not None else None,
@@ -139,19 +150,23 @@ class WorkerCheckpointer:
         except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
             return self._snapshot_failed(worker, step, exc)
         self.last_snapshot_s = time.perf_counter() - t0
-        self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None)), light=not snapshot.writes_file)
+        self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None), group_generation(worker)),
+                              light=not snapshot.writes_file)
         return []
 
-    def _write(self, snapshot: Snapshot) -> dict:
+    def _write(self, payload: tuple) -> dict:
         """The writer thread's job: write the shard (if this rank has one); returns the rank's part."""
+        snapshot, _, generation = payload
         entries = self.store.write_snapshot(snapshot)
         part = {"entries": [e.to_dict() for e in entries], "taken_at": snapshot.taken_at}
         if not entries:
             part["rng"] = encoded_rng(snapshot.rng)
+        if generation is not None:
+            part["generation"] = generation
         return part
 
     def _push(self, step: int, payload: tuple, written: dict) -> None:
-        snapshot, pool = payload
+        snapshot, pool, _ = payload
         self._last_pushed = (step, written)
         part = {**written, "progress": self._progress() if self._progress is not None else step}
         parts: dict[int, dict] | None = {snapshot.rank: part}
@@ -245,7 +260,7 @@ class AgentCheckpointer:
         self._flushed: dict | None = None
         self._flush_id = 0
         self._handed: int | None = None  # the newest step the agent was given
-        self._written: tuple[int, dict] | None = None  # the newest step the agent wrote (free's "written"), its part
+        self._written: tuple[int, dict] | None = None  # the step the agent wrote last (free's "written"), its part
         self._orphans: list[tuple[int, dict]] = []  # parts the agent wrote but may not have reported before it died
         self._rbuf = bytearray(MAX_MESSAGE)  # what the agent sends is received into this (receive_message)
         self._dropped: int | None = None  # the newest step dropped since, for want of a slot
@@ -274,7 +289,7 @@ class AgentCheckpointer:
             snap = Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size),
                                      rng, self.min_shard_bytes)  # live tensors: copied into the slot
             message: dict[str, Any] = {"op": "snap", "step": step, "rank": snap.rank, "world_size": snap.world_size,
-                                       "taken_at": snap.taken_at}
+                                       "taken_at": snap.taken_at, "generation": group_generation(worker)}
             if snap.writes_file:
                 layout = self._layout_of(snap.tensors)
                 if layout is None:
@@ -432,8 +447,13 @@ class AgentCheckpointer:
                 raise ConnectionResetError("the checkpoint agent closed the connection")
             if message.get("op") == "free" and int(message["ring"]) in self._rings:
                 self._rings[int(message["ring"])][1].add(int(message["slot"]))
+                # The newest write is the one told last: the agent writes this rank's snapshots
+                # one at a time, in the order they were handed, and hands the slots back in that
+                # order. So after a rollback a lower step than before is the newest (keeping the
+                # highest, a flush whose agent died took it for the step written, not the one
+                # written since, and wrote that step again over a file a manifest may name).
                 written = message.get("written")
-                if written and (self._written is None or int(written[0]) >= self._written[0]):
+                if written:
                     self._written = (int(written[0]), written[1])
             elif message.get("op") == "flushed" and message.get("id") == self._flush_id:
                 self._flushed = message  # (an answer to an earlier flush that timed out is dropped)

@@ -1,0 +1,114 @@
+"""The controller's side of a rollback, without Ray: the ranks' checkpoint reports that arrive
+after training went back (the controller's methods on a real ``Controller`` whose Ray runtime
+context is a stand-in; nothing here starts or joins a cluster)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import elastic
+from elastic import controller as controller_module
+from elastic.actors.worker import TrainingSpec
+from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheckpointer
+from elastic.config import CheckpointConfig
+from elastic.data import DataPosition
+from test_checkpoint_store import FakeWorker, assert_same
+
+
+@pytest.fixture
+def controller(monkeypatch, tmp_path):
+    """A controller with a committer of every step, as after ``_setup_data_and_checkpoints``."""
+    def no_runtime():  # ray.get_runtime_context() outside an actor joins (or starts) a cluster
+        raise RuntimeError("not in a Ray actor")
+
+    monkeypatch.setattr(controller_module.ray, "get_runtime_context", no_runtime)
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    c = controller_module.Controller(spec, elastic.ScalingConfig(num_workers=2), elastic.RunConfig(name="rollback"),
+                                     elastic.FailureConfig(), global_batch_size=8)
+    assert not controller_module.ray.is_initialized()
+    store = CheckpointStore(f"file://{tmp_path}", "rollback")
+    c.committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=1))
+    yield c
+    c.committer.close()
+
+
+def part(progress: int, **extra) -> dict:
+    """A rank's part with no file (no share of the state): its RNG goes to the manifest."""
+    return {"entries": [], "taken_at": time.time(), "progress": progress, "rng": {"python": progress}, **extra}
+
+
+def test_a_rollback_takes_the_ranks_progress_back_to_the_step_it_went_back_to(controller, monkeypatch):
+    """Every rank loads committed step 3 (no survivor held the state) after a rank reported
+    step 10: the commit lag counts from step 3 again, and a rank's step 4 is its progress."""
+    c = controller
+    c.store, c.dataset_size = c.committer.store, 64
+    c.step = 9
+    c.checkpoint_written(10, 2, {0: part(10)})
+    assert c._progress_step() == 10
+
+    def restore_latest():  # the ranks' restore_checkpoint calls, stood in for
+        c.step = 3
+        return DataPosition(cursor=24)
+
+    monkeypatch.setattr(c, "_restore_latest", restore_latest)
+    c._restore_members_from_checkpoint()
+    assert c._progress_step() == 3 and c.committer.lag(c._progress_step()) == 3
+    c.checkpoint_written(4, 2, {0: part(4)})  # a rank writes step 4 again
+    assert c._progress_step() == 4
+
+
+def test_a_part_taken_before_a_rollback_and_reported_after_it_does_not_complete_the_step(controller, tmp_path):
+    """Two ranks trained to step 5; rank 1's part of it is still on its way when every rank
+    loads step 3 and the run goes on in a new generation, on other data. Rank 0's new part of
+    step 5 comes first, then rank 1's old one: the old one is dropped, so step 5 commits with
+    rank 1's new part, and what it commits reads back as the new state. (Taken with the other's
+    new part, the manifest recorded the checksum of a file rank 1 then wrote again: a corrupt step.)"""
+    c = controller
+    c.generation = 1
+    held: list = []
+
+    def notify(step, world_size, parts):  # the ranks' pushes to the controller actor
+        if step == 5 and 1 in parts and c.generation == 1:
+            held.append((step, world_size, parts))  # in flight, as a write the rollback overtook
+        else:
+            c.checkpoint_written(step, world_size, parts)
+
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = [WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, blocking=True,
+                                notify=notify) for _ in workers]
+
+    def train(step, batch=None):
+        for worker, hook in zip(workers, hooks):
+            worker.generation = c.generation  # as TrainWorker.join sets it
+            worker.train(step if batch is None else batch)
+            worker.completed_step = step
+            hook.after_step(worker, step)
+        c.committer.set_meta(step, {"data": {"cursor": step}})
+
+    for step in (1, 2, 3):
+        train(step)
+    at_3 = [worker.get_state() for worker in workers]  # one each: Adam's state is loaded without a copy
+    for step in (4, 5):
+        train(step)
+    assert held and c.committer.flush(10) and c.committer.latest_committed == 4
+    for worker, state in zip(workers, at_3):  # every rank loads step 3 (no survivor held the state)
+        worker.set_state(state)
+    c._rewind(3)
+    c.generation = 2  # the rendezvous after it
+    train(4, batch=40)  # replanned: other samples than before the rollback
+    workers[0].train(50)
+    workers[0].completed_step = 5
+    hooks[0].after_step(workers[0], 5)
+    c.committer.set_meta(5, {"data": {"cursor": 5}})
+    c.checkpoint_written(*held.pop())  # rank 1's part of step 5 from before the rollback
+    assert c.committer.flush(10) and c.committer.latest_committed == 4
+    workers[1].train(50)
+    workers[1].completed_step = 5
+    hooks[1].after_step(workers[1], 5)
+    assert c.committer.flush(10) and c.committer.latest_committed == 5
+    assert_same(c.committer.store.read_state(5)[0], workers[1].get_state())
+    for hook in hooks:
+        hook.close()
