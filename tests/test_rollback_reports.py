@@ -24,11 +24,14 @@ def controller(monkeypatch, tmp_path):
         raise RuntimeError("not in a Ray actor")
 
     monkeypatch.setattr(controller_module.ray, "get_runtime_context", no_runtime)
+    # Another module's shared cluster (conftest's ray_cluster) may be connected in this process
+    # already: the constructor must start or join none of its own either way.
+    connected = controller_module.ray.is_initialized()
     spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
                         loss_fn=lambda m, b: None)
     c = controller_module.Controller(spec, elastic.ScalingConfig(num_workers=2), elastic.RunConfig(name="rollback"),
                                      elastic.FailureConfig(), global_batch_size=8)
-    assert not controller_module.ray.is_initialized()
+    assert controller_module.ray.is_initialized() == connected
     store = CheckpointStore(f"file://{tmp_path}", "rollback")
     c.committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=1))
     yield c
