@@ -29,8 +29,8 @@ test: $(STAMP)
 	# Two pytest processes (one per core here, at most 4 elsewhere), each given whole modules
 	# (--dist loadfile), so a module still starts one Ray cluster: the e2e tests spend much of
 	# their time waiting (heartbeat and step timeouts, outages, stops), which the other process
-	# fills. On the 2-vCPU VM: 1145 s serial, 755-994 s this way (2026-11-26), 1124-1289 s
-	# (2026-11-27, 514 tests), over the 10 minutes it should take. Where it goes: ~190 worker
+	# fills. On the 2-vCPU VM: 1145 s serial, 755-994 s this way (2026-11-26), 1124-1320 s
+	# (2026-11-27, 514-713 tests), over the 10 minutes it should take. Where it goes: ~190 worker
 	# processes each spend ~5.8 s of CPU before training (import torch 2.5 s, and torch._dynamo
 	# 2.35 s, which Optimizer.__init__ imports through torch._disable_dynamo; every optimizer's
 	# step and DDP's constructor use it too), 1090 s of CPU in all, with the two cores ~95% busy.
