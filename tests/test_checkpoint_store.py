@@ -784,7 +784,7 @@ def test_blocking_mode_writes_inline_and_never_raises():
 
     def write(payload):
         if fail["on"]:
-            raise StorageError("storage is down")
+            raise StorageUnavailable("storage is down")
         calls.append(payload)
         return [payload]
 
@@ -821,7 +821,7 @@ def test_outage_retries_then_writes_the_newest():
     def write(payload):
         state["attempts"] += 1
         if state["down"]:
-            raise StorageError("down")
+            raise StorageUnavailable("down")
         return [payload]
 
     persister = AsyncPersister(write, retry_min_s=0.01, retry_max_s=0.02)
@@ -837,6 +837,34 @@ def test_outage_retries_then_writes_the_newest():
     assert persister.drain() == [(3, [3])]  # 1 and 2 were superseded while storage was down
     kinds = [e["event"] for e in persister.drain_events()]
     assert kinds == ["storage_outage", "storage_recovered"]
+    persister.close(1)
+
+
+def test_storage_that_refuses_is_retried_and_said_to_need_the_user():
+    """A permission or a missing bucket (what Storage does not retry): training goes on and the
+    writes are retried as in an outage, since a fixed policy lets checkpoints catch up. It used to
+    read as an outage of the endpoint; the event log now says that the user has to act."""
+    state = {"refuse": True, "attempts": 0}
+
+    def write(payload):
+        state["attempts"] += 1
+        if state["refuse"]:
+            raise StorageError("write s3://bucket/run/step-000000001 failed: PermissionError: Access Denied")
+        return [payload]
+
+    persister = AsyncPersister(write, retry_min_s=0.01, retry_max_s=0.02)
+    persister.submit(1, 1)
+    deadline = time.monotonic() + 5
+    while state["attempts"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert state["attempts"] >= 3 and persister.in_outage
+    state["refuse"] = False
+    assert persister.flush(5) and persister.drain() == [(1, [1])]
+    events = persister.drain_events()
+    assert [e["event"] for e in events] == ["storage_outage", "storage_refused", "storage_recovered"]
+    assert events[0]["refused"] is True
+    assert "not a transient error: check the credentials" in events[1]["message"]
+    assert "PermissionError: Access Denied" in events[1]["message"]
     persister.close(1)
 
 

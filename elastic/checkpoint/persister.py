@@ -17,7 +17,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from elastic.checkpoint.storage import StorageError
+from elastic.checkpoint.storage import StorageError, StorageUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class OutageTracker:
         self._retrying = retrying
         self.started_at: float | None = None
         self.failures = 0
+        self.refused_logged = False  # one storage_refused event an outage (see failed)
 
     @property
     def active(self) -> bool:
@@ -56,15 +57,29 @@ class OutageTracker:
 
     def failed(self, step: int | None, exc: BaseException) -> None:
         self.failures += 1
+        # Storage that refuses (a permission, a missing bucket: what ``Storage`` does not retry)
+        # is retried here all the same, since training goes on and a fixed policy or a recreated
+        # bucket lets checkpoints catch up. But the user has to act on it, which an outage of
+        # the endpoint does not ask: the event says so, and names the error.
+        refused = isinstance(exc, StorageError) and not isinstance(exc, StorageUnavailable)
         if self.started_at is None:
             self.started_at = time.time()
             logger.warning("%s failed; storage outage started, %s: %s", self._op(step), self._retrying, _short(exc))
             self._events.append({"event": "storage_outage", "what": self._what, "step": step,
-                                 "time": self.started_at, "error": _short(exc),
+                                 "time": self.started_at, "error": _short(exc), "refused": refused,
                                  "message": f"storage outage: {self._op(step)} failed; "
                                             f"{self._retrying} ({_short(exc)})"})
         else:
             logger.debug("%s failed again: %s", self._op(step), _short(exc))
+        if refused and not self.refused_logged:
+            self.refused_logged = True
+            self._events.append({"event": "storage_refused", "what": self._what, "step": step, "time": time.time(),
+                                 "error": _short(exc),
+                                 "message": f"storage refused {self._op(step)}, not a transient error: check the "
+                                            f"credentials, the bucket and its permissions; {self._retrying} "
+                                            f"({_short(exc)})"})
+            logger.error("storage refused %s (not transient: check the credentials, the bucket and its "
+                         "permissions); %s: %s", self._op(step), self._retrying, _short(exc))
 
     def succeeded(self, step: int | None) -> None:
         if self.started_at is None:
@@ -77,7 +92,7 @@ class OutageTracker:
                              "outage_s": outage_s, "failed_attempts": self.failures,
                              "message": f"storage is back after {outage_s:.1f}s: {self._op(step)} "
                                         f"succeeded after {self.failures} failed attempts"})
-        self.started_at, self.failures = None, 0
+        self.started_at, self.failures, self.refused_logged = None, 0, False
 
 
 class AsyncPersister:
