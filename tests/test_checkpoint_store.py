@@ -815,13 +815,15 @@ def test_a_bug_in_the_write_is_reported_not_raised():
     persister.close(1)
 
 
-def test_outage_retries_then_writes_the_newest():
-    state = {"down": True, "attempts": 0}
+def failing_persister(error: StorageError) -> tuple[AsyncPersister, dict]:
+    """A persister whose writes raise ``error`` while ``state["failing"]``, returned once its
+    first snapshot (step 1) has failed three times (or 5 s passed)."""
+    state = {"failing": True, "attempts": 0}
 
     def write(payload):
         state["attempts"] += 1
-        if state["down"]:
-            raise StorageUnavailable("down")
+        if state["failing"]:
+            raise error
         return [payload]
 
     persister = AsyncPersister(write, retry_min_s=0.01, retry_max_s=0.02)
@@ -829,10 +831,15 @@ def test_outage_retries_then_writes_the_newest():
     deadline = time.monotonic() + 5
     while state["attempts"] < 3 and time.monotonic() < deadline:
         time.sleep(0.005)
+    return persister, state
+
+
+def test_outage_retries_then_writes_the_newest():
+    persister, state = failing_persister(StorageUnavailable("down"))
     assert persister.in_outage
     persister.submit(2, 2)
     persister.submit(3, 3)
-    state["down"] = False
+    state["failing"] = False
     assert persister.flush(5)
     assert persister.drain() == [(3, [3])]  # 1 and 2 were superseded while storage was down
     kinds = [e["event"] for e in persister.drain_events()]
@@ -844,21 +851,10 @@ def test_storage_that_refuses_is_retried_and_said_to_need_the_user():
     """A permission or a missing bucket (what Storage does not retry): training goes on and the
     writes are retried as in an outage, since a fixed policy lets checkpoints catch up. It used to
     read as an outage of the endpoint; the event log now says that the user has to act."""
-    state = {"refuse": True, "attempts": 0}
-
-    def write(payload):
-        state["attempts"] += 1
-        if state["refuse"]:
-            raise StorageError("write s3://bucket/run/step-000000001 failed: PermissionError: Access Denied")
-        return [payload]
-
-    persister = AsyncPersister(write, retry_min_s=0.01, retry_max_s=0.02)
-    persister.submit(1, 1)
-    deadline = time.monotonic() + 5
-    while state["attempts"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    persister, state = failing_persister(
+        StorageError("write s3://bucket/run/step-000000001 failed: PermissionError: Access Denied"))
     assert state["attempts"] >= 3 and persister.in_outage
-    state["refuse"] = False
+    state["failing"] = False
     assert persister.flush(5) and persister.drain() == [(1, [1])]
     events = persister.drain_events()
     assert [e["event"] for e in events] == ["storage_outage", "storage_refused", "storage_recovered"]

@@ -86,10 +86,9 @@ class CheckpointCommitter:
         # cleanup thread puts them with the steps above the base.
         self._left_on_storage: list[int] = []
         # Steps whose manifest write failed: it may still have landed (an S3 PUT whose reply was
-        # lost), and a newer commit then supersedes the step without this committer knowing
-        # whether it is on storage. The cleanup thread reads their manifests (_confirm).
+        # lost), and once a newer commit supersedes the step this committer cannot know whether
+        # it is on storage. The cleanup thread reads the manifests of those below _latest (_confirm).
         self._unconfirmed: set[int] = set()
-        self._to_confirm: list[int] = []
         self._events: deque = deque(maxlen=max_events)
         self._committed: list[int] | None = None  # committed steps on storage, as the cleanup thread knows them
         self._files: dict[int, list[str]] = {}  # step -> its files, for the steps this committer committed
@@ -179,7 +178,6 @@ class CheckpointCommitter:
             abandoned = [s for s, _ in self._done if later(s)] + [s for s in self._unconfirmed if later(s)]
             self._done = [(s, files) for s, files in self._done if not later(s)]
             self._unconfirmed = {s for s in self._unconfirmed if not later(s)}
-            self._to_confirm = [s for s in self._to_confirm if not later(s)]
             self._pending_rewinds.append((step, abandoned))
         if self._cleanup_lock.acquire(blocking=False):
             try:
@@ -255,7 +253,6 @@ class CheckpointCommitter:
             if self._left_behind(step, timeline):
                 # Handed over before a rewind to an earlier step (waiting, or retried through an
                 # outage): its state is gone from training, and its shards are being written again.
-                self._unconfirmed.discard(step)
                 logger.info("checkpoint step %d not committed: training went back to an earlier step", step)
                 return []
             self._committing = step
@@ -275,9 +272,8 @@ class CheckpointCommitter:
         lag = max(0, self._progress() - step)
         nbytes = sum(e.size for e in entries)
         with self._lock:
-            self._unconfirmed.discard(step)
+            self._committing = None  # in the same hold of the lock as the append below (see _cleanup)
             if self._left_behind(step, timeline):
-                self._committing = None
                 # A rewind came while this manifest was being written. The step is on storage but
                 # not this timeline's: counted by retention (or as _latest) it could take the place
                 # of the step training went back to, the newest whole one of this timeline, which
@@ -292,10 +288,7 @@ class CheckpointCommitter:
             if self._latest is None or step > self._latest:
                 self._latest = step
             self._done.append((step, [e.path for e in entries]))
-            # Failed commits this one supersedes: whether they landed is read off storage.
-            self._to_confirm.extend(s for s in self._unconfirmed if s < step)
-            self._unconfirmed = {s for s in self._unconfirmed if s > step}
-            self._committing = None  # in the same hold of the lock as the append (see _cleanup)
+            self._unconfirmed.discard(step)  # failed before, landed now (earlier ones: _confirm)
             self._events.append({
                 "event": "checkpoint_committed", "step": step, "time": committed_at, "files": len(entries),
                 "lag": lag, **({"persist_s": round(committed_at - taken_at, 4)} if taken_at is not None else {}),
@@ -444,7 +437,8 @@ class CheckpointCommitter:
         ``keep_last``. One that did not land is left to the sweep. A read that fails is tried
         again on the next pass."""
         with self._lock:
-            steps, self._to_confirm = self._to_confirm, []
+            steps = [s for s in self._unconfirmed if self._latest is not None and s < self._latest]
+            self._unconfirmed.difference_update(steps)
         retry = []
         for s in steps:
             try:
@@ -461,7 +455,7 @@ class CheckpointCommitter:
                 self._committed.append(s)
         if retry:
             with self._lock:
-                self._to_confirm.extend(retry)
+                self._unconfirmed.update(retry)
 
     def _sweep(self, older_than: int, pending: set, force: bool = False) -> CleanupReport:
         """Remove uncommitted directories older than ``older_than`` (a committed step), at most
