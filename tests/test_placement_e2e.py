@@ -71,6 +71,19 @@ def test_refill_spare_builds_on_idle_cpu_then_runs_at_normal_priority(two_nodes)
         group.shutdown()
 
 
+def test_memory_in_resources_per_worker_is_asked_for_by_its_own_argument(two_nodes):
+    # Ray refuses "memory" and "object_store_memory" inside an actor's resources= (ValueError at
+    # .remote()); the bundle holds them and the actor asks for them as memory=/object_store_memory=.
+    scaling = elastic.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1, "memory": 64 * 2**20})
+    group = WorkerGroup(scaling, spec(), "elastic-placement-memory")
+    try:
+        group.start(1)
+        assert [m.rank for m in group.members] == [0]
+        assert ray.get(group.members[0].actor.heartbeat.remote())["time"] > 0  # the actor was created and answers
+    finally:
+        group.shutdown()
+
+
 def test_gpu_on_cluster_without_gpus(two_nodes):
     t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 8,
                         scaling=elastic.ScalingConfig(num_workers=1, use_gpu=True))

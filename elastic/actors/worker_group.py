@@ -21,6 +21,8 @@ from elastic.actors.protocol import PackedSpec, StopRequested, TrainingSpec, Wor
 from elastic.actors.worker import TrainWorker
 from elastic.config import ConfigError, ScalingConfig
 
+_OWN_ARGUMENT = ("memory", "object_store_memory")  # resources an actor takes by their own name
+
 logger = logging.getLogger(__name__)
 
 # Ray's default node label, the node's ID (``ray.util.placement_group.NODE_ID_LABEL_KEY``).
@@ -154,10 +156,14 @@ class WorkerGroup:
     # ---- creation --------------------------------------------------------------------------
     def _options(self, pg: PlacementGroup, bundle_index: int, name: str) -> dict:
         bundle = self.scaling.bundle()
+        # Ray takes CPU, GPU, memory and object_store_memory as arguments of their own and refuses
+        # them inside ``resources=`` (ValueError at .remote()); a bundle may hold any of them.
+        own = ("CPU", "GPU") + _OWN_ARGUMENT
         opts = dict(
             num_cpus=bundle.get("CPU", 0),
             num_gpus=bundle.get("GPU", 0),
-            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+            resources={k: v for k, v in bundle.items() if k not in own},
+            **{k: bundle[k] for k in _OWN_ARGUMENT if k in bundle},
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle_index
             ),
