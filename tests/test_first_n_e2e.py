@@ -5,6 +5,7 @@ persistent straggler is evicted for a hot spare.
 
 from __future__ import annotations
 
+import time
 
 import pytest
 
@@ -292,3 +293,36 @@ def test_a_replica_released_at_the_end_does_not_cost_the_run_its_final_checkpoin
     assert result.checkpoint["latest_step"] == STEPS and not result.events_of("checkpoint_incomplete")
     store = CheckpointStore(url, "firstn-late-end")
     assert store.latest_valid() == STEPS and store.load_manifest(STEPS)["world_size"] == N + B - 1
+
+
+_losses_computed = 0  # per worker process
+
+
+def loss_that_fails_on_rank_0_at_its_tenth_step(model, batch):
+    import torch.distributed as dist
+
+    global _losses_computed
+    _losses_computed += 1
+    if dist.get_rank() == 0 and _losses_computed == 10:
+        raise ValueError("boom from rank 0 in a known step")
+    return loss_fn(model, batch)
+
+
+def test_a_user_error_in_a_step_reduced_during_the_backward_is_reported_at_once(ray_cluster):
+    # Rank 2 is slow, so it rests and most steps' fast set {0, 1} is known: rank 0's FlatGrads took
+    # that subgroup for the step before its loss_fn raised. Rank 0 left its group, but the
+    # reference it kept held the subgroup's sockets open, so rank 1 sat in the bucket all-reduce
+    # until collective_timeout_s (and the subgroup's own, torch's 30 min default), was killed as
+    # hung, and the replayed step failed the same way.
+    t = elastic.Trainer(
+        make_model, make_sgd, make_dataset, loss_that_fails_on_rank_0_at_its_tenth_step, N * PER,
+        scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", steps_per_dispatch=1),
+        run=elastic.RunConfig(name="firstn-boom", seed=0),
+        failure=elastic.FailureConfig(collective_timeout_s=60),
+        faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}])
+    t0 = time.monotonic()
+    with pytest.raises(elastic.WorkerError, match="boom from rank 0 in a known step") as info:
+        t.fit(steps=40)
+    assert info.value.rank == 0
+    # A bound on a hang, not a speed figure: rank 1 was released, not left to the 60 s timeout.
+    assert time.monotonic() - t0 < 45

@@ -168,6 +168,28 @@ def _reduce_both_ways(rank: int, init_file: str, out) -> None:
                 sums.append(flat.tolist())  # plain data: a tensor in the queue outlives its process
                 flat.zero_()
             found[build.__name__] = (sums, early, len(grads.buckets), grads.accumulates_twice)
+        # A fresh FlatGrads whose first step is known (a group formed with exactly N replicas):
+        # that backward reduces after it, so a gradient accumulated twice is seen, not raised on.
+        torch.manual_seed(0)
+        model = Reentrant()
+        grads = FlatGrads(model)
+        flat = grads.bind(torch.device("cpu"))
+        grads.plan_buckets(1, 4096)
+        sums, early = [], []
+        for _ in range(2):
+            torch.manual_seed(100 + rank)
+            x = torch.randn(8, 32)
+            grads.before_backward()
+            grads.begin_early_reduce(None)
+            loss = model(x, reach_branch=True).square().mean()
+            model.zero_grad(set_to_none=False)
+            loss.backward()
+            early.append(len(grads._works))
+            grads.after_backward(loss)
+            grads.finish_reduce()
+            sums.append(flat.tolist())
+            flat.zero_()
+        found["ReentrantKnownFirst"] = (sums, early, len(grads.buckets), grads.accumulates_twice)
         out.put((rank, found))
     finally:
         dist.destroy_process_group()
@@ -190,6 +212,9 @@ def test_reducing_during_the_backward_sums_what_one_all_reduce_after_it_sums(tmp
         sums, early, _, twice = results[rank]["Reentrant"]
         assert twice and early == [0, 0, 0]
         assert sums[2] == sums[0]
+        # ...and seen too when the first step of all is one reduced during the backward
+        sums, early, _, twice = results[rank]["ReentrantKnownFirst"]
+        assert twice and early == [0, 0] and sums[0] == sums[1] == results[rank]["Reentrant"][0][0]
 
 
 def test_buckets_cover_the_gradients_in_reverse_order_at_the_caps_and_wait_for_other_dtypes():

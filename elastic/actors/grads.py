@@ -94,6 +94,7 @@ class FlatGrads:
         self._early_ok: list[bool] = []
         self._reducing = False  # a step reducing during its backward is under way
         self.accumulates_twice = False  # seen once: no early reduce for this model (see _mark)
+        self._backwards = 0  # backwards seen; the first never reduces early (see begin_early_reduce)
         self._group = None
         self._works: list = []
         self._waiting: list[int] = []  # per bucket: its parameters whose gradients are not in yet
@@ -104,8 +105,9 @@ class FlatGrads:
             if self._reached[i]:
                 # Accumulated twice in one backward (reentrant activation checkpointing runs a
                 # backward of its own): a bucket could go out before its last addition, so this
-                # model's buckets go out after the backward from now on. Every first step of a
-                # group is agreed (nobody rests yet), so this is seen before any early reduce.
+                # model's buckets go out after the backward from now on. The first backward of
+                # every FlatGrads reduces after it (begin_early_reduce), so this is seen before
+                # any early reduce, even in a group formed with exactly N replicas.
                 self.accumulates_twice = True
                 if self._reducing:
                     raise RuntimeError(
@@ -160,7 +162,11 @@ class FlatGrads:
         self._group, self._works, self._next = group, [], 0
         # A bucket that may not go out early waits for one more "parameter": finish_reduce.
         self._waiting = [n if ok else n + 1 for n, ok in zip(self._bucket_params, self._early_ok)]
-        self._reducing = not self.accumulates_twice
+        # Not in this replica's first backward: it has not yet shown whether the model accumulates
+        # a gradient twice (a fresh spare, or fresh ranks restored from a checkpoint, whose group
+        # starts with exactly N, so its first steps are known). Its buckets go out in
+        # finish_reduce, in the same order as its peers' early ones, so the collectives match.
+        self._reducing = not self.accumulates_twice and self._backwards > 0
 
     def _issue_ready(self) -> None:
         while self._next < len(self.buckets) and self._waiting[self._next] <= 0:
@@ -182,6 +188,13 @@ class FlatGrads:
             works.append(self._issue(self._next))
         for work in works:
             work.wait()
+        self._group = None
+
+    def release(self) -> None:
+        """Let go of the step's group and its works (``TrainWorker.leave``): a work holds its
+        gloo context, and a group referenced here keeps its sockets open, so peers blocked on
+        this rank would wait out their timeout instead of raising at once."""
+        self._group, self._works, self._reducing = None, [], False
 
     def before_backward(self) -> None:
         self._reached = [False] * len(self.params)
@@ -217,6 +230,7 @@ class FlatGrads:
         else:
             self._presence.copy_(torch.tensor(self._reached, dtype=self._presence.dtype))
         self.flat[0] = loss.detach()
+        self._backwards += 1
 
     @property
     def loss(self) -> float:

@@ -364,8 +364,10 @@ class TrainWorker:
             if subgroup_size and subgroup_size < world_size:
                 # Every rank must create every subgroup, in the same order: gloo's new_group is a
                 # collective over the world (the use_local_synchronization variant hung in our probe).
+                # With the world's timeout: a subgroup takes torch's default otherwise (30 min on
+                # gloo, 10 on NCCL), and the fast N's collectives run on subgroups.
                 for members in itertools.combinations(range(world_size), subgroup_size):
-                    pg = dist.new_group(list(members))
+                    pg = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
                     if rank in members:
                         self._subgroups[members] = pg
             if subgroup_size:
@@ -419,6 +421,8 @@ class TrainWorker:
         self._subgroups.clear()
         self._fn_store, self._fn_sends = None, None  # unfinished sends went to peers of the old group
         self._fn_buffer_sends = None
+        if self._fn_grads is not None:
+            self._fn_grads.release()  # its step's subgroup and works, or their sockets stay open
         self.part_pool = None  # snapshots taken in the old group keep theirs (it fails fast once gone)
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         if dist.is_initialized():
