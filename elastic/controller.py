@@ -198,6 +198,7 @@ class Controller:
         self._rank_done: dict[int, int] = {}
         self._eviction_held: int | None = None  # a straggler waiting for a spare (see _note_held_back)
         self._spare_failures_in_row = 0  # spares that failed before they were ready (SPARE_START_ATTEMPTS)
+        self._ready_spares: set[str] = set()  # the group's spares already taken in (_note_ready_spares)
         self._refill_stop_logged = False
         # Nodes a straggler was evicted from -> time.monotonic() until which spares refilling the
         # pool are kept off them while another node can host one (WorkerGroup.request_spare), so
@@ -386,6 +387,7 @@ class Controller:
         self.transition(State.STARTING, "placement ready, starting worker actors")
         self._new_group()
         self.group.start(self.scaling.num_replicas)
+        self._note_ready_spares(log=False)
         self._check_stop("starting the ranks")
         self._log_spare_problems()
         for m in self.group.members:
@@ -409,6 +411,7 @@ class Controller:
     def _new_group(self) -> None:
         self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
         self.group.interrupted = self._interrupted  # its placement and spare waits end on a stop
+        self._ready_spares.clear()  # a new group names its spares from spare-0 again
 
     def _setup_data_and_checkpoints(self) -> None:
         position = None
@@ -1037,7 +1040,7 @@ class Controller:
         collective_failed: set[int] = set()
         user_error: tuple[int, str] | None = None
         cfg = self.failure_config
-        t0 = time.time()
+        t0 = dispatched = time.time()  # t0: the step timeout's clock, restarted after a kill
         first_problem: float | None = None
         beats: dict[int, Any] = {}
         node_suspect = False
@@ -1129,7 +1132,7 @@ class Controller:
             kind = "node_lost"
         else:
             kind = "actor_died"
-        raise Failure(dead, kind, detect_s=(first_problem or time.time()) - t0)
+        raise Failure(dead, kind, detect_s=(first_problem or time.time()) - dispatched)
 
     def _on_nccl(self) -> bool:
         return any(m.info.get("backend") == "nccl" for m in self.group.members)
@@ -1285,9 +1288,11 @@ class Controller:
                 lost = tuple(sorted(set(lost) | found))
             healed |= set(lost)
             self._unhealed = lost  # until the decision is carried out: not in world_size
-            self._decide_and_apply(lost, kind)
-            self._unhealed = ()
             try:
+                # Inside the try: a restart from the checkpoint builds and restores a whole new
+                # group, and a rank of it lost meanwhile is healed by this loop like any other.
+                self._decide_and_apply(lost, kind)
+                self._unhealed = ()
                 self._maybe_kill_spare_during_recovery()
                 self._sync_state()
                 self._form_group(f"recovered from {kind}")
@@ -1326,6 +1331,7 @@ class Controller:
                     self.group.request_spare()
                 self.group.collect_spares(block=True, timeout_s=decision.timeout_s)
                 self._log_spare_problems()
+                self._note_ready_spares()
                 self._check_stop(f"waiting for capacity to replace rank(s) {list(lost)}")
                 waited = True
                 continue
@@ -1387,12 +1393,20 @@ class Controller:
 
     def _collect_spares(self) -> None:
         """Take in spares that finished building, and say so in the event log."""
-        before = {m.name for m in self.group.spares}
         self.group.collect_spares()
         self._log_spare_problems()
+        self._note_ready_spares()
+
+    def _note_ready_spares(self, log: bool = True) -> None:
+        """Spares of the group not taken in yet: each ends a streak of failed spare starts, and
+        (with ``log``) is said to be ready. Kept by name across calls, so a spare collected by a
+        wait for capacity, not by ``_collect_spares``, counts too."""
         for m in self.group.spares:
-            if m.name not in before:
-                self._spare_failures_in_row, self._refill_stop_logged = 0, False
+            if m.name in self._ready_spares:
+                continue
+            self._ready_spares.add(m.name)
+            self._spare_failures_in_row, self._refill_stop_logged = 0, False
+            if log:
                 background = bool(m.info.get("started_in_background"))
                 self.log("spares", f"{m.name} ready on node {m.info.get('node_ip')}" +
                          (" (built on idle CPU)" if background else ""), spare=m.name, node_id=m.info.get("node_id"),
@@ -1467,6 +1481,7 @@ class Controller:
         standby = survivors[size:]
         names = [self.group.members[r].name for r in standby]
         self.group.remove_ranks(list(lost), stand_by=standby)
+        self._ready_spares.update(names)  # a rank standing by is no newly built spare
         self._stateless.update(names)
         self._per_worker = self.global_batch_size // size
         for r in (*lost, *standby):
@@ -1485,16 +1500,19 @@ class Controller:
         self._new_group()
         self._unhealed = ()  # the lost ranks went with the old group
         self.group.start(self.scaling.num_replicas)
+        self._note_ready_spares(log=False)  # built: they end a streak of failed spare starts
         # Every rank is new: none stood by, and the run is back at its configured size.
         self._stateless.clear()
         self._per_worker = self.global_batch_size // self.scaling.num_workers
         self._configured.clear()
+        self._hung.clear()  # by name, and the new group's actors take the old names again
         self._configure_checkpoints(self._all_actors())
         position = self._restore_latest()
         if position is None:
             self.step = 0
         self._replan(position, self.step)
-        self.recomputed += lost_up_to - self.step
+        # Not below 0: the restored step can be past the controller's (parts reported mid-window).
+        self.recomputed += max(0, lost_up_to - self.step)
         # Steps after the restored one will be trained (and committed) again.
         self._rewind(self.step if position is not None else None)
         self._truncate_history(self.step)
@@ -1628,7 +1646,7 @@ class Controller:
                 # committed checkpoint, and replay from there.
                 self._restore_members_from_checkpoint()
                 self._stateless -= {m.name for m in self.group.members}
-                self.recomputed += lost_up_to - self.step
+                self.recomputed += max(0, lost_up_to - self.step)  # the restored step may be past ours
                 return
         self.recomputed += max(0, begun - newest)
         current = [m for m, (done, _) in held if done == newest]
@@ -1760,7 +1778,20 @@ class Controller:
         self._avoid_node(node)
         self.group.evict(victim)
         try:
-            ray.get([m.actor.leave.remote() for m in self.group.members if m.rank != r])
+            # Bounded like any group change: a survivor stuck in its own code (a hang in the
+            # window it still held) never runs its queued leave(), and nothing else would catch it
+            # here. It is killed as hung, and the recovery loop heals it with the victim's rank.
+            survivors = [m for m in self.group.members if m.rank != r]
+            refs = [m.actor.leave.remote() for m in survivors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.collective_timeout_s)
+            stuck = {ref: m.rank for m, ref in zip(survivors, refs) if ref not in ready}
+            if stuck:
+                self._kill_hung(stuck, f"did not leave the group within collective_timeout_s="
+                                       f"{self.failure_config.collective_timeout_s:g} while straggler rank {r} "
+                                       "was evicted")
+                self._recover(Failure(set(stuck.values()) | {r}, "hang"))
+                return
+            ray.get(refs)
             self._replace((r,))
             self._sync_state()
             self._form_group(f"evicted straggler rank {r}")

@@ -96,3 +96,30 @@ def moto_s3():
     server = MotoS3().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def rayless_controller(monkeypatch):
+    """Build real ``Controller`` objects with no Ray underneath: its runtime context is a stand-in,
+    so the constructor starts or joins no cluster. For the controller's bookkeeping, with stand-in
+    groups and ranks; ``rayless_controller(scaling=..., name=...)``."""
+    import elastic
+    from elastic import controller as controller_module
+    from elastic.actors.worker import TrainingSpec
+
+    def no_runtime():  # ray.get_runtime_context() outside an actor joins (or starts) a cluster
+        raise RuntimeError("not in a Ray actor")
+
+    monkeypatch.setattr(controller_module.ray, "get_runtime_context", no_runtime)
+    # Another module's shared cluster (ray_cluster) may be connected in this process already.
+    connected = controller_module.ray.is_initialized()
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+
+    def build(scaling=None, name="rayless", failure=None, global_batch_size=8):
+        c = controller_module.Controller(spec, scaling or elastic.ScalingConfig(num_workers=2),
+                                         elastic.RunConfig(name=name), failure or elastic.FailureConfig(),
+                                         global_batch_size=global_batch_size)
+        assert controller_module.ray.is_initialized() == connected
+        return c
+    return build

@@ -52,6 +52,11 @@ class FakeWorker:
     def leave(self):
         return None
 
+    def stall(self, seconds):
+        """Test aid: busy this actor's calls for ``seconds`` (a rank stuck in its own code; the
+        calls queued behind, leave() included, wait)."""
+        time.sleep(seconds)
+
     def inject_kill(self, at_step, after_update=False):
         self.kill_at, self.kill_after_update = at_step, after_update
 

@@ -727,6 +727,45 @@ def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_h
     assert decisions == ["EvictStraggler", "ReplaceWithSpares"]
 
 
+def test_a_survivor_that_never_leaves_during_an_eviction_is_killed_as_hung_and_healed(ray_cluster):
+    # The eviction asks every survivor to leave the group; rank 2 is stuck in its own code, so its
+    # leave() never runs. That wait used to have no bound: the run sat in RECOVERING for good.
+    import threading
+
+    c = controller("fake-evict-stuck", workers=3, backups=2, global_batch_size=12,
+                   failure=elastic.FailureConfig(evict_stragglers=True, collective_timeout_s=2))
+    c.scaling.steps_per_dispatch = 1
+    _evict_rank_1_at(c, 13)
+    wait_late, stalled = c._wait_late, []
+
+    def wait_late_then_stall(exclude=None):
+        out = wait_late(exclude=exclude)
+        if not stalled:
+            stalled.append(c.group.members[2].name)
+            c.group.members[2].actor.stall.remote(3600)
+        return out
+    c._wait_late = wait_late_then_stall
+    errors = []
+
+    def run():
+        try:
+            c.run_for(steps=16)
+        except BaseException as exc:  # the test thread reports it
+            errors.append(exc)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    try:
+        assert not t.is_alive(), "the eviction waited for good on a survivor that never left"
+    finally:
+        c.shutdown()
+    assert not errors and c.state is State.FINISHED and c.step == 16
+    assert stalled == ["rank-2"]
+    hangs = [e for e in c.events if e.kind == "hang"]
+    assert hangs and hangs[0].details["rank"] == 2 and "while straggler rank 1 was evicted" in hangs[0].message
+    assert [(r["kind"], r["ranks"]) for r in c.recoveries] == [("hang", [1, 2])]
+
+
 def test_with_requeueing_a_steps_recorded_data_position_holds_its_drops():
     # A rollback to a step replans from the data position recorded for it; recorded at dispatch,
     # that position lacked the step's dropped (requeued) samples, and they were never used.

@@ -116,6 +116,9 @@ def test_hung_worker_is_detected_and_replaced(ray_cluster, clean_weights):
     result = make_trainer("hang", failure=failure, faults=[{"kind": "hang", "rank": 1, "at_step": 4}]).fit(steps=STEPS)
     assert result.events_of("hang")
     assert "ReplaceWithSpares" in decisions(result)
+    # Seen by the step timeout: detection took that long from dispatch, not the instant between
+    # the kill and the death it caused.
+    assert result.recoveries[0]["kind"] == "hang" and result.recoveries[0]["detect_s"] >= 5
     assert recomputed(result) <= 1
     assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 

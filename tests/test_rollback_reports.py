@@ -8,9 +8,6 @@ import time
 
 import pytest
 
-import elastic
-from elastic import controller as controller_module
-from elastic.actors.worker import TrainingSpec
 from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheckpointer
 from elastic.config import CheckpointConfig
 from elastic.data import DataPosition
@@ -18,20 +15,9 @@ from test_checkpoint_store import FakeWorker, assert_same
 
 
 @pytest.fixture
-def controller(monkeypatch, tmp_path):
+def controller(rayless_controller, tmp_path):
     """A controller with a committer of every step, as after ``_setup_data_and_checkpoints``."""
-    def no_runtime():  # ray.get_runtime_context() outside an actor joins (or starts) a cluster
-        raise RuntimeError("not in a Ray actor")
-
-    monkeypatch.setattr(controller_module.ray, "get_runtime_context", no_runtime)
-    # Another module's shared cluster (conftest's ray_cluster) may be connected in this process
-    # already: the constructor must start or join none of its own either way.
-    connected = controller_module.ray.is_initialized()
-    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
-                        loss_fn=lambda m, b: None)
-    c = controller_module.Controller(spec, elastic.ScalingConfig(num_workers=2), elastic.RunConfig(name="rollback"),
-                                     elastic.FailureConfig(), global_batch_size=8)
-    assert controller_module.ray.is_initialized() == connected
+    c = rayless_controller(name="rollback")
     store = CheckpointStore(f"file://{tmp_path}", "rollback")
     c.committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=1))
     yield c
