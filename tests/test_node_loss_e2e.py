@@ -97,3 +97,43 @@ def test_remove_node_with_two_ranks(cluster):
     assert sorted(replaced) == sorted(removed_ranks)
     assert result.metrics["recomputed_steps"] <= 1
     assert_weights_close(result.model_state, clean, atol=1e-5)
+
+
+def test_a_refill_spare_waiting_for_room_takes_the_lost_ranks_bundle_once_ray_places_it_again(cluster):
+    # A cluster sized for 2 ranks and a spare (a "slot" resource on three nodes, none elsewhere).
+    # Rank 0's node goes; its bundle waits for Ray to place it again, so the refill spare asks
+    # for a group of its own. A node joins: Ray gives it to the rescheduled bundle first, and
+    # the spare's own group never places. The spare is asked for again in that bundle.
+    from elastic.actors.worker import TrainingSpec
+    from elastic.actors.worker_group import WorkerGroup
+
+    c, _ = cluster
+    nodes = [c.add_node(num_cpus=1, resources={"slot": 1}) for _ in range(3)]
+    c.wait_for_nodes()
+    scaling = elastic.ScalingConfig(num_workers=2, num_backups=1, resources_per_worker={"CPU": 1, "slot": 1})
+    group = WorkerGroup(scaling, TrainingSpec(make_model, make_sgd, make_dataset, loss_fn), "elastic-refill")
+    try:
+        group.start(2)
+        assert len(group.spares) == 1
+        lost_node, lost_bundle = group.members[0].info["node_id"], group.members[0].bundle_index
+        c.remove_node(next(n for n in nodes if n.node_id == lost_node), allow_graceful=False)
+        deadline = time.time() + 60
+        while time.time() < deadline and any(n["NodeID"] == lost_node and n["Alive"] for n in ray.nodes()):
+            time.sleep(0.2)
+        group.promote_spare(0)  # rank 0's bundle is free, on a dead node
+        group.request_spare(background=True)
+        assert group.pending_spares == 1 and group.building_spares[0].pg is not group._ranks_pg
+        nodes.append(c.add_node(num_cpus=1, resources={"slot": 1}))
+        deadline = time.time() + 90
+        while time.time() < deadline and not group.spares:
+            group.collect_spares()
+            time.sleep(0.5)
+        assert len(group.spares) == 1 and group.pending_spares == 0
+        assert group.spares[0].pg is group._ranks_pg and group.spares[0].bundle_index == lost_bundle
+        notes = [message for _, message in group.take_spare_notes()]
+        assert any("asking for the spare there" in m for m in notes)
+    finally:
+        group.shutdown()
+        for node in nodes:
+            if node.node_id != lost_node:
+                c.remove_node(node)

@@ -291,6 +291,13 @@ class WorkerGroup:
         another of its bundles), and a spare put there would wait with it, counted as pending,
         while a group of its own could have placed. It stays on the free list for a later spare,
         once Ray has placed it."""
+        i = self._placed_free_bundle(avoid_nodes)
+        if i is not None:
+            self._bundle_holder[i] = holder
+        return i
+
+    def _placed_free_bundle(self, avoid_nodes: Iterable[str]) -> int | None:
+        """A free bundle of the ranks' group placed now on a live node not in ``avoid_nodes``."""
         free = self._free_bundles
         if not free:
             return None
@@ -299,9 +306,34 @@ class WorkerGroup:
         alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
         for i in free:
             if nodes.get(i) in alive and nodes.get(i) not in avoid:
-                self._bundle_holder[i] = holder
                 return i
         return None
+
+    def _move_to_placed_free_bundles(self) -> None:
+        """Spares still waiting for room in a placement group of their own, asked for again in a
+        free bundle of the ranks' group once Ray has placed one (``request_spare`` takes it).
+
+        Why: after a node loss, the lost rank's bundle waits for Ray to place it again, so its
+        refill spare asks for a group of its own. When a node joins (the cluster's autoscaler or
+        KubeRay replacing the lost one), Ray places the rescheduled bundle first (the GCS puts a
+        group being rescheduled ahead of pending ones): on a cluster sized for ranks plus spares
+        the new node's room goes to the bundle, and the spare's own group never places. Without
+        this move the spare stayed pending for the rest of the run, counted as building, and the
+        next failure waited out capacity_timeout_s for it."""
+        if not self._free_bundles:
+            return
+        for m in list(self._pending_spares):
+            if m.pg is None or m.pg is self._ranks_pg:
+                continue
+            if wait_refs([m.info["_pg_ready"]], 0):
+                continue  # placed: it is building
+            if self._placed_free_bundle(m.info.get("_avoid", [])) is None:
+                return
+            self._pending_spares.remove(m)
+            self._release(m)
+            self._note_spare("spares", f"{m.name} was still waiting for room, and a bundle of the ranks' group "
+                             "freed by a lost rank is placed now: asking for the spare there")
+            self.request_spare(background=m.info["_background"], avoid_nodes=m.info.get("_avoid", []))
 
     def _avoidable(self, avoid_nodes: Iterable[str]) -> list[str]:
         """``avoid_nodes`` (sorted) if some other live node has the resources of a bundle, else []."""
@@ -349,6 +381,7 @@ class WorkerGroup:
         anywhere."""
         self._place_anywhere_if_stuck(min(AVOID_GRACE_S, self.scaling.placement_timeout_s) if block
                                       else self.scaling.placement_timeout_s, wait=block)
+        self._move_to_placed_free_bundles()
         still = []
         deadline = time.time() + (timeout_s if timeout_s is not None else self.scaling.placement_timeout_s)
         for m in self._pending_spares:
