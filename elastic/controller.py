@@ -1336,7 +1336,9 @@ class Controller:
                 waited = True
                 continue
             if isinstance(decision, Shrink):
-                self._shrink(lost, decision.size)
+                if decision.replace:
+                    self._replace(decision.replace)
+                self._shrink(tuple(r for r in lost if r not in decision.replace), decision.size)
                 return
             if isinstance(decision, RestartFromCheckpoint):
                 self._restart_all()

@@ -62,6 +62,12 @@ class StandInGroup:
         self.members[rank] = spare
         return spare
 
+    def remove_ranks(self, ranks, stand_by=()):
+        gone = set(ranks)
+        self.members = [m for m in self.members if m.rank not in gone]
+        for rank, m in enumerate(self.members):
+            m.rank = rank
+
     def start(self, num_active):
         pass
 
@@ -200,3 +206,14 @@ def test_a_rank_lost_during_a_restart_from_the_checkpoint_is_healed_by_the_recov
     assert restarts == [1, 2] and c.failures == 2
     assert [r["ranks"] for r in c.recoveries] == [[0, 1]]
     assert any(e.kind == "failure" and "while healing" in e.message for e in c.events)
+
+
+def test_a_shrink_with_a_spare_for_one_of_two_lost_ranks_promotes_it_then_drops_the_other(rayless_controller):
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3, num_backups=1), global_batch_size=12,
+                           failure=elastic.FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=1))
+    c.group = StandInGroup(ranks=3, ready_spares=1)
+    c.failures = 1
+    c._decide_and_apply((1, 2), "node_lost")
+    assert [m.name for m in c.group.members] == ["rank-0", "spare-0"] and not c.group.spares
+    assert c._per_worker == 6 and "spare-0" in c._stateless
+    assert [e.kind for e in c.events if e.kind in ("replace", "shrink")] == ["replace", "shrink"]

@@ -86,7 +86,23 @@ def test_shrink_with_no_usable_size_fails_naming_the_batch_or_uses_ready_spares(
     d = first.decide(view(lost=(1,), active=4, ready=3))
     assert isinstance(d, ReplaceWithSpares) and d.ranks == (1,) and "instead of a shrink" in d.reason
     d = first.decide(view(lost=(0, 1), active=4, ready=1))  # too few spares for both: shrink to 2
-    assert isinstance(d, Shrink) and d.size == 2
+    assert isinstance(d, Shrink) and d.size == 2 and d.replace == ()  # 3 does not divide 64: no spare used
+
+
+def test_a_shrink_counts_the_ready_spares_toward_the_new_size():
+    # Fewer ready spares than lost ranks: the spares take lost ranks first, and the run shrinks
+    # by the rest. Both ranks on one node lost, one spare: it goes on as 1, not failing below
+    # min_workers; 6 ranks that lose 2 with 1 spare go on as 5 (60 divides), the spare not idle.
+    one = FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=1)
+    d = FailurePolicy(one, 2, global_batch=64).decide(view(lost=(0, 1), active=2, ready=1))
+    assert isinstance(d, Shrink) and d.size == 1 and d.ranks == (0, 1) and d.replace == (0,)
+    assert "1 hot spare(s) take rank(s) [0]" in d.reason
+    d = FailurePolicy(one, 6, global_batch=60).decide(view(lost=(2, 4), active=6, ready=1))
+    assert isinstance(d, Shrink) and d.size == 5 and d.replace == (2,) and "stand by" not in d.reason
+    d = FailurePolicy(one, 4, global_batch=64).decide(view(lost=(2, 3), active=4, ready=1))
+    assert isinstance(d, Shrink) and d.size == 2 and d.replace == ()  # 3 does not divide 64
+    d = FailurePolicy(SHRINK, 2, global_batch=64).decide(view(lost=(0, 1), active=2, ready=1))
+    assert isinstance(d, Fail) and "shrinking would leave 1 < min_workers=2" in d.reason
 
 
 def test_straggler_scores_and_persistence():

@@ -29,10 +29,12 @@ class ReplaceWithSpares(Decision):
 class Shrink(Decision):
     """Drop ``ranks`` and go on with ``size`` ranks, which keep the global batch by taking bigger
     shards. Survivors beyond ``size`` (the global batch does not divide over all of them) stand by
-    as hot spares."""
+    as hot spares. ``replace``: lost ranks that ready spares take first (fewer spares than lost
+    ranks); the rest of ``ranks`` are dropped."""
 
     ranks: tuple[int, ...] = ()
     size: int = 0
+    replace: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

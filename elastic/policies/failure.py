@@ -87,17 +87,25 @@ class FailurePolicy:
                 # them idle for the rest of the run).
                 return ReplaceWithSpares(f"{why}; {view.spares_ready} hot spare(s) ready for rank(s) {list(lost)} "
                                          "keep the run's size instead of a shrink", lost)
-            size = self.shrink_size(remaining)
+            # Fewer ready spares than lost ranks: they count toward the new size, taking lost
+            # ranks first, so a spare is not left idle (and a run that lost more ranks than
+            # min_workers leaves goes on on its spares). Only as many as the size needs.
+            usable = min(view.spares_ready, len(lost))
+            size = self.shrink_size(remaining + usable)
             if size is None:
-                cannot = (f"shrinking would leave {remaining} < min_workers={self.min_workers}"
-                          if remaining < self.min_workers else
+                have = remaining + usable
+                cannot = (f"shrinking would leave {have} < min_workers={self.min_workers}"
+                          if have < self.min_workers else
                           f"the global batch {self.global_batch} divides over no size from "
-                          f"min_workers={self.min_workers} to the {remaining} survivor(s)")
+                          f"min_workers={self.min_workers} to the {have} survivor(s) and spare(s)")
                 return Fail(f"{why}; {cannot}")
-            standby = (f"; {remaining - size} survivor(s) stand by as hot spares (the global batch "
-                       f"{self.global_batch} does not divide over {remaining})" if size < remaining else "")
-            return Shrink(f"{why}; shrinking to {size} worker(s) (min_workers={self.min_workers}){standby}", lost,
-                          size=size)
+            replace = lost[:max(0, min(usable, size - remaining))]
+            taken = f"; {len(replace)} hot spare(s) take rank(s) {list(replace)}" if replace else ""
+            left = remaining + len(replace)
+            standby = (f"; {left - size} survivor(s) stand by as hot spares (the global batch "
+                       f"{self.global_batch} does not divide over {left})" if size < left else "")
+            return Shrink(f"{why}; shrinking to {size} worker(s) (min_workers={self.min_workers}){taken}{standby}",
+                          lost, size=size, replace=replace)
         if action == "restart":
             return RestartFromCheckpoint(f"{why}; restarting every rank from the last committed checkpoint")
         return Fail(f"{why}; FailureConfig says fail")
