@@ -270,8 +270,14 @@ class Controller:
         old = self.state
         self.state = new
         self.log("transition", f"{old.value} -> {new.value}: {reason}", old=old.value, new=new.value)
+        self._publish_membership()
         if new.is_terminal:
             self._ended.set()
+
+    def _publish_membership(self) -> None:
+        """The group's size and spare pool to the dashboard (``RunMetrics.on_membership``)."""
+        if self.metrics is not None and self.group is not None:
+            self.metrics.on_membership(self._world_size, len(self.group.spares), self.group.pending_spares)
 
     def wait_ended(self, timeout_s: float) -> dict | None:
         """``status()`` once the run has reached a terminal state (its checkpoints are committed
@@ -1329,6 +1335,7 @@ class Controller:
                 missing = len(lost) - len(self.group.spares) - self.group.pending_spares
                 for _ in range(max(0, missing)):
                     self.group.request_spare()
+                self._publish_membership()  # the lost ranks out, the spares asked for building
                 self.group.collect_spares(block=True, timeout_s=decision.timeout_s)
                 self._log_spare_problems()
                 self._note_ready_spares()
@@ -1695,7 +1702,10 @@ class Controller:
             if step in self._planned:
                 ranks = (fast or {}).get(step)
                 ranks = ranks if ranks is not None else range(len(self._planned[step][1]))
-                self._add_history(self._book_step(step, ranks, float("nan"), 0.0))
+                record = self._book_step(step, ranks, float("nan"), 0.0)
+                self._add_history(record)
+                if self.metrics is not None:
+                    self.metrics.on_kept_step(record)
                 del self._planned[step]
         if steps:
             which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"

@@ -119,6 +119,28 @@ class RunMetrics:
                 m["heartbeat_age"].set(age, tags={"run": self.run, "rank": str(rank)})
         self._safe(update)
 
+    def on_membership(self, world_size: int, spares: int, building: int) -> None:
+        """Group size and spare pool at every state change (a failure, a rebuild, an eviction),
+        not only after a step: during a recovery, a wait for capacity or a failed run no step
+        completes, and the gauges showed the pool before the failure (a spare counted as
+        available after it was promoted)."""
+        def update(m):
+            run = {"run": self.run}
+            m["world_size"].set(world_size, tags=run)
+            m["spares"].set(spares, tags=run)
+            m["spares_building"].set(building, tags=run)
+        self._safe(update)
+
+    def on_kept_step(self, record) -> None:
+        """A step kept after a rebuild (finished, its result never came back): it is booked
+        without ``on_step``, so its drops and the step gauge are counted here."""
+        def update(m):
+            run = {"run": self.run}
+            m["step"].set(record.step, tags=run)
+            if record.dropped:
+                m["dropped"].inc(record.dropped, tags=run)
+        self._safe(update)
+
     def on_failure(self, kind: str) -> None:
         self._safe(lambda m: m["failures"].inc(1, tags={"run": self.run, "kind": kind}))
 

@@ -217,3 +217,21 @@ def test_a_shrink_with_a_spare_for_one_of_two_lost_ranks_promotes_it_then_drops_
     assert [m.name for m in c.group.members] == ["rank-0", "spare-0"] and not c.group.spares
     assert c._per_worker == 6 and "spare-0" in c._stateless
     assert [e.kind for e in c.events if e.kind in ("replace", "shrink")] == ["replace", "shrink"]
+
+
+def test_the_dashboard_sees_the_group_and_pool_change_during_a_recovery(rayless_controller):
+    class Published:
+        def __init__(self):
+            self.membership = []
+
+        def on_membership(self, world_size, spares, building):
+            self.membership.append((world_size, spares, building))
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1))
+    c.metrics, c.group, c.failures = Published(), StandInGroup(), 1
+    c._unhealed = (1,)  # as _recover sets it before deciding
+    c._decide_and_apply((1,), "actor_died")  # waits for a spare, then promotes it
+    assert c.metrics.membership[0] == (1, 0, 1)  # rank 1 out, its spare building
+    c._unhealed = ()
+    c.transition(controller_module.State.RUNNING, "rebuilt (test)")
+    assert c.metrics.membership[-1] == (2, 0, 0)

@@ -52,3 +52,20 @@ def test_heartbeat_ages_are_published_while_a_step_waits():
     m = metrics()
     m.on_heartbeats({0: 0.5, 1: 12.0})
     assert m._m["heartbeat_age"].values == {"0": [0.5], "1": [12.0]}
+
+
+def test_the_group_and_pool_gauges_follow_a_recovery_before_any_step():
+    # A failure promotes the only spare and waits for capacity: no step completes meanwhile, and
+    # the gauges showed the pool from before the failure (one spare available).
+    m = metrics()
+    m.on_step(record(5, 4), controller(range(4)))
+    m.on_membership(world_size=3, spares=0, building=1)
+    assert m._m["world_size"].values[None][-1] == 3
+    assert m._m["spares"].values[None][-1] == 0 and m._m["spares_building"].values[None][-1] == 1
+
+
+def test_a_step_kept_after_a_rebuild_counts_its_drops_and_moves_the_step():
+    m = metrics()
+    kept = SimpleNamespace(step=7, dropped=8)
+    m.on_kept_step(kept)
+    assert m._m["step"].values[None] == [7] and m._m["dropped"].values[None] == [8]
