@@ -203,6 +203,13 @@ class ScalingConfig:
                 raise ConfigError(
                     f"ScalingConfig.resources_per_worker[{key!r}] must be a finite number >= 0, {_got(value)}."
                 )
+        if resources.get("object_store_memory", 0) > 0:
+            # Measured with Ray 2.60: an actor asking for object_store_memory in a placement
+            # group bundle crashed its raylet (local_resource_manager.cc check failure), taking
+            # every actor on the node with it.
+            raise ConfigError("ScalingConfig.resources_per_worker['object_store_memory'] is not supported: Ray "
+                              "sizes the object store per node (ray start --object-store-memory), and asking for "
+                              "it per actor in a placement group crashed the raylet. Remove the key.")
         if "GPU" in resources and resources["GPU"] > 0 and not self.use_gpu:
             raise ConfigError("ScalingConfig.resources_per_worker asks for GPU but use_gpu=False; set use_gpu=True.")
         resources.setdefault("CPU", 1.0)

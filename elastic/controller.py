@@ -1505,10 +1505,26 @@ class Controller:
         if self.committer is not None:
             self.committer.flush(timeout_s=30)
         lost_up_to = max(self._begun_by_survivors(), self.step)
-        self.group.shutdown()
-        self._new_group()
-        self._unhealed = ()  # the lost ranks went with the old group
-        self.group.start(self.scaling.num_replicas)
+        while True:
+            self.group.shutdown()
+            self._new_group()
+            self._unhealed = ()  # the lost ranks went with the old group
+            try:
+                self.group.start(self.scaling.num_replicas)
+                break
+            except ray.exceptions.RayError as exc:
+                # A rank lost while the new group builds (the flapping node that chose the
+                # restart): the group holds no members yet, so the recovery loop could not name
+                # the lost rank. Start them all again, as one more failure.
+                self.failures += 1
+                if self.metrics is not None:
+                    self.metrics.on_failure("failure_during_recovery")
+                if self.failures > self.failure_config.max_failures:
+                    raise TrainingFailed(self._fail_message(
+                        f"a rank was lost while every rank restarted, and failure {self.failures} exceeds "
+                        f"FailureConfig.max_failures={self.failure_config.max_failures}")) from exc
+                self.log("failure", f"a rank was lost while every rank restarted ({type(exc).__name__}); "
+                         "starting them all again")
         self._note_ready_spares(log=False)  # built: they end a streak of failed spare starts
         # Every rank is new: none stood by, and the run is back at its configured size.
         self._stateless.clear()
@@ -1789,6 +1805,14 @@ class Controller:
         victim = self.group.members[r]
         self._avoid_node(node)
         self.group.evict(victim)
+        if self._on_nccl():
+            # A survivor in an NCCL kernel with the victim (a first-N leader's bounded send to
+            # it) never sees it die: abort the group's communicators so its leave() can run, as
+            # a failure's gather does.
+            for m in self.group.members:
+                if m.rank != r:
+                    m.actor.abort_collectives.remote(self.generation)
+        stuck: dict = {}
         try:
             # Bounded like any group change: a survivor stuck in its own code (a hang in the
             # window it still held) never runs its queued leave(), and nothing else would catch it
@@ -1797,16 +1821,11 @@ class Controller:
             refs = [m.actor.leave.remote() for m in survivors]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.collective_timeout_s)
             stuck = {ref: m.rank for m, ref in zip(survivors, refs) if ref not in ready}
-            if stuck:
-                self._kill_hung(stuck, f"did not leave the group within collective_timeout_s="
-                                       f"{self.failure_config.collective_timeout_s:g} while straggler rank {r} "
-                                       "was evicted")
-                self._recover(Failure(set(stuck.values()) | {r}, "hang"))
-                return
-            ray.get(refs)
-            self._replace((r,))
-            self._sync_state()
-            self._form_group(f"evicted straggler rank {r}")
+            if not stuck:
+                ray.get(refs)
+                self._replace((r,))
+                self._sync_state()
+                self._form_group(f"evicted straggler rank {r}")
         except (ray.exceptions.RayError, TimeoutError) as exc:
             # A rank or the promoted spare died while the ring was rebuilt: a failure like any
             # other, healed (and counted against max_failures) by the recovery loop, which
@@ -1820,6 +1839,12 @@ class Controller:
             self.log("failure", f"rank(s) {sorted(lost)} lost while evicting straggler rank {r}: "
                      f"{type(exc).__name__}", ranks=sorted(lost))
             self._recover(Failure(lost | ({r} if unreplaced else set()), "failure_during_recovery"))
+            return
+        if stuck:  # out of the try: a Ray error in this recovery is its own, not the eviction's
+            self._kill_hung(stuck, f"did not leave the group within collective_timeout_s="
+                                   f"{self.failure_config.collective_timeout_s:g} while straggler rank {r} "
+                                   "was evicted")
+            self._recover(Failure(set(stuck.values()) | {r}, "hang"))
             return
         if self.metrics is not None:
             self.metrics.on_recovery("straggler", time.time() - t0)

@@ -169,7 +169,7 @@ class SparesThatNeverPlace(FakeGroup):
     """Every spare asked for during the run needs more CPUs than any node has, and no freed bundle
     of the ranks' group is offered to it: it stays pending, as on a cluster with no capacity left."""
 
-    def _free_bundle_off(self, avoid_nodes, holder=""):
+    def _placed_free_bundle(self, avoid_nodes):
         return None
 
     def _spare_group(self, idx, avoid):

@@ -47,6 +47,7 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"resources_per_worker": {"CPU": float("nan")}}, r"resources_per_worker\['CPU'\] must be a finite number >= 0"),
     ({"resources_per_worker": {"CPU": float("inf")}}, r"resources_per_worker\['CPU'\] must be a finite number"),
     ({"resources_per_worker": {"CPU": True}}, r"resources_per_worker\['CPU'\]"),
+    ({"resources_per_worker": {"CPU": 1, "object_store_memory": 2**20}}, r"resources_per_worker\[.object_store_memory.\] is not supported"),
     ({"resources_per_worker": {"CPU": "1"}}, r"resources_per_worker\['CPU'\]"),
 ])
 def test_scaling_rejects(kwargs, field):

@@ -838,6 +838,22 @@ def test_on_nccl_the_survivors_of_a_lost_rank_have_their_communicators_aborted(r
     # that lose a rank (test_failure_replaced_by_spare) would fail on the call.
 
 
+def test_an_eviction_on_nccl_aborts_the_survivors_communicators_before_they_leave(ray_cluster):
+    # A survivor in an NCCL kernel with the victim (a first-N leader's send to it) never sees the
+    # victim die; its leave() runs only once its communicators are aborted.
+    c = controller("fake-nccl-evict", workers=3, backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
+    c.worker_group_cls = NcclFakeGroup
+    c.scaling.steps_per_dispatch = 1
+    _evict_rank_1_at(c, 5)
+    try:
+        c.run_for(steps=8)
+        aborts = {m.rank: ray.get(m.actor.aborts.remote()) for m in c.group.members}
+    finally:
+        c.shutdown()
+    assert c.state is State.FINISHED and c.failures == 0
+    assert aborts == {0: [1], 1: [], 2: [1]}  # generation 1's survivors; rank 1 is the spare now
+
+
 def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_run_ends(ray_cluster):
     # At the end of a first-N run nothing more is sent to a late replica: one that died or hangs
     # in its last window used to fail the finished run at the final flush, or block it for good.

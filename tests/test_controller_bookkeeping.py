@@ -112,8 +112,8 @@ def test_spares_of_the_start_and_ranks_standing_by_are_no_newly_ready_spares(ray
     assert c._spare_failures_in_row == 2 and not [e for e in c.events if e.kind == "spares"]
 
 
-def _restart_with_stand_ins(c, monkeypatch, begun, restored_step):
-    c.worker_group_cls = lambda scaling, spec, namespace: StandInGroup(ranks=2, ready_spares=1)
+def _restart_with_stand_ins(c, monkeypatch, begun, restored_step, group_cls=None):
+    c.worker_group_cls = group_cls or (lambda scaling, spec, namespace: StandInGroup(ranks=2, ready_spares=1))
     c.group, c.store, c.committer, c.dataset_size = StandInGroup(), object(), None, 64
     monkeypatch.setattr(c, "_begun_by_survivors", lambda: begun)
     monkeypatch.setattr(c, "_configure_checkpoints", lambda members: None)
@@ -235,3 +235,23 @@ def test_the_dashboard_sees_the_group_and_pool_change_during_a_recovery(rayless_
     c._unhealed = ()
     c.transition(controller_module.State.RUNNING, "rebuilt (test)")
     assert c.metrics.membership[-1] == (2, 0, 0)
+
+
+def test_a_rank_lost_while_every_rank_restarts_starts_them_all_again(rayless_controller, monkeypatch):
+    # WorkerGroup.start names its members only once all are built: a rank lost meanwhile left a
+    # group with no members, and the recovery loop could not name a lost rank.
+    import ray
+
+    c = rayless_controller(failure=elastic.FailureConfig(on_failure="restart", max_failures=3))
+    starts = []
+
+    class FlakyStart(StandInGroup):
+        def start(self, num_active):
+            starts.append(num_active)
+            if len(starts) == 1:
+                raise ray.exceptions.RayActorError()
+    c.failures = 1
+    _restart_with_stand_ins(c, monkeypatch, begun=4, restored_step=3,
+                            group_cls=lambda scaling, spec, namespace: FlakyStart(ranks=2))
+    assert starts == [2, 2] and c.failures == 2 and c.step == 3
+    assert any(e.kind == "failure" and "starting them all again" in e.message for e in c.events)

@@ -318,11 +318,12 @@ def test_a_user_error_in_a_step_reduced_during_the_backward_is_reported_at_once(
         make_model, make_sgd, make_dataset, loss_that_fails_on_rank_0_at_its_tenth_step, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", steps_per_dispatch=1),
         run=elastic.RunConfig(name="firstn-boom", seed=0),
-        failure=elastic.FailureConfig(collective_timeout_s=60),
+        failure=elastic.FailureConfig(collective_timeout_s=120),
         faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}])
     t0 = time.monotonic()
     with pytest.raises(elastic.WorkerError, match="boom from rank 0 in a known step") as info:
         t.fit(steps=40)
     assert info.value.rank == 0
-    # A bound on a hang, not a speed figure: rank 1 was released, not left to the 60 s timeout.
-    assert time.monotonic() - t0 < 45
+    # A bound on a hang, not a speed figure: rank 1 was released, not left to the 120 s timeout
+    # (the bound leaves room for starting four workers on a loaded machine).
+    assert time.monotonic() - t0 < 90

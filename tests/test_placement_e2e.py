@@ -72,8 +72,8 @@ def test_refill_spare_builds_on_idle_cpu_then_runs_at_normal_priority(two_nodes)
 
 
 def test_memory_in_resources_per_worker_is_asked_for_by_its_own_argument(two_nodes):
-    # Ray refuses "memory" and "object_store_memory" inside an actor's resources= (ValueError at
-    # .remote()); the bundle holds them and the actor asks for them as memory=/object_store_memory=.
+    # Ray refuses "memory" inside an actor's resources= (ValueError at .remote()); the bundle
+    # holds it and the actor asks for it as memory=.
     scaling = elastic.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1, "memory": 64 * 2**20})
     group = WorkerGroup(scaling, spec(), "elastic-placement-memory")
     try:

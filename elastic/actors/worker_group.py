@@ -21,7 +21,9 @@ from elastic.actors.protocol import PackedSpec, StopRequested, TrainingSpec, Wor
 from elastic.actors.worker import TrainWorker
 from elastic.config import ConfigError, ScalingConfig
 
-_OWN_ARGUMENT = ("memory", "object_store_memory")  # resources an actor takes by their own name
+# Resources an actor asks for by their own argument, not in resources= (object_store_memory,
+# the other such key, is refused by ScalingConfig).
+_OWN_ARGUMENT = ("memory",)
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ NODE_ID_LABEL = "ray.io/node-id"
 AVOID_GRACE_S = 5.0
 # The longest a blocking wait goes without looking whether a stop was asked for.
 STOP_POLL_S = 0.25
+MOVE_CHECK_S = 2.0  # a blocking wait for spares looks for placed free bundles this often
 
 
 class PlacementTimeout(RuntimeError):
@@ -156,8 +159,8 @@ class WorkerGroup:
     # ---- creation --------------------------------------------------------------------------
     def _options(self, pg: PlacementGroup, bundle_index: int, name: str) -> dict:
         bundle = self.scaling.bundle()
-        # Ray takes CPU, GPU, memory and object_store_memory as arguments of their own and refuses
-        # them inside ``resources=`` (ValueError at .remote()); a bundle may hold any of them.
+        # Ray takes CPU, GPU and memory as arguments of their own and refuses them inside
+        # ``resources=`` (ValueError at .remote()); a bundle may hold any of them.
         own = ("CPU", "GPU") + _OWN_ARGUMENT
         opts = dict(
             num_cpus=bundle.get("CPU", 0),
@@ -328,7 +331,7 @@ class WorkerGroup:
             if wait_refs([m.info["_pg_ready"]], 0):
                 continue  # placed: it is building
             if self._placed_free_bundle(m.info.get("_avoid", [])) is None:
-                return
+                continue  # none off this one's avoided nodes; another spare may avoid none
             self._pending_spares.remove(m)
             self._release(m)
             self._note_spare("spares", f"{m.name} was still waiting for room, and a bundle of the ranks' group "
@@ -381,13 +384,23 @@ class WorkerGroup:
         anywhere."""
         self._place_anywhere_if_stuck(min(AVOID_GRACE_S, self.scaling.placement_timeout_s) if block
                                       else self.scaling.placement_timeout_s, wait=block)
-        self._move_to_placed_free_bundles()
-        still = []
         deadline = time.time() + (timeout_s if timeout_s is not None else self.scaling.placement_timeout_s)
+        while True:
+            # Again every slice of a blocking wait: a node joining during a wait for capacity is
+            # when a lost rank's bundle is placed again (_move_to_placed_free_bundles).
+            self._move_to_placed_free_bundles()
+            self._take_built_spares()
+            left = deadline - time.time()
+            if not block or not self._pending_spares or left <= 0 or self.interrupted():
+                return len(self.spares)
+            wait_refs([m.info["_ref"] for m in self._pending_spares], min(left, MOVE_CHECK_S), self.interrupted)
+
+    def _take_built_spares(self) -> None:
+        """Move pending spares whose model is built (or that failed) out of the pending list."""
+        still = []
         for m in self._pending_spares:
             ref = m.info["_ref"]
-            wait_s = max(0.0, deadline - time.time()) if block and not self.interrupted() else 0
-            ready = wait_refs([ref], wait_s, self.interrupted)
+            ready = wait_refs([ref], 0)
             if ready:
                 try:
                     m.info = ray.get(ref)
@@ -407,7 +420,6 @@ class WorkerGroup:
             else:
                 still.append(m)
         self._pending_spares = still
-        return len(self.spares)
 
     @property
     def pending_spares(self) -> int:
