@@ -198,7 +198,6 @@ class Controller:
         self._rank_done: dict[int, int] = {}
         self._eviction_held: int | None = None  # a straggler waiting for a spare (see _note_held_back)
         self._spare_failures_in_row = 0  # spares that failed before they were ready (SPARE_START_ATTEMPTS)
-        self._ready_spares: set[str] = set()  # the group's spares already taken in (_note_ready_spares)
         self._refill_stop_logged = False
         # Nodes a straggler was evicted from -> time.monotonic() until which spares refilling the
         # pool are kept off them while another node can host one (WorkerGroup.request_spare), so
@@ -417,7 +416,6 @@ class Controller:
     def _new_group(self) -> None:
         self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
         self.group.interrupted = self._interrupted  # its placement and spare waits end on a stop
-        self._ready_spares.clear()  # a new group names its spares from spare-0 again
 
     def _setup_data_and_checkpoints(self) -> None:
         position = None
@@ -1095,10 +1093,7 @@ class Controller:
                 # Its communicators are aborted from its control thread, so its blocking wait
                 # raises and it leaves the group like a gloo rank (TrainWorker.abort_collectives).
                 aborted = True
-                bad = dead | collective_failed | ({user_error[0]} if user_error else set())
-                for m in self.group.members:
-                    if m.rank not in bad:
-                        m.actor.abort_collectives.remote(self.generation)
+                self._abort_collectives(dead | collective_failed | ({user_error[0]} if user_error else set()))
             if not (dead or collective_failed or user_error) and got >= need:
                 now = time.time()
                 for ref in results:
@@ -1142,6 +1137,13 @@ class Controller:
 
     def _on_nccl(self) -> bool:
         return any(m.info.get("backend") == "nccl" for m in self.group.members)
+
+    def _abort_collectives(self, but: set[int]) -> None:
+        """Abort this generation's NCCL communicators on every rank not in ``but``, from their
+        control threads (``TrainWorker.abort_collectives``); fire and forget."""
+        for m in self.group.members:
+            if m.rank not in but:
+                m.actor.abort_collectives.remote(self.generation)
 
     def _co_located_losses(self, dead: set[int], down: set, settle: bool) -> tuple[set[int], set]:
         """Other ranks lost with the same node, so a node loss is healed in one rebuild.
@@ -1284,9 +1286,7 @@ class Controller:
         kind = failure.kind
         self.transition(State.RECOVERING, f"{kind} of rank(s) {list(lost)} in step {self.step + 1}")
         while True:
-            self.failures += 1
-            if self.metrics is not None:
-                self.metrics.on_failure(kind)
+            self._count_failure(kind)
             found = self._settle_survivors(set(lost))
             if found:
                 self.log("failure", f"rank(s) {sorted(found)} found dead too as the survivors left the group",
@@ -1318,6 +1318,11 @@ class Controller:
             self.metrics.on_recovery(failure.kind, seconds)
         self._refill_spares()
         self.transition(State.RUNNING, f"rebuilt in {seconds:.2f}s; resuming at step {self.step + 1}")
+
+    def _count_failure(self, kind: str) -> None:
+        self.failures += 1
+        if self.metrics is not None:
+            self.metrics.on_failure(kind)
 
     def _decide_and_apply(self, lost: tuple[int, ...], kind: str) -> None:
         waited = False
@@ -1383,12 +1388,11 @@ class Controller:
         the rebuild has failed on them.
         """
         survivors = [m for m in self.group.members if m.rank not in dead]
-        refs = [m.actor.leave.remote() for m in survivors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.collective_timeout_s)
+        refs, stuck = self._ask_to_leave(survivors)
+        if stuck:
+            raise TrainingFailed(self._fail_message(f"rank {min(stuck.values())} did not leave the broken group"))
         found: set[int] = set()
         for m, ref in zip(survivors, refs):
-            if ref not in ready:
-                raise TrainingFailed(self._fail_message(f"rank {m.rank} did not leave the broken group"))
             try:
                 ray.get(ref)
             except ray.exceptions.RayError:  # dead, or could not leave its group: lost either way
@@ -1400,6 +1404,14 @@ class Controller:
         self._lagging.clear()
         return found
 
+    def _ask_to_leave(self, survivors: list[Member]) -> tuple[list, dict]:
+        """Ask ``survivors`` to leave the group and wait up to ``collective_timeout_s``. Returns
+        the calls' refs, in order, and those not back by then (ref -> rank): stuck in a call
+        queued ahead of the leave."""
+        refs = [m.actor.leave.remote() for m in survivors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.collective_timeout_s)
+        return refs, {ref: m.rank for m, ref in zip(survivors, refs) if ref not in ready}
+
     def _collect_spares(self) -> None:
         """Take in spares that finished building, and say so in the event log."""
         self.group.collect_spares()
@@ -1407,13 +1419,10 @@ class Controller:
         self._note_ready_spares()
 
     def _note_ready_spares(self, log: bool = True) -> None:
-        """Spares of the group not taken in yet: each ends a streak of failed spare starts, and
-        (with ``log``) is said to be ready. Kept by name across calls, so a spare collected by a
-        wait for capacity, not by ``_collect_spares``, counts too."""
-        for m in self.group.spares:
-            if m.name in self._ready_spares:
-                continue
-            self._ready_spares.add(m.name)
+        """Spares the group built since the last call (``take_newly_ready``, whichever collect
+        took them in: a wait for capacity's too): each ends a streak of failed spare starts, and
+        (with ``log``) is said to be ready."""
+        for m in self.group.take_newly_ready():
             self._spare_failures_in_row, self._refill_stop_logged = 0, False
             if log:
                 background = bool(m.info.get("started_in_background"))
@@ -1490,7 +1499,6 @@ class Controller:
         standby = survivors[size:]
         names = [self.group.members[r].name for r in standby]
         self.group.remove_ranks(list(lost), stand_by=standby)
-        self._ready_spares.update(names)  # a rank standing by is no newly built spare
         self._stateless.update(names)
         self._per_worker = self.global_batch_size // size
         for r in (*lost, *standby):
@@ -1516,9 +1524,7 @@ class Controller:
                 # A rank lost while the new group builds (the flapping node that chose the
                 # restart): the group holds no members yet, so the recovery loop could not name
                 # the lost rank. Start them all again, as one more failure.
-                self.failures += 1
-                if self.metrics is not None:
-                    self.metrics.on_failure("failure_during_recovery")
+                self._count_failure("failure_during_recovery")
                 if self.failures > self.failure_config.max_failures:
                     raise TrainingFailed(self._fail_message(
                         f"a rank was lost while every rank restarted, and failure {self.failures} exceeds "
@@ -1809,18 +1815,13 @@ class Controller:
             # A survivor in an NCCL kernel with the victim (a first-N leader's bounded send to
             # it) never sees it die: abort the group's communicators so its leave() can run, as
             # a failure's gather does.
-            for m in self.group.members:
-                if m.rank != r:
-                    m.actor.abort_collectives.remote(self.generation)
+            self._abort_collectives({r})
         stuck: dict = {}
         try:
             # Bounded like any group change: a survivor stuck in its own code (a hang in the
             # window it still held) never runs its queued leave(), and nothing else would catch it
             # here. It is killed as hung, and the recovery loop heals it with the victim's rank.
-            survivors = [m for m in self.group.members if m.rank != r]
-            refs = [m.actor.leave.remote() for m in survivors]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.collective_timeout_s)
-            stuck = {ref: m.rank for m, ref in zip(survivors, refs) if ref not in ready}
+            refs, stuck = self._ask_to_leave([m for m in self.group.members if m.rank != r])
             if not stuck:
                 ray.get(refs)
                 self._replace((r,))

@@ -78,14 +78,10 @@ class RunMetrics:
             m["step_time"].observe(record.step_time_s, tags=run)
             if record.step_time_s > 0:
                 m["samples"].set(record.samples / record.step_time_s, tags=run)
-            m["world_size"].set(record.world_size, tags=run)
-            m["spares"].set(len(controller.group.spares), tags=run)
-            m["spares_building"].set(controller.group.pending_spares, tags=run)
-            m["step"].set(record.step, tags=run)
+            self._set_membership(m, record.world_size, len(controller.group.spares), controller.group.pending_spares)
+            self._set_step_done(m, record)
             if record.grad_norm is not None:
                 m["grad_norm"].set(record.grad_norm, tags=run)
-            if record.dropped:
-                m["dropped"].inc(record.dropped, tags=run)
             if per_rank:
                 rows = controller.rank_rows(spares=False)
                 for row in rows:
@@ -124,22 +120,25 @@ class RunMetrics:
         not only after a step: during a recovery, a wait for capacity or a failed run no step
         completes, and the gauges showed the pool before the failure (a spare counted as
         available after it was promoted)."""
-        def update(m):
-            run = {"run": self.run}
-            m["world_size"].set(world_size, tags=run)
-            m["spares"].set(spares, tags=run)
-            m["spares_building"].set(building, tags=run)
-        self._safe(update)
+        self._safe(lambda m: self._set_membership(m, world_size, spares, building))
 
     def on_kept_step(self, record) -> None:
         """A step kept after a rebuild (finished, its result never came back): it is booked
         without ``on_step``, so its drops and the step gauge are counted here."""
-        def update(m):
-            run = {"run": self.run}
-            m["step"].set(record.step, tags=run)
-            if record.dropped:
-                m["dropped"].inc(record.dropped, tags=run)
-        self._safe(update)
+        self._safe(lambda m: self._set_step_done(m, record))
+
+    def _set_membership(self, m, world_size: int, spares: int, building: int) -> None:
+        run = {"run": self.run}
+        m["world_size"].set(world_size, tags=run)
+        m["spares"].set(spares, tags=run)
+        m["spares_building"].set(building, tags=run)
+
+    def _set_step_done(self, m, record) -> None:
+        """The step gauge and the dropped-samples counter, for a step booked as done."""
+        run = {"run": self.run}
+        m["step"].set(record.step, tags=run)
+        if record.dropped:
+            m["dropped"].inc(record.dropped, tags=run)
 
     def on_failure(self, kind: str) -> None:
         self._safe(lambda m: m["failures"].inc(1, tags={"run": self.run, "kind": kind}))

@@ -20,7 +20,6 @@ class Answers:
     def __init__(self, progress=(0, 0)):
         self._progress = progress
         self.progress = self
-        self.leave = self
 
     def remote(self, *args):
         return self._progress
@@ -32,6 +31,7 @@ class StandInGroup:
     def __init__(self, scaling=None, spec=None, namespace=None, ranks=2, ready_spares=0):
         self.members = [Member(Answers(), f"rank-{i}", info={"node_id": "n"}, rank=i) for i in range(ranks)]
         self.spares = [Member(Answers(), f"spare-{i}", spare=True) for i in range(ready_spares)]
+        self.newly_ready = list(self.spares)
         self.building: list[Member] = []
         self.building_spares: list[Member] = []
         self.interrupted = None
@@ -47,11 +47,16 @@ class StandInGroup:
     def collect_spares(self, block=False, timeout_s=None):
         if block:  # what the wait for capacity asked for is built
             self.spares += self.building
+            self.newly_ready += self.building
             self.building = []
         return len(self.spares)
 
     def take_spare_notes(self):
         return []
+
+    def take_newly_ready(self):
+        ready, self.newly_ready = self.newly_ready, []
+        return ready
 
     def watch_spares(self, timeout_s, wait=False):
         return []
@@ -106,7 +111,6 @@ def test_spares_of_the_start_and_ranks_standing_by_are_no_newly_ready_spares(ray
     c.group = StandInGroup(ready_spares=1)
     c._note_ready_spares(log=False)  # as after group.start
     c.group.spares.append(Member(Answers(), "rank-1", spare=True))  # a rank standing by after a shrink
-    c._ready_spares.add("rank-1")
     c._spare_failures_in_row = 2
     c._collect_spares()
     assert c._spare_failures_in_row == 2 and not [e for e in c.events if e.kind == "spares"]

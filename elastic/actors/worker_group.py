@@ -21,10 +21,6 @@ from elastic.actors.protocol import PackedSpec, StopRequested, TrainingSpec, Wor
 from elastic.actors.worker import TrainWorker
 from elastic.config import ConfigError, ScalingConfig
 
-# Resources an actor asks for by their own argument, not in resources= (object_store_memory,
-# the other such key, is refused by ScalingConfig).
-_OWN_ARGUMENT = ("memory",)
-
 logger = logging.getLogger(__name__)
 
 # Ray's default node label, the node's ID (``ray.util.placement_group.NODE_ID_LABEL_KEY``).
@@ -147,6 +143,7 @@ class WorkerGroup:
         self._bundle_holder: dict[int, str] = {}
         self._spare_counter = 0
         self._pending_spares: list[Member] = []
+        self._newly_ready: list[Member] = []  # built since the last take_newly_ready
         self.dataset_size: int | None = None  # the ranks' (all equal), once they are built
         # (event kind, message) about spares, for the controller's event log (take_spare_notes):
         # "spare_lost" (died before it was ready), "spare_rejected" (not used), "spares" (other).
@@ -160,13 +157,13 @@ class WorkerGroup:
     def _options(self, pg: PlacementGroup, bundle_index: int, name: str) -> dict:
         bundle = self.scaling.bundle()
         # Ray takes CPU, GPU and memory as arguments of their own and refuses them inside
-        # ``resources=`` (ValueError at .remote()); a bundle may hold any of them.
-        own = ("CPU", "GPU") + _OWN_ARGUMENT
+        # ``resources=`` (ValueError at .remote()); a bundle may hold any of them
+        # (object_store_memory, the other such key, is refused by ScalingConfig).
         opts = dict(
             num_cpus=bundle.get("CPU", 0),
             num_gpus=bundle.get("GPU", 0),
-            resources={k: v for k, v in bundle.items() if k not in own},
-            **{k: bundle[k] for k in _OWN_ARGUMENT if k in bundle},
+            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
+            **({"memory": bundle["memory"]} if "memory" in bundle else {}),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle_index
             ),
@@ -376,6 +373,12 @@ class WorkerGroup:
         notes, self.spare_notes = self.spare_notes, []
         return notes
 
+    def take_newly_ready(self) -> list[Member]:
+        """Spares whose model was built since the last call (a rank standing by after a shrink
+        is none: it joined the pool built), oldest first."""
+        ready, self._newly_ready = self._newly_ready, []
+        return ready
+
     def collect_spares(self, block: bool = False, timeout_s: float | None = None) -> int:
         """Move spares whose model is built into the ready list; returns how many are ready.
 
@@ -417,6 +420,7 @@ class WorkerGroup:
                     self._release(m)
                     continue
                 self.spares.append(m)
+                self._newly_ready.append(m)
             else:
                 still.append(m)
         self._pending_spares = still
