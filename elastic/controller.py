@@ -1289,8 +1289,8 @@ class Controller:
             self._count_failure(kind)
             found = self._settle_survivors(set(lost))
             if found:
-                self.log("failure", f"rank(s) {sorted(found)} found dead too as the survivors left the group",
-                         ranks=sorted(found))
+                self.log("failure", f"rank(s) {sorted(found)} lost too as the survivors left the group "
+                         "(dead, or killed as hung)", ranks=sorted(found))
                 lost = tuple(sorted(set(lost) | found))
             healed |= set(lost)
             self._unhealed = lost  # until the decision is carried out: not in world_size
@@ -1379,20 +1379,29 @@ class Controller:
 
     def _settle_survivors(self, dead: set[int]) -> set[int]:
         """Make every survivor leave the broken group (they are unblocked by now), and evict the
-        lost. Returns the ranks that leave found dead too.
+        lost. Returns the ranks that leave found dead too, or killed as hung.
 
         Ranks that die together (a node going, a step that kills two) are not always seen
         together: one whose call was queued behind a late first-N window, or that died a moment
         after the first, shows its death only on its next call, and this is that call. Taken
         in here, they are healed with the others in one decision, not in a second round after
         the rebuild has failed on them.
+
+        A survivor whose leave() is not back within ``collective_timeout_s`` is stuck in its own
+        code (a hang in a call queued ahead of the leave: a collective would have been broken by
+        the loss). It is killed as hung and healed in the same decision, as an eviction does
+        with a survivor that does not leave: failing the run for it would turn one lost node
+        into a restart from the last checkpoint.
         """
         survivors = [m for m in self.group.members if m.rank not in dead]
         refs, stuck = self._ask_to_leave(survivors)
         if stuck:
-            raise TrainingFailed(self._fail_message(f"rank {min(stuck.values())} did not leave the broken group"))
-        found: set[int] = set()
+            self._kill_hung(stuck, f"did not leave the broken group within collective_timeout_s="
+                                   f"{self.failure_config.collective_timeout_s:g}")
+        found: set[int] = set(stuck.values())
         for m, ref in zip(survivors, refs):
+            if m.rank in found:
+                continue
             try:
                 ray.get(ref)
             except ray.exceptions.RayError:  # dead, or could not leave its group: lost either way

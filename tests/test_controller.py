@@ -766,6 +766,49 @@ def test_a_survivor_that_never_leaves_during_an_eviction_is_killed_as_hung_and_h
     assert [(r["kind"], r["ranks"]) for r in c.recoveries] == [("hang", [1, 2])]
 
 
+def test_a_survivor_that_never_leaves_after_a_failure_is_killed_as_hung_and_healed_with_it(ray_cluster):
+    # Rank 1 dies; as the survivors are asked to leave the broken group, rank 2 is stuck in its
+    # own code (a call queued ahead of its leave). The run used to fail there ("did not leave the
+    # broken group"): one lost rank became a restart. Now rank 2 is killed as hung and both are
+    # healed by spares in one decision.
+    import threading
+
+    c = controller("fake-settle-stuck", workers=3, backups=2, global_batch_size=12,
+                   failure=elastic.FailureConfig(collective_timeout_s=2),
+                   faults=[{"kind": "kill", "rank": 1, "at_step": 5}])
+    c.scaling.steps_per_dispatch = 1
+    settle, stalled = c._settle_survivors, []
+
+    def stall_then_settle(dead):
+        if not stalled:
+            stalled.append(c.group.members[2].name)
+            c.group.members[2].actor.stall.remote(3600)
+        return settle(dead)
+    c._settle_survivors = stall_then_settle
+    errors = []
+
+    def run():
+        try:
+            c.run_for(steps=8)
+        except BaseException as exc:  # the test thread reports it
+            errors.append(exc)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    try:
+        assert not t.is_alive(), "the recovery waited for good on a survivor that never left"
+    finally:
+        c.shutdown()
+    assert not errors, errors
+    assert c.state is State.FINISHED and c.step == 8
+    assert stalled == ["rank-2"]
+    hangs = [e for e in c.events if e.kind == "hang"]
+    assert [e.details["rank"] for e in hangs] == [2] and "did not leave the broken group" in hangs[0].message
+    decisions = [e for e in c.events if e.kind == "decision"]
+    assert [(e.details["decision"], e.details["lost"]) for e in decisions] == [("ReplaceWithSpares", [1, 2])]
+    assert [r["ranks"] for r in c.recoveries] == [[1, 2]] and c.failures == 1
+
+
 def test_with_requeueing_a_steps_recorded_data_position_holds_its_drops():
     # A rollback to a step replans from the data position recorded for it; recorded at dispatch,
     # that position lacked the step's dropped (requeued) samples, and they were never used.
