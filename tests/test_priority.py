@@ -7,6 +7,7 @@ may raise a thread's priority again (root, CAP_SYS_NICE or RLIMIT_NICE).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 
@@ -83,3 +84,31 @@ def test_the_thread_is_restored_when_the_build_fails():
         return os.sched_getscheduler(0)
 
     assert in_thread(body) == os.SCHED_OTHER
+
+
+def test_processes_started_during_the_build_are_restored_too():
+    # A dataset_fn that starts a helper process (a loader pool, a tokenizer server) gave it the
+    # build's SCHED_IDLE, and it kept it after the spare was promoted: the spare's steps then
+    # waited on a process served from idle CPU. Its child (a grandchild of the build) as well.
+    script = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "print(p.pid, flush=True); time.sleep(60)")
+
+    def body():
+        with idle_priority(True) as idle:
+            child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+            grandchild = int(child.stdout.readline())
+            inside = (os.sched_getscheduler(child.pid), os.sched_getscheduler(grandchild))
+        try:
+            return idle, inside, (os.sched_getscheduler(child.pid), os.sched_getscheduler(grandchild))
+        finally:
+            os.kill(grandchild, 9)
+            child.kill()
+            child.wait(10)
+
+    idle, inside, after = in_thread(body)
+    if can_restore_priority():
+        assert idle is True and inside == (os.SCHED_IDLE, os.SCHED_IDLE)
+    else:
+        assert idle is False and inside == (os.SCHED_OTHER, os.SCHED_OTHER)
+    assert after == (os.SCHED_OTHER, os.SCHED_OTHER)

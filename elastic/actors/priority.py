@@ -6,9 +6,11 @@ the benchmark workload. On a node whose cores the ranks already fill, those seco
 out of training: 200 steps ran at ~75% speed after every eviction.
 
 ``idle_priority`` runs that start-up with the calling thread in ``SCHED_IDLE``, the Linux policy
-that gets a core only when no normal thread wants it (threads the start-up creates inherit it).
-On the way out every thread of the process still in ``SCHED_IDLE`` goes back to ``SCHED_OTHER``,
-so the spare trains at full priority once promoted. Why not ``nice``: Ray already starts its
+that gets a core only when no normal thread wants it (threads and processes the start-up creates
+inherit it). On the way out every thread of the process still in ``SCHED_IDLE`` goes back to
+``SCHED_OTHER``, and so does every thread of the processes the start-up left running under it (a
+``dataset_fn`` that starts a loader pool or a tokenizer server, say): those would otherwise serve
+the promoted spare's steps from idle CPU and make it the next straggler. Why not ``nice``: Ray already starts its
 workers at nice 15, and nice 19 against 15 is only a 2.4x weight; the ranks still lost most
 of that CPU.
 
@@ -62,6 +64,49 @@ def _thread_ids() -> list[int]:
         return [0]
 
 
+def _descendants(pid: int) -> list[int]:
+    """The live processes under ``pid`` (children, theirs, ...), from /proc; [] where unreadable."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        # Fields after the command name, which may hold spaces and parentheses: state, ppid, ...
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, []))
+    return out
+
+
+def _thread_ids_of(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def _restore(tid: int) -> None:
+    """Move thread ``tid`` from SCHED_IDLE back to SCHED_OTHER (others are left as they are)."""
+    try:
+        if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError as exc:  # ended meanwhile; or, against the check above, not allowed
+        if not isinstance(exc, ProcessLookupError):
+            logger.warning("thread %d: could not leave SCHED_IDLE: %s", tid, exc)
+
+
 def idle_threads() -> int:
     """How many threads of this process are in SCHED_IDLE (0 off Linux)."""
     if not hasattr(os, "SCHED_IDLE"):
@@ -90,9 +135,13 @@ def idle_priority(enabled: bool = True) -> Iterator[bool]:
     try:
         yield True
     finally:
+        # This process's threads first: a process they start from now on inherits the normal
+        # policy, so the scan of the processes already started misses none still idle-class
+        # (bar one that an idle-class child starts during the scan). Threads are addressed by id
+        # (the policy is per thread), a child's as this process's own; a child is ours to raise
+        # again: same user, and it inherited the rlimit checked above.
         for tid in _thread_ids():
-            try:
-                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            except OSError as exc:  # ended meanwhile; or, against the check above, not allowed
-                logger.warning("thread %d: could not leave SCHED_IDLE: %s", tid, exc)
+            _restore(tid)
+        for pid in _descendants(os.getpid()):
+            for tid in _thread_ids_of(pid):
+                _restore(tid)
