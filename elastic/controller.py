@@ -1826,6 +1826,7 @@ class Controller:
             # a failure's gather does.
             self._abort_collectives({r})
         stuck: dict = {}
+        asked = time.time()
         try:
             # Bounded like any group change: a survivor stuck in its own code (a hang in the
             # window it still held) never runs its queued leave(), and nothing else would catch it
@@ -1854,7 +1855,8 @@ class Controller:
             self._kill_hung(stuck, f"did not leave the group within collective_timeout_s="
                                    f"{self.failure_config.collective_timeout_s:g} while straggler rank {r} "
                                    "was evicted")
-            self._recover(Failure(set(stuck.values()) | {r}, "hang"))
+            # Found by the wait for its leave: detected that long after it was asked.
+            self._recover(Failure(set(stuck.values()) | {r}, "hang", detect_s=time.time() - asked))
             return
         if self.metrics is not None:
             self.metrics.on_recovery("straggler", time.time() - t0)

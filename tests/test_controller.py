@@ -764,6 +764,7 @@ def test_a_survivor_that_never_leaves_during_an_eviction_is_killed_as_hung_and_h
     hangs = [e for e in c.events if e.kind == "hang"]
     assert hangs and hangs[0].details["rank"] == 2 and "while straggler rank 1 was evicted" in hangs[0].message
     assert [(r["kind"], r["ranks"]) for r in c.recoveries] == [("hang", [1, 2])]
+    assert c.recoveries[0]["detect_s"] >= 2  # the wait for its leave: collective_timeout_s
 
 
 def test_a_survivor_that_never_leaves_after_a_failure_is_killed_as_hung_and_healed_with_it(ray_cluster):
