@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import ray
 
@@ -1103,11 +1103,12 @@ class Controller:
                 break
             now = time.time()
             if first_problem is not None and now - first_problem > cfg.collective_timeout_s:
-                self._kill_hung(self._culprits(pending), "did not leave a broken collective")
+                self._kill_hung(self._culprits(pending), "did not leave a broken collective", gone=dead)
                 first_problem = time.time()
                 continue
             if now - t0 > cfg.step_timeout_s:
-                self._kill_hung(self._culprits(pending), f"step exceeded step_timeout_s={cfg.step_timeout_s:g}")
+                self._kill_hung(self._culprits(pending), f"step exceeded step_timeout_s={cfg.step_timeout_s:g}",
+                                gone=dead)
                 t0 = time.time()  # the peers of a killed rank get a fresh step timeout to fail over
                 continue
             if not ready and now - t0 > cfg.heartbeat_interval_s:
@@ -1214,15 +1215,18 @@ class Controller:
         last = max(info, key=lambda r: info[r]["phase_since"])
         return {ref: r for ref, r in refs.items() if r == last}
 
-    def _kill_hung(self, pending: dict, why: str) -> None:
+    def _kill_hung(self, pending: dict, why: str, gone: Iterable[int] = ()) -> None:
+        """Kill the ranks in ``pending`` (ref -> rank) as hung. ``gone``: ranks known dead or
+        evicted, which must not be asked to reap them."""
         for ref, r in pending.items():
             self.log("hang", f"rank {r} {why}; killing it so its peers unblock", rank=r)
             self._hung.add(self.group.members[r].name)
             ray.kill(self.group.members[r].actor, no_restart=True)
-            self._reap(self.group.members[r])
+            self._reap(self.group.members[r], avoid={self.group.members[g].name for g in gone})
 
-    def _reap(self, hung: Member) -> None:
-        """SIGKILL a hung rank's process from a live actor on its node.
+    def _reap(self, hung: Member, avoid: set[str] = frozenset()) -> None:
+        """SIGKILL a hung rank's process from a live actor on its node (not one named in
+        ``avoid``, nor one killed as hung: a dead actor's reap would never run).
 
         Why on top of ``ray.kill``: that asks the process to exit and force-kills it only after
         Ray's ``kill_worker_timeout_milliseconds`` (5 s by default). A process that answers
@@ -1234,7 +1238,8 @@ class Controller:
         if not node or not pid:
             return
         for other in self._all_actors():
-            if other is not hung and other.info.get("node_id") == node and other.name not in self._hung:
+            if other is not hung and other.info.get("node_id") == node and other.name not in self._hung \
+                    and other.name not in avoid:
                 other.actor.reap.remote(pid)  # fire and forget: the death shows up on the refs
                 return
 
@@ -1397,7 +1402,7 @@ class Controller:
         refs, stuck = self._ask_to_leave(survivors)
         if stuck:
             self._kill_hung(stuck, f"did not leave the broken group within collective_timeout_s="
-                                   f"{self.failure_config.collective_timeout_s:g}")
+                                   f"{self.failure_config.collective_timeout_s:g}", gone=dead)
         found: set[int] = set(stuck.values())
         for m, ref in zip(survivors, refs):
             if m.rank in found:
@@ -1854,7 +1859,7 @@ class Controller:
         if stuck:  # out of the try: a Ray error in this recovery is its own, not the eviction's
             self._kill_hung(stuck, f"did not leave the group within collective_timeout_s="
                                    f"{self.failure_config.collective_timeout_s:g} while straggler rank {r} "
-                                   "was evicted")
+                                   "was evicted", gone=(r,))
             # Found by the wait for its leave: detected that long after it was asked.
             self._recover(Failure(set(stuck.values()) | {r}, "hang", detect_s=time.time() - asked))
             return

@@ -140,7 +140,7 @@ def test_a_restart_forgets_the_ranks_killed_as_hung_so_the_new_ones_of_those_nam
     _restart_with_stand_ins(c, monkeypatch, begun=7, restored_step=5)
     assert c._hung == set() and c.step == 5 and c.recomputed == 2
     killed = []
-    monkeypatch.setattr(c, "_kill_hung", lambda stuck, why: killed.append(sorted(stuck.values())))
+    monkeypatch.setattr(c, "_kill_hung", lambda stuck, why, gone=(): killed.append(sorted(stuck.values())))
     c._lagging = {"window": (1, time.time() - 10)}  # the new rank 1, late for 10 s
     c._check_late_hung()
     assert killed == [[1]]
@@ -259,3 +259,30 @@ def test_a_rank_lost_while_every_rank_restarts_starts_them_all_again(rayless_con
                             group_cls=lambda scaling, spec, namespace: FlakyStart(ranks=2))
     assert starts == [2, 2] and c.failures == 2 and c.step == 3
     assert any(e.kind == "failure" and "starting them all again" in e.message for e in c.events)
+
+
+class Reaper:
+    """A stand-in rank's actor handle that records the pids it is asked to reap."""
+
+    def __init__(self):
+        self.reaped: list[int] = []
+        self.reap = self
+
+    def remote(self, pid):
+        self.reaped.append(pid)
+
+
+@pytest.mark.parametrize("gone", [(), (0,)])
+def test_a_hung_rank_is_reaped_by_a_live_peer_on_its_node_not_a_lost_one(rayless_controller, monkeypatch, gone):
+    # A survivor killed as hung while the group settles after a loss: the lost rank on its node
+    # (still a member until the decision) was asked to reap it, a call a dead actor never runs,
+    # so a stopped process held its peers for Ray's kill timeout.
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3))
+    c.group = StandInGroup(ranks=3)
+    for m in c.group.members:
+        m.actor, m.info = Reaper(), {"node_id": "n", "pid": 100 + m.rank}
+    monkeypatch.setattr(controller_module.ray, "kill", lambda actor, no_restart=True: None)
+    c._kill_hung({"ref": 2}, "did not leave (test)", gone=gone)
+    reaper = 1 if gone else 0
+    assert [m.actor.reaped for m in c.group.members] == [[102] if m.rank == reaper else [] for m in c.group.members]
+    assert c._hung == {"rank-2"}
