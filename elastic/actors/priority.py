@@ -10,9 +10,9 @@ that gets a core only when no normal thread wants it (threads and processes the 
 inherit it). On the way out every thread of the process still in ``SCHED_IDLE`` goes back to
 ``SCHED_OTHER``, and so does every thread of the processes the start-up left running under it (a
 ``dataset_fn`` that starts a loader pool or a tokenizer server, say): those would otherwise serve
-the promoted spare's steps from idle CPU and make it the next straggler. Why not ``nice``: Ray already starts its
-workers at nice 15, and nice 19 against 15 is only a 2.4x weight; the ranks still lost most
-of that CPU.
+the promoted spare's steps from idle CPU and make it the next straggler. Why not ``nice``: Ray
+already starts its workers at nice 15, and nice 19 against 15 is only a 2.4x weight; the ranks
+still lost most of that CPU.
 
 Where it does not hold: on the 2-vCPU VM of the benchmarks, idle CPU is not free. A plain
 ``SCHED_IDLE`` busy loop (no memory traffic) cut first-N training from ~13.3k to ~10.2k
