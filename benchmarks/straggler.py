@@ -41,6 +41,19 @@ plain 0.356, first-N 0.879, evict 0.742 (healthy 9,431 and 9,067 samples/s). Alt
 not tell them apart: first-N 9,684 and 8,705 samples/s before against 9,788 and 8,735 after,
 with healthy plain moving between 9,730 and 12,843 from run to run. With every core busy, what
 a step costs is its CPU, and the agreement's round trips were mostly waiting.
+
+Where the eviction's figure stands on the 2-vCPU VM (2026-11-27, ``--modes evict,first_n_healthy
+--rounds 2 --skip-accuracy --evict-steps 1200``): evict 0.829/0.856 of healthy plain over the
+1,115-1,153 steps after the eviction; over the ~800 steps after the refill spare was ready (steps
+405 and 383), 0.914/0.920, while first-N with no straggler ran at 0.917 of healthy plain: once
+the pool is whole again the run is as fast as first-N without a straggler, and what remains is
+the fifth replica on two cores. Per-process CPU from /proc over ~520 steady steps (healthy plain
+against first-N with no straggler and late_backoff_steps=100000, so a step's fast set is known
+and one replica rests): the four DDP ranks 27.3-30.0 ms of CPU a step in all, the five replicas
+31.6-33.8 ms: the resting replica ~1.8-5 ms a step (receive the update, the optimizer step, its
+share of Ray's calls) and each computing one ~0.7 ms more than a DDP rank (the leader's copy and
+send to the resting one, the flat buffer's bookkeeping). With the default backoff (8), the steps
+agreed on the store (15%, all five computing) bring it to 32.5-37 ms.
 """
 
 from __future__ import annotations
