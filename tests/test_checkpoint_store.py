@@ -1353,6 +1353,39 @@ def test_flush_sweeps_superseded_writes_and_leaves_newer_ones(backend):
     committer.close()
 
 
+def test_the_sweep_never_deletes_a_step_this_run_committed_when_its_manifest_reads_as_missing(backend,
+                                                                                               monkeypatch):
+    """An object store's read that answers "not found" for a manifest just listed (a lagging
+    replica, a cache): the sweep took the committed step for a torn write and deleted all of
+    it, a step retention keeps. Steps the committer knows committed are not the sweep's."""
+    store = make_store(backend)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=3600, retention_interval_s=3600)
+    for step in (1, 2, 3):
+        hand_over(committer, store, step, tiny_state(step))
+        deadline = time.monotonic() + 10
+        while committer.latest_committed != step and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert committer.flush(10) and store.committed_steps() == [1, 2, 3]
+    real = store.load_manifest
+
+    def lagging(step, *args, **kwargs):
+        if step == 2:
+            raise FileNotFoundError(f"{step_dir(step)}/manifest.json")
+        return real(step, *args, **kwargs)
+    monkeypatch.setattr(store, "load_manifest", lagging)
+    store.write_rank_files(4, 0, 2, tiny_state(4))  # a torn write the sweep should take
+    hand_over(committer, store, 5, tiny_state(5))
+    deadline = time.monotonic() + 10
+    while committer.latest_committed != 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert committer.flush(10)
+    monkeypatch.setattr(store, "load_manifest", real)
+    assert store.committed_steps() == [2, 3, 5] and store.step_dirs() == [2, 3, 5]
+    swept = [e["deleted"] for e in committer.drain_events() if e["event"] == "checkpoint_deleted"]
+    assert sorted(s for d in swept for s in d) == [1, 4]
+    committer.close()
+
+
 # ---- does a checkpoint fit the model and optimizer? ---------------------------------------------
 def _trained_state(model, optimizer_fn):
     opt = optimizer_fn(model.parameters())

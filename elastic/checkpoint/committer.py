@@ -425,7 +425,12 @@ class CheckpointCommitter:
                 if passed:
                     self._above_base = [s for s in self._above_base if s >= step]
                     self.store.schedule_deletes(passed)
-                return self._retain(force), self._sweep(step, pending, force)
+                retention = self._retain(force)
+                # Steps known committed (and kept by retention) are never the sweep's, whatever
+                # one manifest read says: a read that answers "not found" for a step this run
+                # committed (an object store's lagging read, a cache) made the sweep delete a
+                # step retention had promised to keep.
+                return retention, self._sweep(step, pending | set(self._committed), force)
         except Exception as exc:  # noqa: BLE001
             logger.exception("checkpoint cleanup failed (retention and GC retry on the next pass)")
             return CleanupReport(error=f"{type(exc).__name__}: {exc}"), CleanupReport()
@@ -459,7 +464,8 @@ class CheckpointCommitter:
 
     def _sweep(self, older_than: int, pending: set, force: bool = False) -> CleanupReport:
         """Remove uncommitted directories older than ``older_than`` (a committed step), at most
-        every ``gc_interval_s`` unless ``force``; ``pending`` steps are still being written. Safe
+        every ``gc_interval_s`` unless ``force``; ``pending`` steps (still being written, or known
+        committed) are left alone. Safe
         below a committed step: every rank writes its steps in order and was done with them
         before that step could commit, so none of them is still being written or can commit."""
         now = time.monotonic()
