@@ -358,12 +358,26 @@ class Trainer:
             except KeyboardInterrupt:
                 stopped_by = "SIGTERM" if "SIGTERM" in signals else "KeyboardInterrupt"
                 out = self._stop(ref, stopped_by)
+            except ray.exceptions.RayError as exc:
+                # The controller itself is gone (Ray's memory monitor, a crash, a kill from the
+                # dashboard): it never ran WorkerGroup.shutdown, and its placement groups stay
+                # reserved while this driver lives, so a next fit() would wait for resources
+                # nothing uses. Kill what is left of it, free them, and say how to go on.
+                self._abandon_controller()
+                raise TrainingFailed(
+                    f"run {self.run.name!r}: its controller was lost ({type(exc).__name__}: {str(exc)[:500]}); "
+                    f"fit() again with RunConfig.name={self.run.name!r} and the same storage continues from the "
+                    "latest committed checkpoint") from exc
         # The final weights are owned by the controller: fetch them before it goes.
         state_ref = out.pop("model_state_ref", None)
         if state_ref:
-            out["model_state"] = ray.get(state_ref[0])
-        ray.kill(self.controller, no_restart=True)
-        self.controller = None
+            try:
+                out["model_state"] = ray.get(state_ref[0])
+            except ray.exceptions.RayError as exc:  # their holder died after the run ended
+                logger.warning("run %r: the final weights could not be fetched (%s); the result has no "
+                               "model_state (the latest committed checkpoint has them, if storage was set)",
+                               self.run.name, type(exc).__name__)
+        self._abandon_controller(release=False)
         if "error" in out:
             err = out["error"]
             if err["type"] == "WorkerError":
@@ -419,6 +433,16 @@ class Trainer:
         ray.kill(old, no_restart=True)
         self._release_placement()
 
+    def _abandon_controller(self, release: bool = True) -> None:
+        """Kill this run's controller (if any is left) and, with ``release``, remove the placement
+        groups it may have left (``_release_placement``): after a controller that did not end
+        its run itself."""
+        if self.controller is not None:
+            ray.kill(self.controller, no_restart=True)
+            self.controller = None
+        if release:
+            self._release_placement()
+
     def _release_placement(self) -> None:
         """After a kill of this run's controller: its placement groups (see
         ``remove_run_placement_groups``)."""
@@ -442,9 +466,7 @@ class Trainer:
             self.controller.stop.remote(why)
             return ray.get(ref, timeout=self.run.stop_timeout_s)
         except BaseException as exc:
-            ray.kill(self.controller, no_restart=True)
-            self.controller = None
-            self._release_placement()
+            self._abandon_controller()
             # A KeyboardInterrupt, as a clean stop's TrainingStopped is: Ray's GetTimeoutError is
             # an Exception, so `except Exception` swallowed the user's interrupt and said nothing of it.
             what = ("a second interrupt" if isinstance(exc, KeyboardInterrupt)

@@ -399,6 +399,36 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     assert states and set(states) == {"REMOVED"}
 
 
+def test_a_controller_lost_mid_run_fails_the_fit_and_frees_its_placement_groups(ray_cluster):
+    """The controller actor dies in its run (Ray's memory monitor, a crash, a kill from the
+    dashboard): fit() raised Ray's raw RayActorError and left the controller's placement groups
+    reserved while the driver lived, so a next fit() of the run waited for resources nothing
+    used. Now it is a TrainingFailed that says how to go on, and the groups are removed."""
+    import os
+
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    @ray.remote(num_cpus=0)
+    class Dies:  # a controller that holds a placement group, as its worker group does, then dies
+        def __init__(self, kwargs):
+            self.pg = placement_group([{"CPU": 0.01}], name="elastic-lost/ranks")
+            ray.get(self.pg.ready(), timeout=30)
+
+        def run(self, steps, epochs):
+            os._exit(1)
+
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
+                              run=elastic.RunConfig(name="lost", progress=False))
+    with pytest.raises(TrainingFailed, match="(?s)run 'lost': its controller was lost .*RunConfig.name='lost'") as info:
+        trainer._run_controller(Dies, {}, 1, None)
+    assert isinstance(info.value.__cause__, ray.exceptions.RayActorError)
+    assert trainer.controller is None
+    states = [row["state"] for row in placement_group_table().values() if row["name"] == "elastic-lost/ranks"]
+    assert states and set(states) == {"REMOVED"}
+
+
 def test_routine_events_keep_their_newest_and_every_other_event_stays(ray_cluster):
     from elastic.controller import ROUTINE_EVENTS_KEPT
 
