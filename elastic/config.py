@@ -203,6 +203,9 @@ class ScalingConfig:
                 raise ConfigError(
                     f"ScalingConfig.resources_per_worker[{key!r}] must be a finite number >= 0, {_got(value)}."
                 )
+            if 0 < value < 1e-4:  # Ray refuses it when the actor is created, inside the controller
+                raise ConfigError(f"ScalingConfig.resources_per_worker[{key!r}]={value:g} is finer than Ray's "
+                                  "resource precision (0.0001): use 0 or at least 0.0001.")
         if resources.get("object_store_memory", 0) > 0:
             # Measured with Ray 2.60: an actor asking for object_store_memory in a placement
             # group bundle crashed its raylet (local_resource_manager.cc check failure), taking

@@ -23,8 +23,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
-from elastic.config import (ConfigError, FailureConfig, RunConfig, ScalingConfig, _require_flag, _require_int,
-                            _require_positive)
+from elastic.config import (ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real, _require_flag,
+                            _require_int, _require_positive)
 from elastic.controller import TrainingFailed, WorkerError
 from elastic.policies import FailurePolicy
 
@@ -114,7 +114,10 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
     """Join or start Ray. Returns True when this call started an embedded local instance.
 
     ``None``: reuse an initialised Ray; else join the cluster named by ``RAY_ADDRESS`` (set by
-    ``ray job submit``); else start an embedded local Ray sized to hold the run.
+    ``ray job submit``); else start an embedded local Ray sized to hold the run. ``"local"`` (Ray's
+    name for a new local instance) is that embedded Ray whatever ``RAY_ADDRESS`` says: passed to
+    ``ray.init`` as it was, it started a Ray that fit() never shut down, without the import path
+    or GPU count below.
 
     ``use_gpu`` on an embedded Ray names the GPUs torch sees here. Why: Ray counts GPUs through
     NVML, and a Ray node started on a lent H100 in a Firecracker VM counted none while torch (the
@@ -126,7 +129,7 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
         return False
     if address is None and os.environ.get("RAY_ADDRESS"):
         address = "auto"
-    if address is None:
+    if address is None or address == "local":
         cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
         # Workers of an embedded Ray run on this machine: give them the driver's import path, so
         # factories defined in the user's own modules unpickle there.
@@ -143,6 +146,34 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
     with _users_sigterm_kept():
         ray.init(address=address, log_to_driver=True)
     return False
+
+
+def _valid_fault(f: Any, replicas: int) -> bool:
+    """A ``Trainer.faults`` entry the workers and the controller can carry out: a dict whose
+    rank, steps and factors have the types they are used with (a rank of "0" or a step of
+    "soon" failed inside the controller or a worker, after the actors started)."""
+    if not isinstance(f, dict):
+        return False
+
+    def count(key: str, low: int, default: Any = None) -> bool:
+        v = f.get(key, default)
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    def number(key: str) -> float | None:
+        v = f.get(key, 0)
+        return v if _finite_real(v) else None
+
+    if not (count("rank", 0) and f["rank"] < replicas):
+        return False
+    kind = f.get("kind")
+    if kind == "slow":
+        factor, delay = number("factor"), number("delay_s")
+        return count("from_step", 0) and factor is not None and delay is not None and (factor >= 1 or delay > 0)
+    if kind == "kill":
+        return count("at_step", 0) and isinstance(f.get("after_update", False), bool)
+    if kind == "hang":
+        return count("at_step", 0) and "after_update" not in f
+    return kind == "kill_spare" and count("recovery", 1, default=1)
 
 
 def _check_failure_actions(failure: FailureConfig, run: RunConfig, num_workers: int, global_batch: int) -> None:
@@ -283,13 +314,7 @@ class Trainer:
         self.requeue_dropped = requeue_dropped
         self.faults = list(faults or [])
         for f in self.faults:
-            ok = 0 <= f.get("rank", -1) < self.scaling.num_replicas and (
-                (f.get("kind") == "slow" and "from_step" in f
-                 and (f.get("factor", 0) >= 1 or f.get("delay_s", 0) > 0))
-                or (f.get("kind") == "kill" and "at_step" in f and isinstance(f.get("after_update", False), bool))
-                or (f.get("kind") == "hang" and "at_step" in f and "after_update" not in f)
-                or f.get("kind") == "kill_spare")
-            if not ok:
+            if not _valid_fault(f, self.scaling.num_replicas):
                 raise ConfigError(
                     f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1 or 'delay_s': d>0, 'from_step': s}} "
                     "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} (a kill may add 'after_update': True) "

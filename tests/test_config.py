@@ -49,6 +49,7 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"resources_per_worker": {"CPU": True}}, r"resources_per_worker\['CPU'\]"),
     ({"resources_per_worker": {"CPU": 1, "object_store_memory": 2**20}}, r"resources_per_worker\[.object_store_memory.\] is not supported"),
     ({"resources_per_worker": {"CPU": "1"}}, r"resources_per_worker\['CPU'\]"),
+    ({"resources_per_worker": {"CPU": 0.00001}}, r"resources_per_worker\['CPU'\]=1e-05 is finer than Ray's resource precision"),
 ])
 def test_scaling_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):
@@ -145,6 +146,30 @@ def test_bad_fault_plan():
     with pytest.raises(ConfigError, match="after_update"):
         _trainer(faults=[{"kind": "hang", "rank": 0, "at_step": 3, "after_update": True}])
     _trainer(faults=[{"kind": "kill", "rank": 0, "at_step": 3, "after_update": True}])  # accepted
+
+
+@pytest.mark.parametrize("faults", [
+    [{"kind": "kill", "rank": "0", "at_step": 1}],  # was a TypeError from the comparison
+    ["kill"],  # was an AttributeError ('str' object has no attribute 'get')
+    {"kind": "kill", "rank": 0, "at_step": 1},  # one dict, not a list of them: its keys were the entries
+    [{"kind": "kill", "rank": 0, "at_step": "soon"}],  # accepted, then failed inside a worker
+    [{"kind": "kill", "rank": True, "at_step": 1}],
+    [{"kind": "slow", "rank": 0, "factor": "3", "from_step": 1}],
+    [{"kind": "slow", "rank": 0, "factor": float("nan"), "from_step": 1}],
+    [{"kind": "slow", "rank": 0, "factor": 3, "from_step": 1.5}],
+    [{"kind": "kill_spare", "rank": 0, "recovery": 0}],
+    [{"kind": "explode", "rank": 0, "at_step": 1}],
+])
+def test_fault_entries_of_the_wrong_shape_or_type_are_refused_before_start(faults):
+    with pytest.raises(ConfigError, match="Trainer.faults entry"):
+        _trainer(faults=faults)
+
+
+def test_fault_entries_of_every_kind_are_accepted():
+    _trainer(faults=[{"kind": "slow", "rank": 0, "factor": 3, "from_step": 10},
+                     {"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 0},
+                     {"kind": "kill", "rank": 0, "at_step": 3}, {"kind": "hang", "rank": 0, "at_step": 2},
+                     {"kind": "kill_spare", "rank": 0, "recovery": 1}, {"kind": "kill_spare", "rank": 0}])
 
 
 def test_fit_needs_steps_or_epochs():
