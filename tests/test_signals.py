@@ -80,3 +80,28 @@ def test_a_users_handler_stays_in_charge_through_the_ray_init_of_connect():
     out = subprocess.run([sys.executable, "-c", USERS_HANDLER_THROUGH_CONNECT], env=env, capture_output=True,
                          text=True, timeout=180)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("address, ray_address, embedded, init_address", [
+    ("local", "", True, "local"),
+    ("local", "10.0.0.1:6379", True, "local"),  # "local" is a new local Ray whatever RAY_ADDRESS says
+    (None, "", True, "local"),
+    (None, "10.0.0.1:6379", False, "auto"),
+    ("10.0.0.1:6379", "", False, "10.0.0.1:6379"),
+])
+def test_which_addresses_start_the_embedded_ray_that_fit_shuts_down(monkeypatch, address, ray_address, embedded,
+                                                                    init_address):
+    # address="local" went to ray.init as it was: a local Ray that fit() never shut down, without
+    # the driver's import path for the workers.
+    import ray
+
+    from elastic import trainer as trainer_module
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    assert trainer_module.connect(address, min_cpus=1) is embedded
+    assert [c["address"] for c in calls] == [init_address]
+    if embedded:
+        assert "PYTHONPATH" in calls[0]["runtime_env"]["env_vars"]
