@@ -28,6 +28,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from elastic.redact import redact_url, redact_urls_in
+
 logger = logging.getLogger(__name__)
 
 NAMESPACE_PREFIX = "elastic-"
@@ -84,8 +86,11 @@ def _one_line(text: str, limit: int = 400) -> str:
 
 
 def _fail(message: str, code: int, hard_exit: bool = False) -> None:
-    # soft_wrap: a long reason must stay on one line however narrow the terminal is.
-    err_console.print(f"elastic: error: {_one_line(message, 1000)}", markup=False, highlight=False, soft_wrap=True)
+    # soft_wrap: a long reason must stay on one line however narrow the terminal is. Every URL's
+    # user:password@ and query go: an address given as http://user:pw@head:8265 (a dashboard
+    # behind basic auth) reaches errors through Ray's own messages too.
+    err_console.print(f"elastic: error: {_one_line(redact_urls_in(message), 1000)}", markup=False,
+                      highlight=False, soft_wrap=True)
     if hard_exit and _standalone:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -512,19 +517,26 @@ def _parse_value(text: str) -> Any:
 
 
 def parse_storage_options(pairs: list[str]) -> dict:
-    """``["k=v", "client_kwargs.region_name=eu-west-1"]`` -> nested dict; values parsed as JSON when they parse."""
+    """``["k=v", "client_kwargs.region_name=eu-west-1"]`` -> nested dict; values parsed as JSON when
+    they parse, except under a key that looks like a credential (``looks_secret``): a secret is a
+    string to s3fs and to the redactor, though it may read as a number or ``true``. Errors name
+    the key, never the value."""
+    from elastic.checkpoint.storage import looks_secret
+
     out: dict[str, Any] = {}
-    for pair in pairs:
+    for i, pair in enumerate(pairs, 1):
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            raise CliError(f"--storage-option {pair!r} is not KEY=VALUE", code=2)
+            raise CliError(f"--storage-option #{i} is not KEY=VALUE (no '=' or no key); its text is not "
+                           "shown, as it may hold a credential", code=2)
         *parents, leaf = key.strip().split(".")
         node = out
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise CliError(f"--storage-option {pair!r} conflicts with an earlier value of {part!r}", code=2)
-        node[leaf] = _parse_value(value)
+                raise CliError(f"--storage-option {key.strip()}=... conflicts with an earlier value of {part!r}",
+                               code=2)
+        node[leaf] = value if looks_secret(leaf) else _parse_value(value)
     return out
 
 
@@ -767,7 +779,9 @@ def submit(
         raise CliError(f"cannot reach the Ray dashboard at {where}: {_one_line(text)}") from None
     runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id)
-    dashboard = client.get_address().rstrip("/")
+    # Printed, so without credentials: Ray keeps an address's user:password@ (basic auth in front
+    # of the dashboard), and the logs command below then needs it given again.
+    dashboard = redact_url(client.get_address().rstrip("/"))
     for line in (f"job: {job_id}", f"entrypoint: {entrypoint}", f"dashboard: {dashboard}/#/jobs/{job_id}"):
         _plain(line)
     if not follow:

@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from elastic.checkpoint import CheckpointStore
-from elastic.cli import app, parse_storage_options
+from elastic.cli import CliError, app, parse_storage_options
 from test_jobs_e2e import ROOT, RayHead, free_ports
 
 runner = CliRunner(env={"COLUMNS": "200"})  # tables unabridged whatever the terminal
@@ -236,6 +236,23 @@ def test_parse_storage_options_nests_and_parses_json():
                     "config_kwargs": {"retries": {"max_attempts": 1}}, "key": "abc"}
 
 
+def test_storage_option_secrets_stay_strings_and_errors_never_show_them():
+    # A secret of digits was parsed as an int: the redactor collects strings, and s3fs wants one.
+    opts = parse_storage_options(["secret=12345678901234567890", "token=true", "client_kwargs.x=1"])
+    assert opts == {"secret": "12345678901234567890", "token": "true", "client_kwargs": {"x": 1}}
+    from elastic.checkpoint.storage import Storage
+
+    assert "12345678901234567890" not in Storage("memory://cli-redact", {"key": 12345678901234567890}).redact(
+        "failed with key 12345678901234567890")
+    # The conflict used to be reported with the whole pair, the secret in it.
+    with pytest.raises(CliError) as info:
+        parse_storage_options(["client_kwargs=x", "client_kwargs.aws_secret_access_key=SuperSecret99"])
+    assert "SuperSecret99" not in str(info.value) and "client_kwargs.aws_secret_access_key" in str(info.value)
+    with pytest.raises(CliError) as info:
+        parse_storage_options(["anon=false", "SuperSecret99"])  # a value pasted without its key
+    assert "SuperSecret99" not in str(info.value) and "#2 is not KEY=VALUE" in str(info.value)
+
+
 def test_status_summary_says_when_checkpoint_storage_does_not_answer():
     from elastic.cli import _summary
 
@@ -331,6 +348,38 @@ def test_submit_address_wins_over_the_environment(monkeypatch, tmp_path):
     assert os.environ["RAY_ADDRESS"] == "http://a.example:8265"  # put back
     runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path)])
     assert seen[-1] == "http://a.example:8265"  # without --address the environment still counts
+
+
+def test_submit_never_prints_the_dashboards_credentials(monkeypatch, tmp_path):
+    # A dashboard behind basic auth: Ray's client keeps the user:password@ of the address, and
+    # submit printed it in its dashboard and logs lines, and in the error when unreachable.
+    import ray.job_submission
+
+    class Client:
+        reachable = True
+
+        def __init__(self, address):
+            self.address = address
+            if not Client.reachable:
+                raise ConnectionError(f"Failed to connect to Ray at address: {address}")
+
+        def submit_job(self, **kw):
+            return "raysubmit_1"
+
+        def get_address(self):
+            return self.address
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    args = ["submit", "job.py", "--working-dir", str(tmp_path), "--address", "http://alice:S3cretPw@head:8265"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "S3cretPw" not in result.stdout + result.stderr
+    assert "dashboard: http://***@head:8265/#/jobs/raysubmit_1" in result.stdout
+    Client.reachable = False
+    result = runner.invoke(app, args)
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert "S3cretPw" not in result.stdout + result.stderr and "cannot reach the Ray dashboard at http://***@head" in line
 
 
 def test_submit_refuses_a_mistyped_option_and_passes_the_scripts_arguments_after_the_double_dash(

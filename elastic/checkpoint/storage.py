@@ -73,14 +73,21 @@ class RetryPolicy:
         return min(self.max_s, self.base_s * (2 ** attempt)) * random.uniform(0.5, 1.0)
 
 
+def looks_secret(key: Any) -> bool:
+    """Whether a storage_options key looks like it holds a credential (``_SECRET_KEY_HINTS``)."""
+    return any(h in str(key).lower() for h in _SECRET_KEY_HINTS)
+
+
 def _secret_values(options: Any) -> set[str]:
-    """Every string in storage_options stored under a key that looks like a credential."""
+    """Every string (or number: a secret that happens to be all digits, parsed as one) in
+    storage_options stored under a key that looks like a credential."""
     found: set[str] = set()
     if isinstance(options, dict):
         for key, value in options.items():
-            if isinstance(value, str) and any(h in str(key).lower() for h in _SECRET_KEY_HINTS):
-                if len(value) >= 4:  # a 1-3 character "secret" would redact half of every message
-                    found.add(value)
+            scalar = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+            if scalar and looks_secret(key):
+                if len(str(value)) >= 4:  # a 1-3 character "secret" would redact half of every message
+                    found.add(str(value))
             else:
                 found |= _secret_values(value)
     elif isinstance(options, (list, tuple)):
