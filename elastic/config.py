@@ -1,7 +1,9 @@
 """User-facing configuration: stdlib dataclasses validated in ``__post_init__``.
 
 Every check here runs before any actor starts, and every message names the field to change.
-Checks that need the cluster (GPUs present, placement can fit) live in ``elastic.placement``.
+Checks that need the cluster (GPUs present, enough resources) are
+``elastic.actors.worker_group.check_cluster_fits``, which the controller runs before any worker
+actor starts.
 """
 
 from __future__ import annotations
