@@ -483,7 +483,8 @@ class Storage:
             except StorageError as exc:
                 raise ConfigError(
                     f"RunConfig.storage={self.location!r}: cannot reach bucket {bucket!r}: {exc}. "
-                    "Check RunConfig.storage_options (endpoint_url, region, credentials)."
+                    "Check RunConfig.storage_options (endpoint_url, region, credentials); if the storage is "
+                    "down, start again once it answers (a run that is already training waits for it)."
                 ) from None
             if not found:
                 raise ConfigError(
