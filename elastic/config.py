@@ -310,7 +310,9 @@ class FailureConfig:
                 f"{_got(factor)}."
             )
         avoid = self.straggler_node_avoid_s
-        if isinstance(avoid, bool) or not isinstance(avoid, (int, float)) or not avoid >= 0:
+        # An int too large for a float (10**400) made the first eviction's deadline an OverflowError.
+        too_large = isinstance(avoid, int) and not isinstance(avoid, bool) and not _finite_real(avoid)
+        if isinstance(avoid, bool) or not isinstance(avoid, (int, float)) or too_large or not avoid >= 0:
             raise ConfigError(f"FailureConfig.straggler_node_avoid_s must be seconds >= 0 (0: spares may go back on a "
                               f"straggler's node at once; math.inf: never for this run), got {avoid!r}.")
 

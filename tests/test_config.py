@@ -70,6 +70,7 @@ def test_scaling_rejects(kwargs, field):
     ({"straggler_node_avoid_s": -1}, "straggler_node_avoid_s"),
     ({"straggler_node_avoid_s": float("nan")}, "straggler_node_avoid_s"),
     ({"straggler_node_avoid_s": "1h"}, "straggler_node_avoid_s"),
+    ({"straggler_node_avoid_s": 10**400}, r"straggler_node_avoid_s must be seconds >= 0 .*math.inf"),
     ({"straggler_factor": float("inf")}, r"straggler_factor must be finite.*set evict_stragglers=False instead"),
     ({"max_failures": True}, r"FailureConfig\.max_failures must be an integer >= 0, got True"),
     ({"min_workers": True}, r"FailureConfig\.min_workers must be an integer >= 1 or None"),
