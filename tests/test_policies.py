@@ -139,6 +139,35 @@ def test_one_slow_step_is_not_persistent():
         assert isinstance(p.decide(spares_ready=1), Continue)
 
 
+@pytest.mark.parametrize("window", [2, 3, 4])
+def test_one_slow_step_is_not_persistent_at_any_window(window):
+    # At window=2 the median of a rank's two timings was their mean: one step 10x slow scored
+    # 5.5 at two decisions in a row, and the healthy rank was evicted.
+    p = StragglerPolicy(factor=2.0, window=window, evict=True)
+    for step in range(12):
+        for r in range(4):
+            p.observe(r, 1.0 if (r == 1 and step == 5) else 0.1)
+        assert isinstance(p.decide(spares_ready=1), Continue), step
+
+
+def test_a_count_kept_while_the_rank_sat_out_does_not_evict_it_once_its_peers_are_as_slow():
+    # Rank 3 became persistent with no spare ready, then sat out (first-N) and reported nothing,
+    # its count frozen; meanwhile its peers slowed to 1.2x below its pace. A spare then came up and
+    # it was evicted as "1.20x the other ranks' median (threshold 2x)".
+    p = StragglerPolicy(factor=2.0, window=2, evict=True)
+    for _ in range(2):
+        for r in range(4):
+            p.observe(r, 0.5 if r == 3 else 0.1)
+        decision = p.decide(spares_ready=0)
+    assert isinstance(decision, Continue) and decision.straggler == 3
+    for r in range(3):
+        for _ in range(2):
+            p.observe(r, 0.42)  # the others slow down; rank 3 reports nothing
+    assert p.scores()[3] < 2.0
+    decision = p.decide(spares_ready=1)
+    assert isinstance(decision, Continue) and decision.straggler is None
+
+
 def test_pending_time_counts_for_a_busy_rank():
     p = StragglerPolicy(factor=2.0, window=2, evict=True)
     for r in range(4):

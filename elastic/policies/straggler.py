@@ -1,6 +1,7 @@
 """Straggler policy: score each rank's speed and name a persistent straggler for eviction.
 
-A rank's score is the median of its recent local step times divided by the median over the other ranks.
+A rank's score is the (lower) median of its recent local step times divided by the median over the other
+ranks.
 A rank whose score stays above ``straggler_factor`` for ``window`` consecutive steps is persistent.
 A rank still busy after the others finished (first-N mode does not wait for it) is scored by how
 long it has been late so far, so it does not look healthy just because it has not reported. The
@@ -73,7 +74,11 @@ class StragglerPolicy:
         # the training thread observes. ``list(d.items())`` runs in C under the GIL, so the copy
         # is whole; iterating the dict itself in Python code could meet a key added meanwhile
         # ("dictionary changed size during iteration"), and ``median`` copies a deque in C too.
-        medians = {r: statistics.median(t) for r, t in list(self._times.items()) if t}
+        # A rank's own median is the lower one: with an even window (2, say) the median of two
+        # timings is their mean, and one slow step then scored a healthy rank over the threshold
+        # for as long as it stayed in the window, which at window=2 was enough to evict it. The
+        # lower median needs more than half of the window slow, as an odd window's does.
+        medians = {r: statistics.median_low(t) for r, t in list(self._times.items()) if t}
         for r, busy in list(self._busy_for.items()):
             medians[r] = max(medians.get(r, 0.0), busy)
         if len(medians) < 2:
@@ -109,9 +114,10 @@ class StragglerPolicy:
         self._fresh.clear()
         if not self.evict:
             return Continue()
-        # Only a rank scored now: one whose evidence is gone (no timing since the last reset, and
-        # no longer late) keeps its count, but nothing says it is slow now.
-        candidates = [r for r, n in self._over.items() if n >= self.window and r in scores]
+        # Only a rank over the threshold now: one whose evidence is gone (no timing since the last
+        # reset, and no longer late) keeps its count, but nothing says it is slow now; nor does
+        # a count frozen while the rank sat out and its peers slowed down to its pace.
+        candidates = [r for r, n in self._over.items() if n >= self.window and scores.get(r, 0.0) > self.factor]
         if not candidates:
             return Continue()
         worst = max(candidates, key=scores.__getitem__)
