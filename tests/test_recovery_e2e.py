@@ -187,13 +187,26 @@ def test_with_no_spare_and_no_free_capacity_the_lost_ranks_bundle_hosts_its_repl
     assert [e["details"]["decision"] for e in result.events_of("decision")] == ["WaitForCapacity", "ReplaceWithSpares"]
 
 
-def test_the_slow_rank_of_two_is_evicted_for_a_spare_in_data_parallel(ray_cluster, clean_weights):
+def backward_in_step_fn(model, batch):
+    """A step_fn that runs the backward itself: under DDP it waits in the all-reduce inside."""
+    loss = loss_fn(model, batch)
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("step_fn, per_dispatch", [(None, 1), (backward_in_step_fn, 2)], ids=["loss_fn", "step_fn"])
+def test_the_slow_rank_of_two_is_evicted_for_a_spare_in_data_parallel(ray_cluster, clean_weights, step_fn,
+                                                                      per_dispatch):
     # Two ranks: scored against the median of both (their mean), the slow one never passed 2x.
+    # Under a step_fn a rank's local time was the whole call, the all-reduce wait inside it
+    # included: with two steps a dispatch the fast rank waits there for the slow one's previous
+    # step, every rank scored ~1 and the slow one was never found (now: local time runs up to
+    # the rank's first bucket going out, through DDP's comm hook, where the slowdown lands).
     failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=3.0, straggler_window=2,
                                     straggler_warmup_steps=1)
     t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, BATCH,
-                        scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, steps_per_dispatch=1),
-                        run=elastic.RunConfig(name="ddp-evict", seed=0), failure=failure,
+                        scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, steps_per_dispatch=per_dispatch),
+                        run=elastic.RunConfig(name="ddp-evict", seed=0), failure=failure, step_fn=step_fn,
                         faults=[{"kind": "slow", "rank": 1, "delay_s": 0.3, "from_step": 2}])
     result = t.fit(steps=STEPS)
     evictions = [e for e in result.events_of("decision") if e["details"]["decision"] == "EvictStraggler"]

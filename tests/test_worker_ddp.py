@@ -89,6 +89,80 @@ def test_a_collective_failure_frees_the_ddp_wrapper_before_its_group():
     assert (leaks, still_in_group) == (0, False)
 
 
+def _join_that_fails_after_the_group_formed(port: int, out) -> None:
+    """A real TrainWorker (no Ray) whose join fails once the process group is up (DDP's
+    constructor refuses, as a peer lost during its first broadcast would make it)."""
+    from helpers import loss_fn, make_dataset, make_model, make_sgd
+
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, loss_fn))
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("DDP refused (test)")
+    torch.nn.parallel.DistributedDataParallel = refuses
+    try:
+        worker.join(0, 1, "127.0.0.1", port, 1, 20.0)
+        out.put("joined")
+    except RuntimeError as exc:
+        out.put((str(exc), dist.is_initialized()))
+
+
+def test_a_join_that_fails_after_the_group_formed_leaves_it():
+    # The group stayed up after a failed join: its sockets and rank 0's store open, so peers
+    # blocked on this rank waited out collective_timeout_s instead of failing at once.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_join_that_fails_after_the_group_formed, args=(port, out))
+    proc.start()
+    got = out.get(timeout=120)
+    proc.join(timeout=60)
+    assert got == ("DDP refused (test)", False)
+
+
+class SlowToRead(torch.utils.data.Dataset):
+    """A dataset whose samples take 50 ms each to read (a slow disk, a crowded decoder)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        import time
+
+        time.sleep(0.05)
+        return torch.ones(16), i % 4
+
+
+def _local_time_of_a_step_with_slow_data(out) -> None:
+    from helpers import loss_fn, make_model, make_sgd
+
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    worker = TrainWorker(TrainingSpec(make_model, make_sgd, SlowToRead, loss_fn))
+    out.put(worker._train_step(1, [0, 1, 2, 3]).extra["local_time_s"])
+
+
+def test_a_ranks_local_time_counts_reading_its_batch():
+    # The local time the straggler policy scores began after the batch was read, so a rank slow
+    # at reading its data (4 samples x 50 ms here) looked as fast as its peers.
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_local_time_of_a_step_with_slow_data, args=(out,))
+    proc.start()
+    local = out.get(timeout=120)
+    proc.join(timeout=60)
+    assert local >= 0.2
+
+
 def test_bucket_arguments_by_backend():
     assert ddp_bucket_kwargs("gloo", None) == {"bucket_cap_mb": 25}
     assert ddp_bucket_kwargs("nccl", None) == {}  # torch's default: a small first bucket to overlap

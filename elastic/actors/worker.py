@@ -202,6 +202,10 @@ class TrainWorker:
         self._kill_after_update = False
         self._healthy_times: deque = deque(maxlen=32)  # step wall times before an injected slowdown
         self._slow_base: float | None = None
+        # A step_fn under DDP: (step, its start) while it runs, and when this rank first reached its
+        # peers in it (_first_contact_hook)
+        self._step_clock: tuple[int, float] | None = None
+        self._contact: float | None = None
         self.phase, self.phase_since = "idle", time.time()
         self._ckpt = None
 
@@ -332,11 +336,26 @@ class TrainWorker:
         self.rank, self.world_size, self.generation = rank, world_size, generation
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-        # A failure of the group itself (a peer gone, the store unreachable) is a CollectiveError, as
-        # in a step, for the controller to recover from; anything else is the model's, the user's.
         if self.backend == "nccl":
             for key, value in NCCL_ERROR_ENV.items():
                 os.environ.setdefault(key, value)  # the user's own setting wins
+        try:
+            self._join(rank, world_size, master_addr, master_port, generation, timeout_s, use_ddp, subgroup_size,
+                       checksum_every, late_backoff_steps)
+        except BaseException:
+            # Torn down at once, as after a failed step (_run_guarded): a group formed before the
+            # failure (a peer lost during DDP's first broadcast, a subgroup, the part pool) left up
+            # keeps its sockets and rank 0's store open, and the peers blocked on them wait out
+            # collective_timeout_s instead of failing now.
+            self.leave()
+            raise
+        return {"rank": rank, "join_s": time.time() - t0}
+
+    def _join(self, rank: int, world_size: int, master_addr: str, master_port: int, generation: int,
+              timeout_s: float, use_ddp: bool, subgroup_size: int, checksum_every: int,
+              late_backoff_steps: int) -> None:
+        # A failure of the group itself (a peer gone, the store unreachable) is a CollectiveError, as
+        # in a step, for the controller to recover from; anything else is the model's, the user's.
         with _group_failures_as_collective(f"rank {rank} could not join generation {generation}"):
             dist.init_process_group(
                 self.backend,
@@ -361,6 +380,8 @@ class TrainWorker:
                     self.model, device_ids=device_ids, gradient_as_bucket_view=True,
                     find_unused_parameters=self.spec.find_unused_parameters,
                     **ddp_no_forward_buffer_sync(ddp.__init__), **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
+                if self.spec.step_fn is not None:
+                    self.ddp.register_comm_hook(None, self._first_contact_hook)
             if subgroup_size and subgroup_size < world_size:
                 # Every rank must create every subgroup, in the same order: gloo's new_group is a
                 # collective over the world (the use_local_synchronization variant hung in our probe).
@@ -389,7 +410,6 @@ class TrainWorker:
                 from elastic.checkpoint.pool import PartPool
 
                 self.part_pool = PartPool(master_addr, master_port, world_size)  # connects on first use
-        return {"rank": rank, "join_s": time.time() - t0}
 
     def leave(self) -> None:
         """Tear down the group. Peers blocked on us see their sockets close and raise at once.
@@ -451,26 +471,51 @@ class TrainWorker:
                           t_step: float) -> tuple[torch.Tensor, float]:
         """Forward and backward; returns (loss, local seconds).
 
-        Local seconds is the part of the step no peer can stretch: with DDP the backward waits
-        in all-reduce for the slowest rank, so only data + forward count there; without a
-        collective the whole forward+backward counts. An injected slowdown sleeps just before
-        the rank's first contact with its peers, and counts as local.
+        Local seconds is the part of the step no peer can stretch, counted from the step's start
+        (``t_step``: the batch's fetch is this rank's own work; a rank slow at reading its data
+        is a straggler too). With DDP the backward waits in all-reduce for the slowest rank, so
+        only data + forward count there; under a ``step_fn``, which runs the backward itself,
+        up to the rank's first bucket going out (``_first_contact_hook``); without a collective
+        the whole forward+backward counts. An injected slowdown sleeps just before the rank's
+        first contact with its peers, and counts as local.
         """
-        t1 = time.perf_counter()
         self._enter("compute")
         if self.spec.step_fn is not None:
-            loss = self.spec.step_fn(model, batch)
-            self._injected_delay(step, time.perf_counter() - t_step)
-            return loss, time.perf_counter() - t1
+            self._step_clock, self._contact = (step, t_step), None
+            try:
+                loss = self.spec.step_fn(model, batch)
+            finally:
+                self._step_clock = None
+            if self._contact is None:  # no bucket went out: no collective, or no backward in it
+                self._injected_delay(step, time.perf_counter() - t_step)
+                return loss, time.perf_counter() - t_step
+            return loss, self._contact - t_step
         loss = self.spec.loss_fn(model, batch)
         if has_collective:
             self._injected_delay(step, time.perf_counter() - t_step)
-        fwd = time.perf_counter() - t1
+        fwd = time.perf_counter() - t_step
         self._enter("backward+allreduce" if has_collective else "backward")
         loss.backward()
         if not has_collective:
             self._injected_delay(step, time.perf_counter() - t_step)
-        return loss, fwd if has_collective else time.perf_counter() - t1
+        return loss, fwd if has_collective else time.perf_counter() - t_step
+
+    def _first_contact_hook(self, state, bucket):
+        """DDP's all-reduce of a bucket (its default hook, the same sum and division), first
+        noting, under a ``step_fn``, when this rank's first bucket of the step goes out: where it
+        first reaches its peers. Why a hook: the ``step_fn`` runs the backward, which waits
+        inside DDP for the slowest rank, so the time around the call is the ring's pace on every
+        rank, and a straggler scored like the others and was never found. An injected slowdown
+        (or mid-step kill) lands here too, before the peers are reached, as without a step_fn.
+        Buckets of a backward under ``no_sync`` never come here; the last backward's do."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if self._step_clock is not None and self._contact is None:
+            step, t_step = self._step_clock
+            self._injected_delay(step, time.perf_counter() - t_step)
+            self._contact = time.perf_counter()
+            self._enter("backward+allreduce")
+        return default_hooks.allreduce_hook(state, bucket)
 
     def _run_guarded(self, fn: Callable[[], Any]) -> Any:
         """Run a step; a collective failure tears the group down at once so peers unblock.
