@@ -429,6 +429,40 @@ def test_a_controller_lost_mid_run_fails_the_fit_and_frees_its_placement_groups(
     assert states and set(states) == {"REMOVED"}
 
 
+def test_final_weights_that_cannot_be_fetched_leave_the_result_without_them(ray_cluster, caplog):
+    """The run finished, but its final weights cannot be fetched (their holder died after the run
+    ended): fit() raised Ray's error and the whole Result (history, events, checkpoint) was lost.
+    Now the Result comes back without model_state, and a warning says so. (The stand-in's weights
+    are a task that fails, which ray.get raises as a Ray error just as for a dead owner.)"""
+    import logging
+
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    @ray.remote(num_cpus=0)
+    def lost_weights():
+        raise RuntimeError("the weights' holder is gone (test)")
+
+    @ray.remote(num_cpus=0)
+    class Finished:  # a controller whose run ended, its weights unreachable
+        def __init__(self, kwargs):
+            pass
+
+        def run(self, steps, epochs):
+            return {"model_state_ref": [lost_weights.remote()],
+                    "history": [], "totals": {"timed_samples": 0, "time_s": 0, "timed_steps": 0},
+                    "steps": 1, "dropped_samples": 0, "late_gradients": 0, "agreed_steps": 0, "failures": 0,
+                    "recomputed_steps": 0, "world_size": 1, "restored_from": None, "events": [],
+                    "checkpoint": None, "recoveries": [], "ledger": [], "state": "finished"}
+
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
+                              run=elastic.RunConfig(name="weightless", progress=False))
+    with caplog.at_level(logging.WARNING, logger="elastic.trainer"):
+        result = trainer._run_controller(Finished, {}, 1, None)
+    assert result.model_state is None and result.metrics["steps"] == 1
+    assert "the final weights could not be fetched" in caplog.text
+    assert trainer.controller is None
+
+
 def test_routine_events_keep_their_newest_and_every_other_event_stays(ray_cluster):
     from elastic.controller import ROUTINE_EVENTS_KEPT
 
