@@ -385,12 +385,14 @@ class Trainer:
                 out = self._stop(ref, stopped_by)
             except ray.exceptions.RayError as exc:
                 # The controller itself is gone (Ray's memory monitor, a crash, a kill from the
-                # dashboard): it never ran WorkerGroup.shutdown, and its placement groups stay
-                # reserved while this driver lives, so a next fit() would wait for resources
-                # nothing uses. Kill what is left of it, free them, and say how to go on.
+                # dashboard), or its run raised past its own handling: it never ran
+                # WorkerGroup.shutdown, and its placement groups stay reserved while this driver
+                # lives, so a next fit() would wait for resources nothing uses. Kill what is left
+                # of it, free them, and say how to go on.
                 self._abandon_controller()
+                what = "failed" if isinstance(exc, ray.exceptions.RayTaskError) else "was lost"
                 raise TrainingFailed(
-                    f"run {self.run.name!r}: its controller was lost ({type(exc).__name__}: {str(exc)[:500]}); "
+                    f"run {self.run.name!r}: its controller {what} ({type(exc).__name__}: {str(exc)[:500]}); "
                     f"fit() again with RunConfig.name={self.run.name!r} and the same storage continues from the "
                     "latest committed checkpoint") from exc
         # The final weights are owned by the controller: fetch them before it goes.

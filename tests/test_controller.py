@@ -399,33 +399,41 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     assert states and set(states) == {"REMOVED"}
 
 
-def test_a_controller_lost_mid_run_fails_the_fit_and_frees_its_placement_groups(ray_cluster):
+@pytest.mark.parametrize("how, said, cause", [("dies", "was lost", ray.exceptions.RayActorError),
+                                              ("raises", "failed", ray.exceptions.RayTaskError)])
+def test_a_controller_lost_mid_run_fails_the_fit_and_frees_its_placement_groups(ray_cluster, how, said, cause):
     """The controller actor dies in its run (Ray's memory monitor, a crash, a kill from the
-    dashboard): fit() raised Ray's raw RayActorError and left the controller's placement groups
-    reserved while the driver lived, so a next fit() of the run waited for resources nothing
-    used. Now it is a TrainingFailed that says how to go on, and the groups are removed."""
+    dashboard), or its run raises past its own handling: fit() raised Ray's raw error and left
+    the controller's placement groups reserved while the driver lived, so a next fit() of the
+    run waited for resources nothing used. Now it is a TrainingFailed that says how to go on,
+    and the groups are removed."""
     import os
 
     from helpers import loss_fn, make_adam, make_dataset, make_model
 
     from ray.util.placement_group import placement_group, placement_group_table
 
+    name = f"lost-{how}"
+
     @ray.remote(num_cpus=0)
-    class Dies:  # a controller that holds a placement group, as its worker group does, then dies
+    class Dies:  # a controller that holds a placement group, as its worker group does, then ends
         def __init__(self, kwargs):
-            self.pg = placement_group([{"CPU": 0.01}], name="elastic-lost/ranks")
+            self.pg = placement_group([{"CPU": 0.01}], name=f"elastic-{name}/ranks")
             ray.get(self.pg.ready(), timeout=30)
 
         def run(self, steps, epochs):
-            os._exit(1)
+            if how == "dies":
+                os._exit(1)
+            raise RuntimeError("a bug past the controller's own handling (test)")
 
     trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
-                              run=elastic.RunConfig(name="lost", progress=False))
-    with pytest.raises(TrainingFailed, match="(?s)run 'lost': its controller was lost .*RunConfig.name='lost'") as info:
+                              run=elastic.RunConfig(name=name, progress=False))
+    with pytest.raises(TrainingFailed, match=f"(?s)run '{name}': its controller {said} .*RunConfig.name='{name}'") \
+            as info:
         trainer._run_controller(Dies, {}, 1, None)
-    assert isinstance(info.value.__cause__, ray.exceptions.RayActorError)
+    assert isinstance(info.value.__cause__, cause)
     assert trainer.controller is None
-    states = [row["state"] for row in placement_group_table().values() if row["name"] == "elastic-lost/ranks"]
+    states = [row["state"] for row in placement_group_table().values() if row["name"] == f"elastic-{name}/ranks"]
     assert states and set(states) == {"REMOVED"}
 
 
