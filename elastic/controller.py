@@ -1218,11 +1218,12 @@ class Controller:
     def _kill_hung(self, pending: dict, why: str, gone: Iterable[int] = ()) -> None:
         """Kill the ranks in ``pending`` (ref -> rank) as hung. ``gone``: ranks known dead or
         evicted, which must not be asked to reap them."""
+        avoid = {self.group.members[g].name for g in gone}
         for ref, r in pending.items():
             self.log("hang", f"rank {r} {why}; killing it so its peers unblock", rank=r)
             self._hung.add(self.group.members[r].name)
             ray.kill(self.group.members[r].actor, no_restart=True)
-            self._reap(self.group.members[r], avoid={self.group.members[g].name for g in gone})
+            self._reap(self.group.members[r], avoid=avoid)
 
     def _reap(self, hung: Member, avoid: set[str] = frozenset()) -> None:
         """SIGKILL a hung rank's process from a live actor on its node (not one named in

@@ -389,7 +389,7 @@ class Trainer:
                 # WorkerGroup.shutdown, and its placement groups stay reserved while this driver
                 # lives, so a next fit() would wait for resources nothing uses. Kill what is left
                 # of it, free them, and say how to go on.
-                self._abandon_controller()
+                self._kill_controller()
                 what = "failed" if isinstance(exc, ray.exceptions.RayTaskError) else "was lost"
                 raise TrainingFailed(
                     f"run {self.run.name!r}: its controller {what} ({type(exc).__name__}: {str(exc)[:500]}); "
@@ -404,7 +404,7 @@ class Trainer:
                 logger.warning("run %r: the final weights could not be fetched (%s); the result has no "
                                "model_state (the latest committed checkpoint has them, if storage was set)",
                                self.run.name, type(exc).__name__)
-        self._abandon_controller(release=False)
+        self._kill_controller(release=False)
         if "error" in out:
             err = out["error"]
             if err["type"] == "WorkerError":
@@ -460,10 +460,10 @@ class Trainer:
         ray.kill(old, no_restart=True)
         self._release_placement()
 
-    def _abandon_controller(self, release: bool = True) -> None:
+    def _kill_controller(self, release: bool = True) -> None:
         """Kill this run's controller (if any is left) and, with ``release``, remove the placement
-        groups it may have left (``_release_placement``): after a controller that did not end
-        its run itself."""
+        groups it may have left (``_release_placement``), which only a controller that did not
+        end its run itself does."""
         if self.controller is not None:
             ray.kill(self.controller, no_restart=True)
             self.controller = None
@@ -493,7 +493,7 @@ class Trainer:
             self.controller.stop.remote(why)
             return ray.get(ref, timeout=self.run.stop_timeout_s)
         except BaseException as exc:
-            self._abandon_controller()
+            self._kill_controller()
             # A KeyboardInterrupt, as a clean stop's TrainingStopped is: Ray's GetTimeoutError is
             # an Exception, so `except Exception` swallowed the user's interrupt and said nothing of it.
             what = ("a second interrupt" if isinstance(exc, KeyboardInterrupt)

@@ -799,38 +799,59 @@ def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_h
     assert decisions == ["EvictStraggler", "ReplaceWithSpares"]
 
 
-def test_a_survivor_that_never_leaves_during_an_eviction_is_killed_as_hung_and_healed(ray_cluster):
-    # The eviction asks every survivor to leave the group; rank 2 is stuck in its own code, so its
-    # leave() never runs. That wait used to have no bound: the run sat in RECOVERING for good.
-    import threading
+def stall_rank_2_around(c, method: str, before: bool) -> list:
+    """Wrap the controller's ``method`` so that the first time it runs, rank 2 is made busy for
+    an hour (a survivor stuck in its own code: the leave() queued behind never runs), ``before``
+    or after the method itself. Returns the names stalled (filled on that first run)."""
+    real, stalled = getattr(c, method), []
 
-    c = controller("fake-evict-stuck", workers=3, backups=2, global_batch_size=12,
-                   failure=elastic.FailureConfig(evict_stragglers=True, collective_timeout_s=2))
-    c.scaling.steps_per_dispatch = 1
-    _evict_rank_1_at(c, 13)
-    wait_late, stalled = c._wait_late, []
-
-    def wait_late_then_stall(exclude=None):
-        out = wait_late(exclude=exclude)
+    def stall_once():
         if not stalled:
             stalled.append(c.group.members[2].name)
             c.group.members[2].actor.stall.remote(3600)
+
+    def wrapped(*args, **kwargs):
+        if before:
+            stall_once()
+        out = real(*args, **kwargs)
+        if not before:
+            stall_once()
         return out
-    c._wait_late = wait_late_then_stall
+    setattr(c, method, wrapped)
+    return stalled
+
+
+def run_for_bounded(c, steps: int, hung: str, timeout_s: float = 120) -> list:
+    """``c.run_for(steps)`` in a thread, waited for up to ``timeout_s`` (fails with ``hung`` if it
+    is still running); the controller is shut down after. Returns what the run raised."""
+    import threading
+
     errors = []
 
     def run():
         try:
-            c.run_for(steps=16)
+            c.run_for(steps=steps)
         except BaseException as exc:  # the test thread reports it
             errors.append(exc)
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(timeout=120)
+    t.join(timeout=timeout_s)
     try:
-        assert not t.is_alive(), "the eviction waited for good on a survivor that never left"
+        assert not t.is_alive(), hung
     finally:
         c.shutdown()
+    return errors
+
+
+def test_a_survivor_that_never_leaves_during_an_eviction_is_killed_as_hung_and_healed(ray_cluster):
+    # The eviction asks every survivor to leave the group; rank 2 is stuck in its own code, so its
+    # leave() never runs. That wait used to have no bound: the run sat in RECOVERING for good.
+    c = controller("fake-evict-stuck", workers=3, backups=2, global_batch_size=12,
+                   failure=elastic.FailureConfig(evict_stragglers=True, collective_timeout_s=2))
+    c.scaling.steps_per_dispatch = 1
+    _evict_rank_1_at(c, 13)
+    stalled = stall_rank_2_around(c, "_wait_late", before=False)
+    errors = run_for_bounded(c, 16, "the eviction waited for good on a survivor that never left")
     assert not errors and c.state is State.FINISHED and c.step == 16
     assert stalled == ["rank-2"]
     hangs = [e for e in c.events if e.kind == "hang"]
@@ -844,34 +865,12 @@ def test_a_survivor_that_never_leaves_after_a_failure_is_killed_as_hung_and_heal
     # own code (a call queued ahead of its leave). The run used to fail there ("did not leave the
     # broken group"): one lost rank became a restart. Now rank 2 is killed as hung and both are
     # healed by spares in one decision.
-    import threading
-
     c = controller("fake-settle-stuck", workers=3, backups=2, global_batch_size=12,
                    failure=elastic.FailureConfig(collective_timeout_s=2),
                    faults=[{"kind": "kill", "rank": 1, "at_step": 5}])
     c.scaling.steps_per_dispatch = 1
-    settle, stalled = c._settle_survivors, []
-
-    def stall_then_settle(dead):
-        if not stalled:
-            stalled.append(c.group.members[2].name)
-            c.group.members[2].actor.stall.remote(3600)
-        return settle(dead)
-    c._settle_survivors = stall_then_settle
-    errors = []
-
-    def run():
-        try:
-            c.run_for(steps=8)
-        except BaseException as exc:  # the test thread reports it
-            errors.append(exc)
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout=120)
-    try:
-        assert not t.is_alive(), "the recovery waited for good on a survivor that never left"
-    finally:
-        c.shutdown()
+    stalled = stall_rank_2_around(c, "_settle_survivors", before=True)
+    errors = run_for_bounded(c, 8, "the recovery waited for good on a survivor that never left")
     assert not errors, errors
     assert c.state is State.FINISHED and c.step == 8
     assert stalled == ["rank-2"]

@@ -47,6 +47,27 @@ def buckets_reduced(tmp_path, caps: list) -> list[int]:
     return counts
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_spawned_process(target, *args):
+    """Run ``target(*args, out)`` in a fresh spawned process (its own torch.distributed state) and
+    return what it put on ``out``."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, out))
+    proc.start()
+    try:
+        return out.get(timeout=120)
+    finally:
+        proc.join(timeout=60)
+
+
 def _leave_after_losing_the_peer(rank: int, port: int, out) -> None:
     """A real TrainWorker (no Ray) in a two-rank DDP group; rank 1 SIGKILLs itself in step 2."""
     from helpers import loss_fn, make_dataset, make_model, make_sgd
@@ -71,11 +92,7 @@ def test_a_collective_failure_frees_the_ddp_wrapper_before_its_group():
     # reducer never drops the group's last reference with the GIL held (a deadlock with gloo's
     # worker threads, elastic/actors/worker.py: TrainWorker.leave). The failed step's frames
     # held the wrapper until Ray dropped the exception; now they are cleared first.
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_leave_after_losing_the_peer, args=(r, port, out)) for r in range(2)]
@@ -113,18 +130,7 @@ def _join_that_fails_after_the_group_formed(port: int, out) -> None:
 def test_a_join_that_fails_after_the_group_formed_leaves_it():
     # The group stayed up after a failed join: its sockets and rank 0's store open, so peers
     # blocked on this rank waited out collective_timeout_s instead of failing at once.
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_join_that_fails_after_the_group_formed, args=(port, out))
-    proc.start()
-    got = out.get(timeout=120)
-    proc.join(timeout=60)
-    assert got == ("DDP refused (test)", False)
+    assert in_spawned_process(_join_that_fails_after_the_group_formed, free_port()) == ("DDP refused (test)", False)
 
 
 class SlowToRead(torch.utils.data.Dataset):
@@ -154,13 +160,7 @@ def _local_time_of_a_step_with_slow_data(out) -> None:
 def test_a_ranks_local_time_counts_reading_its_batch():
     # The local time the straggler policy scores began after the batch was read, so a rank slow
     # at reading its data (4 samples x 50 ms here) looked as fast as its peers.
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_local_time_of_a_step_with_slow_data, args=(out,))
-    proc.start()
-    local = out.get(timeout=120)
-    proc.join(timeout=60)
-    assert local >= 0.2
+    assert in_spawned_process(_local_time_of_a_step_with_slow_data) >= 0.2
 
 
 def test_bucket_arguments_by_backend():

@@ -58,10 +58,8 @@ def can_restore_priority() -> bool:
 
 
 def _thread_ids() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return [0]
+    """This process's threads; [0] (the calling thread) where /proc cannot say."""
+    return _thread_ids_of("self") or [0]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -90,7 +88,8 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _thread_ids_of(pid: int) -> list[int]:
+def _thread_ids_of(pid: int | str) -> list[int]:
+    """The threads of process ``pid`` (or "self"); [] where it is gone or /proc cannot say."""
     try:
         return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
