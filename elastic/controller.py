@@ -452,7 +452,8 @@ class Controller:
                      nodes={node: a is not None for node, a in addresses.items()})
         ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options, self.run_config.name,
                                                      ckpt.every_n_steps, ckpt.blocking, self._self_handle,
-                                                     ckpt.min_shard_bytes, addresses.get(m.info.get("node_id")))
+                                                     ckpt.min_shard_bytes, addresses.get(m.info.get("node_id")),
+                                                     self._agents is not None)
                  for m in todo])
         self._configured.update(m.name for m in todo)
 

@@ -399,6 +399,79 @@ def test_an_agent_gone_before_the_last_write_costs_the_run_no_step(node):
         hook.close()
 
 
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("why", ["agent lost", "state the agent cannot take"])
+def test_a_rank_writing_itself_beside_ranks_on_agents_reports_its_own_parts_and_steps_commit(tmp_path, why):
+    """Two ranks of one group, each on its node's agent, with the group's part pool as a run
+    has. One rank falls back to writing in its own process: its agent died, or its share of
+    the state holds a dtype the agent's shard format has no name for. Its parts went to the
+    pool, where they waited for the other rank's, which its agent reports directly: no step
+    committed again. Now the fallback reports its own parts."""
+    import torch.distributed as dist
+
+    from elastic.actors.worker import TrainWorker
+    from elastic.checkpoint.pool import PartPool
+
+    url, options = f"file://{tmp_path}", {}
+    store = CheckpointStore(url, RUN, options, retry=FAST)
+    committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=1, keep_last=2))
+    controller = FakeController(committer)
+    agents = [CheckpointAgent(url, options, RUN, controller) for _ in range(2)]
+    port = free_tcp_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # the group's store
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = []
+    for w, agent in zip(workers, agents):
+        w.part_pool = PartPool("127.0.0.1", port, 2)
+        if why == "state the agent cannot take":
+            w.model.register_buffer("counts", torch.zeros(3, dtype=torch.uint16))
+        # As TrainWorker.configure_checkpoint builds it in a run with agents (the real method,
+        # on this stand-in): the fallback the controller's message reaches through the notify.
+        w._ckpt = None
+        TrainWorker.configure_checkpoint(w, url, options, RUN, 1, False, controller, agent_address=agent.address(),
+                                         agents_in_run=True)
+        hooks.append(w._ckpt)
+
+    def train(steps):
+        for step in steps:
+            for w, h in zip(workers, hooks):
+                w.train(step)
+                h.after_step(w, step)
+            committer.set_meta(step, {"data": {"cursor": step}})
+
+    try:
+        train(range(1, 3))
+        if why == "agent lost":
+            assert hooks[0].flush(10) and hooks[1].flush(10)
+            assert committer.flush(10) and committer.latest_committed == 2
+            agents[0].shutdown()
+            for link_ in agents[0].pool.connected():
+                link_.conn.shutdown(socket.SHUT_RDWR)  # as if its process died: its sockets close
+        train(range(3, 7))
+        assert any(h.fallback is not None for h in hooks)
+        assert [h.fallback is None for h in hooks].count(True) == 1  # the other rank stays on its agent
+        for h in hooks:
+            assert h.flush(10, worker=workers[hooks.index(h)])
+        # Mid-run, before any end-of-run report: steps committed as they were written.
+        deadline = time.monotonic() + 10
+        while (committer.latest_committed or 0) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert committer.latest_committed == 6
+        assert_same(store.read_state(6)[0], workers[0].get_state())
+    finally:
+        for h in hooks:
+            h.close()
+        for agent in agents:
+            agent.shutdown()
+        committer.close()
+        del server
+
+
 def commit_after_agent_loss(hook, worker, committer, store, step: int) -> list:
     """The flushed rank's report after its agent died: the loss told, its parts committing
     ``step`` with the rank's state. Returns the parts."""

@@ -890,10 +890,13 @@ class TrainWorker:
     # ---- checkpoints (elastic.checkpoint does the storage work) ------------------------------
     def configure_checkpoint(self, url: str, storage_options: dict, run_name: str, every_n_steps: int,
                              blocking: bool, controller: Any = None, min_shard_bytes: int = 0,
-                             agent_address: str | None = None) -> None:
+                             agent_address: str | None = None, agents_in_run: bool = False) -> None:
         """``controller``: the controller actor, told of each written part the moment it is written.
         ``min_shard_bytes``: see ``CheckpointConfig``. ``agent_address``: the socket of this
-        node's checkpoint agent, which then writes this rank's snapshots (``AgentCheckpointer``)."""
+        node's checkpoint agent, which then writes this rank's snapshots (``AgentCheckpointer``).
+        ``agents_in_run``: the run has node agents (some other node's, if not this one's), so a
+        rank that writes in its own process reports its own parts: ranks on agents never add
+        theirs to the group's pool (``WorkerCheckpointer``'s ``pool_parts``)."""
         from elastic.checkpoint import WorkerCheckpointer
         from elastic.checkpoint.worker_hook import AgentCheckpointer
 
@@ -907,18 +910,22 @@ class TrainWorker:
             def notify(step, world_size, parts):  # writer thread; fire and forget
                 controller.checkpoint_written.remote(step, world_size, parts)
 
-        def in_process() -> WorkerCheckpointer:
+        def in_process(pool_parts: bool) -> WorkerCheckpointer:
             return WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
-                                      progress=lambda: self.completed_step, min_shard_bytes=min_shard_bytes)
+                                      progress=lambda: self.completed_step, min_shard_bytes=min_shard_bytes,
+                                      pool_parts=pool_parts)
 
         if agent_address is not None and not blocking:
             try:
-                self._ckpt = AgentCheckpointer(agent_address, every_n_steps, in_process, min_shard_bytes)
+                # Its fallback (the agent lost) writes beside ranks still on their agents.
+                self._ckpt = AgentCheckpointer(agent_address, every_n_steps, lambda: in_process(False),
+                                               min_shard_bytes)
                 return
             except OSError as exc:
                 logger.warning("rank %s: cannot reach the node's checkpoint agent (%s); writing checkpoints "
                                "in this process", self.rank, exc)
-        self._ckpt = in_process()
+                agents_in_run = True
+        self._ckpt = in_process(not agents_in_run)
         self._ckpt.warm_up()
 
     def restore_checkpoint(self, url: str, storage_options: dict, run_name: str, step: int) -> dict:

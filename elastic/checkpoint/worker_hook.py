@@ -105,17 +105,24 @@ class WorkerCheckpointer:
                  blocking: bool = False, *, retry: RetryPolicy | None = None,
                  retry_min_s: float | None = None, retry_max_s: float | None = None,
                  close_timeout_s: float = 30.0, notify: Callable[..., Any] | None = None,
-                 progress: Callable[[], int] | None = None, min_shard_bytes: int = 0):
+                 progress: Callable[[], int] | None = None, min_shard_bytes: int = 0, pool_parts: bool = True):
         """``notify(step, world_size, parts)``: called from the writer thread once a step's parts are
         written, ``parts`` being ``{rank: {"entries", "taken_at", "progress"[, "generation", "rng"]}}``
         (the worker sends it to the controller actor), so a commit never waits for the step
         results to travel back.
         Ranks of a group pool their parts (``elastic.checkpoint.pool``) and the rank that completes
         a step sends all of them; without a pool a rank sends its own part. Without ``notify``,
-        finished writes ride on the step results (``after_step``'s report)."""
+        finished writes ride on the step results (``after_step``'s report).
+
+        ``pool_parts=False``: send this rank's own part, whatever the group's pool. For a rank
+        writing in its own process beside ranks whose node agents write theirs (its agent died,
+        or never started): those ranks report through their agents and never add to the group's
+        pool, so a pooled part of this rank would wait there for them forever, and no step would
+        commit again."""
         self.every_n_steps = checked_every_n_steps(every_n_steps)
         self.store = CheckpointStore(url, run_name, storage_options, retry=retry)
         self.min_shard_bytes = min_shard_bytes
+        self.pool_parts = pool_parts
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
         self._last_pushed: tuple[int, dict] | None = None
@@ -150,7 +157,8 @@ class WorkerCheckpointer:
         except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
             return self._snapshot_failed(worker, step, exc)
         self.last_snapshot_s = time.perf_counter() - t0
-        self.persister.submit(step, (snapshot, getattr(worker, "part_pool", None), group_generation(worker)),
+        pool = getattr(worker, "part_pool", None) if self.pool_parts else None
+        self.persister.submit(step, (snapshot, pool, group_generation(worker)),
                               light=not snapshot.writes_file)
         return []
 
