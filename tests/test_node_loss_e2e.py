@@ -29,8 +29,14 @@ STEPS = 16
 def cluster():
     # Head: no CPUs (driver and controller only). Nodes A and B: room for two ranks each, so the
     # four ranks land two and two. The spares' node C joins once the ranks are placed.
+    # The GCS declares a removed node dead after health_check_failure_threshold missed checks,
+    # health_check_period_ms apart: 5 x 3 s by default, ~13 s of every test here spent waiting
+    # for it. 3 x 0.5 s finds a killed raylet in ~1.5 s (its checks fail at once: connection
+    # refused); a live one under load still has health_check_timeout_ms (10 s) to answer each.
     release_shared_cluster()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
     node_a = c.add_node(num_cpus=2)
     c.add_node(num_cpus=2)
     c.wait_for_nodes()
