@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheckpointer
-from elastic.checkpoint.agent import CheckpointAgent, receive_message, send_message
+from elastic.checkpoint.agent import CheckpointAgent, _RankLink, receive_message, send_message
 from elastic.checkpoint.codec import capture_rng, encode_tensor_buffers, shard_layout
 from elastic.checkpoint.shm import SlotRing, supported
 from elastic.checkpoint.store import shard_name
@@ -484,10 +484,17 @@ def commit_after_agent_loss(hook, worker, committer, store, step: int) -> list:
     return out["ckpt_done"]
 
 
-def test_an_agent_gone_after_writing_the_last_step_is_not_written_again_its_part_is_reported(node, monkeypatch):
-    """The slot of a written step comes back saying so: if the agent dies before the flush, the
-    rank reports that part itself instead of rewriting a file a committed manifest may name."""
+@pytest.mark.parametrize("slot_back", [True, False])
+def test_an_agent_gone_after_writing_the_last_step_is_not_written_again_its_part_is_reported(node, monkeypatch,
+                                                                                           slot_back):
+    """The agent tells the rank a step is written before it reports the part: if it dies
+    before the flush, the rank reports that part itself instead of rewriting a file a committed
+    manifest may name. ``slot_back=False``: it died after reporting the part but before the
+    slot went back (the rank heard of the write only with the slot's return before, and wrote
+    the step again over the committed file)."""
     agent, controller, committer, store, (url, options) = node
+    if not slot_back:
+        monkeypatch.setattr(_RankLink, "_release", lambda self, p: None)
     worker = FakeWorker(rank=0, world_size=1)
     rewrites = []
 
@@ -502,7 +509,7 @@ def test_an_agent_gone_after_writing_the_last_step_is_not_written_again_its_part
         deadline = time.monotonic() + 10
         while (hook._written or (0,))[0] != 1 and time.monotonic() < deadline:
             with contextlib.suppress(TimeoutError):
-                hook._poll(time.monotonic() + 0.1)  # the free message of step 1's slot
+                hook._poll(time.monotonic() + 0.1)  # the agent's word that step 1 is written
         assert hook._written[0] == 1
         for link_ in agent.pool.connected():
             link_.conn.shutdown(socket.SHUT_RDWR)  # the agent dies (whether or not it reported)
