@@ -191,7 +191,7 @@ class Controller:
         self.dataset_size = 0
         self._per_worker = 0
         # first-N: a late rank's window result, not waited for -> (rank, time it was late from)
-        self._lagging: dict[Any, tuple[int, float]] = {}
+        self._lagging: dict[Any, tuple[int, float, int]] = {}
         self._checksums: dict[int, dict[int, int]] = {}  # step -> rank -> parameter checksum, until all agree
         self._last_results: dict[int, Any] = {}
         # The newest step each rank has returned (first-N: a late replica's trails the run's).
@@ -804,7 +804,7 @@ class Controller:
         if self._look_ahead and first + k <= self.total_steps and first + k not in self._inflight:
             self._dispatch_all(first + k)
         self._check_late_hung()
-        lagging = {ref: r for ref, (r, _) in self._lagging.items()}
+        lagging = {ref: r for ref, (r, *_) in self._lagging.items()}
         need = self.scaling.num_workers if self._first_n else None
         try:
             got = self._gather(refs, ranks, need=need, lagging=lagging)
@@ -817,7 +817,7 @@ class Controller:
             self._note_rank_done(r, res)
         for ref, r in zip(refs, ranks):
             if ref not in got:
-                self._lagging[ref] = (r, time.time())
+                self._lagging[ref] = (r, time.time(), k)
         for ref in lagging:
             if ref in got:
                 self._collect_late(self._lagging.pop(ref)[0], got[ref])
@@ -896,19 +896,25 @@ class Controller:
     def _check_late_hung(self) -> None:
         """First-N never waits for a late rank, so a rank that stopped making progress would go
         unnoticed: feed how long each has been late to the straggler policy, and kill one late
-        past ``step_timeout_s`` (its death then shows up on its refs)."""
+        past ``step_timeout_s`` a step of the windows it is late on (its death then shows up on
+        its refs). A window of k steps may have all k still to run when the fast N are done with
+        it: k healthy steps of a slow rank, not a hang."""
         if not self._first_n:
             return
         now = time.time()
         oldest: dict[int, float] = {}
-        for ref, (r, since) in self._lagging.items():
+        steps: dict[int, int] = {}
+        for ref, (r, since, k) in self._lagging.items():
             oldest[r] = min(oldest.get(r, since), since)
+            steps[r] = steps.get(r, 0) + k
         for m in self.group.members:
             self.straggler_policy.observe_pending(m.rank, now - oldest[m.rank] if m.rank in oldest else 0.0)
+        timeout = self.failure_config.step_timeout_s
         for r, since in oldest.items():
-            if now - since > self.failure_config.step_timeout_s and self.group.members[r].name not in self._hung:
-                stuck = {ref: rr for ref, (rr, _) in self._lagging.items() if rr == r}
-                self._kill_hung(stuck, f"made no progress for step_timeout_s={self.failure_config.step_timeout_s:g}s")
+            if now - since > timeout * steps[r] and self.group.members[r].name not in self._hung:
+                stuck = {ref: rr for ref, (rr, *_) in self._lagging.items() if rr == r}
+                self._kill_hung(stuck, f"made no progress: late on {steps[r]} step(s) for over "
+                                       f"step_timeout_s={timeout:g}s each")
 
     def _wait_late(self, exclude: int | None = None) -> dict[int, BaseException | None]:
         """Let late ranks (but ``exclude``) finish their windows, for up to ``step_timeout_s``, and
@@ -916,7 +922,7 @@ class Controller:
         None for one still busy (its window stays in ``_lagging``). Before an eviction these are
         left alone (a death or a broken group shows up on the rank's next call); at the end of
         the run ``_finish_late`` acts on them."""
-        refs = [ref for ref, (r, _) in self._lagging.items() if r != exclude]
+        refs = [ref for ref, (r, *_) in self._lagging.items() if r != exclude]
         if not refs:
             return {}
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.step_timeout_s)
@@ -1045,9 +1051,13 @@ class Controller:
         collective_failed: set[int] = set()
         user_error: tuple[int, str] | None = None
         cfg = self.failure_config
-        t0 = dispatched = time.time()  # t0: the step timeout's clock, restarted after a kill
+        # t0: the step timeout's clock, restarted after a kill and whenever a rank this wait
+        # needs reports a step finished (``_check_heartbeats``): the timeout is a step's, and a
+        # window of k healthy steps may take k times as long.
+        t0 = dispatched = time.time()
         first_problem: float | None = None
         beats: dict[int, Any] = {}
+        done_seen: dict[int, int] = {}  # each rank's completed step, as its heartbeats said
         node_suspect = False
         released = aborted = False
         while pending:
@@ -1113,7 +1123,8 @@ class Controller:
                 t0 = time.time()  # the peers of a killed rank get a fresh step timeout to fail over
                 continue
             if not ready and now - t0 > cfg.heartbeat_interval_s:
-                self._check_heartbeats(pending, beats)
+                if self._check_heartbeats(pending, beats, done_seen) & set(ranks):
+                    t0 = time.time()
         if user_error is not None and not dead:
             raise WorkerError(*user_error)
         if not dead and not collective_failed:
@@ -1245,8 +1256,13 @@ class Controller:
                 other.actor.reap.remote(pid)  # fire and forget: the death shows up on the refs
                 return
 
-    def _check_heartbeats(self, pending: dict, beats: dict) -> None:
+    def _check_heartbeats(self, pending: dict, beats: dict, done_seen: dict[int, int]) -> set[int]:
+        """Ask the ranks of ``pending`` for a heartbeat (one in flight per rank, in ``beats``);
+        kill one that has not answered within ``heartbeat_timeout_s``. Returns the ranks whose
+        answer shows a step finished since their last answer in ``done_seen`` (their first
+        answer sets it)."""
         cfg = self.failure_config
+        advanced: set[int] = set()
         for ref, r in pending.items():
             if r not in beats:
                 beats[r] = (self.group.members[r].actor.heartbeat.remote(), time.time())
@@ -1254,8 +1270,12 @@ class Controller:
             ready, _ = ray.wait([bref], timeout=0)
             if ready:
                 try:
-                    ray.get(bref)
+                    done = ray.get(bref).get("completed_step")
                     self._last_beat[r] = time.time()
+                    if isinstance(done, int):
+                        if r in done_seen and done > done_seen[r]:
+                            advanced.add(r)
+                        done_seen[r] = done
                 except ray.exceptions.RayError:
                     pass
                 del beats[r]
@@ -1266,6 +1286,7 @@ class Controller:
         if self.metrics is not None:
             now = time.time()
             self.metrics.on_heartbeats({r: now - self._last_beat.get(r, now) for r in set(pending.values())})
+        return advanced
 
     def _probe_dead(self) -> set[int]:
         refs = {m.actor.heartbeat.remote(): m.rank for m in self.group.members}

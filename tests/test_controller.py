@@ -15,13 +15,13 @@ import elastic
 from elastic.actors.worker import TrainingSpec
 from elastic import controller as controller_module
 from elastic.controller import Controller, Failure, State, TrainingFailed, _split_wall
-from fake_workers import FakeGroup, NcclFakeGroup, SparesThatFailToBuild, SparesThatNeverPlace
+from fake_workers import FakeGroup, FakeWorker, NcclFakeGroup, SparesThatFailToBuild, SparesThatNeverPlace
 
 
-def controller(name, workers=2, backups=0, failure=None, faults=None, global_batch_size=8):
+def controller(name, workers=2, backups=0, failure=None, faults=None, global_batch_size=8, **scaling):
     spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
                         loss_fn=lambda m, b: None)
-    c = Controller(spec, elastic.ScalingConfig(num_workers=workers, num_backups=backups),
+    c = Controller(spec, elastic.ScalingConfig(num_workers=workers, num_backups=backups, **scaling),
                    elastic.RunConfig(name=name), failure or elastic.FailureConfig(), global_batch_size=global_batch_size,
                    fault_plan=faults)
     c.worker_group_cls = FakeGroup
@@ -988,14 +988,14 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
         ray.kill(dead)
         assert_dies(dead)
         ref = dead.progress.remote()
-        c._lagging = {ref: (1, time.time()), busy.remote(): (2, time.time())}
+        c._lagging = {ref: (1, time.time(), 1), busy.remote(): (2, time.time(), 1)}
         c._finish_late()
         assert [m.name for m in c.group.members] == ["rank-0"] and not c._lagging
         released = [e for e in c.events if e.kind == "late_released"]
         assert released and released[0].details["ranks"] == [1, 2] and "died" in released[0].message
         failed = user_code_fails.remote()
         ray.wait([failed], timeout=60)  # its error is in, however long a worker process takes to start here
-        c._lagging = {failed: (0, time.time())}
+        c._lagging = {failed: (0, time.time(), 1)}
         with pytest.raises(elastic.WorkerError, match="boom in the last window"):
             c._finish_late()
     finally:
@@ -1105,6 +1105,33 @@ def test_a_survivor_stood_by_by_a_shrink_gets_the_state_when_it_is_promoted_even
         assert len([e for e in c.events if e.kind == "state_sync"]) == 1
 
 
+class SteadyWorker(FakeWorker):
+    def train_step(self, step, indices, generation):
+        time.sleep(0.3)  # every step healthy, a fraction of step_timeout_s
+        return super().train_step(step, indices, generation)
+
+
+class SteadyGroup(FakeGroup):
+    def __init__(self, scaling, spec, namespace):
+        super().__init__(scaling, spec, namespace)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(SteadyWorker)
+
+
+def test_a_window_of_healthy_steps_longer_than_step_timeout_s_is_no_hang(ray_cluster):
+    # The step timeout ran over the whole dispatch window: 8 steps of 0.3 s against a 1.5 s
+    # step timeout killed both ranks as hung, window after window, until max_failures ended the
+    # run. The clock restarts whenever the ranks' heartbeats show a step finished.
+    c = controller("fake-long-window", failure=elastic.FailureConfig(step_timeout_s=1.5, heartbeat_interval_s=0.1),
+                   steps_per_dispatch=8)
+    c.worker_group_cls = SteadyGroup
+    try:
+        c.run_for(steps=16)
+        assert c.state is State.FINISHED and c.failures == 0
+        assert not [e for e in c.events if e.kind == "hang"]
+    finally:
+        c.shutdown()
+
+
 def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hangs(ray_cluster):
     # The hung set named ranks: the spare in rank 1's slot was then never checked, and stayed
     # late for the rest of the run (first-N), a backup lost for good.
@@ -1117,7 +1144,7 @@ def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hang
         spare = c.group.promote_spare(1)
         c.scaling = dataclasses.replace(c.scaling, aggregation="first_n", num_backups=1)
         c.failure_config.step_timeout_s = 0.5
-        c._lagging = {busy.remote(): (1, time.time() - 5)}
+        c._lagging = {busy.remote(): (1, time.time() - 5, 1)}
         c._check_late_hung()
         hangs = [e for e in c.events if e.kind == "hang"]
         assert len(hangs) == 2 and hangs[1].details["rank"] == 1 and spare.name in c._hung

@@ -141,9 +141,30 @@ def test_a_restart_forgets_the_ranks_killed_as_hung_so_the_new_ones_of_those_nam
     assert c._hung == set() and c.step == 5 and c.recomputed == 2
     killed = []
     monkeypatch.setattr(c, "_kill_hung", lambda stuck, why, gone=(): killed.append(sorted(stuck.values())))
-    c._lagging = {"window": (1, time.time() - 10)}  # the new rank 1, late for 10 s
+    c._lagging = {"window": (1, time.time() - 10, 1)}  # the new rank 1, late for 10 s
     c._check_late_hung()
     assert killed == [[1]]
+
+
+def test_a_late_rank_has_step_timeout_s_for_each_step_of_the_windows_it_is_late_on(rayless_controller, monkeypatch):
+    # When the fast N finish a window of k steps, a slow replica may have all k still to run:
+    # k healthy steps, not a hang. One step_timeout_s for the whole window killed it as hung.
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
+                           failure=elastic.FailureConfig(step_timeout_s=1))
+    c.group = StandInGroup(ranks=3)
+    killed = []
+    monkeypatch.setattr(c, "_kill_hung", lambda stuck, why, gone=(): killed.append(sorted(stuck.values())))
+    now = time.time()
+    c._lagging = {"window": (2, now - 3, 4)}  # late 3 s on a window of 4 steps
+    c._check_late_hung()
+    assert killed == []
+    c._lagging = {"window": (2, now - 3, 4), "next": (2, now - 1, 4)}  # two windows queued: 8 steps
+    c._lagging["window"] = (2, now - 7, 4)
+    c._check_late_hung()
+    assert killed == []
+    c._lagging["window"] = (2, now - 9, 4)  # 9 s on 8 steps
+    c._check_late_hung()
+    assert killed == [[2, 2]]
 
 
 def test_a_restart_to_a_step_past_the_controllers_recomputes_nothing(rayless_controller, monkeypatch):
