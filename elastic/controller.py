@@ -1369,7 +1369,7 @@ class Controller:
                 for _ in range(max(0, missing)):
                     self.group.request_spare()
                 self._publish_membership()  # the lost ranks out, the spares asked for building
-                self.group.collect_spares(block=True, timeout_s=decision.timeout_s)
+                self.group.collect_spares(block=True, timeout_s=decision.timeout_s, enough=len(lost))
                 self._log_spare_problems()
                 self._note_ready_spares()
                 self._check_stop(f"waiting for capacity to replace rank(s) {list(lost)}")

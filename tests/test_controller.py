@@ -938,6 +938,65 @@ def test_a_wait_for_capacity_that_gets_none_fails_after_capacity_timeout_s(ray_c
     assert [e.details["decision"] for e in c.events if e.kind == "decision"] == ["WaitForCapacity", "Fail"]
 
 
+def test_the_start_does_not_wait_for_a_spare_that_finds_no_room(ray_cluster):
+    # The ranks fit; the spare needs more than any node has. The start waited the whole
+    # placement_timeout_s for it before step 1; the spare now waits for room in the background.
+    c = controller("fake-start-unplaced", backups=1, placement_timeout_s=60)
+    c.worker_group_cls = SparesThatNeverPlace
+    try:
+        c.run_for(steps=3)
+        assert c.group.pending_spares == 1  # still asked for
+    finally:
+        c.shutdown()
+    at = {e.details["new"]: e.time for e in c.events if e.kind == "transition"}
+    assert c.state is State.FINISHED and at["running"] - at["starting"] < 30
+
+
+class SlowSpareWorker(FakeWorker):
+    def __init__(self, spec, name="", background_start=False):
+        if name == "spare-2":
+            time.sleep(2)
+        super().__init__(spec, name, background_start)
+
+
+class FirstSpareNeverPlaces(FakeGroup):
+    """spare-1 needs more than any node has (no freed bundle is offered to a spare); the others
+    place, and spare-2 takes 2 s to build."""
+
+    def __init__(self, scaling, spec, namespace):
+        super().__init__(scaling, spec, namespace)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(SlowSpareWorker)
+
+    def _placed_free_bundle(self, avoid_nodes):
+        return None
+
+    def _spare_group(self, idx, avoid):
+        from ray.util.placement_group import placement_group
+
+        pg = placement_group([{"CPU": 10_000} if idx == 1 else dict(self.scaling.bundle())],
+                             name=f"{self.namespace}/spare-{idx}")
+        self._pgs.append(pg)
+        return pg
+
+
+def test_a_wait_for_capacity_ends_once_the_spares_it_needs_are_ready(ray_cluster):
+    # Rank 2 dies: spare-2 replaces it, and spare-3 is asked for in its place. Rank 0 dies
+    # before spare-3 is built: the recovery waits for capacity, and the wait went on, spare-3 in
+    # hand, until spare-1 (which never places) was built too or capacity_timeout_s ran out.
+    c = controller("fake-wait-enough", workers=3, backups=2, global_batch_size=6,
+                   failure=elastic.FailureConfig(capacity_timeout_s=60),
+                   faults=[{"kind": "kill", "rank": 2, "at_step": 3}, {"kind": "kill", "rank": 0, "at_step": 5}])
+    c.worker_group_cls = FirstSpareNeverPlaces
+    try:
+        c.run_for(steps=8)
+    finally:
+        c.shutdown()
+    assert c.state is State.FINISHED and [r["ranks"] for r in c.recoveries] == [[2], [0]]
+    decisions = [e.details["decision"] for e in c.events if e.kind == "decision"]
+    assert decisions[1] == "WaitForCapacity", decisions  # spare-3 was still building
+    assert c.recoveries[1]["rebuild_s"] < 30
+
+
 def test_on_nccl_the_survivors_of_a_lost_rank_have_their_communicators_aborted(ray_cluster):
     # An NCCL survivor's kernel would wait on the GPU for the dead peer until the timeout; gloo
     # ranks are woken by the peer's sockets closing and are never asked.

@@ -44,7 +44,7 @@ class StandInGroup:
         self.building.append(Member(Answers(), f"spare-{10 + len(self.building)}", spare=True))
         return []
 
-    def collect_spares(self, block=False, timeout_s=None):
+    def collect_spares(self, block=False, timeout_s=None, enough=None, placed_only=False):
         if block:  # what the wait for capacity asked for is built
             self.spares += self.building
             self.newly_ready += self.building

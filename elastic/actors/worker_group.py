@@ -208,7 +208,9 @@ class WorkerGroup:
         self._check_same_dataset(pending)
         self.members = order_by_node(pending)
         self._name_ranks()
-        self.collect_spares(block=True)
+        # The spares that found room build beside the ranks, ready for the first failure; one
+        # that did not place by now waits for room in the background (collect_spares).
+        self.collect_spares(block=True, placed_only=True)
 
     def _check_same_dataset(self, members: list[Member]) -> None:
         """Every rank must build the same dataset: the controller hands out sample indices into it.
@@ -379,12 +381,18 @@ class WorkerGroup:
         ready, self._newly_ready = self._newly_ready, []
         return ready
 
-    def collect_spares(self, block: bool = False, timeout_s: float | None = None) -> int:
+    def collect_spares(self, block: bool = False, timeout_s: float | None = None, enough: int | None = None,
+                       placed_only: bool = False) -> int:
         """Move spares whose model is built into the ready list; returns how many are ready.
 
-        ``block``: a recovery waits for spares now, so a spare still kept off a node gets
-        ``AVOID_GRACE_S`` to be placed (not ``placement_timeout_s``) before it is asked for
-        anywhere."""
+        ``block``: wait for the pending spares (up to ``timeout_s``, default
+        ``placement_timeout_s``); a spare still kept off a node gets ``AVOID_GRACE_S`` to be
+        placed (not ``placement_timeout_s``) before it is asked for anywhere. ``enough``: the
+        wait ends once that many are ready (a recovery needs as many as it lost, not every spare
+        asked for: one still waiting for room kept a spare in hand idle for the whole
+        ``capacity_timeout_s``). ``placed_only``: wait only for spares whose placement group is
+        placed, i.e. building their model; one still waiting for room goes on in the background
+        (the start: only the ranks must fit, spares may wait for capacity an autoscaler adds)."""
         self._place_anywhere_if_stuck(min(AVOID_GRACE_S, self.scaling.placement_timeout_s) if block
                                       else self.scaling.placement_timeout_s, wait=block)
         deadline = time.time() + (timeout_s if timeout_s is not None else self.scaling.placement_timeout_s)
@@ -394,9 +402,11 @@ class WorkerGroup:
             self._move_to_placed_free_bundles()
             self._take_built_spares()
             left = deadline - time.time()
-            if not block or not self._pending_spares or left <= 0 or self.interrupted():
+            waiting = [m for m in self._pending_spares if not placed_only or wait_refs([m.info["_pg_ready"]], 0)]
+            if (not block or not waiting or left <= 0 or self.interrupted()
+                    or (enough is not None and len(self.spares) >= enough)):
                 return len(self.spares)
-            wait_refs([m.info["_ref"] for m in self._pending_spares], min(left, MOVE_CHECK_S), self.interrupted)
+            wait_refs([m.info["_ref"] for m in waiting], min(left, MOVE_CHECK_S), self.interrupted)
 
     def _take_built_spares(self) -> None:
         """Move pending spares whose model is built (or that failed) out of the pending list."""
