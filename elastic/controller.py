@@ -389,7 +389,56 @@ class Controller:
                  f"spare(s), strategy {self.scaling.placement_strategy}", bundle=self.scaling.bundle())
 
     def _start(self) -> None:
+        """Start the ranks, resume, and form the first group. A rank lost on the way (its
+        process or node died while it built its model, read the checkpoint or joined) starts
+        it all again, counted as a failure: no step has trained, so nothing is lost but time,
+        and a half-built start has no consistent state to heal from (the rank reading the
+        checkpoint may be the lost one, and its peers then hold a fresh model at step 0)."""
         self.transition(State.STARTING, "placement ready, starting worker actors")
+        while True:
+            try:
+                self._start_once()
+                return
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                lost = self._lost_while_starting(exc)
+                if not lost:
+                    raise
+                self._count_failure("failure_during_start")
+                if self.failures > self.failure_config.max_failures:
+                    raise TrainingFailed(self._fail_message(
+                        f"a rank was lost while the run started, and failure {self.failures} exceeds "
+                        f"FailureConfig.max_failures={self.failure_config.max_failures}")) from exc
+                who = f"rank(s) {lost}" if isinstance(lost, list) else lost
+                self.log("failure", f"{who} lost while the run started ({type(exc).__name__}); starting it "
+                         "again", ranks=lost if isinstance(lost, list) else [])
+                self._abandon_start()
+
+    def _lost_while_starting(self, exc: BaseException) -> list[int] | str | None:
+        """The ranks lost (a list), "a rank" when the group was still building (it has no
+        members yet to name), or None when every rank is alive (the error is no loss)."""
+        members = self.group.members if self.group is not None else []
+        if members:
+            dead = self._probe_dead()
+            return sorted(dead) if dead else None
+        return "a rank" if isinstance(exc, ray.exceptions.RayActorError) else None
+
+    def _abandon_start(self) -> None:
+        """Undo a start that lost a rank, so the next try starts clean: the committer, the nodes'
+        checkpoint agents and the group (its placement groups too) go, and the step and the
+        actors' checkpoint writers with them."""
+        if self.committer is not None:
+            self.committer.close()
+            self.committer = None
+        if self._agents is not None:
+            self._agents.shutdown()
+            self._agents = None
+        self.group.shutdown()
+        self._configured.clear()
+        self._hung.clear()
+        self._stateless.clear()
+        self.step, self.restored_from = 0, None
+
+    def _start_once(self) -> None:
         self._new_group()
         self.group.start(self.scaling.num_replicas)
         self._note_ready_spares(log=False)

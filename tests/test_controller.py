@@ -997,6 +997,51 @@ def test_a_wait_for_capacity_ends_once_the_spares_it_needs_are_ready(ray_cluster
     assert c.recoveries[1]["rebuild_s"] < 30
 
 
+class DiesOnce(FakeWorker):
+    """rank-1 dies the first time it is built or joins (spec.model_fn() names the phase and a
+    marker file, so the second try, in a new actor process, lives)."""
+
+    def __init__(self, spec, name="", background_start=False):
+        super().__init__(spec, name, background_start)
+        self.phase, self.marker = spec.model_fn()
+        if self.phase == "build":
+            self._die_once()
+
+    def join(self, rank, world, *args):
+        if self.phase == "join":
+            self._die_once()
+        return super().join(rank, world, *args)
+
+    def _die_once(self):
+        if self.name == "rank-1" and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+
+
+class DiesOnceGroup(FakeGroup):
+    def __init__(self, scaling, spec, namespace):
+        super().__init__(scaling, spec, namespace)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(DiesOnce)
+
+
+@pytest.mark.parametrize("phase", ["build", "join"])
+def test_a_rank_lost_while_the_run_starts_starts_it_again(ray_cluster, tmp_path, phase):
+    # A rank's process died while it built its model or joined the first group: the error went
+    # out of run_for, and the run ended ERRORED with a spare ready. Now the start begins again.
+    c = controller(f"fake-start-loss-{phase}", backups=1)
+    marker = str(tmp_path / "died")
+    c.spec = dataclasses.replace(c.spec, model_fn=lambda: (phase, marker))
+    c.worker_group_cls = DiesOnceGroup
+    try:
+        c.run_for(steps=4)
+    finally:
+        c.shutdown()
+    assert os.path.exists(marker)  # it did die
+    assert c.state is State.FINISHED and c.step == 4 and c.failures == 1
+    lost = [e for e in c.events if e.kind == "failure" and "lost while the run started" in e.message]
+    assert len(lost) == 1 and lost[0].details["ranks"] == ([] if phase == "build" else [1])
+
+
 def test_on_nccl_the_survivors_of_a_lost_rank_have_their_communicators_aborted(ray_cluster):
     # An NCCL survivor's kernel would wait on the GPU for the dead peer until the timeout; gloo
     # ranks are woken by the peer's sockets closing and are never asked.
