@@ -127,6 +127,55 @@ def _join_that_fails_after_the_group_formed(port: int, out) -> None:
         out.put((str(exc), dist.is_initialized()))
 
 
+class MaskedModel(torch.nn.Module):
+    """A small net with a large persistent buffer (a 1024 x 1024 causal mask, 8 MB as float64)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+        self.register_buffer("mask", torch.tril(torch.ones(1024, 1024)))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _first_n_send_budget(rank: int, port: int, out) -> None:
+    """Two real TrainWorkers (no Ray) joining a first-N group (N = 1 of 2) of MaskedModel: what
+    a leader keeps in flight to a late replica, a step's gradient and buffers together."""
+    from helpers import loss_fn, make_dataset, make_sgd
+
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    worker = TrainWorker(TrainingSpec(MaskedModel, make_sgd, make_dataset, loss_fn))
+    worker.join(rank, 2, "127.0.0.1", port, 1, 20.0, use_ddp=False, subgroup_size=1)
+    grads = worker._fn_grads.flat
+    if rank == 0:
+        out.put((worker._fn_sends.limit, worker._fn_buffer_sends.limit,
+                 grads.numel() * grads.element_size(), worker._buffers.flat.numel() * 8))
+    worker.leave()
+
+
+def test_a_leaders_copies_in_flight_stay_within_the_send_budget_with_the_buffers():
+    # The buffer copies took the gradient's limit (64 sends of a few bytes) while each was the
+    # whole buffer vector: up to 64 copies of 8 MB here, twice the 256 MB the budget allows.
+    from elastic.actors.sends import SEND_BUDGET_BYTES
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_first_n_send_budget, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    grad_limit, buffer_limit, grad_bytes, buffer_bytes = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    assert grad_limit == buffer_limit
+    assert grad_limit * (grad_bytes + buffer_bytes) <= SEND_BUDGET_BYTES
+    assert grad_limit == SEND_BUDGET_BYTES // (grad_bytes + buffer_bytes)
+
+
 def test_a_join_that_fails_after_the_group_formed_leaves_it():
     # The group stayed up after a failed join: its sockets and rank 0's store open, so peers
     # blocked on this rank waited out collective_timeout_s instead of failing at once.

@@ -398,8 +398,14 @@ class TrainWorker:
                     self._fn_grads = FlatGrads(self.model)
                 flat = self._fn_grads.bind(self.device)
                 self._fn_grads.plan_buckets(*bucket_bytes(self.backend, self.spec.bucket_cap_mb))
-                flat_bytes = flat.numel() * flat.element_size()
-                self._fn_sends = UpdateSends(dist.isend, in_flight_limit(flat_bytes))
+                # A step's sends to a late replica are its averaged gradient and, in a model with
+                # buffers, the agreed buffers (float64): one limit from both, so the copies in
+                # flight stay within SEND_BUDGET_BYTES together (a large persistent buffer, a
+                # causal mask say, made the buffer copies alone many times the budget).
+                step_bytes = flat.numel() * flat.element_size()
+                if self._buffers is not None:
+                    step_bytes += self._buffers.flat.numel() * self._buffers.flat.element_size()
+                self._fn_sends = UpdateSends(dist.isend, in_flight_limit(step_bytes))
                 if self._buffers is not None:
                     self._fn_buffer_sends = UpdateSends(dist.isend, self._fn_sends.limit)
                 self._fn_schedule = SitOutSchedule(world_size, late_backoff_steps)
