@@ -135,8 +135,8 @@ class Reentrant(torch.nn.Module):
 
 
 def _reduce_both_ways(rank: int, init_file: str, out) -> None:
-    """Each model's summed buffer reduced during the backward and in one all-reduce after it, on a
-    real two-rank gloo group; what went out before the backward returned."""
+    """Each model's buffer averaged during the backward and in one all-reduce after it, on a real
+    two-rank gloo group; what went out before the backward returned."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -155,7 +155,7 @@ def _reduce_both_ways(rank: int, init_file: str, out) -> None:
                 x = torch.randn(8, 32)
                 grads.before_backward()
                 if way == "during":
-                    grads.begin_early_reduce(None)
+                    grads.begin_early_reduce(None, 2)
                 loss = model(x, reach_branch=rank == 0).square().mean()
                 model.zero_grad(set_to_none=False)
                 loss.backward()
@@ -164,7 +164,7 @@ def _reduce_both_ways(rank: int, init_file: str, out) -> None:
                 if way == "during":
                     grads.finish_reduce()
                 else:
-                    dist.all_reduce(flat)
+                    grads.reduce(None, 2)
                 sums.append(flat.tolist())  # plain data: a tensor in the queue outlives its process
                 flat.zero_()
             found[build.__name__] = (sums, early, len(grads.buckets), grads.accumulates_twice)
@@ -180,7 +180,7 @@ def _reduce_both_ways(rank: int, init_file: str, out) -> None:
             torch.manual_seed(100 + rank)
             x = torch.randn(8, 32)
             grads.before_backward()
-            grads.begin_early_reduce(None)
+            grads.begin_early_reduce(None, 2)
             loss = model(x, reach_branch=True).square().mean()
             model.zero_grad(set_to_none=False)
             loss.backward()
@@ -195,12 +195,12 @@ def _reduce_both_ways(rank: int, init_file: str, out) -> None:
         dist.destroy_process_group()
 
 
-def test_reducing_during_the_backward_sums_what_one_all_reduce_after_it_sums(tmp_path):
+def test_reducing_during_the_backward_averages_what_one_all_reduce_after_it_averages(tmp_path):
     results = run_pair(_reduce_both_ways, str(tmp_path / "init"))
     for rank in (0, 1):
         sums, early, buckets, twice = results[rank]["Branchy"]
         assert buckets >= 6 and not twice
-        assert sums[2] == sums[0]  # bucket by bucket during the backward: the same sum
+        assert sums[2] == sums[0]  # bucket by bucket during the backward: the same mean
         assert sums[2] == results[1 - rank]["Branchy"][0][2]  # and the same on both ranks
         # Buckets, in the order they go out: the head's bias; the head's weight with the
         # branch; then the body's, one layer each; last the bf16 layer's (copied in after the
@@ -215,6 +215,38 @@ def test_reducing_during_the_backward_sums_what_one_all_reduce_after_it_sums(tmp
         # ...and seen too when the first step of all is one reduced during the backward
         sums, early, _, twice = results[rank]["ReentrantKnownFirst"]
         assert twice and early == [0, 0] and sums[0] == sums[1] == results[rank]["Reentrant"][0][0]
+
+
+def _fp16_mean(rank: int, init_file: str, out) -> None:
+    """Two gloo ranks, an fp16 parameter whose gradient is 40000 on each: the mean, both ways."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 1, bias=False)).half()
+        grads = FlatGrads(model)
+        flat = grads.bind(torch.device("cpu"))
+        grads.plan_buckets(1, 1)  # a bucket per parameter
+        found = []
+        for way in ("after", "during"):
+            flat.fill_(40000.0)  # each replica's gradients (and loss): finite in fp16, their sum is not
+            if way == "after":
+                grads.reduce(None, 2)
+            else:
+                grads.begin_early_reduce(None, 2)
+                grads.finish_reduce()  # no backward ran: every bucket goes out here, one by one
+            found.append(sorted(set(flat.float().tolist())))
+        out.put((rank, found))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_fp16_models_mean_does_not_overflow_where_its_sum_would(tmp_path):
+    # The fast N summed fp16 gradients and divided after: 2 x 40000 is inf in fp16 (max 65504),
+    # and every replica stepped on inf alike. Each divides first now, as DDP does.
+    results = run_pair(_fp16_mean, str(tmp_path / "init"))
+    assert results[0] == results[1] == [[40000.0], [40000.0]]
 
 
 def test_buckets_cover_the_gradients_in_reverse_order_at_the_caps_and_wait_for_other_dtypes():

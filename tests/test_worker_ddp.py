@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic.actors.worker import ddp_bucket_kwargs
+from helpers import run_pair
 
 
 def _buckets_reduced(rank: int, init_file: str, caps: list, out) -> None:
@@ -151,9 +152,8 @@ def _first_n_send_budget(rank: int, port: int, out) -> None:
     worker = TrainWorker(TrainingSpec(MaskedModel, make_sgd, make_dataset, loss_fn))
     worker.join(rank, 2, "127.0.0.1", port, 1, 20.0, use_ddp=False, subgroup_size=1)
     grads = worker._fn_grads.flat
-    if rank == 0:
-        out.put((worker._fn_sends.limit, worker._fn_buffer_sends.limit,
-                 grads.numel() * grads.element_size(), worker._buffers.flat.numel() * 8))
+    out.put((rank, (worker._fn_sends.limit, worker._fn_buffer_sends.limit,
+                    grads.numel() * grads.element_size(), worker._buffers.flat.numel() * 8)))
     worker.leave()
 
 
@@ -162,15 +162,7 @@ def test_a_leaders_copies_in_flight_stay_within_the_send_budget_with_the_buffers
     # whole buffer vector: up to 64 copies of 8 MB here, twice the 256 MB the budget allows.
     from elastic.actors.sends import SEND_BUDGET_BYTES
 
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_first_n_send_budget, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    grad_limit, buffer_limit, grad_bytes, buffer_bytes = out.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
+    grad_limit, buffer_limit, grad_bytes, buffer_bytes = run_pair(_first_n_send_budget, free_port())[0]
     assert grad_limit == buffer_limit
     assert grad_limit * (grad_bytes + buffer_bytes) <= SEND_BUDGET_BYTES
     assert grad_limit == SEND_BUDGET_BYTES // (grad_bytes + buffer_bytes)

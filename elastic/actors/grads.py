@@ -97,6 +97,7 @@ class FlatGrads:
         self._backwards = 0  # backwards seen; the first never reduces early (see begin_early_reduce)
         self._group = None
         self._works: list = []
+        self._n = 1  # members of the group reduced over: each divides by it first (reduce)
         self._waiting: list[int] = []  # per bucket: its parameters whose gradients are not in yet
         self._next = 0  # the next bucket to go out
 
@@ -155,11 +156,20 @@ class FlatGrads:
                 self._early_ok.append(i > 0 and not cast.intersection(members))
                 cap, members, nbytes = cap_bytes, [], 0
 
-    def begin_early_reduce(self, group) -> None:
+    def reduce(self, group, n: int) -> None:
+        """The whole buffer at once, after ``after_backward``: the mean over ``group`` (a
+        process group; None: the default one) of its ``n`` members. Each member divides by ``n``
+        before the all-reduce, as DDP does: a sum of fp16 gradients overflows to inf where their
+        mean does not (every replica would then step on inf alike, and no checksum would tell)."""
+        self.flat.div_(n)
+        torch.distributed.all_reduce(self.flat, group=group)
+
+    def begin_early_reduce(self, group, n: int) -> None:
         """This step's backward sends each bucket to ``group`` (a process group; None: the
-        default one) as soon as it and every bucket before it are in; ``finish_reduce``, after
-        ``after_backward``, sends the rest and waits for all of it. Call after ``before_backward``."""
-        self._group, self._works, self._next = group, [], 0
+        default one) as soon as it and every bucket before it are in, divided by ``n`` first
+        (``reduce``); ``finish_reduce``, after ``after_backward``, sends the rest and waits for
+        all of it. Call after ``before_backward``."""
+        self._group, self._works, self._next, self._n = group, [], 0, n
         # A bucket that may not go out early waits for one more "parameter": finish_reduce.
         self._waiting = [n if ok else n + 1 for n, ok in zip(self._bucket_params, self._early_ok)]
         # Not in this replica's first backward: it has not yet shown whether the model accumulates
@@ -175,11 +185,13 @@ class FlatGrads:
     def _issue(self, b: int):
         start, end = self.buckets[b]
         self._next = b + 1
-        return torch.distributed.all_reduce(self.flat[start:end], group=self._group, async_op=True)
+        bucket = self.flat[start:end]
+        bucket.div_(self._n)
+        return torch.distributed.all_reduce(bucket, group=self._group, async_op=True)
 
     def finish_reduce(self) -> None:
         """Send the buckets not yet out, in order (the last with the loss and the presence
-        marks), and wait for all of it: the buffer then holds the fast replicas' sum. (A failure
+        marks), and wait for all of it: the buffer then holds the fast replicas' mean. (A failure
         on the way leaves the works behind: the step's group is torn down, see
         ``TrainWorker._run_guarded``.)"""
         self._reducing = False

@@ -680,7 +680,7 @@ class TrainWorker:
             self.optimizer.zero_grad(set_to_none=False)
             self._fn_grads.before_backward()
             if early:
-                self._fn_grads.begin_early_reduce(self._fn_group(eligible))
+                self._fn_grads.begin_early_reduce(self._fn_group(eligible), n)
             loss, local = self._forward_backward(self.model, batch, step, False, t0)
             self._fn_grads.after_backward(loss)
             if self._buffers is not None:
@@ -722,8 +722,7 @@ class TrainWorker:
             if early:
                 self._fn_grads.finish_reduce()
             else:
-                dist.all_reduce(flat, group=group)
-            flat.div_(n)
+                self._fn_grads.reduce(group, n)
             if buffers is not None:
                 dist.all_reduce(buffers, group=group)
                 buffers.div_(n)
