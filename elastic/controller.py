@@ -190,8 +190,9 @@ class Controller:
         self._agents: Any = None  # NodeAgents: the nodes' checkpoint writers (elastic/checkpoint/agent.py)
         self.dataset_size = 0
         self._per_worker = 0
-        # first-N: a late rank's window result, not waited for -> (rank, time it was late from)
+        # first-N: a late rank's window result, not waited for -> (rank, time it was late from, its steps)
         self._lagging: dict[Any, tuple[int, float, int]] = {}
+        self._late_done_at: dict[int, float] = {}  # first-N: when each rank last handed back a late window
         self._checksums: dict[int, dict[int, int]] = {}  # step -> rank -> parameter checksum, until all agree
         self._last_results: dict[int, Any] = {}
         # The newest step each rank has returned (first-N: a late replica's trails the run's).
@@ -932,6 +933,7 @@ class Controller:
 
     def _collect_late(self, rank: int, results: list[StepResult]) -> None:
         """A window a late rank finished after the others: its timings, checksums, checkpoint parts."""
+        self._late_done_at[rank] = time.time()  # on to its next window, if late on more (_late_clocks)
         self._note_rank_done(rank, results)
         for res in results:
             self._observe(rank, res)
@@ -944,48 +946,64 @@ class Controller:
 
     def _check_late_hung(self) -> None:
         """First-N never waits for a late rank, so a rank that stopped making progress would go
-        unnoticed: feed how long each has been late to the straggler policy, and kill one late
-        past ``step_timeout_s`` a step of the windows it is late on (its death then shows up on
-        its refs). A window of k steps may have all k still to run when the fast N are done with
-        it: k healthy steps of a slow rank, not a hang."""
+        unnoticed: feed how long each has been late to the straggler policy, and kill one whose
+        oldest late window has run past ``step_timeout_s`` a step (``_late_clocks``; its death
+        then shows up on its refs)."""
         if not self._first_n:
             return
         now = time.time()
         oldest: dict[int, float] = {}
-        steps: dict[int, int] = {}
-        for ref, (r, since, k) in self._lagging.items():
+        for ref, (r, since, _) in self._lagging.items():
             oldest[r] = min(oldest.get(r, since), since)
-            steps[r] = steps.get(r, 0) + k
         for m in self.group.members:
             self.straggler_policy.observe_pending(m.rank, now - oldest[m.rank] if m.rank in oldest else 0.0)
         timeout = self.failure_config.step_timeout_s
-        for r, since in oldest.items():
-            if now - since > timeout * steps[r] and self.group.members[r].name not in self._hung:
+        for r, (start, k) in self._late_clocks().items():
+            if now - start > timeout * k and self.group.members[r].name not in self._hung:
                 stuck = {ref: rr for ref, (rr, *_) in self._lagging.items() if rr == r}
-                self._kill_hung(stuck, f"made no progress: late on {steps[r]} step(s) for over "
-                                       f"step_timeout_s={timeout:g}s each")
+                self._kill_hung(stuck, f"made no progress: its oldest late window ({k} step(s)) ran past "
+                                       f"step_timeout_s={timeout:g}s a step")
+
+    def _late_clocks(self, exclude: int | None = None) -> dict[int, tuple[float, int]]:
+        """Each late rank's oldest window still out: since when the rank has been on it, and its
+        steps. A rank runs its windows in order, so it started on that one when the fast N were
+        done with it or when it handed back the one before (``_collect_late``), whichever came
+        later. It may take ``step_timeout_s`` a step of it: when the fast N finish a window of k
+        steps, a slow replica may have all k still to run. Why not its whole backlog: each
+        window the fast N finish adds one, faster than a hung rank's time runs, so it would
+        never be found."""
+        clocks: dict[int, tuple[float, int]] = {}
+        for r, since, k in self._lagging.values():  # in the order the windows went late
+            if r != exclude and r not in clocks:
+                clocks[r] = (max(since, self._late_done_at.get(r, 0.0)), k)
+        return clocks
 
     def _wait_late(self, exclude: int | None = None) -> dict[int, BaseException | None]:
-        """Let late ranks (but ``exclude``) finish their windows, for up to ``step_timeout_s``, and
-        take in those that did. Returns the ranks whose window did not: rank -> its error, or
-        None for one still busy (its window stays in ``_lagging``). Before an eviction these are
-        left alone (a death or a broken group shows up on the rank's next call); at the end of
-        the run ``_finish_late`` acts on them."""
-        refs = [ref for ref, (r, *_) in self._lagging.items() if r != exclude]
-        if not refs:
-            return {}
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.step_timeout_s)
+        """Let late ranks (but ``exclude``) finish their windows, each window up to
+        ``step_timeout_s`` a step from when the rank started on it (``_late_clocks``), and take
+        in those that did. Returns the ranks whose windows did not: rank -> its error, or None
+        for one still busy (its windows stay in ``_lagging``). Before an eviction these are left
+        alone (a death or a broken group shows up on the rank's next call); at the end of the
+        run ``_finish_late`` acts on them."""
+        timeout = self.failure_config.step_timeout_s
+        pending = [ref for ref, (r, *_) in self._lagging.items() if r != exclude]
         unfinished: dict[int, BaseException | None] = {}
-        for ref in refs:
-            r = self._lagging[ref][0]
-            if ref not in ready:
-                unfinished[r] = None
-                continue
-            del self._lagging[ref]
-            try:
-                self._collect_late(r, ray.get(ref))
-            except ray.exceptions.RayError as exc:
-                unfinished[r] = exc
+        while pending:
+            now = time.time()
+            left = {r: timeout * k - (now - start) for r, (start, k) in self._late_clocks(exclude).items()}
+            waiting = [ref for ref in pending if left[self._lagging[ref][0]] > 0]
+            if not waiting:
+                break
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=max(left[self._lagging[ref][0]] for ref in waiting))
+            for ref in ready:
+                pending.remove(ref)
+                r = self._lagging.pop(ref)[0]
+                try:
+                    self._collect_late(r, ray.get(ref))
+                except ray.exceptions.RayError as exc:
+                    unfinished[r] = exc
+        for ref in pending:
+            unfinished.setdefault(self._lagging[ref][0], None)
         return unfinished
 
     def _finish_late(self) -> None:
@@ -1001,7 +1019,7 @@ class Controller:
         gone: dict[int, str] = {}
         for r, exc in unfinished.items():
             if exc is None:
-                gone[r] = f"still busy after step_timeout_s={self.failure_config.step_timeout_s:g}s"
+                gone[r] = f"still busy past step_timeout_s={self.failure_config.step_timeout_s:g}s a step"
             elif isinstance(exc, ray.exceptions.RayActorError):
                 gone[r] = "died"
             elif not isinstance(exc, ray.exceptions.RayTaskError):

@@ -146,25 +146,29 @@ def test_a_restart_forgets_the_ranks_killed_as_hung_so_the_new_ones_of_those_nam
     assert killed == [[1]]
 
 
-def test_a_late_rank_has_step_timeout_s_for_each_step_of_the_windows_it_is_late_on(rayless_controller, monkeypatch):
+def test_a_late_rank_has_step_timeout_s_a_step_of_its_oldest_window_from_when_it_started_on_it(
+        rayless_controller, monkeypatch):
     # When the fast N finish a window of k steps, a slow replica may have all k still to run:
     # k healthy steps, not a hang. One step_timeout_s for the whole window killed it as hung.
+    # Its later windows do not add to the budget: each window the fast N finish adds one, faster
+    # than a hung rank's time runs, and it was never found.
     c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
                            failure=elastic.FailureConfig(step_timeout_s=1))
     c.group = StandInGroup(ranks=3)
     killed = []
     monkeypatch.setattr(c, "_kill_hung", lambda stuck, why, gone=(): killed.append(sorted(stuck.values())))
     now = time.time()
-    c._lagging = {"window": (2, now - 3, 4)}  # late 3 s on a window of 4 steps
+    c._lagging = {"w1": (2, now - 3, 4)}  # late 3 s on a window of 4 steps
     c._check_late_hung()
     assert killed == []
-    c._lagging = {"window": (2, now - 3, 4), "next": (2, now - 1, 4)}  # two windows queued: 8 steps
-    c._lagging["window"] = (2, now - 7, 4)
+    c._lagging = {"w1": (2, now - 5, 4), **{f"w{i}": (2, now - 5 + 0.1 * i, 4) for i in range(2, 40)}}
+    c._check_late_hung()
+    assert killed == [[2] * 39]  # 5 s on its oldest window of 4 steps: hung, whatever came after
+    killed.clear()
+    c._late_done_at[2] = now - 2  # it handed a window back 2 s ago: on this one since then
     c._check_late_hung()
     assert killed == []
-    c._lagging["window"] = (2, now - 9, 4)  # 9 s on 8 steps
-    c._check_late_hung()
-    assert killed == [[2, 2]]
+    assert c._late_clocks() == {2: (now - 2, 4)} and c._late_clocks(exclude=2) == {}
 
 
 def test_a_restart_to_a_step_past_the_controllers_recomputes_nothing(rayless_controller, monkeypatch):
