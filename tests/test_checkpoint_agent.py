@@ -484,16 +484,18 @@ def commit_after_agent_loss(hook, worker, committer, store, step: int) -> list:
     return out["ckpt_done"]
 
 
-@pytest.mark.parametrize("slot_back", [True, False])
+@pytest.mark.parametrize("case", ["told and read", "slot never back", "told, unread"])
 def test_an_agent_gone_after_writing_the_last_step_is_not_written_again_its_part_is_reported(node, monkeypatch,
-                                                                                           slot_back):
+                                                                                           case):
     """The agent tells the rank a step is written before it reports the part: if it dies
     before the flush, the rank reports that part itself instead of rewriting a file a committed
-    manifest may name. ``slot_back=False``: it died after reporting the part but before the
-    slot went back (the rank heard of the write only with the slot's return before, and wrote
-    the step again over the committed file)."""
+    manifest may name.
+    - "slot never back": it died after reporting the part but before the slot went back (the
+      rank heard of the write only with the slot's return before, and wrote the step again).
+    - "told, unread": the rank had not read the agent's word when the flush found the agent
+      gone (its first send failed): what the agent sent is read before the rank decides."""
     agent, controller, committer, store, (url, options) = node
-    if not slot_back:
+    if case == "slot never back":
         monkeypatch.setattr(_RankLink, "_release", lambda self, p: None)
     worker = FakeWorker(rank=0, world_size=1)
     rewrites = []
@@ -507,10 +509,15 @@ def test_an_agent_gone_after_writing_the_last_step_is_not_written_again_its_part
     try:
         run_training([worker], [hook], committer, [1])
         deadline = time.monotonic() + 10
-        while (hook._written or (0,))[0] != 1 and time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError):
-                hook._poll(time.monotonic() + 0.1)  # the agent's word that step 1 is written
-        assert hook._written[0] == 1
+        if case == "told, unread":
+            while committer.latest_committed != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)  # the agent reported the part, after telling the rank
+            assert committer.latest_committed == 1 and hook._written is None
+        else:
+            while (hook._written or (0,))[0] != 1 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    hook._poll(time.monotonic() + 0.1)  # the agent's word that step 1 is written
+            assert hook._written[0] == 1
         for link_ in agent.pool.connected():
             link_.conn.shutdown(socket.SHUT_RDWR)  # the agent dies (whether or not it reported)
         assert hook.flush(10, worker=worker) and hook.fallback is not None

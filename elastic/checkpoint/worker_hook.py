@@ -9,6 +9,8 @@ plus ``"rng"`` when the rank wrote no file (no share of a small state), for the 
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 import os
@@ -536,6 +538,10 @@ class AgentCheckpointer:
         except OSError as exc:
             if worker is None:
                 return False
+            # What the agent sent before it died is still to be read (a failed send comes first):
+            # its word that the step was written among it.
+            with contextlib.suppress(OSError):
+                self._poll()
             step = int(worker.completed_step)
             # What the agent had not written went with it: the step it was last given (or that
             # was dropped) is taken again here, from the rank's state, which is still that step's.
