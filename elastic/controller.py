@@ -404,14 +404,7 @@ class Controller:
                 lost = self._lost_while_starting(exc)
                 if not lost:
                     raise
-                self._count_failure("failure_during_start")
-                if self.failures > self.failure_config.max_failures:
-                    raise TrainingFailed(self._fail_message(
-                        f"a rank was lost while the run started, and failure {self.failures} exceeds "
-                        f"FailureConfig.max_failures={self.failure_config.max_failures}")) from exc
-                who = f"rank(s) {lost}" if isinstance(lost, list) else lost
-                self.log("failure", f"{who} lost while the run started ({type(exc).__name__}); starting it "
-                         "again", ranks=lost if isinstance(lost, list) else [])
+                self._count_start_loss(exc, "failure_during_start", lost, "the run started", "starting it again")
                 self._abandon_start()
 
     def _lost_while_starting(self, exc: BaseException) -> list[int] | str | None:
@@ -434,10 +427,30 @@ class Controller:
             self._agents.shutdown()
             self._agents = None
         self.group.shutdown()
+        self._forget_old_actors()
+        self.step, self.restored_from = 0, None
+
+    def _forget_old_actors(self) -> None:
+        """Every rank is new (a restart, a start begun again): none stood by, none has its
+        checkpoint writer, and none was killed as hung (by name: the new actors take the old
+        names again)."""
+        self._stateless.clear()
         self._configured.clear()
         self._hung.clear()
-        self._stateless.clear()
-        self.step, self.restored_from = 0, None
+
+    def _count_start_loss(self, exc: BaseException, kind: str, lost: list[int] | str, while_: str,
+                          then: str) -> None:
+        """One failure for a rank lost while every rank (re)started; ``TrainingFailed`` past
+        ``max_failures``, with the error (a crash that repeats on every start ends there)."""
+        self._count_failure(kind)
+        who = f"rank(s) {lost}" if isinstance(lost, list) else lost
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        if self.failures > self.failure_config.max_failures:
+            raise TrainingFailed(self._fail_message(
+                f"{who} lost while {while_} ({error}), and failure {self.failures} exceeds "
+                f"FailureConfig.max_failures={self.failure_config.max_failures}")) from exc
+        self.log("failure", f"{who} lost while {while_} ({type(exc).__name__}); {then}",
+                 ranks=lost if isinstance(lost, list) else [])
 
     def _start_once(self) -> None:
         self._new_group()
@@ -854,7 +867,7 @@ class Controller:
         if self._look_ahead and first + k <= self.total_steps and first + k not in self._inflight:
             self._dispatch_all(first + k)
         self._check_late_hung()
-        lagging = {ref: r for ref, (r, *_) in self._lagging.items()}
+        lagging = self._lagging_ranks()
         need = self.scaling.num_workers if self._first_n else None
         try:
             got = self._gather(refs, ranks, need=need, lagging=lagging)
@@ -960,9 +973,13 @@ class Controller:
         timeout = self.failure_config.step_timeout_s
         for r, (start, k) in self._late_clocks().items():
             if now - start > timeout * k and self.group.members[r].name not in self._hung:
-                stuck = {ref: rr for ref, (rr, *_) in self._lagging.items() if rr == r}
+                stuck = self._lagging_ranks(only=r)
                 self._kill_hung(stuck, f"made no progress: its oldest late window ({k} step(s)) ran past "
                                        f"step_timeout_s={timeout:g}s a step")
+
+    def _lagging_ranks(self, only: int | None = None) -> dict[Any, int]:
+        """The late windows' refs -> their rank (``only``: that rank's)."""
+        return {ref: r for ref, (r, *_) in self._lagging.items() if only is None or r == only}
 
     def _late_clocks(self, exclude: int | None = None) -> dict[int, tuple[float, int]]:
         """Each late rank's oldest window still out: since when the rank has been on it, and its
@@ -986,7 +1003,7 @@ class Controller:
         alone (a death or a broken group shows up on the rank's next call); at the end of the
         run ``_finish_late`` acts on them."""
         timeout = self.failure_config.step_timeout_s
-        pending = [ref for ref, (r, *_) in self._lagging.items() if r != exclude]
+        pending = [ref for ref, r in self._lagging_ranks().items() if r != exclude]
         unfinished: dict[int, BaseException | None] = {}
         while pending:
             now = time.time()
@@ -1628,19 +1645,11 @@ class Controller:
                 # A rank lost while the new group builds (the flapping node that chose the
                 # restart): the group holds no members yet, so the recovery loop could not name
                 # the lost rank. Start them all again, as one more failure.
-                self._count_failure("failure_during_recovery")
-                if self.failures > self.failure_config.max_failures:
-                    raise TrainingFailed(self._fail_message(
-                        f"a rank was lost while every rank restarted, and failure {self.failures} exceeds "
-                        f"FailureConfig.max_failures={self.failure_config.max_failures}")) from exc
-                self.log("failure", f"a rank was lost while every rank restarted ({type(exc).__name__}); "
-                         "starting them all again")
+                self._count_start_loss(exc, "failure_during_recovery", "a rank", "every rank restarted",
+                                       "starting them all again")
         self._note_ready_spares(log=False)  # built: they end a streak of failed spare starts
-        # Every rank is new: none stood by, and the run is back at its configured size.
-        self._stateless.clear()
+        self._forget_old_actors()
         self._per_worker = self.global_batch_size // self.scaling.num_workers
-        self._configured.clear()
-        self._hung.clear()  # by name, and the new group's actors take the old names again
         self._configure_checkpoints(self._all_actors())
         position = self._restore_latest()
         if position is None:

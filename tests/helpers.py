@@ -143,3 +143,12 @@ def run_pair(target, *args) -> dict:
         p.join(timeout=60)
         assert p.exitcode == 0
     return results
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 the kernel just handed out (free when this returns)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

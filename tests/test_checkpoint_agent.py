@@ -26,6 +26,7 @@ from elastic.checkpoint.store import shard_name
 from elastic.actors.worker import _to_device
 from elastic.checkpoint.worker_hook import AgentCheckpointer
 from elastic.config import CheckpointConfig
+from helpers import free_port
 from test_checkpoint_store import FAST, FakeWorker, assert_same, backend, finish, run_training  # noqa: F401 - backend: a fixture
 
 pytestmark = pytest.mark.skipif(not supported(), reason="memfds are Linux only")
@@ -399,12 +400,6 @@ def test_an_agent_gone_before_the_last_write_costs_the_run_no_step(node):
         hook.close()
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("why", ["agent lost", "state the agent cannot take"])
 def test_a_rank_writing_itself_beside_ranks_on_agents_reports_its_own_parts_and_steps_commit(tmp_path, why):
     """Two ranks of one group, each on its node's agent, with the group's part pool as a run
@@ -422,7 +417,7 @@ def test_a_rank_writing_itself_beside_ranks_on_agents_reports_its_own_parts_and_
     committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=1, keep_last=2))
     controller = FakeController(committer)
     agents = [CheckpointAgent(url, options, RUN, controller) for _ in range(2)]
-    port = free_tcp_port()
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # the group's store
     workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
     hooks = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import types
 from datetime import timedelta
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from elastic.checkpoint.pool import PartPool
 from elastic.checkpoint.store import shard_name
 from elastic.checkpoint.worker_hook import WorkerCheckpointer
+from helpers import free_port
 
 
 @pytest.fixture()
@@ -73,12 +73,6 @@ def test_one_rank_sends_a_step_that_two_see_complete(master):
     second = p[0].add(7, 0, {"r": 0})
     assert first == {0: {"r": 0}, 1: {"r": 1}}
     assert second is None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_part_is_reported_directly_when_the_store_is_gone(tmp_path):

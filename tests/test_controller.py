@@ -1014,7 +1014,8 @@ class DiesOnce(FakeWorker):
 
     def _die_once(self):
         if self.name == "rank-1" and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
+            with contextlib.suppress(OSError):  # an unwritable marker: it dies every time
+                open(self.marker, "w").close()
             os._exit(1)
 
 
@@ -1040,6 +1041,20 @@ def test_a_rank_lost_while_the_run_starts_starts_it_again(ray_cluster, tmp_path,
     assert c.state is State.FINISHED and c.step == 4 and c.failures == 1
     lost = [e for e in c.events if e.kind == "failure" and "lost while the run started" in e.message]
     assert len(lost) == 1 and lost[0].details["ranks"] == ([] if phase == "build" else [1])
+
+
+def test_a_rank_that_dies_at_every_start_ends_the_run_past_max_failures_with_its_error(ray_cluster, tmp_path):
+    # Each start loses rank-1 while it builds (a model_fn that crashes its process, say): the
+    # run starts again max_failures times, then ends saying what killed it.
+    c = controller("fake-start-loss-always", backups=1, failure=elastic.FailureConfig(max_failures=1))
+    c.spec = dataclasses.replace(c.spec, model_fn=lambda: ("build", "/nonexistent-dir/never-written"))
+    c.worker_group_cls = DiesOnceGroup  # its marker can never be written: it dies every time
+    with pytest.raises(TrainingFailed, match=r"lost while the run started \(ActorDiedError: .*max_failures=1"):
+        try:
+            c.run_for(steps=2)
+        finally:
+            c.shutdown()
+    assert c.failures == 2 and c.state is State.ERRORED
 
 
 def test_on_nccl_the_survivors_of_a_lost_rank_have_their_communicators_aborted(ray_cluster):

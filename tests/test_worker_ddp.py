@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic.actors.worker import ddp_bucket_kwargs
-from helpers import run_pair
+from helpers import free_port, run_pair
 
 
 def _buckets_reduced(rank: int, init_file: str, caps: list, out) -> None:
@@ -46,14 +46,6 @@ def buckets_reduced(tmp_path, caps: list) -> list[int]:
         p.join(timeout=60)
         assert p.exitcode == 0
     return counts
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def in_spawned_process(target, *args):

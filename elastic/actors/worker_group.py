@@ -198,13 +198,25 @@ class WorkerGroup:
         for _ in range(self.scaling.num_hot_spares):
             self.request_spare()
         refs = [m.actor.info.remote() for m in pending]  # every rank builds at once
-        for rank, (m, ref) in enumerate(zip(pending, refs)):
-            try:
-                m.info = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                if not getattr(exc, "actor_init_failed", False):
-                    raise
-                raise WorkerError(rank, describe_worker_failure(exc, "could not be built")) from None
+        try:
+            for rank, (m, ref) in enumerate(zip(pending, refs)):
+                try:
+                    m.info = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    if not getattr(exc, "actor_init_failed", False):
+                        raise
+                    raise WorkerError(rank, describe_worker_failure(exc, "could not be built")) from None
+        except BaseException:
+            # The ranks started so far are no members yet, so shutdown() would leave them to the
+            # removal of their placement group, which frees their names only once Ray has seen
+            # them die: a start begun again (elastic/controller.py, _start) could find the names
+            # taken. Killed here, they go now.
+            for m in pending:
+                try:
+                    ray.kill(m.actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - dead already, or its node gone: nothing to free
+                    logger.debug("kill of %s failed", m.name, exc_info=True)
+            raise
         self._check_same_dataset(pending)
         self.members = order_by_node(pending)
         self._name_ranks()
@@ -327,7 +339,7 @@ class WorkerGroup:
         for m in list(self._pending_spares):
             if m.pg is None or m.pg is self._ranks_pg:
                 continue
-            if wait_refs([m.info["_pg_ready"]], 0):
+            if self._placed(m):
                 continue  # placed: it is building
             if self._placed_free_bundle(m.info.get("_avoid", [])) is None:
                 continue  # none off this one's avoided nodes; another spare may avoid none
@@ -402,11 +414,16 @@ class WorkerGroup:
             self._move_to_placed_free_bundles()
             self._take_built_spares()
             left = deadline - time.time()
-            waiting = [m for m in self._pending_spares if not placed_only or wait_refs([m.info["_pg_ready"]], 0)]
+            waiting = [m for m in self._pending_spares if not placed_only or self._placed(m)]
             if (not block or not waiting or left <= 0 or self.interrupted()
                     or (enough is not None and len(self.spares) >= enough)):
                 return len(self.spares)
             wait_refs([m.info["_ref"] for m in waiting], min(left, MOVE_CHECK_S), self.interrupted)
+
+    @staticmethod
+    def _placed(m: Member) -> bool:
+        """Whether a pending spare's placement group is placed (the spare is building)."""
+        return bool(wait_refs([m.info["_pg_ready"]], 0))
 
     def _take_built_spares(self) -> None:
         """Move pending spares whose model is built (or that failed) out of the pending list."""
