@@ -15,7 +15,7 @@ skipped, an expert no token was routed to) has no gradient in one process, and t
 leaves it alone: no weight decay, no momentum, no Adam moment update. With views its ``.grad``
 is zeros instead, and an optimizer steps a parameter whose gradient is zeros: AdamW decays it,
 momentum moves it. So each replica marks the parameters its backward reached (a hook after
-accumulation), the marks are summed with the gradients, and before the optimizer step a
+accumulation), the marks are averaged with the gradients, and before the optimizer step a
 parameter that no fast replica reached gets ``.grad = None`` (its view is put back after). The
 mean of the marked gradients is one process's full-batch gradient: a replica that did not reach
 a parameter adds zeros, as samples that do not reach it add nothing. Data parallel needs none of
@@ -39,7 +39,7 @@ the loss and the presence marks. Why it holds:
 - A bucket's slots are final once each of its parameters' post-accumulate hook has run with its
   ``.grad`` still the view: nothing writes them again before the update. A ``.grad`` that is not
   the view at its hook (``after_backward`` copies it in later) keeps its bucket back.
-- The sums are the same, element by element, as one all-reduce's, up to the reduction's
+- The means are the same, element by element, as one all-reduce's, up to the reduction's
   association (which gloo's ring picks per chunk), and identical on every fast replica; the late
   ones receive the leader's copy as before.
 Measured on the 2-vCPU VM (N=2 of 3, the third rank resting behind a 2 s delay, an MLP with
@@ -72,7 +72,7 @@ class FlatGrads:
     the widest of them (``torch.promote_types``), so a step stays one all-reduce and one send.
     Parameters of that dtype have views, as above. The others keep a ``.grad`` of their own
     dtype: ``after_backward`` copies it into its slot, and ``for_update`` copies the agreed mean
-    back, so such a gradient is summed over the fast N in the wider dtype and rounded once.
+    back, so such a gradient is averaged over the fast N in the wider dtype and rounded once.
     """
 
     def __init__(self, model) -> None:
@@ -250,7 +250,7 @@ class FlatGrads:
 
     @contextmanager
     def for_update(self) -> Iterator[None]:
-        """With the agreed buffer in place (summed and divided, or received): the parameters'
+        """With the agreed buffer in place (averaged, or received): the parameters'
         gradients for what runs inside (the optimizer step, clipping). Gradients that are not
         views take the agreed values, rounded to their dtype; parameters that no fast replica
         reached have no gradient, as in one process."""

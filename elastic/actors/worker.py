@@ -635,9 +635,9 @@ class TrainWorker:
            arrived so far, itself included (the bits above). The N-th arrival therefore knows
            the fast set at once and publishes it under one key; the others read that key
            (``get`` blocks until it is set).
-        3. The fast N all-reduce [gradient, loss] in the subgroup cached for exactly that set
+        3. The fast N average [gradient, loss] in the subgroup cached for exactly that set
            (made at rendezvous by every rank in the same order: ``new_group`` is collective over
-           the world), divide by N, and step. In a step whose fast set was known before it
+           the world): each divides by N, then all-reduce (``FlatGrads.reduce``), and step. In a step whose fast set was known before it
            began (0), with no ``step_fn``, they reduce bucket by bucket during the backward, as
            DDP does (``FlatGrads.begin_early_reduce``, elastic/actors/grads.py); otherwise in
            one all-reduce after it. The lowest fast rank sends the averaged vector to each late
