@@ -977,9 +977,10 @@ class Controller:
                 self._kill_hung(stuck, f"made no progress: its oldest late window ({k} step(s)) ran past "
                                        f"step_timeout_s={timeout:g}s a step")
 
-    def _lagging_ranks(self, only: int | None = None) -> dict[Any, int]:
-        """The late windows' refs -> their rank (``only``: that rank's)."""
-        return {ref: r for ref, (r, *_) in self._lagging.items() if only is None or r == only}
+    def _lagging_ranks(self, only: int | None = None, exclude: int | None = None) -> dict[Any, int]:
+        """The late windows' refs -> their rank (``only``: that rank's; ``exclude``: but its)."""
+        return {ref: r for ref, (r, *_) in self._lagging.items()
+                if (only is None or r == only) and r != exclude}
 
     def _late_clocks(self, exclude: int | None = None) -> dict[int, tuple[float, int]]:
         """Each late rank's oldest window still out: since when the rank has been on it, and its
@@ -996,31 +997,29 @@ class Controller:
         return clocks
 
     def _wait_late(self, exclude: int | None = None) -> dict[int, BaseException | None]:
-        """Let late ranks (but ``exclude``) finish their windows, each window up to
-        ``step_timeout_s`` a step from when the rank started on it (``_late_clocks``), and take
-        in those that did. Returns the ranks whose windows did not: rank -> its error, or None
-        for one still busy (its windows stay in ``_lagging``). Before an eviction these are left
-        alone (a death or a broken group shows up on the rank's next call); at the end of the
-        run ``_finish_late`` acts on them."""
-        timeout = self.failure_config.step_timeout_s
-        pending = [ref for ref, r in self._lagging_ranks().items() if r != exclude]
+        """Let late ranks (but ``exclude``) finish their windows, for up to ``step_timeout_s`` in
+        all, and take in those that did. Returns the ranks whose windows did not: rank -> its
+        error, or None for one still busy (its windows stay in ``_lagging``). Before an
+        eviction these are left alone (a death or a broken group shows up on the rank's next
+        call); at the end of the run ``_finish_late`` releases them. Why one timeout in all, not
+        one a step as a hang is judged (``_late_clocks``): the fast ranks are done, and waiting
+        for a slow replica to work off its backlog (up to the send limit's 64 steps) would only
+        delay the end; released, it costs a regroup and the last step's snapshot again."""
+        refs = list(self._lagging_ranks(exclude=exclude))
+        if not refs:
+            return {}
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.step_timeout_s)
         unfinished: dict[int, BaseException | None] = {}
-        while pending:
-            now = time.time()
-            left = {r: timeout * k - (now - start) for r, (start, k) in self._late_clocks(exclude).items()}
-            waiting = [ref for ref in pending if left[self._lagging[ref][0]] > 0]
-            if not waiting:
-                break
-            ready, _ = ray.wait(waiting, num_returns=1, timeout=max(left[self._lagging[ref][0]] for ref in waiting))
-            for ref in ready:
-                pending.remove(ref)
-                r = self._lagging.pop(ref)[0]
-                try:
-                    self._collect_late(r, ray.get(ref))
-                except ray.exceptions.RayError as exc:
-                    unfinished[r] = exc
-        for ref in pending:
-            unfinished.setdefault(self._lagging[ref][0], None)
+        for ref in refs:
+            r = self._lagging[ref][0]
+            if ref not in ready:
+                unfinished[r] = None
+                continue
+            del self._lagging[ref]
+            try:
+                self._collect_late(r, ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                unfinished[r] = exc
         return unfinished
 
     def _finish_late(self) -> None:
@@ -1036,7 +1035,7 @@ class Controller:
         gone: dict[int, str] = {}
         for r, exc in unfinished.items():
             if exc is None:
-                gone[r] = f"still busy past step_timeout_s={self.failure_config.step_timeout_s:g}s a step"
+                gone[r] = f"still busy after step_timeout_s={self.failure_config.step_timeout_s:g}s"
             elif isinstance(exc, ray.exceptions.RayActorError):
                 gone[r] = "died"
             elif not isinstance(exc, ray.exceptions.RayTaskError):
