@@ -35,7 +35,7 @@ test: $(STAMP)
 	# 2.35 s, which Optimizer.__init__ imports through torch._disable_dynamo; every optimizer's
 	# step and DDP's constructor use it too), 1090 s of CPU in all, with the two cores ~95% busy.
 	# The heaviest modules go first (tests/conftest.py HEAVY_FIRST), so none runs alone at the end:
-	# 646 s before, 582 s after, back to back on the same VM (2026-11-27).
+	# 646 s before, 582 s after, back to back on the same VM (2026-11-27); 627 s with 784 tests that evening.
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=15 tests
 
 bench: $(STAMP)
