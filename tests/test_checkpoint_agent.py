@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheckpointer
-from elastic.checkpoint.agent import CheckpointAgent, _RankLink, receive_message, send_message
+from elastic.checkpoint.agent import CheckpointAgent, receive_message, send_message
 from elastic.checkpoint.codec import capture_rng, encode_tensor_buffers, shard_layout
 from elastic.checkpoint.shm import SlotRing, supported
 from elastic.checkpoint.store import shard_name
@@ -479,19 +479,18 @@ def commit_after_agent_loss(hook, worker, committer, store, step: int) -> list:
     return out["ckpt_done"]
 
 
-@pytest.mark.parametrize("case", ["told and read", "slot never back", "told, unread"])
+@pytest.mark.parametrize("case", ["told and read", "part never reported", "told, unread"])
 def test_an_agent_gone_after_writing_the_last_step_is_not_written_again_its_part_is_reported(node, monkeypatch,
                                                                                            case):
-    """The agent tells the rank a step is written before it reports the part: if it dies
-    before the flush, the rank reports that part itself instead of rewriting a file a committed
-    manifest may name.
-    - "slot never back": it died after reporting the part but before the slot went back (the
-      rank heard of the write only with the slot's return before, and wrote the step again).
+    """The agent tells the rank a step is written (with the slot's return) before it reports
+    the part: if it dies before the flush, the rank reports that part itself instead of
+    rewriting a file a committed manifest may name.
+    - "part never reported": it died after telling the rank, before its report went out.
     - "told, unread": the rank had not read the agent's word when the flush found the agent
       gone (its first send failed): what the agent sent is read before the rank decides."""
     agent, controller, committer, store, (url, options) = node
-    if case == "slot never back":
-        monkeypatch.setattr(_RankLink, "_release", lambda self, p: None)
+    if case == "part never reported":
+        monkeypatch.setattr(agent.pool, "add", lambda *a: None)
     worker = FakeWorker(rank=0, world_size=1)
     rewrites = []
 

@@ -63,6 +63,7 @@ dist = LazyModule("torch.distributed")
 np = LazyModule("numpy")
 torch_data = LazyModule("torch.utils.data")
 torch_parallel = LazyModule("torch.nn.parallel")
+ddp_hooks = LazyModule("torch.distributed.algorithms.ddp_comm_hooks.default_hooks")
 
 logger = logging.getLogger(__name__)
 
@@ -514,14 +515,12 @@ class TrainWorker:
         rank, and a straggler scored like the others and was never found. An injected slowdown
         (or mid-step kill) lands here too, before the peers are reached, as without a step_fn.
         Buckets of a backward under ``no_sync`` never come here; the last backward's do."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         if self._step_clock is not None and self._contact is None:
             step, t_step = self._step_clock
             self._injected_delay(step, time.perf_counter() - t_step)
             self._contact = time.perf_counter()
             self._enter("backward+allreduce")
-        return default_hooks.allreduce_hook(state, bucket)
+        return ddp_hooks.allreduce_hook(state, bucket)
 
     def _run_guarded(self, fn: Callable[[], Any]) -> Any:
         """Run a step; a collective failure tears the group down at once so peers unblock.
@@ -899,9 +898,10 @@ class TrainWorker:
         """``controller``: the controller actor, told of each written part the moment it is written.
         ``min_shard_bytes``: see ``CheckpointConfig``. ``agent_address``: the socket of this
         node's checkpoint agent, which then writes this rank's snapshots (``AgentCheckpointer``).
-        ``agents_in_run``: the run has node agents (some other node's, if not this one's), so a
-        rank that writes in its own process reports its own parts: ranks on agents never add
-        theirs to the group's pool (``WorkerCheckpointer``'s ``pool_parts``)."""
+        ``agents_in_run``: the run has node agents (some other node's, if not this one's; it has
+        when this one's is given), so a rank that writes in its own process reports its own
+        parts: ranks on agents never add theirs to the group's pool (``WorkerCheckpointer``'s
+        ``pool_parts``)."""
         from elastic.checkpoint import WorkerCheckpointer
         from elastic.checkpoint.worker_hook import AgentCheckpointer
 
@@ -915,22 +915,21 @@ class TrainWorker:
             def notify(step, world_size, parts):  # writer thread; fire and forget
                 controller.checkpoint_written.remote(step, world_size, parts)
 
-        def in_process(pool_parts: bool) -> WorkerCheckpointer:
+        pool_parts = not (agents_in_run or agent_address is not None)
+
+        def in_process() -> WorkerCheckpointer:
             return WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
                                       progress=lambda: self.completed_step, min_shard_bytes=min_shard_bytes,
                                       pool_parts=pool_parts)
 
         if agent_address is not None and not blocking:
             try:
-                # Its fallback (the agent lost) writes beside ranks still on their agents.
-                self._ckpt = AgentCheckpointer(agent_address, every_n_steps, lambda: in_process(False),
-                                               min_shard_bytes)
+                self._ckpt = AgentCheckpointer(agent_address, every_n_steps, in_process, min_shard_bytes)
                 return
             except OSError as exc:
                 logger.warning("rank %s: cannot reach the node's checkpoint agent (%s); writing checkpoints "
                                "in this process", self.rank, exc)
-                agents_in_run = True
-        self._ckpt = in_process(not agents_in_run)
+        self._ckpt = in_process()
         self._ckpt.warm_up()
 
     def restore_checkpoint(self, url: str, storage_options: dict, run_name: str, step: int) -> dict:

@@ -211,7 +211,7 @@ class _Payload:
     """One snapshot handed to the agent: a slot of a ring (a shard to write) or an RNG alone."""
 
     __slots__ = ("step", "rank", "world_size", "taken_at", "generation", "ring", "slot", "layout", "meta_len", "rng",
-                 "rng_raw", "rng_lens")
+                 "rng_raw", "rng_lens", "part")
 
     def __init__(self, m: dict):
         self.step, self.rank, self.world_size = int(m["step"]), int(m["rank"]), int(m["world_size"])
@@ -221,6 +221,7 @@ class _Payload:
         self.meta_len = int(m.get("meta_len", 0))
         self.rng = m.get("rng")  # encoded: a rank with no shard
         self.rng_raw, self.rng_lens = m.get("rng_raw"), m.get("rng_lens")  # RawRng's fields and blob sizes in the slot
+        self.part: dict | None = None  # what it was written as, once written (a slot's: reported at its release)
 
 
 class _RankLink:
@@ -275,22 +276,28 @@ class _RankLink:
         if p.generation is not None:
             part["generation"] = p.generation
         self.last_part = (step, part)
-        if p.ring is not None:
-            # The rank hears that the step is written, with its part, before the part can reach
-            # the controller: one queue, emptied in order by one thread (the normal-priority
-            # report thread; this writer thread may be idle-class). A rank whose agent dies then
-            # knows the step is on storage and reports the part itself instead of writing the
-            # same file again: a rewrite in place would replace a shard a committed manifest may
-            # name already, with other header bytes (its checksum no longer matching) or torn.
-            # Told with the slot's return instead, the agent could die between reporting the
-            # part and returning the slot, and the rank write a committed step again.
-            self.agent.reports.put(("send", (self, {"op": "written", "step": step, "part": part})))
-        self.agent.reports.put(("part", (p.rank, p.world_size, step, part)))
+        if p.ring is None:
+            self.agent.reports.put(("part", (p.rank, p.world_size, step, part)))
+        else:
+            p.part = part  # reported once the rank is told, with the slot's return (_release)
 
     def _release(self, p: _Payload) -> None:
-        """The slot goes back to the rank (from the report thread, after its "written")."""
-        if p.ring is not None:
-            self.agent.reports.put(("send", (self, {"op": "free", "ring": p.ring, "slot": p.slot})))
+        """The slot goes back to the rank, with the part it was written as (if it was), and only
+        then is the part reported: one queue, emptied in order by one thread (the normal-priority
+        report thread; the writer thread may be idle-class), so the rank hears that the step is
+        written before the part can reach the controller. A rank whose agent dies then knows the
+        step is on storage and reports the part itself instead of writing the same file again: a
+        rewrite in place would replace a shard a committed manifest may name already, with other
+        header bytes (its checksum no longer matching) or torn. (The persister releases a written
+        payload right after ``_written``, on the same thread.)"""
+        if p.ring is None:
+            return
+        message: dict[str, Any] = {"op": "free", "ring": p.ring, "slot": p.slot}
+        if p.part is not None:
+            message["written"] = [p.step, p.part]
+        self.agent.reports.put(("send", (self, message)))
+        if p.part is not None:
+            self.agent.reports.put(("part", (p.rank, p.world_size, p.step, p.part)))
 
     def send(self, message: dict) -> None:
         """From the report thread, the only one that writes to the rank (no lock needed)."""

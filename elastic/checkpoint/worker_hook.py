@@ -10,7 +10,6 @@ plus ``"rng"`` when the rank wrote no file (no share of a small state), for the 
 from __future__ import annotations
 
 import contextlib
-
 import json
 import logging
 import os
@@ -270,7 +269,7 @@ class AgentCheckpointer:
         self._flushed: dict | None = None
         self._flush_id = 0
         self._handed: int | None = None  # the newest step the agent was given
-        self._written: tuple[int, dict] | None = None  # the step the agent wrote last (its "written"), its part
+        self._written: tuple[int, dict] | None = None  # the step the agent wrote last (free's "written"), its part
         self._orphans: list[tuple[int, dict]] = []  # parts the agent wrote but may not have reported before it died
         self._rbuf = bytearray(MAX_MESSAGE)  # what the agent sends is received into this (receive_message)
         self._dropped: int | None = None  # the newest step dropped since, for want of a slot
@@ -457,14 +456,15 @@ class AgentCheckpointer:
                 raise ConnectionResetError("the checkpoint agent closed the connection")
             if message.get("op") == "free" and int(message["ring"]) in self._rings:
                 self._rings[int(message["ring"])][1].add(int(message["slot"]))
-            elif message.get("op") == "written":
-                # Told before the agent reports the part (CheckpointAgent's _written). The newest
-                # write is the one told last: the agent writes this rank's snapshots one at a
-                # time, in the order they were handed. So after a rollback a lower step than
-                # before is the newest (keeping the highest, a flush whose agent died took it for
-                # the step written, not the one written since, and wrote that step again over a
-                # file a manifest may name).
-                self._written = (int(message["step"]), message["part"])
+                # Told before the agent reports the part (its _release). The newest write is the
+                # one told last: the agent writes this rank's snapshots one at a time, in the
+                # order they were handed, and hands the slots back in that order. So after a
+                # rollback a lower step than before is the newest (keeping the highest, a flush
+                # whose agent died took it for the step written, not the one written since, and
+                # wrote that step again over a file a manifest may name).
+                written = message.get("written")
+                if written:
+                    self._written = (int(written[0]), written[1])
             elif message.get("op") == "flushed" and message.get("id") == self._flush_id:
                 self._flushed = message  # (an answer to an earlier flush that timed out is dropped)
         for ring_id in [r for r, (_, free) in self._rings.items() if r != self._ring_id and len(free) == self.SLOTS]:
