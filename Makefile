@@ -36,7 +36,10 @@ test: $(STAMP)
 	# step and DDP's constructor use it too), 1090 s of CPU in all, with the two cores ~95% busy.
 	# The heaviest modules go first (tests/conftest.py HEAVY_FIRST), so none runs alone at the end:
 	# 646 s before, 582 s after, back to back on the same VM (2026-11-27); 627 s with 784 tests that evening.
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=15 tests
+	# --no-loadscope-reorder keeps that order: pytest-xdist 3.8 otherwise hands out modules by their
+	# number of tests, so the few-test e2e modules (jobs, node loss, buffers) went last and the jobs
+	# test ran alone for its last ~30 s (637 s and 597 s, 2026-11-28).
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

@@ -7,6 +7,11 @@ Launch it either way:
 
 The first starts an embedded local Ray; the second runs on the cluster that ``ray start --head``
 started (Ray Jobs sets RAY_ADDRESS for the script). It reaches >= 95% test accuracy.
+
+A straggler, and first-N-of-M aggregation that keeps it from setting the pace (fault injection
+is a demo and test aid, not for production):
+
+    python examples/digits.py --first-n 1 --slow-rank 1 --slow-factor 3 --slow-from-step 10
 """
 
 from __future__ import annotations
@@ -56,7 +61,37 @@ def test_accuracy(model_state) -> float:
         return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
-def main(argv=None) -> float:
+def scaling(args) -> elastic.ScalingConfig:
+    if args.first_n:
+        return elastic.ScalingConfig(num_workers=args.workers, num_backups=args.first_n, aggregation="first_n",
+                                     num_spares=args.spares, use_gpu=args.gpu)
+    return elastic.ScalingConfig(num_workers=args.workers, num_backups=args.spares, use_gpu=args.gpu)
+
+
+def faults(args) -> list[dict]:
+    """``Trainer(faults=...)`` from the --slow-* flags: none unless --slow-rank is given."""
+    if args.slow_rank is None:
+        return []
+    pace = {"delay_s": args.slow_delay} if args.slow_delay is not None else {"factor": args.slow_factor}
+    return [{"kind": "slow", "rank": args.slow_rank, "from_step": args.slow_from_step, **pace}]
+
+
+def build_trainer(args) -> elastic.Trainer:
+    return elastic.Trainer(
+        model_fn=make_model,
+        optimizer_fn=make_optimizer,
+        dataset_fn=train_dataset,
+        loss_fn=loss_fn,
+        global_batch_size=args.batch,
+        scaling=scaling(args),
+        run=elastic.RunConfig(name=args.name, storage=args.storage, seed=0, progress=not args.no_progress),
+        failure=elastic.FailureConfig(evict_stragglers=args.evict_stragglers),
+        faults=faults(args),
+        address=args.address,
+    )
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--spares", type=int, default=1)
@@ -65,21 +100,36 @@ def main(argv=None) -> float:
     p.add_argument("--storage", default=None, help="checkpoint URL, e.g. file:///tmp/ckpt or s3://bucket/prefix")
     p.add_argument("--name", default="digits")
     p.add_argument("--address", default=None, help="Ray address; default: RAY_ADDRESS or an embedded local Ray")
-    p.add_argument("--gpu", action="store_true", help="one GPU per worker (NCCL); needs as many GPUs as workers + spares")
+    p.add_argument("--gpu", action="store_true",
+                   help="one GPU per replica (NCCL): each worker, --first-n backup and spare needs one")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--first-n", type=int, default=0, metavar="B",
+                   help="first-N-of-M: B backup replicas compute every step too, and each update is the mean of the "
+                        "first --workers gradients to arrive (--spares are then hot spares beside them)")
+    p.add_argument("--slow-rank", type=int, default=None, metavar="R",
+                   help="fault injection (a demo and test aid): slow rank R down")
+    p.add_argument("--slow-factor", type=float, default=3.0, help="its steps take this many times their healthy time")
+    p.add_argument("--slow-delay", type=float, default=None, metavar="SECONDS",
+                   help="instead of --slow-factor: each of its steps sleeps this long")
+    p.add_argument("--slow-from-step", type=int, default=10)
+    p.add_argument("--evict-stragglers", action="store_true",
+                   help="put a hot spare in the place of a rank that stays slower than its peers")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def main(argv=None) -> float:
+    p = parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    trainer = elastic.Trainer(
-        model_fn=make_model,
-        optimizer_fn=make_optimizer,
-        dataset_fn=train_dataset,
-        loss_fn=loss_fn,
-        global_batch_size=args.batch,
-        scaling=elastic.ScalingConfig(num_workers=args.workers, num_backups=args.spares, use_gpu=args.gpu),
-        run=elastic.RunConfig(name=args.name, storage=args.storage, seed=0, progress=not args.no_progress),
-        address=args.address,
-    )
+    try:
+        trainer = build_trainer(args)
+    except elastic.ConfigError as exc:  # before any actor starts; the message names the setting
+        p.error(str(exc))
     try:
         result = trainer.fit(epochs=args.epochs)
     except elastic.TrainingStopped as stopped:  # Ctrl-C or `ray job stop`: the run stopped cleanly
@@ -91,6 +141,11 @@ def main(argv=None) -> float:
     loss = result.metrics["loss"]  # None when a resumed run had nothing left to train
     print(f"steps={result.metrics['steps']} loss={'-' if loss is None else format(loss, '.4f')} "
           f"samples/s={result.metrics['samples_per_s']:.0f} test_accuracy={acc:.4f}")
+    evicted = [e["details"]["rank"] for e in result.events
+               if e["kind"] == "decision" and e["details"]["decision"] == "EvictStraggler"]
+    if args.first_n or evicted:
+        print(f"dropped_samples={result.metrics['dropped_samples']} late_gradients={result.metrics['late_gradients']} "
+              f"evicted_ranks={evicted}")
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}")
     return acc

@@ -49,3 +49,32 @@ def test_a_run_stopped_before_any_rank_started_exits_130_without_a_traceback(mon
     assert exit_.value.code == 130
     out = capsys.readouterr().out
     assert "stopped before any step" in out and "test_accuracy" not in out
+
+
+def test_the_straggler_demo_flags_make_a_first_n_run_with_a_slow_rank():
+    # The README's straggler demo: no Ray needed to check what it asks the Trainer for.
+    args = ["--first-n", "1", "--spares", "1", "--slow-rank", "1", "--slow-factor", "3", "--slow-from-step", "10",
+            "--evict-stragglers", "--no-progress"]
+    t = digits.build_trainer(digits.parse_args(args))
+    assert (t.scaling.aggregation, t.scaling.num_workers, t.scaling.num_backups, t.scaling.num_spares) == \
+        ("first_n", 2, 1, 1)
+    assert t.faults == [{"kind": "slow", "rank": 1, "from_step": 10, "factor": 3.0}]
+    assert t.failure.evict_stragglers
+    plain = digits.build_trainer(digits.parse_args(["--slow-rank", "0", "--slow-delay", "0.05", "--slow-from-step", "1"]))
+    assert (plain.scaling.aggregation, plain.scaling.num_backups) == ("all", 1)  # --spares: hot spares
+    assert plain.faults == [{"kind": "slow", "rank": 0, "from_step": 1, "delay_s": 0.05}]
+    assert digits.build_trainer(digits.parse_args([])).faults == []
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--slow-rank", "5"], "Trainer.faults"),  # two ranks: 0 and 1
+    (["--evict-stragglers", "--spares", "0"], "ScalingConfig.num_backups"),
+    (["--first-n", "-1"], "ScalingConfig.num_backups"),
+    (["--workers", "3"], "global_batch_size"),
+])
+def test_bad_demo_flags_exit_with_the_setting_to_change_before_any_actor_starts(args, field, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        digits.main(["--no-progress", *args])
+    assert exit_.value.code == 2  # argparse's usage error
+    err = capsys.readouterr().err
+    assert field in err and "Traceback" not in err

@@ -238,8 +238,11 @@ def test_digits_job_named_actors_status_and_metrics(ray_head):
     storage = f"file://{tempfile.mkdtemp(prefix='elastic_job_', dir=ray_head.temp_dir)}"
     # Far more epochs than the checks below need (the named actors, a metrics scrape and
     # `elastic status`, which pays a torch import before it connects); the job is then stopped.
+    # Rank 0 sleeps 50 ms a step (the example's fault-injection flags), so the job trains at
+    # ~20 steps a second instead of taking both cores from the other tests for the ~30 s it runs.
     job_id = client.submit_job(
-        entrypoint=f"python examples/digits.py --workers 2 --spares 1 --epochs 1000 --no-progress --storage {storage}",
+        entrypoint=f"python examples/digits.py --workers 2 --spares 1 --epochs 1000 --no-progress --storage {storage} "
+                   "--slow-rank 0 --slow-delay 0.05 --slow-from-step 1",
         runtime_env={"working_dir": ROOT, "excludes": EXCLUDES},
     )
     status = None
