@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from elastic.redact import redact_url, redact_urls_in
+from elastic.redact import configure_logging, redact_url, redact_urls_in
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,7 @@ def _friendly(fn: Callable) -> Callable:
 def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging; tracebacks on errors.")):
     global _verbose
     _verbose = verbose
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -412,6 +411,14 @@ def _runs_table(rows: list[tuple[str, Optional[dict]]]) -> Table:
     return table
 
 
+def _seconds(value: float) -> float:
+    """``--timeout``: a finite number of seconds > 0 (0 failed as if the cluster did not answer,
+    -1 in the socket module, nan after the probe, inf in int())."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 1e9):
+        raise typer.BadParameter(f"must be a number of seconds > 0 and <= 1e9, got {value!r}")
+    return value
+
+
 @app.command()
 @_friendly
 def status(
@@ -419,8 +426,8 @@ def status(
     address: Optional[str] = typer.Option(
         None, "--address", help="Cluster address HOST:PORT or ray://HOST:10001; default: RAY_ADDRESS or the local "
                                 "cluster."),
-    timeout_s: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", help="Seconds to wait for the cluster and the "
-                                                                          "controller."),
+    timeout_s: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", callback=_seconds,
+                                    help="Seconds to wait for the cluster and the controller."),
     as_json: bool = typer.Option(False, "--json", help="Print the controller's status dict as JSON."),
 ) -> None:
     """Show the ranks of a live run: node, state, step, step time, heartbeat age, straggler score, spares."""
@@ -471,7 +478,7 @@ def stop(
     address: Optional[str] = typer.Option(
         None, "--address", help="Cluster address HOST:PORT or ray://HOST:10001; default: RAY_ADDRESS or the local "
                                 "cluster."),
-    timeout_s: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the run to stop."),
+    timeout_s: float = typer.Option(120.0, "--timeout", callback=_seconds, help="Seconds to wait for the run to stop."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the run has stopped (default) or only "
                                                              "ask."),
 ) -> None:
@@ -782,7 +789,9 @@ def submit(
     # Printed, so without credentials: Ray keeps an address's user:password@ (basic auth in front
     # of the dashboard), and the logs command below then needs it given again.
     dashboard = redact_url(client.get_address().rstrip("/"))
-    for line in (f"job: {job_id}", f"entrypoint: {entrypoint}", f"dashboard: {dashboard}/#/jobs/{job_id}"):
+    # The script's arguments too: a storage URL among them may carry user:password@.
+    for line in (f"job: {job_id}", f"entrypoint: {redact_urls_in(entrypoint)}",
+                 f"dashboard: {dashboard}/#/jobs/{job_id}"):
         _plain(line)
     if not follow:
         _plain(f"logs: ray job logs --follow --address {dashboard} {job_id}")

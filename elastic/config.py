@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 # threading.TIMEOUT_MAX (about 292 years on Linux) and Ray's timeouts are int64 milliseconds, so
 # a larger value fails inside an actor; 1e9 s (about 31 years) stays well inside both.
 _MAX_SECONDS = 1e9
+_MAX_WINDOW = 1_000_000  # steps a straggler window may span
 
 
 def _got(value: Any) -> str:
@@ -156,8 +157,9 @@ class ScalingConfig:
         _require_seconds("ScalingConfig.placement_timeout_s", self.placement_timeout_s)
         _require_seconds("ScalingConfig.dispatch_target_s", self.dispatch_target_s)
         if self.bucket_cap_mb is not None:
+            # At most 1 TiB: DDP's reducer takes the cap in bytes as a C++ int64 (1e300 failed in its constructor).
             _require_positive("ScalingConfig.bucket_cap_mb", self.bucket_cap_mb, "a finite number of MiB",
-                              "(or None to choose by device)")
+                              "(or None to choose by device)", at_most=2.0 ** 20)
         strategy = str(self.placement_strategy).upper()
         if strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(
@@ -282,6 +284,8 @@ class FailureConfig:
             _require_int("FailureConfig.min_workers", self.min_workers, 1,
                          "or None (None: never fewer than num_workers)")
         _require_int("FailureConfig.straggler_window", self.straggler_window, 1)
+        if self.straggler_window > _MAX_WINDOW:  # a deque's maxlen takes no more
+            raise ConfigError(f"FailureConfig.straggler_window must be <= {_MAX_WINDOW}, {_got(self.straggler_window)}.")
         _require_int("FailureConfig.straggler_warmup_steps", self.straggler_warmup_steps, 0)
         _require_int("FailureConfig.checksum_every_n_steps", self.checksum_every_n_steps, 0, "(0 turns the check off)")
         for name in ("allow_shrink", "evict_stragglers"):
@@ -317,7 +321,8 @@ class FailureConfig:
                               f"straggler's node at once; math.inf: never for this run), got {avoid!r}.")
 
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+# fullmatch, not match with "$": "$" also matches before a final newline ("run\n" passed).
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 
 @dataclass
@@ -400,7 +405,7 @@ class RunConfig:
         return f"{type(self).__name__}({', '.join(shown)})"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _RUN_NAME.match(self.name):
+        if not isinstance(self.name, str) or not _RUN_NAME.fullmatch(self.name):
             raise ConfigError(
                 f"RunConfig.name={self.name!r} must be 1-100 characters of letters, digits, '_', '.', '-', starting with a letter or digit."
             )

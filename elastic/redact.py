@@ -1,11 +1,13 @@
-"""Credentials out of URLs, wherever a URL is shown: logs, events, errors, a config's repr.
+"""Credentials out of URLs, wherever a URL is shown: logs, events, errors, a config's repr; and
+out of the debug logs of the libraries that talk to storage.
 
-Plain ``re``, no other import: ``elastic.config`` uses it, and the config is imported where
-neither fsspec nor torch may be (the actor classes' modules, see elastic/_lazy.py).
+Only the standard library: ``elastic.config`` uses it, and the config is imported where neither
+fsspec nor torch may be (the actor classes' modules, see elastic/_lazy.py).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
 # The user:password@ of a URL. A password may hold '/' (AWS secret keys often do), so once a ':'
@@ -33,3 +35,19 @@ def redact_urls_in(text: str) -> str:
     """``text`` with every URL in it redacted as ``redact_url`` does, the text around them kept."""
     # Userinfo first: a password may hold a '?', which would otherwise start a "query".
     return _URL_QUERY.sub(r"\g<url>", _redact_userinfo(text))
+
+
+# Loggers that at DEBUG print each request with its signed headers and what went into the
+# signature (botocore's canonical request: x-amz-security-token, Authorization's Credential=the
+# access key id). No Redactor sees those lines, so our debug logging leaves them at INFO.
+CREDENTIAL_LOGGERS = ("botocore", "aiobotocore", "boto3", "s3transfer", "s3fs", "urllib3", "aiohttp")
+
+
+def configure_logging(level: int | str, **kwargs) -> None:
+    """``logging.basicConfig(level=level, ...)``, but no lower than INFO for ``CREDENTIAL_LOGGERS``:
+    ``elastic -v`` or ``ELASTIC_LOG_LEVEL=DEBUG`` debugs elastic, not S3's request signing."""
+    logging.basicConfig(level=level, **kwargs)
+    for name in CREDENTIAL_LOGGERS:
+        lib = logging.getLogger(name)
+        if lib.getEffectiveLevel() < logging.INFO:
+            lib.setLevel(logging.INFO)

@@ -148,6 +148,9 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
     return False
 
 
+_MAX_FAULT = 86400.0  # the largest slow factor or delay_s (seconds) a fault may ask for
+
+
 def _valid_fault(f: Any, replicas: int) -> bool:
     """A ``Trainer.faults`` entry the workers and the controller can carry out: a dict whose
     rank, steps and factors have the types they are used with (a rank of "0" or a step of
@@ -161,7 +164,8 @@ def _valid_fault(f: Any, replicas: int) -> bool:
 
     def number(key: str) -> float | None:
         v = f.get(key, 0)
-        return v if _finite_real(v) else None
+        # No more than a day a step (a delay of 1e10 s overflowed time.sleep inside the worker).
+        return v if _finite_real(v) and v <= _MAX_FAULT else None
 
     if not (count("rank", 0) and f["rank"] < replicas):
         return False
@@ -265,6 +269,12 @@ class Trainer:
             if value is not None and not isinstance(value, kind):
                 raise ConfigError(f"Trainer.{name} must be an elastic.{kind.__name__}(...) or None, "
                                   f"got {type(value).__name__}.")
+            if value is not None:
+                # Again: a config's fields can be set after it was made (num_workers = 0 then
+                # divided by zero here, a negative CPU count failed at placement in the controller).
+                value.__post_init__()
+                if isinstance(value, RunConfig):
+                    value.checkpoint.__post_init__()
         self.scaling = scaling or ScalingConfig()
         self.run = run or RunConfig()
         self.failure = failure or FailureConfig()
@@ -312,6 +322,8 @@ class Trainer:
         self.global_batch_size = global_batch_size
         self.address = address
         self.requeue_dropped = requeue_dropped
+        if faults is not None and not isinstance(faults, (list, tuple)):
+            raise ConfigError(f"Trainer.faults must be a list of fault dicts or None, got {type(faults).__name__}.")
         self.faults = list(faults or [])
         for f in self.faults:
             if not _valid_fault(f, self.scaling.num_replicas):

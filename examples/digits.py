@@ -126,12 +126,15 @@ def main(argv=None) -> float:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
+    if args.slow_rank is None and (args.slow_delay is not None or p.get_default("slow_factor") != args.slow_factor):
+        p.error("--slow-factor and --slow-delay slow the rank --slow-rank names; give it too")
+    if args.slow_delay is not None and p.get_default("slow_factor") != args.slow_factor:
+        p.error("give --slow-factor or --slow-delay, not both")
     try:
         trainer = build_trainer(args)
-    except elastic.ConfigError as exc:  # before any actor starts; the message names the setting
-        p.error(str(exc))
-    try:
         result = trainer.fit(epochs=args.epochs)
+    except elastic.ConfigError as exc:  # the message names the setting (most before any actor starts)
+        p.error(str(exc))
     except elastic.TrainingStopped as stopped:  # Ctrl-C or `ray job stop`: the run stopped cleanly
         print(stopped, flush=True)  # first: `ray job stop` sends SIGKILL a few seconds after SIGTERM
         if stopped.result.model_state is not None:  # None: stopped before any rank had started

@@ -157,6 +157,14 @@ def test_validate_unknown_scheme():
         Storage("foo://x/y").validate()
 
 
+@pytest.mark.parametrize("url", ["tar://x", "zip://x", "dir://x"])
+def test_validate_a_url_no_filesystem_can_open_is_a_config_error(tmp_path, monkeypatch, url):
+    # Raw IsADirectoryError / AttributeError out of fsspec before; the message names the setting.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"RunConfig.storage=.* cannot be opened as a \w+:// filesystem"):
+        Storage(url).validate()
+
+
 def test_validate_s3_without_credentials_is_fast_and_clear(no_aws_env, moto_s3):
     bucket = moto_s3.create_bucket()
     options = {"anon": False, "endpoint_url": moto_s3.endpoint_url}
@@ -221,10 +229,14 @@ def test_a_password_with_a_slash_never_shows(moto_s3):
     # such a URL at the '/' (s3fs takes "AKIAEXAMPLE:wJalr" for the bucket), so no piece shows.
     url = "s3://AKIAEXAMPLE:wJalr/XUtnFEMI+K7MDENG@bucket/p"
     storage = Storage(url, moto_s3.storage_options(), retry=RetryPolicy(attempts=1))
-    with pytest.raises(StorageError) as info:
+    # s3fs reads no credentials from the URL: refused before any request, the way to pass them named
+    # (validate() went on to botocore, whose bucket-name error showed "AKIAEXAMPLE:wJalr").
+    with pytest.raises(ConfigError, match=r"storage_options \(key, secret, token\)") as refused:
+        storage.validate()
+    with pytest.raises(ConfigError) as info:
         storage.read_bytes("step-000000001/manifest.json")
     assert storage.location == "s3://***@bucket/p"
-    texts = [storage.location, repr(storage), storage.describe("step-000000001/x"), str(info.value),
+    texts = [storage.location, repr(storage), storage.describe("step-000000001/x"), str(info.value), str(refused.value),
              storage.redact(f"GET {url}/x failed"), Redactor(None)(f"GET {url}/x failed"), redact_url(url)]
     for text in texts:
         assert "wJalr" not in text and "XUtnFEMI" not in text, text
@@ -262,6 +274,10 @@ def test_resolve_url_makes_plain_paths_absolute(tmp_path, monkeypatch):
     ("gs://", "names no bucket"),
     ("az:///", "names no bucket"),
     ("abfs://", "names no bucket"),
+    ("file://", "names no directory"),  # was the cwd of each process that opened it
+    ("local://", "names no directory"),
+    ("", "RunConfig.storage must be a non-empty string"),
+    ("  ", "RunConfig.storage is empty"),
 ])
 def test_a_mistyped_or_bucketless_url_is_refused_before_anything_is_written(tmp_path, monkeypatch, url, match):
     monkeypatch.chdir(tmp_path)

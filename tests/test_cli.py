@@ -64,6 +64,15 @@ def test_status_unreachable_address_subprocess_one_line():
     assert "cannot reach a Ray cluster" in one_line_error(out.returncode, out.stdout, out.stderr)
 
 
+@pytest.mark.parametrize("command", [["status", "r"], ["stop", "r"]])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_timeout_that_is_no_positive_number_of_seconds_is_a_usage_error(command, value):
+    # 0 blamed the cluster ("cannot reach a Ray cluster"), -1 and inf failed in the socket module or
+    # int(), nan passed the probe; none named --timeout.
+    result = runner.invoke(app, [*command, "--address", "127.0.0.1:1", "--timeout", value])
+    assert result.exit_code == 2 and "--timeout" in result.output and "seconds > 0" in result.output, result.output
+
+
 def test_status_rejects_dashboard_url():
     result = runner.invoke(app, ["status", "--address", "http://127.0.0.1:8265", "digits"])
     assert result.exit_code == 2
@@ -223,6 +232,20 @@ def test_checkpoints_unreachable_s3_fails_fast():
     assert secret not in result.stdout + result.stderr
 
 
+def test_debug_logging_keeps_the_s3_request_signing_out_of_it():
+    # -v is DEBUG on the root logger; botocore at DEBUG prints every request's signed headers
+    # (x-amz-security-token, Authorization's Credential=<access key id>), which no redactor sees.
+    port = free_ports(1)[0]
+    result = run_cli(["-v", "checkpoints", "s3://bucket/prefix", "-o", "key=AKIAFAKEKEYID0123", "-o",
+                      "secret=cli-debug-secret-0123", "-o", "token=SESSIONTOKENFAKE999",
+                      "-o", f"endpoint_url=http://127.0.0.1:{port}", "-o", "client_kwargs.region_name=us-east-1"],
+                     env=dict(os.environ, ELASTIC_STORAGE_ATTEMPTS="1"))
+    assert result.returncode != 0 and "s3://bucket/prefix" in result.stderr
+    assert "DEBUG elastic" in result.stderr  # still elastic's own debug log
+    for secret in ("AKIAFAKEKEYID0123", "cli-debug-secret-0123", "SESSIONTOKENFAKE999"):
+        assert secret not in result.stdout + result.stderr
+
+
 def test_checkpoints_bad_storage_option():
     result = runner.invoke(app, ["checkpoints", "/tmp", "-o", "novalue"])
     assert result.exit_code == 2
@@ -375,6 +398,10 @@ def test_submit_never_prints_the_dashboards_credentials(monkeypatch, tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stdout + result.stderr
     assert "S3cretPw" not in result.stdout + result.stderr
+    # nor a URL's credentials among the script's arguments, in the entrypoint line
+    result = runner.invoke(app, [*args, "--", "--storage", "https://bob:ArgPassw0rd@store/p"])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "ArgPassw0rd" not in result.stdout and "entrypoint: python job.py --storage https://***@store/p" in result.stdout
     assert "dashboard: http://***@head:8265/#/jobs/raysubmit_1" in result.stdout
     Client.reachable = False
     result = runner.invoke(app, args)

@@ -152,7 +152,6 @@ def test_bad_fault_plan():
 @pytest.mark.parametrize("faults", [
     [{"kind": "kill", "rank": "0", "at_step": 1}],  # was a TypeError from the comparison
     ["kill"],  # was an AttributeError ('str' object has no attribute 'get')
-    {"kind": "kill", "rank": 0, "at_step": 1},  # one dict, not a list of them: its keys were the entries
     [{"kind": "kill", "rank": 0, "at_step": "soon"}],  # accepted, then failed inside a worker
     [{"kind": "kill", "rank": True, "at_step": 1}],
     [{"kind": "slow", "rank": 0, "factor": "3", "from_step": 1}],
@@ -164,6 +163,47 @@ def test_bad_fault_plan():
 def test_fault_entries_of_the_wrong_shape_or_type_are_refused_before_start(faults):
     with pytest.raises(ConfigError, match="Trainer.faults entry"):
         _trainer(faults=faults)
+
+
+@pytest.mark.parametrize("faults", [
+    {"kind": "kill", "rank": 0, "at_step": 1},  # one dict, not a list of them: its keys were the entries
+    5,  # was a TypeError from list()
+])
+def test_faults_that_are_no_list_are_refused_before_start(faults):
+    with pytest.raises(ConfigError, match="Trainer.faults must be a list of fault dicts"):
+        _trainer(faults=faults)
+
+
+@pytest.mark.parametrize("pace", [{"delay_s": 1e10}, {"factor": 1e300}])
+def test_a_slowdown_no_sleep_can_take_is_refused_before_start(pace):
+    # Accepted, then time.sleep raised OverflowError inside the worker.
+    with pytest.raises(ConfigError, match="Trainer.faults entry"):
+        _trainer(faults=[{"kind": "slow", "rank": 0, "from_step": 1, **pace}])
+
+
+def test_a_config_changed_after_it_was_made_is_checked_again_by_the_trainer():
+    # Fields are plain attributes: num_workers = 0 set afterwards was a ZeroDivisionError in Trainer(),
+    # a negative CPU count or a bad run name failed later, inside the controller.
+    scaling = ScalingConfig(num_workers=2)
+    scaling.num_workers = 0
+    with pytest.raises(ConfigError, match="ScalingConfig.num_workers"):
+        _trainer(scaling=scaling)
+    scaling = ScalingConfig(num_workers=2)
+    scaling.resources_per_worker = {"CPU": -1}
+    with pytest.raises(ConfigError, match="resources_per_worker"):
+        _trainer(scaling=scaling)
+    run = elastic.RunConfig()
+    run.name = "a/b"
+    with pytest.raises(ConfigError, match="RunConfig.name"):
+        _trainer(run=run)
+    run = elastic.RunConfig()
+    run.checkpoint.keep_last = 0
+    with pytest.raises(ConfigError, match="CheckpointConfig.keep_last"):
+        _trainer(run=run)
+    failure = FailureConfig()
+    failure.straggler_factor = 1.0
+    with pytest.raises(ConfigError, match="FailureConfig.straggler_factor"):
+        _trainer(failure=failure)
 
 
 def test_fault_entries_of_every_kind_are_accepted():
@@ -178,9 +218,11 @@ def test_fit_needs_steps_or_epochs():
         _trainer().fit()
 
 
-def test_bad_run_name():
+@pytest.mark.parametrize("name", ["bad/name", "run\n", "", "-lead"])
+def test_bad_run_name(name):
+    # "run\n" passed a pattern ending in "$", which also matches before a final newline.
     with pytest.raises(ConfigError, match="RunConfig.name"):
-        elastic.RunConfig(name="bad/name")
+        elastic.RunConfig(name=name)
 
 
 @pytest.mark.parametrize("value", [0, -1, "30", None, float("nan"), float("inf"), True, 1e300])
@@ -264,6 +306,13 @@ def test_bucket_cap_must_be_positive():
     with pytest.raises(ConfigError, match="bucket_cap_mb"):
         ScalingConfig(num_workers=2, bucket_cap_mb=0)
     assert ScalingConfig(num_workers=2, bucket_cap_mb=4).bucket_cap_mb == 4
+    with pytest.raises(ConfigError, match=r"bucket_cap_mb must be .* <= 1.04858e\+06"):
+        ScalingConfig(num_workers=2, bucket_cap_mb=1e300)  # failed in DDP's reducer, inside the worker
+
+
+def test_a_straggler_window_no_deque_can_hold_is_refused():
+    with pytest.raises(ConfigError, match="FailureConfig.straggler_window must be <= 1000000"):
+        FailureConfig(straggler_window=2 ** 63)  # an OverflowError from deque(maxlen=...) in the controller
 
 
 @pytest.mark.parametrize("value", [-1, 2.5, True, "8"])

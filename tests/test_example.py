@@ -71,6 +71,10 @@ def test_the_straggler_demo_flags_make_a_first_n_run_with_a_slow_rank():
     (["--evict-stragglers", "--spares", "0"], "ScalingConfig.num_backups"),
     (["--first-n", "-1"], "ScalingConfig.num_backups"),
     (["--workers", "3"], "global_batch_size"),
+    (["--epochs", "0"], "epochs must be an integer >= 1"),  # from fit(), before Ray starts
+    (["--slow-factor", "5"], "--slow-rank"),
+    (["--slow-rank", "1", "--slow-delay", "0.1", "--slow-factor", "5"], "not both"),
+    (["--slow-rank", "1", "--slow-delay", "1e10"], "Trainer.faults"),
 ])
 def test_bad_demo_flags_exit_with_the_setting_to_change_before_any_actor_starts(args, field, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -14,6 +14,7 @@ import traceback
 import ray
 
 from elastic.controller import Controller
+from elastic.redact import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ class ControllerActor:
         from elastic.checkpoint import memory
 
         memory.join_run()  # memory:// here is the run's shared copy (elastic/checkpoint/memory.py)
-        logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "WARNING"))
+        configure_logging(os.environ.get("ELASTIC_LOG_LEVEL", "WARNING"))
         self.controller = Controller(**kwargs)
         self._error: str | None = None
 

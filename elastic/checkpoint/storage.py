@@ -136,6 +136,9 @@ def resolve_url(url: str) -> str:
       ``s3:``, the credentials ignored: a known scheme not followed by ``//`` is an error.
     - An object store URL with no bucket (``s3://``, ``gs://``, ``az://``) would take the run
       name as its bucket."""
+    if not url.strip():
+        raise ConfigError("RunConfig.storage is empty; give a URL (file:///dir, memory://name, s3://BUCKET/prefix) "
+                          "or a path.")
     protocol, path = fsspec.core.split_protocol(url)
     if protocol is None:
         typo = _SCHEME_TYPO.match(url)
@@ -145,6 +148,8 @@ def resolve_url(url: str) -> str:
                               f"{scheme}://BUCKET/prefix (or ./{scheme}:... for a local directory of that name).")
         return os.path.abspath(os.path.expanduser(url))
     if protocol in _LOCAL:
+        if not path:  # abspath("") is the cwd of whichever process asks
+            raise ConfigError(f"RunConfig.storage='{protocol}://' names no directory; use {protocol}:///absolute/path.")
         return f"{protocol}://{os.path.abspath(os.path.expanduser(path))}"
     if protocol in _OBJECT_STORES and not path.strip("/"):
         raise ConfigError(f"RunConfig.storage='{protocol}://' names no bucket; use {protocol}://BUCKET/prefix.")
@@ -235,6 +240,14 @@ class Storage:
         return self._fs, self._root  # type: ignore[return-value]
 
     def _check_scheme(self) -> None:
+        if self.protocol in _S3 and USERINFO.match(self.url):
+            # s3fs reads no user:password@ from the URL: it would take "KEY:SECRET@bucket" for the
+            # bucket's name and show it, the secret in it, in botocore's errors.
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} carries credentials in the URL, which s3fs does not read "
+                "there; pass them in RunConfig.storage_options (key, secret, token) or the AWS environment or "
+                "profile, and use s3://BUCKET/prefix."
+            )
         try:
             fsspec.get_filesystem_class(self.protocol)
         except ValueError as exc:
@@ -472,7 +485,15 @@ class Storage:
         self._check_scheme()
         if self.protocol in _S3:
             self._check_s3_credentials()
-        fs, root = self._filesystem()
+        try:
+            fs, root = self._filesystem()
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a filesystem that connects when made (ftp://) or cannot be one (tar://x)
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} cannot be opened as a {self.protocol}:// filesystem: "
+                f"{type(exc).__name__}: {self.redact(str(exc))}. Check the URL and RunConfig.storage_options."
+            ) from None
         quick = RetryPolicy(attempts=2, base_s=min(self.retry.base_s, 0.2), max_s=0.5)
         if self.protocol in _S3:
             bucket = root.split("/", 1)[0]
@@ -481,16 +502,16 @@ class Storage:
             try:
                 found = self._call("check bucket", "", lambda: self._bucket_exists(fs, bucket), retry=quick)
             except StorageError as exc:
-                raise ConfigError(
+                raise ConfigError(self.redact(
                     f"RunConfig.storage={self.location!r}: cannot reach bucket {bucket!r}: {exc}. "
                     "Check RunConfig.storage_options (endpoint_url, region, credentials); if the storage is "
                     "down, start again once it answers (a run that is already training waits for it)."
-                ) from None
+                )) from None
             if not found:
-                raise ConfigError(
+                raise ConfigError(self.redact(
                     f"RunConfig.storage={self.location!r}: bucket {bucket!r} does not exist (or these "
                     "credentials cannot see it); create it or fix the bucket name."
-                )
+                ))
         probe = _join(probe_dir, f".elastic-probe-{uuid.uuid4().hex}")
         payload = b"elastic storage probe"
         try:
