@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from elastic.address import host_port, unreachable
 from elastic.redact import configure_logging, redact_url, redact_urls_in
 
 logger = logging.getLogger(__name__)
@@ -195,17 +196,10 @@ def _cluster_address(address: Optional[str]) -> str:
 
 def _probe(address: str, timeout_s: float) -> None:
     """Fail in seconds when nothing listens at ``address``."""
-    if address == "auto":
-        return  # ray.init finds (or fails to find) the local cluster by itself, quickly
-    hostport = address.split("://", 1)[-1].rstrip("/")
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
+    if address != "auto" and host_port(address) is None:
         raise CliError(f"--address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379)", code=2)
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        reason = exc.strerror or str(exc) or type(exc).__name__
+    reason = unreachable(address, timeout_s)
+    if reason is not None:
         raise CliError(f"cannot reach a Ray cluster at {address}: {reason}") from None
 
 

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
+from elastic.address import host_port, unreachable
 from elastic.config import (ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real, _require_flag,
                             _require_int, _require_positive)
 from elastic.controller import TrainingFailed, WorkerError
@@ -320,6 +321,11 @@ class Trainer:
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
         )
         self.global_batch_size = global_batch_size
+        if address is not None and (not isinstance(address, str) or (
+                address not in ("auto", "local") and host_port(address) is None)):
+            raise ConfigError(f"Trainer.address={address!r} is not a Ray address: use HOST:PORT (the GCS, e.g. "
+                              "10.0.0.1:6379), ray://HOST:10001, 'auto' or 'local', or None (RAY_ADDRESS, else an "
+                              "embedded local Ray).")
         self.address = address
         self.requeue_dropped = requeue_dropped
         if faults is not None and not isinstance(faults, (list, tuple)):
@@ -351,6 +357,11 @@ class Trainer:
                 _require_int(f"Trainer.fit's {name}", v, 1)
         total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
             self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
+        if self.address is not None and not ray.is_initialized():
+            reason = unreachable(self.address)
+            if reason is not None:  # else ray.init retries for a minute, Ray's core logging each try
+                raise ConfigError(f"Trainer.address={self.address!r}: nothing answers there ({reason}); start the "
+                                  "cluster (`ray start --head`) or fix the address.")
         started = connect(self.address, total_cpu, self.scaling.use_gpu)
         try:
             return self._fit(steps, epochs)

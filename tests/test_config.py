@@ -437,3 +437,28 @@ def test_a_run_configs_repr_shows_no_credentials():
     assert shown.startswith("RunConfig(name='r', storage='s3://***@bucket/ckpt', seed=0, checkpoint=CheckpointConfig(")
     assert "storage_options" not in shown
     assert "storage='/data/ckpt'" in repr(elastic.RunConfig(storage="/data/ckpt"))
+
+
+@pytest.mark.parametrize("address", [5, "bogus", "10.0.0.1:99999", "ray://head"])
+def test_an_address_that_is_no_ray_address_is_refused_before_start(address):
+    # "bogus" was a bare ValueError out of ray.init, 5 was taken as given.
+    with pytest.raises(ConfigError, match="Trainer.address=.* is not a Ray address"):
+        _trainer(address=address)
+
+
+def test_an_address_where_nothing_answers_is_refused_in_seconds(monkeypatch):
+    # ray.init retried for a minute, Ray's core logging every try, before it gave up.
+    import socket
+    import time
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh driver process
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"Trainer.address='127.0.0.1:{port}': nothing answers there"):
+        _trainer(address=f"127.0.0.1:{port}", scaling=ScalingConfig(num_workers=2)).fit(steps=1)
+    assert time.monotonic() - start < 10
+    assert _trainer(address="auto").address == "auto" and _trainer(address="ray://head:10001")

@@ -1,0 +1,37 @@
+"""A Ray cluster address, checked before ``ray.init`` gets it.
+
+``ray.init`` given a malformed address raises a bare ``ValueError``, and given one where nothing
+listens it retries for a minute while Ray's C++ core logs each try; both the Trainer and the CLI
+check first and say which setting to change.
+"""
+
+from __future__ import annotations
+
+import socket
+
+PROBE_TIMEOUT_S = 5.0
+_NAMED = ("auto", "local")  # Ray's own names: the recorded cluster (or RAY_ADDRESS), a new local one
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``HOST:PORT``, ``ray://HOST:PORT`` or ``[IPv6]:PORT``; None when it is neither."""
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def unreachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why nothing answers at ``address`` (a TCP connect), or None when something does. Ray's
+    named addresses are left to ``ray.init``, which resolves them quickly by itself."""
+    if address in _NAMED:
+        return None
+    hp = host_port(address)
+    if hp is None:
+        return "not HOST:PORT"
+    try:
+        with socket.create_connection(hp, timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
