@@ -405,7 +405,7 @@ def _runs_table(rows: list[tuple[str, Optional[dict]]]) -> Table:
     return table
 
 
-def _seconds(value: float) -> float:
+def _timeout_seconds(value: float) -> float:
     """``--timeout``: a finite number of seconds > 0 (0 failed as if the cluster did not answer,
     -1 in the socket module, nan after the probe, inf in int())."""
     if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 1e9):
@@ -420,7 +420,7 @@ def status(
     address: Optional[str] = typer.Option(
         None, "--address", help="Cluster address HOST:PORT or ray://HOST:10001; default: RAY_ADDRESS or the local "
                                 "cluster."),
-    timeout_s: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", callback=_seconds,
+    timeout_s: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", callback=_timeout_seconds,
                                     help="Seconds to wait for the cluster and the controller."),
     as_json: bool = typer.Option(False, "--json", help="Print the controller's status dict as JSON."),
 ) -> None:
@@ -472,7 +472,7 @@ def stop(
     address: Optional[str] = typer.Option(
         None, "--address", help="Cluster address HOST:PORT or ray://HOST:10001; default: RAY_ADDRESS or the local "
                                 "cluster."),
-    timeout_s: float = typer.Option(120.0, "--timeout", callback=_seconds, help="Seconds to wait for the run to stop."),
+    timeout_s: float = typer.Option(120.0, "--timeout", callback=_timeout_seconds, help="Seconds to wait for the run to stop."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the run has stopped (default) or only "
                                                              "ask."),
 ) -> None:
