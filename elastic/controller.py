@@ -1823,9 +1823,33 @@ class Controller:
         """``holder`` finished the steps after the run's up to ``newest`` (their results never
         came back): book them as done, with the ranks whose gradients made each (first-N, the
         holder's record), and make ``newest`` the run's step."""
-        fast = ray.get(holder.actor.fast_sets.remote(self.step + 1, newest)) if self._first_n else {}
+        fast = self._fast_sets(holder, newest) if self._first_n else {}
         self._keep_completed_steps(list(range(self.step + 1, newest + 1)), how, fast)
         self.step = newest
+
+    def _fast_sets(self, holder: Member, newest: int) -> dict[int, list[int]]:
+        """First-N: which ranks made each step after the run's up to ``newest``. The holder's
+        record first; the other members' fill what it lacks. Why: a spare that took the state in
+        a recovery pass that then failed can be the holder of the next pass, and it computed none
+        of those steps, so it knows none of their fast sets (every replica's shard of them was
+        then booked as used). A member that cannot answer is skipped; the holder must answer."""
+        first = self.step + 1
+        fast = dict(ray.get(holder.actor.fast_sets.remote(first, newest)))
+        if len(fast) < newest - first + 1:
+            refs = []
+            for m in self.group.members:
+                if m is not holder and m.name != holder.name:
+                    try:
+                        refs.append(m.actor.fast_sets.remote(first, newest))
+                    except ray.exceptions.RayError:
+                        continue  # dead or gone: the others may know
+            for ref in refs:
+                try:
+                    for step, ranks in ray.get(ref, timeout=self.failure_config.collective_timeout_s).items():
+                        fast.setdefault(step, ranks)
+                except ray.exceptions.RayError:
+                    continue
+        return fast
 
     def _keep_completed_steps(self, steps: list[int], how: str, fast: dict[int, list[int]] | None = None) -> None:
         """Account ``steps`` (finished, their results never came back) as done, with one event

@@ -311,3 +311,39 @@ def test_a_hung_rank_is_reaped_by_a_live_peer_on_its_node_not_a_lost_one(rayless
     reaper = 1 if gone else 0
     assert [m.actor.reaped for m in c.group.members] == [[102] if m.rank == reaper else [] for m in c.group.members]
     assert c._hung == {"rank-2"}
+
+
+class FastSets:
+    """A stand-in rank's actor whose ``fast_sets`` answers from its record of the fast sets
+    (a spare that took the state holds none), or raises (a rank that died)."""
+
+    def __init__(self, record=None, dead=False):
+        self.record, self.dead = record or {}, dead
+        self.fast_sets = self
+
+    def remote(self, first, last):
+        if self.dead:
+            raise controller_module.ray.exceptions.RayActorError()
+        return {s: r for s, r in self.record.items() if first <= s <= last}
+
+
+def test_steps_kept_from_a_holder_that_computed_none_of_them_take_their_fast_sets_from_the_other_members(
+        rayless_controller, plain_values):
+    # First-N, 2 of 3: a spare that took the state in a failed recovery pass holds the newest step
+    # in the next one, and knows no fast set of the steps it keeps; every replica's shard of them
+    # was booked as used (0 dropped). The surviving late rank's record has them; a dead one is skipped.
+    from elastic.data import ShardPlan
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
+                           global_batch_size=16)
+    c.plan, c._per_worker = ShardPlan(64, seed=0), 8
+    for step in (1, 2):
+        c._shards_for(step, 3)
+    c.group = StandInGroup(ranks=3)
+    spare = Member(FastSets(), "spare-0", rank=0)
+    c.group.members = [spare, Member(FastSets(dead=True), "rank-1", rank=1),
+                       Member(FastSets({1: [0, 2], 2: [0, 2]}), "rank-2", rank=2)]
+    c._keep_steps_held_by(spare, 2, "completed on a survivor before the rebuild")
+    assert c.step == 2
+    assert [(h.ranks, h.dropped) for h in c.history[-2:]] == [([0, 2], 8), ([0, 2], 8)]
+    assert [e.used for e in c.ledger.entries if e.step == 1] == [True, False, True]
