@@ -38,7 +38,8 @@ test: $(STAMP)
 	# 646 s before, 582 s after, back to back on the same VM (2026-11-27); 627 s with 784 tests that evening.
 	# --no-loadscope-reorder keeps that order: pytest-xdist 3.8 otherwise hands out modules by their
 	# number of tests, so the few-test e2e modules (jobs, node loss, buffers) went last and the jobs
-	# test ran alone for its last ~30 s (637 s and 597 s, 2026-11-28).
+	# test ran alone for its last ~30 s (637 s and 597 s, 2026-11-27). Per-test CPU, measured serially
+	# (2026-11-27): 1013 CPU-s in all, a ~507 s floor on two cores; -n 3 took 683 s against 637 s.
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 bench: $(STAMP)
