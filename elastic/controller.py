@@ -217,6 +217,7 @@ class Controller:
         # model) and survivors a shrink stood by as spares (the state from before that). The
         # state sync gives them the state and never takes it, nor a rollback point, from them.
         self._stateless: set[str] = set()
+        self._fast_before_restore: dict[int, list[int]] = {}  # first-N: see _restore_latest_once
         self._snapshot_last = False  # late replicas were released at the end: snapshot the last step again
         self._ended = threading.Event()  # set on the transition into a terminal state
         # Names of the actors the controller killed as hung. Names, not ranks: a spare takes the
@@ -661,8 +662,11 @@ class Controller:
             ray.get([m.actor.set_state.remote(state_ref) for m in rest])
         # Committed before their results reached us (ranks report written parts directly): the
         # checkpoint proves those steps finished, so they are kept, not replayed.
+        # First-N: the fast sets the old members recorded (_restart_all, _restore_members_from_checkpoint
+        # ask them before the restore); the ranks that restored know none of them.
+        fast, self._fast_before_restore = self._fast_before_restore, {}
         self._keep_completed_steps([done for done in range(self.step + 1, step + 1) if done in self._planned],
-                                   "committed before its results came back")
+                                   "committed before its results came back", fast)
         self.step = step
         self.restored_from = step
         self.log("resume", f"resumed from committed step {step} at {self.store.location} (read by rank "
@@ -1633,6 +1637,8 @@ class Controller:
         if self.committer is not None:
             self.committer.flush(timeout_s=30)
         lost_up_to = max(self._begun_by_survivors(), self.step)
+        # Asked before the survivors go: a checkpoint newer than our step keeps the steps it proves.
+        self._fast_before_restore = self._members_fast_sets(self.group.members, self.step + 1, lost_up_to)
         while True:
             self.group.shutdown()
             self._new_group()
@@ -1693,6 +1699,8 @@ class Controller:
                                                     "RunConfig.storage is not set"))
         if self.committer is not None:
             self.committer.flush(timeout_s=30)
+        self._fast_before_restore = self._members_fast_sets(self.group.members, self.step + 1,
+                                                            max(self._planned, default=self.step))
         position = self._restore_latest()
         if position is None:
             raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
@@ -1832,23 +1840,33 @@ class Controller:
         record first; the other members' fill what it lacks. Why: a spare that took the state in
         a recovery pass that then failed can be the holder of the next pass, and it computed none
         of those steps, so it knows none of their fast sets (every replica's shard of them was
-        then booked as used). A member that cannot answer is skipped; the holder must answer."""
+        then booked as used). The holder must answer; the others may not."""
         first = self.step + 1
         fast = dict(ray.get(holder.actor.fast_sets.remote(first, newest)))
         if len(fast) < newest - first + 1:
-            refs = []
-            for m in self.group.members:
-                if m is not holder and m.name != holder.name:
-                    try:
-                        refs.append(m.actor.fast_sets.remote(first, newest))
-                    except ray.exceptions.RayError:
-                        continue  # dead or gone: the others may know
-            for ref in refs:
-                try:
-                    for step, ranks in ray.get(ref, timeout=self.failure_config.collective_timeout_s).items():
-                        fast.setdefault(step, ranks)
-                except ray.exceptions.RayError:
-                    continue
+            others = [m for m in self.group.members if m is not holder and m.name != holder.name]
+            for step, ranks in self._members_fast_sets(others, first, newest).items():
+                fast.setdefault(step, ranks)
+        return fast
+
+    def _members_fast_sets(self, members: list[Member], first: int, last: int) -> dict[int, list[int]]:
+        """First-N: the fast sets of steps first..last that any of ``members`` recorded; a member
+        that cannot answer (dead, or gone with its node) is skipped."""
+        fast: dict[int, list[int]] = {}
+        if not self._first_n or last < first:
+            return fast
+        refs = []
+        for m in members:
+            try:
+                refs.append(m.actor.fast_sets.remote(first, last))
+            except ray.exceptions.RayError:
+                continue
+        for ref in refs:
+            try:
+                for step, ranks in ray.get(ref, timeout=self.failure_config.collective_timeout_s).items():
+                    fast.setdefault(step, ranks)
+            except ray.exceptions.RayError:
+                continue
         return fast
 
     def _keep_completed_steps(self, steps: list[int], how: str, fast: dict[int, list[int]] | None = None) -> None:

@@ -36,6 +36,9 @@ class FakeWorker:
     def free_port(self):
         return 1
 
+    def fast_sets(self, first, last):
+        return {}  # first-N fast sets: a fake rank records none
+
     @ray.method(concurrency_group="control")
     def reap(self, pid):
         """As TrainWorker.reap: SIGKILL a hung peer's process on this node."""

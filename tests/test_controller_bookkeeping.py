@@ -20,9 +20,17 @@ class Answers:
     def __init__(self, progress=(0, 0)):
         self._progress = progress
         self.progress = self
+        self.fast_sets = NoFastSets()
 
     def remote(self, *args):
         return self._progress
+
+
+class NoFastSets:
+    """``fast_sets`` of a stand-in rank that recorded none."""
+
+    def remote(self, first, last):
+        return {}
 
 
 class StandInGroup:
@@ -121,6 +129,7 @@ def _restart_with_stand_ins(c, monkeypatch, begun, restored_step, group_cls=None
     c.group, c.store, c.committer, c.dataset_size = StandInGroup(), object(), None, 64
     monkeypatch.setattr(c, "_begun_by_survivors", lambda: begun)
     monkeypatch.setattr(c, "_configure_checkpoints", lambda members: None)
+    monkeypatch.setattr(controller_module.ray, "get", lambda x, **kw: x)  # the stand-ins' plain values
 
     def restore_latest():  # every rank loads the newest committed step
         c.step = restored_step
@@ -347,3 +356,42 @@ def test_steps_kept_from_a_holder_that_computed_none_of_them_take_their_fast_set
     assert c.step == 2
     assert [(h.ranks, h.dropped) for h in c.history[-2:]] == [([0, 2], 8), ([0, 2], 8)]
     assert [e.used for e in c.ledger.entries if e.step == 1] == [True, False, True]
+
+
+class Call:
+    """A stand-in actor method: ``.remote(*args)`` returns ``fn(*args)`` (ray.get passes it through)."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+def test_first_n_steps_a_checkpoint_proves_take_their_fast_sets_from_the_members_before_the_restore(
+        rayless_controller, plain_values):
+    # First-N, 2 of 3, steps 11-12 committed mid-window and their results never came back: every
+    # rank then loads step 12 (no survivor holds the state). The ranks that load it know no fast
+    # set, so each replica's shard of 11 and 12 was booked as used; the old members' records say
+    # which two made each step. A member that died is skipped.
+    from types import SimpleNamespace
+
+    from elastic.data import ShardPlan
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
+                           global_batch_size=16)
+    c.plan, c._per_worker, c.dataset_size = ShardPlan(64, seed=0), 8, 64
+    c.step = 10
+    for step in (11, 12):
+        c._shards_for(step, 3)
+    meta = {"data_position": DataPosition(cursor=12 * 24).to_dict()}
+    record = {11: [1, 2], 12: [0, 2]}
+
+    def rank(i, knows=True):
+        return Member(SimpleNamespace(
+            fast_sets=FastSets(record if knows else None, dead=(i == 1)),
+            restore_checkpoint=Call(lambda url, options, name, step: meta),
+            get_state=Call(lambda: "state"), set_state=Call(lambda state: 12)), f"rank-{i}", rank=i)
+    c.group = StandInGroup(ranks=3)
+    c.group.members = [rank(0, knows=False), rank(1), rank(2)]
+    c.store = SimpleNamespace(committed_steps=lambda: [12], url="memory://x", storage_options={}, location="memory://x")
+    c._restore_members_from_checkpoint()
+    assert c.step == 12 and c.restored_from == 12
+    assert [(h.step, h.ranks, h.dropped) for h in c.history] == [(11, [1, 2], 8), (12, [0, 2], 8)]
