@@ -1638,7 +1638,8 @@ class Controller:
             self.committer.flush(timeout_s=30)
         lost_up_to = max(self._begun_by_survivors(), self.step)
         # Asked before the survivors go: a checkpoint newer than our step keeps the steps it proves.
-        self._fast_before_restore = self._members_fast_sets(self.group.members, self.step + 1, lost_up_to)
+        if self._first_n:
+            self._fast_before_restore = self._members_fast_sets(self.group.members, self.step + 1, lost_up_to)
         while True:
             self.group.shutdown()
             self._new_group()
@@ -1699,8 +1700,9 @@ class Controller:
                                                     "RunConfig.storage is not set"))
         if self.committer is not None:
             self.committer.flush(timeout_s=30)
-        self._fast_before_restore = self._members_fast_sets(self.group.members, self.step + 1,
-                                                            max(self._planned, default=self.step))
+        if self._first_n:  # the ranks that load the checkpoint know no fast set (_restore_latest_once)
+            self._fast_before_restore = self._members_fast_sets(self.group.members, self.step + 1,
+                                                                max(self._planned, default=self.step))
         position = self._restore_latest()
         if position is None:
             raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
