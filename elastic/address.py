@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 
 PROBE_TIMEOUT_S = 5.0
-_NAMED = ("auto", "local")  # Ray's own names: the recorded cluster (or RAY_ADDRESS), a new local one
+NAMED_ADDRESSES = ("auto", "local")  # Ray's own names: the recorded cluster (or RAY_ADDRESS), a new local one
 
 
 def host_port(address: str) -> tuple[str, int] | None:
@@ -25,7 +25,7 @@ def host_port(address: str) -> tuple[str, int] | None:
 def unreachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     """Why nothing answers at ``address`` (a TCP connect), or None when something does. Ray's
     named addresses are left to ``ray.init``, which resolves them quickly by itself."""
-    if address in _NAMED:
+    if address in NAMED_ADDRESSES:
         return None
     hp = host_port(address)
     if hp is None:

@@ -408,7 +408,7 @@ def _runs_table(rows: list[tuple[str, Optional[dict]]]) -> Table:
 def _timeout_seconds(value: float) -> float:
     """``--timeout``: a finite number of seconds > 0 (0 failed as if the cluster did not answer,
     -1 in the socket module, nan after the probe, inf in int())."""
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 1e9):
+    if not (math.isfinite(value) and 0 < value <= 1e9):
         raise typer.BadParameter(f"must be a number of seconds > 0 and <= 1e9, got {value!r}")
     return value
 

@@ -427,3 +427,4 @@ class RunConfig:
         if not isinstance(self.checkpoint, CheckpointConfig):
             raise ConfigError(f"RunConfig.checkpoint must be a CheckpointConfig: pass "
                               f"checkpoint=elastic.CheckpointConfig(...), got a {type(self.checkpoint).__name__}.")
+        self.checkpoint.__post_init__()  # again: its fields may have been set since it was made

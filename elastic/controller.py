@@ -217,7 +217,6 @@ class Controller:
         # model) and survivors a shrink stood by as spares (the state from before that). The
         # state sync gives them the state and never takes it, nor a rollback point, from them.
         self._stateless: set[str] = set()
-        self._fast_before_restore: dict[int, list[int]] = {}  # first-N: see _restore_latest_once
         self._snapshot_last = False  # late replicas were released at the end: snapshot the last step again
         self._ended = threading.Event()  # set on the transition into a terminal state
         # Names of the actors the controller killed as hung. Names, not ranks: a spare takes the
@@ -580,8 +579,8 @@ class Controller:
         """The newest step training is known to have finished: ours, or a rank's newer report."""
         return max(self.step, self._worker_progress)
 
-    def _restore_latest(self) -> DataPosition | None:
-        """``_restore_latest_once``, waiting out a storage outage for up to
+    def _restore_latest(self, fast: dict[int, list[int]] | None = None) -> DataPosition | None:
+        """``_restore_latest_once(fast)``, waiting out a storage outage for up to
         ``CheckpointConfig.resume_timeout_s``. Why wait: without the list of committed steps the
         run cannot know where to resume, and starting fresh would train over a checkpoint that
         exists. Each storage call already retries for a second or two, so a longer blip at start
@@ -597,7 +596,7 @@ class Controller:
         backoff, deadline = RetryPolicy(base_s=0.5, max_s=10.0), time.monotonic() + timeout
         while True:
             try:
-                position = self._restore_latest_once()
+                position = self._restore_latest_once(fast)
             except Exception as exc:
                 unavailable = _storage_unavailable(exc)
                 if unavailable is None:
@@ -622,7 +621,7 @@ class Controller:
             ev = events.popleft()
             self.log(ev["event"], ev["message"], **{k: v for k, v in ev.items() if k not in ("event", "message")})
 
-    def _restore_latest_once(self) -> DataPosition | None:
+    def _restore_latest_once(self, fast: dict[int, list[int]] | None = None) -> DataPosition | None:
         """Load the newest committed step that checks out into every rank; its data position.
 
         One rank reads it from storage, verifying every file's checksum as it reads, and the
@@ -662,9 +661,8 @@ class Controller:
             ray.get([m.actor.set_state.remote(state_ref) for m in rest])
         # Committed before their results reached us (ranks report written parts directly): the
         # checkpoint proves those steps finished, so they are kept, not replayed.
-        # First-N: the fast sets the old members recorded (_restart_all, _restore_members_from_checkpoint
-        # ask them before the restore); the ranks that restored know none of them.
-        fast, self._fast_before_restore = self._fast_before_restore, {}
+        # First-N: ``fast`` is what the old members recorded of those steps (asked before the
+        # restore by _restart_all, _restore_members_from_checkpoint); the ranks that restored know none.
         self._keep_completed_steps([done for done in range(self.step + 1, step + 1) if done in self._planned],
                                    "committed before its results came back", fast)
         self.step = step
@@ -1638,8 +1636,7 @@ class Controller:
             self.committer.flush(timeout_s=30)
         lost_up_to = max(self._begun_by_survivors(), self.step)
         # Asked before the survivors go: a checkpoint newer than our step keeps the steps it proves.
-        if self._first_n:
-            self._fast_before_restore = self._members_fast_sets(self.group.members, self.step + 1, lost_up_to)
+        fast = self._members_fast_sets(self.group.members, self.step + 1, lost_up_to) if self._first_n else None
         while True:
             self.group.shutdown()
             self._new_group()
@@ -1657,7 +1654,7 @@ class Controller:
         self._forget_old_actors()
         self._per_worker = self.global_batch_size // self.scaling.num_workers
         self._configure_checkpoints(self._all_actors())
-        position = self._restore_latest()
+        position = self._restore_latest(fast)
         if position is None:
             self.step = 0
         self._replan(position, self.step)
@@ -1700,10 +1697,9 @@ class Controller:
                                                     "RunConfig.storage is not set"))
         if self.committer is not None:
             self.committer.flush(timeout_s=30)
-        if self._first_n:  # the ranks that load the checkpoint know no fast set (_restore_latest_once)
-            self._fast_before_restore = self._members_fast_sets(self.group.members, self.step + 1,
-                                                                max(self._planned, default=self.step))
-        position = self._restore_latest()
+        fast = self._members_fast_sets(self.group.members, self.step + 1, max(self._planned, default=self.step)) \
+            if self._first_n else None  # the ranks that load the checkpoint know none (_restore_latest_once)
+        position = self._restore_latest(fast)
         if position is None:
             raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
                                                     "no checkpoint is committed"))
@@ -1846,7 +1842,7 @@ class Controller:
         first = self.step + 1
         fast = dict(ray.get(holder.actor.fast_sets.remote(first, newest)))
         if len(fast) < newest - first + 1:
-            others = [m for m in self.group.members if m is not holder and m.name != holder.name]
+            others = [m for m in self.group.members if m.name != holder.name]
             for step, ranks in self._members_fast_sets(others, first, newest).items():
                 fast.setdefault(step, ranks)
         return fast
@@ -1855,7 +1851,7 @@ class Controller:
         """First-N: the fast sets of steps first..last that any of ``members`` recorded; a member
         that cannot answer (dead, or gone with its node) is skipped."""
         fast: dict[int, list[int]] = {}
-        if not self._first_n or last < first:
+        if last < first:
             return fast
         refs = []
         for m in members:

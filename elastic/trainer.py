@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
-from elastic.address import host_port, unreachable
+from elastic.address import NAMED_ADDRESSES, host_port, unreachable
 from elastic.config import (ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real, _require_flag,
                             _require_int, _require_positive)
 from elastic.controller import TrainingFailed, WorkerError
@@ -274,8 +274,6 @@ class Trainer:
                 # Again: a config's fields can be set after it was made (num_workers = 0 then
                 # divided by zero here, a negative CPU count failed at placement in the controller).
                 value.__post_init__()
-                if isinstance(value, RunConfig):
-                    value.checkpoint.__post_init__()
         self.scaling = scaling or ScalingConfig()
         self.run = run or RunConfig()
         self.failure = failure or FailureConfig()
@@ -322,7 +320,7 @@ class Trainer:
         )
         self.global_batch_size = global_batch_size
         if address is not None and (not isinstance(address, str) or (
-                address not in ("auto", "local") and host_port(address) is None)):
+                address not in NAMED_ADDRESSES and host_port(address) is None)):
             raise ConfigError(f"Trainer.address={address!r} is not a Ray address: use HOST:PORT (the GCS, e.g. "
                               "10.0.0.1:6379), ray://HOST:10001, 'auto' or 'local', or None (RAY_ADDRESS, else an "
                               "embedded local Ray).")

@@ -72,7 +72,8 @@ def faults(args) -> list[dict]:
     """``Trainer(faults=...)`` from the --slow-* flags: none unless --slow-rank is given."""
     if args.slow_rank is None:
         return []
-    pace = {"delay_s": args.slow_delay} if args.slow_delay is not None else {"factor": args.slow_factor}
+    factor = 3.0 if args.slow_factor is None else args.slow_factor
+    pace = {"delay_s": args.slow_delay} if args.slow_delay is not None else {"factor": factor}
     return [{"kind": "slow", "rank": args.slow_rank, "from_step": args.slow_from_step, **pace}]
 
 
@@ -108,7 +109,8 @@ def parser() -> argparse.ArgumentParser:
                         "first --workers gradients to arrive (--spares are then hot spares beside them)")
     p.add_argument("--slow-rank", type=int, default=None, metavar="R",
                    help="fault injection (a demo and test aid): slow rank R down")
-    p.add_argument("--slow-factor", type=float, default=3.0, help="its steps take this many times their healthy time")
+    p.add_argument("--slow-factor", type=float, default=None,
+                   help="its steps take this many times their healthy time (default 3)")
     p.add_argument("--slow-delay", type=float, default=None, metavar="SECONDS",
                    help="instead of --slow-factor: each of its steps sleeps this long")
     p.add_argument("--slow-from-step", type=int, default=10)
@@ -126,9 +128,9 @@ def main(argv=None) -> float:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    if args.slow_rank is None and (args.slow_delay is not None or p.get_default("slow_factor") != args.slow_factor):
+    if args.slow_rank is None and (args.slow_delay is not None or args.slow_factor is not None):
         p.error("--slow-factor and --slow-delay slow the rank --slow-rank names; give it too")
-    if args.slow_delay is not None and p.get_default("slow_factor") != args.slow_factor:
+    if args.slow_delay is not None and args.slow_factor is not None:
         p.error("give --slow-factor or --slow-delay, not both")
     try:
         trainer = build_trainer(args)

@@ -131,7 +131,7 @@ def _restart_with_stand_ins(c, monkeypatch, begun, restored_step, group_cls=None
     monkeypatch.setattr(c, "_configure_checkpoints", lambda members: None)
     monkeypatch.setattr(controller_module.ray, "get", lambda x, **kw: x)  # the stand-ins' plain values
 
-    def restore_latest():  # every rank loads the newest committed step
+    def restore_latest(fast=None):  # every rank loads the newest committed step
         c.step = restored_step
         return DataPosition(cursor=restored_step * 8)
     monkeypatch.setattr(c, "_restore_latest", restore_latest)
@@ -207,7 +207,7 @@ def test_a_sync_from_a_checkpoint_past_the_controllers_step_recomputes_nothing(r
     c._stateless = {"rank-0"}
     c.step = 10
 
-    def restore_latest():
+    def restore_latest(fast=None):
         c.step = 11
         return DataPosition(cursor=88)
     monkeypatch.setattr(c, "_restore_latest", restore_latest)

@@ -38,7 +38,7 @@ def test_a_rollback_takes_the_ranks_progress_back_to_the_step_it_went_back_to(co
     c.checkpoint_written(10, 2, {0: part(10)})
     assert c._progress_step() == 10
 
-    def restore_latest():  # the ranks' restore_checkpoint calls, stood in for
+    def restore_latest(fast=None):  # the ranks' restore_checkpoint calls, stood in for
         c.step = 3
         return DataPosition(cursor=24)
 
