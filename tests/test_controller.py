@@ -1196,7 +1196,7 @@ def test_a_stop_while_a_resume_waits_for_storage_ends_the_run(ray_cluster):
     c = controller("fake-stop-storage")
     c.store = CheckpointStore("memory://fake-stop-storage", "fake-stop-storage")
 
-    def storage_down():
+    def storage_down(fast=None):
         raise StorageUnavailable("listing memory://fake-stop-storage: endpoint down")
 
     c._restore_latest_once = storage_down
