@@ -408,6 +408,7 @@ def test_retention_keeps_a_step_whose_manifest_s3_did_not_delete(moto_s3, monkey
     assert store.committed_steps() == [1, 3]
     assert store.verify(1)  # committed and whole: its files are all there
     monkeypatch.undo()
+    time.sleep(1.05)  # a failed delete is tried again after its backoff (1 s after a first failure)
     assert store.apply_retention(1, committed=[1, 3], files=files).deleted == [1, 2]
     assert store.step_dirs() == [3] and store.committed_steps() == [3]
 

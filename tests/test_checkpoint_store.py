@@ -711,6 +711,9 @@ def test_bulk_retention_failure_leaves_steps_uncommitted_and_is_retried(monkeypa
         report = store.apply_retention(1, committed=[1, 2, 3], files=files)
         assert report.deleted == [] and sorted(report.failed) == [1, 2]
         assert store.committed_steps() == [3] and store.step_dirs() == [1, 2, 3]
+        # Retried once their backoff (1 s after a first failure) is over, not by the pass right after.
+        assert store.apply_retention(1, committed=[3], files=files).deleted == [] and len(calls) == 2
+        time.sleep(1.05)
         assert store.apply_retention(1, committed=[3], files=files).deleted == [1, 2]
         assert store.step_dirs() == [3]
     finally:
@@ -1627,6 +1630,135 @@ def test_a_rewind_does_not_wait_for_a_cleanup_pass_stuck_on_storage(tmp_path):
     finally:
         unstick.cancel()
         release.set()
+        committer.close()
+
+
+def test_a_cleanup_pass_from_before_a_rewind_deletes_no_step_of_the_new_timeline(tmp_path):
+    """A pass reads the committed steps before a rewind and deletes after it: by its old
+    picture of storage. A previous run committed 1..9 and this one resumed from 8 (9 skipped
+    as corrupt, say); committing 10 passes 9, which is scheduled for deletion, and the pass
+    stalls. A recovery then goes back to 8 and the new timeline commits 9: the stale pass used
+    to delete that 9, the newest committed step of the run."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in range(1, 10):
+        store.commit(step, [e for r in range(2) for e in store.write_rank_files(step, r, 2, tiny_state(step))], 2, {},
+                     rng={1: None})  # rank 1 has no share of the tiny state: its RNG goes to the manifest
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=3600, retention_interval_s=0,
+                                    latest_committed=8)
+    entered, release = stall(store, "apply_retention")
+    try:
+        hand_over_and_wait(committer, store, 10)
+        assert entered.wait(10)
+        committer.rewind(8)
+        hand_over_and_wait(committer, store, 9)  # the commit thread does not wait for the pass
+        release.set()
+        assert committer.flush(timeout_s=10)
+        assert committer.latest_committed == 9
+        assert 9 in store.committed_steps()
+        store.verify(9)
+    finally:
+        release.set()
+        committer.close()
+
+
+def test_a_sweep_from_before_a_rewind_leaves_the_directory_the_new_timeline_writes(tmp_path):
+    """The sweep's old picture: step 9 an uncommitted directory below the newest commit (10).
+    After a rewind to 8 the new timeline writes 9 there; the stale sweep used to delete its
+    shards, and 9 then committed a manifest naming files that were gone."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0)
+    for step in range(1, 9):
+        hand_over_and_wait(committer, store, step)
+    assert committer.flush(timeout_s=10)
+    store.write_rank_files(9, 0, 2, tiny_state(9))  # the old timeline's 9: superseded, never committed
+    entered, release = stall(store, "apply_retention")
+    try:
+        hand_over_and_wait(committer, store, 10)
+        assert entered.wait(10)
+        committer.rewind(8)
+        files = [store.write_rank_files(9, r, 2, tiny_state(109)) for r in range(2)]
+        committer.add(9, 0, 2, files[0])
+        release.set()
+        assert committer.flush(timeout_s=10)
+        written = sorted(e.path.rsplit("/", 1)[-1] for e in files[0] + files[1])
+        assert written and store.storage.list_dir(step_dir(9)) == written
+        committer.add(9, 1, 2, files[1])
+        committer.set_meta(9, {"cursor": 9})
+        assert committer.flush(timeout_s=10) and committer.latest_committed == 9
+        store.verify(9)
+    finally:
+        release.set()
+        committer.close()
+
+
+def test_a_delete_still_under_way_at_a_rewind_never_leaves_a_step_committed_without_its_files(tmp_path):
+    """A delete call the rewind's wait (FENCE_WAIT_S) did not see end may still remove the
+    directory of a step the new timeline writes again. That step's commit waits for the
+    delete and checks its files: with one gone it is not committed (an event says why),
+    and the next step commits, instead of a manifest that fails on resume."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0)
+    committer.FENCE_WAIT_S = 0.1
+    for step in range(1, 9):
+        hand_over_and_wait(committer, store, step)
+    assert committer.flush(timeout_s=10)
+    store.write_rank_files(9, 0, 2, tiny_state(9))  # the old timeline's 9: superseded, never committed
+    entered, release = threading.Event(), threading.Event()
+    real = store.storage.delete_tree
+
+    def stalled(rel):
+        if rel == step_dir(9):
+            entered.set()
+            assert release.wait(30)
+        return real(rel)
+
+    store.storage.delete_tree = stalled
+    try:
+        hand_over_and_wait(committer, store, 10)  # the sweep starts deleting 9
+        assert entered.wait(10)
+        t0 = time.monotonic()
+        committer.rewind(8)
+        assert time.monotonic() - t0 < 1.5
+        hand_over(committer, store, 9, tiny_state(109))  # its commit waits for the delete
+        time.sleep(0.3)
+        assert committer.latest_committed == 8
+        release.set()  # the old delete removes the new 9's shards
+        assert committer.flush(timeout_s=10) and committer.latest_committed == 8
+        assert [e for e in committer.drain_events() if e["event"] == "checkpoint_not_committed"][0]["step"] == 9
+        hand_over_and_wait(committer, store, 10)
+        for step in store.committed_steps():
+            store.verify(step)
+        assert 9 not in store.committed_steps()
+    finally:
+        release.set()
+        committer.close()
+
+
+def test_a_delete_that_keeps_failing_is_retried_with_backoff_and_warned_of_once(tmp_path, caplog):
+    """A bucket whose policy forbids deletes: every retention pass (once a second while
+    training runs) retried every step that had failed and logged each, so the requests and
+    log lines grew with the run. Each step is tried once, then after 1, 2, 4 ... s."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    calls = []
+
+    def refuse(rel):
+        calls.append(rel)
+        raise StorageError(f"delete {rel}: PermissionError: AccessDenied")
+
+    store.storage.delete = refuse
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=3600, retention_interval_s=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.store"):
+            for step in range(1, 21):
+                hand_over_and_wait(committer, store, step)
+                assert committer.flush(timeout_s=10)
+        assert len(calls) == 17  # steps 1..17, each once
+        assert len([r for r in caplog.records if "could not delete" in r.message]) == 1
+        calls.clear()
+        assert committer.flush(timeout_s=10) and calls == []
+        time.sleep(1.05)
+        assert committer.flush(timeout_s=10) and len(calls) == 17  # their first backoff is over
+    finally:
         committer.close()
 
 

@@ -37,6 +37,11 @@ class CheckpointCommitter:
     on another (module docstring).
     """
 
+    # How long rewind() waits for a delete under way (one storage call, normally milliseconds),
+    # and how long a suspect step's commit waits for it (on the commit thread, off training's path).
+    FENCE_WAIT_S = 2.0
+    SUSPECT_WAIT_S = 120.0
+
     def __init__(self, store: CheckpointStore, config: CheckpointConfig | None = None, *,
                  keep_last: int | None = None, keep_every: int | None = None,
                  latest_committed: int | None = None, retry_min_s: float | None = None,
@@ -89,6 +94,9 @@ class CheckpointCommitter:
         # lost), and once a newer commit supersedes the step this committer cannot know whether
         # it is on storage. The cleanup thread reads the manifests of those below _latest (_confirm).
         self._unconfirmed: set[int] = set()
+        # Later steps a delete from before a rewind was still removing when the rewind returned
+        # (see rewind): their commits wait for it and check their files first.
+        self._suspect: set[int] = set()
         self._events: deque = deque(maxlen=max_events)
         self._committed: list[int] | None = None  # committed steps on storage, as the cleanup thread knows them
         self._files: dict[int, list[str]] = {}  # step -> its files, for the steps this committer committed
@@ -179,6 +187,14 @@ class CheckpointCommitter:
             self._done = [(s, files) for s, files in self._done if not later(s)]
             self._unconfirmed = {s for s in self._unconfirmed if not later(s)}
             self._pending_rewinds.append((step, abandoned))
+        # No delete of a pass that began before this rewind starts after it (its picture of
+        # storage is the old timeline's), and one under way is given FENCE_WAIT_S to finish.
+        # One still running after that is a suspect: it may yet remove the directory of a later
+        # step that training now writes again, so that step's commit first checks its files.
+        still = self.store.fence(self.FENCE_WAIT_S)
+        if still:
+            with self._lock:
+                self._suspect.update(s for s in still if later(s))
         if self._cleanup_lock.acquire(blocking=False):
             try:
                 self._apply_rewinds()
@@ -250,6 +266,10 @@ class CheckpointCommitter:
         step, entries, world_size, meta, taken_at, rng, timeline = payload
         t0 = time.perf_counter()
         with self._lock:
+            suspect = step in self._suspect
+        if suspect and not self._files_survived(step, entries):
+            return []
+        with self._lock:
             if self._left_behind(step, timeline):
                 # Handed over before a rewind to an earlier step (waiting, or retried through an
                 # outage): its state is gone from training, and its shards are being written again.
@@ -302,6 +322,25 @@ class CheckpointCommitter:
             self._cleanup_cv.notify_all()
         return entries
 
+    def _files_survived(self, step: int, entries: list[FileEntry]) -> bool:
+        """A suspect step (``rewind``): wait for the old delete, then whether every file the ranks
+        reported is still on storage. A manifest naming a deleted file would be a committed step
+        that fails its checks on resume; without it the next step commits instead. A storage
+        error here is the commit's, retried by the persister."""
+        self.store.wait_deletes([step], timeout_s=self.SUSPECT_WAIT_S)
+        missing = self.store.missing_file(step, entries)
+        with self._lock:
+            self._suspect.discard(step)
+            if missing is not None:
+                self._events.append({"event": "checkpoint_not_committed", "step": step, "time": time.time(),
+                                     "path": missing,
+                                     "message": f"step {step} not committed: {missing} was removed by a cleanup "
+                                                "from before training went back to an earlier step"})
+        if missing is not None:
+            logger.warning("checkpoint step %d not committed: %s was removed by a cleanup from before the "
+                           "rewind", step, missing)
+        return missing is None
+
     # ---- the cleanup thread -----------------------------------------------------------------
     def _cleanup_loop(self) -> None:
         """Retention and GC after commits, off the commit thread (module docstring); each pass
@@ -342,7 +381,7 @@ class CheckpointCommitter:
                     self._events.append({"event": "checkpoint_cleanup_failed", "time": now, "error": error[:300],
                                          "message": f"checkpoint cleanup skipped (will retry): {error[:300]}"})
 
-    def _retain(self, force: bool = False) -> CleanupReport:
+    def _retain(self, epoch: int, force: bool = False) -> CleanupReport:
         """Retention from the committer's own list of committed steps, at most every
         ``retention_interval_s`` unless ``force``. Why batched: with short steps a delete after
         every commit is two requests a step on S3 (manifest, then files), which on the benchmark
@@ -355,7 +394,7 @@ class CheckpointCommitter:
             return CleanupReport()
         self._last_retention = now
         retention = self.store.apply_retention(self.keep_last, self.keep_every, committed=self._committed,
-                                               files=self._files)
+                                               files=self._files, epoch=epoch)
         if retention.deleted:  # a failed delete stays on the list: the store retries it next time
             self._committed = [s for s in self._committed if s not in retention.deleted]
             kept = set(self._committed)
@@ -384,6 +423,7 @@ class CheckpointCommitter:
         retention report's ``error`` and the next pass retries."""
         try:
             with self._cleanup_lock:
+                epoch = self.store.epoch()  # before the rewinds are applied: rewind() fences after queueing its own
                 self._apply_rewinds()
                 first = self._committed is None
                 if first:  # once: steps from earlier runs
@@ -425,12 +465,12 @@ class CheckpointCommitter:
                 if passed:
                     self._above_base = [s for s in self._above_base if s >= step]
                     self.store.schedule_deletes(passed)
-                retention = self._retain(force)
+                retention = self._retain(epoch, force)
                 # Steps known committed (and kept by retention) are never the sweep's, whatever
                 # one manifest read says: a read that answers "not found" for a step this run
                 # committed (an object store's lagging read, a cache) made the sweep delete a
                 # step retention had promised to keep.
-                return retention, self._sweep(step, pending | set(self._committed), force)
+                return retention, self._sweep(step, pending | set(self._committed), epoch, force)
         except Exception as exc:  # noqa: BLE001
             logger.exception("checkpoint cleanup failed (retention and GC retry on the next pass)")
             return CleanupReport(error=f"{type(exc).__name__}: {exc}"), CleanupReport()
@@ -462,7 +502,7 @@ class CheckpointCommitter:
             with self._lock:
                 self._unconfirmed.update(retry)
 
-    def _sweep(self, older_than: int, pending: set, force: bool = False) -> CleanupReport:
+    def _sweep(self, older_than: int, pending: set, epoch: int, force: bool = False) -> CleanupReport:
         """Remove uncommitted directories older than ``older_than`` (a committed step), at most
         every ``gc_interval_s`` unless ``force``; ``pending`` steps (still being written, or known
         committed) are left alone. Safe
@@ -472,7 +512,7 @@ class CheckpointCommitter:
         if not (force or now - self._last_gc >= self.gc_interval_s):
             return CleanupReport()
         self._last_gc = now
-        return self.store.gc_uncommitted(older_than=older_than, keep=pending)
+        return self.store.gc_uncommitted(older_than=older_than, keep=pending, epoch=epoch)
 
     # ---- status -----------------------------------------------------------------------------
     @property

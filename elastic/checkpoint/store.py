@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -149,6 +150,7 @@ class CleanupReport:
     deleted: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     error: str | None = None  # the listing itself failed; nothing was decided
+    fenced: bool = False  # stopped by a fence (``CheckpointStore.fence``): the next pass decides again
 
 
 def step_dir(step: int) -> str:
@@ -278,7 +280,15 @@ class CheckpointStore:
         self.url = resolve_url(url)
         self.run_name = run_name
         self.storage = Storage(join_url(self.url, run_name), storage_options, retry=retry)
-        self._retry_deletes: set[int] = set()
+        # Failed deletes, retried by later retention passes: step -> (failures, not before, monotonic).
+        self._retry_deletes: dict[int, tuple[int, float]] = {}
+        # The delete fence (``fence``): a cleanup pass carries the epoch it began in, and none of
+        # its deletes starts once a fence has moved the epoch on; ``_deleting`` is the delete
+        # call under way, which ``fence`` waits for.
+        self._delete_cv = threading.Condition()
+        self._epoch = 0
+        self._deleting: frozenset[int] = frozenset()
+        self._delete_warned_at = float("-inf")
 
     @property
     def storage_options(self) -> dict:
@@ -526,32 +536,99 @@ class CheckpointStore:
         return None
 
     # ---- cleanup ----------------------------------------------------------------------------
-    def _delete_steps(self, steps: list[int], report: CleanupReport, delete: Callable[[], Any]) -> None:
+    # A delete that keeps failing (a bucket whose policy or object lock forbids deletes) is tried
+    # again after 1, 2, 4 ... s, at most every DELETE_BACKOFF_MAX_S, not on every retention pass
+    # (once a second while training runs): each pass used to retry every failed step and log a
+    # warning for each, so 40 steps into such an outage a pass made ~40 requests and 40 log lines.
+    DELETE_BACKOFF_MAX_S = 300.0
+
+    def epoch(self) -> int:
+        """The delete epoch a cleanup pass begins in (``fence``)."""
+        with self._delete_cv:
+            return self._epoch
+
+    def fence(self, timeout_s: float) -> frozenset[int]:
+        """No delete of a cleanup pass that began before this call starts after it, and the one
+        under way (if any) is waited for, up to ``timeout_s``. Returns the steps of a delete
+        still under way when the wait ran out (empty when none).
+
+        Why: training that goes back to an earlier step (a rollback, a restart from a checkpoint)
+        writes the later step numbers again. A pass that read the committed steps and the
+        uncommitted directories before it would otherwise go on deleting by that old picture:
+        a step the new timeline had just committed (retention), or the directory its ranks were
+        writing (the sweep), which then committed a manifest naming deleted files. A pass's
+        decisions are only as good as the epoch it began in; the next pass decides again."""
+        with self._delete_cv:
+            self._epoch += 1
+            self._delete_cv.wait_for(lambda: not self._deleting, timeout=timeout_s)
+            return self._deleting
+
+    def wait_deletes(self, steps: Iterable[int], timeout_s: float | None = None) -> bool:
+        """Wait until no delete of any of ``steps`` is under way; False if one still is after ``timeout_s``."""
+        steps = set(steps)
+        with self._delete_cv:
+            return self._delete_cv.wait_for(lambda: not (self._deleting & steps), timeout=timeout_s)
+
+    def missing_file(self, step: int, entries: Iterable[FileEntry]) -> str | None:
+        """The first of ``entries`` (``step``'s files) not on storage at its recorded size, or None:
+        one listing of the step's directory."""
+        listing = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
+                   for e in self.storage.list_dir(step_dir(step), detail=True)}
+        for entry in entries:
+            if listing.get(entry.path.rsplit("/", 1)[-1]) != entry.size:
+                return self.storage.describe(entry.path)
+        return None
+
+    def _delete_steps(self, steps: list[int], report: CleanupReport, delete: Callable[[], Any],
+                      epoch: int | None = None) -> None:
         """Run ``delete`` (which removes ``steps``) and record the outcome: deleted, or failed and
-        retried by the next retention pass. Never raises."""
+        retried by a later retention pass (with backoff). Not run once a fence has passed ``epoch``
+        (``report.fenced``). Never raises."""
+        with self._delete_cv:
+            if epoch is not None and epoch != self._epoch:
+                report.fenced = True
+                return
+            self._deleting = frozenset(steps)
         try:
             delete()
         except (StorageError, OSError) as exc:
             # One failed delete (a transient remote error) must not stop training or later cleanup.
-            self._retry_deletes.update(steps)
+            now = time.monotonic()
+            for step in steps:
+                failures = self._retry_deletes.get(step, (0, 0.0))[0] + 1
+                self._retry_deletes[step] = (failures, now + min(self.DELETE_BACKOFF_MAX_S, 2.0 ** (failures - 1)))
             report.failed.update({step: str(exc) for step in steps})
-            logger.warning("could not delete checkpoint steps %s (will retry): %s", steps, exc)
+            # One warning a minute at most (the event log has every failure): a bucket that
+            # forbids deletes fails every step's.
+            if now - self._delete_warned_at >= 60.0:
+                self._delete_warned_at = now
+                waiting = sum(1 for f, _ in self._retry_deletes.values() if f)
+                logger.warning("could not delete checkpoint steps %s (%d step(s) now wait for a retry, with "
+                               "backoff): %s", steps, waiting, exc)
+            else:
+                logger.debug("could not delete checkpoint steps %s: %s", steps, exc)
             return
-        self._retry_deletes.difference_update(steps)
+        finally:
+            with self._delete_cv:
+                self._deleting = frozenset()
+                self._delete_cv.notify_all()
+        for step in steps:
+            self._retry_deletes.pop(step, None)
         report.deleted.extend(steps)
 
     def schedule_deletes(self, steps: list[int]) -> None:
         """Delete ``steps`` at the next retention pass (below the newest committed step only, as
         any step on the retry list)."""
-        self._retry_deletes.update(steps)
+        for step in steps:
+            self._retry_deletes.setdefault(step, (0, 0.0))
 
     def forget_deletes_above(self, step: int | None) -> None:
         """Training went back to ``step`` (None: the start): a failed delete of a later step must
         not be retried, since that step is about to be written again."""
-        self._retry_deletes = {s for s in self._retry_deletes if step is not None and s <= step}
+        self._retry_deletes = {s: v for s, v in self._retry_deletes.items() if step is not None and s <= step}
 
     def _delete_step(self, step: int, report: CleanupReport, files: list[str] | None = None,
-                     has_manifest: bool = True) -> None:
+                     has_manifest: bool = True, epoch: int | None = None) -> None:
         """Manifest first: a step half-deleted by a failure is then merely uncommitted, never a
         committed step with missing files; GC or the next call finishes the job. ``files``: the
         step's files when the caller knows them (no listing needed). ``has_manifest=False``: the
@@ -563,17 +640,19 @@ class CheckpointStore:
             if not (files and self.storage.delete_files(files, step_dir(step))):
                 self.storage.delete_tree(step_dir(step))
 
-        self._delete_steps([step], report, delete)
+        self._delete_steps([step], report, delete, epoch)
 
     def apply_retention(self, keep_last: int, keep_every: int = 0,
-                        committed: list[int] | None = None, files: dict[int, list[str]] | None = None
-                        ) -> CleanupReport:
+                        committed: list[int] | None = None, files: dict[int, list[str]] | None = None,
+                        epoch: int | None = None) -> CleanupReport:
         """Keep the newest ``keep_last`` committed steps, every step divisible by ``keep_every`` (if > 0),
         and always the newest committed step; delete the other committed steps. Never raises.
 
         ``committed``: the committed steps, oldest first, when the caller already knows them (the
         committer does: it wrote them), which saves listing storage and reading every manifest.
-        ``files``: step -> its files, for the steps whose files the caller knows."""
+        ``files``: step -> its files, for the steps whose files the caller knows. ``epoch``: the
+        delete epoch the caller's picture of storage is from (``fence``). A step whose delete
+        failed waits out its backoff before it is tried again."""
         report = CleanupReport()
         try:
             committed = self.committed_steps() if committed is None else sorted(committed)
@@ -584,17 +663,21 @@ class CheckpointStore:
         keep = set(committed[-max(1, keep_last):])
         if keep_every > 0:
             keep |= {s for s in committed if s % keep_every == 0}
+        now = time.monotonic()
         doomed = (set(committed) - keep) | {s for s in self._retry_deletes if committed and s < committed[-1]}
-        doomed -= keep
+        doomed = {s for s in doomed - keep if self._retry_deletes.get(s, (0, 0.0))[1] <= now}
         known = {s: (files or {}).get(s) for s in doomed}
         if self.storage.is_object_store and len(doomed) > 1 and all(known.values()):
-            self._delete_steps_in_bulk(sorted(doomed), known, report)  # type: ignore[arg-type]
+            self._delete_steps_in_bulk(sorted(doomed), known, report, epoch)  # type: ignore[arg-type]
             return report
         for step in sorted(doomed):
-            self._delete_step(step, report, known[step])
+            self._delete_step(step, report, known[step], epoch=epoch)
+            if report.fenced:
+                break
         return report
 
-    def _delete_steps_in_bulk(self, steps: list[int], files: dict[int, list[str]], report: CleanupReport) -> None:
+    def _delete_steps_in_bulk(self, steps: list[int], files: dict[int, list[str]], report: CleanupReport,
+                              epoch: int | None = None) -> None:
         """Several steps whose files are known, on an object store: one bulk DELETE of their
         manifests, then one of their files, instead of two requests a step. Same order as
         ``_delete_step`` (manifests first), so a failure leaves steps uncommitted, never
@@ -603,11 +686,13 @@ class CheckpointStore:
             self.storage.delete_files([f"{step_dir(s)}/{MANIFEST}" for s in steps], "")
             self.storage.delete_files([f for s in steps for f in files[s]], "")
 
-        self._delete_steps(steps, report, delete)
+        self._delete_steps(steps, report, delete, epoch)
 
-    def gc_uncommitted(self, older_than: int | None = None, keep: Iterable[int] = ()) -> CleanupReport:
+    def gc_uncommitted(self, older_than: int | None = None, keep: Iterable[int] = (),
+                       epoch: int | None = None) -> CleanupReport:
         """Delete step directories without a valid manifest that are older than ``older_than`` (default:
-        the newest committed step). Steps in ``keep`` (still being written) are left alone. Never raises."""
+        the newest committed step). Steps in ``keep`` (still being written) are left alone; the
+        sweep stops at a fence that passed ``epoch`` (see ``fence``). Never raises."""
         report = CleanupReport()
         keep = set(keep)
         try:
@@ -628,7 +713,9 @@ class CheckpointStore:
                 except CorruptCheckpoint:
                     has_manifest = True
                 logger.info("removing uncommitted checkpoint directory %s", self.storage.describe(step_dir(step)))
-                self._delete_step(step, report, has_manifest=has_manifest)
+                self._delete_step(step, report, has_manifest=has_manifest, epoch=epoch)
+                if report.fenced:
+                    break
         except (StorageError, OSError) as exc:
             report.error = str(exc)
             logger.warning("GC of uncommitted steps in %s failed (will retry): %s", self.location, exc)
