@@ -155,6 +155,9 @@ class Controller:
     """Drives one run. ``worker_group_cls`` is the seam tests use to put in a fake group."""
 
     worker_group_cls = WorkerGroup
+    # How long a rollback waits for the nodes' checkpoint agents to finish writes of the state
+    # it gives up (_rewind): one storage call each, normally milliseconds.
+    SETTLE_TIMEOUT_S = 30.0
 
     def __init__(self, spec: TrainingSpec | PackedSpec, scaling: ScalingConfig, run: RunConfig, failure: FailureConfig,
                  global_batch_size: int, checkpoint_store=None, metrics=None, fault_plan: list | None = None,
@@ -574,6 +577,15 @@ class Controller:
             self._rolled_back_through = self.generation  # the generation of the state gone back from
             self._worker_progress = step or 0
             self.committer.rewind(step)
+        if self._agents is not None:
+            # The later steps are written again, to the same file names: a write of the old
+            # state still under way in an agent (a killed rank's) must land first, and no waiting
+            # one may start (CheckpointAgent.settle).
+            stuck = self._agents.settle(self.generation, self.SETTLE_TIMEOUT_S)
+            if stuck:
+                self.log("checkpoint_storage", f"checkpoint writes of the state gone back from still under way "
+                         f"after {self.SETTLE_TIMEOUT_S:g}s (rank, step): {stuck}; a step they overwrite fails "
+                         "its checksum and resume skips it", stuck=[list(x) for x in stuck])
 
     def _progress_step(self) -> int:
         """The newest step training is known to have finished: ours, or a rank's newer report."""

@@ -27,7 +27,7 @@ from elastic.actors.worker import _to_device
 from elastic.checkpoint.worker_hook import AgentCheckpointer
 from elastic.config import CheckpointConfig
 from helpers import free_port
-from test_checkpoint_store import FAST, FakeWorker, assert_same, backend, finish, run_training  # noqa: F401 - backend: a fixture
+from test_checkpoint_store import FAST, FakeWorker, add_parts, assert_same, backend, finish, run_training  # noqa: F401 - backend: a fixture
 
 pytestmark = pytest.mark.skipif(not supported(), reason="memfds are Linux only")
 
@@ -673,6 +673,67 @@ def test_a_rank_rolled_back_counts_its_steps_from_there_on_both_sides(node):
         assert progress.get(5) == 5 and all(step <= p <= 5 for step, p in progress.items())  # the newest then
         assert committer.latest_committed == 5
         assert_same(store.read_state(5)[0], worker.get_state())
+
+
+def test_a_killed_ranks_write_under_way_lands_before_the_restarted_group_writes_that_step_again(node, monkeypatch):
+    """A restart from a checkpoint kills every rank; the agent dropped what waited but let the
+    write under way go on, and the restarted rank writes the same step again to the same file
+    name. An old write landing after the new one put a shard of the old state under a step that
+    committed with the new one's checksum: resume then skipped the newest step as corrupt.
+    ``settle`` (the controller's rewind) waits for it, and no old snapshot starts after it."""
+    agent, controller, committer, store, _ = node
+    release, entered = threading.Event(), threading.Event()
+    write = store.write_shard.__func__
+    writes = []
+
+    def slow_write(self, step, rank, world_size, buffers):
+        writes.append(step)
+        if step == 2 and len(writes) == 2:  # the old group's step 2
+            entered.set()
+            release.wait(20)
+        return write(self, step, rank, world_size, buffers)
+
+    monkeypatch.setattr(CheckpointStore, "write_shard", slow_write)
+    old, survivor = FakeWorker(rank=0, world_size=1), FakeWorker(rank=0, world_size=1)
+    old.generation = survivor.generation = 1
+    hook, other = link(agent), link(agent)
+    try:
+        run_training([old], [hook], committer, [1])
+        assert hook.flush(10)
+        run_training([old], [hook], committer, [2])
+        assert entered.wait(10)
+        hook.sock.close()  # the rank is killed: its link is gone with the write under way
+        settled = []
+        waiter = threading.Thread(target=lambda: settled.append(agent.settle(1, timeout_s=20)))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()  # waits for the old write
+        release.set()
+        waiter.join(10)
+        assert settled == [[]]
+        survivor.train(3)
+        other.after_step(survivor, 3)  # an old-generation snapshot: not written
+        assert other.flush(10, worker=survivor)
+        assert 3 not in writes
+        committer.rewind(1)
+        new = FakeWorker(rank=0, world_size=1, seed=1)  # the new timeline's step 2: another state
+        new.generation = 2
+        new.train(1)
+        new.train(2)
+        assert not torch.equal(new.get_state()["model"]["0.weight"], old.get_state()["model"]["0.weight"])
+        fresh = link(agent)
+        try:
+            committer.set_meta(2, {"data": {"cursor": 2}})
+            add_parts(committer, new, fresh.after_step(new, 2))
+            finish([new], [fresh], committer)
+        finally:
+            fresh.close()
+        assert committer.latest_committed == 2
+        assert_same(store.read_state(2)[0], new.get_state())  # verified: the old write did not land over it
+        assert agent.settle(1, timeout_s=1) == []
+    finally:
+        release.set()
+        other.close()
 
 
 def test_a_bigger_snapshot_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_free(node):

@@ -151,6 +151,22 @@ def test_retries_are_bounded_and_errors_redacted():
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
+def test_credentials_under_any_secret_looking_key_are_redacted_at_any_depth():
+    """A connection string (Azure's holds AccountKey=...), an Authorization header and a
+    (user, password) pair passed through."""
+    from types import MappingProxyType
+
+    options = {"connection_string": "DefaultEndpointsProtocol=https;AccountKey=c29tZWtleQ==",
+               "client_kwargs": {"headers": {"Authorization": "Bearer eyJhbGciOi"}},
+               "auth": ("alice", "s3cr3t-pass"), "endpoint_url": "http://127.0.0.1:9000",
+               "config_kwargs": MappingProxyType({"session_token": "FwoGZXIvYXdzE"})}
+    redact = Redactor(options)
+    text = redact(f"failed with {options}")
+    for secret in ("AccountKey=c29tZWtleQ==", "eyJhbGciOi", "alice", "s3cr3t-pass", "FwoGZXIvYXdzE"):
+        assert secret not in text
+    assert "http://127.0.0.1:9000" in text and "client_kwargs" in text
+
+
 # ---- validate ----------------------------------------------------------------------------------
 def test_validate_unknown_scheme():
     with pytest.raises(ConfigError, match=r"unknown URL scheme 'foo://'.*file://, memory://, s3://"):

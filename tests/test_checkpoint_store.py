@@ -1633,6 +1633,47 @@ def test_a_rewind_does_not_wait_for_a_cleanup_pass_stuck_on_storage(tmp_path):
         committer.close()
 
 
+def refuse_manifest_reads(store: CheckpointStore, step: int) -> None:
+    """Storage answers step ``step``'s manifest read with a permanent refusal, as S3 does for an
+    object a lifecycle rule archived to Glacier (403 InvalidObjectState)."""
+    fs, _ = store.storage._filesystem()
+    real = fs.cat_file
+
+    def cat_file(path, **kwargs):
+        if f"{step_dir(step)}/manifest.json" in path:
+            raise PermissionError("InvalidObjectState: The operation is not valid for the object's storage class")
+        return real(path, **kwargs)
+
+    fs.cat_file = cat_file
+
+
+def test_an_older_step_whose_manifest_storage_refuses_is_skipped_and_left_alone(tmp_path, caplog):
+    """One archived old step stopped every resume: the listing raised on its manifest."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in (5, 10, 15):
+        commit_tiny(store, step)
+    refuse_manifest_reads(store, 5)
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.store"):
+        assert store.committed_steps() == [10, 15]
+    assert any("step 5" in r.message and "cannot be read" in r.message for r in caplog.records)
+    report = store.gc_uncommitted(older_than=15)
+    assert report.error is None and report.deleted == [] and store.step_dirs() == [5, 10, 15]
+    assert store.read_state()[0]["completed_step"] == 15
+
+
+def test_a_newest_step_whose_manifest_storage_refuses_stops_the_listing():
+    """Refused on the newest step, resuming from an older one would train over it."""
+    store = CheckpointStore("memory://refused-newest/ckpt", RUN, retry=FAST)
+    try:
+        for step in (5, 10):
+            commit_tiny(store, step)
+        refuse_manifest_reads(store, 10)
+        with pytest.raises(StorageError, match="newer than every readable committed step"):
+            store.committed_steps()
+    finally:
+        clear_memory("memory://refused-newest/ckpt")
+
+
 def test_a_cleanup_pass_from_before_a_rewind_deletes_no_step_of_the_new_timeline(tmp_path):
     """A pass reads the committed steps before a rewind and deletes after it: by its old
     picture of storage. A previous run committed 1..9 and this one resumed from 8 (9 skipped

@@ -224,6 +224,12 @@ class _Payload:
         self.part: dict | None = None  # what it was written as, once written (a slot's: reported at its release)
 
 
+def _before_fence(p: _Payload, generation: int) -> bool:
+    """Whether ``p`` was snapshotted in group ``generation`` or an older one (a snapshot without
+    a generation, from a rank outside a group, is never fenced)."""
+    return p.generation is not None and int(p.generation) <= generation
+
+
 class _RankLink:
     """One rank's connection: its rings and layouts, its writer (one ``AsyncPersister``) and its
     newest part."""
@@ -255,6 +261,14 @@ class _RankLink:
         self.agent.priority.enter()
 
     def _write(self, p: _Payload) -> dict:
+        if not self.agent.begin_write(self, p):
+            return {"fenced": True}
+        try:
+            return self._write_shard(p)
+        finally:
+            self.agent.end_write(self)
+
+    def _write_shard(self, p: _Payload) -> dict:
         self._pace()  # the newest snapshot (the waiting one is always the newest): usually caught up
         if p.ring is None:
             return {"entries": [], "taken_at": p.taken_at, "rng": p.rng}
@@ -270,8 +284,10 @@ class _RankLink:
         return {"entries": [entry.to_dict()], "taken_at": p.taken_at}
 
     def _written(self, step: int, p: _Payload, part: dict) -> None:
-        if self.gone:
-            return  # see serve(): a rank that died takes its unreported parts along, as in process
+        if self.gone or part.get("fenced"):
+            # See serve(): a rank that died takes its unreported parts along, as in process. A
+            # fenced snapshot (CheckpointAgent.settle) was not written: nothing to report.
+            return
         part = {**part, "progress": self.newest_step}
         if p.generation is not None:
             part["generation"] = p.generation
@@ -471,6 +487,11 @@ class CheckpointAgent:
         self._server.bind(self._address)
         self._server.listen(64)
         self._closed = False
+        # The write fence (``settle``): snapshots of this generation or older are not written,
+        # and ``_writing`` is each link's write under way (a link the rank has left included).
+        self._fence_lock = threading.Condition()
+        self._fence: int | None = None
+        self._writing: dict[_RankLink, _Payload] = {}
         for target, name in ((self._accept, "agent"), (self._pump, "agent reports")):
             threading.Thread(target=target, name=f"elastic-checkpoint {name}", daemon=True).start()
 
@@ -490,6 +511,38 @@ class CheckpointAgent:
         return {"pid": os.getpid(), "links": len(links),
                 "ranks": sorted(link.rank for link in links if link.rank is not None),
                 "written": {link.rank: link.last_part[0] for link in links if link.last_part is not None}}
+
+    def settle(self, generation: int, timeout_s: float) -> list[tuple[int | None, int]]:
+        """Training went back to an earlier step, giving up the state of group ``generation``
+        and older: no snapshot of those generations is written from now on, and the writes of
+        them under way are waited for, up to ``timeout_s``. Returns (rank, step) of those still
+        under way then.
+
+        Why: a rank killed in a restart leaves its write under way (``serve`` drops only what
+        waits), and the group that restarts from the checkpoint writes the same step numbers
+        again, to the same file names, on this node or another. A late old write landing over
+        the new shard of a committed step would fail that step's checksum on resume. After this
+        returns no old write can land (unless it outlasted the wait: the controller logs that);
+        the controller drops old parts by generation already (``Controller._add_part``)."""
+        with self._fence_lock:
+            self._fence = generation if self._fence is None else max(self._fence, generation)
+            old = {link: p for link, p in self._writing.items() if _before_fence(p, generation)}
+            self._fence_lock.wait_for(lambda: not any(self._writing.get(link) is p for link, p in old.items()),
+                                      timeout=timeout_s)
+            return [(p.rank, p.step) for link, p in old.items() if self._writing.get(link) is p]
+
+    def begin_write(self, link: _RankLink, p: _Payload) -> bool:
+        """A link's writer is about to write ``p``: False when a fence stops it (``settle``)."""
+        with self._fence_lock:
+            if self._fence is not None and _before_fence(p, self._fence):
+                return False
+            self._writing[link] = p
+            return True
+
+    def end_write(self, link: _RankLink) -> None:
+        with self._fence_lock:
+            self._writing.pop(link, None)
+            self._fence_lock.notify_all()
 
     def shutdown(self) -> None:
         """Take no more connections (a test aid: on Ray the controller kills the actor)."""
@@ -627,6 +680,22 @@ class NodeAgents:
                                "processes", node, exc)
                 ray.kill(actor, no_restart=True)
         return {node: self._agents[node][1] if node in self._agents else None for node in node_ids}
+
+    def settle(self, generation: int, timeout_s: float) -> list[tuple[int | None, int]]:
+        """``CheckpointAgent.settle`` on every node's agent, all at once; the (rank, step) of
+        old writes still under way after ``timeout_s``. An agent that does not answer is
+        skipped: a dead one writes nothing."""
+        import ray
+
+        refs = [actor.settle.remote(generation, timeout_s) for actor, _ in self._agents.values()]
+        stuck: list[tuple[int | None, int]] = []
+        deadline = time.monotonic() + timeout_s + 5.0
+        for ref in refs:
+            try:
+                stuck.extend(tuple(x) for x in ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - dead or unreachable: it writes nothing more
+                logger.debug("a checkpoint agent did not answer settle()", exc_info=True)
+        return stuck
 
     def expect(self, world_size: int, members: list) -> None:
         """Tell each node's agent which ranks of a group forming now are on its node."""

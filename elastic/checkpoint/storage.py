@@ -14,6 +14,7 @@ import random
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 from urllib.parse import unquote
@@ -36,7 +37,8 @@ _LOCAL = ("file", "local")
 
 # storage_options keys whose values are secrets. Values of any key that merely *looks* secret are
 # redacted too, so a new backend's credential option cannot leak by omission.
-_SECRET_KEY_HINTS = ("secret", "token", "password", "passwd", "credential", "key", "sas", "signature")
+_SECRET_KEY_HINTS = ("secret", "token", "password", "passwd", "credential", "key", "sas", "signature", "auth",
+                     "connection_string", "cookie")
 
 # Errors that retrying cannot fix. Everything else (OSError, botocore/aiohttp connection errors,
 # timeouts) is treated as transient.
@@ -78,21 +80,20 @@ def looks_secret(key: Any) -> bool:
     return any(h in str(key).lower() for h in _SECRET_KEY_HINTS)
 
 
-def _secret_values(options: Any) -> set[str]:
+def _secret_values(options: Any, secret: bool = False) -> set[str]:
     """Every string (or number: a secret that happens to be all digits, parsed as one) in
-    storage_options stored under a key that looks like a credential."""
+    storage_options stored under a key that looks like a credential, at any depth below it:
+    ``auth=("user", "pass")`` and ``headers={"Authorization": ...}`` as much as ``secret=...``."""
     found: set[str] = set()
-    if isinstance(options, dict):
+    if isinstance(options, Mapping):
         for key, value in options.items():
-            scalar = isinstance(value, (str, int, float)) and not isinstance(value, bool)
-            if scalar and looks_secret(key):
-                if len(str(value)) >= 4:  # a 1-3 character "secret" would redact half of every message
-                    found.add(str(value))
-            else:
-                found |= _secret_values(value)
-    elif isinstance(options, (list, tuple)):
+            found |= _secret_values(value, secret or looks_secret(key))
+    elif isinstance(options, (list, tuple, set, frozenset)):
         for value in options:
-            found |= _secret_values(value)
+            found |= _secret_values(value, secret)
+    elif secret and isinstance(options, (str, int, float)) and not isinstance(options, bool):
+        if len(str(options)) >= 4:  # a 1-3 character "secret" would redact half of every message
+            found.add(str(options))
     return found
 
 

@@ -45,7 +45,7 @@ from elastic.checkpoint.codec import (
     tensor_nbytes,
     unflatten_state,
 )
-from elastic.checkpoint.storage import RetryPolicy, Storage, StorageError, resolve_url
+from elastic.checkpoint.storage import RetryPolicy, Storage, StorageError, StorageUnavailable, resolve_url
 from elastic.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -290,6 +290,16 @@ class CheckpointStore:
         self._deleting: frozenset[int] = frozenset()
         self._delete_warned_at = float("-inf")
 
+    def __getstate__(self) -> dict:
+        # Sent to the controller actor: the delete fence's condition stays here (a new one there).
+        state = self.__dict__.copy()
+        del state["_delete_cv"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._delete_cv = threading.Condition()
+
     @property
     def storage_options(self) -> dict:
         """The options to build the same store elsewhere (e.g. on a worker). Holds credentials: never log it."""
@@ -418,8 +428,14 @@ class CheckpointStore:
         return manifest, [FileEntry.from_dict(record) for record in manifest["files"]]
 
     def committed_steps(self) -> list[int]:
-        """Steps whose manifest exists and checks out (files not verified), oldest first."""
-        out = []
+        """Steps whose manifest exists and checks out (files not verified), oldest first.
+
+        A manifest that storage refuses to hand over (a permanent error, not an outage: say an
+        S3 lifecycle rule moved a step ``keep_every`` kept to Glacier) is left out with a warning
+        naming it when a newer step's manifest is readable, as a corrupt one is: one archived
+        step used to stop every resume. Refused on the newest step, it is raised: resuming from
+        an older step would train over one that may well be whole."""
+        out, refused = [], []
         for step in self.step_dirs():
             try:
                 self.load_manifest(step)
@@ -428,7 +444,17 @@ class CheckpointStore:
             except CorruptCheckpoint as exc:
                 logger.warning("%s", exc)
                 continue
+            except StorageUnavailable:
+                raise
+            except StorageError as exc:
+                refused.append((step, exc))
+                continue
             out.append(step)
+        for step, exc in refused:
+            if not out or step > out[-1]:
+                raise StorageError(f"{exc}; it is newer than every readable committed step, so the run cannot "
+                                   "tell where to resume: restore read access to it, or remove the step") from None
+            logger.warning("skipping checkpoint step %d: its manifest cannot be read (%s)", step, exc)
         return out
 
     def _read_verified(self, step: int, entry: FileEntry) -> bytes:
@@ -712,6 +738,11 @@ class CheckpointStore:
                     has_manifest = False
                 except CorruptCheckpoint:
                     has_manifest = True
+                except StorageUnavailable:
+                    raise
+                except StorageError as exc:  # refused (an archived manifest): not known uncommitted
+                    logger.debug("GC leaves step %d alone: its manifest cannot be read (%s)", step, exc)
+                    continue
                 logger.info("removing uncommitted checkpoint directory %s", self.storage.describe(step_dir(step)))
                 self._delete_step(step, report, has_manifest=has_manifest, epoch=epoch)
                 if report.fenced:
