@@ -67,7 +67,10 @@ class ReplicaDivergence(RuntimeError):
 # of each, and every event of any other kind (transitions, decisions, failures, recoveries). Why:
 # with a checkpoint every step the commit and retention events alone were ~1 KB a step, and the
 # controller grew without end on a long run.
-ROUTINE_KINDS = frozenset({"checkpoint_commit", "checkpoint_retention", "checksum"})
+# Kinds that can come every step (or every retention pass) for as long as a run lasts: a state
+# that cannot be snapshotted, a bucket that forbids deletes, an agent that keeps dropping.
+ROUTINE_KINDS = frozenset({"checkpoint_commit", "checkpoint_retention", "checksum", "checkpoint_failed",
+                           "checkpoint_delete_failed", "checkpoint_cleanup_failed", "checkpoint_snapshots_dropped"})
 ROUTINE_EVENTS_KEPT = 1000
 # Step records the controller keeps (the newest; ``Result.history``), while the run's totals
 # (``RunTotals``) count every step. Why: a record is ~330 bytes in the controller and its dict
@@ -583,7 +586,7 @@ class Controller:
             # one may start (CheckpointAgent.settle).
             stuck = self._agents.settle(self.generation, self.SETTLE_TIMEOUT_S)
             if stuck:
-                self.log("checkpoint_storage", f"checkpoint writes of the state gone back from still under way "
+                self.log("checkpoint_writes_unsettled", f"checkpoint writes of the state gone back from still under way "
                          f"after {self.SETTLE_TIMEOUT_S:g}s (rank, step): {stuck}; a step they overwrite fails "
                          "its checksum and resume skips it", stuck=[list(x) for x in stuck])
 
@@ -1122,7 +1125,10 @@ class Controller:
         elif ev.get("event") == "checkpoint_deleted":
             self.log("checkpoint_retention", ev.get("message", ""), **details)
         else:
-            self.log("checkpoint_storage", ev.get("message", str(ev)), rank=rank, **details)
+            # Under its own name (storage_outage, storage_refused, checkpoint_agent_lost, ...), as
+            # the README names them and as a resume's wait logs its outage (_log_outage_events).
+            details.pop("event", None)
+            self.log(ev.get("event") or "checkpoint_storage", ev.get("message", str(ev)), rank=rank, **details)
 
     # ---- gathering and failure detection ----------------------------------------------------
     def _gather(self, refs: list, ranks: list[int], need: int | None = None,
@@ -2080,7 +2086,7 @@ class Controller:
                     raise
         committed = self.committer.flush(timeout_s=timeout_s)
         if not committed:
-            self.log("checkpoint_storage", f"{what} not committed within {timeout_s:g}s; storage may be down")
+            self.log("checkpoint_flush_timeout", f"{what} not committed within {timeout_s:g}s; storage may be down")
         for ev in self.committer.drain_events():
             self._log_storage_event(ev)
         return committed

@@ -116,7 +116,8 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
 
     ``None``: reuse an initialised Ray; else join the cluster named by ``RAY_ADDRESS`` (set by
     ``ray job submit``); else start an embedded local Ray sized to hold the run. ``"local"`` (Ray's
-    name for a new local instance) is that embedded Ray whatever ``RAY_ADDRESS`` says: passed to
+    name for a new local instance) is that embedded Ray whatever ``RAY_ADDRESS`` says, unless this
+    process has joined Ray already (then it trains there, with a warning): passed to
     ``ray.init`` as it was, it started a Ray that fit() never shut down, without the import path
     or GPU count below.
 
@@ -211,7 +212,12 @@ def _check_same_cluster(address: str | None) -> None:
     GCS; ``auto`` and ``local`` name no one cluster), and hosts are compared by resolved IP, so
     ``localhost`` and ``127.0.0.1`` are the same."""
     if address is None or address in ("auto", "local") or "://" in address:
-        if address is not None:
+        if address == "local":
+            # Asked for a new local Ray, which this process cannot start while it is connected.
+            logger.warning("Trainer.address='local', but this process already joined the Ray cluster at %s: "
+                           "training runs there (call ray.shutdown() first for an embedded Ray of its own)",
+                           ray.get_runtime_context().gcs_address)
+        elif address is not None:
             logger.info("Ray is already initialised in this process; Trainer.address=%r uses that connection",
                         address)
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import time
@@ -721,8 +722,12 @@ def test_spares_that_keep_failing_to_build_stop_the_refill_and_say_so_once(ray_c
     assert len([m for m in spares_events if "not starting more spares" in m]) == 1
 
 
-def test_an_address_naming_another_cluster_is_refused_once_ray_is_joined(ray_cluster):
+def test_an_address_naming_another_cluster_is_refused_once_ray_is_joined(ray_cluster, caplog):
     from elastic.trainer import connect
+
+    with caplog.at_level(logging.WARNING, logger="elastic.trainer"):
+        assert connect("local") is False  # no second Ray in a process that joined one: said, not silent
+    assert any("address='local'" in r.message and "training runs there" in r.message for r in caplog.records)
 
     assert connect(ray_cluster.address) is False  # the cluster this process joined: used as it is
     port = ray_cluster.address.rsplit(":", 1)[1]
