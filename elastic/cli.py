@@ -186,8 +186,17 @@ _AUTH_FAILURE = re.compile(r"Unauthenticated|InvalidAuthToken|AuthenticationErro
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*(\S+:\d+:\s*)?")
 
 
+def _given(address: Optional[str]) -> Optional[str]:
+    """``--address`` as given; an empty one is refused (``--address "$HEAD"`` with HEAD unset fell
+    back to the environment or the local cluster: another cluster than the one meant)."""
+    if address is not None and not address.strip():
+        raise CliError("--address is empty: give the cluster's address, or leave the option out for "
+                       "the default", code=2)
+    return address
+
+
 def _cluster_address(address: Optional[str]) -> str:
-    addr = address or os.environ.get("RAY_ADDRESS") or "auto"
+    addr = _given(address) or os.environ.get("RAY_ADDRESS") or "auto"
     if addr.startswith(("http://", "https://")):
         raise CliError(f"{addr} is a dashboard URL; this command needs the cluster address "
                        "(HOST:6379, or ray://HOST:10001): pass --address", code=2)
@@ -716,7 +725,7 @@ def _quiet_ray_logs() -> None:
 
 def _job_address(address: Optional[str]) -> Optional[str]:
     """Like ``ray job submit``: --address, then RAY_API_SERVER_ADDRESS, then RAY_ADDRESS, then the local cluster."""
-    return address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or None
+    return _given(address) or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or None
 
 
 # Ray's client resolves its address with these first, over the one it is given

@@ -273,6 +273,9 @@ def test_resolve_url_makes_plain_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resolve_url("ckpts") == f"{tmp_path}/ckpts"
     assert resolve_url("s3://b/p") == "s3://b/p"
+    # Trailing slashes name the same directory: "s3://b/p//" + run put it under the key prefix "p//".
+    assert resolve_url("s3://b/p/") == resolve_url("s3://b/p//") == "s3://b/p"
+    assert resolve_url("s3://b//") == "s3://b"
     assert resolve_url("memory://x") == "memory://x"
     # file:// and local:// with a relative path: every process would resolve it against its own cwd
     assert resolve_url("file://ckpts") == f"file://{tmp_path}/ckpts"

@@ -1633,9 +1633,10 @@ def test_a_rewind_does_not_wait_for_a_cleanup_pass_stuck_on_storage(tmp_path):
         committer.close()
 
 
-def refuse_manifest_reads(store: CheckpointStore, step: int) -> None:
+def refuse_manifest_reads(store: CheckpointStore, step: int, monkeypatch) -> None:
     """Storage answers step ``step``'s manifest read with a permanent refusal, as S3 does for an
-    object a lifecycle rule archived to Glacier (403 InvalidObjectState)."""
+    object a lifecycle rule archived to Glacier (403 InvalidObjectState). Through monkeypatch:
+    fsspec caches filesystem instances, so the patched one is every later test's too."""
     fs, _ = store.storage._filesystem()
     real = fs.cat_file
 
@@ -1644,15 +1645,15 @@ def refuse_manifest_reads(store: CheckpointStore, step: int) -> None:
             raise PermissionError("InvalidObjectState: The operation is not valid for the object's storage class")
         return real(path, **kwargs)
 
-    fs.cat_file = cat_file
+    monkeypatch.setattr(fs, "cat_file", cat_file)
 
 
-def test_an_older_step_whose_manifest_storage_refuses_is_skipped_and_left_alone(tmp_path, caplog):
+def test_an_older_step_whose_manifest_storage_refuses_is_skipped_and_left_alone(tmp_path, caplog, monkeypatch):
     """One archived old step stopped every resume: the listing raised on its manifest."""
     store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
     for step in (5, 10, 15):
         commit_tiny(store, step)
-    refuse_manifest_reads(store, 5)
+    refuse_manifest_reads(store, 5, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.store"):
         assert store.committed_steps() == [10, 15]
     assert any("step 5" in r.message and "cannot be read" in r.message for r in caplog.records)
@@ -1661,13 +1662,13 @@ def test_an_older_step_whose_manifest_storage_refuses_is_skipped_and_left_alone(
     assert store.read_state()[0]["completed_step"] == 15
 
 
-def test_a_newest_step_whose_manifest_storage_refuses_stops_the_listing():
+def test_a_newest_step_whose_manifest_storage_refuses_stops_the_listing(monkeypatch):
     """Refused on the newest step, resuming from an older one would train over it."""
     store = CheckpointStore("memory://refused-newest/ckpt", RUN, retry=FAST)
     try:
         for step in (5, 10):
             commit_tiny(store, step)
-        refuse_manifest_reads(store, 10)
+        refuse_manifest_reads(store, 10, monkeypatch)
         with pytest.raises(StorageError, match="newer than every readable committed step"):
             store.committed_steps()
     finally:

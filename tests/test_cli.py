@@ -79,6 +79,15 @@ def test_status_rejects_dashboard_url():
     assert "dashboard URL" in one_line_error(result.exit_code, result.stdout, result.stderr)
 
 
+@pytest.mark.parametrize("command", [["status", "r"], ["stop", "r"], ["submit", "examples/digits.py"]])
+def test_an_empty_address_is_a_usage_error_not_the_default_cluster(command, monkeypatch):
+    # --address "$HEAD" with HEAD unset: it went to RAY_ADDRESS or the local cluster.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    result = runner.invoke(app, [*command, "--address", ""])
+    assert result.exit_code == 2
+    assert "--address is empty" in one_line_error(result.exit_code, result.stdout, result.stderr)
+
+
 def test_status_unknown_run_on_a_real_cluster(ray_head):
     out = run_cli(["status", "--address", ray_head.gcs_address, "no-such-run"], env=ray_head.env())
     line = one_line_error(out.returncode, out.stdout, out.stderr)

@@ -154,6 +154,11 @@ def resolve_url(url: str) -> str:
         return f"{protocol}://{os.path.abspath(os.path.expanduser(path))}"
     if protocol in _OBJECT_STORES and not path.strip("/"):
         raise ConfigError(f"RunConfig.storage='{protocol}://' names no bucket; use {protocol}://BUCKET/prefix.")
+    if protocol in _OBJECT_STORES:
+        # "s3://b/runs/" and "s3://b/runs//" mean the directory "s3://b/runs"; joined as they were,
+        # the second put the run under the key prefix "runs//" (object stores keep empty segments),
+        # which a resume given "s3://b/runs" never found.
+        return url.rstrip("/")
     return url
 
 
