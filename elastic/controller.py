@@ -161,6 +161,7 @@ class Controller:
     # How long a rollback waits for the nodes' checkpoint agents to finish writes of the state
     # it gives up (_rewind): one storage call each, normally milliseconds.
     SETTLE_TIMEOUT_S = 30.0
+    FORM_ATTEMPTS = 3  # rendezvous a group gets while every rank is alive (_form_group)
 
     def __init__(self, spec: TrainingSpec | PackedSpec, scaling: ScalingConfig, run: RunConfig, failure: FailureConfig,
                  global_batch_size: int, checkpoint_store=None, metrics=None, fault_plan: list | None = None,
@@ -519,12 +520,28 @@ class Controller:
             self.log("checkpoint_agents", f"{sum(a is not None for a in addresses.values())} of {len(addresses)} "
                      f"node(s) write checkpoints through a checkpoint agent",
                      nodes={node: a is not None for node, a in addresses.items()})
-        ray.get([m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options, self.run_config.name,
-                                                     ckpt.every_n_steps, ckpt.blocking, self._self_handle,
-                                                     ckpt.min_shard_bytes, addresses.get(m.info.get("node_id")),
-                                                     self._agents is not None)
-                 for m in todo])
-        self._configured.update(m.name for m in todo)
+        refs = [(m, m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options,
+                                                        self.run_config.name, ckpt.every_n_steps, ckpt.blocking,
+                                                        self._self_handle, ckpt.min_shard_bytes,
+                                                        addresses.get(m.info.get("node_id")), self._agents is not None))
+                for m in todo]
+        spares = {m.name for m in self.group.spares}
+        failed: list[str] = []
+        for m, ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                if m.name not in spares:
+                    raise  # a rank: the caller's failure handling finds it lost
+                # A spare: not worth the run (a start, a restart from the checkpoint) it was set up
+                # for. A dead one is dropped from the pool (and replaced); a live one stays
+                # unconfigured and gets its writer when it is promoted (_form_group), as a spare
+                # started later does.
+                failed.append(m.name)
+                logger.warning("spare %s could not set up its checkpoint writer: %s", m.name, exc)
+        self._configured.update(m.name for m in todo if m.name not in failed)
+        if failed:
+            self._refresh_spares(wait=True)
 
     def _agents_wanted(self) -> bool:
         """Nodes' checkpoint agents write the snapshots: storage, writes in the background (not
@@ -713,8 +730,14 @@ class Controller:
     def _all_actors(self) -> list[Member]:
         return list(self.group.members) + list(self.group.spares)
 
-    def _form_group(self, reason: str) -> None:
-        """New rendezvous (fresh port, fresh store) and every current rank joins it."""
+    def _form_group(self, reason: str, attempt: int = 1) -> None:
+        """New rendezvous (fresh port, fresh store) and every current rank joins it.
+
+        A group that fails to form while every rank is alive is formed again, on a fresh port, up
+        to ``FORM_ATTEMPTS`` times: the rendezvous port is one a rank found free and let go
+        (``free_port``), and another socket on the node can take it before rank 0's store binds
+        it. Such a failure ended the run (at its start, in a recovery, in an eviction), where the
+        same error in a step was healed."""
         self.generation += 1
         self._rank_done = {m.rank: self.step for m in self.group.members}  # every rank joins at the run's step
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
@@ -734,9 +757,16 @@ class Controller:
             ray.get(refs, timeout=self.failure_config.collective_timeout_s + 30)
         except ray.exceptions.RayTaskError as exc:
             user = self._user_join_error(refs)
-            if user is None:
+            if user is not None:
+                raise user from exc
+            if attempt >= self.FORM_ATTEMPTS or self._probe_dead():
                 raise
-            raise user from exc
+            cause = getattr(exc, "cause", exc)
+            self.log("rendezvous", f"generation {self.generation} did not form with every rank alive "
+                     f"({type(cause).__name__}: {str(cause)[:200]}); a fresh rendezvous, attempt {attempt + 1} of "
+                     f"{self.FORM_ATTEMPTS}", generation=self.generation, retry=attempt + 1)
+            self._form_group(reason, attempt + 1)
+            return
         self._lagging.clear()  # windows of the old generation
         self._checksums.clear()  # they may name actors that just left
         self.straggler_policy.reset()

@@ -129,6 +129,27 @@ class BrokenFakeWorker(FakeWorker):
         raise RuntimeError(f"{name}: this node cannot build the model")
 
 
+class FlakyJoinWorker(FakeWorker):
+    """Rank 0's first join after the start fails as a group failure (its rendezvous port taken)."""
+
+    failed = False
+
+    def join(self, rank, world, *args):
+        generation = args[2]
+        if rank == 0 and generation == 2 and not FlakyJoinWorker.failed:
+            FlakyJoinWorker.failed = True  # per actor process: each fake rank is one
+            from elastic.actors.protocol import CollectiveError
+
+            raise CollectiveError("rank 0 could not join generation 2: address already in use")
+        return super().join(rank, world, *args)
+
+
+class FlakyJoinGroup(FakeGroup):
+    def __init__(self, scaling, spec, namespace):
+        super().__init__(scaling, spec, namespace)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(FlakyJoinWorker)
+
+
 class SparesThatFailToBuild(FakeGroup):
     """The spares the run starts with build; every spare started later fails in its constructor."""
 

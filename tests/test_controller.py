@@ -16,7 +16,8 @@ import elastic
 from elastic.actors.worker import TrainingSpec
 from elastic import controller as controller_module
 from elastic.controller import Controller, Failure, State, TrainingFailed, _split_wall
-from fake_workers import FakeGroup, FakeWorker, NcclFakeGroup, SparesThatFailToBuild, SparesThatNeverPlace
+from fake_workers import (FakeGroup, FakeWorker, FlakyJoinGroup, NcclFakeGroup, SparesThatFailToBuild,
+                          SparesThatNeverPlace)
 
 
 def controller(name, workers=2, backups=0, failure=None, faults=None, global_batch_size=8, **scaling):
@@ -1060,6 +1061,23 @@ def test_a_rank_that_dies_at_every_start_ends_the_run_past_max_failures_with_its
         finally:
             c.shutdown()
     assert c.failures == 2 and c.state is State.ERRORED
+
+
+def test_a_group_that_does_not_form_with_every_rank_alive_is_formed_again_not_the_run_ended(ray_cluster):
+    # Rank 0's join of the recovery's rendezvous fails as a group failure (another socket took the
+    # port it was given) while every rank is alive: the run ended ("rebuild failed without a lost
+    # rank"), where the same error in a step is healed. A fresh rendezvous forms the group.
+    c = controller("fake-flaky-join", backups=1, faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    c.worker_group_cls = FlakyJoinGroup
+    try:
+        c.run_for(steps=5)
+    finally:
+        c.shutdown()
+    assert c.state is State.FINISHED and c.failures == 1 and c.step == 5
+    retries = [e for e in c.events if e.kind == "rendezvous" and e.details.get("retry")]
+    assert [(e.details["generation"], e.details["retry"]) for e in retries] == [(2, 2)]
+    assert "address already in use" in retries[0].message
+    assert [e.details["generation"] for e in c.events if e.kind == "rendezvous" and "world_size" in e.details] == [1, 3]
 
 
 def test_on_nccl_the_survivors_of_a_lost_rank_have_their_communicators_aborted(ray_cluster):

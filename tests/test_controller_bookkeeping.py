@@ -395,3 +395,53 @@ def test_first_n_steps_a_checkpoint_proves_take_their_fast_sets_from_the_members
     c._restore_members_from_checkpoint()
     assert c.step == 12 and c.restored_from == 12
     assert [(h.step, h.ranks, h.dropped) for h in c.history] == [(11, [1, 2], 8), (12, [0, 2], 8)]
+
+
+class Configures:
+    """A stand-in actor whose ``configure_checkpoint`` returns its name as the ref."""
+
+    def __init__(self, name):
+        self.configure_checkpoint = self
+        self.name = name
+
+    def remote(self, *args):
+        return self.name
+
+
+def test_a_spare_that_dies_while_checkpoint_writers_are_set_up_is_dropped_not_the_run(rayless_controller,
+                                                                                     monkeypatch):
+    # A restart from the checkpoint (or a start) sets up the writers of ranks and ready spares
+    # in one call: a spare dying in it failed the whole rebuild ("rebuild failed without a lost
+    # rank"), though a spare is not needed to train. It is dropped from the pool instead; a rank
+    # that fails still fails the call, for the recovery to find it lost.
+    import ray
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1))
+    c.group = StandInGroup(ranks=2, ready_spares=1)
+    for m in c.group.members + c.group.spares:
+        m.actor = Configures(m.name)
+    c.store = type("Store", (), {"url": "memory://x", "storage_options": {}})()
+    dead = {"spare-0"}
+
+    def get(ref, **kw):
+        if ref in dead:
+            raise ray.exceptions.RayActorError()
+        return ref
+
+    monkeypatch.setattr(controller_module.ray, "get", get)
+    dropped = []
+
+    def watch_spares(timeout_s, wait=False):
+        gone = [m for m in c.group.spares if m.name in dead]
+        c.group.spares = [m for m in c.group.spares if m.name not in dead]
+        dropped.extend(m.name for m in gone)
+        return [(m, "died") for m in gone]
+
+    c.group.watch_spares = watch_spares
+    c._configure_checkpoints(c._all_actors())
+    assert c._configured == {"rank-0", "rank-1"} and dropped == ["spare-0"]
+    assert [e.details["spare"] for e in c.events if e.kind == "spare_lost"] == ["spare-0"]
+    c._configured.clear()
+    dead.add("rank-1")
+    with pytest.raises(ray.exceptions.RayActorError):
+        c._configure_checkpoints(c.group.members)
