@@ -527,9 +527,10 @@ class Controller:
                 for m in todo]
         spares = {m.name for m in self.group.spares}
         failed: list[str] = []
+        deadline = time.monotonic() + self.failure_config.collective_timeout_s
         for m, ref in refs:
             try:
-                ray.get(ref)
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.RayError as exc:
                 if m.name not in spares:
                     raise  # a rank: the caller's failure handling finds it lost
@@ -690,7 +691,8 @@ class Controller:
             return None
         if rest:
             state_ref = reader.actor.get_state.remote()
-            ray.get([m.actor.set_state.remote(state_ref) for m in rest])
+            ray.get([m.actor.set_state.remote(state_ref) for m in rest],
+                    timeout=max(self.failure_config.step_timeout_s, self.failure_config.collective_timeout_s))
         # Committed before their results reached us (ranks report written parts directly): the
         # checkpoint proves those steps finished, so they are kept, not replayed.
         # First-N: ``fast`` is what the old members recorded of those steps (asked before the
@@ -741,7 +743,7 @@ class Controller:
         self.generation += 1
         self._rank_done = {m.rank: self.step for m in self.group.members}  # every rank joins at the run's step
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
-        addr, port = self.group.rendezvous()
+        addr, port = self.group.rendezvous(timeout_s=self.failure_config.collective_timeout_s)
         world = len(self.group.members)
         if self._agents is not None:
             self._agents.expect(world, self.group.members)
@@ -1808,9 +1810,14 @@ class Controller:
         # counts it once. (Counting twice happened when a spare died after this call succeeded.)
         refs = [m.actor.progress.remote(True) for m in self.group.members]
         held, error = [], None  # (member, (completed, begun)) of the members holding the run's state
+        deadline = time.monotonic() + self.failure_config.collective_timeout_s
         for m, ref in zip(self.group.members, refs):
             try:
-                done = ray.get(ref)
+                # Bounded, as every call of a recovery: a survivor that left its group and then
+                # stopped answering (a deadlock in a leaked DDP reducer, a stopped process) held
+                # the run in RECOVERING for good. A GetTimeoutError goes to _recover, whose probe
+                # finds it lost if it answers no heartbeat either, or ends the run saying so.
+                done = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
                 if m.name not in self._stateless:
                     held.append((m, done))
             except ray.exceptions.RayError as exc:
@@ -1855,9 +1862,12 @@ class Controller:
             state_ref = source.actor.get_state.remote()
             sets = [(m, m.actor.set_state.remote(state_ref)) for m in behind]
             failed = None
+            # A state of any size: as long as a step may take, at least a collective's timeout.
+            deadline = time.monotonic() + max(self.failure_config.step_timeout_s,
+                                              self.failure_config.collective_timeout_s)
             for m, ref in sets:
                 try:
-                    ray.get(ref)
+                    ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
                     # Holds the state now, whatever another member does: a spare that took it
                     # must count as a holder if the next pass (a loss while healing) finds no one else.
                     self._stateless.discard(m.name)
@@ -1888,7 +1898,8 @@ class Controller:
         of those steps, so it knows none of their fast sets (every replica's shard of them was
         then booked as used). The holder must answer; the others may not."""
         first = self.step + 1
-        fast = dict(ray.get(holder.actor.fast_sets.remote(first, newest)))
+        fast = dict(ray.get(holder.actor.fast_sets.remote(first, newest),
+                            timeout=self.failure_config.collective_timeout_s))
         if len(fast) < newest - first + 1:
             others = [m for m in self.group.members if m.name != holder.name]
             for step, ranks in self._members_fast_sets(others, first, newest).items():

@@ -138,6 +138,22 @@ def test_a_survivor_late_since_the_start_is_rolled_back_to(ray_cluster):
     assert c.step == 3 and [h.step for h in c.history] == [1, 2, 3]
 
 
+def test_a_survivor_that_stops_answering_in_a_recovery_does_not_hold_it_for_good(ray_cluster):
+    # After a survivor left its group, the recovery's calls to it (its progress, the state sync,
+    # the rendezvous port) waited for it with no bound: one that then stopped answering (a
+    # deadlock in a leaked DDP reducer, a stopped process) kept the run RECOVERING for good.
+    failure = elastic.FailureConfig(collective_timeout_s=1.0)
+    with trained("fake-silent-survivor", workers=2, steps=2, failure=failure) as c:
+        c.group.members[1].actor.stall.remote(6)
+        t0 = time.monotonic()
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            c._sync_state()
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            c.group.members.reverse()  # the silent one as rank 0: the rendezvous asks it for a port
+            c._form_group("test")
+        assert time.monotonic() - t0 < 10
+
+
 def test_a_fresh_spare_is_no_state_to_roll_back_to(ray_cluster):
     # Every rank of step 2 is gone and only promoted spares are left: their fresh models report
     # step 0, which is no state of this run (once a step-0 position was kept, the run would
