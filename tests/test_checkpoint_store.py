@@ -1776,6 +1776,18 @@ def test_a_delete_still_under_way_at_a_rewind_never_leaves_a_step_committed_with
         committer.close()
 
 
+def test_missing_file_finds_a_file_gone_or_of_another_size_in_the_step_or_below_it(backend):
+    store = make_store(backend)
+    entries = store.write_rank_files(5, 0, 1, tiny_state(5))
+    store.storage.write_bytes(f"{step_dir(5)}/extra/notes.bin", b"notes")
+    entries.append(FileEntry(f"{step_dir(5)}/extra/notes.bin", 5, sha256(b"notes")))
+    assert store.missing_file(5, entries) is None
+    store.storage.write_bytes(entries[0].path, b"torn")
+    assert store.missing_file(5, entries).endswith(entries[0].path)
+    store.storage.delete(f"{step_dir(5)}/extra/notes.bin")
+    assert store.missing_file(5, entries[1:]).endswith("extra/notes.bin")
+
+
 def test_a_delete_that_keeps_failing_is_retried_with_backoff_and_warned_of_once(tmp_path, caplog):
     """A bucket whose policy forbids deletes: every retention pass (once a second while
     training runs) retried every step that had failed and logged each, so the requests and

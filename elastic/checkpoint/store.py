@@ -598,10 +598,12 @@ class CheckpointStore:
     def missing_file(self, step: int, entries: Iterable[FileEntry]) -> str | None:
         """The first of ``entries`` (``step``'s files) not on storage at its recorded size, or None:
         one listing of the step's directory."""
-        listing = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
-                   for e in self.storage.list_dir(step_dir(step), detail=True)}
+        listing = {e["name"]: e.get("size") for e in self.storage.list_dir(step_dir(step), detail=True)}
+        prefix = step_dir(step) + "/"
         for entry in entries:
-            if listing.get(entry.path.rsplit("/", 1)[-1]) != entry.size:
+            name = entry.path[len(prefix):] if entry.path.startswith(prefix) else entry.path
+            present = self.storage.exists(entry.path) if "/" in name else listing.get(name) == entry.size
+            if not present:
                 return self.storage.describe(entry.path)
         return None
 
