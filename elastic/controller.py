@@ -530,7 +530,7 @@ class Controller:
         deadline = time.monotonic() + self.failure_config.collective_timeout_s
         for m, ref in refs:
             try:
-                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                self._answer(m, ref, deadline - time.monotonic(), "its checkpoint writer's setup")
             except ray.exceptions.RayError as exc:
                 if m.name not in spares:
                     raise  # a rank: the caller's failure handling finds it lost
@@ -691,8 +691,11 @@ class Controller:
             return None
         if rest:
             state_ref = reader.actor.get_state.remote()
-            ray.get([m.actor.set_state.remote(state_ref) for m in rest],
-                    timeout=max(self.failure_config.step_timeout_s, self.failure_config.collective_timeout_s))
+            sets = [(m, m.actor.set_state.remote(state_ref)) for m in rest]
+            deadline = time.monotonic() + max(self.failure_config.step_timeout_s,
+                                              self.failure_config.collective_timeout_s)
+            for m, ref in sets:
+                self._answer(m, ref, deadline - time.monotonic(), "the checkpoint's state")
         # Committed before their results reached us (ranks report written parts directly): the
         # checkpoint proves those steps finished, so they are kept, not replayed.
         # First-N: ``fast`` is what the old members recorded of those steps (asked before the
@@ -743,7 +746,10 @@ class Controller:
         self.generation += 1
         self._rank_done = {m.rank: self.step for m in self.group.members}  # every rank joins at the run's step
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
-        addr, port = self.group.rendezvous(timeout_s=self.failure_config.collective_timeout_s)
+        head = self.group.members[0]  # rank 0's node IP and a port free there, for a fresh TCP store
+        port_ref = head.actor.free_port.remote()
+        addr, port = head.info["node_ip"], self._answer(head, port_ref, self.failure_config.collective_timeout_s,
+                                                        "for a rendezvous port")
         world = len(self.group.members)
         if self._agents is not None:
             self._agents.expect(world, self.group.members)
@@ -1372,6 +1378,22 @@ class Controller:
             ray.kill(self.group.members[r].actor, no_restart=True)
             self._reap(self.group.members[r], avoid=avoid)
 
+    def _answer(self, m: Member, ref: Any, timeout_s: float, what: str) -> Any:
+        """``ray.get(ref)`` of a recovery's call to ``m``, bounded by ``timeout_s``. A member that
+        does not answer in time is killed as hung and the GetTimeoutError raised, for the
+        recovery to heal it: its heartbeat (on its control thread) may still answer while its
+        main thread is stuck (a deadlock in a leaked DDP reducer, a stopped process), so without
+        the kill the recovery's probe found no one lost and the run ended. Before these waits
+        had bounds, such a survivor held the run in RECOVERING for good."""
+        try:
+            return ray.get(ref, timeout=max(0.0, timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            if m in self.group.members:
+                self._kill_hung({ref: m.rank}, f"did not answer {what} within {timeout_s:g}s")
+            else:
+                ray.kill(m.actor, no_restart=True)
+            raise
+
     def _reap(self, hung: Member, avoid: set[str] = frozenset()) -> None:
         """SIGKILL a hung rank's process from a live actor on its node (not one named in
         ``avoid``, nor one killed as hung: a dead actor's reap would never run).
@@ -1813,11 +1835,7 @@ class Controller:
         deadline = time.monotonic() + self.failure_config.collective_timeout_s
         for m, ref in zip(self.group.members, refs):
             try:
-                # Bounded, as every call of a recovery: a survivor that left its group and then
-                # stopped answering (a deadlock in a leaked DDP reducer, a stopped process) held
-                # the run in RECOVERING for good. A GetTimeoutError goes to _recover, whose probe
-                # finds it lost if it answers no heartbeat either, or ends the run saying so.
-                done = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                done = self._answer(m, ref, deadline - time.monotonic(), "the recovery's progress call")
                 if m.name not in self._stateless:
                     held.append((m, done))
             except ray.exceptions.RayError as exc:
@@ -1867,7 +1885,7 @@ class Controller:
                                               self.failure_config.collective_timeout_s)
             for m, ref in sets:
                 try:
-                    ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                    self._answer(m, ref, deadline - time.monotonic(), "the state sync")
                     # Holds the state now, whatever another member does: a spare that took it
                     # must count as a holder if the next pass (a loss while healing) finds no one else.
                     self._stateless.discard(m.name)
@@ -1898,8 +1916,8 @@ class Controller:
         of those steps, so it knows none of their fast sets (every replica's shard of them was
         then booked as used). The holder must answer; the others may not."""
         first = self.step + 1
-        fast = dict(ray.get(holder.actor.fast_sets.remote(first, newest),
-                            timeout=self.failure_config.collective_timeout_s))
+        fast = dict(self._answer(holder, holder.actor.fast_sets.remote(first, newest),
+                                 self.failure_config.collective_timeout_s, "for its first-N fast sets"))
         if len(fast) < newest - first + 1:
             others = [m for m in self.group.members if m.name != holder.name]
             for step, ranks in self._members_fast_sets(others, first, newest).items():

@@ -142,16 +142,44 @@ def test_a_survivor_that_stops_answering_in_a_recovery_does_not_hold_it_for_good
     # After a survivor left its group, the recovery's calls to it (its progress, the state sync,
     # the rendezvous port) waited for it with no bound: one that then stopped answering (a
     # deadlock in a leaked DDP reducer, a stopped process) kept the run RECOVERING for good.
+    # Its heartbeat still answers (the control thread), so it is killed as hung, for the
+    # recovery's probe to find it lost and heal it.
     failure = elastic.FailureConfig(collective_timeout_s=1.0)
     with trained("fake-silent-survivor", workers=2, steps=2, failure=failure) as c:
-        c.group.members[1].actor.stall.remote(6)
+        silent = c.group.members[1]
+        silent.actor.stall.remote(60)
         t0 = time.monotonic()
         with pytest.raises(ray.exceptions.GetTimeoutError):
             c._sync_state()
-        with pytest.raises(ray.exceptions.GetTimeoutError):
-            c.group.members.reverse()  # the silent one as rank 0: the rendezvous asks it for a port
-            c._form_group("test")
         assert time.monotonic() - t0 < 10
+        assert_dies(silent.actor)
+        assert c._probe_dead() == {1}
+        assert [e.details["rank"] for e in c.events if e.kind == "hang"] == [1]
+
+
+def test_a_recovery_heals_a_survivor_that_stops_answering_in_it(ray_cluster):
+    # The whole loop: rank 1 dies at step 3; the survivor (rank 0) is stuck when the rendezvous
+    # asks it for a port; it is killed as hung, found lost, and the second spare takes it over.
+    failure = elastic.FailureConfig(collective_timeout_s=1.0)
+    c = controller("fake-silent-in-recovery", backups=2, failure=failure,
+                   faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    c.scaling.steps_per_dispatch = 1
+    stuck = []
+    real = c._sync_state
+
+    def sync_then_stick():
+        real()
+        if not stuck:  # the survivor stops answering once the state is synced
+            stuck.append(c.group.members[0].name)
+            c.group.members[0].actor.stall.remote(60)
+    c._sync_state = sync_then_stick
+    try:
+        c.run_for(steps=5)
+    finally:
+        c.shutdown()
+    assert c.state is State.FINISHED and c.step == 5 and c.failures == 2
+    assert stuck and all(m.name != stuck[0] for m in c.group.members)
+    assert [e.details["rank"] for e in c.events if e.kind == "hang"] == [0]
 
 
 def test_a_fresh_spare_is_no_state_to_roll_back_to(ray_cluster):

@@ -566,13 +566,6 @@ class WorkerGroup:
             except Exception:
                 logger.debug("removing the placement group of %s failed", member.name, exc_info=True)
 
-    def rendezvous(self, timeout_s: float | None = None) -> tuple[str, int]:
-        """Rank 0's node IP and a port free on that node, for a fresh TCP store (rank 0 must
-        answer within ``timeout_s``: a GetTimeoutError otherwise, for the recovery to handle)."""
-        head = self.members[0]
-        port = ray.get(head.actor.free_port.remote(), timeout=timeout_s)
-        return head.info["node_ip"], port
-
     def shutdown(self) -> None:
         for m in self.members + self.spares + self._pending_spares:
             try:
