@@ -224,6 +224,10 @@ class Controller:
         # model) and survivors a shrink stood by as spares (the state from before that). The
         # state sync gives them the state and never takes it, nor a rollback point, from them.
         self._stateless: set[str] = set()
+        # The newest step a holder of the state reported finished in a recovery pass, past the
+        # run's step and not kept yet: if that holder is lost before the pass keeps them, a later
+        # pass that restores an older state counts them as recomputed (_sync_state, _restart_all).
+        self._held_through = 0
         self._snapshot_last = False  # late replicas were released at the end: snapshot the last step again
         self._ended = threading.Event()  # set on the transition into a terminal state
         # Names of the actors the controller killed as hung. Names, not ranks: a spare takes the
@@ -1496,6 +1500,7 @@ class Controller:
                 self.log("failure", f"rank(s) {list(lost)} lost while healing: {type(exc).__name__}",
                          ranks=list(lost))
         seconds = time.time() - t0
+        self._held_through = 0
         self.recoveries.append({"kind": failure.kind, "ranks": sorted(healed), "detect_s": failure.detect_s,
                                 "rebuild_s": seconds, "step": self.step + 1,
                                 "recomputed": self.recomputed - recomputed_before})
@@ -1706,7 +1711,7 @@ class Controller:
             raise TrainingFailed(self._fail_message("restart asked for but RunConfig.storage is not set"))
         if self.committer is not None:
             self.committer.flush(timeout_s=30)
-        lost_up_to = max(self._begun_by_survivors(), self.step)
+        lost_up_to = max(self._begun_by_survivors(), self.step, self._held_through)
         # Asked before the survivors go: a checkpoint newer than our step keeps the steps it proves.
         fast = self._members_fast_sets(self.group.members, self.step + 1, lost_up_to) if self._first_n else None
         while True:
@@ -1732,6 +1737,7 @@ class Controller:
         self._replan(position, self.step)
         # Not below 0: the restored step can be past the controller's (parts reported mid-window).
         self.recomputed += max(0, lost_up_to - self.step)
+        self._held_through = 0
         # Steps after the restored one will be trained (and committed) again.
         self._rewind(self.step if position is not None else None)
         self._truncate_history(self.step)
@@ -1842,6 +1848,9 @@ class Controller:
                 error = error or exc
         begun = max((started for _, (_, started) in held), default=0)
         newest = max((done for _, (done, _) in held), default=0)
+        # A pass that fails before it keeps the steps up to ``newest`` leaves them to the next
+        # pass; if their holder is lost meanwhile, they are work thrown away (below).
+        self._held_through = max(self._held_through, newest)
         if error is not None:
             self.recomputed += max(0, begun - newest)
             raise error
@@ -1850,7 +1859,7 @@ class Controller:
             # less than a rollback; with no holder at the start of a run, it is newer than the
             # spares' fresh models (ranks report their parts mid-window).
             newer_checkpoint = self._committed_after(newest)
-            lost_up_to = max(begun, self.step)
+            lost_up_to = max(begun, self.step, self._held_through)
             if held and newest in self._positions and not newer_checkpoint:
                 # Every holder of the current state died, but a survivor holds an older one: a
                 # first-N replica that was late, still waiting for an update the dead leader
@@ -1869,6 +1878,7 @@ class Controller:
                 self._restore_members_from_checkpoint()
                 self._stateless -= {m.name for m in self.group.members}
                 self.recomputed += max(0, lost_up_to - self.step)  # the restored step may be past ours
+                self._held_through = 0
                 return
         self.recomputed += max(0, begun - newest)
         current = [m for m, (done, _) in held if done == newest]
@@ -1899,6 +1909,7 @@ class Controller:
         # A step that finished on a survivor before the failure (or a queued step that finished
         # before an eviction) stands: it is accounted, not replayed.
         self._keep_steps_held_by(source, newest, "completed on a survivor before the rebuild")
+        self._held_through = 0
         self._inflight.clear()
 
     def _keep_steps_held_by(self, holder: Member, newest: int, how: str) -> None:

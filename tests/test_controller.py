@@ -272,6 +272,27 @@ def test_a_run_that_ends_past_its_newest_commit_says_so(ray_cluster, latest, tol
         assert [(e.details["step"], e.details["latest"]) for e in events] == ([(5, latest)] if told else [])
 
 
+def test_steps_a_holder_finished_then_lost_in_the_recovery_count_as_recomputed(ray_cluster):
+    # Rank 0 finished steps 3 and 4 past the controller's 2 and began 5 when rank 1 died. The
+    # first pass counted step 5 and failed (the spare refused the state) before it kept 3 and 4;
+    # rank 0 was then lost too, and the second pass restored step 2 from the checkpoint: 3 and 4
+    # were thrown away but never counted (recomputed 1, not 3).
+    with trained("fake-recount", workers=2, backups=2, steps=2) as c:
+        holder = c.group.members[0]
+        ray.get(holder.actor.set_state.remote({"completed_step": 4}))
+        ray.get(holder.actor.begin.remote(5))
+        c._replace((1,))
+        ray.get(c.group.members[1].actor.refuse_state.remote())
+        with pytest.raises(ray.exceptions.RayTaskError):
+            c._sync_state()
+        assert c.recomputed == 1
+        ray.kill(holder.actor, no_restart=True)
+        c._replace((0,))
+        restored = committed_at(c, 2)
+        c._sync_state()
+        assert restored and c.recomputed == 3
+
+
 def test_a_newer_committed_checkpoint_wins_over_a_rollback(ray_cluster):
     with trained("fake-ckpt-over-rollback", workers=2, steps=3) as c:
         ray.get([m.actor.set_state.remote({"completed_step": 1}) for m in c.group.members])
