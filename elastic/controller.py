@@ -696,8 +696,7 @@ class Controller:
         if rest:
             state_ref = reader.actor.get_state.remote()
             sets = [(m, m.actor.set_state.remote(state_ref)) for m in rest]
-            deadline = time.monotonic() + max(self.failure_config.step_timeout_s,
-                                              self.failure_config.collective_timeout_s)
+            deadline = time.monotonic() + self._state_send_s()
             for m, ref in sets:
                 self._answer(m, ref, deadline - time.monotonic(), "the checkpoint's state")
         # Committed before their results reached us (ranks report written parts directly): the
@@ -1398,6 +1397,11 @@ class Controller:
                 ray.kill(m.actor, no_restart=True)
             raise
 
+    def _state_send_s(self) -> float:
+        """How long members may take to receive a state (of any size) in a recovery: as long as
+        a step may take, at least a collective's timeout."""
+        return max(self.failure_config.step_timeout_s, self.failure_config.collective_timeout_s)
+
     def _reap(self, hung: Member, avoid: set[str] = frozenset()) -> None:
         """SIGKILL a hung rank's process from a live actor on its node (not one named in
         ``avoid``, nor one killed as hung: a dead actor's reap would never run).
@@ -1890,9 +1894,7 @@ class Controller:
             state_ref = source.actor.get_state.remote()
             sets = [(m, m.actor.set_state.remote(state_ref)) for m in behind]
             failed = None
-            # A state of any size: as long as a step may take, at least a collective's timeout.
-            deadline = time.monotonic() + max(self.failure_config.step_timeout_s,
-                                              self.failure_config.collective_timeout_s)
+            deadline = time.monotonic() + self._state_send_s()
             for m, ref in sets:
                 try:
                     self._answer(m, ref, deadline - time.monotonic(), "the state sync")

@@ -224,7 +224,7 @@ class _Payload:
         self.part: dict | None = None  # what it was written as, once written (a slot's: reported at its release)
 
 
-def _before_fence(p: _Payload, generation: int) -> bool:
+def _before_fence(p: _Payload, generation: float) -> bool:
     """Whether ``p`` was snapshotted in group ``generation`` or an older one (a snapshot without
     a generation, from a rank outside a group, is never fenced)."""
     return p.generation is not None and int(p.generation) <= generation
@@ -490,7 +490,7 @@ class CheckpointAgent:
         # The write fence (``settle``): snapshots of this generation or older are not written,
         # and ``_writing`` is each link's write under way (a link the rank has left included).
         self._fence_lock = threading.Condition()
-        self._fence: int | None = None
+        self._fence: float = float("-inf")  # nothing is fenced until a settle()
         self._writing: dict[_RankLink, _Payload] = {}
         for target, name in ((self._accept, "agent"), (self._pump, "agent reports")):
             threading.Thread(target=target, name=f"elastic-checkpoint {name}", daemon=True).start()
@@ -525,7 +525,7 @@ class CheckpointAgent:
         returns no old write can land (unless it outlasted the wait: the controller logs that);
         the controller drops old parts by generation already (``Controller._add_part``)."""
         with self._fence_lock:
-            self._fence = generation if self._fence is None else max(self._fence, generation)
+            self._fence = max(self._fence, generation)
             old = {link: p for link, p in self._writing.items() if _before_fence(p, generation)}
             self._fence_lock.wait_for(lambda: not any(self._writing.get(link) is p for link, p in old.items()),
                                       timeout=timeout_s)
@@ -534,7 +534,7 @@ class CheckpointAgent:
     def begin_write(self, link: _RankLink, p: _Payload) -> bool:
         """A link's writer is about to write ``p``: False when a fence stops it (``settle``)."""
         with self._fence_lock:
-            if self._fence is not None and _before_fence(p, self._fence):
+            if _before_fence(p, self._fence):
                 return False
             self._writing[link] = p
             return True
