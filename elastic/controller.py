@@ -1852,9 +1852,11 @@ class Controller:
                 error = error or exc
         begun = max((started for _, (_, started) in held), default=0)
         newest = max((done for _, (done, _) in held), default=0)
-        # A pass that fails before it keeps the steps up to ``newest`` leaves them to the next
-        # pass; if their holder is lost meanwhile, they are work thrown away (below).
-        self._held_through = max(self._held_through, newest)
+        # Steps a holder finished in an earlier pass of this recovery that failed before keeping
+        # them, and that no member holds now, were thrown away with that holder: counted as if
+        # begun. This pass's up to ``newest`` are the next pass's to count, until kept below.
+        begun = max(begun, self._held_through)
+        self._held_through = newest
         if error is not None:
             self.recomputed += max(0, begun - newest)
             raise error
@@ -1863,7 +1865,7 @@ class Controller:
             # less than a rollback; with no holder at the start of a run, it is newer than the
             # spares' fresh models (ranks report their parts mid-window).
             newer_checkpoint = self._committed_after(newest)
-            lost_up_to = max(begun, self.step, self._held_through)
+            lost_up_to = max(begun, self.step)
             if held and newest in self._positions and not newer_checkpoint:
                 # Every holder of the current state died, but a survivor holds an older one: a
                 # first-N replica that was late, still waiting for an update the dead leader

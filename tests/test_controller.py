@@ -293,6 +293,25 @@ def test_steps_a_holder_finished_then_lost_in_the_recovery_count_as_recomputed(r
         assert restored and c.recomputed == 3
 
 
+def test_steps_a_holder_finished_then_lost_count_as_recomputed_when_an_older_survivor_syncs(ray_cluster):
+    # As above, but the second pass finds a survivor holding the run's step (rank 2, at 2): it
+    # syncs from there, and steps 3 and 4, lost with rank 0, were never counted (1, not 3).
+    with trained("fake-recount-sync", workers=3, backups=3, steps=2) as c:
+        holder = c.group.members[0]
+        ray.get(holder.actor.set_state.remote({"completed_step": 4}))
+        ray.get(holder.actor.begin.remote(5))
+        c._replace((1,))
+        ray.kill(c.group.members[1].actor, no_restart=True)  # the first pass fails in its progress call
+        assert_dies(c.group.members[1].actor)
+        with pytest.raises(ray.exceptions.RayError):
+            c._sync_state()
+        assert c.recomputed == 1
+        ray.kill(holder.actor, no_restart=True)
+        c._replace((0, 1))
+        c._sync_state()
+        assert c.step == 2 and c.recomputed == 3
+
+
 def test_a_newer_committed_checkpoint_wins_over_a_rollback(ray_cluster):
     with trained("fake-ckpt-over-rollback", workers=2, steps=3) as c:
         ray.get([m.actor.set_state.remote({"completed_step": 1}) for m in c.group.members])
