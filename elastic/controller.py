@@ -741,18 +741,19 @@ class Controller:
     def _form_group(self, reason: str, attempt: int = 1) -> None:
         """New rendezvous (fresh port, fresh store) and every current rank joins it.
 
-        A group that fails to form while every rank is alive is formed again, on a fresh port, up
-        to ``FORM_ATTEMPTS`` times: the rendezvous port is one a rank found free and let go
-        (``free_port``), and another socket on the node can take it before rank 0's store binds
-        it. Such a failure ended the run (at its start, in a recovery, in an eviction), where the
-        same error in a step was healed."""
+        Rank 0 binds the store first (``host_rendezvous``, on a port the kernel picks), so the
+        port the group is told is already its store's. A group that still fails to form while
+        every rank is alive (a connection refused or reset on a loaded node, a peer's join that
+        timed out) is formed again, on a fresh store, up to ``FORM_ATTEMPTS`` times: such a
+        failure ended the run (at its start, in a recovery, in an eviction), where the same error
+        in a step was healed."""
         self.generation += 1
         self._rank_done = {m.rank: self.step for m in self.group.members}  # every rank joins at the run's step
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
         head = self.group.members[0]  # rank 0's node IP and a port free there, for a fresh TCP store
-        port_ref = head.actor.free_port.remote()
+        port_ref = head.actor.host_rendezvous.remote(self.failure_config.collective_timeout_s)
         addr, port = head.info["node_ip"], self._answer(head, port_ref, self.failure_config.collective_timeout_s,
-                                                        "for a rendezvous port")
+                                                        "for a rendezvous store")
         world = len(self.group.members)
         if self._agents is not None:
             self._agents.expect(world, self.group.members)

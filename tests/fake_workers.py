@@ -33,7 +33,7 @@ class FakeWorker:
         return {"time": time.time(), "step": None, "completed_step": self.done, "rank": self.rank,
                 "phase": "idle", "phase_since": time.time()}
 
-    def free_port(self):
+    def host_rendezvous(self, timeout_s):
         return 1
 
     def fast_sets(self, first, last):
@@ -130,7 +130,7 @@ class BrokenFakeWorker(FakeWorker):
 
 
 class FlakyJoinWorker(FakeWorker):
-    """Rank 0's first join after the start fails as a group failure (its rendezvous port taken)."""
+    """Rank 0's first join after the start fails as a group failure (a peer's connection refused)."""
 
     failed = False
 
@@ -140,7 +140,7 @@ class FlakyJoinWorker(FakeWorker):
             FlakyJoinWorker.failed = True  # per actor process: each fake rank is one
             from elastic.actors.protocol import CollectiveError
 
-            raise CollectiveError("rank 0 could not join generation 2: address already in use")
+            raise CollectiveError("rank 0 could not join generation 2: connection refused")
         return super().join(rank, world, *args)
 
 

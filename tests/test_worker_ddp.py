@@ -208,6 +208,28 @@ def test_gloo_model_under_the_cap_is_one_all_reduce(tmp_path):
     assert buckets_reduced(tmp_path, [None, 0.5]) == [1, 2]
 
 
+def test_rank_0_holds_its_rendezvous_port_from_the_moment_it_names_it():
+    # The port used to be one rank 0 found free and let go; another socket could take it before
+    # rank 0's store bound it, and the group failed to form with every rank alive. Now the port
+    # named is the store's own, listening already: a peer reaches it, no other socket gets it.
+    import socket
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    rank0 = SimpleNamespace()
+    port = TrainWorker.host_rendezvous(rank0, 10.0)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("", port))
+    peer = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10))
+    peer.set("k", "v")
+    assert rank0._hosted_store.get("k") == b"v"
+    hosted = rank0._hosted_store
+    assert TrainWorker._rendezvous_store(hosted, 0, 2, "10.0.0.9", port, 10.0) is hosted  # join takes it
+    assert TrainWorker._rendezvous_store(hosted, 1, 2, "127.0.0.1", port, 10.0).get("k") == b"v"
+
+
 def test_abandoning_first_n_releases_a_waiting_rank_and_keeps_published_steps():
     # A real TCPStore under the prefix a process group uses; the waiter blocks like a rank that
     # arrived and waits for the N-th arrival.

@@ -186,6 +186,7 @@ class TrainWorker:
         self.last_beat = time.time()
         self._subgroups: dict[tuple[int, ...], Any] = {}
         self._fn_store = None  # first-N: the group's rendezvous store, which orders arrivals
+        self._hosted_store = None  # rank 0: the store host_rendezvous bound, until join takes it
         self.part_pool = None  # where this group's ranks pool written checkpoint parts (world > 1)
         self._fn_n = 0  # first-N: how many gradients make a step
         self._fn_grads: FlatGrads | None = None  # first-N: every gradient, in one buffer (elastic/actors/grads.py)
@@ -268,11 +269,16 @@ class TrainWorker:
         """Phases let the controller tell a rank stuck in its own code from one waiting on peers."""
         self.phase, self.phase_since = phase, time.time()
 
-    def free_port(self) -> int:
-        """A port that is free on this node right now; rank 0 hosts the rendezvous store on it."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def host_rendezvous(self, timeout_s: float) -> int:
+        """Rank 0's rendezvous store, listening from now on a port the kernel picks; its port.
+
+        Why bound here, before the group is told the port: the port used to be one this rank
+        found free and let go, and another socket on the node could take it before rank 0's
+        store bound it (the group then failed to form with every rank alive). A store bound on
+        port 0 holds its port from the start; ``join`` hands it to the process group."""
+        self._hosted_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                           timeout=timedelta(seconds=timeout_s))
+        return self._hosted_store.port
 
     # ---- fault injection (tests, benchmarks, demo) ------------------------------------------
     def inject_slowdown(self, factor: float, from_step: int, delay_s: float = 0.0) -> None:
@@ -332,6 +338,7 @@ class TrainWorker:
              timeout_s: float, use_ddp: bool = True, subgroup_size: int = 0, checksum_every: int = 0,
              late_backoff_steps: int = 0) -> dict:
         """Leave any old group and form the new one. Survivors keep their model and optimizer."""
+        hosted, self._hosted_store = self._hosted_store, None  # this join's, or none: never kept past it
         self.leave()
         t0 = time.time()
         self.rank, self.world_size, self.generation = rank, world_size, generation
@@ -341,8 +348,9 @@ class TrainWorker:
             for key, value in NCCL_ERROR_ENV.items():
                 os.environ.setdefault(key, value)  # the user's own setting wins
         try:
-            self._join(rank, world_size, master_addr, master_port, generation, timeout_s, use_ddp, subgroup_size,
-                       checksum_every, late_backoff_steps)
+            store = self._rendezvous_store(hosted, rank, world_size, master_addr, master_port, timeout_s)
+            self._join(store, rank, world_size, master_addr, master_port, generation, timeout_s, use_ddp,
+                       subgroup_size, checksum_every, late_backoff_steps)
         except BaseException:
             # Torn down at once, as after a failed step (_run_guarded): a group formed before the
             # failure (a peer lost during DDP's first broadcast, a subgroup, the part pool) left up
@@ -352,7 +360,19 @@ class TrainWorker:
             raise
         return {"rank": rank, "join_s": time.time() - t0}
 
-    def _join(self, rank: int, world_size: int, master_addr: str, master_port: int, generation: int,
+    @staticmethod
+    def _rendezvous_store(hosted, rank: int, world_size: int, master_addr: str, master_port: int,
+                          timeout_s: float):
+        """The group's TCPStore: on rank 0 the one ``host_rendezvous`` bound for this port (or,
+        called without it, one bound now on ``master_port``), a client of it on every other rank."""
+        if rank == 0 and hosted is not None and hosted.port == master_port:
+            return hosted
+        with _group_failures_as_collective(f"rank {rank} could not reach the rendezvous store "
+                                           f"{master_addr}:{master_port}"):
+            return dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, wait_for_workers=False,
+                                 timeout=timedelta(seconds=timeout_s))
+
+    def _join(self, store, rank: int, world_size: int, master_addr: str, master_port: int, generation: int,
               timeout_s: float, use_ddp: bool, subgroup_size: int, checksum_every: int,
               late_backoff_steps: int) -> None:
         # A failure of the group itself (a peer gone, the store unreachable) is a CollectiveError, as
@@ -360,7 +380,9 @@ class TrainWorker:
         with _group_failures_as_collective(f"rank {rank} could not join generation {generation}"):
             dist.init_process_group(
                 self.backend,
-                init_method=f"tcp://{master_addr}:{master_port}",
+                # Under the prefix torch's tcp:// rendezvous puts its group's keys: the part pool
+                # shares this store (its own keys), and the group's keys stay apart from them.
+                store=dist.PrefixStore("default_pg", store),
                 rank=rank,
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout_s),
