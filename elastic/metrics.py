@@ -89,8 +89,11 @@ class RunMetrics:
                     m["heartbeat_age"].set(row["heartbeat_age_s"], tags=tags)
                     m["straggler"].set(row["straggler_score"], tags=tags)
                     m["rank_behind"].set(row["behind_steps"], tags=tags)
-                    if row["step_time_s"] is not None:
-                        m["rank_step_time"].set(row["step_time_s"], tags=tags)
+                    # No result this window (a late first-N replica, one sitting out): NaN, "no
+                    # value". Left unset, the gauge kept the rank's last fast step time, so a
+                    # straggler looked healthy on the very panel meant to show it.
+                    step_time = row["step_time_s"]
+                    m["rank_step_time"].set(float("nan") if step_time is None else step_time, tags=tags)
                 self._forget_ranks(m, {str(row["rank"]) for row in rows})
             if controller.committer is not None:
                 m["ckpt_lag"].set(controller.committer.lag(record.step), tags=run)
@@ -113,6 +116,10 @@ class RunMetrics:
         def update(m):
             for rank, age in ages.items():
                 m["heartbeat_age"].set(age, tags={"run": self.run, "rank": str(rank)})
+            # Known from now on, so a shrink before the next per-rank update still blanks them
+            # (_forget_ranks): a rank hung in the first window, then renumbered away, kept
+            # showing its heartbeat age for as long as the process lived.
+            self._ranks = self._ranks | {str(rank) for rank in ages}
         self._safe(update)
 
     def on_membership(self, world_size: int, spares: int, building: int) -> None:

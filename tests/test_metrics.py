@@ -54,6 +54,26 @@ def test_heartbeat_ages_are_published_while_a_step_waits():
     assert m._m["heartbeat_age"].values == {"0": [0.5], "1": [12.0]}
 
 
+def test_a_rank_seen_only_by_its_heartbeat_is_blanked_when_the_group_shrinks():
+    # Rank 3 hangs in the first window: only on_heartbeats ever named it, then a shrink to two
+    # ranks left its 45 s heartbeat age on the dashboard for good.
+    m = metrics()
+    m.on_heartbeats({0: 0.1, 1: 0.1, 2: 0.1, 3: 45.0})
+    m.on_step(record(1, 2), controller(range(2)))
+    assert math.isnan(m._m["heartbeat_age"].values["3"][-1]) and math.isnan(m._m["heartbeat_age"].values["2"][-1])
+
+
+def test_a_rank_with_no_result_in_the_window_shows_no_step_time_not_its_last_fast_one():
+    # A late first-N replica returns no result: its step-time gauge kept its last fast value.
+    m = metrics()
+    c = controller(range(3))
+    m.on_step(record(1, 3), c)
+    c.rank_rows(False)[2].update(step_time_s=None, straggler_score=40.0)
+    m.on_step(record(2, 3), c)
+    assert m._m["rank_step_time"].values["2"][0] == 0.2 and math.isnan(m._m["rank_step_time"].values["2"][-1])
+    assert m._m["rank_step_time"].values["1"] == [0.2, 0.2]
+
+
 def test_the_group_and_pool_gauges_follow_a_recovery_before_any_step():
     # A failure promotes the only spare and waits for capacity: no step completes meanwhile, and
     # the gauges showed the pool from before the failure (one spare available).
