@@ -25,7 +25,7 @@ from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits,
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
-from elastic.data import DataPosition, SampleLedger, ShardPlan
+from elastic.data import DataPosition, SampleLedger, ShardPlan, epoch_order_array, order_digest
 from elastic.policies import (
     Continue,
     EvictStraggler,
@@ -715,16 +715,21 @@ class Controller:
     def _resumable_position(self, step: int, meta: dict) -> DataPosition:
         """The checkpoint's data position, if this run's sample order is the checkpointed one.
 
-        An epoch's order comes from (seed, epoch, dataset size). When a resumed run has another
-        dataset size or seed (the user added data, say), the saved cursor points into an order
-        this run does not have: continuing there would silently use some samples of the epoch
-        twice and others never. So the run starts the next epoch instead, and says so. The
-        weights and optimizer still come from the checkpoint. Manifests written before these two
-        fields were recorded are taken as they are."""
+        An epoch's order comes from (seed, epoch, dataset size), through numpy. When a resumed run
+        has another dataset size or seed (the user added data, say), or the same ones give another
+        order (another numpy: ``order_digest``), the saved cursor points into an order this run
+        does not have: continuing there would silently use some samples of the epoch twice and
+        others never. So the run starts the next epoch instead, and says so. The weights and
+        optimizer still come from the checkpoint. Manifests written before these fields were
+        recorded are taken as they are."""
         position = DataPosition.from_dict(meta["data_position"])
         saved = {"dataset_size": meta.get("dataset_size"), "seed": meta.get("seed")}
         now = {"dataset_size": self.dataset_size, "seed": self.run_config.seed}
         changed = {k: (saved[k], now[k]) for k in now if saved[k] is not None and saved[k] != now[k]}
+        if not changed and meta.get("order_digest") is not None:
+            digest = order_digest(epoch_order_array(self.dataset_size, self.run_config.seed, position.epoch))
+            if digest != meta["order_digest"]:
+                changed = {"order_digest": (meta["order_digest"], digest)}
         if not changed:
             return position
         what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
@@ -1014,7 +1019,8 @@ class Controller:
     def _checkpoint_meta(self, step: int, position: dict) -> dict:
         return {"data_position": position, "world_size": len(self.group.members),
                 "global_batch_size": self.global_batch_size, "generation": self.generation,
-                "dataset_size": self.dataset_size, "seed": self.run_config.seed}
+                "dataset_size": self.dataset_size, "seed": self.run_config.seed,
+                "order_digest": self.plan.digest(int(position["epoch"]))}
 
     def _check_late_hung(self) -> None:
         """First-N never waits for a late rank, so a rank that stopped making progress would go

@@ -16,6 +16,7 @@ import elastic
 from elastic.actors.worker import TrainingSpec
 from elastic import controller as controller_module
 from elastic.controller import Controller, Failure, State, TrainingFailed, _split_wall
+from elastic.data import epoch_order_array, order_digest
 from fake_workers import (FakeGroup, FakeWorker, FlakyJoinGroup, NcclFakeGroup, SparesThatFailToBuild,
                           SparesThatNeverPlace)
 
@@ -640,6 +641,21 @@ def test_a_resume_with_another_sample_order_starts_the_next_epoch_and_says_so():
     events = [e for e in c.events if e.kind == "data_order_changed"]
     assert [e.details["changed"] for e in events] == [{"dataset_size": [300, 256]}, {"seed": [1, 0]}]
     assert "starts epoch 3" in events[0].message
+
+
+def test_a_resume_whose_seed_gives_another_order_here_starts_the_next_epoch_and_says_so():
+    # numpy promises Generator's streams only on the same numpy: a resume under another one, with
+    # the same seed and dataset size, continued the saved cursor into another order. The order's
+    # digest, kept with the checkpoint, tells.
+    c = controller("fake-order-digest")
+    c.dataset_size = 256
+    here = order_digest(epoch_order_array(256, 0, 2))
+    saved = {"data_position": {"epoch": 2, "cursor": 96, "requeued": [5]}, "dataset_size": 256, "seed": 0}
+    assert c._resumable_position(7, {**saved, "order_digest": here}).to_dict() == saved["data_position"]
+    position = c._resumable_position(7, {**saved, "order_digest": "0badc0de"})
+    assert position.to_dict() == {"epoch": 3, "cursor": 0, "requeued": []}
+    [event] = [e for e in c.events if e.kind == "data_order_changed"]
+    assert event.details["changed"] == {"order_digest": ["0badc0de", here]}
 
 
 def test_steps_kept_in_a_rebuild_are_one_event():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.config import FailureConfig
-from elastic.data import SampleLedger, ShardPlan, epoch_order
+from elastic.data import SampleLedger, ShardPlan, epoch_order, epoch_order_array, order_digest
 from elastic.policies import (
     Continue,
     EvictStraggler,
@@ -193,6 +193,18 @@ def test_shard_plan_is_deterministic_and_requeues_first():
     a.requeue(shards[1])
     _, nxt = a.take(1, 5)
     assert nxt[0] == shards[1]
+
+
+def test_the_plan_fingerprints_the_order_of_the_epoch_a_checkpoint_is_in():
+    # A checkpoint's epoch may trail the plan's (which runs a window ahead) by one at an epoch's end.
+    p = ShardPlan(10, seed=0)
+    for _ in range(3):
+        p.take(2, 2)  # 10 samples, 4 a step: the third step starts epoch 1
+    assert p.position.epoch == 1
+    assert p.digest(1) == order_digest(epoch_order_array(10, 0, 1))
+    assert p.digest(0) == order_digest(epoch_order_array(10, 0, 0)) != p.digest(1)
+    assert order_digest(epoch_order_array(10, 1, 0)) != p.digest(0)  # another seed
+    assert ShardPlan(10, seed=0).digest(0) == p.digest(0)  # the same in every process
 
 
 def test_shard_plan_epoch_rollover_drops_tail():
