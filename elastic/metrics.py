@@ -58,8 +58,9 @@ class RunMetrics:
                                   tag_keys=("run",)),
                 "grad_norm": Gauge("elastic_grad_norm", "2-norm of the last step's averaged gradient, before "
                                    "clipping (with max_grad_norm)", tag_keys=("run",)),
-                "dropped": Counter("elastic_dropped_samples_total", "Samples whose gradient was dropped (first-N)",
-                                   tag_keys=("run",)),
+                "dropped": Counter("elastic_dropped_samples_total",
+                                   "Samples whose gradient was dropped (first-N); a step replayed after a "
+                                   "rollback counts again, where Result.metrics counts it once", tag_keys=("run",)),
             }
         return self._m
 
