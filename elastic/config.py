@@ -254,7 +254,8 @@ class FailureConfig:
     """What to do when a worker dies, hangs or straggles.
 
     ``on_failure`` is the first choice when a rank is lost; spares are always used first when
-    ``on_failure="replace"``. When spares run out, ``when_no_spare`` decides.
+    ``on_failure="replace"``. When spares run out, ``when_no_spare`` decides; it is read only
+    with ``on_failure="replace"``, so another value with another ``on_failure`` is refused.
     """
 
     max_failures: int = 3
@@ -300,6 +301,15 @@ class FailureConfig:
                 )
         if self.when_no_spare == "replace":
             raise ConfigError("FailureConfig.when_no_spare cannot be 'replace' (there is no spare); use wait, shrink, restart or fail.")
+        if self.on_failure != "replace" and self.when_no_spare != "wait":
+            # It decides when the spares of on_failure="replace" run out, and nothing reads it
+            # otherwise: on_failure="wait" with when_no_spare="shrink" failed the run once the
+            # wait ran out, where the config read as "wait, then shrink".
+            raise ConfigError(
+                f"FailureConfig.when_no_spare={self.when_no_spare!r} is read only with on_failure='replace' (it "
+                f"decides when the spares run out); with on_failure={self.on_failure!r} it would be ignored. Use "
+                f"on_failure='replace', when_no_spare={self.when_no_spare!r} (spares first, then "
+                f"{self.when_no_spare}), or leave when_no_spare at its default ('wait').")
         if "shrink" in (self.on_failure, self.when_no_spare) and not self.allow_shrink:
             raise ConfigError("FailureConfig asks to shrink but allow_shrink=False; set allow_shrink=True.")
         factor = self.straggler_factor

@@ -65,6 +65,11 @@ def test_scaling_rejects(kwargs, field):
     ({"max_failures": -1}, "max_failures"),
     ({"on_failure": "pray"}, "on_failure"),
     ({"on_failure": "shrink"}, "allow_shrink"),
+    # when_no_spare is read only when on_failure="replace" runs out of spares: "wait, then shrink"
+    # failed the run once the wait ran out
+    ({"on_failure": "wait", "when_no_spare": "shrink", "allow_shrink": True, "min_workers": 2},
+     r"when_no_spare='shrink' is read only with on_failure='replace'.*on_failure='wait' it would be ignored"),
+    ({"on_failure": "shrink", "when_no_spare": "restart", "allow_shrink": True}, r"when_no_spare='restart'"),
     ({"min_workers": 0}, "min_workers"),
     ({"heartbeat_timeout_s": 0}, "heartbeat_timeout_s"),
     ({"straggler_node_avoid_s": -1}, "straggler_node_avoid_s"),
