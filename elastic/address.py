@@ -22,6 +22,35 @@ def host_port(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+def shown(address: str) -> str:
+    """``address`` as messages show it: a ``user:password@`` (no Ray address has one, but a user
+    may paste one, with or without a scheme) as ``***@``."""
+    head, at, tail = address.rpartition("@")
+    if not at:
+        return address
+    scheme = head.split("://", 1)[0] + "://" if "://" in head else ""
+    return f"{scheme}***@{tail}"
+
+
+def trainer_address_problem(address: str) -> str | None:
+    """Why ``address`` cannot be the Trainer's (what ``ray.init`` joins), or None. A Ray address is
+    ``HOST:PORT`` of the GCS, ``ray://HOST:PORT`` of a Ray Client server, or a name Ray knows.
+    An ``http://`` address is the dashboard's, which Ray Jobs (``elastic submit``) takes and
+    ``ray.init`` refuses with an error about RAY_ADDRESS; a ``user:password@`` belongs to no Ray
+    address and would be echoed by Ray's messages."""
+    if address in NAMED_ADDRESSES:
+        return None
+    if "@" in address:
+        return "holds a user:password@, which no Ray address has (Ray's token auth reads RAY_AUTH_TOKEN)"
+    scheme = address.split("://", 1)[0].lower() if "://" in address else None
+    if scheme in ("http", "https"):
+        return ("is a dashboard address, which Ray Jobs (`elastic submit --address`) takes; the Trainer joins "
+                "the cluster itself")
+    if scheme not in (None, "ray") or host_port(address) is None:
+        return "is not a Ray address"
+    return None
+
+
 def unreachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     """Why nothing answers at ``address`` (a TCP connect), or None when something does. Ray's
     named addresses are left to ``ray.init``, which resolves them quickly by itself."""

@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
-from elastic.address import NAMED_ADDRESSES, host_port, unreachable
+from elastic.address import shown, trainer_address_problem, unreachable
 from elastic.config import (ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real, _require_flag,
                             _require_int, _require_positive)
 from elastic.controller import TrainingFailed, WorkerError
@@ -325,11 +325,12 @@ class Trainer:
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
         )
         self.global_batch_size = global_batch_size
-        if address is not None and (not isinstance(address, str) or (
-                address not in NAMED_ADDRESSES and host_port(address) is None)):
-            raise ConfigError(f"Trainer.address={address!r} is not a Ray address: use HOST:PORT (the GCS, e.g. "
-                              "10.0.0.1:6379), ray://HOST:10001, 'auto' or 'local', or None (RAY_ADDRESS, else an "
-                              "embedded local Ray).")
+        if address is not None:
+            problem = trainer_address_problem(address) if isinstance(address, str) else "is not a Ray address"
+            if problem is not None:
+                raise ConfigError(f"Trainer.address={shown(address) if isinstance(address, str) else address!r} "
+                                  f"{problem}: use HOST:PORT (the GCS, e.g. 10.0.0.1:6379), ray://HOST:10001, 'auto' "
+                                  "or 'local', or None (RAY_ADDRESS, else an embedded local Ray).")
         self.address = address
         self.requeue_dropped = requeue_dropped
         if faults is not None and not isinstance(faults, (list, tuple)):

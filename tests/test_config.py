@@ -451,6 +451,21 @@ def test_an_address_that_is_no_ray_address_is_refused_before_start(address):
         _trainer(address=address)
 
 
+@pytest.mark.parametrize("address, why", [
+    ("ray://admin:hunter22@127.0.0.1:1", r"Trainer.address='ray://\*\*\*@127.0.0.1:1' holds a user:password@"),
+    ("admin:hunter22@127.0.0.1:6379", r"Trainer.address='\*\*\*@127.0.0.1:6379' holds a user:password@"),
+    ("http://head:8265", r"Trainer.address='http://head:8265' is a dashboard address, which Ray Jobs"),
+    ("s3://bucket:1234", r"Trainer.address='s3://bucket:1234' is not a Ray address"),
+])
+def test_an_address_with_credentials_or_another_scheme_is_refused_without_echoing_them(address, why):
+    # ray://user:pw@host:port passed (its host read as "user:pw@host"), and the unreachable error
+    # printed the password; http:// (the dashboard's, which `elastic submit` takes) reached
+    # ray.init, which blamed RAY_ADDRESS.
+    with pytest.raises(ConfigError, match=why) as info:
+        _trainer(address=address)
+    assert "hunter22" not in str(info.value)
+
+
 def test_an_address_where_nothing_answers_is_refused_in_seconds(monkeypatch):
     # ray.init retried for a minute, Ray's core logging every try, before it gave up.
     import socket
