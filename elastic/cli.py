@@ -198,15 +198,21 @@ def _given(address: Optional[str]) -> Optional[str]:
 def _cluster_address(address: Optional[str]) -> str:
     addr = _given(address) or os.environ.get("RAY_ADDRESS") or "auto"
     if addr.startswith(("http://", "https://")):
-        raise CliError(f"{addr} is a dashboard URL; this command needs the cluster address "
-                       "(HOST:6379, or ray://HOST:10001): pass --address", code=2)
+        raise CliError(f"{addr} ({_address_source(address)}) is a dashboard URL; this command needs the cluster "
+                       "address (HOST:6379, or ray://HOST:10001): pass --address", code=2)
     return addr
 
 
-def _probe(address: str, timeout_s: float) -> None:
-    """Fail in seconds when nothing listens at ``address``."""
+def _address_source(address: Optional[str]) -> str:
+    """Where the cluster address came from, for errors: a bad RAY_ADDRESS was blamed on an
+    --address the user never gave."""
+    return "--address" if _given(address) else "RAY_ADDRESS"
+
+
+def _probe(address: str, timeout_s: float, source: str = "--address") -> None:
+    """Fail in seconds when nothing listens at ``address`` (``source``: where it came from)."""
     if address != "auto" and host_port(address) is None:
-        raise CliError(f"--address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379)", code=2)
+        raise CliError(f"{source} {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379)", code=2)
     reason = unreachable(address, timeout_s)
     if reason is not None:
         raise CliError(f"cannot reach a Ray cluster at {address}: {reason}") from None
@@ -437,7 +443,7 @@ def status(
     import ray
 
     addr = _cluster_address(address)
-    _probe(addr, min(PROBE_TIMEOUT_S, timeout_s))
+    _probe(addr, min(PROBE_TIMEOUT_S, timeout_s), _address_source(address))
     addr = _connect(addr, NAMESPACE_PREFIX + (run or "cli"), timeout_s)
     try:
         if run is None:
@@ -491,7 +497,7 @@ def stop(
     import ray
 
     addr = _cluster_address(address)
-    _probe(addr, min(PROBE_TIMEOUT_S, timeout_s))
+    _probe(addr, min(PROBE_TIMEOUT_S, timeout_s), _address_source(address))
     addr = _connect(addr, NAMESPACE_PREFIX + run, timeout_s)
     try:
         actor = _controller(run, addr, timeout_s)

@@ -79,6 +79,18 @@ def test_status_rejects_dashboard_url():
     assert "dashboard URL" in one_line_error(result.exit_code, result.stdout, result.stderr)
 
 
+@pytest.mark.parametrize("command", [["status", "r"], ["stop", "r"]])
+def test_a_bad_ray_address_in_the_environment_is_named_as_such(command, monkeypatch):
+    # RAY_ADDRESS=headnode was reported as "--address 'headnode' is not HOST:PORT", an option
+    # the user never passed.
+    monkeypatch.setenv("RAY_ADDRESS", "headnode")
+    result = runner.invoke(app, command)
+    assert result.exit_code == 2
+    assert "RAY_ADDRESS 'headnode' is not HOST:PORT" in one_line_error(result.exit_code, result.stdout, result.stderr)
+    result = runner.invoke(app, [*command, "--address", "headnode"])
+    assert "--address 'headnode' is not HOST:PORT" in one_line_error(result.exit_code, result.stdout, result.stderr)
+
+
 @pytest.mark.parametrize("command", [["status", "r"], ["stop", "r"], ["submit", "examples/digits.py"]])
 def test_an_empty_address_is_a_usage_error_not_the_default_cluster(command, monkeypatch):
     # --address "$HEAD" with HEAD unset: it went to RAY_ADDRESS or the local cluster.
