@@ -77,10 +77,55 @@ def _require_seconds(where: str, value: Any, hint: str = "") -> None:
     _require_positive(where, value, "a finite number of seconds", hint, at_most=_MAX_SECONDS)
 
 
-def _env_float(name: str, default: float) -> float:
-    """Timeouts may be overridden from the environment so tests can make them tiny."""
+# Environment overrides of defaults (tests make timeouts tiny with them; operators tune them):
+# name -> (what a value must be, integer, smallest allowed, whether the smallest is excluded).
+ENV_NUMBERS = {
+    **{name: ("seconds > 0", False, 0.0, True) for name in (
+        "ELASTIC_PLACEMENT_TIMEOUT_S", "ELASTIC_CAPACITY_TIMEOUT_S", "ELASTIC_HEARTBEAT_INTERVAL_S",
+        "ELASTIC_HEARTBEAT_TIMEOUT_S", "ELASTIC_COLLECTIVE_TIMEOUT_S", "ELASTIC_STEP_TIMEOUT_S",
+        "ELASTIC_NODE_SETTLE_S")},
+    **{name: ("seconds >= 0", False, 0.0, False) for name in (
+        "ELASTIC_STORAGE_BACKOFF_S", "ELASTIC_STORAGE_BACKOFF_MAX_S", "ELASTIC_CKPT_RETRY_MIN_S",
+        "ELASTIC_CKPT_RETRY_MAX_S")},
+    "ELASTIC_STORAGE_ATTEMPTS": ("an integer >= 1", True, 1, False),
+}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def env_number(name: str, default: float) -> float:
+    """Environment variable ``name`` (one of ``ENV_NUMBERS``) as a number, else ``default``. A
+    value that is not one is a ConfigError naming the variable: it was a bare "could not convert
+    string to float", or a -1 backoff failed in a sleep inside a rank's storage retry."""
     value = os.environ.get(name)
-    return float(value) if value else default
+    if not value:
+        return default
+    what, integer, low, exclusive = ENV_NUMBERS[name]
+    try:
+        number = int(value) if integer else float(value)
+    except ValueError:
+        number = None
+    if number is None or not _finite_real(number) or number < low or (exclusive and number == low) \
+            or number > _MAX_SECONDS:
+        raise ConfigError(f"the environment variable {name}={value!r} must be {what}; fix or unset it.")
+    return number
+
+
+def env_log_level() -> str:
+    """``ELASTIC_LOG_LEVEL`` (any case; default WARNING) as a logging level name."""
+    value = os.environ.get("ELASTIC_LOG_LEVEL") or "WARNING"
+    if value.strip().upper() not in LOG_LEVELS:
+        raise ConfigError(f"the environment variable ELASTIC_LOG_LEVEL={value!r} is not a logging level: use one of "
+                          f"{', '.join(LOG_LEVELS)}.")
+    return value.strip().upper()
+
+
+def check_environment() -> None:
+    """Every ELASTIC_* override that is set, checked in the driver before any actor starts (the
+    actors read them too: a bad one failed there, late)."""
+    for name in ENV_NUMBERS:
+        env_number(name, 0)
+    env_log_level()
+
 
 
 @dataclass
@@ -136,7 +181,7 @@ class ScalingConfig:
     placement_strategy: str = "PACK"
     aggregation: str = "all"
     num_spares: int = 0
-    placement_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_PLACEMENT_TIMEOUT_S", 60.0))
+    placement_timeout_s: float = field(default_factory=lambda: env_number("ELASTIC_PLACEMENT_TIMEOUT_S", 60.0))
     steps_per_dispatch: int = 0
     dispatch_target_s: float = 0.5
     bucket_cap_mb: float | None = None
@@ -263,12 +308,12 @@ class FailureConfig:
     when_no_spare: str = "wait"
     allow_shrink: bool = False
     min_workers: int | None = None
-    capacity_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_CAPACITY_TIMEOUT_S", 30.0))
-    heartbeat_interval_s: float = field(default_factory=lambda: _env_float("ELASTIC_HEARTBEAT_INTERVAL_S", 1.0))
-    heartbeat_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_HEARTBEAT_TIMEOUT_S", 10.0))
-    collective_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_COLLECTIVE_TIMEOUT_S", 60.0))
-    step_timeout_s: float = field(default_factory=lambda: _env_float("ELASTIC_STEP_TIMEOUT_S", 120.0))
-    node_settle_s: float = field(default_factory=lambda: _env_float("ELASTIC_NODE_SETTLE_S", 3.0))
+    capacity_timeout_s: float = field(default_factory=lambda: env_number("ELASTIC_CAPACITY_TIMEOUT_S", 30.0))
+    heartbeat_interval_s: float = field(default_factory=lambda: env_number("ELASTIC_HEARTBEAT_INTERVAL_S", 1.0))
+    heartbeat_timeout_s: float = field(default_factory=lambda: env_number("ELASTIC_HEARTBEAT_TIMEOUT_S", 10.0))
+    collective_timeout_s: float = field(default_factory=lambda: env_number("ELASTIC_COLLECTIVE_TIMEOUT_S", 60.0))
+    step_timeout_s: float = field(default_factory=lambda: env_number("ELASTIC_STEP_TIMEOUT_S", 120.0))
+    node_settle_s: float = field(default_factory=lambda: env_number("ELASTIC_NODE_SETTLE_S", 3.0))
     straggler_factor: float = 2.0
     straggler_window: int = 5
     straggler_warmup_steps: int = 5

@@ -25,7 +25,7 @@ from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
 from elastic.address import shown, trainer_address_problem, unreachable
 from elastic.config import (ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real, _require_flag,
-                            _require_int, _require_positive)
+                            _require_int, _require_positive, check_environment)
 from elastic.controller import TrainingFailed, WorkerError
 from elastic.policies import FailurePolicy
 
@@ -271,6 +271,7 @@ class Trainer:
         faults: list[dict] | None = None,
         max_grad_norm: float | None = None,
     ):
+        check_environment()  # the ELASTIC_* overrides, which the actors read too
         for name, value, kind in (("scaling", scaling, ScalingConfig), ("run", run, RunConfig),
                                   ("failure", failure, FailureConfig)):
             if value is not None and not isinstance(value, kind):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import elastic
@@ -482,3 +484,32 @@ def test_an_address_where_nothing_answers_is_refused_in_seconds(monkeypatch):
         _trainer(address=f"127.0.0.1:{port}", scaling=ScalingConfig(num_workers=2)).fit(steps=1)
     assert time.monotonic() - start < 10
     assert _trainer(address="auto").address == "auto" and _trainer(address="ray://head:10001")
+
+
+@pytest.mark.parametrize("name, value, what", [
+    ("ELASTIC_HEARTBEAT_TIMEOUT_S", "10s", "seconds > 0"),  # was a bare "could not convert string to float"
+    ("ELASTIC_HEARTBEAT_TIMEOUT_S", "nan", "seconds > 0"),  # blamed FailureConfig.heartbeat_timeout_s, never set
+    ("ELASTIC_STEP_TIMEOUT_S", "0", "seconds > 0"),
+    ("ELASTIC_STORAGE_BACKOFF_S", "-1", "seconds >= 0"),  # failed in a sleep inside a rank's storage retry
+    ("ELASTIC_CKPT_RETRY_MAX_S", "inf", "seconds >= 0"),
+    ("ELASTIC_STORAGE_ATTEMPTS", "2.5", "an integer >= 1"),
+])
+def test_a_bad_environment_override_is_refused_by_its_name_before_start(monkeypatch, name, value, what):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=rf"environment variable {name}='{re.escape(value)}' must be {what}"):
+        _trainer()
+
+
+def test_environment_overrides_are_read_and_the_log_level_in_any_case(monkeypatch):
+    from elastic.actors.controller_actor import _log_level
+    from elastic.checkpoint.storage import RetryPolicy
+
+    monkeypatch.setenv("ELASTIC_STORAGE_ATTEMPTS", "7")
+    monkeypatch.setenv("ELASTIC_STEP_TIMEOUT_S", "2.5")
+    assert RetryPolicy().attempts == 7 and FailureConfig().step_timeout_s == 2.5
+    monkeypatch.setenv("ELASTIC_LOG_LEVEL", "info")  # failed in the controller actor's constructor
+    assert _log_level() == "INFO" and _trainer()
+    monkeypatch.setenv("ELASTIC_LOG_LEVEL", "verbose")
+    with pytest.raises(ConfigError, match="ELASTIC_LOG_LEVEL='verbose' is not a logging level"):
+        _trainer()
+    assert _log_level() == "WARNING"  # set for the actors alone: the run goes on

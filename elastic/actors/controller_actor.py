@@ -8,15 +8,26 @@ from a third.
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 
 import ray
 
+from elastic.config import ConfigError, env_log_level
 from elastic.controller import Controller
 from elastic.redact import configure_logging
 
 logger = logging.getLogger(__name__)
+
+
+def _log_level() -> str:
+    """ELASTIC_LOG_LEVEL as this process has it. The driver refused a bad one before the run
+    started (``check_environment``); one set for the actors alone (a runtime_env) is not worth
+    the run: WARNING, said once."""
+    try:
+        return env_log_level()
+    except ConfigError as exc:
+        logging.getLogger(__name__).warning("%s Logging at WARNING.", exc)
+        return "WARNING"
 
 
 class ControllerActor:
@@ -24,7 +35,7 @@ class ControllerActor:
         from elastic.checkpoint import memory
 
         memory.join_run()  # memory:// here is the run's shared copy (elastic/checkpoint/memory.py)
-        configure_logging(os.environ.get("ELASTIC_LOG_LEVEL", "WARNING"))
+        configure_logging(_log_level())
         self.controller = Controller(**kwargs)
         self._error: str | None = None
 

@@ -10,7 +10,6 @@ training loop.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -18,15 +17,13 @@ from collections import deque
 from typing import Any, Callable
 
 from elastic.checkpoint.storage import StorageError, StorageUnavailable
+from elastic.config import env_number
 
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 300
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
 
 
 def _short(exc: BaseException) -> str:
@@ -129,8 +126,8 @@ class AsyncPersister:
         self._keep_done = keep_done  # False when nobody calls drain(): the list must not grow forever
         self.blocking = blocking
         self.name = name
-        self.retry_min_s = retry_min_s if retry_min_s is not None else _env_float("ELASTIC_CKPT_RETRY_MIN_S", 0.5)
-        self.retry_max_s = retry_max_s if retry_max_s is not None else _env_float("ELASTIC_CKPT_RETRY_MAX_S", 30.0)
+        self.retry_min_s = retry_min_s if retry_min_s is not None else env_number("ELASTIC_CKPT_RETRY_MIN_S", 0.5)
+        self.retry_max_s = retry_max_s if retry_max_s is not None else env_number("ELASTIC_CKPT_RETRY_MAX_S", 30.0)
         self._cond = threading.Condition()
         self._queue: deque = deque()  # (step, payload, light), oldest first; at most one heavy
         self.max_light = max_light

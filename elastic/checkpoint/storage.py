@@ -22,7 +22,7 @@ from urllib.parse import unquote
 import fsspec
 import fsspec.core
 
-from elastic.config import ConfigError
+from elastic.config import ConfigError, env_number
 from elastic.redact import USERINFO, redact_url, redact_urls_in
 
 logger = logging.getLogger(__name__)
@@ -54,9 +54,6 @@ class StorageUnavailable(StorageError):
     """A storage operation kept failing with transient errors after every retry."""
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
 
 
 @dataclass(frozen=True)
@@ -66,9 +63,9 @@ class RetryPolicy:
     Environment variables override the defaults so tests (and impatient operators) can make it tiny.
     """
 
-    attempts: int = field(default_factory=lambda: int(_env_float("ELASTIC_STORAGE_ATTEMPTS", 4)))
-    base_s: float = field(default_factory=lambda: _env_float("ELASTIC_STORAGE_BACKOFF_S", 0.2))
-    max_s: float = field(default_factory=lambda: _env_float("ELASTIC_STORAGE_BACKOFF_MAX_S", 5.0))
+    attempts: int = field(default_factory=lambda: env_number("ELASTIC_STORAGE_ATTEMPTS", 4))
+    base_s: float = field(default_factory=lambda: env_number("ELASTIC_STORAGE_BACKOFF_S", 0.2))
+    max_s: float = field(default_factory=lambda: env_number("ELASTIC_STORAGE_BACKOFF_MAX_S", 5.0))
 
     def delay_s(self, attempt: int) -> float:
         """Sleep before retry number ``attempt`` (0-based), with jitter so ranks do not retry in lockstep."""
