@@ -271,9 +271,22 @@ class Trainer:
         faults: list[dict] | None = None,
         max_grad_norm: float | None = None,
     ):
+        self.scaling, self.run, self.failure = scaling, run, failure
+        self.model_fn, self.optimizer_fn, self.dataset_fn, self.loss_fn = model_fn, optimizer_fn, dataset_fn, loss_fn
+        self.step_fn, self.scheduler_fn, self.max_grad_norm = step_fn, scheduler_fn, max_grad_norm
+        self.global_batch_size, self.address, self.requeue_dropped = global_batch_size, address, requeue_dropped
+        self.faults = faults
+        self._prepare()
+        self.controller = None  # the actor handle while fit() runs
+
+    def _prepare(self) -> None:
+        """Every check of the Trainer's settings, and what is built from them (the workers' spec,
+        the checkpoint store). Run when the Trainer is made and again by each ``fit()``: the
+        configs are plain dataclasses, and a field set between the two (``trainer.scaling.use_gpu
+        = True``) went to the actors unchecked, with a spec still built for the old value."""
         check_environment()  # the ELASTIC_* overrides, which the actors read too
-        for name, value, kind in (("scaling", scaling, ScalingConfig), ("run", run, RunConfig),
-                                  ("failure", failure, FailureConfig)):
+        for name, value, kind in (("scaling", self.scaling, ScalingConfig), ("run", self.run, RunConfig),
+                                  ("failure", self.failure, FailureConfig)):
             if value is not None and not isinstance(value, kind):
                 raise ConfigError(f"Trainer.{name} must be an elastic.{kind.__name__}(...) or None, "
                                   f"got {type(value).__name__}.")
@@ -281,9 +294,13 @@ class Trainer:
                 # Again: a config's fields can be set after it was made (num_workers = 0 then
                 # divided by zero here, a negative CPU count failed at placement in the controller).
                 value.__post_init__()
-        self.scaling = scaling or ScalingConfig()
-        self.run = run or RunConfig()
-        self.failure = failure or FailureConfig()
+        self.scaling = self.scaling or ScalingConfig()
+        self.run = self.run or RunConfig()
+        self.failure = self.failure or FailureConfig()
+        model_fn, optimizer_fn, dataset_fn, loss_fn = self.model_fn, self.optimizer_fn, self.dataset_fn, self.loss_fn
+        step_fn, scheduler_fn, max_grad_norm = self.step_fn, self.scheduler_fn, self.max_grad_norm
+        global_batch_size, address, requeue_dropped = self.global_batch_size, self.address, self.requeue_dropped
+        faults = self.faults
         for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("dataset_fn", dataset_fn),
                          ("loss_fn", loss_fn)):
             if not callable(fn):
@@ -325,15 +342,12 @@ class Trainer:
             bucket_cap_mb=self.scaling.bucket_cap_mb, find_unused_parameters=self.scaling.find_unused_parameters,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
         )
-        self.global_batch_size = global_batch_size
         if address is not None:
             problem = trainer_address_problem(address) if isinstance(address, str) else "is not a Ray address"
             if problem is not None:
                 raise ConfigError(f"Trainer.address={shown(address) if isinstance(address, str) else address!r} "
                                   f"{problem}: use HOST:PORT (the GCS, e.g. 10.0.0.1:6379), ray://HOST:10001, 'auto' "
                                   "or 'local', or None (RAY_ADDRESS, else an embedded local Ray).")
-        self.address = address
-        self.requeue_dropped = requeue_dropped
         if faults is not None and not isinstance(faults, (list, tuple)):
             raise ConfigError(f"Trainer.faults must be a list of fault dicts or None, got {type(faults).__name__}.")
         self.faults = list(faults or [])
@@ -349,7 +363,6 @@ class Trainer:
 
             self._store = CheckpointStore(self.run.storage, self.run.name, self.run.storage_options)
             self._store.validate()
-        self.controller = None  # the actor handle while fit() runs
 
     @property
     def namespace(self) -> str:
@@ -361,6 +374,7 @@ class Trainer:
         for name, v in (("steps", steps), ("epochs", epochs)):
             if v is not None:
                 _require_int(f"Trainer.fit's {name}", v, 1)
+        self._prepare()  # again: a setting may have changed since the Trainer was made
         total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
             self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
         if self.address is not None and not ray.is_initialized():

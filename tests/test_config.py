@@ -513,3 +513,23 @@ def test_environment_overrides_are_read_and_the_log_level_in_any_case(monkeypatc
     with pytest.raises(ConfigError, match="ELASTIC_LOG_LEVEL='verbose' is not a logging level"):
         _trainer()
     assert _log_level() == "WARNING"  # set for the actors alone: the run goes on
+
+
+def test_a_setting_changed_after_the_trainer_was_made_is_checked_again_by_fit(monkeypatch):
+    # fit() went on with trainer.scaling.num_workers = 3 (a global batch of 32 does not divide)
+    # and with use_gpu = True while the workers' spec still said False.
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    t = _trainer()
+    t.scaling.num_workers = 3
+    with pytest.raises(ConfigError, match="global_batch_size=32 is not divisible by ScalingConfig.num_workers=3"):
+        t.fit(steps=1)
+    t.scaling.num_workers = 4
+    t.failure.evict_stragglers = True
+    with pytest.raises(ConfigError, match="evict_stragglers puts a hot spare"):
+        t.fit(steps=1)
+    t.failure.evict_stragglers = False
+    t.scaling.use_gpu = True
+    t._prepare()
+    assert t.spec.use_gpu is True  # the spec is built from the settings as they are now
