@@ -78,6 +78,32 @@ def test_parameters_of_another_dtype_are_averaged_in_the_widest_and_rounded_once
     assert all(p.grad.untyped_storage().data_ptr() == buffers[0].untyped_storage().data_ptr() for p in fp32)
 
 
+def test_a_gradient_a_replica_did_not_compute_takes_its_parameters_layout():
+    # An fp32 channels_last conv beside an fp64 head is copied in and out of the fp64 buffer. A
+    # late replica (no backward) got a contiguous gradient, the fast ones autograd's
+    # channels_last one: the same values, summed in another order by clip_grad_norm_.
+    def build():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(8, 16, 3).to(memory_format=torch.channels_last)
+        return torch.nn.ModuleDict({"conv": conv, "head": torch.nn.Linear(4, 2).double()})
+
+    fast, late = build(), build()
+    g_fast, g_late = FlatGrads(fast), FlatGrads(late)
+    flat_fast, flat_late = g_fast.bind(torch.device("cpu")), g_late.bind(torch.device("cpu"))
+    g_fast.before_backward()
+    loss = fast["conv"](torch.randn(2, 8, 6, 6)).sum() + fast["head"](torch.randn(1, 4).double()).sum().float()
+    loss.backward()
+    g_fast.after_backward(loss)
+    flat_late.copy_(flat_fast)  # the agreed update, as a late replica receives it
+    norms = []
+    for model, g in ((fast, g_fast), (late, g_late)):
+        with g.for_update():
+            weight = model["conv"].weight
+            assert weight.grad.stride() == weight.stride()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+    assert torch.equal(norms[0], norms[1])
+
+
 def test_a_step_fn_that_drops_the_views_still_fills_the_buffer():
     # model.zero_grad() sets .grad to None by default: backward then makes new tensors, and the
     # buffer (what the replicas all-reduce) held zeros for them.

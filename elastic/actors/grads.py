@@ -257,7 +257,11 @@ class FlatGrads:
         for i in self._cast:
             p, slot = self.params[i], self._slots[i]
             if p.grad is None or p.grad.is_sparse:
-                p.grad = slot.to(p.dtype)
+                # In the parameter's layout, as autograd makes a gradient: a contiguous copy of a
+                # channels_last parameter's gradient on a replica that had none (a late one)
+                # holds the same values in another order, and clip_grad_norm_ sums in memory
+                # order, so its norm, and then its update, differed from the fast replicas'.
+                p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(slot)
             else:
                 p.grad.copy_(slot)
         marks = self._presence.tolist()
