@@ -197,7 +197,9 @@ def _check_failure_actions(failure: FailureConfig, run: RunConfig, num_workers: 
         low = failure.min_workers if failure.min_workers is not None else num_workers
         # The size the policy would shrink to on the first lost rank, by the same rule.
         if FailurePolicy(failure, num_workers, global_batch).shrink_size(num_workers - 1) is None:
-            why = (f"FailureConfig.min_workers={low} leaves no smaller size to shrink to"
+            unset = failure.min_workers is None
+            why = ((f"FailureConfig.min_workers is None (never fewer than num_workers={num_workers})" if unset else
+                    f"FailureConfig.min_workers={low}") + " leaves no smaller size to shrink to"
                    if low >= num_workers else
                    f"Trainer.global_batch_size={global_batch} divides over none of the sizes "
                    f"{low}..{num_workers - 1} (a shrunk run keeps the global batch)")

@@ -383,7 +383,9 @@ def test_max_grad_norm_must_be_a_positive_number(value):
                                                             checkpoint=elastic.CheckpointConfig(every_n_steps=0)),
      r"on_failure='restart'.*every_n_steps >= 1"),
     # shrink without min_workers: min_workers defaults to num_workers, so it could never shrink
-    (FailureConfig(when_no_spare="shrink", allow_shrink=True), None, "min_workers=4 leaves no smaller size"),
+    (FailureConfig(when_no_spare="shrink", allow_shrink=True), None,
+     r"min_workers is None \(never fewer than num_workers=4\) leaves no smaller size"),
+    (FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=4), None, "min_workers=4 leaves no smaller size"),
     (FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=3), None,
      "global_batch_size=32 divides over none of the sizes 3..3"),
 ])
