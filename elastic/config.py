@@ -31,6 +31,10 @@ class ConfigError(ValueError):
 # a larger value fails inside an actor; 1e9 s (about 31 years) stays well inside both.
 _MAX_SECONDS = 1e9
 _MAX_WINDOW = 1_000_000  # steps a straggler window may span
+# Steps one call to the workers may carry (ScalingConfig.steps_per_dispatch): each call's steps are
+# planned, shards and all, when it is sent, and a stop waits for the call (stop_timeout_s, 60 s,
+# then the run is killed); 10**9 planned every step of a run up front. Automatic mode stays <= 16.
+MAX_STEPS_PER_DISPATCH = 1024
 
 
 def _got(value: Any) -> str:
@@ -141,7 +145,8 @@ class ScalingConfig:
     in one call, like Keras' ``steps_per_execution``. Every step's shards are still chosen by the
     controller and every step still reports back; one call per several steps saves Ray's per-call
     cost when a step is only tens of milliseconds. 0 (the default) picks it from the measured
-    step time, so one call spans about ``dispatch_target_s`` (at most 16 steps); 1 turns it off.
+    step time, so one call spans about ``dispatch_target_s`` (at most 16 steps); 1 turns it off;
+    at most ``MAX_STEPS_PER_DISPATCH`` (1024).
 
     ``bucket_cap_mb`` is DDP's gradient bucket size. ``None`` (the default) chooses by device:
     on GPU (NCCL) torch's own default, a small first bucket so communication starts early and
@@ -195,6 +200,11 @@ class ScalingConfig:
         _require_int("ScalingConfig.num_backups", self.num_backups, 0)
         _require_int("ScalingConfig.num_spares", self.num_spares, 0)
         _require_int("ScalingConfig.steps_per_dispatch", self.steps_per_dispatch, 0, "(0 = automatic)")
+        if self.steps_per_dispatch > MAX_STEPS_PER_DISPATCH:
+            raise ConfigError(
+                f"ScalingConfig.steps_per_dispatch must be <= {MAX_STEPS_PER_DISPATCH}, {_got(self.steps_per_dispatch)}: "
+                "the controller plans a whole call's steps when it sends it, and a stop, a failure or an "
+                "eviction waits for the call; 0 picks it from the step time.")
         _require_int("ScalingConfig.late_backoff_steps", self.late_backoff_steps, 0,
                      "(0 = a late first-N replica never sits out)")
         for name in ("use_gpu", "background_spare_start", "find_unused_parameters"):

@@ -26,6 +26,7 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"use_gpu": True, "num_workers": 1, "num_backups": 1, "aggregation": "first_n",
       "resources_per_worker": {"GPU": 0.5}}, "two ranks on one device"),
     ({"steps_per_dispatch": -1}, "steps_per_dispatch"),
+    ({"steps_per_dispatch": 10**9}, r"steps_per_dispatch must be <= 1024"),  # planned every step up front
     ({"dispatch_target_s": 0}, "dispatch_target_s"),
     # bools are ints to Python, so each count refuses True by name
     ({"num_workers": True}, r"ScalingConfig\.num_workers must be an integer >= 1, got True \(bool\)"),
