@@ -35,6 +35,7 @@ _MAX_WINDOW = 1_000_000  # steps a straggler window may span
 # planned, shards and all, when it is sent, and a stop waits for the call (stop_timeout_s, 60 s,
 # then the run is killed); 10**9 planned every step of a run up front. Automatic mode stays <= 16.
 MAX_STEPS_PER_DISPATCH = 1024
+_MAX_RESOURCE = 1e14  # ray._private.ray_constants.MAX_RESOURCE_QUANTITY (Ray 2.60), not imported: no Ray here
 
 
 def _got(value: Any) -> str:
@@ -262,6 +263,9 @@ class ScalingConfig:
                 raise ConfigError(
                     f"ScalingConfig.resources_per_worker[{key!r}] must be a finite number >= 0, {_got(value)}."
                 )
+            if value > _MAX_RESOURCE:  # Ray's MAX_RESOURCE_QUANTITY: ray.init or placement refuses it, late
+                raise ConfigError(f"ScalingConfig.resources_per_worker[{key!r}]={value:g} is more than Ray can "
+                                  f"count (at most {_MAX_RESOURCE:g}).")
             if 0 < value < 1e-4:  # Ray refuses it when the actor is created, inside the controller
                 raise ConfigError(f"ScalingConfig.resources_per_worker[{key!r}]={value:g} is finer than Ray's "
                                   "resource precision (0.0001): use 0 or at least 0.0001.")

@@ -49,6 +49,7 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"resources_per_worker": {1: 1}}, r"ScalingConfig\.resources_per_worker keys must be Ray resource names"),
     ({"resources_per_worker": {"CPU": float("nan")}}, r"resources_per_worker\['CPU'\] must be a finite number >= 0"),
     ({"resources_per_worker": {"CPU": float("inf")}}, r"resources_per_worker\['CPU'\] must be a finite number"),
+    ({"resources_per_worker": {"CPU": 1e300}}, r"resources_per_worker\['CPU'\]=1e\+300 is more than Ray can count"),
     ({"resources_per_worker": {"CPU": True}}, r"resources_per_worker\['CPU'\]"),
     ({"resources_per_worker": {"CPU": 1, "object_store_memory": 2**20}}, r"resources_per_worker\[.object_store_memory.\] is not supported"),
     ({"resources_per_worker": {"CPU": "1"}}, r"resources_per_worker\['CPU'\]"),
@@ -536,3 +537,12 @@ def test_a_setting_changed_after_the_trainer_was_made_is_checked_again_by_fit(mo
     t.scaling.use_gpu = True
     t._prepare()
     assert t.spec.use_gpu is True  # the spec is built from the settings as they are now
+
+
+def test_the_resource_ceiling_is_rays():
+    # Written out in elastic/config.py (the config imports no Ray); a Ray that changes it shows here.
+    from ray._private.ray_constants import MAX_RESOURCE_QUANTITY
+
+    from elastic import config
+
+    assert config._MAX_RESOURCE == MAX_RESOURCE_QUANTITY
