@@ -359,12 +359,17 @@ class Trainer:
                     f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1 or 'delay_s': d>0, 'from_step': s}} "
                     "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} (a kill may add 'after_update': True) "
                     "with 0 <= r < number of replicas.")
-        self._store = None
-        if self.run.storage is not None:
-            from elastic.checkpoint import CheckpointStore
+        # The storage is checked when it is named, not again by each fit(): a fit() while the
+        # endpoint is down waits for it (a resume in an outage), where a fresh check would refuse.
+        where = (self.run.storage, self.run.name, hash(repr(self.run.storage_options)))  # no secrets kept
+        if where != getattr(self, "_store_for", None):
+            self._store = None
+            if self.run.storage is not None:
+                from elastic.checkpoint import CheckpointStore
 
-            self._store = CheckpointStore(self.run.storage, self.run.name, self.run.storage_options)
-            self._store.validate()
+                self._store = CheckpointStore(self.run.storage, self.run.name, self.run.storage_options)
+                self._store.validate()
+            self._store_for = where
 
     @property
     def namespace(self) -> str:
