@@ -627,7 +627,7 @@ def test_with_no_survivor_at_the_current_step_the_run_rolls_back_to_the_newest_o
         c.shutdown()
 
 
-def test_a_resume_with_another_sample_order_starts_the_next_epoch_and_says_so():
+def test_a_resume_with_another_sample_order_starts_the_next_epoch_and_says_so(ray_cluster):  # the Controller asks Ray for its runtime context
     # The checkpoint's cursor points into the order of (seed, epoch, dataset size); with another
     # dataset size or seed, continuing there would use some of the epoch's samples twice.
     c = controller("fake-order")
@@ -643,7 +643,7 @@ def test_a_resume_with_another_sample_order_starts_the_next_epoch_and_says_so():
     assert "starts epoch 3" in events[0].message
 
 
-def test_a_resume_whose_seed_gives_another_order_here_starts_the_next_epoch_and_says_so():
+def test_a_resume_whose_seed_gives_another_order_here_starts_the_next_epoch_and_says_so(ray_cluster):  # the Controller asks Ray for its runtime context
     # numpy promises Generator's streams only on the same numpy: a resume under another one, with
     # the same seed and dataset size, continued the saved cursor into another order. The order's
     # digest, kept with the checkpoint, tells.
@@ -658,7 +658,7 @@ def test_a_resume_whose_seed_gives_another_order_here_starts_the_next_epoch_and_
     assert event.details["changed"] == {"order_digest": ["0badc0de", here]}
 
 
-def test_steps_kept_in_a_rebuild_are_one_event():
+def test_steps_kept_in_a_rebuild_are_one_event(ray_cluster):  # the Controller asks Ray for its runtime context
     # A rebuild in the middle of a 16-step dispatch window keeps up to 16 steps: one event, not 16.
     c = controller("fake-kept")
     c._keep_completed_steps([45, 46, 47], "completed on a survivor before the rebuild")
@@ -668,7 +668,7 @@ def test_steps_kept_in_a_rebuild_are_one_event():
         ("steps 45-47 completed on a survivor before the rebuild; not replayed", [45, 46, 47])]
 
 
-def test_a_straggler_held_back_for_want_of_a_spare_is_logged_once_per_episode():
+def test_a_straggler_held_back_for_want_of_a_spare_is_logged_once_per_episode(ray_cluster):  # the Controller asks Ray for its runtime context
     from elastic.policies import Continue
 
     c = controller("fake-held")
@@ -680,7 +680,7 @@ def test_a_straggler_held_back_for_want_of_a_spare_is_logged_once_per_episode():
     assert "no spare is ready" in held[0].message
 
 
-def test_spares_stay_off_a_stragglers_node_for_straggler_node_avoid_s_then_may_go_back():
+def test_spares_stay_off_a_stragglers_node_for_straggler_node_avoid_s_then_may_go_back(ray_cluster):  # the Controller asks Ray for its runtime context
     c = controller("fake-avoid", failure=elastic.FailureConfig(straggler_node_avoid_s=60))
     c._avoid_node("node-a", now=100.0)
     c._avoid_node("node-b", now=130.0)
