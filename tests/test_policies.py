@@ -174,7 +174,10 @@ def test_pending_time_counts_for_a_busy_rank():
         p.observe(r, 0.1)
     p.observe_pending(3, 1.0)  # busy for 1 s with a step the others did in 0.1 s
     assert p.scores()[3] == pytest.approx(10.0)
-    p.decide(1)
+    for _ in range(5):  # late, with healthy steps of its own: a pause so far, however long
+        assert isinstance(p.decide(1), Continue)
+    p.observe(3, 1.0)
+    p.observe(3, 1.0)  # its own steps say it is slow now
     assert isinstance(p.decide(1), EvictStraggler)
     p.forget(3)
     assert 3 not in p.scores()
@@ -314,6 +317,42 @@ def test_a_straggler_known_only_by_how_late_it_was_is_not_named_once_it_caught_u
         assert isinstance(decision, Continue) and decision.straggler is None
     p.observe_pending(2, 5.0)  # late again: the count it kept makes it persistent at once
     assert isinstance(p.decide(spares_ready=1), EvictStraggler)
+
+
+@pytest.mark.parametrize("steps_per_decision", [1, 4, 16])
+def test_one_pause_of_a_healthy_first_n_replica_is_not_persistent_and_a_slow_one_still_is(steps_per_decision):
+    # A healthy replica pauses once (GC, page faults) for 2 s against 30 ms steps. Counted at
+    # every decision it stayed late, the one pause reached the window and evicted it ("32x the
+    # others' median for 5 steps"); the same pause as a step time in data parallel never can.
+    p = StragglerPolicy(factor=2.0, window=5, evict=True)
+    decisions = []
+    for decision in range(60):
+        for r in range(3):
+            for _ in range(steps_per_decision):
+                if r < 2 or not 10 <= decision < 40:
+                    p.observe(r, 0.03)
+        if 10 <= decision < 40:  # late with one window while the others go on
+            p.observe_pending(2, (decision - 9) * 0.03 * steps_per_decision)
+        if decision == 40:
+            p.observe_pending(2, 0.0)
+            p.observe(2, 2.0)  # that window's timing: one slow step
+        decisions.append(p.decide(spares_ready=1, steps=steps_per_decision))
+    assert not any(isinstance(d, EvictStraggler) for d in decisions)
+    # Slow for good (3x): late window after late window, then evicted.
+    for decision in range(60):
+        for r in range(2):
+            for _ in range(steps_per_decision):
+                p.observe(r, 0.03)
+        if decision % 3 == 2:
+            p.observe_pending(2, 0.0)
+            for _ in range(steps_per_decision):
+                p.observe(2, 0.09)
+        else:
+            p.observe_pending(2, 0.03 * steps_per_decision * (decision % 3 + 1))
+        if isinstance(p.decide(spares_ready=1, steps=steps_per_decision), EvictStraggler):
+            break
+    else:
+        raise AssertionError("a replica 3x slow for good was never evicted")
 
 
 def test_one_noisy_window_is_not_persistent():

@@ -10,8 +10,9 @@ policy only decides; the controller evicts the rank and puts a hot spare in its 
 
 from __future__ import annotations
 
-import statistics
 import bisect
+import math
+import statistics
 from collections import defaultdict, deque
 
 from elastic.policies.decisions import Continue, Decision, EvictStraggler
@@ -78,17 +79,25 @@ class StragglerPolicy:
         # timings is their mean, and one slow step then scored a healthy rank over the threshold
         # for as long as it stayed in the window, which at window=2 was enough to evict it. The
         # lower median needs more than half of the window slow, as an odd window's does.
-        medians = {r: statistics.median_low(t) for r, t in list(self._times.items()) if t}
+        return self._scores()[0]
+
+    def _scores(self) -> tuple[dict[int, float], dict[int, float]]:
+        """``scores()``, and each timed rank's score from its own step times alone (its late
+        stretch left out): what ``decide`` tells a pause from a slow rank by."""
+        timed = {r: statistics.median_low(t) for r, t in list(self._times.items()) if t}
+        medians = dict(timed)
         for r, busy in list(self._busy_for.items()):
             medians[r] = max(medians.get(r, 0.0), busy)
         if len(medians) < 2:
-            return {r: 1.0 for r in medians}
+            return {r: 1.0 for r in medians}, {r: 1.0 for r in timed}
         ordered = sorted(medians.values())
-        out = {}
+        out, own = {}, {}
         for r, m in medians.items():
             others = _median_without(ordered, bisect.bisect_left(ordered, m))
             out[r] = m / others if others > 0 else 1.0
-        return out
+            if r in timed:
+                own[r] = timed[r] / others if others > 0 else 1.0
+        return out, own
 
     def decide(self, spares_ready: int, steps: int = 1) -> Decision:
         """Decide after ``steps`` more steps (the controller asks once per dispatch window).
@@ -103,14 +112,29 @@ class StragglerPolicy:
         reports no timing for them, and its one slow timing (a GC pause) would otherwise be
         counted again at every decision until it was evicted on that one sample. Without new
         evidence its count stays as it was.
+
+        A late stretch alone never makes a rank persistent when its own step times are healthy:
+        its count stops one short of the window until a step time of its own says it is slow.
+        Why: counted at every decision it stayed late, one pause of a healthy replica (a GC, a
+        page-fault storm: 0.3 s against 30 ms steps, one step a decision) reached the window and
+        evicted it, where the same pause as a step time in data parallel never can (the lower
+        median over the window). A rank with no step time of its own (late since the warm-up)
+        or slow ones is still counted in full, so a replica 200x slow from the start is evicted
+        within the window, not after its first step ends.
         """
         self._steps += steps
-        scores = self.scores()
+        scores, own = self._scores()
         counted = min(steps, max(1, (self.window + 1) // 2))
         for rank, score in scores.items():
             if not self._fresh.get(rank) and rank not in self._busy_for:
                 continue
-            self._over[rank] = self._over[rank] + counted if score > self.factor else 0
+            if score <= self.factor:
+                self._over[rank] = 0
+                continue
+            over = self._over[rank] + counted
+            if rank in self._busy_for and own.get(rank, math.inf) <= self.factor:
+                over = min(over, self.window - 1)  # late, with healthy steps of its own: a pause so far
+            self._over[rank] = over
         self._fresh.clear()
         if not self.evict:
             return Continue()
