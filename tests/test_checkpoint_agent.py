@@ -675,6 +675,44 @@ def test_a_rank_rolled_back_counts_its_steps_from_there_on_both_sides(node):
         assert_same(store.read_state(5)[0], worker.get_state())
 
 
+def test_an_agent_lost_after_a_rollback_leaves_the_replayed_step_to_the_rank_not_the_old_generations_part(
+        node, monkeypatch):
+    """The agent wrote step 5 in generation 1; the run rolled back to 3 and replays 4 and 5 in
+    generation 2, and the agent dies before writing them. The rank took step 5 for written (the
+    same step number), reported generation 1's part, which the controller drops, and step 5 of
+    generation 2 was never written: the run ended on checkpoint_incomplete."""
+    agent, controller, committer, store, (url, options) = node
+    worker = FakeWorker(rank=0, world_size=1)
+    worker.generation = 1
+    hook = link(agent, fallback=lambda: WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
+    gate = threading.Event()
+    try:
+        run_training([worker], [hook], committer, [1, 2, 3])
+        at_3 = worker.get_state()
+        run_training([worker], [hook], committer, [4, 5])
+        assert hook.flush(10, worker=worker) and hook._written[0] == 5
+        worker.set_state(at_3)
+        committer.rewind(3)
+        worker.generation = 2
+        write = agent.store.write_shard
+        monkeypatch.setattr(agent.store, "write_shard", lambda *a, **k: (gate.wait(20), write(*a, **k))[1])
+        run_training([worker], [hook], committer, [4, 5])  # handed to the agent, which writes nothing yet
+        time.sleep(0.2)
+        for link_ in agent.pool.connected():
+            link_.conn.shutdown(socket.SHUT_RDWR)  # the agent dies, generation 2's writes unwritten
+        assert hook.flush(10, worker=worker)
+        assert hook._orphans == []
+        done = hook.drain()["ckpt_done"]
+        assert [(step, part["generation"]) for step, part in done] == [(5, 2)]
+        for step, part in done:
+            committer.add(step, 0, 1, part["entries"], rng=part.get("rng"))
+        assert committer.flush(10) and committer.latest_committed == 5
+        assert_same(store.read_state(5)[0], worker.get_state())
+    finally:
+        gate.set()
+        hook.close()
+
+
 def test_a_killed_ranks_write_under_way_lands_before_the_restarted_group_writes_that_step_again(node, monkeypatch):
     """A restart from a checkpoint kills every rank; the agent dropped what waited but let the
     write under way go on, and the restarted rank writes the same step again to the same file

@@ -548,7 +548,11 @@ class AgentCheckpointer:
             # A step it wrote (it said so before reporting it) is not written again, since a
             # committed manifest may name that file already; its part is reported from here, in
             # case the agent died before it did.
-            written = self._written is not None and self._written[0] == step == self._handed
+            # The same step of this generation: after a rollback the step written last may be one
+            # of the generation left behind, which the controller drops (and the replayed step
+            # was then never written).
+            written = (self._written is not None and self._written[0] == step == self._handed
+                       and self._written[1].get("generation") == group_generation(worker))
             if written:
                 self._orphans.append(self._written)
             self._events += self._fall_back(worker, step, f"the checkpoint agent is gone ({type(exc).__name__}: "
