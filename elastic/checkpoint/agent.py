@@ -367,7 +367,8 @@ class _RankLink:
                 if ring is not None:
                     ring.close()
             elif op == "layout":
-                self.layouts[int(m["layout"])] = json.loads(read_memfd(fds.pop(0), int(m["len"])))
+                layout, length = int(m["layout"]), int(m["len"])  # parsed first: a bad one leaves fds to the finally
+                self.layouts[layout] = json.loads(read_memfd(fds.pop(0), length))
             elif op == "snap":
                 p = _Payload(m)
                 self.rank, self.world_size = p.rank, p.world_size
