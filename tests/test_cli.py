@@ -357,7 +357,7 @@ def test_status_json_writes_null_for_a_nan_loss(monkeypatch):
 
     st = {"run": "r", "state": "running", "step": 7, "loss": float("nan"), "ranks": [{"straggler_score": float("inf")}]}
     monkeypatch.setattr(cli, "_cluster_address", lambda address: "127.0.0.1:1")
-    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s: None)
+    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s, source: None)
     monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
     monkeypatch.setattr(cli, "_controller_status", lambda run, addr, timeout_s: st)
     monkeypatch.setattr("ray.shutdown", lambda: None)
