@@ -40,7 +40,10 @@ test: $(STAMP)
 	# number of tests, so the few-test e2e modules (jobs, node loss, buffers) went last and the jobs
 	# test ran alone for its last ~30 s (637 s and 597 s, 2026-11-27). Per-test CPU, measured serially
 	# (2026-11-27): 1013 CPU-s in all, a ~507 s floor on two cores; -n 3 took 683 s against 637 s.
-	# 2026-11-28: 588-695 s from run to run (824-846 tests), the same code taking 588 s and 656 s.
+	# 2026-11-28: 588-695 s from run to run (824-846 tests), the same code taking 588 s and 656 s;
+	# 568-715 s that night (849-881 tests). Per test (CPU from /proc/stat, serially): 4-22 CPU-s
+	# for an e2e test, nearly all of it worker processes starting (torch 1.25 s, torch._dynamo
+	# 1.1-1.4 s, the model ~0.3 s; our modules ~0.4 s), and 5.3 CPU-s for a Ray cluster start.
 	# Bytecode for this checkout first: where PYTHONDONTWRITEBYTECODE is set (this VM sets it), every
 	# process (~460 Ray actors a run) compiled the package from source, ~0.15 s of CPU each.
 	$(BIN)/python -m compileall -q elastic tests examples > /dev/null
