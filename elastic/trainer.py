@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
 import ray
@@ -24,8 +24,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
 from elastic.address import shown, trainer_address_problem, unreachable
-from elastic.config import (ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real, _require_flag,
-                            _require_int, _require_positive, check_environment)
+from elastic.config import (CheckpointConfig, ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real,
+                            _require_flag, _require_int, _require_positive, check_environment)
 from elastic.controller import TrainingFailed, WorkerError
 from elastic.policies import FailurePolicy
 
@@ -207,6 +207,35 @@ def _check_failure_actions(failure: FailureConfig, run: RunConfig, num_workers: 
                               f"ScalingConfig.num_workers={num_workers} to a size the global batch divides over.")
 
 
+def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureConfig) -> list[str]:
+    """Settings changed from their defaults that this run never reads, one sentence each. Why
+    warn, not refuse: each is harmless, and a config shared between runs of both kinds may carry
+    one; but a user who set it expects it to act."""
+    def changed(config, name: str) -> bool:
+        default = next(f for f in fields(config) if f.name == name)
+        value = default.default if default.default is not MISSING else default.default_factory()
+        return getattr(config, name) != value
+
+    out = []
+    if scaling.aggregation != "first_n" and changed(scaling, "late_backoff_steps"):
+        out.append("ScalingConfig.late_backoff_steps applies to aggregation='first_n' only; this run ignores it.")
+    if scaling.steps_per_dispatch != 0 and changed(scaling, "dispatch_target_s"):
+        out.append(f"ScalingConfig.dispatch_target_s sizes automatic dispatch windows (steps_per_dispatch=0); with "
+                   f"steps_per_dispatch={scaling.steps_per_dispatch} it is ignored.")
+    if "shrink" not in (failure.on_failure, failure.when_no_spare):
+        for name in ("allow_shrink", "min_workers"):
+            if changed(failure, name):
+                out.append(f"FailureConfig.{name} applies only when a failure shrinks the run (on_failure or "
+                           "when_no_spare 'shrink'); this run ignores it.")
+    if run.storage is None:
+        if run.checkpoint != CheckpointConfig():
+            out.append("RunConfig.checkpoint is set but RunConfig.storage is None: this run writes no checkpoints.")
+    elif run.checkpoint.every_n_steps == 0 and changed(run.checkpoint, "keep_every"):
+        out.append("CheckpointConfig.keep_every keeps every Nth committed step, and every_n_steps=0 commits none "
+                   "but the last; it is ignored.")
+    return out
+
+
 def _check_same_cluster(address: str | None) -> None:
     """This process already joined Ray, and ``ray.init`` joins one cluster per process: refuse an
     ``address`` that names another one, instead of training on the wrong cluster in silence.
@@ -278,6 +307,7 @@ class Trainer:
         self.step_fn, self.scheduler_fn, self.max_grad_norm = step_fn, scheduler_fn, max_grad_norm
         self.global_batch_size, self.address, self.requeue_dropped = global_batch_size, address, requeue_dropped
         self.faults = faults
+        self._warned: set[str] = set()
         self._prepare()
         self.controller = None  # the actor handle while fit() runs
 
@@ -337,6 +367,10 @@ class Trainer:
         if self.scaling.aggregation == "first_n" and self.failure.allow_shrink:
             raise ConfigError("FailureConfig.allow_shrink is not supported with aggregation='first_n'; set it False.")
         _check_failure_actions(self.failure, self.run, n, global_batch_size)
+        for note in _ignored_settings(self.scaling, self.run, self.failure):
+            if note not in self._warned:  # once per Trainer: fit() prepares again
+                self._warned.add(note)
+                logger.warning("%s", note)
         self.spec = TrainingSpec(
             model_fn=model_fn, optimizer_fn=optimizer_fn, dataset_fn=dataset_fn, loss_fn=loss_fn, step_fn=step_fn,
             scheduler_fn=scheduler_fn, seed=self.run.seed, use_gpu=self.scaling.use_gpu,

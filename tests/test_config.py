@@ -546,3 +546,28 @@ def test_the_resource_ceiling_is_rays():
     from elastic import config
 
     assert config._MAX_RESOURCE == MAX_RESOURCE_QUANTITY
+
+
+def test_settings_this_run_never_reads_are_warned_about_once(caplog):
+    # Accepted and then ignored in silence: a user who set one expected it to act.
+    import logging
+
+    from elastic.config import CheckpointConfig, RunConfig
+
+    with caplog.at_level(logging.WARNING, logger="elastic.trainer"):
+        t = _trainer(scaling=ScalingConfig(num_workers=4, late_backoff_steps=2, steps_per_dispatch=4,
+                                           dispatch_target_s=1.0),
+                     failure=FailureConfig(allow_shrink=True, min_workers=2),
+                     run=RunConfig(checkpoint=CheckpointConfig(keep_last=5)))
+        t._prepare()  # as fit() does: nothing said twice
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 5 and len(set(said)) == 5
+    for field in ("late_backoff_steps", "dispatch_target_s", "allow_shrink", "min_workers", "writes no checkpoints"):
+        assert any(field in m for m in said), field
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="elastic.trainer"):
+        _trainer(failure=FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=2))
+        _trainer(run=RunConfig(storage="memory://warn", checkpoint=CheckpointConfig(every_n_steps=0, keep_every=10)))
+    assert [r.getMessage() for r in caplog.records] == [
+        "CheckpointConfig.keep_every keeps every Nth committed step, and every_n_steps=0 commits none but the "
+        "last; it is ignored."]
