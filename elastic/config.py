@@ -118,10 +118,11 @@ def env_number(name: str, default: float) -> float:
 def env_log_level() -> str:
     """``ELASTIC_LOG_LEVEL`` (any case; default WARNING) as a logging level name."""
     value = os.environ.get("ELASTIC_LOG_LEVEL") or "WARNING"
-    if value.strip().upper() not in LOG_LEVELS:
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
         raise ConfigError(f"the environment variable ELASTIC_LOG_LEVEL={value!r} is not a logging level: use one of "
                           f"{', '.join(LOG_LEVELS)}.")
-    return value.strip().upper()
+    return level
 
 
 def check_environment() -> None:
@@ -130,7 +131,6 @@ def check_environment() -> None:
     for name in ENV_NUMBERS:
         env_number(name, 0)
     env_log_level()
-
 
 
 @dataclass

@@ -25,7 +25,7 @@ from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits,
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
-from elastic.data import DataPosition, SampleLedger, ShardPlan, epoch_order_array, order_digest
+from elastic.data import DataPosition, SampleLedger, ShardPlan, epoch_order_digest
 from elastic.policies import (
     Continue,
     EvictStraggler,
@@ -727,7 +727,7 @@ class Controller:
         now = {"dataset_size": self.dataset_size, "seed": self.run_config.seed}
         changed = {k: (saved[k], now[k]) for k in now if saved[k] is not None and saved[k] != now[k]}
         if not changed and meta.get("order_digest") is not None:
-            digest = order_digest(epoch_order_array(self.dataset_size, self.run_config.seed, position.epoch))
+            digest = epoch_order_digest(self.dataset_size, self.run_config.seed, position.epoch)
             if digest != meta["order_digest"]:
                 changed = {"order_digest": (meta["order_digest"], digest)}
         if not changed:
@@ -755,7 +755,7 @@ class Controller:
         self.generation += 1
         self._rank_done = {m.rank: self.step for m in self.group.members}  # every rank joins at the run's step
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
-        head = self.group.members[0]  # rank 0's node IP and a port free there, for a fresh TCP store
+        head = self.group.members[0]  # hosts the fresh TCP store: its node IP and the port it bound
         port_ref = head.actor.host_rendezvous.remote(self.failure_config.collective_timeout_s)
         addr, port = head.info["node_ip"], self._answer(head, port_ref, self.failure_config.collective_timeout_s,
                                                         "for a rendezvous store")

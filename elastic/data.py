@@ -45,6 +45,11 @@ def order_digest(order: np.ndarray) -> str:
     return f"{zlib.crc32(order.astype(order.dtype.newbyteorder('<'), copy=False).tobytes()):08x}"
 
 
+def epoch_order_digest(num_samples: int, seed: int, epoch: int) -> str:
+    """``order_digest`` of epoch ``epoch``'s order."""
+    return order_digest(epoch_order_array(num_samples, seed, epoch))
+
+
 @dataclass
 class DataPosition:
     """Where the sampler stands; goes into checkpoints so a resumed run continues exactly."""
@@ -83,9 +88,9 @@ class ShardPlan:
         """``order_digest`` of epoch ``epoch``'s order (a checkpoint's epoch may trail the plan's,
         which runs a dispatch window ahead, by one at an epoch's end)."""
         if epoch not in self._digests:
-            order = self._order if epoch == self.position.epoch else epoch_order_array(self.num_samples, self.seed, epoch)
             self._digests = {e: d for e, d in self._digests.items() if e >= epoch - 1}
-            self._digests[epoch] = order_digest(order)
+            self._digests[epoch] = (order_digest(self._order) if epoch == self.position.epoch else
+                                    epoch_order_digest(self.num_samples, self.seed, epoch))
         return self._digests[epoch]
 
     def steps_per_epoch(self, global_batch: int) -> int:

@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 from contextlib import contextmanager, nullcontext
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
@@ -212,9 +212,7 @@ def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureCo
     warn, not refuse: each is harmless, and a config shared between runs of both kinds may carry
     one; but a user who set it expects it to act."""
     def changed(config, name: str) -> bool:
-        default = next(f for f in fields(config) if f.name == name)
-        value = default.default if default.default is not MISSING else default.default_factory()
-        return getattr(config, name) != value
+        return getattr(config, name) != getattr(type(config)(), name)
 
     out = []
     if scaling.aggregation != "first_n" and changed(scaling, "late_backoff_steps"):
@@ -308,6 +306,7 @@ class Trainer:
         self.global_batch_size, self.address, self.requeue_dropped = global_batch_size, address, requeue_dropped
         self.faults = faults
         self._warned: set[str] = set()
+        self._store_for = None  # (storage, name, options' hash) the store was built and checked for
         self._prepare()
         self.controller = None  # the actor handle while fit() runs
 
@@ -396,7 +395,7 @@ class Trainer:
         # The storage is checked when it is named, not again by each fit(): a fit() while the
         # endpoint is down waits for it (a resume in an outage), where a fresh check would refuse.
         where = (self.run.storage, self.run.name, hash(repr(self.run.storage_options)))  # no secrets kept
-        if where != getattr(self, "_store_for", None):
+        if where != self._store_for:
             self._store = None
             if self.run.storage is not None:
                 from elastic.checkpoint import CheckpointStore

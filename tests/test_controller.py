@@ -273,16 +273,23 @@ def test_a_run_that_ends_past_its_newest_commit_says_so(ray_cluster, latest, tol
         assert [(e.details["step"], e.details["latest"]) for e in events] == ([(5, latest)] if told else [])
 
 
+def holder_past_the_run_and_rank_1_replaced(c):
+    """Rank 0 finished steps 3 and 4 past the controller's 2 and began 5; rank 1 was lost and a
+    spare took its place. Returns rank 0."""
+    holder = c.group.members[0]
+    ray.get(holder.actor.set_state.remote({"completed_step": 4}))
+    ray.get(holder.actor.begin.remote(5))
+    c._replace((1,))
+    return holder
+
+
 def test_steps_a_holder_finished_then_lost_in_the_recovery_count_as_recomputed(ray_cluster):
     # Rank 0 finished steps 3 and 4 past the controller's 2 and began 5 when rank 1 died. The
     # first pass counted step 5 and failed (the spare refused the state) before it kept 3 and 4;
     # rank 0 was then lost too, and the second pass restored step 2 from the checkpoint: 3 and 4
     # were thrown away but never counted (recomputed 1, not 3).
     with trained("fake-recount", workers=2, backups=2, steps=2) as c:
-        holder = c.group.members[0]
-        ray.get(holder.actor.set_state.remote({"completed_step": 4}))
-        ray.get(holder.actor.begin.remote(5))
-        c._replace((1,))
+        holder = holder_past_the_run_and_rank_1_replaced(c)
         ray.get(c.group.members[1].actor.refuse_state.remote())
         with pytest.raises(ray.exceptions.RayTaskError):
             c._sync_state()
@@ -298,10 +305,7 @@ def test_steps_a_holder_finished_then_lost_count_as_recomputed_when_an_older_sur
     # As above, but the second pass finds a survivor holding the run's step (rank 2, at 2): it
     # syncs from there, and steps 3 and 4, lost with rank 0, were never counted (1, not 3).
     with trained("fake-recount-sync", workers=3, backups=3, steps=2) as c:
-        holder = c.group.members[0]
-        ray.get(holder.actor.set_state.remote({"completed_step": 4}))
-        ray.get(holder.actor.begin.remote(5))
-        c._replace((1,))
+        holder = holder_past_the_run_and_rank_1_replaced(c)
         ray.kill(c.group.members[1].actor, no_restart=True)  # the first pass fails in its progress call
         assert_dies(c.group.members[1].actor)
         with pytest.raises(ray.exceptions.RayError):

@@ -26,7 +26,7 @@ def _log_level() -> str:
     try:
         return env_log_level()
     except ConfigError as exc:
-        logging.getLogger(__name__).warning("%s Logging at WARNING.", exc)
+        logger.warning("%s Logging at WARNING.", exc)
         return "WARNING"
 
 

@@ -24,8 +24,6 @@ logger = logging.getLogger(__name__)
 _MAX_ERROR_CHARS = 300
 
 
-
-
 def _short(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."

@@ -54,8 +54,6 @@ class StorageUnavailable(StorageError):
     """A storage operation kept failing with transient errors after every retry."""
 
 
-
-
 @dataclass(frozen=True)
 class RetryPolicy:
     """Bounded exponential backoff: ``attempts`` tries, sleeping base_s, 2*base_s, ... capped at max_s.
