@@ -467,6 +467,42 @@ def test_a_rank_writing_itself_beside_ranks_on_agents_reports_its_own_parts_and_
         del server
 
 
+@pytest.mark.parametrize("refused", ["ring", "layout"])
+def test_shared_memory_this_process_cannot_make_is_not_reported_as_a_lost_agent(node, monkeypatch, refused):
+    """A memfd refused here (the open-files limit) is the rank's own limit, not the agent's
+    loss: the event names it, and the rank writes in its own process, which needs no memfd."""
+    agent, controller, committer, store, (url, options) = node
+    worker = FakeWorker(rank=0, world_size=1)
+    fallbacks = []
+
+    def in_process():
+        fallbacks.append(WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
+        return fallbacks[-1]
+
+    def emfile(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    from elastic.checkpoint import worker_hook
+    if refused == "ring":
+        monkeypatch.setattr(worker_hook.SlotRing, "create", emfile)
+    else:
+        monkeypatch.setattr(worker_hook, "memfd_with", emfile)
+    hook = link(agent, fallback=in_process)
+    try:
+        reports = run_training([worker], [hook], committer, [1, 2])
+        assert fallbacks and hook.fallback is fallbacks[0]
+        events = reports[0]["ckpt_events"]
+        assert [e["event"] for e in events] == ["checkpoint_shared_memory_failed"]
+        assert "Too many open files" in events[0]["message"] and "agent itself is not at fault" in events[0]["message"]
+        assert not reports[1]["ckpt_events"]
+        events = finish([worker], [hook], committer)
+        assert not [e for e in events if e["event"] in ("checkpoint_failed", "checkpoint_agent_lost")]
+        assert committer.latest_committed == 2
+        assert_same(store.read_state(2)[0], worker.get_state())
+    finally:
+        hook.close()
+
+
 def commit_after_agent_loss(hook, worker, committer, store, step: int) -> list:
     """The flushed rank's report after its agent died: the loss told, its parts committing
     ``step`` with the rank's state. Returns the parts."""

@@ -224,6 +224,24 @@ class WorkerCheckpointer:
         self.persister.close(self.close_timeout_s)
 
 
+class _NoSharedMemory(Exception):
+    """This process could not make the shared memory a snapshot goes through (a memfd or its
+    mapping refused: the open-files limit, ENOMEM, vm.max_map_count). Apart from the
+    ``OSError`` of a socket whose agent is gone: the agent is fine, and the event says so.
+
+    The rank still writes in its own process from then on, as for a lost agent: that writer
+    needs no memfd, and a limit hit once is hit again at the next ring or layout."""
+
+    @classmethod
+    @contextlib.contextmanager
+    def on_os_error(cls):
+        try:
+            yield
+        except OSError as exc:
+            raise cls(f"this process cannot make shared memory for its node's checkpoint agent "
+                      f"({type(exc).__name__}: {exc}); the agent itself is not at fault") from exc
+
+
 class _Layout:
     """A shard layout a rank has met: ``codec.shard_layout``'s entries, the bytes of its data
     section, and the id the agent knows it by (None until it is sent)."""
@@ -313,6 +331,8 @@ class AgentCheckpointer:
             except BlockingIOError:  # the agent's queue is full: it is far behind
                 self._give_back(message)
                 return self._drop(step)
+        except _NoSharedMemory as exc:
+            return self._fall_back(worker, step, str(exc), event="checkpoint_shared_memory_failed")
         except OSError as exc:
             return self._fall_back(worker, step, f"the checkpoint agent is gone ({type(exc).__name__}: {exc})")
         except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
@@ -387,7 +407,9 @@ class AgentCheckpointer:
     def _send_layout(self, layout: "_Layout") -> bool:
         """Tell the agent ``layout`` (in a memfd of its own) under a new id; False if its queue is full."""
         text = json.dumps(layout.entries, separators=(",", ":")).encode()
-        layout_id, fd = self._new_id(), memfd_with(text)
+        with _NoSharedMemory.on_os_error():
+            fd = memfd_with(text)
+        layout_id = self._new_id()
         try:
             send_message(self.sock, {"op": "layout", "layout": layout_id, "len": len(text)}, fds=[fd], block=False)
         except BlockingIOError:
@@ -402,7 +424,8 @@ class AgentCheckpointer:
         the agent) when they outgrow it; the old ring is unmapped once all its slots are back."""
         if self._ring_id is not None and self._rings[self._ring_id][0].slot_bytes >= nbytes:
             return self._ring_id
-        ring = SlotRing.create(self.SLOTS, max(nbytes + (64 << 10), nbytes * 5 // 4))
+        with _NoSharedMemory.on_os_error():
+            ring = SlotRing.create(self.SLOTS, max(nbytes + (64 << 10), nbytes * 5 // 4))
         ring_id, fd = self._new_id(), ring.take_fd()
         try:
             send_message(self.sock, {"op": "ring", "ring": ring_id, **ring.desc}, fds=[fd], block=False)
@@ -474,12 +497,14 @@ class AgentCheckpointer:
                 break
             self._rings.pop(ring_id)[0].close()
 
-    def _fall_back(self, worker: Any, step: int, why: str, snapshot: bool = True) -> list[dict]:
-        """Write in this process from now on (and ``step`` now, if ``snapshot``)."""
+    def _fall_back(self, worker: Any, step: int, why: str, snapshot: bool = True,
+                   event: str = "checkpoint_agent_lost") -> list[dict]:
+        """Write in this process from now on (and ``step`` now, if ``snapshot``); ``event`` names
+        the cause: the agent lost, or shared memory this process could not make."""
         logger.warning("rank %s: %s; writing checkpoints in this process from step %d on", worker.rank, why, step)
         self._close_link()
         self.fallback = self._make_fallback()
-        events = [{"event": "checkpoint_agent_lost", "step": step, "time": time.time(), "error": why[:300],
+        events = [{"event": event, "step": step, "time": time.time(), "error": why[:300],
                    "message": f"checkpoints of this rank are written in its own process from step {step} on: "
                               f"{why[:300]}"}]
         return events + (self.fallback.snapshot(worker, step) if snapshot else [])
