@@ -810,6 +810,62 @@ def test_a_killed_ranks_write_under_way_lands_before_the_restarted_group_writes_
         other.close()
 
 
+def test_a_snapshot_fenced_in_an_outage_does_not_say_the_storage_is_back(node, monkeypatch):
+    """An outage, then a rewind fences the snapshot being retried: the writer's next try returns
+    without a request. It used to end the outage with a false ``storage_recovered`` event that
+    the next failed write reopened; now only a write that reached storage ends it."""
+    from elastic.checkpoint.storage import StorageUnavailable
+
+    agent, controller, committer, store, _ = node
+    monkeypatch.setenv("ELASTIC_CKPT_RETRY_MIN_S", "0.01")
+    monkeypatch.setenv("ELASTIC_CKPT_RETRY_MAX_S", "0.02")
+    down, attempts = threading.Event(), []
+    write = store.write_shard.__func__
+
+    def flaky(self, step, rank, world_size, buffers):
+        attempts.append(step)
+        if down.is_set():
+            raise StorageUnavailable("the endpoint is down")
+        return write(self, step, rank, world_size, buffers)
+
+    monkeypatch.setattr(CheckpointStore, "write_shard", flaky)
+    down.set()
+    worker = FakeWorker(rank=0, world_size=1)
+    worker.generation = 1
+    hook = link(agent)
+
+    told = []  # the agent's events as they reach the controller: its pump, and the ranks' flushes
+
+    def events_until(kinds: set, timeout_s: float = 10) -> list:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = told + [e for _, e in controller.events]
+            if kinds <= {e["event"] for e in seen} or time.monotonic() >= deadline:
+                return sorted((e["time"], e["event"], e["step"]) for e in seen)
+            time.sleep(0.02)
+
+    try:
+        run_training([worker], [hook], committer, [1])
+        assert [e[1:] for e in events_until({"storage_outage"})] == [("storage_outage", 1)]
+        assert agent.settle(1, timeout_s=5) == []  # generation 1 given up while storage is down
+        assert hook.flush(10)  # the fenced snapshot is let go of, unwritten
+        told.extend(hook.drain()["ckpt_events"])
+        tried = len(attempts)
+        time.sleep(0.7)  # past the agent's event pump (every 0.5 s)
+        assert len(attempts) == tried and set(attempts) == {1}
+        # Not "storage_recovered": nothing reached storage.
+        assert [e[1:] for e in events_until(set(), 0)] == [("storage_outage", 1)]
+        down.clear()
+        worker.generation = 2
+        run_training([worker], [hook], committer, [2])
+        told.extend(finish([worker], [hook], committer))
+        assert [e[1:] for e in events_until({"storage_recovered"})] == [("storage_outage", 1),
+                                                                         ("storage_recovered", 2)]
+        assert committer.latest_committed == 2
+    finally:
+        hook.close()
+
+
 def test_a_bigger_snapshot_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_free(node):
     agent, controller, committer, store, _ = node
     with linked_after_step_one(agent, committer) as (worker, hook):

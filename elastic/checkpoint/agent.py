@@ -246,6 +246,7 @@ class _RankLink:
         self.writer_tid: int | None = None
         self.persister = AsyncPersister(self._write, name=f"checkpoint write (agent link {number})",
                                         on_done=self._written, on_release=self._release,
+                                        reached_storage=lambda part: not part.get("fenced"),
                                         thread_init=self._writer_enter, thread_exit=agent.priority.leave)
 
     def _pace(self) -> None:

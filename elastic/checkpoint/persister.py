@@ -113,8 +113,13 @@ class AsyncPersister:
                  retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256,
                  keep_done: bool = True, on_done: Callable[[int, Any, Any], None] | None = None,
                  max_light: int = 32, on_release: Callable[[Any], None] | None = None,
-                 thread_init: Callable[[], None] | None = None, thread_exit: Callable[[], None] | None = None):
+                 thread_init: Callable[[], None] | None = None, thread_exit: Callable[[], None] | None = None,
+                 reached_storage: Callable[[Any], bool] | None = None):
         self._write_fn = write_fn
+        # Whether what write_fn returned went to storage; only such a write ends an outage. The
+        # agent's writer returns without a request for a snapshot a fence stopped: that says
+        # nothing of the storage, and in an outage a "recovered" event for it would be false.
+        self._reached_storage = reached_storage or (lambda entries: True)
         # Run first and last on the writer thread (its CPU priority, say).
         self._thread_init, self._thread_exit = thread_init, thread_exit
         self._on_release = on_release
@@ -259,7 +264,8 @@ class AsyncPersister:
 
     def _record_success(self, step: int, payload: Any, entries: Any) -> None:
         with self._cond:
-            self._outage.succeeded(step)
+            if self._reached_storage(entries):
+                self._outage.succeeded(step)
             if self._keep_done and self._on_done is None:
                 self._done.append((step, entries))
         if self._on_done is not None:
