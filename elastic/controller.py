@@ -1016,6 +1016,14 @@ class Controller:
             self._observe(rank, res)
             self._merge_ckpt(rank, res)
 
+    def _set_meta_after_results(self, step: int) -> None:
+        """First-N with requeueing: a step's checkpoint meta is set once its results (or, for a
+        step kept in a recovery or a stop, its fast set) are booked, not at dispatch: the
+        sampler's current place holds this step's drops and nothing later, one step being sent
+        at a time. Other runs set it at dispatch (``_dispatch_all``)."""
+        if self.committer is not None and not self._look_ahead:
+            self.committer.set_meta(step, self._checkpoint_meta(step, self.plan.position.to_dict()))
+
     def _checkpoint_meta(self, step: int, position: dict) -> dict:
         return {"data_position": position, "world_size": len(self.group.members),
                 "global_batch_size": self.global_batch_size, "generation": self.generation,
@@ -1976,6 +1984,9 @@ class Controller:
                 ranks = (fast or {}).get(step)
                 ranks = ranks if ranks is not None else range(len(self._planned[step][1]))
                 record = self._book_step(step, ranks, float("nan"), 0.0)
+                # Without this, with requeueing a kept step never had meta, so it could not
+                # commit: a stop in a wait ended on the step before, and a resume replayed it.
+                self._set_meta_after_results(step)
                 self._add_history(record)
                 if self.metrics is not None:
                     self.metrics.on_kept_step(record)
@@ -1997,10 +2008,7 @@ class Controller:
                 self._merge_ckpt(r, res)
             for ev in self.committer.drain_events():
                 self._log_storage_event(ev)
-            if not self._look_ahead:
-                # First-N with requeueing: set once the results are in (otherwise at dispatch);
-                # the sampler's current place holds this step's drops and nothing later.
-                self.committer.set_meta(record.step, self._checkpoint_meta(record.step, self.plan.position.to_dict()))
+            self._set_meta_after_results(record.step)
         if self.metrics is not None:
             self.metrics.on_step(record, self, per_rank=bool(decide_steps))
         decision = self.straggler_policy.decide(len(self.group.spares), steps=decide_steps) \

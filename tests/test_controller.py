@@ -1010,6 +1010,30 @@ def test_with_requeueing_a_steps_recorded_data_position_holds_its_drops():
     assert replanned.take(3, 8)[1][0] == shards[2]  # the replay of step 2 uses them first
 
 
+def test_with_requeueing_a_step_kept_in_a_recovery_gets_its_checkpoint_meta(ray_cluster):  # the Controller asks Ray for its runtime context
+    # With requeueing the meta is set from a step's results; a step kept in a recovery or a stop
+    # in a wait (its results never came back) had none, so its checkpoint could never commit.
+    from types import SimpleNamespace
+
+    from elastic.data import DataPosition, ShardPlan
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    scaling = elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n")
+    c = Controller(spec, scaling, elastic.RunConfig(name="requeue-kept"), elastic.FailureConfig(),
+                   global_batch_size=16, requeue_dropped=True)
+    metas = {}
+    c.committer = SimpleNamespace(set_meta=metas.__setitem__)
+    c.group = SimpleNamespace(members=[object()] * 3)
+    c.plan, c._per_worker, c.dataset_size = ShardPlan(64, seed=0), 8, 64
+    _, shards = c._shards_for(1, 3)
+    c._keep_completed_steps([1], "completed on a survivor before the rebuild", fast={1: [0, 1]})
+    assert list(metas) == [1]
+    position = DataPosition.from_dict(metas[1]["data_position"])
+    assert position.requeued == shards[2] and position.cursor == 24  # rank 2's dropped shard goes back
+    assert metas[1]["world_size"] == 3 and metas[1]["global_batch_size"] == 16
+
+
 def test_a_lost_ranks_bundle_hosts_the_spare_that_refills_the_pool(ray_cluster):
     # Ray frees a bundle only with its whole placement group: a lost rank's bundle in the ranks'
     # group stayed reserved and idle, and on a cluster sized for ranks plus spares the refill
