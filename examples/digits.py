@@ -119,6 +119,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def flags_named(message: str, args: argparse.Namespace) -> str:
+    """A ``ConfigError`` names the Trainer setting; the demo's user typed a flag. The flags behind
+    the settings the message names go in front of it, in the order it names them."""
+    backups = "--first-n" if args.first_n else "--spares"  # plain runs: --spares are hot spares (num_backups)
+    flags = {"ScalingConfig.num_workers": "--workers", "Trainer.global_batch_size": "--batch",
+             "ScalingConfig.num_backups": backups, "ScalingConfig.num_spares": "--spares",
+             "ScalingConfig.use_gpu": "--gpu", "RunConfig.storage": "--storage", "RunConfig.name": "--name",
+             "Trainer.address": "--address", "Trainer.fit's epochs": "--epochs",
+             "Trainer.faults": "--slow-rank/--slow-factor/--slow-delay/--slow-from-step",
+             "FailureConfig.evict_stragglers": "--evict-stragglers"}
+    named = sorted((message.find(field), flag) for field, flag in flags.items() if field in message)
+    shown = list(dict.fromkeys(flag for _, flag in named))
+    return f"{', '.join(shown)}: {message}" if shown else message
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
@@ -136,7 +151,7 @@ def main(argv=None) -> float:
         trainer = build_trainer(args)
         result = trainer.fit(epochs=args.epochs)
     except elastic.ConfigError as exc:  # the message names the setting (most before any actor starts)
-        p.error(str(exc))
+        p.error(flags_named(str(exc), args))
     except elastic.TrainingStopped as stopped:  # Ctrl-C or `ray job stop`: the run stopped cleanly
         print(stopped, flush=True)  # first: `ray job stop` sends SIGKILL a few seconds after SIGTERM
         if stopped.result.model_state is not None:  # None: stopped before any rank had started

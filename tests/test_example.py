@@ -66,19 +66,23 @@ def test_the_straggler_demo_flags_make_a_first_n_run_with_a_slow_rank():
     assert digits.build_trainer(digits.parse_args([])).faults == []
 
 
-@pytest.mark.parametrize("args, field", [
-    (["--slow-rank", "5"], "Trainer.faults"),  # two ranks: 0 and 1
-    (["--evict-stragglers", "--spares", "0"], "ScalingConfig.num_backups"),
-    (["--first-n", "-1"], "ScalingConfig.num_backups"),
-    (["--workers", "3"], "global_batch_size"),
-    (["--epochs", "0"], "epochs must be an integer >= 1"),  # from fit(), before Ray starts
-    (["--slow-factor", "5"], "--slow-rank"),
-    (["--slow-rank", "1", "--slow-delay", "0.1", "--slow-factor", "5"], "not both"),
-    (["--slow-rank", "1", "--slow-delay", "1e10"], "Trainer.faults"),
+@pytest.mark.parametrize("args, field, flags", [
+    (["--slow-rank", "5"], "Trainer.faults", "--slow-rank/--slow-factor/--slow-delay/--slow-from-step: "),
+    (["--evict-stragglers", "--spares", "0"], "ScalingConfig.num_backups", "--evict-stragglers, --spares: "),
+    (["--first-n", "-1"], "ScalingConfig.num_backups", "--first-n: "),
+    (["--spares", "-1"], "ScalingConfig.num_backups", "--spares: "),  # plain: --spares are num_backups
+    (["--first-n", "1", "--spares", "-1"], "ScalingConfig.num_spares", "--spares: "),
+    (["--workers", "3"], "global_batch_size", "--batch, --workers: "),
+    (["--name", "a/b"], "RunConfig.name", "--name: "),
+    (["--epochs", "0"], "epochs must be an integer >= 1", "--epochs: "),  # from fit(), before Ray starts
+    (["--slow-factor", "5"], "--slow-rank", "error: --slow-factor and --slow-delay"),
+    (["--slow-rank", "1", "--slow-delay", "0.1", "--slow-factor", "5"], "not both", "error: give"),
+    (["--slow-rank", "1", "--slow-delay", "1e10"], "Trainer.faults", "error: --slow-rank/"),
 ])
-def test_bad_demo_flags_exit_with_the_setting_to_change_before_any_actor_starts(args, field, capsys):
+def test_bad_demo_flags_exit_with_the_setting_to_change_before_any_actor_starts(args, field, flags, capsys):
+    # The message names the Trainer setting, and the flags behind it come first.
     with pytest.raises(SystemExit) as exit_:
         digits.main(["--no-progress", *args])
     assert exit_.value.code == 2  # argparse's usage error
     err = capsys.readouterr().err
-    assert field in err and "Traceback" not in err
+    assert field in err and flags in err and "Traceback" not in err
