@@ -977,8 +977,18 @@ class Controller:
 
     def _book_step(self, step: int, used, loss: float, step_time_s: float) -> StepRecord:
         """Ledger rows for a planned step (its ``used`` ranks' shards used, the rest dropped and,
-        if asked, requeued) and the step's record."""
+        if asked, requeued) and the step's record. ``used=None``: a first-N step whose fast set
+        nobody knows (``_keep_completed_steps``): N shards' worth used, which ones unknown, so
+        its rows say ``used=None`` and nothing is requeued."""
         epoch, shards = self._planned[step]
+        if used is None:
+            for r, shard in enumerate(shards):
+                self.ledger.record(step, epoch, r, shard, used=None)
+            # Every rank's shard is the same size (_shards_for), so N of them are the samples used.
+            n = min(self.scaling.num_workers, len(shards))
+            samples = sum(len(shard) for shard in shards[:n])
+            return StepRecord(step, epoch, loss, step_time_s, 0.0, len(shards), samples,
+                              sum(len(shard) for shard in shards) - samples, [])
         used = set(used)
         dropped = 0
         for r, shard in enumerate(shards):
@@ -1979,10 +1989,16 @@ class Controller:
         for all of them: a rebuild in the middle of a dispatch window keeps up to a window of
         steps. ``fast``: first-N, the ranks whose gradients made each step (the survivor's
         record)."""
+        unknown = []
         for step in steps:
             if step in self._planned:
                 ranks = (fast or {}).get(step)
-                ranks = ranks if ranks is not None else range(len(self._planned[step][1]))
+                if ranks is None and self._first_n:
+                    # No replica left knows which N gradients made it (the holder a spare that
+                    # computed none of it, the old members gone): booked as unknown, not as all used.
+                    unknown.append(step)
+                elif ranks is None:
+                    ranks = range(len(self._planned[step][1]))  # plain sync: every rank's gradient
                 record = self._book_step(step, ranks, float("nan"), 0.0)
                 # Without this, with requeueing a kept step never had meta, so it could not
                 # commit: a stop in a wait ended on the step before, and a resume replayed it.
@@ -1994,6 +2010,12 @@ class Controller:
         if steps:
             which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
             self.log("step_kept", f"{which} {how}; not replayed", kept=steps)
+        if unknown:
+            which = f"step {unknown[0]}" if len(unknown) == 1 else f"steps {unknown[0]}-{unknown[-1]}"
+            lost = "not requeued: which of them to requeue is not known" if self.requeue_dropped else "counted"
+            self.log("fast_set_unknown", f"{which} kept, but no replica left knows which {self.scaling.num_workers} "
+                     f"ranks' gradients made it: its ledger rows say used=None, and its dropped samples are "
+                     f"{lost}", steps=unknown)
 
     # ---- after each step --------------------------------------------------------------------
     def _after_step(self, record: StepRecord, decide_steps: int = 1) -> None:

@@ -136,7 +136,7 @@ class LedgerEntry:
     epoch: int
     rank: int
     indices: list[int]
-    used: bool
+    used: bool | None  # None: a first-N step kept in a recovery whose fast set no replica knew
 
 
 LEDGER_INDICES = 1_000_000  # sample indices whose rows SampleLedger keeps (Result.ledger): ~36 MB
@@ -160,7 +160,7 @@ class SampleLedger:
         self.entries: list[LedgerEntry] = []  # in step order
         self._kept = 0  # indices in self.entries
 
-    def record(self, step: int, epoch: int, rank: int, indices: list[int], used: bool) -> None:
+    def record(self, step: int, epoch: int, rank: int, indices: list[int], used: bool | None) -> None:
         self.entries.append(LedgerEntry(step, epoch, rank, list(indices), used))
         self._kept += len(indices)
         self._trim(step)

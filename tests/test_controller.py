@@ -1034,6 +1034,49 @@ def test_with_requeueing_a_step_kept_in_a_recovery_gets_its_checkpoint_meta(ray_
     assert metas[1]["world_size"] == 3 and metas[1]["global_batch_size"] == 16
 
 
+@pytest.mark.parametrize("requeue", [False, True])
+def test_a_first_n_step_kept_with_no_replica_knowing_its_fast_set_is_booked_as_unknown(ray_cluster, requeue):  # the Controller asks Ray for its runtime context
+    # The holder a spare that computed none of it, the old members gone: which N gradients made
+    # the step is not known. It was booked as every rank's shard used (one shard's worth of
+    # samples counted as used that was dropped); now its rows say so, and nothing is requeued.
+    from types import SimpleNamespace
+
+    from elastic.data import ShardPlan
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    scaling = elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n")
+    c = Controller(spec, scaling, elastic.RunConfig(name="unknown-fast"), elastic.FailureConfig(),
+                   global_batch_size=16, requeue_dropped=requeue)
+    c.group = SimpleNamespace(members=[object()] * 3)
+    c.plan, c._per_worker, c.dataset_size = ShardPlan(64, seed=0), 8, 64
+    _, shards = c._shards_for(1, 3)
+    _, known = c._shards_for(2, 3)
+    c._keep_completed_steps([1, 2], "completed on a survivor before the rebuild", fast={2: [0, 2]})
+    assert [(e.step, e.rank, e.used) for e in c.ledger.entries] == [
+        (1, 0, None), (1, 1, None), (1, 2, None), (2, 0, True), (2, 1, False), (2, 2, True)]
+    assert [(h.step, h.samples, h.dropped, h.ranks) for h in c.history] == [(1, 16, 8, []), (2, 16, 8, [0, 2])]
+    # Requeued: only the known step's dropped shard.
+    assert c.plan.position.requeued == (known[1] if requeue else [])
+    [event] = [e for e in c.events if e.kind == "fast_set_unknown"]
+    assert event.details["steps"] == [1] and "which 2 ranks' gradients made it" in event.message
+    assert ("not requeued" in event.message) == requeue
+
+
+def test_a_plain_sync_step_kept_in_a_recovery_used_every_ranks_shard(ray_cluster):  # the Controller asks Ray for its runtime context
+    from elastic.data import ShardPlan
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    c = Controller(spec, elastic.ScalingConfig(num_workers=2), elastic.RunConfig(name="plain-kept"),
+                   elastic.FailureConfig(), global_batch_size=16)
+    c.plan, c._per_worker = ShardPlan(64, seed=0), 8
+    c._shards_for(1, 2)
+    c._keep_completed_steps([1], "completed on a survivor before the rebuild")
+    assert [e.used for e in c.ledger.entries] == [True, True] and c.history[0].dropped == 0
+    assert not [e for e in c.events if e.kind == "fast_set_unknown"]
+
+
 def test_a_lost_ranks_bundle_hosts_the_spare_that_refills_the_pool(ray_cluster):
     # Ray frees a bundle only with its whole placement group: a lost rank's bundle in the ranks'
     # group stayed reserved and idle, and on a cluster sized for ranks plus spares the refill
