@@ -506,3 +506,21 @@ def test_abort_collectives_acts_only_on_an_nccl_group_of_the_generation_asked():
     # NCCL, but no group formed (or an older generation asked): nothing to abort
     assert TrainWorker.abort_collectives(SimpleNamespace(backend="nccl", generation=1, rank=0), 1) is False
     assert TrainWorker.abort_collectives(SimpleNamespace(backend="nccl", generation=2, rank=0), 1) is False
+
+
+def test_a_rank_that_takes_an_older_state_forgets_the_fast_sets_of_the_history_given_up():
+    # A restore or a rollback to step 5: the fast sets this rank logged for 6-8 are of the old
+    # history, and the controller must not read them for the new one's steps 6-8.
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = SimpleNamespace(model=model, optimizer=optimizer, scheduler=None, completed_step=8, started_step=8,
+                           _fast_log={s: (0, 1) for s in range(1, 9)})
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": None, "completed_step": 5}
+    assert TrainWorker.set_state(rank, state) == 5
+    assert TrainWorker.fast_sets(rank, 1, 8) == {s: [0, 1] for s in range(1, 6)}
+    state["completed_step"] = 7  # forward (a rank behind catching up): what it knows stays
+    assert TrainWorker.set_state(rank, state) == 7 and sorted(rank._fast_log) == [1, 2, 3, 4, 5]

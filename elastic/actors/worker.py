@@ -884,6 +884,12 @@ class TrainWorker:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.completed_step = self.started_step = int(state["completed_step"])
+        # The fast sets of steps past the state taken (a restore or a rollback to an older step)
+        # belong to a history that was given up. Kept, they answered the controller's fast_sets
+        # for those steps of the new history when this rank had not done them again yet (a
+        # double failure in a recovery whose holder computed none of them), and booked the
+        # steps' samples to the wrong ranks.
+        self._fast_log = {s: f for s, f in self._fast_log.items() if s <= self.completed_step}
         return self.completed_step
 
     def progress(self, discard_begun: bool = False) -> tuple[int, int]:
