@@ -491,8 +491,8 @@ def test_set_state_leaves_adams_step_counters_where_torch_keeps_them():
     calls = []
     fresh = torch.optim.Adam(model.parameters())
     fresh.load_state_dict = lambda sd: calls.append(sd)
-    TrainWorker.set_state(SimpleNamespace(model=model, optimizer=fresh, scheduler=None, device=torch.device("meta")),
-                          state)
+    TrainWorker.set_state(SimpleNamespace(model=model, optimizer=fresh, scheduler=None, device=torch.device("meta"),
+                                          _fast_log={}), state)
     assert all(s["step"].device.type == "cpu" for s in calls[0]["state"].values())
 
 
