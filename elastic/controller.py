@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import socket
 import statistics
 import threading
 import time
@@ -21,7 +20,8 @@ from typing import Any, Callable, Iterable
 import ray
 
 from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, StopRequested, TrainingSpec, WorkerError
-from elastic.actors.worker_group import Member, WorkerGroup, check_cluster_fits, describe_worker_failure
+from elastic.actors.worker_group import (Member, WorkerGroup, check_cluster_fits, describe_worker_failure,
+                                         unreachable_nodes)
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
@@ -490,6 +490,7 @@ class Controller:
     def _new_group(self) -> None:
         self.group = self.worker_group_cls(self.scaling, self.spec, f"elastic-{self.run_config.name}")
         self.group.interrupted = self._interrupted  # its placement and spare waits end on a stop
+        self.group.nodes_to_avoid = self._nodes_to_avoid
 
     def _setup_data_and_checkpoints(self) -> None:
         position = None
@@ -1304,7 +1305,7 @@ class Controller:
             dead = self._probe_dead()
         down: set = set()
         if dead:
-            down = _unreachable_nodes({self.group.members[r].info.get("node_id") for r in dead})
+            down = unreachable_nodes({self.group.members[r].info.get("node_id") for r in dead})
             lost, down = self._co_located_losses(dead, down, settle=node_suspect)
             dead |= lost
         if not dead:
@@ -1363,7 +1364,7 @@ class Controller:
                     lost.add(refs[ref].rank)
             others = [m for m in others if m.rank not in lost]
             time.sleep(0.1)
-            down |= _unreachable_nodes({m.info.get("node_id") for m in others})
+            down |= unreachable_nodes({m.info.get("node_id") for m in others})
         if lost:
             self.log("node_lost", f"rank(s) {sorted(lost)} went with the node of rank(s) {sorted(dead)}",
                      ranks=sorted(lost))
@@ -1558,7 +1559,7 @@ class Controller:
             if isinstance(decision, WaitForCapacity):
                 missing = len(lost) - len(self.group.spares) - self.group.pending_spares
                 for _ in range(max(0, missing)):
-                    self.group.request_spare()
+                    self.group.request_spare(avoid_nodes=self._nodes_to_avoid())
                 self._publish_membership()  # the lost ranks out, the spares asked for building
                 self.group.collect_spares(block=True, timeout_s=decision.timeout_s, enough=len(lost))
                 self._log_spare_problems()
@@ -2343,23 +2344,9 @@ def _storage_unavailable(exc: BaseException) -> BaseException | None:
 _NODE_DEATH_MARKERS = ("node has died", "node died", "node is dead", "socket closed")
 
 
-def _unreachable_nodes(node_ids: set, timeout_s: float = 1.0) -> set:
-    """Those of ``node_ids`` whose raylet is marked dead, unknown, or refuses a TCP connection."""
-    down = set(node_ids)
-    for node in ray.nodes():
-        if node.get("NodeID") in down and node.get("Alive"):
-            try:
-                with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])),
-                                              timeout=timeout_s):
-                    down.discard(node["NodeID"])
-            except OSError:
-                pass
-    return down
-
-
 def _raylet_reachable(node_id: str | None) -> bool:
     """Whether the raylet of ``node_id`` accepts a TCP connection (the node is up)."""
-    return not _unreachable_nodes({node_id})
+    return not unreachable_nodes({node_id})
 
 
 def _wait_dead(actor, timeout_s: float) -> bool:

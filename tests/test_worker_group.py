@@ -30,3 +30,56 @@ def test_a_blocking_wait_for_spares_looks_for_freed_bundles_again_as_it_waits(mo
     looked.clear()
     group.collect_spares()  # not blocking: one look
     assert len(looked) == 1
+
+
+def _group_with_a_free_bundle(monkeypatch, placed: dict, reachable: set):
+    """A group whose ranks' placement group has bundle 0 held (on node A) and ``placed``'s other
+    bundles free; Ray lists every node of ``placed`` alive, and those in ``reachable`` answer."""
+    import ray
+    from types import SimpleNamespace
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    group = WorkerGroup(elastic.ScalingConfig(num_workers=1, num_backups=1), spec, "elastic-unit")
+    group._ranks_pg = SimpleNamespace(bundle_specs=[{"CPU": 1}] * len(placed))
+    group._bundle_holder = {0: "rank-0"}
+    probed = []
+
+    def unreachable(nodes, timeout_s=1.0):
+        probed.extend(nodes)
+        return set(nodes) - reachable
+
+    monkeypatch.setattr(ray.util, "placement_group_table", lambda pg: {"bundles_to_node_id": placed})
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": n, "Alive": True} for n in set(placed.values())])
+    monkeypatch.setattr(worker_group_module, "unreachable_nodes", unreachable)
+    return group, probed
+
+
+def test_a_freed_bundle_on_a_node_whose_raylet_is_gone_is_not_used_while_ray_still_lists_it_alive(monkeypatch):
+    # The GCS marks a node dead only after its health checks fail (~15 s by default); a recovery
+    # asks for its refill spare within seconds, and the lost rank's freed bundle is still
+    # "placed" on the dead node then. The spare was put there, to wait with the bundle.
+    group, probed = _group_with_a_free_bundle(monkeypatch, {0: "A", 1: "DEAD", 2: "B"}, reachable={"A", "B"})
+    assert group._placed_free_bundle([]) == 2
+    assert probed == ["DEAD", "B"] and group._down_nodes == {"DEAD"}
+    probed.clear()
+    assert group._placed_free_bundle([]) == 2 and probed == ["B"]  # a node found down is not probed again
+    assert group._placed_free_bundle(["B"]) is None
+
+
+def test_a_waiting_spare_moved_into_a_freed_bundle_keeps_off_nodes_avoided_since_it_was_asked_for(monkeypatch):
+    # A straggler evicted from node X frees its bundle there; a spare asked for before that (its
+    # own avoid list empty) was moved into that bundle at once, onto the slow node.
+    group, _ = _group_with_a_free_bundle(monkeypatch, {0: "A", 1: "X"}, reachable={"A", "X"})
+    waiting = Member(None, "spare-0", pg=object(), spare=True, info={"_avoid": [], "_background": True})
+    asked = []
+    monkeypatch.setattr(group, "_placed", lambda m: False)
+    monkeypatch.setattr(group, "_release", lambda m: None)
+    monkeypatch.setattr(group, "request_spare", lambda background, avoid_nodes: asked.append(avoid_nodes))
+    group._pending_spares = [waiting]
+    group.nodes_to_avoid = lambda: {"X"}
+    group._move_to_placed_free_bundles()
+    assert asked == [] and group._pending_spares == [waiting]
+    group.nodes_to_avoid = lambda: set()  # X's time is up
+    group._move_to_placed_free_bundles()
+    assert asked == [[]] and group._pending_spares == []

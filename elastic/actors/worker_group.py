@@ -9,6 +9,7 @@ the controller tells it which actor becomes which rank.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -99,6 +100,20 @@ def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
             )
 
 
+def unreachable_nodes(node_ids: set, timeout_s: float = 1.0) -> set:
+    """Those of ``node_ids`` whose raylet is marked dead, unknown, or refuses a TCP connection."""
+    down = set(node_ids)
+    for node in ray.nodes():
+        if node.get("NodeID") in down and node.get("Alive"):
+            try:
+                with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])),
+                                              timeout=timeout_s):
+                    down.discard(node["NodeID"])
+            except OSError:
+                pass
+    return down
+
+
 def wait_refs(refs: list, timeout_s: float, interrupted=lambda: False) -> list:
     """``ray.wait`` for every one of ``refs`` up to ``timeout_s``, in slices of ``STOP_POLL_S``
     that end the wait early once ``interrupted()``; returns the ready ones."""
@@ -152,6 +167,12 @@ class WorkerGroup:
         self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         # The controller's "was a stop asked for?": blocking waits here end early when it says so.
         self.interrupted: Any = lambda: False
+        # The controller's nodes spares stay off now (a straggler was evicted there): a pending
+        # spare moved into a freed bundle keeps off them too, not only off those of its request.
+        self.nodes_to_avoid: Any = lambda: ()
+        # Nodes whose raylet refused a connection while Ray still listed them alive: never used
+        # again (a node ID is not reused; a node that comes back is a new one).
+        self._down_nodes: set[str] = set()
 
     # ---- creation --------------------------------------------------------------------------
     def _options(self, pg: PlacementGroup, bundle_index: int, name: str) -> dict:
@@ -311,16 +332,28 @@ class WorkerGroup:
         return i
 
     def _placed_free_bundle(self, avoid_nodes: Iterable[str]) -> int | None:
-        """A free bundle of the ranks' group placed now on a live node not in ``avoid_nodes``."""
+        """A free bundle of the ranks' group placed now on a live node not in ``avoid_nodes``.
+
+        Live: listed alive by Ray and its raylet accepting a connection. Why both: the GCS marks a
+        node dead only once its health checks have failed (~15 s with Ray's defaults), and a
+        recovery is over in a few seconds. Right after a node loss, the lost rank's freed bundle
+        is still "placed" on the dead node, and its refill spare was put there, to wait with the
+        bundle (counted as pending, so no other spare was asked for) or die as spare_lost."""
         free = self._free_bundles
         if not free:
             return None
         avoid = set(avoid_nodes)
         nodes = ray.util.placement_group_table(self._ranks_pg).get("bundles_to_node_id", {})
-        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
+        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")} - self._down_nodes
         for i in free:
-            if nodes.get(i) in alive and nodes.get(i) not in avoid:
-                return i
+            node = nodes.get(i)
+            if node not in alive or node in avoid:
+                continue
+            if unreachable_nodes({node}):
+                self._down_nodes.add(node)
+                alive.discard(node)
+                continue
+            return i
         return None
 
     def _move_to_placed_free_bundles(self) -> None:
@@ -341,13 +374,16 @@ class WorkerGroup:
                 continue
             if self._placed(m):
                 continue  # placed: it is building
-            if self._placed_free_bundle(m.info.get("_avoid", [])) is None:
+            # Off the nodes avoided when it was asked for and those avoided since (a straggler
+            # evicted meanwhile, whose freed bundle would otherwise be the one found here).
+            avoid = sorted(set(m.info.get("_avoid", [])) | set(self.nodes_to_avoid()))
+            if self._placed_free_bundle(avoid) is None:
                 continue  # none off this one's avoided nodes; another spare may avoid none
             self._pending_spares.remove(m)
             self._release(m)
             self._note_spare("spares", f"{m.name} was still waiting for room, and a bundle of the ranks' group "
                              "freed by a lost rank is placed now: asking for the spare there")
-            self.request_spare(background=m.info["_background"], avoid_nodes=m.info.get("_avoid", []))
+            self.request_spare(background=m.info["_background"], avoid_nodes=avoid)
 
     def _avoidable(self, avoid_nodes: Iterable[str]) -> list[str]:
         """``avoid_nodes`` (sorted) if some other live node has the resources of a bundle, else []."""
