@@ -202,3 +202,18 @@ class SparesThatNeverPlace(FakeGroup):
         pg = placement_group([{"CPU": 10_000}], name=f"{self.namespace}/spare-{idx}")
         self._pgs.append(pg)
         return pg
+
+
+class SlowBuildWorker(FakeWorker):
+    """Rank 1's build never ends (a model_fn stuck on a download, a dataset on a dead mount)."""
+
+    def __init__(self, spec, name="", background_start=False):
+        super().__init__(spec, name, background_start)
+        if name == "rank-1":
+            time.sleep(600)
+
+
+class SlowBuildGroup(FakeGroup):
+    def __init__(self, scaling, spec, namespace):
+        super().__init__(scaling, spec, namespace)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(SlowBuildWorker)

@@ -1383,6 +1383,23 @@ def test_a_stop_while_the_ranks_wait_for_placement_ends_the_run_without_a_placem
                 if pg["name"].startswith("elastic-fake-stop-placement") and pg["state"] != "REMOVED"]
 
 
+def test_a_stop_while_a_rank_builds_ends_the_run_then_not_once_every_rank_is_built(ray_cluster):
+    from fake_workers import SlowBuildGroup
+
+    c = controller("fake-stop-build")
+    c.worker_group_cls = SlowBuildGroup
+    stop_once(c, lambda: c.group is not None and c.group.members == [] and c.group._bundle_holder != {})
+    t0 = time.time()
+    out = run_until_stopped(c, 5)
+    assert time.time() - t0 < 60
+    assert c.state is State.STOPPED and out["steps"] == 0
+    # Rank 0 builds at once, and may be built by the time the stop comes.
+    assert out["stopped_while"] in ("stopped while rank(s) [1] built their model and dataset",
+                                    "stopped while rank(s) [0, 1] built their model and dataset")
+    assert not [pg for pg in ray.util.placement_group_table().values()
+                if pg["name"].startswith("elastic-fake-stop-build") and pg["state"] != "REMOVED"]
+
+
 def test_a_stop_while_a_resume_waits_for_storage_ends_the_run(ray_cluster):
     from elastic.checkpoint import CheckpointStore
     from elastic.checkpoint.storage import StorageUnavailable

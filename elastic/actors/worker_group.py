@@ -218,15 +218,25 @@ class WorkerGroup:
         self._bundle_holder = {m.bundle_index: m.name for m in pending}
         for _ in range(self.scaling.num_hot_spares):
             self.request_spare()
-        refs = [m.actor.info.remote() for m in pending]  # every rank builds at once
+        # Every rank builds at once; each is taken as it is built, so a rank that fails to build
+        # is told at once, not after the slowest model_fn or dataset_fn. No time limit (a big
+        # model or dataset may take long to build), but a stop ends the wait: Ctrl-C during a
+        # stuck build (a download, a mount) stopped the run only once every rank was built.
+        waiting = {m.actor.info.remote(): rank for rank, m in enumerate(pending)}
         try:
-            for rank, (m, ref) in enumerate(zip(pending, refs)):
-                try:
-                    m.info = ray.get(ref)
-                except ray.exceptions.RayActorError as exc:
-                    if not getattr(exc, "actor_init_failed", False):
-                        raise
-                    raise WorkerError(rank, describe_worker_failure(exc, "could not be built")) from None
+            while waiting:
+                done, _ = ray.wait(list(waiting), num_returns=1, timeout=STOP_POLL_S)
+                for ref in done:
+                    rank = waiting.pop(ref)
+                    try:
+                        pending[rank].info = ray.get(ref)
+                    except ray.exceptions.RayActorError as exc:
+                        if not getattr(exc, "actor_init_failed", False):
+                            raise
+                        raise WorkerError(rank, describe_worker_failure(exc, "could not be built")) from None
+                if waiting and not done and self.interrupted():
+                    raise StopRequested(f"stopped while rank(s) {sorted(waiting.values())} built their model "
+                                        "and dataset")
         except BaseException:
             # The ranks started so far are no members yet, so shutdown() would leave them to the
             # removal of their placement group, which frees their names only once Ray has seen
