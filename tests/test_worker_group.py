@@ -83,3 +83,25 @@ def test_a_waiting_spare_moved_into_a_freed_bundle_keeps_off_nodes_avoided_since
     group.nodes_to_avoid = lambda: set()  # X's time is up
     group._move_to_placed_free_bundles()
     assert asked == [[]] and group._pending_spares == []
+
+
+def test_a_cluster_too_small_for_the_replicas_names_the_settings_that_count_them(monkeypatch):
+    # "lower num_workers/num_backups/num_spares" sent a plain run's user to num_backups (its hot
+    # spares, never counted here) and a first-N run's to num_spares.
+    import pytest
+    import ray
+
+    from elastic.actors.worker_group import check_cluster_fits
+    from elastic.config import ConfigError
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    plain = elastic.ScalingConfig(num_workers=3, num_backups=1)
+    with pytest.raises(ConfigError) as err:
+        check_cluster_fits(plain, plain.num_replicas)
+    assert "needs 3 CPU (3 actors x 1) but the cluster has 2; lower ScalingConfig.num_workers or " \
+           "resources_per_worker" in str(err.value) and "Hot spares (num_backups) are not counted" in str(err.value)
+    first_n = elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n", num_spares=1)
+    with pytest.raises(ConfigError) as err:
+        check_cluster_fits(first_n, first_n.num_replicas)
+    assert "lower ScalingConfig.num_workers or num_backups (first-N replicas)" in str(err.value)
+    assert "Hot spares (num_spares) are not counted" in str(err.value)

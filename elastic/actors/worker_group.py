@@ -90,13 +90,19 @@ def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
             "If its nodes do have GPUs, Ray did not count them (its count goes through NVML): start them "
             "with `ray start --num-gpus=N`."
         )
+    # The settings that make up ``total_bundles`` (the replicas; spares wait for room, uncounted).
+    if scaling.aggregation == "first_n":
+        count, spares = "ScalingConfig.num_workers or num_backups (first-N replicas)", "num_spares"
+    else:
+        count, spares = "ScalingConfig.num_workers", "num_backups"
     for key, per in bundle.items():
         have = resources.get(key, 0.0)
         need = per * total_bundles
         if need > have + 1e-9:
             raise ConfigError(
                 f"The run needs {need:g} {key} ({total_bundles} actors x {per:g}) but the cluster has {have:g}; "
-                "lower ScalingConfig.num_workers/num_backups/num_spares or resources_per_worker, or add nodes."
+                f"lower {count} or resources_per_worker, or add nodes. Hot spares ({spares}) are not counted "
+                "here: they wait for room."
             )
 
 
