@@ -280,16 +280,24 @@ class ScalingConfig:
             raise ConfigError("ScalingConfig.resources_per_worker asks for GPU but use_gpu=False; set use_gpu=True.")
         resources.setdefault("CPU", 1.0)
         if self.use_gpu:
-            resources.setdefault("GPU", 1.0)
-            if resources["GPU"] <= 0:
+            # The default GPU goes into bundle(), not into this field: written here, a config
+            # turned to use_gpu=False later (dataclasses.replace, or the field set before fit())
+            # read as one asking for a GPU, and was refused with "set use_gpu=True".
+            gpu = resources.get("GPU", 1.0)
+            if gpu <= 0:
                 raise ConfigError("ScalingConfig.use_gpu=True needs resources_per_worker['GPU'] > 0.")
-            if resources["GPU"] < 1 and self.num_replicas > 1:
+            if gpu < 1 and self.num_replicas > 1:
                 # Ray would pack two ranks onto one card, and NCCL refuses two ranks of one group
                 # on the same device ("Duplicate GPU detected") when the group forms.
                 raise ConfigError(
-                    f"ScalingConfig.resources_per_worker['GPU']={resources['GPU']} lets Ray put two of the "
+                    f"ScalingConfig.resources_per_worker['GPU']={gpu} lets Ray put two of the "
                     f"{self.num_replicas} ranks on one GPU, and NCCL refuses two ranks on one device. Give each "
                     "worker a whole GPU (resources_per_worker['GPU'] >= 1), or train with one rank.")
+            if gpu > 1 and gpu != int(gpu):
+                # Ray counts GPUs in whole units: it refuses 1.5 when the actor is created, inside
+                # the controller, with a message that names no setting.
+                raise ConfigError(f"ScalingConfig.resources_per_worker['GPU']={gpu:g}: Ray takes a GPU amount "
+                                  f"above 1 only as a whole number; use {int(gpu)} or {int(gpu) + 1}.")
         self.resources_per_worker = resources
         if not self.bundle():
             raise ConfigError(f"ScalingConfig.resources_per_worker={resources!r} asks for no resource, and Ray "
@@ -305,7 +313,11 @@ class ScalingConfig:
         return self.num_spares if self.aggregation == "first_n" else self.num_backups
 
     def bundle(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.resources_per_worker.items() if v > 0}
+        """One rank's placement bundle: ``resources_per_worker``, with one GPU if ``use_gpu`` names none."""
+        resources = dict(self.resources_per_worker)
+        if self.use_gpu:
+            resources.setdefault("GPU", 1.0)
+        return {k: float(v) for k, v in resources.items() if v > 0}
 
 
 @dataclass

@@ -294,6 +294,28 @@ def test_fractional_gpu_is_fine_for_one_rank():
     assert ScalingConfig(use_gpu=True, num_backups=1, resources_per_worker={"GPU": 0.5}).bundle()["GPU"] == 0.5
 
 
+def test_a_gpu_amount_above_one_must_be_whole():
+    # Ray refuses 1.5 GPUs when the actor is created, inside the controller, naming no setting.
+    with pytest.raises(ConfigError, match=r"resources_per_worker\['GPU'\]=1.5: Ray takes a GPU amount above 1 only "
+                                          r"as a whole number; use 1 or 2"):
+        ScalingConfig(use_gpu=True, num_workers=2, resources_per_worker={"GPU": 1.5})
+    assert ScalingConfig(use_gpu=True, num_workers=2, resources_per_worker={"GPU": 2}).bundle()["GPU"] == 2.0
+
+
+def test_a_gpu_config_turned_to_cpu_is_taken():
+    # use_gpu's default GPU was written into resources_per_worker, so turning use_gpu off later
+    # was refused with "asks for GPU but use_gpu=False; set use_gpu=True".
+    import dataclasses
+
+    gpu = ScalingConfig(use_gpu=True, num_workers=2)
+    assert gpu.bundle() == {"CPU": 1.0, "GPU": 1.0} and "GPU" not in gpu.resources_per_worker
+    cpu = dataclasses.replace(gpu, use_gpu=False)
+    assert cpu.bundle() == {"CPU": 1.0}
+    gpu.use_gpu = False
+    gpu.__post_init__()  # as Trainer._prepare re-validates a field set before fit()
+    assert gpu.bundle() == {"CPU": 1.0}
+
+
 def test_device_choice_without_gpu():
     assert choose_device_and_backend(False, [], False) == ("cpu", "gloo")
     assert choose_device_and_backend(True, [0], True) == ("cuda:0", "nccl")
