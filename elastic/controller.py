@@ -1231,7 +1231,11 @@ class Controller:
         node_suspect = False
         released = aborted = False
         while pending:
-            timeout = cfg.heartbeat_interval_s
+            # A heartbeat interval, cut short at the step timeout's and a broken collective's
+            # deadlines: a wait of the whole interval checked them only after it, so with
+            # heartbeat_interval_s=300 a hung step was killed after 300 s, not step_timeout_s.
+            ends = [t0 + cfg.step_timeout_s] + ([first_problem + cfg.collective_timeout_s] if first_problem else [])
+            timeout = max(0.01, min(cfg.heartbeat_interval_s, min(ends) - time.time()))
             t_wait = time.perf_counter()
             want = len(pending) if (dead or collective_failed or user_error) else max(1, need - got)
             ready, _ = ray.wait(list(pending), num_returns=min(want, len(pending)), timeout=timeout)

@@ -1447,6 +1447,23 @@ class SteadyGroup(FakeGroup):
         self._actor_cls = ray.remote(concurrency_groups={"control": 1})(SteadyWorker)
 
 
+def test_a_long_heartbeat_interval_does_not_stretch_the_step_timeout(ray_cluster):
+    # Each wait lasted a whole heartbeat interval, and the timeouts were checked after it: with
+    # heartbeat_interval_s=30 a step hung past step_timeout_s=1 was killed after 30 s.
+    from elastic.controller import Failure
+
+    with trained("fake-long-interval", workers=2, steps=1) as c:
+        c.failure_config.heartbeat_interval_s = 30.0
+        c.failure_config.step_timeout_s = 1.0
+        hung = c.group.members[0].actor.stall.remote(60)  # rank 0's call never returns
+        t0 = time.time()
+        with pytest.raises(Failure) as failure:
+            c._gather([hung], [0])
+        assert time.time() - t0 < 15 and failure.value.dead == {0}
+        [hang] = [e for e in c.events if e.kind == "hang"]
+        assert "step exceeded step_timeout_s=1" in hang.message
+
+
 def test_a_window_of_healthy_steps_longer_than_step_timeout_s_is_no_hang(ray_cluster):
     # The step timeout ran over the whole dispatch window: 8 steps of 0.3 s against a 1.5 s
     # step timeout killed both ranks as hung, window after window, until max_failures ended the
