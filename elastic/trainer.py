@@ -203,6 +203,10 @@ def _check_failure_actions(failure: FailureConfig, run: RunConfig, num_workers: 
                    if low >= num_workers else
                    f"Trainer.global_batch_size={global_batch} divides over none of the sizes "
                    f"{low}..{num_workers - 1} (a shrunk run keeps the global batch)")
+            if num_workers == 1:  # min_workers is at least 1: there is no size below to name
+                raise ConfigError("FailureConfig asks to shrink, but a run of ScalingConfig.num_workers=1 has no "
+                                  "smaller size: raise num_workers, or choose another action (wait, restart, "
+                                  "fail) for FailureConfig.on_failure/when_no_spare.")
             raise ConfigError(f"FailureConfig asks to shrink, but {why}: set FailureConfig.min_workers below "
                               f"ScalingConfig.num_workers={num_workers} to a size the global batch divides over.")
 
@@ -579,8 +583,14 @@ class Trainer:
             self._kill_controller()
             # A KeyboardInterrupt, as a clean stop's TrainingStopped is: Ray's GetTimeoutError is
             # an Exception, so `except Exception` swallowed the user's interrupt and said nothing of it.
-            what = ("a second interrupt" if isinstance(exc, KeyboardInterrupt)
-                    else f"RunConfig.stop_timeout_s={self.run.stop_timeout_s:g}s ran out before the stop finished")
+            # Named by what ended the wait: a controller that died while stopping (its node lost,
+            # out of memory) is not a timeout, and its user should not go and raise one.
+            if isinstance(exc, KeyboardInterrupt):
+                what = "a second interrupt"
+            elif isinstance(exc, ray.exceptions.GetTimeoutError):
+                what = f"RunConfig.stop_timeout_s={self.run.stop_timeout_s:g}s ran out before the stop finished"
+            else:
+                what = f"the controller failed while stopping: {type(exc).__name__}: {str(exc)[:300]}"
             raise KeyboardInterrupt(
                 f"run {self.run.name!r} killed ({what}): steps not yet committed are lost, as in a crash; fit() "
                 f"again with RunConfig.name={self.run.name!r} and the same storage continues from the latest "

@@ -418,6 +418,14 @@ def test_a_failure_action_that_could_never_heal_is_refused_before_start(failure,
         _trainer(failure=failure, **({"run": run} if run else {}))
 
 
+def test_a_one_worker_run_asked_to_shrink_is_told_it_cannot_not_to_lower_min_workers():
+    # "set min_workers below num_workers=1" asked for the impossible: min_workers is at least 1.
+    with pytest.raises(ConfigError, match=r"num_workers=1 has no smaller size: raise num_workers, or choose another "
+                                          r"action \(wait, restart, fail\)"):
+        _trainer(scaling=ScalingConfig(num_workers=1),
+                 failure=FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=1))
+
+
 def test_failure_actions_that_can_heal_are_accepted(tmp_path):
     _trainer(failure=FailureConfig(when_no_spare="restart"), run=elastic.RunConfig(storage=str(tmp_path)))
     _trainer(failure=FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=2))  # 32 over 2

@@ -490,6 +490,31 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     assert states and set(states) == {"REMOVED"}
 
 
+def test_a_controller_that_dies_while_stopping_is_not_reported_as_a_timeout(ray_cluster):
+    # Any error of the wait read as "RunConfig.stop_timeout_s ran out", and sent its user to raise
+    # a timeout that never ran out.
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    @ray.remote(num_cpus=0)
+    class DiesOnStop:
+        def run(self):
+            time.sleep(3600)
+
+        def stop(self, reason):
+            os._exit(1)  # out of memory, its node lost
+
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
+                              run=elastic.RunConfig(name="dies-on-stop", stop_timeout_s=60))
+    trainer.controller = DiesOnStop.options(max_concurrency=2).remote()  # stop() runs beside run(), as the controller actor's does
+    ref = trainer.controller.run.remote()
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt, match="run 'dies-on-stop' killed .the controller failed while stopping: "
+                                                "ActorDiedError") as info:
+        trainer._stop(ref, "KeyboardInterrupt")
+    assert time.time() - t0 < 30 and "stop_timeout_s" not in str(info.value)
+    assert isinstance(info.value.__cause__, ray.exceptions.RayActorError)
+
+
 @pytest.mark.parametrize("how, said, cause", [("dies", "was lost", ray.exceptions.RayActorError),
                                               ("raises", "failed", ray.exceptions.RayTaskError)])
 def test_a_controller_lost_mid_run_fails_the_fit_and_frees_its_placement_groups(ray_cluster, how, said, cause):
