@@ -125,6 +125,18 @@ def env_log_level() -> str:
     return level
 
 
+def elastic_environment() -> dict[str, str]:
+    """The ELASTIC_* overrides set here (``ENV_NUMBERS`` and ``ELASTIC_LOG_LEVEL``), for the run's
+    actors: the controller gets them in its runtime_env, and the ranks and checkpoint agents it
+    starts inherit it (Ray merges a child's env_vars into its parent's). Why: on a joined cluster
+    the actors run under the raylets' environment, not the driver's, and one set only in the
+    driver (``ray job submit -- env ELASTIC_STORAGE_ATTEMPTS=8 python train.py``) was checked
+    there and then silently not used. Only these names: another ELASTIC_* variable (an
+    Elasticsearch password, say) is none of ours, and a runtime_env shows in the dashboard."""
+    names = (*ENV_NUMBERS, "ELASTIC_LOG_LEVEL")
+    return {name: os.environ[name] for name in names if os.environ.get(name)}
+
+
 def check_environment() -> None:
     """Every ELASTIC_* override that is set, checked in the driver before any actor starts (the
     actors read them too: a bad one failed there, late)."""

@@ -25,7 +25,8 @@ from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
 from elastic.address import shown, trainer_address_problem, unreachable
 from elastic.config import (CheckpointConfig, ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real,
-                            _require_flag, _require_int, _require_positive, check_environment)
+                            _require_flag, _require_int, _require_positive, check_environment,
+                            elastic_environment)
 from elastic.controller import TrainingFailed, WorkerError
 from elastic.policies import FailurePolicy
 
@@ -454,14 +455,22 @@ class Trainer:
 
         return DriverMirror(self._store.storage.full_path())
 
+    def _controller_options(self) -> dict:
+        """The controller actor's options: beside the driver (a worker node that dies must not
+        take the run along), and with the driver's ELASTIC_* overrides, which the ranks and
+        agents it starts inherit (``elastic_environment``)."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        options = dict(name="controller", namespace=self.namespace, num_cpus=0, scheduling_strategy=here,
+                       max_restarts=0, lifetime=None)
+        env = elastic_environment()
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        return options
+
     def _run_controller(self, actor_cls, kwargs: dict, steps: int | None, epochs: int | None) -> Result:
         # The controller lives beside the driver: a worker node that dies must not take the
         # controller (and with it the run) along.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.controller = actor_cls.options(
-            name="controller", namespace=self.namespace, num_cpus=0, scheduling_strategy=here,
-            max_restarts=0, lifetime=None,
-        ).remote(kwargs)
+        self.controller = actor_cls.options(**self._controller_options()).remote(kwargs)
         ref = self.controller.run.remote(steps, epochs)
         stopped_by = None
         with _sigterm_stops_the_run() as signals:

@@ -1521,3 +1521,44 @@ def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hang
         hangs = [e for e in c.events if e.kind == "hang"]
         assert len(hangs) == 2 and hangs[1].details["rank"] == 1 and spare.name in c._hung
         assert_dies(spare.actor)
+
+
+def test_the_drivers_elastic_overrides_reach_the_controller_and_the_actors_it_starts(ray_cluster, monkeypatch):
+    # On a joined cluster the actors run under the raylets' environment: an ELASTIC_* override
+    # set only in the driver was checked there, then not used by the ranks, agents or controller.
+    # The controller's options carry them, and what it starts inherits them (Ray merges env_vars).
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    def seen():
+        return {k: os.environ.get(k) for k in ("ELASTIC_STORAGE_ATTEMPTS", "ELASTIC_LOG_LEVEL", "ELASTIC_PASSWORD")}
+
+    @ray.remote(num_cpus=0)
+    class Child:
+        def env(self):
+            return seen()
+
+    @ray.remote(num_cpus=0)
+    class Parent:  # as the controller, which starts the ranks and agents
+        def envs(self):
+            child = Child.remote()
+            return seen(), ray.get(child.env.remote(), timeout=60)
+
+    monkeypatch.setenv("ELASTIC_STORAGE_ATTEMPTS", "8")
+    monkeypatch.setenv("ELASTIC_LOG_LEVEL", "debug")
+    monkeypatch.setenv("ELASTIC_PASSWORD", "not-ours")  # an Elasticsearch secret: never forwarded
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8, run=elastic.RunConfig(name="env-fwd"))
+    options = trainer._controller_options()
+    env = options["runtime_env"]["env_vars"]  # with the suite's own (conftest sets some timeouts)
+    assert env["ELASTIC_STORAGE_ATTEMPTS"] == "8" and env["ELASTIC_LOG_LEVEL"] == "debug"
+    assert "ELASTIC_PASSWORD" not in env and all(k.startswith("ELASTIC_") for k in env)
+    options.pop("name")
+    parent = Parent.options(**options).remote()
+    try:
+        own, child = ray.get(parent.envs.remote(), timeout=120)
+    finally:
+        ray.kill(parent)
+    expected = {"ELASTIC_STORAGE_ATTEMPTS": "8", "ELASTIC_LOG_LEVEL": "debug", "ELASTIC_PASSWORD": None}
+    assert own == expected and child == expected
+    for name in [k for k in os.environ if k.startswith("ELASTIC_")]:
+        monkeypatch.delenv(name)
+    assert "runtime_env" not in trainer._controller_options()  # none set: the job's own runtime_env as it is
