@@ -114,6 +114,12 @@ def test_manifests_use_the_image_the_dockerfile_builds():
     assert "TORCH_VERSION=2.13.0" in dockerfile and "torch==${TORCH_VERSION}" in dockerfile
     assert re.search(r"pip install \.", dockerfile)
     assert dockerfile.index("torch==") < dockerfile.index("pip install .")
+    # The image's Ray is the one the manifests name (KubeRay runs the cluster as that version).
+    versions = {doc["spec"].get("rayVersion") or doc["spec"]["rayClusterSpec"]["rayVersion"]
+                for name in ("rayjob-digits.yaml", "raycluster-gpu.yaml")
+                for doc in documents(os.path.join(DEPLOY, name))[:1]}
+    assert len(versions) == 1 and f"RAY_VERSION={versions.pop()}" in dockerfile
+    assert '"ray[default,train]==${RAY_VERSION}"' in dockerfile
 
 
 def declared_metrics() -> set[str]:
