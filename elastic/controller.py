@@ -1080,6 +1080,17 @@ class Controller:
                 clocks[r] = (max(since, self._late_done_at.get(r, 0.0)), k)
         return clocks
 
+    def _late_wait_s(self) -> float:
+        """How long ``_wait_late`` waits: ``step_timeout_s``, or on a stop a quarter of the
+        driver's ``stop_timeout_s`` at most. Why: the driver kills a stop that outlasts
+        stop_timeout_s (60 s by default), and with it the last step's commit and weights; a late
+        replica's backlog could take step_timeout_s (120 s) alone, then the release's regroup
+        and the final flush."""
+        wait = self.failure_config.step_timeout_s
+        if self._stop_reason is not None:
+            wait = min(wait, self.run_config.stop_timeout_s / 4)
+        return wait
+
     def _wait_late(self, exclude: int | None = None) -> dict[int, BaseException | None]:
         """Let late ranks (but ``exclude``) finish their windows, for up to ``step_timeout_s`` in
         all, and take in those that did. Returns the ranks whose windows did not: rank -> its
@@ -1092,7 +1103,7 @@ class Controller:
         refs = list(self._lagging_ranks(exclude=exclude))
         if not refs:
             return {}
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.step_timeout_s)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._late_wait_s())
         unfinished: dict[int, BaseException | None] = {}
         for ref in refs:
             r = self._lagging[ref][0]
@@ -1119,7 +1130,9 @@ class Controller:
         gone: dict[int, str] = {}
         for r, exc in unfinished.items():
             if exc is None:
-                gone[r] = f"still busy after step_timeout_s={self.failure_config.step_timeout_s:g}s"
+                waited = self._late_wait_s()
+                gone[r] = (f"still busy after step_timeout_s={waited:g}s" if waited == self.failure_config.step_timeout_s
+                           else f"still busy after {waited:g}s, a quarter of the stop's RunConfig.stop_timeout_s")
             elif isinstance(exc, ray.exceptions.RayActorError):
                 gone[r] = "died"
             elif not isinstance(exc, ray.exceptions.RayTaskError):
@@ -2173,7 +2186,7 @@ class Controller:
             return
         final = None
         every = self.run_config.checkpoint.every_n_steps
-        if every > 0 and (self.step % every or self._snapshot_last) and self.step > (self.restored_from or 0):
+        if (every == 0 or self.step % every or self._snapshot_last) and self.step > (self.restored_from or 0):
             final = self.step
             position = self._positions.get(final) if self._look_ahead else None
             self.committer.set_meta(final, self._checkpoint_meta(final, position or self.plan.position.to_dict()),
@@ -2297,7 +2310,8 @@ class Controller:
         return rows
 
     def status(self) -> dict:
-        last = self.history[-1] if self.history else None
+        history = self.history  # read once: the step thread may put another list there (_truncate_history)
+        last = history[-1] if history else None
         return {
             "run": self.run_config.name, "state": self.state.value, "step": self.step,
             "total_steps": self.total_steps, "loss": last.loss if last else None,

@@ -144,6 +144,18 @@ def test_the_last_step_commits_whatever_every_n_steps_says(ray_cluster, tmp_path
     assert_weights_close(again.model_state, uninterrupted, atol=1e-5)
 
 
+def test_every_n_steps_0_commits_the_last_step_alone(ray_cluster, tmp_path, uninterrupted):
+    # The docs promise the last step whatever every_n_steps; with 0 the ranks had no writer, so
+    # nothing committed and the run logged a rank's part as missing (checkpoint_incomplete).
+    url = f"file://{tmp_path}/ckpt"
+    first = trainer("last-only", url, every_n_steps=0).fit(steps=12)
+    assert [e["details"]["step"] for e in first.events_of("checkpoint_commit")] == [12]
+    assert first.checkpoint["latest_step"] == 12 and not first.events_of("checkpoint_incomplete")
+    again = trainer("last-only", url, every_n_steps=0).fit(steps=12)
+    assert again.metrics["restored_from"] == 12
+    assert_weights_close(again.model_state, uninterrupted, atol=1e-5)
+
+
 def test_memory_storage_is_shared_by_the_run_and_stays_with_the_driver(ray_cluster, uninterrupted):
     """memory:// is this process's memory: the ranks and the controller (other processes) work
     on a shared copy while the run trains, and it comes back here when fit() returns."""

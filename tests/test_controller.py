@@ -1562,3 +1562,24 @@ def test_the_drivers_elastic_overrides_reach_the_controller_and_the_actors_it_st
     for name in [k for k in os.environ if k.startswith("ELASTIC_")]:
         monkeypatch.delenv(name)
     assert "runtime_env" not in trainer._controller_options()  # none set: the job's own runtime_env as it is
+
+
+def test_a_stop_waits_for_late_replicas_a_quarter_of_the_drivers_stop_timeout(ray_cluster):
+    # The wait was step_timeout_s (120 s) on a stop too, past the driver's stop_timeout_s (60 s),
+    # which then killed the controller and lost the stopped step's commit and weights.
+    @ray.remote(num_cpus=0)
+    def busy():
+        time.sleep(60)
+
+    with trained("fake-stop-late", workers=3, steps=2) as c:
+        assert c._late_wait_s() == c.failure_config.step_timeout_s == 120
+        c.request_stop("a stop from the test")
+        assert c._late_wait_s() == c.run_config.stop_timeout_s / 4 == 15
+        c.run_config.stop_timeout_s = 2.0
+        c._lagging = {busy.remote(): (2, time.time(), 1)}
+        t0 = time.time()
+        c._finish_late()
+        assert time.time() - t0 < 10
+        [released] = [e for e in c.events if e.kind == "late_released"]
+        assert released.details["ranks"] == [2]
+        assert "still busy after 0.5s, a quarter of the stop's RunConfig.stop_timeout_s" in released.message

@@ -936,8 +936,6 @@ class TrainWorker:
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
-        if every_n_steps <= 0:
-            return
         notify = None
         if controller is not None:
             def notify(step, world_size, parts):  # writer thread; fire and forget
@@ -950,7 +948,10 @@ class TrainWorker:
                                       progress=lambda: self.completed_step, min_shard_bytes=min_shard_bytes,
                                       pool_parts=pool_parts)
 
-        if agent_address is not None and not blocking:
+        # every_n_steps=0: no step is due (``is_due``), and the writer is here for the run's last
+        # step, which the controller has snapshotted at the end (flush_checkpoint); without it
+        # that step was never written, though a stop or a finish promises it.
+        if agent_address is not None and not blocking and every_n_steps > 0:
             try:
                 self._ckpt = AgentCheckpointer(agent_address, every_n_steps, in_process, min_shard_bytes)
                 return
