@@ -4,6 +4,7 @@ first-N's helpers, and how a batch is fetched from the dataset."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -501,11 +502,71 @@ def test_abort_collectives_acts_only_on_an_nccl_group_of_the_generation_asked():
 
     from elastic.actors.worker import NCCL_ERROR_ENV, TrainWorker
 
+    def rank(backend="nccl", generation=1):
+        return SimpleNamespace(backend=backend, generation=generation, rank=0, _group_lock=threading.Lock(),
+                               _aborted_generation=None)
+
     assert NCCL_ERROR_ENV["TORCH_NCCL_BLOCKING_WAIT"] == "1"  # so an aborted collective raises in wait()
-    assert TrainWorker.abort_collectives(SimpleNamespace(backend="gloo", generation=1, rank=0), 1) is False
+    assert TrainWorker.abort_collectives(rank("gloo"), 1) is False
     # NCCL, but no group formed (or an older generation asked): nothing to abort
-    assert TrainWorker.abort_collectives(SimpleNamespace(backend="nccl", generation=1, rank=0), 1) is False
-    assert TrainWorker.abort_collectives(SimpleNamespace(backend="nccl", generation=2, rank=0), 1) is False
+    assert TrainWorker.abort_collectives(rank(), 1) is False
+    assert TrainWorker.abort_collectives(rank(generation=2), 1) is False
+
+
+def test_an_nccl_abort_is_flagged_and_never_lands_on_a_group_being_left_or_joined(monkeypatch):
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    aborted = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda: aborted.append(True))
+    worker = SimpleNamespace(backend="nccl", generation=3, rank=0, _group_lock=threading.Lock(),
+                             _aborted_generation=None)
+    with worker._group_lock:  # the training thread is leaving or joining
+        assert TrainWorker.abort_collectives(worker, 3) is False
+    assert aborted == [] and worker._aborted_generation is None
+    assert TrainWorker.abort_collectives(worker, 3) is True
+    assert aborted == [True] and worker._aborted_generation == 3
+
+
+def test_a_step_of_an_aborted_nccl_generation_makes_no_update_and_fails_as_a_collective(monkeypatch):
+    # DDP waits on its all-reduce's future, which on NCCL completes once the kernel is queued: an
+    # abort freeing a hung kernel let the optimizer step on partly reduced gradients, and the
+    # step was reported done. And after the abort any dist call raises a ValueError (the group
+    # registry is gone), which read as the user's error and ended the run.
+    from types import SimpleNamespace
+
+    from elastic.actors.protocol import CollectiveError
+    from elastic.actors.worker import TrainWorker
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(
+        synchronize=lambda: synced.append(device)))
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    before = model.weight.detach().clone()
+    worker = SimpleNamespace(backend="nccl", generation=3, rank=0, device="cuda:0", _aborted_generation=3,
+                             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), scheduler=None,
+                             spec=SimpleNamespace(max_grad_norm=None), completed_step=4, current_step=5,
+                             _kill_after_update=False, _kill_at=None)
+    worker._check_not_aborted = lambda: TrainWorker._check_not_aborted(worker)
+    with pytest.raises(CollectiveError, match="generation 3 were aborted"):
+        TrainWorker._apply_update(worker, 5)
+    assert synced == ["cuda:0"] and torch.equal(model.weight, before) and worker.completed_step == 4
+    worker._aborted_generation = 2  # an older generation's abort: this one's step goes on
+    TrainWorker._apply_update(worker, 5)
+    assert worker.completed_step == 5 and not torch.equal(model.weight, before)
+
+    worker.__dict__.update(world_size=2, ddp=None, _enter=lambda phase: None, leave=lambda: None,
+                           _aborted_generation=3)
+
+    def registry_gone():
+        raise ValueError("Default process group has not been initialized, please make sure to call "
+                         "init_process_group.")
+
+    with pytest.raises(CollectiveError, match="Default process group has not been initialized"):
+        TrainWorker._run_guarded(worker, registry_gone)
 
 
 def test_a_rank_that_takes_an_older_state_forgets_the_fast_sets_of_the_history_given_up():

@@ -198,6 +198,10 @@ class TrainWorker:
         self._fn_abandoned = False  # first-N: the controller gave this group's agreements up
         self._fast_log: dict[int, tuple[int, ...]] = {}
         self._checksum_every = 0
+        # NCCL: the group generation whose communicators abort_collectives aborted (see there),
+        # and the lock that keeps an abort from landing on a group being left or joined.
+        self._aborted_generation: int | None = None
+        self._group_lock = threading.Lock()
         self._slow: tuple[float, int, float] | None = None  # (factor, from_step, delay_s) fault injection
         self._hang_at: int | None = None
         self._kill_at: int | None = None
@@ -248,13 +252,45 @@ class TrainWorker:
         (``NCCL_ERROR_ENV``) the step's ``wait()`` raises before the optimizer steps on partly
         reduced gradients: a CollectiveError, and the rank leaves the group as a gloo rank does.
         On gloo there is nothing to do (its abort does not unblock a waiting collective)."""
-        if self.backend != "nccl" or generation != self.generation or not dist.is_initialized():
+        if self.backend != "nccl":
+            return False
+        # Not waited for: this thread also answers heartbeats. Held by the training thread, the
+        # group is being left (leave() aborts NCCL itself) or another generation is being set.
+        # Without the lock, an abort that passed the check below could land after a leave and
+        # join, on the next generation's group.
+        if not self._group_lock.acquire(blocking=False):
             return False
         try:
-            dist.distributed_c10d._abort_process_group()
-        except Exception:  # the training thread may be tearing the group down at the same moment
-            logger.debug("rank %s: aborting the NCCL group failed", self.rank, exc_info=True)
-        return True
+            if generation != self.generation or not dist.is_initialized():
+                return False
+            # Set first: a step of this generation must not take what the aborted kernels leave
+            # for its update (_check_not_aborted), nor read a failure after it as the user's.
+            self._aborted_generation = generation
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # an already-broken group may refuse
+                logger.debug("rank %s: aborting the NCCL group failed", self.rank, exc_info=True)
+            return True
+        finally:
+            self._group_lock.release()
+
+    def _check_not_aborted(self) -> None:
+        """NCCL, before the optimizer steps: the step's collectives are done, and were not aborted.
+
+        Why: DDP does not wait on its all-reduce's ``Work``; it waits on the work's future, which
+        on NCCL completes once the kernel is queued (torch: ``CUDAFuture`` does not honour
+        ``TORCH_NCCL_BLOCKING_WAIT``). So an abort that frees a kernel hung on a dead peer lets
+        the step run on to the optimizer with partly reduced gradients, and report the step done:
+        a survivor with corrupted weights, taken as current by the recovery. Waiting for the
+        stream here (the update waits for the gradients anyway) and then reading the abort flag,
+        set before the abort, turns that step into a failed collective, as on gloo."""
+        if self.backend != "nccl":
+            return
+        torch.cuda.current_stream(self.device).synchronize()
+        if self._aborted_generation == self.generation:
+            raise CollectiveError(f"rank {self.rank}: the NCCL collectives of group generation {self.generation} "
+                                  "were aborted (a peer failed); the step's gradients are not whole, so it makes "
+                                  "no update")
 
     @ray.method(concurrency_group="control")
     def reap(self, pid: int) -> bool:
@@ -341,7 +377,8 @@ class TrainWorker:
         hosted, self._hosted_store = self._hosted_store, None  # this join's, or none: never kept past it
         self.leave()
         t0 = time.time()
-        self.rank, self.world_size, self.generation = rank, world_size, generation
+        with self._group_lock:  # an abort checked against the old generation cannot land on this one
+            self.rank, self.world_size, self.generation = rank, world_size, generation
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         if self.backend == "nccl":
@@ -474,16 +511,17 @@ class TrainWorker:
             self._fn_grads.release()  # its step's subgroup and works, or their sockets stay open
         self.part_pool = None  # snapshots taken in the old group keep theirs (it fails fast once gone)
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
-        if dist.is_initialized():
-            try:
-                if self.backend == "nccl":
-                    # A blocked NCCL kernel never returns by itself: abort the communicators
-                    # first, then release the group.
-                    dist.distributed_c10d._abort_process_group()
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            except Exception:  # an already-broken group may refuse a clean destroy
-                logger.debug("destroy_process_group failed", exc_info=True)
+        with self._group_lock:  # no abort_collectives in the middle (see there)
+            if dist.is_initialized():
+                try:
+                    if self.backend == "nccl":
+                        # A blocked NCCL kernel never returns by itself: abort the communicators
+                        # first, then release the group.
+                        dist.distributed_c10d._abort_process_group()
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
+                except Exception:  # an already-broken group may refuse a clean destroy
+                    logger.debug("destroy_process_group failed", exc_info=True)
         gc.collect()
         if wrapper is not None and wrapper() is not None:
             self.teardown_leaks += 1
@@ -561,7 +599,12 @@ class TrainWorker:
             self._enter("failed")
             self.current_step = None
             msg = f"rank {self.rank} failed: {exc}\n{traceback.format_exc()}"
-            collective = isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
+            # After an abort of this generation's NCCL group (abort_collectives), whatever fails
+            # is the abort's doing: torch's group registry is gone, so the next dist call raises
+            # a ValueError ("Default process group has not been initialized"), which read as the
+            # user's error and ended the run instead of rebuilding the group.
+            collective = (isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)) \
+                or (self._aborted_generation is not None and self._aborted_generation == self.generation)
             # DDP's error names its own constructor argument, which a user of elastic never calls.
             unused = self.ddp is not None and "find_unused_parameters" in str(exc)
             if collective or self.world_size > 1:
@@ -846,6 +889,7 @@ class TrainWorker:
         first-N mean a replica computed or received), as one process clips its full batch's
         gradient. Clipping inside ``step_fn`` would clip each rank's own gradient before the
         first-N mean. Every replica clips the same vector the same way, so they stay identical."""
+        self._check_not_aborted()
         norm = None
         if self.spec.max_grad_norm is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
