@@ -243,7 +243,8 @@ class Controller:
         self._window = max(1, self.scaling.steps_per_dispatch)  # steps per call; tuned when automatic
         self._step_times: deque = deque(maxlen=16)
         self._waited_s = 0.0  # time the current step spent blocked on the workers
-        self._last_done = 0.0
+        self._last_done = 0.0  # when the newest window's results came in (_window_wall)
+        self._last_done_generation = -1  # ... in that group generation
         self._configured: set[str] = set()  # actors with a checkpoint writer
         self._worker_progress = 0  # newest step a rank reported finished with a checkpoint part
         # The newest group generation a rollback left behind: a part taken in it is dropped (_add_part).
@@ -949,8 +950,7 @@ class Controller:
         for ref in lagging:
             if ref in got:
                 self._collect_late(self._lagging.pop(ref)[0], got[ref])
-        wall = now - max(t_dispatch, self._last_done)
-        self._last_done = now
+        wall = self._window_wall(t_dispatch, now)
         steps_out = []
         worker_times = [max(res[i].step_time_s for res in per_rank.values()) for i in range(k)]
         for i, step_time in enumerate(_split_wall(wall, worker_times)):
@@ -958,6 +958,22 @@ class Controller:
             steps_out.append((self._record_step(first + i, results, step_time), results))
         self._tune_window(worker_times)
         return steps_out
+
+    def _window_wall(self, t_dispatch: float, now: float) -> float:
+        """A window's wall time, up to ``now`` (its results in): from the previous window's
+        results when it was of the same group generation, else from its dispatch.
+
+        Why from the previous results: that is what the run spent on it, the controller's own
+        time between the windows included. With the look-ahead the window was sent before then,
+        and the same start was taken (the later of the two); without it (first-N with
+        requeueing sends one step at a time, after the previous step's bookkeeping), taking the
+        later one, the dispatch, left the controller's time between steps out, and such runs'
+        samples_per_s read higher than the wall clock. After a recovery or a regroup (a new
+        generation) the time before the dispatch is the recovery's, not a step's."""
+        same = self._last_done > 0 and self._last_done_generation == self.generation
+        start = self._last_done if same else t_dispatch
+        self._last_done, self._last_done_generation = now, self.generation
+        return now - start
 
     def _record_step(self, step: int, results: dict, step_time_s: float) -> StepRecord:
         """Ledger, straggler timings and the step's record, from the results in hand."""

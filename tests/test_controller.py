@@ -1583,3 +1583,15 @@ def test_a_stop_waits_for_late_replicas_a_quarter_of_the_drivers_stop_timeout(ra
         [released] = [e for e in c.events if e.kind == "late_released"]
         assert released.details["ranks"] == [2]
         assert "still busy after 0.5s, a quarter of the stop's RunConfig.stop_timeout_s" in released.message
+
+
+def test_a_windows_wall_time_counts_the_controllers_time_since_the_last_results_in_the_same_generation(ray_cluster):
+    # First-N with requeueing sends a step only after the previous one's bookkeeping: its wall was
+    # taken from the dispatch, leaving the controller's time between steps out of the run's rate.
+    c = controller("fake-window-wall")
+    c.generation = 1
+    assert c._window_wall(t_dispatch=10.0, now=10.5) == pytest.approx(0.5)  # the run's first window: from its dispatch
+    assert c._window_wall(t_dispatch=10.8, now=11.0) == pytest.approx(0.5)  # sent after the results (no look-ahead)
+    assert c._window_wall(t_dispatch=10.9, now=11.4) == pytest.approx(0.4)  # sent before them (the look-ahead)
+    c.generation = 2  # a recovery or a regroup between the windows: its time is not a step's
+    assert c._window_wall(t_dispatch=20.0, now=20.3) == pytest.approx(0.3)
