@@ -118,7 +118,8 @@ class StepRecord:
     """One completed step. ``step_time_s``: its wall time as the controller saw it (a window's
     wall split over its steps by the workers' own step times, ``_split_wall``). ``controller_time_s``: the
     controller's busy time for it (dispatch, bookkeeping, policies, checkpoint commits), not
-    counting the time it waited on the workers."""
+    counting the time it waited on the workers: an equal share of its window's, known once the
+    window's bookkeeping is done, so an ``on_step`` callback (called during it) still reads 0.0."""
 
     step: int
     epoch: int
@@ -1190,8 +1191,8 @@ class Controller:
         Measured from the workers' own step times after a few single-step windows; capped at 16
         steps so decisions (eviction, checkpoint commits) are never long behind the workers.
         """
-        if self.scaling.steps_per_dispatch:
-            return
+        if self.scaling.steps_per_dispatch or not self._look_ahead:
+            return  # fixed by the user, or one step a call (_window_at): nothing to tune or to log
         self._step_times.extend(worker_times)
         if len(self._step_times) >= 4:
             typical = statistics.median(self._step_times)

@@ -1595,3 +1595,18 @@ def test_a_windows_wall_time_counts_the_controllers_time_since_the_last_results_
     assert c._window_wall(t_dispatch=10.9, now=11.4) == pytest.approx(0.4)  # sent before them (the look-ahead)
     c.generation = 2  # a recovery or a regroup between the windows: its time is not a step's
     assert c._window_wall(t_dispatch=20.0, now=20.3) == pytest.approx(0.3)
+
+
+def test_the_dispatch_window_is_not_tuned_or_logged_when_steps_go_one_at_a_time(ray_cluster):
+    # First-N with requeueing sends one step a call (_window_at); the log said "16 step(s) per call".
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    first_n = elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n")
+    one_at_a_time = Controller(spec, first_n, elastic.RunConfig(name="tune-requeue"), elastic.FailureConfig(),
+                               global_batch_size=16, requeue_dropped=True)
+    ahead = Controller(spec, first_n, elastic.RunConfig(name="tune-ahead"), elastic.FailureConfig(),
+                       global_batch_size=16)
+    for c in (one_at_a_time, ahead):
+        c._tune_window([0.001] * 8)
+    assert not [e for e in one_at_a_time.events if e.kind == "dispatch"] and one_at_a_time._window_at(1) == 1
+    assert [e.details["steps_per_dispatch"] for e in ahead.events if e.kind == "dispatch"] == [16]
