@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import random
 import socket
@@ -92,11 +93,11 @@ def test_slot_ring_holds_the_data_section_of_the_shard_file_and_the_meta_after_i
         small = shard_layout({"x": torch.arange(3, dtype=torch.int32)})
         ring.copy_in(1, "b", small, {"x": torch.arange(3, dtype=torch.int32)})
         assert bytes(other.data(1, 12)) == torch.arange(3, dtype=torch.int32).numpy().tobytes()
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="do not fit a slot"):
             ring.put(0, nbytes, b"x" * (ring.slot_bytes - nbytes + 1))
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="is outside a ring of 2"):
             other.data(2, 1)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="already taken"):
             ring.take_fd()  # sent once
     finally:
         ring.close()
@@ -658,7 +659,7 @@ def test_a_message_that_does_not_fit_or_is_not_json_is_refused_with_its_descript
         assert memfd_descriptors(name) == [str(fd)]
         os.close(fd)
         a.send(b"not json")
-        with pytest.raises(ValueError):
+        with pytest.raises(json.JSONDecodeError):  # a ValueError
             receive_message(b, buffer=bytearray(64))
         send_message(a, {"op": "ok"})
         assert receive_message(b, buffer=bytearray(64)) == ({"op": "ok"}, [])

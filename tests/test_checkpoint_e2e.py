@@ -73,10 +73,11 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
 
 
 def test_commits_do_not_wait_for_the_dispatch_window(ray_cluster, tmp_path, uninterrupted):
-    # One call carries all twelve steps (rank 0 sleeps 0.1 s a step, so the call lasts >1.2 s); ranks report each
-    # written part straight to the controller, so steps commit while the window is still running.
+    # One call carries all twelve steps (rank 0 sleeps 0.2 s a step, so the call lasts >2.4 s); ranks report each
+    # written part straight to the controller, so steps commit while the window is still running. (At
+    # 0.1 s a step, a commit 0.4 s behind on a loaded machine failed the 0.2 s margin below.)
     result = trainer("windowed", f"file://{tmp_path}/ckpt", blocking=True, steps_per_dispatch=12,
-                     faults=[{"kind": "slow", "rank": 0, "delay_s": 0.1, "from_step": 1}]).fit(steps=12)
+                     faults=[{"kind": "slow", "rank": 0, "delay_s": 0.2, "from_step": 1}]).fit(steps=12)
     commits = result.events_of("checkpoint_commit")
     assert [e["details"]["step"] for e in commits] == list(range(1, 13))
     finished = [e["time"] for e in result.events_of("transition") if e["details"]["new"] == "finished"][0]
@@ -84,7 +85,7 @@ def test_commits_do_not_wait_for_the_dispatch_window(ray_cluster, tmp_path, unin
     # committed mid-window (details carry the commit's own time), long before its results arrived
     assert by_step[6]["details"]["time"] < finished - 0.2
     # Commits that waited for the window would lag up to 11 steps. Not <= 2: the lag is read after the
-    # commit, and a commit thread 0.3 s behind on a loaded machine is 3 steps of 0.1 s.
+    # commit, and a commit thread behind on a loaded machine is a few steps.
     assert max(e["details"]["lag"] for e in commits) <= 6
     assert all(e["details"]["persist_s"] >= 0 for e in commits)
     assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
@@ -167,7 +168,7 @@ def test_memory_storage_is_shared_by_the_run_and_stays_with_the_driver(ray_clust
         assert store.committed_steps() == [10, 11, 12]
         state, _ = store.read_state(12)
         assert_weights_close(state["model"], first.model_state, atol=0)
-        with pytest.raises(ValueError):  # the run's shared copy ended with the run
+        with pytest.raises(ValueError, match="Failed to look up actor"):  # the run's shared copy ended with the run
             ray.get_actor(memory.host_name(), namespace=memory.NAMESPACE)
         again = trainer("mem", url).fit(steps=12)
         assert again.metrics["restored_from"] == 12
@@ -285,7 +286,7 @@ def test_elastic_stop_stops_cleanly_and_fit_again_continues_exactly(ray_cluster,
     assert f"run stopme stopped after step {last}; latest committed checkpoint: step {last}" in cli["out"].stdout
     assert stopped.events_of("stop") and stopped.events_of("transition")[-1]["details"]["new"] == "stopped"
     assert CheckpointStore(url, "stopme").latest_valid() == last  # the stop point itself is committed
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Failed to look up actor"):
         ray.get_actor("controller", namespace="elastic-stopme")
 
     resumed = trainer("stopme", url, workers=1).fit(steps=last + 3)
@@ -369,6 +370,7 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
         # snapshot, skipping the steps the outage superseded.
         assert seen["lag_in_outage"] >= 2
         steps = [e["details"]["step"] for e in commits]
+        storage_events = [e for e in result.events if e["kind"].startswith("storage")]
         assert max(b - a for a, b in zip(steps, steps[1:])) >= 2, (
             f"no step superseded: {seen=}, commits {steps}, storage events "
             f"{[{k: e['details'].get(k) for k in ('event', 'what', 'step', 'time')} for e in storage_events]}, "

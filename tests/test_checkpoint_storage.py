@@ -89,7 +89,7 @@ def test_write_read_list_delete(backend):
     assert storage.list_dir("") == ["step-000000002"]
     with pytest.raises(FileNotFoundError):
         storage.read_bytes("step-000000001/a.bin")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="refusing to delete the storage root"):
         storage.delete_tree("")
 
 
@@ -145,7 +145,7 @@ def test_retries_are_bounded_and_errors_redacted():
     t0 = time.monotonic()
     with pytest.raises(StorageUnavailable) as info:
         storage.write_bytes("x", b"1")
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 10.0  # our 3 quick attempts, not botocore's own retries and timeouts
     assert "after 3 attempts" in str(info.value)
     assert TEST_SECRET not in str(info.value)
     assert info.value.__cause__ is None and info.value.__suppress_context__
@@ -187,7 +187,7 @@ def test_validate_s3_without_credentials_is_fast_and_clear(no_aws_env, moto_s3):
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match="no AWS credentials found") as info:
         Storage(f"s3://{bucket}/run", options).validate()
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5.0  # no wait on the instance metadata service; a loaded machine's client start
     assert "storage_options" in str(info.value)
 
 
@@ -210,7 +210,7 @@ def test_validate_s3_unreachable_endpoint_is_bounded():
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match="cannot reach bucket") as info:
         Storage("s3://some-bucket/run", options, retry=FAST).validate()
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 10.0  # our 3 quick attempts, not botocore's own retries and timeouts
     assert TEST_SECRET not in str(info.value)
 
 

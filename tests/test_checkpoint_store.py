@@ -229,7 +229,7 @@ def test_a_member_spliced_into_a_json_object_reads_back_with_the_rest():
         "a": "x}", "b": [1, {"c": None}], "rng": {"torch": "AAA="}}
     assert json.loads(json_object_plus(b"{ }", "k", b"[1]")) == {"k": [1]}
     for bad in (b"[1]", b'"x"', b"{"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="not a JSON object"):
             json_object_plus(bad, "k", b"1")
 
 
@@ -269,7 +269,7 @@ def test_assign_shards_is_deterministic_and_balanced():
     share, _ = rank_share({n: torch.zeros(sizes[n], dtype=torch.uint8) for n in sizes}, 1, 4)
     share.append("mine")
     assert rank_share({n: torch.zeros(sizes[n], dtype=torch.uint8) for n in sizes}, 1, 4)[0] == b[1]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         assign_shards(sizes, 0)
 
 
@@ -1064,9 +1064,9 @@ def test_rng_read_inside_the_step_encodes_later_to_what_it_was_then():
     assert len(joined) == sum(raw.lengths)
     fields = json.loads(json.dumps(raw.fields))  # as it travels in the message
     assert RawRng.from_bytes(fields, joined, raw.lengths).encode() == expected
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="do not match"):
         RawRng.from_bytes(fields, joined + b"\0", raw.lengths)  # bytes the lengths do not account for
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="do not match"):
         RawRng.from_bytes(fields, joined[:sum(raw.lengths[:2])], raw.lengths[:2])  # a generator missing
     torch.manual_seed(0)
     np.random.seed(0)
@@ -1611,7 +1611,7 @@ def test_a_rewind_does_not_wait_for_a_cleanup_pass_stuck_on_storage(tmp_path):
     store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
     committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0, retention_interval_s=0)
     entered, release = stall(store, "apply_retention")
-    unstick = threading.Timer(5, release.set)  # old code: rewind waits for this
+    unstick = threading.Timer(30, release.set)  # old code: rewind waits for this
     try:
         hand_over_and_wait(committer, store, 1)
         assert entered.wait(10)
@@ -1620,7 +1620,7 @@ def test_a_rewind_does_not_wait_for_a_cleanup_pass_stuck_on_storage(tmp_path):
         unstick.start()
         t0 = time.monotonic()
         committer.rewind(1)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 10
         release.set()
         assert committer.flush(timeout_s=10)
         assert store.committed_steps() == [1, 2]  # 2 is above the step training went back to
@@ -1760,7 +1760,7 @@ def test_a_delete_still_under_way_at_a_rewind_never_leaves_a_step_committed_with
         assert entered.wait(10)
         t0 = time.monotonic()
         committer.rewind(8)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 10  # FENCE_WAIT_S (0.1 s), not the stalled delete (30 s)
         hand_over(committer, store, 9, tiny_state(109))  # its commit waits for the delete
         time.sleep(0.3)
         assert committer.latest_committed == 8

@@ -216,10 +216,11 @@ def test_a_config_changed_after_it_was_made_is_checked_again_by_the_trainer():
 
 
 def test_fault_entries_of_every_kind_are_accepted():
-    _trainer(faults=[{"kind": "slow", "rank": 0, "factor": 3, "from_step": 10},
-                     {"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 0},
-                     {"kind": "kill", "rank": 0, "at_step": 3}, {"kind": "hang", "rank": 0, "at_step": 2},
-                     {"kind": "kill_spare", "rank": 0, "recovery": 1}, {"kind": "kill_spare", "rank": 0}])
+    faults = [{"kind": "slow", "rank": 0, "factor": 3, "from_step": 10},
+              {"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 0},
+              {"kind": "kill", "rank": 0, "at_step": 3}, {"kind": "hang", "rank": 0, "at_step": 2},
+              {"kind": "kill_spare", "rank": 0, "recovery": 1}, {"kind": "kill_spare", "rank": 0}]
+    assert _trainer(faults=[dict(f) for f in faults]).faults == faults  # taken as given, none dropped
 
 
 def test_fit_needs_steps_or_epochs():
@@ -427,8 +428,10 @@ def test_a_one_worker_run_asked_to_shrink_is_told_it_cannot_not_to_lower_min_wor
 
 
 def test_failure_actions_that_can_heal_are_accepted(tmp_path):
-    _trainer(failure=FailureConfig(when_no_spare="restart"), run=elastic.RunConfig(storage=str(tmp_path)))
-    _trainer(failure=FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=2))  # 32 over 2
+    t = _trainer(failure=FailureConfig(when_no_spare="restart"), run=elastic.RunConfig(storage=str(tmp_path)))
+    assert (t.failure.on_failure, t.failure.when_no_spare) == ("replace", "restart")
+    t = _trainer(failure=FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=2))  # 32 over 2
+    assert (t.failure.when_no_spare, t.failure.min_workers) == ("shrink", 2)
 
 
 def test_a_worker_bundle_of_no_resource_is_refused():

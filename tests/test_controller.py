@@ -152,7 +152,7 @@ def test_a_survivor_that_stops_answering_in_a_recovery_does_not_hold_it_for_good
         t0 = time.monotonic()
         with pytest.raises(ray.exceptions.GetTimeoutError):
             c._sync_state()
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 30  # collective_timeout_s (1 s) and Ray's round trips, not the 60 s stall
         assert_dies(silent.actor)
         assert c._probe_dead() == {1}
         assert [e.details["rank"] for e in c.events if e.kind == "hang"] == [1]
@@ -205,7 +205,7 @@ def test_a_spare_that_took_the_state_holds_it_though_another_ones_sync_failed(ra
         took, refused = c.group.members[1], c.group.members[2]
         assert {took.name, refused.name} <= c._stateless
         ray.get(refused.actor.refuse_state.remote())
-        with pytest.raises(ray.exceptions.RayTaskError):
+        with pytest.raises(ray.exceptions.RayTaskError, match="set_state refused"):
             c._sync_state()
         assert took.name not in c._stateless and refused.name in c._stateless
 
@@ -291,7 +291,7 @@ def test_steps_a_holder_finished_then_lost_in_the_recovery_count_as_recomputed(r
     with trained("fake-recount", workers=2, backups=2, steps=2) as c:
         holder = holder_past_the_run_and_rank_1_replaced(c)
         ray.get(c.group.members[1].actor.refuse_state.remote())
-        with pytest.raises(ray.exceptions.RayTaskError):
+        with pytest.raises(ray.exceptions.RayTaskError, match="set_state refused"):
             c._sync_state()
         assert c.recomputed == 1
         ray.kill(holder.actor, no_restart=True)
@@ -308,7 +308,7 @@ def test_steps_a_holder_finished_then_lost_count_as_recomputed_when_an_older_sur
         holder = holder_past_the_run_and_rank_1_replaced(c)
         ray.kill(c.group.members[1].actor, no_restart=True)  # the first pass fails in its progress call
         assert_dies(c.group.members[1].actor)
-        with pytest.raises(ray.exceptions.RayError):
+        with pytest.raises(ray.exceptions.RayActorError):  # at once: not a wait on the dead rank (GetTimeoutError)
             c._sync_state()
         assert c.recomputed == 1
         ray.kill(holder.actor, no_restart=True)

@@ -60,7 +60,17 @@ def test_yaml_parses_into_kubernetes_objects(path):
         assert doc.get("apiVersion") and doc.get("kind") and doc.get("metadata", {}).get("name"), doc
 
 
-@pytest.mark.parametrize("path", YAMLS, ids=[os.path.relpath(p, ROOT) for p in YAMLS])
+WITH_ENTRYPOINTS = [p for p in YAMLS if any(entrypoints(doc) for doc in documents(p))]
+
+
+def test_every_rayjob_has_an_entrypoint():
+    # The check below runs over the files that have one: a RayJob must (a RayCluster has none).
+    jobs = [(p, doc) for p in YAMLS for doc in documents(p) if doc.get("kind") == "RayJob"]
+    assert jobs and all(entrypoints(doc) for _, doc in jobs)
+    assert {p for p, _ in jobs} <= set(WITH_ENTRYPOINTS)
+
+
+@pytest.mark.parametrize("path", WITH_ENTRYPOINTS, ids=[os.path.relpath(p, ROOT) for p in WITH_ENTRYPOINTS])
 def test_entrypoints_name_scripts_in_the_repo(path):
     for doc in documents(path):
         for entrypoint in entrypoints(doc):

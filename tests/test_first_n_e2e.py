@@ -172,10 +172,11 @@ def test_requeue_uses_every_sample_exactly_once(ray_cluster):
 
 def test_checkpoints_commit_every_step_mid_window_and_a_resumed_run_continues_from_them(ray_cluster, tmp_path):
     """First-N with a checkpoint every step: each step commits once every replica has written it,
-    not when its window's results come back (the window here is 12 steps of >= 0.1 s each). A
-    second fit() resumes from the newest commit and continues on the samples after it."""
+    not when its window's results come back (the window here is 12 steps of >= 0.2 s each: at 0.1 s, a
+    commit 0.4 s behind on a loaded machine failed the 0.2 s margin). A second fit() resumes from the
+    newest commit and continues on the samples after it."""
     url = f"file://{tmp_path}/ckpt"
-    faults = [{"kind": "slow", "rank": r, "delay_s": 0.1, "from_step": 1} for r in range(N + B)]
+    faults = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} for r in range(N + B)]
     first = make("firstn-ckpt", faults=faults, steps_per_dispatch=12, storage=url,
                  checkpoint=elastic.CheckpointConfig(blocking=True)).fit(steps=12)
     commits = first.events_of("checkpoint_commit")
@@ -183,7 +184,7 @@ def test_checkpoints_commit_every_step_mid_window_and_a_resumed_run_continues_fr
     finished = [e["time"] for e in first.events_of("transition") if e["details"]["new"] == "finished"][0]
     assert {e["details"]["step"]: e for e in commits}[6]["details"]["time"] < finished - 0.2
     # Commits that waited for the window would lag up to 11 steps. Not <= 2: the lag is read after the
-    # commit, and a commit thread 0.3 s behind on a loaded machine is 3 steps of 0.1 s.
+    # commit, and a commit thread behind on a loaded machine is a few steps.
     assert max(e["details"]["lag"] for e in commits) <= 6
     second = make("firstn-ckpt", faults=[], storage=url).fit(steps=16)
     assert second.metrics["restored_from"] == 12 and second.checkpoint["latest_step"] == 16

@@ -118,6 +118,7 @@ def test_a_refill_spare_waiting_for_room_takes_the_lost_ranks_bundle_once_ray_pl
     c.wait_for_nodes()
     scaling = elastic.ScalingConfig(num_workers=2, num_backups=1, resources_per_worker={"CPU": 1, "slot": 1})
     group = WorkerGroup(scaling, TrainingSpec(make_model, make_sgd, make_dataset, loss_fn), "elastic-refill")
+    lost_node = None  # a failure before the removal must not hide behind an UnboundLocalError below
     try:
         group.start(2)
         assert len(group.spares) == 1

@@ -184,7 +184,7 @@ def test_pending_time_counts_for_a_busy_rank():
 
 
 def test_straggler_factor_must_exceed_one():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="straggler factor must be > 1"):
         StragglerPolicy(factor=1.0, window=3, evict=True)
 
 

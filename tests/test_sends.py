@@ -41,7 +41,7 @@ def _pair(rank: int, store_path: str, mode: str, out) -> None:
             out.put(("sender", {"distinct_buffers": len(ptrs), "most_in_flight": most, "returned": returned}))
         else:
             if mode == "lagging":
-                time.sleep(2.0)
+                time.sleep(5.0)  # the sender's first LIMIT isends return meanwhile, even on a loaded machine
             started = time.time()
             got = torch.empty(SIZE)
             seen = []
