@@ -130,14 +130,24 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
 
 # ---- formatting -------------------------------------------------------------------------------
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str) -> str:
+    """``text`` with its control characters shown as ``\\xNN``. Why: run and file names come
+    from a storage listing that anyone who can write the bucket names, and rich passes escape
+    sequences (``\\x1b]0;...``, ``\\x1b[2J``) through to the operator's terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def _plain(line: str) -> None:
     """One line as is: no markup, no highlighting, no wrapping (ids and URLs get copied)."""
-    _stdout().print(line, markup=False, highlight=False, soft_wrap=True)
+    _stdout().print(_printable(line), markup=False, highlight=False, soft_wrap=True)
 
 
 def _dash(value: Any) -> str:
     """A table or summary cell: '-' for None, and never read as rich markup (run names are free text)."""
-    return "-" if value is None else escape(str(value))
+    return "-" if value is None else escape(_printable(str(value)))
 
 
 def _seconds(value: Optional[float]) -> str:
@@ -166,7 +176,12 @@ def _size(n: Optional[int]) -> str:
 
 
 def _when(ts: Optional[float]) -> str:
-    return "-" if ts is None else datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    if ts is None:
+        return "-"
+    try:  # a manifest's created_at is whatever was written (1e300 overflowed and ended the listing)
+        return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError, TypeError):
+        return "?"
 
 
 def _straggler(score: Optional[float]) -> str:
@@ -587,7 +602,7 @@ def _problem(text: Optional[str]) -> str:
     """``checkpoint step 2 is corrupt: s3://b/p/run/step-000000002/x: why`` -> ``step-000000002/x: why``."""
     if not text:
         return ""
-    return escape(re.sub(r"^checkpoint step \d+ is corrupt: \S*?(step-\d+/)", r"\1", text))
+    return escape(_printable(re.sub(r"^checkpoint step \d+ is corrupt: \S*?(step-\d+/)", r"\1", text)))
 
 
 def _steps_table(steps: list) -> Table:
@@ -613,14 +628,16 @@ def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, re
         _stdout().print_json(json.dumps([s.to_dict() for s in steps]))
         return
     if not steps:
-        _stdout().print(f"no checkpoints for run {run!r} in {store.location}", highlight=False, markup=False)
+        _stdout().print(_printable(f"no checkpoints for run {run!r} in {store.location}"), highlight=False,
+                        markup=False)
         return
     _stdout().print(_steps_table(steps))
     good = [s.step for s in steps if s.status in ("valid", "committed")]
     counts = {k: sum(1 for s in steps if s.status == k) for k in ("valid", "committed", "partial", "corrupt")}
     summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
     latest = f"; latest usable: step {good[-1]}" if good else "; no usable step"
-    _stdout().print(f"{store.location}: {len(steps)} step(s): {summary}{latest}", highlight=False, markup=False)
+    _stdout().print(_printable(f"{store.location}: {len(steps)} step(s): {summary}{latest}"), highlight=False,
+                    markup=False)
 
 
 def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:

@@ -455,6 +455,45 @@ def test_corrupt_manifest_means_uncommitted(backend):
     assert store.gc_uncommitted(older_than=3).deleted == [2]
 
 
+def test_a_manifest_nested_too_deep_to_parse_is_corrupt_not_an_error_of_every_listing(backend):
+    # json.loads raises RecursionError on b"[" * 5000, which the parse's except missed: resume,
+    # retention, GC and the CLI's listing all stopped on it.
+    store = make_store(backend)
+    commit_tiny(store, 1)
+    commit_tiny(store, 2)
+    store.storage.write_bytes(f"{step_dir(2)}/manifest.json", b"[" * 5000)
+    assert store.committed_steps() == [1] and store.latest_valid() == 1
+    with pytest.raises(CorruptCheckpoint, match="RecursionError"):
+        store.load_manifest(2)
+    assert store.gc_uncommitted(older_than=3).deleted == [2]
+
+
+def test_a_committed_state_that_is_no_training_state_is_corrupt_not_a_crash(backend):
+    # Checksums vouch only for what was written: a step whose state rebuilds as something other
+    # than a training state (a list, say) raised AttributeError in the fit check, and a resume
+    # stopped instead of trying the older step.
+    store = make_store(backend)
+    commit_tiny(store, 1)
+    entries = store.write_rank_files(2, 0, 1, [torch.zeros(2)])
+    store.commit(2, entries, 1, {})
+    with pytest.raises(CorruptCheckpoint, match="not a training state"):
+        store.read_state(2)
+    assert store.read_state(1)[0]["completed_step"] == 1
+
+
+def test_a_shard_header_of_the_wrong_shape_is_refused_as_corrupt():
+    from elastic.checkpoint.codec import decode_metadata
+
+    def shard(header: bytes) -> bytes:
+        return len(header).to_bytes(8, "little") + header
+
+    with pytest.raises(ValueError, match="header is not an object"):
+        decode_metadata(shard(b"[1, 2]"))
+    with pytest.raises(ValueError, match="not an object of strings"):
+        decode_metadata(shard(b'{"__metadata__": {"elastic": 5}}'))
+    assert decode_metadata(shard(b'{"__metadata__": {"elastic": "{}"}}')) == {"elastic": "{}"}
+
+
 def test_gc_takes_a_corrupt_manifest_away_first_and_a_missing_one_costs_no_delete(backend, monkeypatch):
     store = make_store(backend)
     write_step(store, trained_worker(steps=1), step=1, commit=False)  # torn: shards, no manifest

@@ -226,6 +226,36 @@ def test_checkpoints_never_prints_credentials_from_the_url_and_takes_brackets_li
     assert "no checkpoints for run 'x[/y]'" in empty.stdout
 
 
+def test_checkpoints_shows_control_characters_in_names_escaped_and_survives_an_odd_timestamp():
+    # Names come from a listing anyone who can write the bucket controls; rich passed escape
+    # sequences through to the terminal. A created_at of 1e300 that checks out overflowed.
+    import uuid
+
+    from elastic.checkpoint.codec import canonical_json, sha256
+    from elastic.checkpoint.store import step_dir
+    from elastic.checkpoint.testing import clear_memory
+
+    url = f"memory://root-{uuid.uuid4().hex[:8]}"
+    run = "evil\x1b]0;pwned\x07"
+    try:
+        write_run(url, run, {1: "committed"})
+        store = CheckpointStore(url, run)
+        manifest = f"{step_dir(1)}/manifest.json"
+        doc = json.loads(store.storage.read_bytes(manifest))
+        doc["created_at"] = 1e300
+        doc["checksum"] = sha256(canonical_json({k: v for k, v in doc.items() if k != "checksum"}))
+        store.storage.write_bytes(manifest, json.dumps(doc).encode())
+        listing = runner.invoke(app, ["checkpoints", url])
+        one = runner.invoke(app, ["checkpoints", url, "--run", run])
+    finally:
+        clear_memory(url)
+    for result in (listing, one):
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert "\x1b" not in result.stdout and "\x07" not in result.stdout
+    assert "evil\\x1b]0;pwned\\x07" in listing.stdout and "evil\\x1b]0;pwned\\x07" in one.stdout
+    assert "│ ?" in one.stdout  # its committed-at cell
+
+
 def test_checkpoints_empty_dir(tmp_path):
     result = runner.invoke(app, ["checkpoints", str(tmp_path)])
     assert result.exit_code == 0

@@ -308,9 +308,11 @@ def decode_metadata(data: bytes) -> dict[str, str]:
     if size > len(data) - 8:
         raise ValueError(f"safetensors header of {size} bytes in a file of {len(data)}")
     header = json.loads(data[8:8 + size])
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not an object")
     metadata = header.get("__metadata__") or {}
-    if not isinstance(metadata, dict):
-        raise ValueError("safetensors __metadata__ is not an object")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("safetensors __metadata__ is not an object of strings")
     return metadata
 
 

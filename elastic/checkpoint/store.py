@@ -418,7 +418,9 @@ class CheckpointStore:
             body = {k: v for k, v in manifest.items() if k != "checksum"}
             recorded = manifest["checksum"]
             actual = sha256(canonical_json(body))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, MemoryError) as exc:
+            # RecursionError: a manifest nested thousands deep (b"[" * 5000) is JSON that does
+            # not parse here; uncaught, it stopped every listing (resume, retention, GC, the CLI).
             raise CorruptCheckpoint(step, where, f"manifest does not parse ({type(exc).__name__}: {exc})") from None
         if recorded != actual:
             raise CorruptCheckpoint(step, where, "manifest checksum mismatch (truncated or edited)")
@@ -527,13 +529,23 @@ class CheckpointStore:
         if skeleton is None:
             raise CorruptCheckpoint(step, self.storage.describe(step_dir(step)),
                                     "no shard holds the state skeleton (the non-tensor state)")
-        needed = set(skeleton_tensor_names(skeleton))
+        where = self.storage.describe(step_dir(step))
+        try:
+            needed = set(skeleton_tensor_names(skeleton))
+        except Exception as exc:  # noqa: BLE001 - a skeleton that checks out and does not decode is corruption
+            raise CorruptCheckpoint(step, where, f"the state skeleton does not decode ({type(exc).__name__}: "
+                                                 f"{exc})") from None
         if needed != set(tensors):
             missing, extra = sorted(needed - set(tensors)), sorted(set(tensors) - needed)
-            raise CorruptCheckpoint(step, self.storage.describe(step_dir(step)),
-                                    f"shards of world size {world_size} do not match the state "
-                                    f"(missing {missing[:3]}, unexpected {extra[:3]})")
-        state = unflatten_state(tensors, skeleton)
+            raise CorruptCheckpoint(step, where, f"shards of world size {world_size} do not match the state "
+                                                 f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        try:
+            state = unflatten_state(tensors, skeleton)
+        except Exception as exc:  # noqa: BLE001 - as above: skipped for an older step, never raised raw
+            raise CorruptCheckpoint(step, where, f"the state does not rebuild ({type(exc).__name__}: {exc})") from None
+        if not isinstance(state, dict) or not all(isinstance(state.get(k, {}), dict) for k in ("model", "optimizer")):
+            raise CorruptCheckpoint(step, where, "the state is not a training state (a dict, its model and "
+                                                 "optimizer dicts)")
         return state, manifest.get("meta", {})
 
     @staticmethod
@@ -555,10 +567,10 @@ class CheckpointStore:
                 data = self._read_verified(step, files[path])
                 try:
                     meta = self._decode_meta(path, data)
-                except ValueError as exc:  # JSONDecodeError included
+                    return meta.get("rng") if meta is not None else None
+                except Exception as exc:  # noqa: BLE001 - as read_state: checksummed bytes that do not decode
                     raise CorruptCheckpoint(step, self.storage.describe(path),
                                             f"cannot decode ({type(exc).__name__}: {exc})") from None
-                return meta.get("rng") if meta is not None else None
         return None
 
     # ---- cleanup ----------------------------------------------------------------------------
