@@ -443,8 +443,9 @@ class Trainer:
                       metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped)
         actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
         self._claim_run_name()
-        with self._shared_memory_storage():
-            return self._run_controller(actor_cls, kwargs, steps, epochs)
+        mirror = self._shared_memory_storage()
+        with mirror:
+            return self._run_controller(actor_cls, kwargs, steps, epochs, getattr(mirror, "name", None))
 
     def _shared_memory_storage(self):
         """memory:// storage: the run's directory of the driver's memory, shared with the run's
@@ -455,22 +456,28 @@ class Trainer:
 
         return DriverMirror(self._store.storage.full_path())
 
-    def _controller_options(self) -> dict:
+    def _controller_options(self, memory_host: str | None = None) -> dict:
         """The controller actor's options: beside the driver (a worker node that dies must not
         take the run along), and with the driver's ELASTIC_* overrides, which the ranks and
-        agents it starts inherit (``elastic_environment``)."""
+        agents it starts inherit (``elastic_environment``), as they do ``memory_host``, the name
+        of the run's memory:// host (elastic/checkpoint/memory.py)."""
+        from elastic.checkpoint.memory import HOST_ENV
+
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         options = dict(name="controller", namespace=self.namespace, num_cpus=0, scheduling_strategy=here,
                        max_restarts=0, lifetime=None)
         env = elastic_environment()
+        if memory_host is not None:
+            env[HOST_ENV] = memory_host
         if env:
             options["runtime_env"] = {"env_vars": env}
         return options
 
-    def _run_controller(self, actor_cls, kwargs: dict, steps: int | None, epochs: int | None) -> Result:
+    def _run_controller(self, actor_cls, kwargs: dict, steps: int | None, epochs: int | None,
+                        memory_host: str | None = None) -> Result:
         # The controller lives beside the driver: a worker node that dies must not take the
         # controller (and with it the run) along.
-        self.controller = actor_cls.options(**self._controller_options()).remote(kwargs)
+        self.controller = actor_cls.options(**self._controller_options(memory_host)).remote(kwargs)
         ref = self.controller.run.remote(steps, epochs)
         stopped_by = None
         with _sigterm_stops_the_run() as signals:

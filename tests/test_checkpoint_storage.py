@@ -443,3 +443,62 @@ def test_an_s3fs_without_concurrent_reads_gets_no_argument_it_does_not_know():
 
     assert not _reads_concurrently(OldS3FileSystem)
     assert _reads_concurrently(NewS3FileSystem)
+
+
+def test_two_runs_at_once_in_one_job_have_memory_hosts_of_their_own(ray_cluster, monkeypatch):
+    # One job-wide host: the first run to finish killed it under the other (Tune trials as
+    # actors of one job), whose writes then failed and whose checkpoints were lost.
+    import uuid
+
+    import ray
+
+    from elastic.checkpoint import memory
+
+    root = f"memory://two-runs-{uuid.uuid4().hex[:8]}"
+    a, b = memory.DriverMirror(f"{root}/a"), memory.DriverMirror(f"{root}/b")
+    assert a.name != b.name
+    try:
+        with a:
+            with b:
+                memory.ClusterMemoryFS(b.host).pipe_file(f"{root}/b/step-1/x", b"b's")
+                memory.ClusterMemoryFS(a.host).pipe_file(f"{root}/a/step-1/x", b"a's")
+            # b ended, a's host lives on and takes writes
+            memory.ClusterMemoryFS(a.host).pipe_file(f"{root}/a/step-2/x", b"a's later")
+            monkeypatch.setenv(memory.HOST_ENV, a.name)  # as in a's ranks (the controller's runtime_env)
+            assert memory.host_name() == a.name
+        local = a.local
+        assert local.cat_file(f"{root}/a/step-2/x") == b"a's later" and local.cat_file(f"{root}/b/step-1/x") == b"b's"
+        assert [n for n in ray.util.list_named_actors(all_namespaces=True) if n["namespace"] == memory.NAMESPACE] == []
+    finally:
+        clear_memory(root)
+
+
+def test_a_copy_back_that_fails_never_replaces_what_the_run_returns(ray_cluster, monkeypatch, caplog):
+    # A file deleted between the host's listing and its read (a cleanup pass of a killed run)
+    # raised FileNotFoundError out of the mirror's exit, replacing fit()'s result or error.
+    import uuid
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from elastic.checkpoint import memory
+
+    fs, root = MemoryFileSystem(), f"memory://gone-{uuid.uuid4().hex[:8]}"
+    try:
+        fs.pipe_file(f"{root}/step-1/kept", b"1")
+
+        class Racing:  # the listing names a file the read no longer finds
+            def find(self, path):
+                return fs.find(path) + [f"{root}/step-1/deleted"]
+
+            def cat(self, paths, **kwargs):
+                return fs.cat(paths, **kwargs)
+
+        assert list(memory._tree(Racing(), root).values()) == [b"1"]  # the deleted one left out
+        mirror = memory.DriverMirror(root)
+        with caplog.at_level("WARNING"):
+            with mirror:
+                monkeypatch.setattr(memory, "_tree", lambda fs_, root_: (_ for _ in ()).throw(OSError("refused")))
+        assert "could not be copied back from the run (OSError: refused)" in caplog.text
+        assert fs.cat_file(f"{root}/step-1/kept") == b"1"  # the driver keeps what it had
+    finally:
+        clear_memory(root)

@@ -28,7 +28,9 @@ no local path is shared at all.
 from __future__ import annotations
 
 import logging
+import os
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -88,9 +90,17 @@ class ClusterMemoryFS:
         return call
 
 
+# The run's host, as the driver named it (DriverMirror): set in the controller's runtime_env, which
+# the ranks and agents it starts inherit (Trainer._controller_options).
+HOST_ENV = "ELASTIC_MEMORY_HOST"
+
+
 def host_name() -> str:
-    """One host per Ray job: the driver's run and every process it started are of that job."""
-    return f"memory-{ray.get_runtime_context().get_job_id()}"
+    """The host of this process's run: the one its driver named (``HOST_ENV``), else one per Ray
+    job. Why per run: two fit() calls at once in one job (Tune trials as actors) shared one
+    job-wide host, and the first to finish killed it under the other, whose checkpoints then
+    failed to write for the rest of its run and were lost."""
+    return os.environ.get(HOST_ENV) or f"memory-{ray.get_runtime_context().get_job_id()}"
 
 
 _in_run = False
@@ -121,11 +131,11 @@ def cluster_filesystem() -> ClusterMemoryFS:
         return ClusterMemoryFS(_start_host())
 
 
-def _start_host() -> Any:
+def _start_host(name: str | None = None) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(MemoryHost).options(name=host_name(), namespace=NAMESPACE, get_if_exists=True,
+    return ray.remote(MemoryHost).options(name=name or host_name(), namespace=NAMESPACE, get_if_exists=True,
                                           num_cpus=0, scheduling_strategy=here, max_restarts=0).remote()
 
 
@@ -139,39 +149,45 @@ class DriverMirror:
         self.root = root
         self.local = MemoryFileSystem()
         self.host: Any = None
+        # This run's own host (see host_name): the run's processes get the name in HOST_ENV.
+        self.name = f"memory-{ray.get_runtime_context().get_job_id()}-{uuid.uuid4().hex[:12]}"
 
     def __enter__(self) -> "DriverMirror":
-        self.host = _start_host()
+        self.host = _start_host(self.name)
         try:
             ClusterMemoryFS(self.host).pipe(_tree(self.local, self.root))
         except BaseException:
-            _end(self.host)  # no run starts, so nothing comes back
+            _end(self.host, self.name)  # no run starts, so nothing comes back
             raise
         return self
 
     def __exit__(self, *exc_info) -> None:
         try:
             files = _tree(ClusterMemoryFS(self.host), self.root)
-        except ray.exceptions.RayError as exc:
-            # The host's node is the driver's: this is a cluster going down under the driver.
-            logger.warning("memory:// checkpoints of %s could not be copied back from the run (%s); the "
-                           "driver keeps the ones it had before the run", self.root, exc)
+        except Exception as exc:  # noqa: BLE001 - must never replace what fit() returns or raises
+            # A RayError: the host's node is the driver's, so a cluster going down under the
+            # driver. Anything else (the host's filesystem refusing a call) the same way: the
+            # run's result, or its error, is what fit() hands back, with a warning for this.
+            logger.warning("memory:// checkpoints of %s could not be copied back from the run (%s: %s); the "
+                           "driver keeps the ones it had before the run", self.root, type(exc).__name__, exc)
         else:
             if self.local.exists(self.root):
                 self.local.rm(self.root, recursive=True)
             self.local.pipe(files)
         finally:
-            _end(self.host)
+            _end(self.host, self.name)
             self.host = None
 
 
 def _tree(fs: Any, root: str) -> dict[str, bytes]:
-    """Every file under ``root`` with its bytes (fsspec's ``cat`` of a list; it refuses an empty one)."""
+    """Every file under ``root`` with its bytes (fsspec's ``cat`` of a list; it refuses an empty
+    one). A file deleted between the listing and the read (a cleanup pass of a run being killed
+    still going) is left out (``on_error="omit"``), not a FileNotFoundError for the whole tree."""
     paths = fs.find(root)
-    return fs.cat(paths) if paths else {}
+    return fs.cat(paths, on_error="omit") if paths else {}
 
 
-def _end(host: Any, timeout_s: float = 10.0) -> None:
+def _end(host: Any, name: str | None = None, timeout_s: float = 10.0) -> None:
     """Kill the host and wait until its name is free. Why wait: ``ray.kill`` returns before the
     actor is gone, and a ``fit()`` right after this one would otherwise find the dying host by
     name (``get_if_exists``) and copy its files into it."""
@@ -179,7 +195,7 @@ def _end(host: Any, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            ray.get_actor(host_name(), namespace=NAMESPACE)
+            ray.get_actor(name or host_name(), namespace=NAMESPACE)
         except ValueError:
             return
         time.sleep(0.05)
