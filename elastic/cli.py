@@ -628,16 +628,14 @@ def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, re
         _stdout().print_json(json.dumps([s.to_dict() for s in steps]))
         return
     if not steps:
-        _stdout().print(_printable(f"no checkpoints for run {run!r} in {store.location}"), highlight=False,
-                        markup=False)
+        _plain(f"no checkpoints for run {run!r} in {store.location}")
         return
     _stdout().print(_steps_table(steps))
     good = [s.step for s in steps if s.status in ("valid", "committed")]
     counts = {k: sum(1 for s in steps if s.status == k) for k in ("valid", "committed", "partial", "corrupt")}
     summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
     latest = f"; latest usable: step {good[-1]}" if good else "; no usable step"
-    _stdout().print(_printable(f"{store.location}: {len(steps)} step(s): {summary}{latest}"), highlight=False,
-                    markup=False)
+    _plain(f"{store.location}: {len(steps)} step(s): {summary}{latest}")
 
 
 def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:

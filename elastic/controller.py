@@ -971,8 +971,7 @@ class Controller:
         later one, the dispatch, left the controller's time between steps out, and such runs'
         samples_per_s read higher than the wall clock. After a recovery or a regroup (a new
         generation) the time before the dispatch is the recovery's, not a step's."""
-        same = self._last_done > 0 and self._last_done_generation == self.generation
-        start = self._last_done if same else t_dispatch
+        start = self._last_done if self._last_done_generation == self.generation else t_dispatch
         self._last_done, self._last_done_generation = now, self.generation
         return now - start
 
@@ -999,29 +998,24 @@ class Controller:
         nobody knows (``_keep_completed_steps``): N shards' worth used, which ones unknown, so
         its rows say ``used=None`` and nothing is requeued."""
         epoch, shards = self._planned[step]
-        if used is None:
-            for r, shard in enumerate(shards):
-                self.ledger.record(step, epoch, r, shard, used=None)
-            # Every rank's shard is the same size (_shards_for), so N of them are the samples used.
-            n = min(self.scaling.num_workers, len(shards))
-            samples = sum(len(shard) for shard in shards[:n])
-            return StepRecord(step, epoch, loss, step_time_s, 0.0, len(shards), samples,
-                              sum(len(shard) for shard in shards) - samples, [])
-        used = set(used)
+        known = used is not None
+        used = set(used) if known else set()
         dropped = 0
         for r, shard in enumerate(shards):
-            self.ledger.record(step, epoch, r, shard, used=r in used)
-            if r not in used:
+            self.ledger.record(step, epoch, r, shard, used=(r in used) if known else None)
+            if known and r not in used:
                 dropped += len(shard)
                 if self.requeue_dropped:
                     self.plan.requeue(shard, epoch)
-        if self.requeue_dropped and dropped and step in self._positions:
+        if not known:  # every rank's shard is the same size (_shards_for): all but N of them dropped
+            dropped = sum(len(shard) for shard in shards[self.scaling.num_workers:])
+        elif self.requeue_dropped and dropped and step in self._positions:
             # The place recorded at dispatch predates these drops. Requeueing sends one step at a
             # time, so the plan's place now is this step's, drops included: a rollback to this
             # step (_sync_state) replans from it and must not lose them.
             self._positions[step] = self.plan.position.to_dict()
         return StepRecord(step, epoch, loss, step_time_s, 0.0, len(shards),
-                          sum(len(shards[r]) for r in used), dropped, sorted(used))
+                          sum(len(shard) for shard in shards) - dropped, dropped, sorted(used))
 
     def _observe(self, rank: int, res: StepResult) -> None:
         """A rank's step timing for the straggler policy, and its checksum if it sent one."""
@@ -1144,12 +1138,13 @@ class Controller:
         its user error is the user's (WorkerError), as in a step."""
         unfinished = self._wait_late()
         self._lagging.clear()
+        waited = self._late_wait_s()
+        busy = (f"still busy after step_timeout_s={waited:g}s" if waited == self.failure_config.step_timeout_s
+                else f"still busy after {waited:g}s, a quarter of the stop's RunConfig.stop_timeout_s")
         gone: dict[int, str] = {}
         for r, exc in unfinished.items():
             if exc is None:
-                waited = self._late_wait_s()
-                gone[r] = (f"still busy after step_timeout_s={waited:g}s" if waited == self.failure_config.step_timeout_s
-                           else f"still busy after {waited:g}s, a quarter of the stop's RunConfig.stop_timeout_s")
+                gone[r] = busy
             elif isinstance(exc, ray.exceptions.RayActorError):
                 gone[r] = "died"
             elif not isinstance(exc, ray.exceptions.RayTaskError):
@@ -1264,7 +1259,7 @@ class Controller:
             # A heartbeat interval, cut short at the step timeout's and a broken collective's
             # deadlines: a wait of the whole interval checked them only after it, so with
             # heartbeat_interval_s=300 a hung step was killed after 300 s, not step_timeout_s.
-            ends = [t0 + cfg.step_timeout_s] + ([first_problem + cfg.collective_timeout_s] if first_problem else [])
+            ends = [t0 + cfg.step_timeout_s] + ([first_problem + cfg.collective_timeout_s] if first_problem is not None else [])
             timeout = max(0.01, min(cfg.heartbeat_interval_s, min(ends) - time.time()))
             t_wait = time.perf_counter()
             want = len(pending) if (dead or collective_failed or user_error) else max(1, need - got)
@@ -2043,10 +2038,9 @@ class Controller:
                     self.metrics.on_kept_step(record)
                 del self._planned[step]
         if steps:
-            which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-            self.log("step_kept", f"{which} {how}; not replayed", kept=steps)
+            self.log("step_kept", f"{_steps_text(steps)} {how}; not replayed", kept=steps)
         if unknown:
-            which = f"step {unknown[0]}" if len(unknown) == 1 else f"steps {unknown[0]}-{unknown[-1]}"
+            which = _steps_text(unknown)
             lost = "not requeued: which of them to requeue is not known" if self.requeue_dropped else "counted"
             self.log("fast_set_unknown", f"{which} kept, but no replica left knows which {self.scaling.num_workers} "
                      f"ranks' gradients made it: its ledger rows say used=None, and its dropped samples are "
@@ -2377,6 +2371,11 @@ def _storage_unavailable(exc: BaseException) -> BaseException | None:
 
 
 _NODE_DEATH_MARKERS = ("node has died", "node died", "node is dead", "socket closed")
+
+
+def _steps_text(steps: list[int]) -> str:
+    """``step 7``, or ``steps 7-9`` for consecutive steps, first to last."""
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
 def _raylet_reachable(node_id: str | None) -> bool:

@@ -444,14 +444,14 @@ class Trainer:
         actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
         self._claim_run_name()
         mirror = self._shared_memory_storage()
-        with mirror:
-            return self._run_controller(actor_cls, kwargs, steps, epochs, getattr(mirror, "name", None))
+        with mirror or nullcontext():
+            return self._run_controller(actor_cls, kwargs, steps, epochs, mirror.name if mirror else None)
 
     def _shared_memory_storage(self):
-        """memory:// storage: the run's directory of the driver's memory, shared with the run's
-        processes while it trains (elastic/checkpoint/memory.py); any other storage: nothing."""
+        """memory:// storage: a mirror of the run's directory of the driver's memory, shared with
+        the run's processes while it trains (elastic/checkpoint/memory.py); else None."""
         if self._store is None or self._store.storage.protocol != "memory":
-            return nullcontext()
+            return None
         from elastic.checkpoint.memory import DriverMirror
 
         return DriverMirror(self._store.storage.full_path())

@@ -604,7 +604,7 @@ class TrainWorker:
             # a ValueError ("Default process group has not been initialized"), which read as the
             # user's error and ended the run instead of rebuilding the group.
             collective = (isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)) \
-                or (self._aborted_generation is not None and self._aborted_generation == self.generation)
+                or self._aborted_generation == self.generation
             # DDP's error names its own constructor argument, which a user of elastic never calls.
             unused = self.ddp is not None and "find_unused_parameters" in str(exc)
             if collective or self.world_size > 1:
