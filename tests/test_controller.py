@@ -201,6 +201,7 @@ def test_a_spare_that_took_the_state_holds_it_though_another_ones_sync_failed(ra
     # that took it stayed "holding no state" until every spare had it, so a second loss while
     # healing (its survivor gone) left no holder: the run fell back to a checkpoint or failed.
     with trained("fake-partial-sync", workers=3, backups=2, steps=2) as c:
+        c.group.collect_spares(block=True, timeout_s=60)  # both built: under load one may not be by step 2
         c._replace((1, 2))
         took, refused = c.group.members[1], c.group.members[2]
         assert {took.name, refused.name} <= c._stateless
