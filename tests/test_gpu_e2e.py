@@ -19,6 +19,7 @@ import torch
 
 import elastic
 from conftest import ROOT, release_shared_cluster, start_cluster, stop_cluster
+from elastic.actors.protocol import CollectiveError
 from elastic.actors.worker import TrainingSpec
 from elastic.actors.worker_group import WorkerGroup
 from helpers import assert_weights_close, loss_fn, make_adam, make_dataset, make_model, reference_weights
@@ -53,6 +54,42 @@ def test_worker_on_gpu_uses_nccl(gpu_cluster):
         assert info["backend"] == "nccl"
         assert info["device"] == "cuda:0"
         assert len(info["gpu_ids"]) == 1
+    finally:
+        group.shutdown()
+
+
+def test_an_aborted_nccl_group_fails_its_step_without_an_update_and_a_new_group_trains_on(gpu_cluster):
+    """The survivor's path in a recovery, on a real NCCL communicator: the controller aborts the
+    group (abort_collectives), the step of that generation fails as a collective and leaves the
+    weights as they were, and the same process forms a fresh NCCL group and trains on."""
+    group = WorkerGroup(elastic.ScalingConfig(num_workers=1, use_gpu=True),
+                        TrainingSpec(make_model, make_adam, make_dataset, loss_fn, use_gpu=True), "elastic-gpu-abort")
+    try:
+        group.start(1)
+        member = group.members[0]
+        actor, shard = member.actor, [list(range(32))]
+
+        def form(generation: int) -> None:
+            port = ray.get(actor.host_rendezvous.remote(30.0))
+            ray.get(actor.join.remote(0, 1, member.info["node_ip"], port, generation, 30.0))
+
+        form(1)
+        (done,) = ray.get(actor.train_steps.remote(1, shard, 1))
+        assert done.completed_step == 1
+        before = ray.get(actor.model_state.remote())
+        assert ray.get(actor.abort_collectives.remote(1)) is True
+        with pytest.raises(CollectiveError, match="abort|not been initialized"):
+            ray.get(actor.train_steps.remote(2, shard, 1))
+        assert ray.get(actor.progress.remote())[0] == 1
+        assert_weights_close(ray.get(actor.model_state.remote()), before, atol=0.0)
+
+        form(2)
+        assert ray.get(actor.abort_collectives.remote(1)) is False  # an older generation's abort
+        (again,) = ray.get(actor.train_steps.remote(2, shard, 2))
+        assert again.completed_step == 2
+        after = ray.get(actor.model_state.remote())
+        assert any(not torch.equal(after[k], before[k]) for k in before)
+        assert ray.get(actor.info.remote())["backend"] == "nccl"
     finally:
         group.shutdown()
 
