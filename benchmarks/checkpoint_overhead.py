@@ -71,8 +71,8 @@ import tempfile
 import time
 
 import elastic
-from common import (fit_polled, add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain,
-                    elastic_trainer, emit, events_of, ratio, run_raytrain, running_since, span_throughput, start_ray,
+from common import (add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain, elastic_trainer, emit,
+                    events_of, fail, fit_polled, ratio, run_raytrain, running_since, span_throughput, start_ray,
                     step_throughput, workload_from_args)
 
 logger = logging.getLogger("bench.checkpoint")
@@ -146,7 +146,10 @@ def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options
     res, samples, t_call = fit_polled(trainer, steps, poll_s)
     # This process's CPU: the driver's own (alike in every run) and, in the s3 run, the moto
     # server's threads, on the cores training uses. A remote S3 endpoint costs the cluster none of it.
-    out = {"fit_wall_s": time.time() - t_call, "driver_cpu_ms_per_step": (time.process_time() - cpu0) / steps * 1e3,
+    out = {"name": name, "fit_wall_s": time.time() - t_call,
+           "driver_cpu_ms_per_step": (time.process_time() - cpu0) / steps * 1e3,
+           "commits": len(events_of(res, "checkpoint_commit")),
+           "snapshots_dropped": res.metrics.get("checkpoint_snapshots_dropped"),
            **step_throughput(res, after_step=warmup),
            "span": span_throughput(res, warmup), "checkpoint": res.checkpoint}
     if storage:
@@ -200,9 +203,12 @@ def main(argv=None) -> None:
                    help="CheckpointConfig.min_shard_bytes of the checkpointed runs (default: the config's; "
                         "0: every rank writes a shard)")
     args = p.parse_args(argv)
-    if not args.skip_raytrain and args.raytrain_steps <= args.raytrain_warmup:
-        p.error(f"--raytrain-steps ({args.raytrain_steps}) must be more than --raytrain-warmup "
-                f"({args.raytrain_warmup}), or pass --skip-raytrain")
+    if not args.skip_raytrain and not 1 <= args.raytrain_warmup < args.raytrain_steps:
+        p.error(f"--raytrain-warmup ({args.raytrain_warmup}) must be at least 1 (the peer's clock starts at "
+                f"the end of that step) and below --raytrain-steps ({args.raytrain_steps}), or pass --skip-raytrain")
+    if args.every_n_steps != 1:
+        logger.warning("--every-n-steps %d: the figures keep their every-step names; every_n_steps is in "
+                       "each line's details", args.every_n_steps)
     claim_stdout()
     peer = configure_raytrain(args)
     w = workload_from_args(args)
@@ -234,6 +240,13 @@ def main(argv=None) -> None:
               "steps": args.steps, "warmup": args.warmup, "every_n_steps": args.every_n_steps,
               "min_shard_bytes": args.min_shard_bytes if args.min_shard_bytes is not None
               else elastic.CheckpointConfig().min_shard_bytes}
+    for run in (file_, s3):
+        if run is None:
+            continue
+        latest = (run["checkpoint"] or {}).get("latest_step")
+        if latest != args.steps:
+            fail(f"{run['name']}: the newest committed step is {latest}, not the run's last step {args.steps}: "
+                 "its overhead would leave out checkpoints that never happened")
     base_step_s = (none["mean_step_time_s"] + none_after["mean_step_time_s"]) / 2
     base_span = (none["span"]["steps_per_s"] + none_after["span"]["steps_per_s"]) / 2
     for label, run in (("file", file_), ("s3", s3)):
@@ -244,7 +257,12 @@ def main(argv=None) -> None:
              driver_cpu_ms_per_step=run["driver_cpu_ms_per_step"],
              baseline_driver_cpu_ms_per_step=(none["driver_cpu_ms_per_step"] + none_after["driver_cpu_ms_per_step"]) / 2,
              baseline_runs_mean_step_time_s=[none["mean_step_time_s"], none_after["mean_step_time_s"]],
-             span_steps_per_s=run["span"]["steps_per_s"], baseline_span_steps_per_s=base_span, **common)
+             span_steps_per_s=run["span"]["steps_per_s"], baseline_span_steps_per_s=base_span,
+             # How much checkpointing the run did: a step whose snapshot was dropped (the agent
+             # had no free slot) or whose commit a newer one superseded cost less, so these say
+             # what the ratio covers.
+             commits=run["commits"], snapshots_dropped=run["snapshots_dropped"],
+             latest_committed=(run["checkpoint"] or {}).get("latest_step"), **common)
     if theirs is not None:
         emit("ckpt_step_throughput_ratio_vs_raytrain", ratio(file_["span"]["steps_per_s"], theirs["steps_per_s"]),
              "ratio", ours_steps_per_s=file_["span"]["steps_per_s"], raytrain_steps_per_s=theirs["steps_per_s"],

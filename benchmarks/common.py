@@ -55,8 +55,10 @@ def claim_stdout() -> None:
 
 
 def emit(figure: str, value: float | None, unit: str, **details: Any) -> None:
-    """One figure, one JSON line on the real stdout."""
+    """One figure, one JSON line on the real stdout. A value that is no finite number goes out as
+    null with ``value_note`` saying what it was (JSON has no inf or NaN)."""
     if value is not None and not math.isfinite(value):
+        details = {"value_note": f"not a finite number ({value})", **details}
         value = None
     _FIGURES.write(json.dumps({"figure": figure, "value": value, "unit": unit, **details}, default=str) + "\n")
     _FIGURES.flush()
@@ -64,6 +66,14 @@ def emit(figure: str, value: float | None, unit: str, **details: Any) -> None:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def fail(message: str) -> None:
+    """A run did not do what its figures measure (no failure injected, no eviction, a step left
+    uncommitted): exit non-zero before printing them. A figure from such a run would read well
+    (no crash costs no time) and mean nothing."""
+    logger.error("benchmark check failed: %s", message)
+    raise SystemExit(f"benchmark check failed: {message}")
 
 
 # ---- Ray ----------------------------------------------------------------------------------------
@@ -346,8 +356,6 @@ def _raytrain_loop(cfg: dict) -> None:
         loss_v = float(loss.detach())
         if step == 1:
             t_first = t_run_first = time.time()
-        if step == warmup:
-            t_warm = time.perf_counter()
         every = cfg.get("ckpt_every", 0)
         if every and step % every == 0:
             t0 = time.perf_counter()
@@ -359,6 +367,10 @@ def _raytrain_loop(cfg: dict) -> None:
                     checkpoint = ray.train.Checkpoint.from_directory(d)
                 ray.train.report({"step": step, "loss": loss_v}, checkpoint=checkpoint)
             ckpt_s += time.perf_counter() - t0
+        # After the step's checkpoint: the timed steps (warmup, steps] carry exactly their own
+        # reports, as ours do (step ``warmup``'s snapshot falls before our clock starts too).
+        if step == warmup:
+            t_warm = time.perf_counter()
     t_end, end_time = time.perf_counter(), time.time()
     done = steps - max(start, warmup)
     span = t_end - t_warm if t_warm is not None else None
@@ -406,15 +418,17 @@ def run_raytrain(w: Workload, steps: int, warmup: int = 0, *, ckpt_every: int = 
         ),
     )
     t_call = time.time()
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:
+        if own_tmp is not None:
+            import shutil
+
+            shutil.rmtree(own_tmp, ignore_errors=True)
     wall = time.time() - t_call
     out = dict(result.metrics)
     out["wall_s"] = wall
     out["time_to_first_step_s"] = out["first_step_time"] - t_call if out.get("first_step_time") else None
     out["train_span_s"] = out["end_time"] - out["run_first_step_time"]  # end of step 1 -> end of the loop
     out["storage_path"] = storage_path
-    if own_tmp is not None:
-        import shutil
-
-        shutil.rmtree(own_tmp, ignore_errors=True)
     return out

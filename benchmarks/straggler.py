@@ -63,8 +63,8 @@ import logging
 import time
 
 import elastic
-from common import (fit_polled, add_workload_args, claim_stdout, elastic_trainer, emit, events_of, finished_at,
-                    ratio, running_since, start_ray, step_throughput, workload_from_args)
+from common import (add_workload_args, claim_stdout, elastic_trainer, emit, events_of, fail, finished_at, fit_polled,
+                    ratio, running_since, span_throughput, start_ray, step_throughput, workload_from_args)
 
 logger = logging.getLogger("bench.straggler")
 
@@ -113,17 +113,23 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
     if mode == "evict":
         ev = eviction(res)
         if ev is None:
-            logger.warning("evict run: no EvictStraggler decision in the event log")
-        else:
-            after = evicted = ev["step"]
-            extra = {"evicted_rank": ev["details"].get("rank"), "evict_reason": ev["message"]}
-            ready = spare_ready_step(samples, ev["time"])
-            if ready is not None:
-                extra["after_spare_ready"] = step_throughput(res, after_step=ready)
+            fail("evict run: no EvictStraggler decision in the event log, so its figure would measure "
+                 "first-N with an idle spare")
+        if ev["details"].get("rank") != slow["rank"]:
+            fail(f"evict run: rank {ev['details'].get('rank')} was evicted, not the slowed rank {slow['rank']}")
+        after = evicted = ev["step"]
+        extra = {"evicted_rank": ev["details"].get("rank"), "evict_reason": ev["message"]}
+        ready = spare_ready_step(samples, ev["time"])
+        if ready is not None:
+            extra["after_spare_ready"] = step_throughput(res, after_step=ready)
     tp = step_throughput(res, after_step=after)
     whole = finished_at(res) - running_since(res)
     out = {"mode": mode, "run_steps": steps, "measured_after_step": after, "evicted_after_step": evicted,
            "spare_ready_step": ready, **tp, **extra,
+           # By the wall clock from the end of the last step before the slowdown to FINISHED: what
+           # the per-step figure leaves out of an eviction (the slow steps before it was decided,
+           # the rebuild) is in here.
+           "from_slowdown": span_throughput(res, slow["from_step"] - 1),
            "whole_run_samples_per_s": sum(h["samples"] for h in res.history) / whole,
            "dropped_samples": res.metrics["dropped_samples"], "late_gradients": res.metrics["late_gradients"],
            "agreed_steps": res.metrics["agreed_steps"],
@@ -209,13 +215,25 @@ def main(argv=None) -> None:
         known = [x for x in per_round if x is not None]
         return (sum(known) / len(known) if known else None), per_round
 
+    # The accuracy runs before any figure is printed: a failure there must not leave part of
+    # the figures on stdout.
+    accuracy = None
+    if not args.skip_accuracy:
+        accuracy = (digits_accuracy("healthy", w.workers, args.digits_epochs, slow, 0),
+                    digits_accuracy("first_n", w.workers, args.digits_epochs, slow, args.late_backoff_steps))
+
     for mode in (m for m in ("plain", "first_n", "evict") if m in modes):
         value, per_round = mean_ratio(mode, "healthy")
         details: dict = {"per_round": per_round,
                          "samples_per_s": [r[mode]["samples_per_s"] for r in rounds],
                          "healthy_samples_per_s": [r["healthy"]["samples_per_s"] for r in rounds],
                          "measured_after_step": [r[mode]["measured_after_step"] for r in rounds],
-                         "measured_steps": [r[mode]["steps"] for r in rounds]}
+                         "measured_steps": [r[mode]["steps"] for r in rounds],
+                         # Wall clock from the slowdown to the end, against the healthy run's
+                         # from the same step (the eviction run is longer: see --evict-steps).
+                         "wall_ratio_from_slowdown_per_round": [
+                             ratio(r[mode]["from_slowdown"]["samples_per_s"],
+                                   r["healthy"]["from_slowdown"]["samples_per_s"]) for r in rounds]}
         if mode != "plain" and "first_n_healthy" in modes:
             # The straggler's own cost, apart from what a fifth replica costs on this machine.
             details["ratio_vs_first_n_healthy"], details["per_round_vs_first_n_healthy"] = \
@@ -233,9 +251,8 @@ def main(argv=None) -> None:
              late_gradients=[r["late_gradients"] for r in runs], agreed_steps=[r["agreed_steps"] for r in runs],
              **common)
 
-    if not args.skip_accuracy:
-        healthy = digits_accuracy("healthy", w.workers, args.digits_epochs, slow, 0)
-        first_n = digits_accuracy("first_n", w.workers, args.digits_epochs, slow, args.late_backoff_steps)
+    if accuracy is not None:
+        healthy, first_n = accuracy
         emit("first_n_accuracy_delta", healthy - first_n, "accuracy", healthy_plain_accuracy=healthy,
              first_n_straggler_accuracy=first_n, epochs=args.digits_epochs, dataset="sklearn digits",
              workers=w.workers, global_batch=64, slow=slow)

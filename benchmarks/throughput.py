@@ -52,6 +52,9 @@ def main(argv=None) -> None:
                    help="pairs run, in ABBA order; the median of each figure is reported. On a shared machine "
                         "one pair's ratio can be off by 2x; use 4 or more for a decision")
     args = p.parse_args(argv)
+    if not 1 <= args.warmup < args.steps:
+        p.error(f"--warmup ({args.warmup}) must be at least 1 (the peer's clock starts at the end of step "
+                f"--warmup) and below --steps ({args.steps})")
     claim_stdout()
     peer = configure_raytrain(args)
     w = workload_from_args(args)
