@@ -8,22 +8,91 @@ run/rank/kind tags leave here: never a storage URL or a credential.
 from __future__ import annotations
 
 import logging
+import threading
 
 logger = logging.getLogger(__name__)
 
 STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
+# Ray's default metrics_report_interval_ms: how often a process exports its metrics.
+RAY_REPORT_INTERVAL_S = 10.0
+
+
+def refresh_interval_s() -> float:
+    """How often the gauges are set again: half Ray's export interval (see ``RunMetrics``)."""
+    try:
+        import ray
+
+        # Ray's own setting, read where Ray reads it; private, hence the fallback to its default.
+        interval = max(ray._config.metrics_report_interval_ms(), 1000) / 1000.0
+    except Exception:
+        interval = RAY_REPORT_INTERVAL_S
+    return interval / 2
+
 
 class RunMetrics:
-    """Created lazily inside the controller actor (metrics objects are per process)."""
+    """Created lazily inside the controller actor (metrics objects are per process).
+
+    Why the gauges are set again every few seconds (``_refresh``): on Ray 2.60 (OpenTelemetry)
+    a process exports a gauge's value once after it was set and then forgets it, and the node's
+    dashboard agent keeps an exported value for two export intervals (~20 s). A gauge set only
+    when something happens (the last recovery's seconds, the spare pool during a wait for
+    capacity, every per-step gauge while a long step runs) dropped off Prometheus ~20 s later:
+    a degraded run went blank on its dashboard exactly when it mattered. A thread sets each
+    gauge's last value again every half export interval while the run lives; once the run has
+    ended (``close``) they age out of the endpoint within ~20 s. Counters and the histogram are
+    cumulative and need none of this.
+    """
 
     def __init__(self, run: str):
         self.run = run
         self._m = None
         self._ranks: set[str] = set()  # ranks the per-rank gauges were last set for
+        self._last: dict[tuple[str, tuple], float] = {}  # (gauge, tags) -> its last value
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._refresher: threading.Thread | None = None
 
     def __getstate__(self):
-        return {"run": self.run, "_m": None, "_ranks": set()}
+        return {"run": self.run}
+
+    def __setstate__(self, state):
+        self.__init__(state["run"])
+
+    def _set(self, m, name: str, value: float, tags: dict) -> None:
+        """Set a gauge and keep its value for the refresher."""
+        m[name].set(value, tags=tags)
+        with self._lock:
+            self._last[(name, tuple(sorted(tags.items())))] = value
+            if self._refresher is None and not self._closed.is_set():
+                self._refresher = threading.Thread(target=self._refresh, name="elastic-metrics-refresh", daemon=True)
+                self._refresher.start()
+
+    def _drop(self, name: str, tags: dict) -> None:
+        """Stop refreshing a gauge series: it ages out of the endpoint."""
+        with self._lock:
+            self._last.pop((name, tuple(sorted(tags.items()))), None)
+
+    def _refresh(self) -> None:
+        every = refresh_interval_s()
+        while not self._closed.wait(every):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Set every gauge again with its last value (the refresher's tick)."""
+        with self._lock:
+            values = list(self._last.items())
+        if self._closed.is_set() or self._m is None:
+            return
+        for (name, tags), value in values:
+            try:
+                self._m[name].set(value, tags=dict(tags))
+            except Exception:  # metrics must never stop training
+                logger.debug("metrics refresh failed", exc_info=True)
+
+    def close(self) -> None:
+        """The run has ended: its gauges are no longer set again, and leave the endpoint."""
+        self._closed.set()
 
     def _metrics(self):
         if self._m is None:
@@ -52,8 +121,8 @@ class RunMetrics:
                                       tag_keys=("run", "kind")),
                 "recovery_s": Gauge("elastic_recovery_seconds", "Seconds the last recovery took",
                                     tag_keys=("run", "kind")),
-                "persist_s": Gauge("elastic_checkpoint_persist_seconds", "Seconds the last checkpoint commit took",
-                                   tag_keys=("run",)),
+                "persist_s": Gauge("elastic_checkpoint_persist_seconds",
+                                   "Seconds from the last committed step's snapshot to its commit", tag_keys=("run",)),
                 "ckpt_lag": Gauge("elastic_checkpoint_lag_steps", "Steps since the newest committed checkpoint",
                                   tag_keys=("run",)),
                 "grad_norm": Gauge("elastic_grad_norm", "2-norm of the last step's averaged gradient, before "
@@ -78,36 +147,38 @@ class RunMetrics:
             run = {"run": self.run}
             m["step_time"].observe(record.step_time_s, tags=run)
             if record.step_time_s > 0:
-                m["samples"].set(record.samples / record.step_time_s, tags=run)
+                self._set(m, "samples", record.samples / record.step_time_s, run)
             self._set_membership(m, record.world_size, len(controller.group.spares), controller.group.pending_spares)
             self._set_step_done(m, record)
             if record.grad_norm is not None:
-                m["grad_norm"].set(record.grad_norm, tags=run)
+                self._set(m, "grad_norm", record.grad_norm, run)
             if per_rank:
                 rows = controller.rank_rows(spares=False)
                 for row in rows:
                     tags = {"run": self.run, "rank": str(row["rank"])}
-                    m["heartbeat_age"].set(row["heartbeat_age_s"], tags=tags)
-                    m["straggler"].set(row["straggler_score"], tags=tags)
-                    m["rank_behind"].set(row["behind_steps"], tags=tags)
+                    self._set(m, "heartbeat_age", row["heartbeat_age_s"], tags)
+                    self._set(m, "straggler", row["straggler_score"], tags)
+                    self._set(m, "rank_behind", row["behind_steps"], tags)
                     # No result this window (a late first-N replica, one sitting out): NaN, "no
                     # value". Left unset, the gauge kept the rank's last fast step time, so a
                     # straggler looked healthy on the very panel meant to show it.
                     step_time = row["step_time_s"]
-                    m["rank_step_time"].set(float("nan") if step_time is None else step_time, tags=tags)
+                    self._set(m, "rank_step_time", float("nan") if step_time is None else step_time, tags)
                 self._forget_ranks(m, {str(row["rank"]) for row in rows})
             if controller.committer is not None:
-                m["ckpt_lag"].set(controller.committer.lag(record.step), tags=run)
+                self._set(m, "ckpt_lag", controller.committer.lag(record.step), run)
         self._safe(update)
 
     def _forget_ranks(self, m, ranks: set[str]) -> None:
-        """Ranks gone since the last update (the group shrank) get NaN, "no value": a gauge keeps
-        its last value for as long as the process lives, and a rank that no longer exists would
-        go on showing its last straggler score or heartbeat age on dashboards and alerts."""
+        """Ranks gone since the last update (the group shrank) get NaN, "no value", once, and are
+        no longer refreshed, so their series leave the endpoint: a rank that no longer exists
+        would otherwise go on showing its last straggler score or heartbeat age on dashboards
+        and alerts."""
         for rank in self._ranks - ranks:
             tags = {"run": self.run, "rank": rank}
             for name in ("heartbeat_age", "straggler", "rank_behind", "rank_step_time"):
                 m[name].set(float("nan"), tags=tags)
+                self._drop(name, tags)
         self._ranks = ranks
 
     def on_heartbeats(self, ages: dict[int, float]) -> None:
@@ -116,7 +187,7 @@ class RunMetrics:
         not run."""
         def update(m):
             for rank, age in ages.items():
-                m["heartbeat_age"].set(age, tags={"run": self.run, "rank": str(rank)})
+                self._set(m, "heartbeat_age", age, {"run": self.run, "rank": str(rank)})
             # Known from now on, so a shrink before the next per-rank update still blanks them
             # (_forget_ranks): a rank hung in the first window, then renumbered away, kept
             # showing its heartbeat age for as long as the process lived.
@@ -137,14 +208,14 @@ class RunMetrics:
 
     def _set_membership(self, m, world_size: int, spares: int, building: int) -> None:
         run = {"run": self.run}
-        m["world_size"].set(world_size, tags=run)
-        m["spares"].set(spares, tags=run)
-        m["spares_building"].set(building, tags=run)
+        self._set(m, "world_size", world_size, run)
+        self._set(m, "spares", spares, run)
+        self._set(m, "spares_building", building, run)
 
     def _set_step_done(self, m, record) -> None:
         """The step gauge and the dropped-samples counter, for a step booked as done."""
         run = {"run": self.run}
-        m["step"].set(record.step, tags=run)
+        self._set(m, "step", record.step, run)
         if record.dropped:
             m["dropped"].inc(record.dropped, tags=run)
 
@@ -155,8 +226,16 @@ class RunMetrics:
         def update(m):
             tags = {"run": self.run, "kind": kind}
             m["recoveries"].inc(1, tags=tags)
-            m["recovery_s"].set(seconds, tags=tags)
+            self._set(m, "recovery_s", seconds, tags)
         self._safe(update)
 
-    def on_checkpoint(self, persist_s: float) -> None:
-        self._safe(lambda m: m["persist_s"].set(persist_s, tags={"run": self.run}))
+    def on_checkpoint(self, persist_s: float | None, lag: int | None = None) -> None:
+        """A step committed: the seconds from its snapshot to its commit (None: not known), and
+        the lag now (the per-step update left it as it was before the run's last commits)."""
+        def update(m):
+            run = {"run": self.run}
+            if persist_s is not None:
+                self._set(m, "persist_s", persist_s, run)
+            if lag is not None:
+                self._set(m, "ckpt_lag", lag, run)
+        self._safe(update)

@@ -89,3 +89,59 @@ def test_a_step_kept_after_a_rebuild_counts_its_drops_and_moves_the_step():
     kept = SimpleNamespace(step=7, dropped=8)
     m.on_kept_step(kept)
     assert m._m["step"].values[None] == [7] and m._m["dropped"].values[None] == [8]
+
+
+def test_every_gauge_is_set_again_with_its_last_value_until_the_run_ends():
+    # Ray 2.60 exports a gauge once after it is set and its agent keeps it ~20 s: a gauge set
+    # only when something happens (a recovery's seconds, the pool while waiting for capacity)
+    # dropped off Prometheus. The refresher sets each again; a gone rank's series is let go.
+    m = metrics()
+    m.on_step(record(1, 2), controller(range(2)))
+    m.on_recovery("actor_died", 1.5)
+    m.on_step(record(2, 1), controller(range(1)))  # shrunk: rank 1 is no more
+    before = {name: {rank: list(v) for rank, v in rec.values.items()} for name, rec in m._m.items()}
+    m.refresh()
+    assert m._m["recovery_s"].values[None][-1] == 1.5 and len(m._m["recovery_s"].values[None]) == 2
+    assert m._m["step"].values[None][-1] == 2 and m._m["world_size"].values[None][-1] == 1
+    assert m._m["straggler"].values["0"][-1] == 1.0
+    assert m._m["straggler"].values["1"] == before["straggler"]["1"]  # NaN once, then left to age out
+    assert m._m["step_time"].values == before["step_time"]  # the histogram is cumulative: never re-observed
+    assert m._m["failures"].values == before.get("failures", {}) and \
+        m._m["recoveries"].values[None] == before["recoveries"][None]  # nor are counters
+    m.close()
+    m.refresh()
+    assert len(m._m["recovery_s"].values[None]) == 2  # ended: nothing is set again
+
+
+def test_the_refresher_thread_starts_with_the_first_gauge_and_stops_at_close(monkeypatch):
+    import time
+
+    from elastic import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "refresh_interval_s", lambda: 0.01)
+    m = metrics()
+    m.on_membership(world_size=4, spares=0, building=1)
+    deadline = time.time() + 5
+    while len(m._m["spares_building"].values[None]) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(m._m["spares_building"].values[None]) >= 3
+    m.close()
+    m._refresher.join(timeout=5)
+    assert not m._refresher.is_alive()
+
+
+def test_a_commit_sets_the_persist_time_and_the_lag_now():
+    m = metrics()
+    m.on_checkpoint(0.25, lag=0)
+    m.on_checkpoint(None, lag=1)  # a commit whose snapshot time is not known leaves the gauge as it was
+    assert m._m["persist_s"].values[None] == [0.25] and m._m["ckpt_lag"].values[None] == [0, 1]
+
+
+def test_run_metrics_travel_to_the_controller_without_their_thread_or_values():
+    import pickle
+
+    m = metrics()
+    m.on_membership(world_size=4, spares=1, building=0)
+    copy = pickle.loads(pickle.dumps(m))
+    assert copy.run == "r" and copy._m is None and copy._last == {} and copy._refresher is None
+    m.close()
