@@ -285,6 +285,8 @@ class Controller:
         self.log("transition", f"{old.value} -> {new.value}: {reason}", old=old.value, new=new.value)
         self._publish_membership()
         if new.is_terminal:
+            if self.metrics is not None:
+                self.metrics.close()  # its gauges leave the endpoint (RunMetrics)
             self._ended.set()
 
     def _publish_membership(self) -> None:
@@ -1037,6 +1039,11 @@ class Controller:
         for res in results:
             self._observe(rank, res)
             self._merge_ckpt(rank, res)
+        # How late it is now, for the decision after this window: a replica that sat the window
+        # out (no timing: observe() never ran) kept the late stretch _check_late_hung measured
+        # before the gather, and that stale stretch counted again as fresh evidence.
+        left = [since for r, since, _ in self._lagging.values() if r == rank]
+        self.straggler_policy.observe_pending(rank, time.time() - min(left) if left else 0.0)
 
     def _set_meta_after_results(self, step: int) -> None:
         """First-N with requeueing: a step's checkpoint meta is set once its results (or, for a
@@ -1213,7 +1220,9 @@ class Controller:
             details.setdefault("lag", max(0, self.step - int(ev["step"])))
             self.log("checkpoint_commit", ev.get("message", ""), **details)
             if self.metrics is not None:
-                self.metrics.on_checkpoint(float(ev.get("commit_s", 0.0)))
+                persist = ev.get("persist_s")
+                self.metrics.on_checkpoint(None if persist is None else float(persist),
+                                           lag=self.committer.lag(self._progress_step()) if self.committer else None)
         elif ev.get("event") == "checkpoint_deleted":
             self.log("checkpoint_retention", ev.get("message", ""), **details)
         else:
@@ -1575,6 +1584,7 @@ class Controller:
 
     def _decide_and_apply(self, lost: tuple[int, ...], kind: str) -> None:
         waited = False
+        deadline: float | None = None  # the wait for capacity's end, capacity_timeout_s from its start
         while True:
             self._refresh_spares(wait=True)
             view = FailureView(lost, kind, len(self.group.members), len(self.group.spares),
@@ -1586,15 +1596,23 @@ class Controller:
                 self._replace(lost)
                 return
             if isinstance(decision, WaitForCapacity):
+                if deadline is None:
+                    deadline = time.time() + decision.timeout_s
                 missing = len(lost) - len(self.group.spares) - self.group.pending_spares
                 for _ in range(max(0, missing)):
                     self.group.request_spare(avoid_nodes=self._nodes_to_avoid())
                 self._publish_membership()  # the lost ranks out, the spares asked for building
-                self.group.collect_spares(block=True, timeout_s=decision.timeout_s, enough=len(lost))
+                self.group.collect_spares(block=True, timeout_s=max(0.0, deadline - time.time()), enough=len(lost))
                 self._log_spare_problems()
                 self._note_ready_spares()
                 self._check_stop(f"waiting for capacity to replace rank(s) {list(lost)}")
-                waited = True
+                # The wait ends early when a spare it waits for dies or is refused while building
+                # (nothing left pending). Decided again with time left, the policy asks for
+                # another (or, waiting on spares already building, falls back now that they are
+                # fewer); only a wait that ran its course is reported as "no capacity came".
+                waited = time.time() >= deadline
+                if not waited and self.group.pending_spares == 0 and len(self.group.spares) < len(lost):
+                    time.sleep(min(1.0, max(0.0, deadline - time.time())))  # a spare that fails at once: no spin
                 continue
             if isinstance(decision, Shrink):
                 if decision.replace:

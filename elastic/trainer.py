@@ -230,6 +230,9 @@ def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureCo
             if changed(failure, name):
                 out.append(f"FailureConfig.{name} applies only when a failure shrinks the run (on_failure or "
                            "when_no_spare 'shrink'); this run ignores it.")
+    if failure.evict_stragglers and scaling.num_replicas < 2:
+        out.append("FailureConfig.evict_stragglers compares each rank's step time with its peers'; with one rank "
+                   "there is none to compare with, and this run never evicts.")
     if run.storage is None:
         if run.checkpoint != CheckpointConfig():
             out.append("RunConfig.checkpoint is set but RunConfig.storage is None: this run writes no checkpoints.")

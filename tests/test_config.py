@@ -604,3 +604,14 @@ def test_settings_this_run_never_reads_are_warned_about_once(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "CheckpointConfig.keep_every keeps every Nth committed step, and every_n_steps=0 commits none but the "
         "last; it is ignored."]
+
+
+def test_evicting_stragglers_with_one_rank_is_warned_about(caplog):
+    # A lone rank always scores 1.0 against no peers: eviction could never happen, in silence.
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="elastic.trainer"):
+        _trainer(scaling=ScalingConfig(num_workers=1, num_backups=1), failure=FailureConfig(evict_stragglers=True))
+        _trainer(scaling=ScalingConfig(num_workers=2, num_backups=1), failure=FailureConfig(evict_stragglers=True))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "evict_stragglers" in said[0] and "never evicts" in said[0]

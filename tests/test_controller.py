@@ -1611,3 +1611,35 @@ def test_the_dispatch_window_is_not_tuned_or_logged_when_steps_go_one_at_a_time(
         c._tune_window([0.001] * 8)
     assert not [e for e in one_at_a_time.events if e.kind == "dispatch"] and one_at_a_time._window_at(1) == 1
     assert [e.details["steps_per_dispatch"] for e in ahead.events if e.kind == "dispatch"] == [16]
+
+
+def test_a_late_window_collected_without_a_timing_leaves_no_stale_late_stretch(ray_cluster):  # the Controller asks Ray for its runtime context
+    # A first-N replica sitting the window out (computed=False: no timing) finished it a moment
+    # after the N; the late stretch measured before the gather stayed, and counted again as
+    # fresh evidence at the next decision.
+    from elastic.actors.protocol import StepResult
+
+    c = controller("late-no-timing", workers=2, backups=1, aggregation="first_n",
+                   failure=elastic.FailureConfig(straggler_warmup_steps=0))
+    c._lagging = {}  # its only late window, popped as it is collected (_step_all)
+    c.straggler_policy.observe_pending(2, 4.0)
+    skipped = StepResult(2, 7, 0.0, 0.0, 0.0, 0, 7, {"computed": False, "fast": [0, 1]})
+    c._collect_late(2, [skipped])
+    assert 2 not in c.straggler_policy._busy_for  # no window left: not late
+    c._lagging = {"a": (2, time.time() - 3.0, 1), "b": (2, time.time() - 1.0, 1)}
+    c.straggler_policy.observe_pending(2, 9.0)
+    c._collect_late(2, [skipped])
+    assert 2.5 < c.straggler_policy._busy_for[2] < 4.0  # late since its oldest window still out
+
+
+def test_a_wait_for_capacity_whose_spare_dies_building_asks_again_until_capacity_timeout_s(ray_cluster):
+    # The spare asked for died in its constructor: the wait ended at once, and the run failed
+    # saying no capacity came within capacity_timeout_s, seconds into a 30 s wait.
+    c = controller("fake-cap-spare-dies", failure=elastic.FailureConfig(when_no_spare="wait", capacity_timeout_s=4),
+                   faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    c.worker_group_cls = SparesThatFailToBuild
+    run_expecting_failure(c, 6, "no capacity came within capacity_timeout_s=4s")
+    waits = [e for e in c.events if e.kind == "decision" and e.details["decision"] == "WaitForCapacity"]
+    fail = next(e for e in c.events if e.kind == "decision" and e.details["decision"] == "Fail")
+    assert fail.time - waits[0].time >= 4  # the whole wait, not until the first spare died
+    assert len(waits) >= 2 and len([e for e in c.events if e.kind == "spare_lost"]) >= 2  # asked again

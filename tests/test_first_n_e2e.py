@@ -198,8 +198,10 @@ def test_persistent_straggler_evicted_for_spare(ray_cluster):
     failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=3.0, straggler_window=2,
                                     checksum_every_n_steps=1)
     # One step per call, so the policy decides after every step (with windows it decides once a
-    # window and needs two windows over the threshold; the run is too short for that).
-    result = make("evict", faults=[{"kind": "slow", "rank": 1, "factor": 200.0, "from_step": 1}], spares=1,
+    # window and needs two windows over the threshold; the run is too short for that). Slow from
+    # its second step: a rank still in its first step is held as a cold start (a promoted spare's
+    # first kernels), and one 200x slow from step 1 is evicted only once that step ends.
+    result = make("evict", faults=[{"kind": "slow", "rank": 1, "factor": 200.0, "from_step": 2}], spares=1,
                   failure=failure, steps_per_dispatch=1).fit(steps=STEPS + 4)
     evictions = [e for e in result.events if e["kind"] == "decision" and e["details"]["decision"] == "EvictStraggler"]
     assert len(evictions) == 1 and evictions[0]["details"]["rank"] == 1

@@ -430,3 +430,68 @@ def test_scores_read_from_another_thread_while_ranks_are_observed():
         thread.join()
         sys.setswitchinterval(interval)
     assert errors == []
+
+
+def test_a_promoted_spares_cold_first_step_is_a_pause_and_a_rank_slow_from_the_start_is_still_evicted():
+    # First-N after a rebuild: the fast four finish the run's warm-up in one 16-step window while
+    # the new rank 4 is still in its first step (cold: first kernels, allocations). Its late
+    # stretch alone used to evict it ("33.33x ... for 5 steps") and keep spares off its node.
+    p = StragglerPolicy(factor=2.0, window=5, evict=True, warmup_steps=5)
+    for decision, late in enumerate((None, 0.5, 1.0, 1.5)):
+        for r in range(4):
+            for _ in range(16):
+                p.observe(r, 0.03)
+        if late is not None:
+            p.observe_pending(4, late)
+        assert isinstance(p.decide(spares_ready=1, steps=16), Continue), decision
+    p.observe(4, 1.6)  # its cold first step ends: not counted
+    assert 4 not in p.scores()
+    for _ in range(5):
+        for r in range(5):
+            p.observe(r, 0.03)
+        assert isinstance(p.decide(spares_ready=1, steps=1), Continue)
+    # A replica slow from its very first step: held while in it, evicted on its next late stretch.
+    slow = StragglerPolicy(factor=2.0, window=5, evict=True, warmup_steps=5)
+    for r in range(5):
+        slow.observe(r, 0.03)  # the run's first step, in the warm-up
+    for decision, late in enumerate((0.6, 1.2)):
+        for r in range(4):
+            for _ in range(16):
+                slow.observe(r, 0.03)
+        slow.observe_pending(4, late)
+        assert isinstance(slow.decide(spares_ready=1, steps=16), Continue), decision
+    slow.reset()  # a rebuild: every rank's next step is its first again
+    for late in (None, 0.6):  # the first window is the run's warm-up
+        for r in range(4):
+            for _ in range(16):
+                slow.observe(r, 0.03)
+        if late is not None:
+            slow.observe_pending(4, late)
+        assert isinstance(slow.decide(spares_ready=1, steps=16), Continue)
+    slow.observe(4, 2.0)  # its first step since the rebuild ends (cold: not counted) ...
+    slow.observe_pending(4, 0.6)  # ... and it is late again
+    d = slow.decide(spares_ready=1, steps=16)
+    assert isinstance(d, EvictStraggler) and d.rank == 4
+    assert "late for 0.60s" in d.reason and "window 5" in d.reason
+
+
+def test_without_a_warm_up_every_timing_counts_from_the_first():
+    p = StragglerPolicy(factor=2.0, window=1, evict=True, warmup_steps=0)
+    for r in range(3):
+        p.observe(r, 1.0 if r == 0 else 0.1)
+    assert isinstance(p.decide(spares_ready=1), EvictStraggler)
+
+
+@pytest.mark.parametrize("fallback, expected", [("shrink", Shrink), ("restart", RestartFromCheckpoint),
+                                                ("fail", Fail)])
+def test_spares_still_building_are_waited_for_before_when_no_spare_falls_back(fallback, expected):
+    # Failure 1 took the spare and a refill is building when failure 2 comes: the run halved
+    # for good (nothing grows a shrunk run back), restarted or failed seconds before it was ready.
+    cfg = FailureConfig(when_no_spare=fallback, allow_shrink=True, min_workers=2, capacity_timeout_s=7)
+    policy = FailurePolicy(cfg, num_workers=4, global_batch=64)
+    d = policy.decide(view(ready=0, pending=1))
+    assert isinstance(d, WaitForCapacity) and d.timeout_s == 7
+    assert "1 building" in d.reason and f"when_no_spare={fallback!r}" in d.reason
+    assert isinstance(policy.decide(view(ready=0, pending=1, waited=True)), expected)  # not ready in time
+    assert isinstance(policy.decide(view(lost=(1, 2), ready=0, pending=1)), expected)  # too few building
+    assert isinstance(policy.decide(view(ready=1, pending=1)), ReplaceWithSpares)

@@ -29,7 +29,7 @@ class FailureView:
     spares_ready: int
     spares_pending: int
     failures_so_far: int  # including this one
-    waited: bool = False  # a WaitForCapacity already ran out for this failure
+    waited: bool = False  # a WaitForCapacity already ran its course (capacity_timeout_s) for this failure
 
 
 class FailurePolicy:
@@ -60,6 +60,14 @@ class FailurePolicy:
                 return ReplaceWithSpares(f"{view.spares_ready} hot spare(s) ready for rank(s) {list(lost)}", lost)
             action = cfg.when_no_spare
             why = f"only {view.spares_ready} spare(s) ready for {len(lost)} lost rank(s)"
+            if action != "wait" and not view.waited and view.spares_ready + view.spares_pending >= len(lost):
+                # Spares still building (a refill after an earlier failure) are waited for before
+                # when_no_spare's fallback. Why: a shrink is for the rest of the run (nothing grows
+                # it back) and a restart or a failure loses far more than the seconds a spare
+                # needs to finish; the fallback still comes if they are not ready in time.
+                return WaitForCapacity(f"{why}, {view.spares_pending} building; waiting up to "
+                                       f"{cfg.capacity_timeout_s:g}s for them before when_no_spare={action!r}",
+                                       lost, cfg.capacity_timeout_s)
         else:
             why = f"FailureConfig.on_failure={cfg.on_failure!r}"
         return self._fallback(action, view, why)

@@ -33,6 +33,12 @@ class StragglerPolicy:
         # a crowded machine vary by more than 2x; they would name healthy ranks as stragglers.
         self.warmup_steps = warmup_steps
         self._steps = 0
+        # Each rank's own first step after a (re)start is cold too (a promoted spare's first
+        # kernels, allocations, autotuning), and in first-N the run's warm-up can be over before
+        # a new rank's first step is: the fast N run ahead. Its first timing is left out and,
+        # until it has one, its late stretch counts as a pause (``decide``). None with no warm-up.
+        self._cold_steps = 1 if warmup_steps > 0 else 0
+        self._seen: dict[int, int] = defaultdict(int)  # timings each rank reported since the reset
 
     def reset(self) -> None:
         """The group was rebuilt: old timings describe another ring. Start a new warm-up."""
@@ -40,14 +46,16 @@ class StragglerPolicy:
         self._over.clear()
         self._busy_for.clear()
         self._fresh.clear()
+        self._seen.clear()
         self._steps = 0
 
     def observe(self, rank: int, local_time_s: float) -> None:
-        if self._steps < self.warmup_steps:
+        self._seen[rank] += 1
+        self._busy_for.pop(rank, None)  # it finished: no longer late
+        if self._steps < self.warmup_steps or self._seen[rank] <= self._cold_steps:
             return
         self._times[rank].append(local_time_s)
         self._fresh[rank] += 1
-        self._busy_for.pop(rank, None)
 
     def observe_pending(self, rank: int, elapsed_s: float) -> None:
         """``rank`` has been late for ``elapsed_s`` and has not finished (0: it is not late)."""
@@ -62,6 +70,7 @@ class StragglerPolicy:
         self._over.pop(rank, None)
         self._busy_for.pop(rank, None)
         self._fresh.pop(rank, None)
+        self._seen.pop(rank, None)
 
     def scores(self) -> dict[int, float]:
         """Each rank's median step time over the median of the other ranks' medians.
@@ -104,8 +113,9 @@ class StragglerPolicy:
 
         A rank over the threshold now counts as over it for those steps, but for at most half a
         policy window per decision: one noisy dispatch window (on a crowded machine a healthy
-        rank can look 2x slow for a dozen steps) is never enough to evict; it takes at least two
-        consecutive decisions, and at least ``window`` steps.
+        rank can look 2x slow for a dozen steps) is never enough to evict; with a window of 2 or
+        more it takes at least two consecutive decisions, and at least ``window`` steps (a window
+        of 1 evicts on one decision over the threshold).
 
         Only a rank with new evidence since the last decision counts: a timing observed, or a
         step it is still busy with. Why: a late first-N replica sits out the next steps and
@@ -118,9 +128,12 @@ class StragglerPolicy:
         Why: counted at every decision it stayed late, one pause of a healthy replica (a GC, a
         page-fault storm: 0.3 s against 30 ms steps, one step a decision) reached the window and
         evicted it, where the same pause as a step time in data parallel never can (the lower
-        median over the window). A rank with no step time of its own (late since the warm-up)
-        or slow ones is still counted in full, so a replica 200x slow from the start is evicted
-        within the window, not after its first step ends.
+        median over the window). A rank still in its first, cold step since the reset (a
+        promoted spare: see ``_cold_steps``) is held the same way: a healthy spare's slow start
+        evicted it, and kept spares off its node for ``straggler_node_avoid_s``. One that has
+        finished it, with no step time counted since or slow ones, is counted in full, so a
+        replica 200x slow from the start is evicted at its next late stretch after its first
+        step (a rank that never finishes one is ``step_timeout_s``'s).
         """
         self._steps += steps
         scores, own = self._scores()
@@ -132,8 +145,10 @@ class StragglerPolicy:
                 self._over[rank] = 0
                 continue
             over = self._over[rank] + counted
-            if rank in self._busy_for and own.get(rank, math.inf) <= self.factor:
-                over = min(over, self.window - 1)  # late, with healthy steps of its own: a pause so far
+            if rank in self._busy_for and (own.get(rank, math.inf) <= self.factor
+                                           or self._seen.get(rank, 0) < self._cold_steps):
+                # Late, with healthy steps of its own or in its cold first step: a pause so far.
+                over = min(over, self.window - 1)
             self._over[rank] = over
         self._fresh.clear()
         if not self.evict:
@@ -148,9 +163,13 @@ class StragglerPolicy:
         if spares_ready < 1:
             return Continue(f"rank {worst} is a persistent straggler (score {scores[worst]:.2f}) but no spare is "
                             "ready; it is evicted once one is", straggler=worst)
-        return EvictStraggler(
-            f"rank {worst} step time {scores[worst]:.2f}x the other ranks' median for {self.window} steps "
-            f"(threshold {self.factor:g}x)", worst)
+        if worst in self._busy_for and worst not in own:
+            # Scored by its late stretch alone: it has no step time counted to compare.
+            evidence = f"late for {self._busy_for[worst]:.2f}s, {scores[worst]:.2f}x the other ranks' median step time"
+        else:
+            evidence = f"step time {scores[worst]:.2f}x the other ranks' median"
+        return EvictStraggler(f"rank {worst} {evidence}, over the threshold ({self.factor:g}x) for "
+                              f"{self._over[worst]} steps (window {self.window})", worst)
 
 
 def _median_without(ordered: list[float], i: int) -> float:
