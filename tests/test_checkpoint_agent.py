@@ -304,9 +304,10 @@ def test_a_busy_agent_keeps_only_the_newest_snapshot_and_the_rank_never_waits(no
         hook.close()
 
 
-def test_with_no_free_slot_the_rank_drops_the_snapshot_instead_of_waiting():
-    """An agent that takes the messages but hands no slot back: after ``SLOTS`` snapshots the
-    next ones are dropped, at once."""
+@contextlib.contextmanager
+def slot_keeping_agent():
+    """An agent that takes the messages (the ops in ``received``) and answers flushes but hands
+    no slot back. Yields (its address, received)."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     address = f"\0elastic-test-{os.getpid()}-{time.monotonic_ns()}"
     server.bind(address)
@@ -326,27 +327,59 @@ def test_with_no_free_slot_the_rank_drops_the_snapshot_instead_of_waiting():
                 if message["op"] == "flush":
                     send_message(conn, {"op": "flushed", "id": message["id"], "ok": True, "done": [], "events": []})
 
-    thread = threading.Thread(target=fake_agent, daemon=True)
-    thread.start()
-    worker = FakeWorker(rank=0, world_size=1)
-    hook = link(type("A", (), {"address": lambda self: address})())
+    threading.Thread(target=fake_agent, daemon=True).start()
     try:
-        t0 = time.monotonic()
-        reports = []
-        for step in range(1, 7):
-            worker.train(step)
-            reports.append(hook.after_step(worker, step))
-        assert time.monotonic() - t0 < 5
-        assert hook.dropped == 6 - AgentCheckpointer.SLOTS
-        # The first drop is told at once, the next ones with the next event (at most one a minute).
-        events = [e for r in reports for e in r["ckpt_events"]]
-        assert [(e["event"], e["step"], e["dropped"]) for e in events] == [("checkpoint_snapshots_dropped", 4, 1)]
-        assert hook.flush(5)
-        assert received.count("snap") == AgentCheckpointer.SLOTS
-        assert received.count("ring") == 1 and received.count("layout") == 1
+        yield address, received
     finally:
-        hook.close()
         server.close()
+
+
+def test_with_no_free_slot_the_rank_drops_the_snapshot_instead_of_waiting():
+    """An agent that takes the messages but hands no slot back: after ``SLOTS`` snapshots the
+    next ones are dropped, at once."""
+    worker = FakeWorker(rank=0, world_size=1)
+    with slot_keeping_agent() as (address, received):
+        hook = AgentCheckpointer(address, 1, lambda: pytest.fail("fell back"))
+        try:
+            t0 = time.monotonic()
+            reports = []
+            for step in range(1, 7):
+                worker.train(step)
+                reports.append(hook.after_step(worker, step))
+            assert time.monotonic() - t0 < 5
+            assert hook.dropped == 6 - AgentCheckpointer.SLOTS
+            # The first drop is told at once, the next ones with the next event (at most one a minute).
+            events = [e for r in reports for e in r["ckpt_events"]]
+            assert [(e["event"], e["step"], e["dropped"]) for e in events] == [("checkpoint_snapshots_dropped", 4, 1)]
+            assert hook.flush(5)
+            assert received.count("snap") == AgentCheckpointer.SLOTS
+            assert received.count("ring") == 1 and received.count("layout") == 1
+        finally:
+            hook.close()
+
+
+def test_the_flush_report_counts_the_snapshots_the_rank_dropped_in_all(tmp_path):
+    """``drain`` (what ``TrainWorker.flush_checkpoint`` returns) carries ``snapshots_dropped``,
+    the rank's total: its drop events come at most once a minute and undercount a run's end."""
+    worker = FakeWorker(rank=0, world_size=1)
+    with slot_keeping_agent() as (address, _):
+        hook = AgentCheckpointer(address, 1, lambda: pytest.fail("fell back"))
+        try:
+            for total, steps in ((2, range(1, 6)), (3, [6])):  # SLOTS taken, then one dropped a step
+                for step in steps:
+                    worker.train(step)
+                    hook.after_step(worker, step)
+                assert hook.flush(5)
+                assert hook.drain()["snapshots_dropped"] == total  # a total, not since the last flush
+        finally:
+            hook.close()
+    in_process = WorkerCheckpointer(f"file://{tmp_path}", {}, RUN, every_n_steps=1, retry=FAST)
+    try:
+        in_process.after_step(worker, 6)
+        assert in_process.flush(10)
+        assert in_process.drain()["snapshots_dropped"] == 0  # its snapshot waits for the writer, never dropped
+    finally:
+        in_process.close()
 
 
 def test_a_rank_whose_agent_is_gone_writes_its_checkpoints_itself(node):
@@ -979,3 +1012,170 @@ def test_a_rank_snapshots_every_nth_step_and_none_with_zero():
     assert [s for s in range(1, 11) if is_due(3, s)] == [3, 6, 9]
     assert [s for s in range(1, 4) if is_due(1, s)] == [1, 2, 3]
     assert not any(is_due(0, s) for s in range(1, 10))
+
+
+class _FailingAccepts:
+    """The agent's listening socket, whose next accepts fail with ``errors`` first."""
+
+    def __init__(self, server: socket.socket, errors: list[int]):
+        self._server, self.errors = server, list(errors)
+
+    def accept(self):
+        if self.errors:
+            code = self.errors.pop(0)
+            raise OSError(code, os.strerror(code))
+        return self._server.accept()
+
+    def __getattr__(self, name):
+        return getattr(self._server, name)
+
+
+class _AgentOutOfDescriptors(CheckpointAgent):
+    """An agent whose first accepts fail as at the descriptor limit, then as a rank gone first."""
+
+    def _accept(self, *args):
+        self._server = _FailingAccepts(self._server, [errno.EMFILE, errno.ENFILE, errno.ECONNABORTED])
+        super()._accept(*args)
+
+
+def test_an_accept_that_fails_does_not_stop_the_agent_taking_ranks(tmp_path):
+    """Accepts refused (EMFILE, ENFILE, ECONNABORTED) used to end the accept thread while the
+    socket stayed open: a rank linked later got no slot back and no step of it committed."""
+    url, options = f"file://{tmp_path}", {}
+    committer = CheckpointCommitter(CheckpointStore(url, RUN, options, retry=FAST),
+                                    CheckpointConfig(every_n_steps=1, keep_last=2))
+    agent = _AgentOutOfDescriptors(url, options, RUN, FakeController(committer))
+    worker = FakeWorker(rank=0, world_size=1)
+    hook = None
+    try:
+        deadline = time.monotonic() + 5
+        while agent._server.errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not agent._server.errors
+        hook = link(agent)
+        run_training([worker], [hook], committer, range(1, 5))
+        assert hook.flush(2, worker=worker)  # before: no answer, every slot kept
+        finish([worker], [hook], committer)
+        assert committer.latest_committed == 4
+        assert_same(CheckpointStore(url, RUN, options).read_state(4)[0], worker.get_state())
+        assert agent.stats()["threads"] == {"accept": True, "reports": True}
+    finally:
+        if hook is not None:
+            hook.close()
+        agent.shutdown()
+        committer.close()
+
+
+class _StandInActor:
+    """A Ray actor handle as ``NodeAgents`` uses one; ``.remote()`` answers at once and
+    ``ray.get`` is the identity (``stand_in_ray``)."""
+
+    def __init__(self, address: str, threads: dict | None = None):
+        stats = {"pid": 1, "links": 0, "ranks": [], "written": {},
+                 "threads": threads or {"accept": True, "reports": True}}
+        self.stats = SimpleNamespace(remote=lambda: stats)
+        self.address = SimpleNamespace(remote=lambda: address)
+        self.warm_up = SimpleNamespace(remote=lambda: None)
+
+
+@pytest.fixture
+def stand_in_ray(monkeypatch):
+    """``NodeAgents`` without a cluster: ``ray.get`` returns what it is given, ``ray.kill``
+    records the actor, and an agent started on node N answers "new-N" (none on node "full":
+    its agent's name stays taken, as when ``_free_name`` gives up)."""
+    import ray
+
+    from elastic.checkpoint.agent import NodeAgents
+
+    killed: list = []
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
+
+    def start(self, node):
+        if node == "full":
+            raise ValueError(f"The name checkpoint-agent-{node} (namespace=None) is already taken.")
+        return _StandInActor(f"new-{node}")
+
+    monkeypatch.setattr(NodeAgents, "_start", start)
+    return NodeAgents(None, RUN, None), killed
+
+
+def test_an_agent_whose_threads_ended_is_replaced_like_one_that_does_not_answer(stand_in_ray):
+    """The actor still answers ``stats`` when its accept or report thread ended; handing out its
+    address again would leave the node's ranks with no slot back and no step reported."""
+    agents, killed = stand_in_ray
+    stuck, well = _StandInActor("old-a", {"accept": False, "reports": True}), _StandInActor("old-b")
+    agents._agents = {"a": (stuck, "old-a"), "b": (well, "old-b")}
+    assert agents.addresses({"a", "b"}) == {"a": "new-a", "b": "old-b"}
+    assert killed == [stuck]
+
+
+def test_a_node_whose_agent_cannot_start_gets_none_and_the_others_theirs(stand_in_ray):
+    """The name of an earlier run's agent still taken after ``_free_name``'s wait: the
+    ``ValueError`` no longer fails ``fit()``; that node's ranks write in their own processes."""
+    agents, killed = stand_in_ray
+    assert agents.addresses({"a", "full"}) == {"a": "new-a", "full": None}
+    assert "full" not in agents._starting and not killed
+    assert agents.addresses({"full"}) == {"full": None}  # tried again when asked again
+
+
+@pytest.mark.parametrize("backend", ["file"], indirect=True)  # the storage plays no part
+@pytest.mark.parametrize("refused", ["ring", "layout"])
+def test_shared_memory_the_agent_cannot_map_sends_the_rank_to_its_own_process(node, monkeypatch, refused):
+    """The agent cannot map a rank's ring (or read its layout): it used to log it and carry on,
+    each later write failing with a KeyError as ``checkpoint_failed`` and no step committing.
+    Now it tells the rank and ends the link; the rank writes in its own process, and the event
+    says the agent's shared memory failed."""
+    from elastic.checkpoint import agent as agent_module
+
+    agent, controller, committer, store, (url, options) = node
+    worker = FakeWorker(rank=0, world_size=1)
+    fallbacks = []
+
+    def in_process():
+        fallbacks.append(WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
+        return fallbacks[-1]
+
+    def enomem(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(agent_module, "SlotRing" if refused == "ring" else "read_memfd", enomem)
+    hook = link(agent, fallback=in_process)
+    try:
+        reports = run_training([worker], [hook], committer, [1, 2, 3])
+        events = [e for r in reports for e in r["ckpt_events"]] + finish([worker], [hook], committer)
+        events += controller.events
+        assert fallbacks and hook.fallback is fallbacks[0]
+        assert [e["event"] for e in events] == ["checkpoint_shared_memory_failed"]
+        assert "checkpoint agent ended its link, as it cannot use this rank's shared memory" in events[0]["message"]
+        assert f"the agent cannot take in the rank's {refused} " in events[0]["message"]  # the agent's error
+        assert "(OSError: [Errno 12] Cannot allocate memory)" in events[0]["message"]
+        assert committer.latest_committed == 3
+        assert_same(store.read_state(3)[0], worker.get_state())
+        deadline = time.monotonic() + 5
+        while agent.pool.connected() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not agent.pool.connected()  # the agent ended the link
+    finally:
+        hook.close()
+
+
+class _Linked:
+    def __init__(self, rank: int | None, world_size: int | None):
+        self.rank, self.world_size = rank, world_size
+
+
+def test_a_hot_spares_link_does_not_hold_back_the_parts_of_the_nodes_ranks():
+    """Rank 1 of the node writes in its own process (no link); a spare is linked, its rank
+    unknown as it never snapshots. Rank 0's part goes at once, not after the POOL_WAIT_S sweep."""
+    from elastic.checkpoint.agent import _NodePool
+
+    reported = []
+    pool = _NodePool(lambda step, world_size, parts: reported.append((step, sorted(parts))))
+    pool.expect(2, {0, 1})
+    pool.connect(_Linked(0, 2))
+    without_spare = pool._expected(2)
+    pool.connect(_Linked(None, None))  # the spare
+    assert pool._expected(2) == without_spare == {0}
+    pool.add(0, 2, 5, {"entries": []})
+    assert reported == [(5, [0])]

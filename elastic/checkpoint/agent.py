@@ -61,6 +61,11 @@ POOL_WAIT_S = 2.0
 # A writer this many steps behind its rank's newest snapshot runs at normal priority until it
 # has caught up (WriterPriority.hurry).
 HURRY_STEPS = 1
+# A failed accept (the descriptor limit, say) is tried again after this pause, doubled while it
+# fails up to ACCEPT_PAUSE_MAX_S, and logged at most every ACCEPT_LOG_EVERY_S (CheckpointAgent._accept).
+ACCEPT_PAUSE_S = 0.05
+ACCEPT_PAUSE_MAX_S = 0.2
+ACCEPT_LOG_EVERY_S = 30.0
 
 
 def send_message(sock: socket.socket, message: dict, fds: list[int] | None = None, block: bool = True) -> None:
@@ -243,10 +248,11 @@ class _RankLink:
         self.newest_step = 0
         self.last_part: tuple[int, dict] | None = None
         self.gone = False  # the rank closed the connection (or died): nothing of it is reported any more
+        self.refused: str | None = None  # why this link ends from the agent's side (refuse)
         self.writer_tid: int | None = None
         self.persister = AsyncPersister(self._write, name=f"checkpoint write (agent link {number})",
                                         on_done=self._written, on_release=self._release,
-                                        reached_storage=lambda part: not part.get("fenced"),
+                                        reached_storage=lambda part: "unwritten" not in part,
                                         thread_init=self._writer_enter, thread_exit=agent.priority.leave)
 
     def _pace(self) -> None:
@@ -263,7 +269,7 @@ class _RankLink:
 
     def _write(self, p: _Payload) -> dict:
         if not self.agent.begin_write(self, p):
-            return {"fenced": True}
+            return {"unwritten": "fenced"}
         try:
             return self._write_shard(p)
         finally:
@@ -273,7 +279,14 @@ class _RankLink:
         self._pace()  # the newest snapshot (the waiting one is always the newest): usually caught up
         if p.ring is None:
             return {"entries": [], "taken_at": p.taken_at, "rng": p.rng}
-        ring, layout = self.rings[p.ring], self.layouts[p.layout]
+        ring, layout = self.rings.get(p.ring), self.layouts.get(p.layout)
+        if ring is None or layout is None:
+            # _handle takes no snapshot naming a ring or layout this link lacks, and a ring is
+            # dropped only once all its slots are back, so this is a guard: were it let through
+            # as a KeyError, every later step would fail alike and the rank would never know.
+            self.refuse(f"the snapshot of step {p.step} names ring {p.ring} and layout {p.layout}, which the "
+                        "agent does not hold")
+            return {"unwritten": "refused"}
         nbytes = sum(e["nbytes"] for e in layout)
         meta = ring.read(p.slot, nbytes, p.meta_len)
         if p.rng_lens is not None:  # the rank's RNG as it read it, after the meta: encoded here, off its step
@@ -285,9 +298,10 @@ class _RankLink:
         return {"entries": [entry.to_dict()], "taken_at": p.taken_at}
 
     def _written(self, step: int, p: _Payload, part: dict) -> None:
-        if self.gone or part.get("fenced"):
+        if self.gone or "unwritten" in part:
             # See serve(): a rank that died takes its unreported parts along, as in process. A
-            # fenced snapshot (CheckpointAgent.settle) was not written: nothing to report.
+            # fenced snapshot (CheckpointAgent.settle), or one a refused link could not write
+            # (refuse), was not written: nothing to report.
             return
         part = {**part, "progress": self.newest_step}
         if p.generation is not None:
@@ -323,6 +337,34 @@ class _RankLink:
         except OSError:
             pass  # the rank is gone; its loop ends on its own
 
+    def refuse(self, why: str) -> None:
+        """End this link from the agent's side: the agent cannot use the rank's shared memory
+        (a ring it could not map: the agent's open-files limit, ENOMEM, vm.max_map_count; a
+        layout it could not read). Every later snapshot of the rank would name that ring or
+        layout, so carrying on would fail each of its writes, the slots would come back as if
+        written-and-freed, and the rank would never stop handing snapshots to a link that
+        writes none. Instead the rank is told why (``refused``), then the connection is shut:
+        the rank reads the refusal before the end of the stream, and writes in its own
+        process from then on (``AgentCheckpointer``; its event names the agent's error).
+
+        Both go through the report queue, behind the slots already handed back, from the one
+        thread that writes to the rank; the shutdown wakes ``serve``, whose ``finally`` ends the
+        link as for a rank that left. Until then nothing more of the rank is taken (``_handle``)."""
+        if self.refused is not None:
+            return
+        self.refused = why
+        logger.warning("checkpoint agent: ends link %d (rank %s), which writes in its own process from now on: %s",
+                       self.number, self.rank, why)
+        self.agent.reports.put(("send", (self, {"op": "refused", "error": why[:500]})))
+        self.agent.reports.put(("end", self))
+
+    def end(self) -> None:
+        """From the report thread, after the refusal (``refuse``)."""
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # the rank closed it first
+
     # ---- the connection's thread ------------------------------------------------------------
     def serve(self) -> None:
         buffer = bytearray(MAX_MESSAGE)
@@ -339,7 +381,7 @@ class _RankLink:
                     break
                 try:
                     self._handle(message, fds)
-                except Exception:  # noqa: BLE001 - a bad message must not end the rank's link
+                except Exception:  # noqa: BLE001 - a bad message must not end the rank's link (see refuse)
                     logger.exception("checkpoint agent: cannot handle %r from rank %s", message.get("op"), self.rank)
         finally:
             # The rank closed its end: after a flush at the end of a run (nothing waits), or in
@@ -359,19 +401,25 @@ class _RankLink:
     def _handle(self, m: dict, fds: list[int]) -> None:
         op = m.get("op")
         try:
-            if op == "ring":
-                ring = SlotRing(fds[0], m)  # it closes the descriptor once mapped; if it raises, the finally does
-                fds.pop(0)
-                self.rings[int(m["ring"])] = ring
+            if self.refused is not None:
+                return  # the link is ending (refuse): what the rank still sends is not taken
+            if op in ("ring", "layout"):
+                try:
+                    self._take_memory(op, m, fds)
+                except Exception as exc:  # noqa: BLE001 - the rank is told and falls back (refuse)
+                    self.refuse(f"the agent cannot take in the rank's {op} {m.get(op)} ({type(exc).__name__}: {exc})")
             elif op == "drop_ring":
                 ring = self.rings.pop(int(m["ring"]), None)
                 if ring is not None:
                     ring.close()
-            elif op == "layout":
-                layout, length = int(m["layout"]), int(m["len"])  # parsed first: a bad one leaves fds to the finally
-                self.layouts[layout] = json.loads(read_memfd(fds.pop(0), length))
             elif op == "snap":
                 p = _Payload(m)
+                if p.ring is not None and (p.ring not in self.rings or p.layout not in self.layouts):
+                    # A rank sends a ring and a layout before any snapshot in them, on this
+                    # ordered socket: one missing is one refused above (or a rank out of step).
+                    self.refuse(f"the snapshot of step {p.step} names ring {p.ring} and layout {p.layout}, which "
+                                "the agent does not hold")
+                    return
                 self.rank, self.world_size = p.rank, p.world_size
                 # The newest snapshot is the one sent last: a rank snapshots its steps in order,
                 # so one at or below the step before means training went back (a rollback), and
@@ -388,6 +436,16 @@ class _RankLink:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _take_memory(self, op: str, m: dict, fds: list[int]) -> None:
+        """A rank's new ring of slots, or a layout of its shard (each in the first of ``fds``)."""
+        if op == "ring":
+            ring = SlotRing(fds[0], m)  # it closes the descriptor once mapped; if it raises, the finally does
+            fds.pop(0)
+            self.rings[int(m["ring"])] = ring
+        else:
+            layout, length = int(m["layout"]), int(m["len"])  # parsed first: a bad one leaves fds to the finally
+            self.layouts[layout] = json.loads(read_memfd(fds.pop(0), length))
 
     def _flush(self, flush_id: Any, timeout_s: float) -> None:
         # What this rank wrote last goes back in the answer (the controller adds it with the
@@ -434,16 +492,21 @@ class _NodePool:
         self.sweep(0.0)  # the others' parts of its steps go on their own
 
     def _expected(self, world_size: int) -> set[int]:
-        """The ranks the controller said are here, less any with no connection (it writes in its
-        own process); else those that have sent a snapshot of that world size (a part then may
-        go before a slower rank's first one: harmless, only one more message). Called under the
-        lock, which ``links`` changes under too: the connection threads add and drop links while
-        the report thread reads them."""
+        """The ranks the controller said are here, less any with no link that has sent a
+        snapshot (it writes in its own process); else those that have sent a snapshot of that
+        world size. Either way a part may go before a slower rank's first one: harmless, only
+        one more message.
+
+        Why a link not yet heard from counts for no rank: it may be a hot spare's, and a spare
+        is linked from its start but sends nothing until it is promoted. Taken as "any of the
+        told ranks" (as it once was), a spare's link kept every told rank expected, so once one
+        of them wrote in its own process each step of the node waited the full POOL_WAIT_S
+        sweep for it, every step.
+
+        Called under the lock, which ``links`` changes under too: the connection threads add and
+        drop links while the report thread reads them."""
         if world_size in self._told:
-            ranks = {link.rank for link in self.links}
-            if None in ranks:  # a rank connected but not yet heard from: it may be any of them
-                return self._told[world_size]
-            return self._told[world_size] & ranks
+            return self._told[world_size] & {link.rank for link in self.links if link.rank is not None}
         return {link.rank for link in self.links if link.world_size == world_size and link.rank is not None}
 
     def add(self, rank: int, world_size: int, step: int, part: dict) -> None:
@@ -494,8 +557,11 @@ class CheckpointAgent:
         self._fence_lock = threading.Condition()
         self._fence: float = float("-inf")  # nothing is fenced until a settle()
         self._writing: dict[_RankLink, _Payload] = {}
-        for target, name in ((self._accept, "agent"), (self._pump, "agent reports")):
-            threading.Thread(target=target, name=f"elastic-checkpoint {name}", daemon=True).start()
+        self._threads = {"accept": threading.Thread(target=self._accept, name="elastic-checkpoint agent", daemon=True),
+                         "reports": threading.Thread(target=self._pump, name="elastic-checkpoint agent reports",
+                                                     daemon=True)}
+        for thread in self._threads.values():
+            thread.start()
 
     def address(self) -> str:
         return self._address
@@ -509,10 +575,14 @@ class CheckpointAgent:
         self.store.warm_up()
 
     def stats(self) -> dict:
+        """What the agent holds, and ``threads``: whether its accept and report threads still
+        run. ``NodeAgents.addresses`` takes an agent with either one ended for dead, since the
+        actor would still answer while no rank could get a slot back or a step report out."""
         links = self.pool.connected()
         return {"pid": os.getpid(), "links": len(links),
                 "ranks": sorted(link.rank for link in links if link.rank is not None),
-                "written": {link.rank: link.last_part[0] for link in links if link.last_part is not None}}
+                "written": {link.rank: link.last_part[0] for link in links if link.last_part is not None},
+                "threads": {name: thread.is_alive() for name, thread in self._threads.items()}}
 
     def settle(self, generation: int, timeout_s: float) -> list[tuple[int | None, int]]:
         """Training went back to an earlier step, giving up the state of group ``generation``
@@ -552,13 +622,35 @@ class CheckpointAgent:
         self._server.close()
 
     # ---- inside -----------------------------------------------------------------------------
-    def _accept(self) -> None:
+    def _accept(self, pause_s: float = ACCEPT_PAUSE_S) -> None:
+        """Take the ranks' connections until ``shutdown``. An accept that fails while the agent
+        is open (EMFILE or ENFILE: the descriptor limit; ENOMEM, ENOBUFS; ECONNABORTED: a rank
+        gone before it was taken) ends nothing: the listening socket stays open and the
+        controller keeps handing out its address, so with this thread ended new ranks would
+        still connect (the backlog), hand over three snapshots, get no slot back and drop every
+        later one, and no step of theirs would commit. The error is logged (at most every
+        ACCEPT_LOG_EVERY_S) and the next accept follows a pause, doubled while it fails up to
+        ``ACCEPT_PAUSE_MAX_S``: descriptors and memory come back as links end, and the waiting
+        connections are taken then (a limit hit does not spin this thread)."""
         number = 0
+        pause, failures, logged_at = pause_s, 0, float("-inf")
         while not self._closed:
             try:
                 conn, _ = self._server.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closed:
+                    return  # shutdown() closed the socket under the accept
+                failures += 1
+                if time.monotonic() - logged_at >= ACCEPT_LOG_EVERY_S:
+                    logged_at = time.monotonic()
+                    logger.warning("checkpoint agent: cannot accept a rank's connection (%s; %d failure(s) in a "
+                                   "row); trying again", exc, failures)
+                time.sleep(pause)
+                pause = min(pause * 2, ACCEPT_PAUSE_MAX_S)
+                continue
+            if failures:
+                logger.info("checkpoint agent: accepting connections again after %d failure(s)", failures)
+                pause, failures = pause_s, 0
             if not _same_user(conn):
                 conn.close()
                 continue
@@ -600,6 +692,8 @@ class CheckpointAgent:
                 if kind == "send":
                     link, message = item
                     link.send(message)
+                elif kind == "end":
+                    item.end()
                 elif kind == "part":
                     self.pool.add(*item)
                 if time.monotonic() - last >= every_s:
@@ -653,11 +747,23 @@ class NodeAgents:
         self._starting: dict[str, tuple[Any, Any]] = {}  # node id -> (actor, ref of its address)
 
     def start(self, node_ids: set[str]) -> None:
-        """Start agents where there is none yet, without waiting for them (``addresses`` does)."""
+        """Start agents where there is none yet, without waiting for them (``addresses`` does).
+        A node whose agent cannot be started (its name still held by an earlier run's agent
+        after ``_free_name`` gave up: ``ValueError``; Ray refusing the actor) is left out and
+        logged: it gets no address, and its ranks write checkpoints in their own processes, as
+        for an agent that starts but never answers. Raising instead would fail the caller's
+        ``fit()`` with an error its retry does not expect, for want of an optional agent."""
         for node in node_ids:
             if node not in self._agents and node not in self._starting:
-                actor = self._start(node)
-                self._starting[node] = (actor, actor.address.remote())
+                actor = None
+                try:
+                    actor = self._start(node)
+                    self._starting[node] = (actor, actor.address.remote())
+                except Exception as exc:  # noqa: BLE001 - see the docstring
+                    logger.warning("cannot start a checkpoint agent on node %s (%s: %s); its ranks write "
+                                   "checkpoints in their own processes", node, type(exc).__name__, exc)
+                    if actor is not None:
+                        _kill_quietly(actor)
 
     def addresses(self, node_ids: set[str]) -> dict[str, str | None]:
         """Each node's agent address, starting agents where there is none or it died; None for a
@@ -668,8 +774,16 @@ class NodeAgents:
         deadline = time.monotonic() + 10  # all asked at once: one wait, not one per node
         for node, ref in pings.items():
             try:
-                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                stats = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - dead or unreachable: start another
+                self._kill(node)
+                continue
+            # An agent whose accept or report thread ended answers all the same, but takes no new
+            # rank or hands no slot back and reports no step: as good as dead, so replaced too.
+            stopped = [name for name, alive in stats.get("threads", {}).items() if not alive]
+            if stopped:
+                logger.warning("the checkpoint agent on node %s lost its %s thread(s); starting another",
+                               node, " and ".join(stopped))
                 self._kill(node)
         self.start(node_ids)
         for node in [n for n in node_ids if n in self._starting]:
@@ -724,13 +838,8 @@ class NodeAgents:
             return ray.remote(AgentActor).options(**options).remote(*args)
 
     def _kill(self, node: str) -> None:
-        import ray
-
         actor, _ = self._agents.pop(node)
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        _kill_quietly(actor)
 
     def shutdown(self) -> None:
         import ray
@@ -740,6 +849,15 @@ class NodeAgents:
         for actor, _ in self._starting.values():
             ray.kill(actor, no_restart=True)
         self._starting.clear()
+
+
+def _kill_quietly(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 def _free_name(name: str, namespace: str | None, timeout_s: float = 10.0) -> None:

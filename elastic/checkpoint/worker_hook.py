@@ -211,6 +211,7 @@ class WorkerCheckpointer:
         out = self._report(extra_events)
         if self._last_pushed is not None:
             out["ckpt_done"].append(self._last_pushed)
+        out["snapshots_dropped"] = 0  # never: a snapshot here waits for the writer (see AgentCheckpointer.drain)
         return out
 
     def flush(self, timeout_s: float | None = None, worker: Any = None) -> bool:
@@ -240,6 +241,18 @@ class _NoSharedMemory(Exception):
         except OSError as exc:
             raise cls(f"this process cannot make shared memory for its node's checkpoint agent "
                       f"({type(exc).__name__}: {exc}); the agent itself is not at fault") from exc
+
+
+class _AgentRefused(ConnectionError):
+    """The agent ended the link because it cannot use this rank's shared memory (a ring it
+    could not map, a layout it could not read: its own open-files limit, ENOMEM,
+    vm.max_map_count; ``_RankLink.refuse``). Apart from a lost agent: the agent still runs, and
+    the event (``checkpoint_shared_memory_failed``) names its error. This rank writes in its own
+    process from then on, which needs no shared memory."""
+
+    def __init__(self, error: str):
+        super().__init__(f"the node's checkpoint agent ended its link, as it cannot use this rank's shared memory: "
+                         f"{error}; the agent's process is at fault, not this one")
 
 
 class _Layout:
@@ -334,7 +347,8 @@ class AgentCheckpointer:
         except _NoSharedMemory as exc:
             return self._fall_back(worker, step, str(exc), event="checkpoint_shared_memory_failed")
         except OSError as exc:
-            return self._fall_back(worker, step, f"the checkpoint agent is gone ({type(exc).__name__}: {exc})")
+            why, event = self._link_lost(exc)
+            return self._fall_back(worker, step, why, event=event)
         except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
             return self._snapshot_failed(worker, step, exc)
         self._handed, self._dropped = step, None
@@ -490,12 +504,31 @@ class AgentCheckpointer:
                     self._written = (int(written[0]), written[1])
             elif message.get("op") == "flushed" and message.get("id") == self._flush_id:
                 self._flushed = message  # (an answer to an earlier flush that timed out is dropped)
+            elif message.get("op") == "refused":  # the agent's last word: the end of the stream follows
+                raise _AgentRefused(str(message.get("error")))
         for ring_id in [r for r, (_, free) in self._rings.items() if r != self._ring_id and len(free) == self.SLOTS]:
             try:
                 send_message(self.sock, {"op": "drop_ring", "ring": ring_id}, block=False)
             except BlockingIOError:  # tell it next time
                 break
             self._rings.pop(ring_id)[0].close()
+
+    def _link_lost(self, exc: OSError) -> tuple[str, str]:
+        """Why the link to the agent failed with ``exc``, and the event that names it: the
+        agent's refusal (``_AgentRefused``: it cannot use this rank's shared memory, and still
+        runs) if it sent one, else a lost agent. What the agent sent is read first: it shuts
+        the link right after its refusal, so a send of this rank may fail (EPIPE) before the
+        refusal is read, and taken alone that failure would report a lost agent."""
+        if not isinstance(exc, _AgentRefused):
+            try:
+                self._poll()
+            except _AgentRefused as refused:
+                exc = refused
+            except OSError:
+                pass  # the end of the stream, or a socket already closed: nothing more to learn
+        if isinstance(exc, _AgentRefused):
+            return str(exc), "checkpoint_shared_memory_failed"
+        return f"the checkpoint agent is gone ({type(exc).__name__}: {exc})", "checkpoint_agent_lost"
 
     def _fall_back(self, worker: Any, step: int, why: str, snapshot: bool = True,
                    event: str = "checkpoint_agent_lost") -> list[dict]:
@@ -515,19 +548,24 @@ class AgentCheckpointer:
 
     def drain(self, extra_events: list[dict] | None = None) -> dict:
         """What the last flush brought back (the newest part the agent reported for this rank,
-        and its events), with ``extra_events``; see ``WorkerCheckpointer.drain``."""
+        and its events), with ``extra_events``; see ``WorkerCheckpointer.drain``.
+        ``snapshots_dropped``: this rank's snapshots dropped for want of a free slot since it
+        was linked, in all (a total, not since the last drain: the drop events are sent at
+        most once a minute, so they undercount a run's end; those before a fall-back included)."""
         if self.fallback is not None:
             events, self._events = self._events + list(extra_events or []), []
             out = self.fallback.drain(events)
             if self._orphans:  # reported twice if the agent did report them: harmless
                 out["ckpt_done"] = [tuple(d) for d in self._orphans] + list(out["ckpt_done"])
                 self._orphans = []
+            out["snapshots_dropped"] = self.dropped
             return out
         out = self._report(extra_events)
         if self._flushed is not None:
             out["ckpt_done"] = [tuple(d) for d in self._flushed.get("done", [])]
             out["ckpt_events"] = list(self._flushed.get("events", [])) + out["ckpt_events"]
             self._flushed = None
+        out["snapshots_dropped"] = self.dropped
         return out
 
     def flush(self, timeout_s: float | None = None, worker: Any = None) -> bool:
@@ -564,9 +602,8 @@ class AgentCheckpointer:
             if worker is None:
                 return False
             # What the agent sent before it died is still to be read (a failed send comes first):
-            # its word that the step was written among it.
-            with contextlib.suppress(OSError):
-                self._poll()
+            # its word that the step was written among it, or why it ended the link.
+            why, event = self._link_lost(exc)
             step = int(worker.completed_step)
             # What the agent had not written went with it: the step it was last given (or that
             # was dropped) is taken again here, from the rank's state, which is still that step's.
@@ -580,8 +617,8 @@ class AgentCheckpointer:
                        and self._written[1].get("generation") == group_generation(worker))
             if written:
                 self._orphans.append(self._written)
-            self._events += self._fall_back(worker, step, f"the checkpoint agent is gone ({type(exc).__name__}: "
-                                            f"{exc})", snapshot=not written and step in (self._handed, self._dropped))
+            self._events += self._fall_back(worker, step, why, event=event,
+                                            snapshot=not written and step in (self._handed, self._dropped))
             return self.fallback.flush(timeout_s)
         return bool(self._flushed.get("ok"))
 
