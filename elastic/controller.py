@@ -236,6 +236,9 @@ class Controller:
         self._hung: set[str] = set()
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
         self.late_gradients = 0  # first-N: gradients a rank computed that came too late to be used
+        # Snapshots each worker (by actor name) dropped for want of a free slot in its node's
+        # checkpoint agent, as of its newest flush: a running total per worker, so the newest wins.
+        self._snapshot_drops: dict[str, int] = {}
         self.agreed_steps = 0  # first-N: steps whose fast set was agreed on the store (the rest were known)
         self._planned: dict[int, tuple[int, list[list[int]]]] = {}  # step -> (epoch, shards) handed out
         self._positions: dict[int, dict] = {}  # step -> sampler position right after that step
@@ -2235,13 +2238,17 @@ class Controller:
         ``TrainWorker.flush_checkpoint``), then commit every complete step; False if storage did
         not take them within ``timeout_s``. ``lost_ok``: a rank that does not answer (lost in a
         recovery) is skipped, what it wrote and reported is all there is of it."""
-        refs = [(m.rank, m.actor.flush_checkpoint.remote(final)) for m in self.group.members]
-        for r, ref in refs:
+        refs = [(m.rank, m.name, m.actor.flush_checkpoint.remote(final)) for m in self.group.members]
+        for r, name, ref in refs:
             try:
-                self._merge_ckpt(r, ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s if lost_ok else None))
+                report = ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s if lost_ok else None)
             except (ray.exceptions.RayError, TimeoutError):
                 if not lost_ok:
                     raise
+                continue
+            if report and "snapshots_dropped" in report:
+                self._snapshot_drops[name] = int(report["snapshots_dropped"])
+            self._merge_ckpt(r, report)
         committed = self.committer.flush(timeout_s=timeout_s)
         if not committed:
             self.log("checkpoint_flush_timeout", f"{what} not committed within {timeout_s:g}s; storage may be down")
@@ -2293,6 +2300,7 @@ class Controller:
             "agreed_steps": self.agreed_steps,
             "ledger": [asdict(e) for e in self.ledger.entries],
             "dropped_samples": totals.dropped,
+            "checkpoint_snapshots_dropped": sum(self._snapshot_drops.values()) if self.committer is not None else None,
             "restored_from": self.restored_from,
             "checkpoint": None,
             "state": self.state.value,

@@ -53,6 +53,7 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
     assert first.checkpoint["latest_step"] == 5
     commits = [e["details"]["step"] for e in first.events if e["kind"] == "checkpoint_commit"]
     assert commits == [1, 2, 3, 4, 5]  # blocking mode: every step, in order
+    assert first.metrics["checkpoint_snapshots_dropped"] == 0  # in-process writers never drop
     assert not first.events_of("checkpoint_incomplete")
     store = CheckpointStore(url, "resume")
     assert store.committed_steps() == [3, 4, 5]  # keep_last=3
@@ -65,6 +66,7 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
     # One read from storage; the other rank got the state through the object store.
     assert resume["details"]["read_by"] == 0 and "sent to 1 more through the object store" in resume["message"]
     assert second.checkpoint["latest_step"] == 12
+    assert isinstance(second.metrics["checkpoint_snapshots_dropped"], int)  # through the agents
     assert_weights_close(second.model_state, uninterrupted, atol=1e-5)
     assert second.events_of("data_order_changed") == []
     manifest = store.load_manifest(12)

@@ -1643,3 +1643,24 @@ def test_a_wait_for_capacity_whose_spare_dies_building_asks_again_until_capacity
     fail = next(e for e in c.events if e.kind == "decision" and e.details["decision"] == "Fail")
     assert fail.time - waits[0].time >= 4  # the whole wait, not until the first spare died
     assert len(waits) >= 2 and len([e for e in c.events if e.kind == "spare_lost"]) >= 2  # asked again
+
+
+def test_the_snapshots_dropped_are_each_workers_newest_running_total_summed(ray_cluster):
+    # Each flush reports a worker's running total: summing the reports counted a drop again at
+    # every flush (a recovery's, then the final one).
+    from types import SimpleNamespace
+
+    c = controller("drops-total")
+    reports = {"rank-0": [{"snapshots_dropped": 2}, {"snapshots_dropped": 5}],
+               "rank-1": [{"snapshots_dropped": 1}, {}]}
+
+    def member(rank, name):
+        flush = SimpleNamespace(remote=lambda final: ray.put(reports[name].pop(0)))
+        return SimpleNamespace(rank=rank, name=name, actor=SimpleNamespace(flush_checkpoint=flush))
+
+    c.group = SimpleNamespace(members=[member(0, "rank-0"), member(1, "rank-1")])
+    c.committer = SimpleNamespace(flush=lambda timeout_s: True, drain_events=lambda: [])
+    for _ in range(2):
+        assert c._commit_what_ranks_wrote(None, 1, "test")
+    assert c._snapshot_drops == {"rank-0": 5, "rank-1": 1}
+    c.committer = None
