@@ -3,6 +3,9 @@
 ``status`` and ``stop`` ask the named ``controller`` actor of namespace ``elastic-<run>``; ``checkpoints`` lists step
 directories through ``CheckpointStore``; ``submit`` wraps ``JobSubmissionClient``. Any failure ends the
 command with one line on stderr and a non-zero exit code, never a traceback (``-v`` shows it).
+
+Exit codes: 0 done; 1 failed; 2 usage error (a bad option or address); 3 ``stop`` asked the run
+to stop but could not learn how it ended; 4 ``checkpoints --run`` found no usable step.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from elastic.address import host_port, unreachable
+from elastic.address import host_port, shown, trainer_address_problem, unreachable
 from elastic.redact import configure_logging, redact_url, redact_urls_in
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,8 @@ CONTROLLER_NAME = "controller"
 DEFAULT_TIMEOUT_S = 15.0
 # An unreachable address must fail in seconds; ray.init against a closed port retries for minutes.
 PROBE_TIMEOUT_S = 3.0
+EXIT_OUTCOME_UNKNOWN = 3  # `stop`: the request was delivered, the run's end was not seen
+EXIT_NO_USABLE_STEP = 4  # `checkpoints --run`: nothing to resume from (no step, or none checks out)
 # Entries of the working directory that never belong in a job package (Ray's own defaults cover
 # .git and .venv in recent versions; listing them keeps older clusters fast too).
 SUBMIT_EXCLUDES = [".git", ".venv", "venv", "__pycache__", ".pytest_cache", "*.egg-info"]
@@ -225,9 +230,18 @@ def _address_source(address: Optional[str]) -> str:
 
 
 def _probe(address: str, timeout_s: float, source: str = "--address") -> None:
-    """Fail in seconds when nothing listens at ``address`` (``source``: where it came from)."""
+    """Fail in seconds when nothing listens at ``address`` (``source``: where it came from).
+
+    Refused first, as the Trainer refuses it (``trainer_address_problem``): an address no Ray
+    cluster has, above all one with a ``user:password@``. Why: ``admin:pw@head:6379`` parses as
+    HOST:PORT (host ``admin:pw@head``), and the error that followed printed it whole, since the
+    redaction of messages (``redact_urls_in``) only knows ``scheme://user:pw@``. Messages show
+    an address through ``shown``, which takes a ``user:password@`` off with or without a scheme."""
     if address != "auto" and host_port(address) is None:
-        raise CliError(f"{source} {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379)", code=2)
+        raise CliError(f"{source} {shown(address)!r} is not HOST:PORT (e.g. 10.0.0.1:6379)", code=2)
+    problem = trainer_address_problem(address)
+    if problem is not None:
+        raise CliError(f"{source} {shown(address)!r} {problem}", code=2)
     reason = unreachable(address, timeout_s)
     if reason is not None:
         raise CliError(f"cannot reach a Ray cluster at {address}: {reason}") from None
@@ -508,7 +522,14 @@ def stop(
 ) -> None:
     """Stop a live run cleanly: the steps already dispatched finish, their checkpoint commits, and
     the run's fit() raises TrainingStopped. Running fit() again with the same run name continues
-    from that step."""
+    from that step.
+
+    Exit codes:
+    0: the run stopped (or finished first); with --no-wait, the request was delivered.
+    1: the run ended errored, or the request was not delivered (no such run, no cluster).
+    2: a usage error.
+    3: asked, but how the run ended is unknown (its controller exited, or still stopping at --timeout).
+    """
     import ray
 
     addr = _cluster_address(address)
@@ -525,15 +546,26 @@ def stop(
         try:
             final = ray.get(actor.wait_ended.remote(timeout_s), timeout=timeout_s + DEFAULT_TIMEOUT_S)
         except RayActorError:
-            _plain(f"run {run} ended (its controller exited before it said how)")
-            return
+            # Not a success: a controller that dies (its node lost, the driver killed) says
+            # nothing of how the run ended, so a script must not read this as "stopped".
+            raise CliError(f"run {run} ended, but its controller exited before it said how: outcome unknown "
+                           "(`elastic checkpoints URL --run RUN` shows the latest committed step)",
+                           code=EXIT_OUTCOME_UNKNOWN) from None
         except GetTimeoutError:
             final = None
         if final is None:
-            raise CliError(f"run {run} did not stop within {timeout_s:g} s; it is still stopping")
+            raise CliError(f"run {run} did not stop within {timeout_s:g} s; it is still stopping",
+                           code=EXIT_OUTCOME_UNKNOWN)
         latest = (final.get("checkpoint") or {}).get("latest")
-        _plain(f"run {run} {final.get('state')} after step {_dash(final.get('step'))}"
-               + (f"; latest committed checkpoint: step {latest}" if latest is not None else ""))
+        state = final.get("state")
+        line = (f"run {run} {_printable(str(state))} after step {_dash(final.get('step'))}"
+                + (f"; latest committed checkpoint: step {latest}" if latest is not None else ""))
+        # Exit 0 only for the ends a stop asks for (or a run that finished first): "errored"
+        # printed and exited 0, so `elastic stop RUN && next-step` went on after a failed run.
+        if state in ("stopped", "finished"):
+            _plain(line)
+            return
+        raise CliError(line, code=1 if state == "errored" else EXIT_OUTCOME_UNKNOWN)
     finally:
         ray.shutdown()
 
@@ -594,15 +626,18 @@ def _storage_error(exc: Exception, location: str) -> CliError:
 
 
 def _step_status(status_: str) -> str:
-    colour = {"valid": "green", "committed": "green", "partial": "yellow", "corrupt": "red"}.get(status_)
+    colour = {"valid": "green", "committed": "green", "partial": "yellow", "corrupt": "red",
+              "unreadable": "red"}.get(status_)
     return f"[{colour}]{status_}[/]" if colour else status_
 
 
 def _problem(text: Optional[str]) -> str:
-    """``checkpoint step 2 is corrupt: s3://b/p/run/step-000000002/x: why`` -> ``step-000000002/x: why``."""
+    """``checkpoint step 2 is corrupt: s3://b/p/run/step-000000002/x: why`` -> ``step-000000002/x: why``;
+    ``read s3://b/p/run/step-000000002/x failed: ...`` -> ``read step-000000002/x failed: ...``."""
     if not text:
         return ""
-    return escape(_printable(re.sub(r"^checkpoint step \d+ is corrupt: \S*?(step-\d+/)", r"\1", text)))
+    text = re.sub(r"^checkpoint step \d+ is corrupt: ", "", redact_urls_in(text))
+    return escape(_printable(re.sub(r"\S*?(step-\d{9,}/)", r"\1", text, count=1)))
 
 
 def _steps_table(steps: list) -> Table:
@@ -616,7 +651,13 @@ def _steps_table(steps: list) -> Table:
     return table
 
 
+_STATUSES = ("valid", "committed", "partial", "corrupt", "unreadable")
+
+
 def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, retry) -> None:
+    """One run's steps. Exits EXIT_NO_USABLE_STEP (after the listing) when none is usable: the
+    run has no step (it does not exist there) or none checks out. Why: a script that asks
+    "can this run resume?" (`elastic checkpoints URL --run R && ...`) got 0 either way."""
     from elastic.checkpoint import CheckpointStore, StorageError
 
     store = CheckpointStore(url, run, options, retry=retry)
@@ -624,22 +665,24 @@ def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, re
         steps = store.list_steps(verify=verify)
     except (StorageError, OSError) as exc:
         raise _storage_error(exc, store.location) from None
-    if as_json:
-        _stdout().print_json(json.dumps([s.to_dict() for s in steps]))
-        return
-    if not steps:
-        _plain(f"no checkpoints for run {run!r} in {store.location}")
-        return
-    _stdout().print(_steps_table(steps))
     good = [s.step for s in steps if s.status in ("valid", "committed")]
-    counts = {k: sum(1 for s in steps if s.status == k) for k in ("valid", "committed", "partial", "corrupt")}
-    summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-    latest = f"; latest usable: step {good[-1]}" if good else "; no usable step"
-    _plain(f"{store.location}: {len(steps)} step(s): {summary}{latest}")
+    if as_json:
+        _stdout().print_json(_strict_json([s.to_dict() for s in steps]))
+    elif steps:
+        _stdout().print(_steps_table(steps))
+        counts = {k: sum(1 for s in steps if s.status == k) for k in _STATUSES}
+        summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+        latest = f"; latest usable: step {good[-1]}" if good else "; no usable step"
+        _plain(f"{store.location}: {len(steps)} step(s): {summary}{latest}")
+    if not steps:
+        raise CliError(f"no checkpoints for run {run!r} in {store.location}", code=EXIT_NO_USABLE_STEP)
+    if not good:
+        raise CliError(f"run {run!r} has no usable checkpoint step in {store.location} "
+                       f"({'none verifies' if verify else 'none is committed'})", code=EXIT_NO_USABLE_STEP)
 
 
 def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
-    from elastic.checkpoint import CheckpointStore, Storage, StorageError
+    from elastic.checkpoint import CheckpointStore, Storage, StorageError, StorageUnavailable
 
     root = Storage(url, options, retry=retry)
     try:
@@ -652,35 +695,58 @@ def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
         if parent and name:
             _list_run(parent, name, options, True, as_json, retry)
             return
-    rows = []
+    # name -> its steps, or the (redacted) error when storage refused to list the run. Why per
+    # run: one run storage refuses (AccessDenied on its prefix, say) failed the whole listing and
+    # hid every other run. An outage (StorageUnavailable) still fails it: nothing would answer.
+    rows: list[tuple[str, Any]] = []
     for entry in entries:
         if entry["type"] != "directory":
             continue
         store = CheckpointStore(url, entry["name"], options, retry=retry)
         try:
             steps = store.list_steps(verify=False)
-        except (StorageError, OSError) as exc:
+        except StorageUnavailable as exc:
+            raise _storage_error(exc, store.location) from None
+        except StorageError as exc:
+            rows.append((entry["name"], redact_urls_in(str(exc))))
+            continue
+        except OSError as exc:
             raise _storage_error(exc, store.location) from None
         if steps:
             rows.append((entry["name"], steps))
     if as_json:
-        _stdout().print_json(json.dumps({name: [s.to_dict() for s in steps] for name, steps in rows}))
+        # A run that could not be listed maps to {"error": ...} instead of its list of steps.
+        _stdout().print_json(_strict_json({name: {"error": steps} if isinstance(steps, str)
+                                           else [s.to_dict() for s in steps] for name, steps in rows}))
         return
     if not rows:
         _stdout().print(f"no checkpoints in {root.location}", highlight=False, markup=False)
         return
+    problems = any(isinstance(steps, str) or any(s.status == "unreadable" for s in steps) for _, steps in rows)
     table = Table(header_style="bold")
-    for header, justify in (("run", "left"), ("steps", "right"), ("committed", "right"), ("partial", "right"),
-                            ("corrupt", "right"), ("latest committed", "right"), ("size", "right"),
-                            ("committed at", "left")):
-        table.add_column(header, justify=justify, no_wrap=True)
+    headers = [("run", "left"), ("steps", "right"), ("committed", "right"), ("partial", "right"),
+               ("corrupt", "right"), ("latest committed", "right"), ("size", "right"), ("committed at", "left")]
+    if problems:  # the columns of a listing with nothing unreadable stay as they were
+        headers[5:5] = [("unreadable", "right")]
+        headers.append(("problem", "left"))
+    for header, justify in headers:
+        table.add_column(header, justify=justify, no_wrap=header != "problem")
     for name, steps in rows:
+        if isinstance(steps, str):
+            cells = [_dash(name), "[red]unreadable[/]", *["-"] * (len(headers) - 3), _problem(steps)]
+            table.add_row(*cells)
+            continue
         committed = [s for s in steps if s.status in ("valid", "committed")]
-        table.add_row(_dash(name), str(len(steps)), str(len(committed)),
-                      str(sum(1 for s in steps if s.status == "partial")),
-                      str(sum(1 for s in steps if s.status == "corrupt")),
-                      str(committed[-1].step) if committed else "-", _size(sum(s.size_bytes for s in steps)),
-                      _when(committed[-1].committed_at) if committed else "-")
+        cells = [_dash(name), str(len(steps)), str(len(committed)),
+                 str(sum(1 for s in steps if s.status == "partial")),
+                 str(sum(1 for s in steps if s.status == "corrupt")),
+                 str(committed[-1].step) if committed else "-", _size(sum(s.size_bytes for s in steps)),
+                 _when(committed[-1].committed_at) if committed else "-"]
+        if problems:
+            unreadable = [s for s in steps if s.status == "unreadable"]
+            cells[5:5] = [str(len(unreadable))]
+            cells.append(_problem(unreadable[0].problem) if unreadable else "")
+        table.add_row(*cells)
     _stdout().print(table)
     # root.location, not url: the URL may carry credentials (user:secret@, a signed query).
     _stdout().print(f"`elastic checkpoints {root.location} --run RUN` lists one run's steps and verifies their files.",
@@ -697,11 +763,16 @@ def checkpoints(
         [], "--storage-option", "-o", help="KEY=VALUE for fsspec (repeatable); dotted keys nest "
                                            "(client_kwargs.region_name=eu-west-1); values parse as JSON if they can."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Read every file and check its size and sha256."),
-    as_json: bool = typer.Option(False, "--json", help="Print the listing as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the listing as JSON (strict: no NaN); without "
+                                                        "--run, a run storage refuses to list is {\"error\": ...}."),
 ) -> None:
-    """List committed checkpoint steps with sizes and commit times; mark partial and corrupt steps.
+    """List committed checkpoint steps with sizes and commit times; mark partial, corrupt and unreadable steps.
 
-    Exits 0 when the storage answers (even if it holds nothing), non-zero when it cannot be read.
+    Exit codes:
+    0: listed (with --run: at least one step is usable; without: a run storage refuses is unreadable).
+    1: the storage cannot be read.
+    2: a usage error.
+    4: with --run, no usable step: the run has none there (a wrong name?) or none checks out.
     """
     import fsspec.core
 

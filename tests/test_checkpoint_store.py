@@ -1714,6 +1714,90 @@ def test_a_newest_step_whose_manifest_storage_refuses_stops_the_listing(monkeypa
         clear_memory("memory://refused-newest/ckpt")
 
 
+def delete_during_first_shard_read(store: CheckpointStore, step: int, then=None) -> list:
+    """The first read of ``step``'s shard first runs retention's delete of that step (manifest,
+    then files) and ``then`` (if given): a listing racing the committer of a live run, made
+    deterministic. Returns the list of steps whose reads the hook saw."""
+    real, seen = store.storage.read_bytes, []
+
+    def read_bytes(rel, size=None):
+        if rel == shard_name(step, 0, 1) and not seen:
+            seen.append(step)
+            report = store.apply_retention(keep_last=1, committed=[step, step + 1])
+            assert report.deleted == [step], report
+            if then is not None:
+                then()
+        return real(rel, size=size)
+
+    store.storage.read_bytes = read_bytes
+    return seen
+
+
+def test_a_step_retention_deletes_while_it_is_listed_is_left_out_not_reported_corrupt(tmp_path):
+    """`elastic checkpoints --run` on a live run showed a step retention deleted between its
+    manifest read and its shard read in red as corrupt ("file is missing")."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in (5, 6):
+        commit_tiny(store, step)
+    seen = delete_during_first_shard_read(store, 5)
+    infos = store.list_steps()
+    assert seen == [5]
+    assert [(i.step, i.status) for i in infos] == [(6, "valid")]
+    # A file missing under a manifest that is still there is corruption, as before.
+    store.storage.delete(shard_name(6, 0, 1))
+    [info] = store.list_steps()
+    assert (info.step, info.status) == (6, "corrupt") and "file is missing" in info.problem
+
+
+def test_a_step_written_again_while_it_is_listed_is_verified_from_its_new_manifest(tmp_path):
+    """Training that went back writes a step again: the listing verifies what is there now
+    instead of reporting the old manifest's checksums against the new files."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in (5, 6):
+        commit_tiny(store, step)
+
+    def write_5_again():
+        store.commit(5, store.write_rank_files(5, 0, 1, tiny_state(55)), 1, {})
+
+    seen = delete_during_first_shard_read(store, 5, then=write_5_again)
+    assert {i.step: i.status for i in store.list_steps()} == {5: "valid", 6: "valid"}
+    assert seen == [5] and store.read_state(5)[0]["completed_step"] == 55
+
+
+def test_a_step_storage_refuses_is_unreadable_and_the_listing_goes_on(tmp_path, monkeypatch):
+    """A refused manifest (archived to Glacier, AccessDenied on one key) ended the whole listing
+    with a StorageError; `committed_steps` already skipped such a step."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in (5, 10, 15):
+        commit_tiny(store, step)
+    refuse_manifest_reads(store, 5, monkeypatch)
+    fs, _ = store.storage._filesystem()
+    refused_manifest = fs.cat_file
+
+    def cat_file(path, **kwargs):  # and one shard of step 10 (read by verify only)
+        if shard_name(10, 0, 1) in path:
+            raise PermissionError(f"AccessDenied: {path}")
+        return refused_manifest(path, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", cat_file)
+    for verify in (True, False):
+        infos = {i.step: i for i in store.list_steps(verify=verify)}
+        good = "valid" if verify else "committed"
+        assert {s: i.status for s, i in infos.items()} == {5: "unreadable", 10: "unreadable" if verify else good,
+                                                           15: good}
+        assert "InvalidObjectState" in infos[5].problem and "manifest.json" in infos[5].problem
+        assert infos[5].size_bytes > 0 and infos[5].num_files == 2  # the directory listing still counts
+    assert "AccessDenied" in {i.step: i for i in store.list_steps()}[10].problem
+
+    # An outage is not one unreadable step: every step would be; the listing still fails.
+    def down(path, **kwargs):
+        raise ConnectionError("endpoint down")
+
+    monkeypatch.setattr(fs, "cat_file", down)
+    with pytest.raises(StorageUnavailable):
+        store.list_steps(verify=False)
+
+
 def test_a_cleanup_pass_from_before_a_rewind_deletes_no_step_of_the_new_timeline(tmp_path):
     """A pass reads the committed steps before a rewind and deletes after it: by its old
     picture of storage. A previous run committed 1..9 and this one resumed from 8 (9 skipped

@@ -220,10 +220,10 @@ def test_checkpoints_never_prints_credentials_from_the_url_and_takes_brackets_li
     finally:
         clear_memory(url)
     for result in (listing, one, empty):
-        assert result.exit_code == 0, result.stdout + result.stderr
+        assert result.exit_code == (4 if result is empty else 0), result.stdout + result.stderr
         assert "hunter2secret" not in result.stdout + result.stderr
     assert "a[red]b" in listing.stdout and "a[red]b: 1 step(s)" in one.stdout
-    assert "no checkpoints for run 'x[/y]'" in empty.stdout
+    assert "no checkpoints for run 'x[/y]'" in one_line_error(empty.exit_code, empty.stdout, empty.stderr)
 
 
 def test_checkpoints_shows_control_characters_in_names_escaped_and_survives_an_odd_timestamp():
@@ -261,8 +261,110 @@ def test_checkpoints_empty_dir(tmp_path):
     assert result.exit_code == 0
     assert "no checkpoints" in result.stdout
     result = runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "digits"])
-    assert result.exit_code == 0
-    assert "no checkpoints for run 'digits'" in result.stdout
+    assert result.exit_code == 4  # a run with no step there: nothing to resume from (a wrong name?)
+    assert "no checkpoints for run 'digits'" in one_line_error(result.exit_code, result.stdout, result.stderr)
+
+
+def test_checkpoints_run_without_a_usable_step_exits_4_after_the_listing(tmp_path):
+    # Exit 0 whatever the run held: `elastic checkpoints URL --run R && resume` went on with
+    # nothing to resume from.
+    write_run(str(tmp_path), "bad", {1: "corrupt", 2: "partial"})
+    result = runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "bad"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 4 and "run 'bad' has no usable checkpoint step" in line and "none verifies" in line
+    assert "2 step(s): 1 partial, 1 corrupt; no usable step" in result.stdout  # the listing is still there
+    as_json = runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "bad", "--json"])
+    assert as_json.exit_code == 4
+    assert [s["status"] for s in json.loads(as_json.stdout)] == ["corrupt", "partial"]
+    missing = runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "nope", "--json"])
+    assert missing.exit_code == 4 and json.loads(missing.stdout) == []
+    write_run(str(tmp_path), "bad", {3: "committed"})
+    assert runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "bad"]).exit_code == 0
+
+
+def refuse_in_memory(monkeypatch, listing: str, reads: str) -> None:
+    """The memory filesystem refuses to list paths ending in ``listing`` and to read paths
+    holding ``reads``, as S3 answers AccessDenied on a prefix or an archived object (Glacier)
+    with InvalidObjectState; permanent errors, not an outage. The errors name the path, as
+    real ones do."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    real_ls, real_cat = MemoryFileSystem.ls, MemoryFileSystem.cat_file
+
+    def ls(self, path, detail=True, **kwargs):
+        if path.rstrip("/").endswith(listing):
+            raise PermissionError(f"AccessDenied listing {path}")
+        return real_ls(self, path, detail=detail, **kwargs)
+
+    def cat_file(self, path, *args, **kwargs):
+        if reads in path:
+            raise PermissionError(f"InvalidObjectState: {path} is archived")
+        return real_cat(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "ls", ls)
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", cat_file)
+
+
+def test_checkpoints_shows_what_storage_refuses_as_unreadable_and_lists_the_rest(monkeypatch):
+    # One refused key (a manifest archived to Glacier, AccessDenied on one run's prefix) ended
+    # the listing with "cannot list ...", exit 1: one bad run hid every other run.
+    import uuid
+
+    from elastic.checkpoint.testing import clear_memory
+
+    url = f"memory://alice:hunter2secret@root-{uuid.uuid4().hex[:8]}"
+    try:
+        write_run(url, "a", {1: "committed"})
+        write_run(url, "b", {1: "committed"})
+        write_run(url, "c", {1: "committed", 2: "committed"})
+        with monkeypatch.context() as patch:  # undone before clear_memory lists the root
+            refuse_in_memory(patch, listing="/b", reads="/c/step-000000001/manifest.json")
+            listing = runner.invoke(app, ["checkpoints", url])
+            as_json = runner.invoke(app, ["checkpoints", url, "--json"])
+            one = runner.invoke(app, ["checkpoints", url, "--run", "c"])
+            one_json = runner.invoke(app, ["checkpoints", url, "--run", "c", "--json"])
+    finally:
+        clear_memory(url)
+    for result in (listing, as_json, one, one_json):
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert "hunter2secret" not in result.stdout + result.stderr
+    rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")] for ln in listing.stdout.splitlines()
+            if ln.count("│") > 3 and ln.split("│")[1].strip()}  # not a wrapped problem's next line
+    assert set(rows) == {"a", "b", "c"}
+    assert rows["b"][2] == "unreadable" and "AccessDenied" in rows["b"][-2]
+    header = next(ln for ln in listing.stdout.splitlines() if "unreadable" in ln and "run" in ln)
+    at = [c.strip() for c in header.split("┃")].index("unreadable")
+    assert (rows["a"][at], rows["c"][at]) == ("0", "1") and "InvalidObjectState" in rows["c"][-2]
+    runs = json.loads(as_json.stdout)
+    assert "AccessDenied" in runs["b"]["error"] and [s["status"] for s in runs["c"]] == ["unreadable", "committed"]
+    steps = {ln.split("│")[1].strip(): ln for ln in one.stdout.splitlines() if ln.count("│") > 3}
+    assert "unreadable" in steps["1"] and "read step-000000001/manifest.json failed" in steps["1"]
+    assert "valid" in steps["2"] and "1 valid, 1 unreadable; latest usable: step 2" in one.stdout
+    assert [s["status"] for s in json.loads(one_json.stdout)] == ["unreadable", "valid"]
+
+
+def test_checkpoints_json_is_strict_json(monkeypatch, tmp_path):
+    # A NaN created_at never gets this far (the manifest's checksum is over strict JSON, so such
+    # a manifest lists as corrupt); the listing's JSON is strict whatever a StepInfo holds.
+    from elastic.checkpoint import StepInfo
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    store = CheckpointStore(str(tmp_path), "r")
+    write_run(str(tmp_path), "r", {1: "committed"})
+    manifest = os.path.join(str(tmp_path), "r", "step-000000001", "manifest.json")
+    doc = json.loads(open(manifest).read())
+    doc["created_at"] = float("nan")
+    open(manifest, "w").write(json.dumps(doc))
+    assert store.list_steps()[0].status == "corrupt"
+    odd = [StepInfo(step=1, status="committed", size_bytes=1, num_files=1, committed_at=float("nan"), world_size=1)]
+    monkeypatch.setattr(CheckpointStore, "list_steps", lambda self, verify=True: odd)
+    for args in (["--run", "r"], []):
+        result = runner.invoke(app, ["checkpoints", str(tmp_path), *args, "--json"])
+        assert result.exit_code == 0, result.stdout + result.stderr
+        out = json.loads(result.stdout, parse_constant=refuse)
+        assert (out if args else out["r"])[0]["committed_at"] is None
 
 
 def test_checkpoints_missing_local_dir(tmp_path):
@@ -325,6 +427,79 @@ def test_storage_option_secrets_stay_strings_and_errors_never_show_them():
     with pytest.raises(CliError) as info:
         parse_storage_options(["anon=false", "SuperSecret99"])  # a value pasted without its key
     assert "SuperSecret99" not in str(info.value) and "#2 is not KEY=VALUE" in str(info.value)
+
+
+@pytest.mark.parametrize("command", [["status", "r"], ["stop", "r"]])
+@pytest.mark.parametrize("address", ["admin:S3cretPw@127.0.0.1:6379", "ray://admin:S3cretPw@127.0.0.1:10001",
+                                     "admin:S3cretPw@head"])
+def test_an_address_with_a_password_is_refused_and_the_password_never_printed(command, address, monkeypatch):
+    # Without a scheme it parsed as HOST:PORT (host "admin:S3cretPw@127.0.0.1"), and "cannot reach
+    # a Ray cluster at admin:S3cretPw@..." printed it: the redaction only knows scheme://user:pw@.
+    for args, source in (([*command, "--address", address], "--address"), (command, "RAY_ADDRESS")):
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        result = runner.invoke(app, args)
+        line = one_line_error(result.exit_code, result.stdout, result.stderr)
+        assert result.exit_code == 2 and line.startswith(f"elastic: error: {source} "), line
+        assert "S3cretPw" not in result.stdout + result.stderr and "***@" in line
+
+
+class FakeController:
+    """A run's controller as `elastic stop` sees it: ``stop`` answers, ``wait_ended`` answers
+    ``ended`` (a status dict, None for a timeout, or an exception to raise)."""
+
+    def __init__(self, ended):
+        self.ended = ended
+        outer = self
+
+        class Method:
+            def __init__(self, name):
+                self.name = name
+
+            def remote(self, *args):
+                return (outer, self.name)
+
+        self.stop, self.wait_ended = Method("stop"), Method("wait_ended")
+
+
+def fake_ray_get(ref, timeout=None):
+    controller, name = ref
+    if name == "stop":
+        return None
+    if isinstance(controller.ended, BaseException):
+        raise controller.ended
+    return controller.ended
+
+
+@pytest.mark.parametrize("ended, code, text", [
+    ({"state": "stopped", "step": 7, "checkpoint": {"latest": 7}}, 0, "run r stopped after step 7; latest committed"),
+    ({"state": "finished", "step": 9, "checkpoint": {}}, 0, "run r finished after step 9"),
+    ({"state": "errored", "step": 4, "checkpoint": {"latest": 3}}, 1, "run r errored after step 4"),
+    ("actor died", 3, "its controller exited before it said how: outcome unknown"),
+    (None, 3, "did not stop within 5 s; it is still stopping"),
+])
+def test_stop_exits_0_only_when_the_run_stopped(ended, code, text, monkeypatch):
+    # "errored" and a controller that died printed a line and exited 0, so `elastic stop R && ...`
+    # went on after a failed run.
+    import ray
+    from ray.exceptions import RayActorError
+
+    import elastic.cli as cli
+
+    controller = FakeController(RayActorError() if ended == "actor died" else ended)
+    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s, source: None)
+    monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
+    monkeypatch.setattr(cli, "_controller", lambda run, addr, timeout_s: controller)
+    monkeypatch.setattr(ray, "get", fake_ray_get)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    result = runner.invoke(app, ["stop", "r", "--address", "127.0.0.1:1", "--timeout", "5"])
+    assert result.exit_code == code, result.stdout + result.stderr
+    if code == 0:
+        assert text in result.stdout and not result.stderr
+    else:
+        assert text in one_line_error(result.exit_code, result.stdout, result.stderr)
+    # --no-wait only asks: 0 once the request is delivered, whatever then happens.
+    no_wait = runner.invoke(app, ["stop", "r", "--address", "127.0.0.1:1", "--no-wait"])
+    assert no_wait.exit_code == 0 and "asked run r to stop" in no_wait.stdout
 
 
 def test_status_summary_says_when_checkpoint_storage_does_not_answer():

@@ -127,8 +127,9 @@ class StepInfo:
     """One step directory, for listings (``elastic checkpoints URL``).
 
     ``status``: "valid" (manifest and every file check out), "committed" (manifest checks out, files
-    not verified), "corrupt" (manifest or a file does not match) or "partial" (no manifest: torn write
-    or still being written).
+    not verified), "corrupt" (manifest or a file does not match), "partial" (no manifest: torn write
+    or still being written) or "unreadable" (storage refused to hand over its listing, manifest or a
+    file, say an object archived to Glacier or an AccessDenied on one key; ``problem`` says which).
     """
 
     step: int
@@ -474,9 +475,44 @@ class CheckpointStore:
     def verify(self, step: int) -> dict:
         """Check the manifest and every file of ``step``; returns the manifest or raises CorruptCheckpoint."""
         manifest, entries = self._load_manifest(step)
+        self._verify_files(step, entries)
+        return manifest
+
+    def _verify_files(self, step: int, entries: list[FileEntry]) -> None:
+        """Every file of ``entries`` (``step``'s manifest records) at its recorded size and sha256,
+        or CorruptCheckpoint naming the first that is not. One file in memory at a time: the bytes
+        are dropped once hashed. (Hashing in chunks would need a streaming read, which ``Storage``
+        does not offer: it reads whole files, with its retries and redaction around each.)"""
         for entry in entries:
             self._read_verified(step, entry)
-        return manifest
+
+    def _verify_for_listing(self, step: int) -> dict | None:
+        """``verify(step)`` for a listing of a run that may be live: None when the step was deleted
+        (or replaced) while its files were read, rather than a CorruptCheckpoint.
+
+        Why this holds: a step is committed iff its manifest exists, and every delete takes the
+        manifest away before the files (``_delete_step``, ``_delete_steps_in_bulk``). So a file
+        found missing or wrong while the manifest that vouched for it is gone is a step retention
+        or GC was deleting, not a corrupt one; a manifest that checks out and is still the same
+        one after the failure (same checksum) means the failure is real. A manifest replaced in
+        between (training went back and wrote the step again) is verified once more, from the
+        new one; a second failure is reported as it is."""
+        manifest, entries = self._load_manifest(step)
+        retried = False
+        while True:
+            try:
+                self._verify_files(step, entries)
+                return manifest
+            except CorruptCheckpoint as exc:
+                problem = exc
+            try:
+                again, again_entries = self._load_manifest(step)
+            except FileNotFoundError:
+                logger.debug("checkpoint step %d was deleted while it was listed (%s)", step, problem)
+                return None
+            if retried or again["checksum"] == manifest["checksum"]:
+                raise problem
+            manifest, entries, retried = again, again_entries, True
 
     def latest_valid(self) -> int | None:
         """The newest committed step whose files all check out; corrupt steps are skipped with a warning."""
@@ -767,24 +803,43 @@ class CheckpointStore:
         return report
 
     def list_steps(self, verify: bool = True) -> list[StepInfo]:
-        """Every step directory with its status, total size and commit time, oldest first."""
+        """Every step directory with its status, total size and commit time, oldest first.
+
+        Made for listing a run that may be live (``elastic checkpoints``): a committed step that
+        retention or GC deletes while it is being verified is left out (``_verify_for_listing``):
+        it no longer exists, and it is not corrupt. A step storage refuses to hand over (a
+        ``StorageError``: an archived manifest, an AccessDenied on one key) is listed as
+        "unreadable" with the (redacted) error, as ``committed_steps`` skips such a step: one
+        refused key used to end the whole listing. An outage (``StorageUnavailable``: the
+        endpoint does not answer) still raises, since then every step would be unreadable."""
         out = []
         for step in self.step_dirs():
+            info = self._step_info(step, verify)
+            if info is not None:
+                out.append(info)
+        return out
+
+    def _step_info(self, step: int, verify: bool) -> StepInfo | None:
+        """``list_steps``'s row for ``step``; None when the step was deleted while it was read."""
+        info = StepInfo(step=step, status="partial", size_bytes=0, num_files=0)
+        try:
             listing = self.storage.list_dir(step_dir(step), detail=True)
             files = [e for e in listing if e["type"] != "directory"]
-            info = StepInfo(step=step, status="partial", size_bytes=sum(e["size"] for e in files),
-                            num_files=len(files))
-            try:
-                manifest = self.verify(step) if verify else self.load_manifest(step)
-            except FileNotFoundError:
-                out.append(info)
-                continue
-            except CorruptCheckpoint as exc:
-                info.status, info.problem = "corrupt", str(exc)
-                out.append(info)
-                continue
-            info.status = "valid" if verify else "committed"
-            info.committed_at = manifest.get("created_at")
-            info.world_size = manifest.get("world_size")
-            out.append(info)
-        return out
+            info.size_bytes, info.num_files = sum(e["size"] for e in files), len(files)
+            manifest = self._verify_for_listing(step) if verify else self.load_manifest(step)
+        except FileNotFoundError:
+            return info
+        except CorruptCheckpoint as exc:
+            info.status, info.problem = "corrupt", str(exc)
+            return info
+        except StorageUnavailable:
+            raise
+        except StorageError as exc:  # its message is redacted by Storage
+            info.status, info.problem = "unreadable", str(exc)
+            return info
+        if manifest is None:
+            return None
+        info.status = "valid" if verify else "committed"
+        info.committed_at = manifest.get("created_at")
+        info.world_size = manifest.get("world_size")
+        return info
