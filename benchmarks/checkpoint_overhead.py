@@ -21,10 +21,12 @@ Each overhead figure also gives this process's CPU per step (``driver_cpu_ms_per
 the baselines'): in the s3 run it includes the moto server, which shares the cores with training
 here and which a remote S3 endpoint would not.
 
-Checkpoint lag (steps training is ahead of the newest committed checkpoint), in order of
-preference: ``checkpoint_commit`` events' ``details["lag"]``; else commit events' times against
-the step timeline (RUNNING + cumulative step wall times); else the controller's ``status()``
-(``checkpoint.lag``) polled every ``--poll-s`` during every run, baselines included. Persist
+Checkpoint lag (steps training is ahead of the newest committed checkpoint): after every step
+past the warm-up, that step minus the newest step committed by then (``lag_after_each_step``).
+Beside it, the lag each commit reports when it lands (the low point between commits), in order
+of preference: ``checkpoint_commit`` events' ``details["lag"]``; else commit events' times
+against the step timeline (RUNNING + cumulative step wall times); else the controller's
+``status()`` (``checkpoint.lag``) polled every ``--poll-s`` during every run, baselines included. Persist
 seconds (step end -> commit): ``checkpoint_commit`` details ``persist_s``; else commit event times
 against the step timeline; else the retained steps' manifest ``created_at`` (``keep_last`` of
 them). Size: the retained committed steps' bytes on storage. Each figure names its source.
@@ -97,6 +99,25 @@ def step_end_times(res) -> list[tuple[float, int]]:
     return out
 
 
+def lag_after_each_step(res, warmup: int) -> list[int]:
+    """The lag as training sees it: after each step past ``warmup``, that step minus the newest
+    step committed by then (commit times from the ``checkpoint_commit`` events, step ends from
+    ``step_end_times``). Why not the lag a commit reports: taken when a commit lands, it is the
+    low point between commits, and up to the steps a superseded commit skipped lower than the
+    lag in between. Step ends computed without the gaps between steps come early, so a commit
+    lands after more of them than it did: if anything this reads high."""
+    commits = sorted((e["details"].get("time", e["time"]), e["details"]["step"])
+                     for e in events_of(res, "checkpoint_commit") if "step" in e["details"])
+    out, newest, i = [], 0, 0
+    for t, step in step_end_times(res):
+        while i < len(commits) and commits[i][0] <= t:
+            newest = max(newest, commits[i][1])
+            i += 1
+        if step > warmup:
+            out.append(step - newest)
+    return out
+
+
 def commit_readings(res, poll: list[dict]) -> dict:
     """Lag per commit, persist seconds and sizes, from whatever the event log carries (see docstring)."""
     commits = [e for e in events_of(res, "checkpoint_commit") if "step" in e["details"]]
@@ -154,6 +175,7 @@ def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options
            "span": span_throughput(res, warmup), "checkpoint": res.checkpoint}
     if storage:
         out.update(commit_readings(res, samples))
+        out["step_lags"] = lag_after_each_step(res, warmup)
         try:
             from elastic.checkpoint import CheckpointStore
 
@@ -272,10 +294,13 @@ def main(argv=None) -> None:
     for label, run in (("file", file_), ("s3", s3)):
         if run is None:
             continue
-        lags = run["lags"]
+        lags, at_commit = run["step_lags"], run["lags"]
         fig = "ckpt_lag_steps_p95" if label == "file" else "ckpt_lag_steps_p95_s3"
-        emit(fig, percentile(lags, 95), "steps", storage=label, source=run["lag_source"], samples=len(lags),
-             max=max(lags) if lags else None, latest_committed=(run["checkpoint"] or {}).get("latest_step"),
+        emit(fig, percentile(lags, 95), "steps", storage=label,
+             source="after each step past the warm-up: the step minus the newest committed by then",
+             samples=len(lags), max=max(lags) if lags else None,
+             at_commit_p95=percentile(at_commit, 95), at_commit_max=max(at_commit) if at_commit else None,
+             at_commit_source=run["lag_source"], latest_committed=(run["checkpoint"] or {}).get("latest_step"),
              **common)
         stored = [s["size_bytes"] for s in run.get("stored_steps", []) if s.get("status") != "partial"]
         sizes, size_source = (stored, "retained committed steps on storage") if stored else \
