@@ -1807,6 +1807,7 @@ class Controller:
                 # the lost rank. Start them all again, as one more failure.
                 self._count_start_loss(exc, "failure_during_recovery", "a rank", "every rank restarted",
                                        "starting them all again")
+        self._check_dataset_unchanged()
         self._note_ready_spares(log=False)  # built: they end a streak of failed spare starts
         self._forget_old_actors()
         self._per_worker = self.global_batch_size // self.scaling.num_workers
@@ -1822,6 +1823,21 @@ class Controller:
         self._rewind(self.step if position is not None else None)
         self._truncate_history(self.step)
         self.log("restart", f"every rank restarted from step {self.step}")
+
+    def _check_dataset_unchanged(self) -> None:
+        """A restart built every rank again, and so the dataset: it must be the one the run's
+        sample order and data positions index into. The new ranks agree among themselves
+        (``WorkerGroup._check_same_dataset``), but nothing compared them with the run's, so a
+        ``dataset_fn`` reading a directory that grew or shrank meant indices past its end (an
+        IndexError read as the user's) or, grown, new samples never used and old indices naming
+        other samples, in silence."""
+        size = self.group.dataset_size
+        if None not in (size, self.dataset_size) and size != self.dataset_size:
+            raise ConfigError(
+                f"after a restart dataset_fn built a dataset of {size} samples, where the run's has "
+                f"{self.dataset_size}: every start must build the same dataset (the sample order and the "
+                "checkpoints' data positions index into it). fit() again resumes from the latest committed "
+                "checkpoint and, the dataset having changed, starts a new epoch on it.")
 
     def _begun_by_survivors(self) -> int:
         """Newest step any reachable rank began (0 if none answers): work a restart throws away."""

@@ -1664,3 +1664,17 @@ def test_the_snapshots_dropped_are_each_workers_newest_running_total_summed(ray_
         assert c._commit_what_ranks_wrote(None, 1, "test")
     assert c._snapshot_drops == {"rank-0": 5, "rank-1": 1}
     c.committer = None
+
+
+def test_a_restart_that_builds_another_dataset_is_refused(ray_cluster):  # the Controller asks Ray for its runtime context
+    # The new ranks agreed among themselves, but nothing compared them with the run's dataset: a
+    # dataset_fn reading a directory that changed sent indices past its end, or silently others.
+    from types import SimpleNamespace
+
+    c = controller("restart-other-data")
+    c.dataset_size = 64
+    c.group = SimpleNamespace(dataset_size=64)
+    c._check_dataset_unchanged()
+    c.group = SimpleNamespace(dataset_size=48)
+    with pytest.raises(elastic.ConfigError, match="dataset of 48 samples, where the run's has 64"):
+        c._check_dataset_unchanged()
