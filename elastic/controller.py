@@ -738,6 +738,14 @@ class Controller:
             digest = epoch_order_digest(self.dataset_size, self.run_config.seed, position.epoch)
             if digest != meta["order_digest"]:
                 changed = {"order_digest": (meta["order_digest"], digest)}
+        size = self.dataset_size
+        if not changed and not (position.epoch >= 0 and 0 <= position.cursor <= size
+                                and all(0 <= i < size for i in position.requeued)):
+            # A manifest written before dataset_size was recorded checks nothing above, and its
+            # indices went to the ranks as they were: past the dataset's end, an IndexError in a
+            # step read as the user's error.
+            changed = {"position": (position.to_dict() if len(position.requeued) <= 16 else
+                                    {"epoch": position.epoch, "cursor": position.cursor}, f"within {size} samples")}
         if not changed:
             return position
         what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())

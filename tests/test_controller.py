@@ -673,6 +673,20 @@ def test_a_resume_with_another_sample_order_starts_the_next_epoch_and_says_so(ra
     assert "starts epoch 3" in events[0].message
 
 
+def test_a_resume_from_a_position_outside_the_dataset_starts_the_next_epoch(ray_cluster):  # the Controller asks Ray for its runtime context
+    # A manifest from before dataset_size was recorded checks nothing: its requeued indices past
+    # the dataset's end went to the ranks, and failed a step as the user's IndexError.
+    c = controller("fake-order-bounds")
+    c.dataset_size = 50
+    for position in ({"epoch": 2, "cursor": 40, "requeued": [97, 98, 99, 60]}, {"epoch": 2, "cursor": 51},
+                     {"epoch": -1, "cursor": 0}):
+        assert c._resumable_position(7, {"data_position": position}).to_dict() == \
+            {"epoch": position["epoch"] + 1, "cursor": 0, "requeued": []}
+    assert c._resumable_position(7, {"data_position": {"epoch": 2, "cursor": 50, "requeued": [49]}}).cursor == 50
+    events = [e for e in c.events if e.kind == "data_order_changed"]
+    assert len(events) == 3 and events[0].details["changed"]["position"][1] == "within 50 samples"
+
+
 def test_a_resume_whose_seed_gives_another_order_here_starts_the_next_epoch_and_says_so(ray_cluster):  # the Controller asks Ray for its runtime context
     # numpy promises Generator's streams only on the same numpy: a resume under another one, with
     # the same seed and dataset size, continued the saved cursor into another order. The order's
