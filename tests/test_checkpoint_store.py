@@ -1966,3 +1966,64 @@ def test_a_commit_that_failed_but_landed_is_counted_by_retention_once_superseded
         assert store.committed_steps() == [3]
     finally:
         committer.close()
+
+
+def test_no_step_is_deleted_while_a_restore_holds_the_steps(tmp_path):
+    # A restore lists the committed steps, then reads the newest for seconds, while later steps
+    # still commit: with keep_last=1 retention deleted the one being read, the read found a
+    # file missing, and the run started over from step 0.
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0)
+    hand_over_and_wait(committer, store, 1)
+    assert committer.flush(5) and store.committed_steps() == [1]
+    with committer.holding_steps():
+        hand_over_and_wait(committer, store, 2)
+        assert committer.flush(5)
+        assert store.committed_steps() == [1, 2]  # step 1, being read, stays
+        state, _ = store.read_state(1)
+        assert torch.equal(state["model"]["w"], torch.full((2,), 1.0))
+    assert committer.flush(5) and store.committed_steps() == [2]  # released: retention as promised
+    committer.close()
+
+
+def test_a_step_kept_by_keep_every_is_never_replaced_before_its_commit(tmp_path, monkeypatch):
+    # Complete steps waiting for their manifest are replaced by newer ones; a milestone replaced
+    # stayed on storage without a manifest, the sweep deleted it, and it never existed.
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=1, keep_every=2, gc_interval_s=0)
+    real = store.commit
+
+    def slow_first(step, *args, **kwargs):
+        if step == 1:
+            time.sleep(0.5)  # steps 2 and 3 are handed over while step 1's manifest is written
+        return real(step, *args, **kwargs)
+
+    monkeypatch.setattr(store, "commit", slow_first)
+    for step in (1, 2, 3):
+        hand_over(committer, store, step, tiny_state(step))
+    assert committer.flush(10)
+    assert store.committed_steps() == [2, 3]  # the milestone, and the newest
+    committer.close()
+
+
+def test_a_commit_a_rewind_left_behind_does_not_end_an_outage(tmp_path, monkeypatch):
+    # It returns with no request made: taken as a success, "storage is back" came with storage down.
+    from elastic.checkpoint.storage import StorageUnavailable
+
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=3600, retry_min_s=0.05, retry_max_s=0.1)
+
+    def down(*args, **kwargs):
+        raise StorageUnavailable("endpoint down")
+
+    monkeypatch.setattr(store, "commit", down)
+    hand_over(committer, store, 2, tiny_state(2))
+    deadline = time.monotonic() + 5
+    while not committer.in_outage and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert committer.in_outage
+    committer.rewind(1)  # step 2 is left behind: its next attempt returns without a request
+    time.sleep(0.5)
+    assert committer.in_outage
+    assert not [e for e in committer.drain_events() if e["event"] == "storage_recovered"]
+    committer.close()

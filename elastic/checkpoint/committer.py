@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
 from elastic.checkpoint.persister import AsyncPersister
@@ -106,6 +107,7 @@ class CheckpointCommitter:
         self.retention_interval_s = retention_interval_s
         self._last_retention = float("-inf")
         self._cleanup_lock = threading.Lock()  # a cleanup pass, or rewind()
+        self._holds = 0  # holding_steps(): while above 0, cleanup passes delete nothing
         # The cleanup thread's schedule: woken by commits; flush() asks for a forced pass (one
         # that starts after the ask) and waits for it, at most as long as flush's timeout allows.
         self._cleanup_cv = threading.Condition()
@@ -113,9 +115,11 @@ class CheckpointCommitter:
         self._cleanup_stop = False
         self._forced_asked = 0
         self._forced_done = 0
+        # reached_storage: a step a rewind left behind is returned with no entries, no request
+        # made; taken as a success, it ended an outage ("storage is back") with storage still down.
         self._persister = AsyncPersister(self._commit, name="checkpoint commit",
                                          retry_min_s=retry_min_s, retry_max_s=retry_max_s, max_events=max_events,
-                                         keep_done=False)
+                                         keep_done=False, reached_storage=bool)
         self._cleanup_thread = threading.Thread(target=self._cleanup_loop, name="elastic-checkpoint cleanup",
                                                 daemon=True)
         self._cleanup_thread.start()
@@ -257,8 +261,12 @@ class CheckpointCommitter:
             for s in [s for s in table if s <= step]:
                 del table[s]
         self._submitted = step
+        # A step retention is to keep (keep_every) is never replaced by a newer one while its
+        # manifest waits: replaced, it stayed on storage without one, the sweep deleted it as
+        # uncommitted, and the milestone never existed. Blocking mode replaces nothing.
+        milestone = bool(self.keep_every) and step % self.keep_every == 0
         self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at"), record.get("rng"),
-                                      len(self._rewinds)), light=self.blocking)
+                                      len(self._rewinds)), light=self.blocking or milestone)
 
     # ---- the commit thread ------------------------------------------------------------------
     def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None, dict | None, int]
@@ -342,6 +350,26 @@ class CheckpointCommitter:
         return missing is None
 
     # ---- the cleanup thread -----------------------------------------------------------------
+    @contextmanager
+    def holding_steps(self):
+        """No committed step is deleted while this is held: retention and the sweep wait, and run
+        once it is released. For a restore in the middle of a run (a restart, ranks restored
+        from storage). Why: it lists the committed steps and then reads the newest for seconds
+        (gigabytes on S3), while the parts of later steps still land; a step committed meanwhile
+        let retention delete the one being read (with ``keep_last`` of 1 or 2, at once), the read
+        found a file missing, took the step for corrupt, fell back to older steps already
+        deleted, and the run started over from step 0. Taken after a pass under way ends."""
+        with self._cleanup_lock:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cleanup_lock:
+                self._holds -= 1
+            with self._cleanup_cv:
+                self._cleanup_due = True
+                self._cleanup_cv.notify_all()
+
     def _cleanup_loop(self) -> None:
         """Retention and GC after commits, off the commit thread (module docstring); each pass
         covers every commit since the last one. Passes stay batched by their intervals, except
@@ -423,6 +451,10 @@ class CheckpointCommitter:
         retention report's ``error`` and the next pass retries."""
         try:
             with self._cleanup_lock:
+                if self._holds:
+                    # A restore is reading a committed step (holding_steps): nothing is taken in
+                    # or deleted now; the release asks for the pass again.
+                    return CleanupReport(), CleanupReport()
                 epoch = self.store.epoch()  # before the rewinds are applied: rewind() fences after queueing its own
                 self._apply_rewinds()
                 first = self._committed is None
