@@ -7,6 +7,7 @@ checkpoint, evict a straggler, or fail. Every transition and decision lands in t
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
@@ -682,22 +683,24 @@ class Controller:
 
         reader, rest = self.group.members[0], self.group.members[1:]
         meta = None
-        for step in reversed(self.store.committed_steps()):
-            ref = reader.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options,
-                                                         self.run_config.name, step)
-            try:
-                meta = ray.get(ref)
-                break
-            except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, CheckpointMismatch):
-                    # A configuration problem, not a fault: the ConfigError reaches the user without a traceback.
-                    raise ConfigError(str(cause)) from None
-                if not isinstance(cause, CorruptCheckpoint):
-                    raise
-                logger.warning("%s; trying an older step", cause)
-                self.log("checkpoint", f"skipped committed step {step}: {cause}; trying an older step",
-                         step=step, path=cause.path, corrupt=True)
+        # Retention deletes nothing while the step is listed and read (holding_steps).
+        with self.committer.holding_steps() if self.committer is not None else contextlib.nullcontext():
+            for step in reversed(self.store.committed_steps()):
+                ref = reader.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options,
+                                                             self.run_config.name, step)
+                try:
+                    meta = ray.get(ref)
+                    break
+                except ray.exceptions.RayTaskError as exc:
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, CheckpointMismatch):
+                        # A configuration problem, not a fault: the ConfigError reaches the user without a traceback.
+                        raise ConfigError(str(cause)) from None
+                    if not isinstance(cause, CorruptCheckpoint):
+                        raise
+                    logger.warning("%s; trying an older step", cause)
+                    self.log("checkpoint", f"skipped committed step {step}: {cause}; trying an older step",
+                             step=step, path=cause.path, corrupt=True)
         if meta is None:
             self.log("checkpoint", f"no committed checkpoint under {self.store.location}; starting fresh")
             return None
@@ -780,8 +783,7 @@ class Controller:
             self._agents.expect(world, self.group.members)
         first_n = self.scaling.aggregation == "first_n"
         t0 = time.time()
-        refs = [m.actor.join.remote(m.rank, world, addr, port, self.generation,
-                                    self.failure_config.collective_timeout_s, not first_n,
+        refs = [m.actor.join.remote(m.rank, world, addr, port, self.generation, self._group_timeout_s(), not first_n,
                                     self.scaling.num_workers if first_n else 0,
                                     self.failure_config.checksum_every_n_steps,
                                     self.scaling.late_backoff_steps)
@@ -1307,12 +1309,15 @@ class Controller:
                         user_error = user_error or (r, str(exc))
                 if (dead or collective_failed or user_error) and first_problem is None:
                     first_problem = time.time()
-            if dead and self._first_n and not released:
+            if (dead or collective_failed or user_error) and self._first_n and not released:
                 # Survivors may wait on a first-N agreement that the dead can no longer make
-                # (fewer than N replicas left); no socket of theirs closes to wake them. Every
-                # survivor, not only those this wait still has a result of: one whose result is
-                # in already runs the next window, queued behind it (the look-ahead), where it
-                # would wait the same way, and none of this wait's refs would show it.
+                # (fewer than N replicas left); no socket of theirs closes to wake them. A live
+                # rank that failed (a broken link, the user's error) has left the group and will
+                # not arrive either: left waiting, the survivors sat out collective_timeout_s and
+                # one of them was killed as hung. Every survivor, not only those this wait still
+                # has a result of: one whose result is in already runs the next window, queued
+                # behind it (the look-ahead), where it would wait the same way, and none of this
+                # wait's refs would show it.
                 released = True
                 for m in self.group.members:
                     if m.rank not in dead:
@@ -1366,6 +1371,19 @@ class Controller:
         else:
             kind = "actor_died"
         raise Failure(dead, kind, detect_s=(first_problem or time.time()) - dispatched)
+
+    def _group_timeout_s(self) -> float:
+        """The process group's (and its store's) timeout: ``collective_timeout_s``, or with
+        first-N the larger of it and ``step_timeout_s``. Why: a resting first-N replica posts its
+        wait for the update as soon as it applied the last one, so it waits out the fast N's
+        whole step, where a DDP rank's collective only waits out its peers' lag. Bounded by
+        collective_timeout_s alone, a step longer than that broke the group at every rest, one
+        recovery after another. A dead peer still fails the wait at once (its sockets close), and
+        a hang is the step timeout's."""
+        timeout_s = self.failure_config.collective_timeout_s
+        if self._first_n:
+            timeout_s = max(timeout_s, self.failure_config.step_timeout_s)
+        return timeout_s
 
     def _on_nccl(self) -> bool:
         return any(m.info.get("backend") == "nccl" for m in self.group.members)

@@ -112,6 +112,16 @@ class FakeWorker:
     def param_checksum(self):
         return 7
 
+    @ray.method(concurrency_group="control")
+    def abandon_first_n(self, generation):
+        """As TrainWorker.abandon_first_n; recorded for the tests (``abandoned``)."""
+        self.abandoned_generations = getattr(self, "abandoned_generations", []) + [generation]
+        return True
+
+    @ray.method(concurrency_group="control")
+    def abandoned(self):
+        return getattr(self, "abandoned_generations", [])
+
     def shutdown(self):
         return None
 

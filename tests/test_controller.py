@@ -1692,3 +1692,51 @@ def test_a_restart_that_builds_another_dataset_is_refused(ray_cluster):  # the C
     c.group = SimpleNamespace(dataset_size=48)
     with pytest.raises(elastic.ConfigError, match="dataset of 48 samples, where the run's has 64"):
         c._check_dataset_unchanged()
+
+
+def test_a_first_n_group_waits_a_whole_step_before_its_collectives_time_out(ray_cluster):  # the Controller asks Ray for its runtime context
+    # A resting first-N replica waits for the update through the fast N's whole step; with the
+    # collective timeout alone, a step longer than it broke the group at every rest.
+    failure = elastic.FailureConfig(collective_timeout_s=20, step_timeout_s=90)
+    assert controller("timeout-ddp", failure=failure)._group_timeout_s() == 20
+    assert controller("timeout-fn", backups=1, aggregation="first_n", failure=failure)._group_timeout_s() == 90
+    longer = elastic.FailureConfig(collective_timeout_s=200, step_timeout_s=90)
+    assert controller("timeout-fn2", backups=1, aggregation="first_n", failure=longer)._group_timeout_s() == 200
+
+
+def test_a_first_n_rank_that_fails_alive_releases_the_survivors_waiting_on_the_agreement(ray_cluster):
+    # Only a death released them: a live rank whose collective broke (or whose step raised the
+    # user's error) left the group, the survivors waited on an agreement it would never join,
+    # for collective_timeout_s, and one of them was then killed as hung.
+    from elastic.actors.protocol import CollectiveError
+
+    @ray.remote(num_cpus=0)
+    def broken():
+        raise CollectiveError("rank 1: connection reset by peer (test)")
+
+    @ray.remote(num_cpus=0)
+    def waiting():
+        time.sleep(30)
+
+    import threading
+
+    with trained("fake-fn-release", workers=3, steps=1, failure=elastic.FailureConfig(collective_timeout_s=8.0)) as c:
+        c.scaling = dataclasses.replace(c.scaling, aggregation="first_n", num_backups=1)
+        refs = [waiting.remote(), broken.remote(), waiting.remote()]
+        raised = []
+
+        def gather():
+            try:
+                c._gather(refs, [0, 1, 2], need=2, lagging={})
+            except Failure as exc:
+                raised.append(exc)
+
+        thread = threading.Thread(target=gather)
+        thread.start()
+        survivors = [c.group.members[0].actor, c.group.members[2].actor]
+        deadline = time.time() + 6  # well inside collective_timeout_s, after which a culprit is killed
+        while time.time() < deadline and ray.get([a.abandoned.remote() for a in survivors]) != [[c.generation]] * 2:
+            time.sleep(0.1)
+        assert ray.get([a.abandoned.remote() for a in survivors]) == [[c.generation]] * 2
+        thread.join(timeout=60)
+        assert raised
