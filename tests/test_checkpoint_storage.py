@@ -502,3 +502,42 @@ def test_a_copy_back_that_fails_never_replaces_what_the_run_returns(ray_cluster,
         assert fs.cat_file(f"{root}/step-1/kept") == b"1"  # the driver keeps what it had
     finally:
         clear_memory(root)
+
+
+def test_a_local_file_is_replaced_whole_never_seen_half_written(tmp_path, monkeypatch):
+    # Written in place, a reader opening the manifest between its truncation and its last byte
+    # took a committed step for corrupt. Now a reader sees the old bytes or the new, never part.
+    import os
+
+    from elastic.checkpoint import storage as storage_module
+
+    store = storage_module.Storage(f"file://{tmp_path}", {})
+    store.write_bytes("step/manifest.json", b"old")
+    seen = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        seen.append(open(dst, "rb").read())  # what a reader sees while the new bytes are written
+        assert open(src, "rb").read() == b"new whole"
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(storage_module.os, "replace", replace)
+    store.write_bytes("step/manifest.json", [b"new ", b"whole"])
+    assert seen == [b"old"] and store.read_bytes("step/manifest.json") == b"new whole"
+    assert sorted(os.listdir(tmp_path / "step")) == ["manifest.json"]  # no temporary file left
+
+
+def test_a_local_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import os
+
+    from elastic.checkpoint import storage as storage_module
+
+    store = storage_module.Storage(f"file://{tmp_path}", {})
+
+    def no_room(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage_module.os, "fsync", no_room)
+    with pytest.raises(Exception):
+        store.write_bytes("step/shard", b"data")
+    assert os.listdir(tmp_path / "step") == []

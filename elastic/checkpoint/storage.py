@@ -6,12 +6,14 @@ Retries transient errors with bounded exponential backoff, checks the storage be
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import os
 import random
 import re
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -45,6 +47,38 @@ _SECRET_KEY_HINTS = ("secret", "token", "password", "passwd", "credential", "key
 _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError,
               ValueError, TypeError, KeyError, NotImplementedError, ConfigError)
 
+
+
+def _write_local(path: str, parts: list) -> None:
+    """A local file written whole or not at all, and durable before this returns.
+
+    Written to a temporary name beside it, fsynced, renamed over ``path``, and the directory
+    fsynced. Why: written in place, a reader (a resume, ``elastic checkpoints`` on a live run)
+    could open the manifest between its truncation and its last byte and take a committed step
+    for corrupt; and without the directory's fsync the entry of a file that reached the disk
+    need not have (POSIX), so a crash could lose the newest manifest after retention had
+    deleted the older steps. The fsync of each file keeps the order the commit relies on: the
+    manifest reaches the disk after the shards it vouches for. A temporary file left by a crash
+    goes with its step's directory (retention, or the sweep of uncommitted ones)."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 class StorageError(RuntimeError):
     """A storage operation failed. The message is already redacted."""
@@ -315,14 +349,7 @@ class Storage:
 
         def write() -> None:
             if self.protocol in _LOCAL:
-                # Local files get an fsync: the manifest is written last and must not reach disk
-                # before the shards it vouches for.
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    for part in parts:
-                        f.write(part)
-                    f.flush()
-                    os.fsync(f.fileno())
+                _write_local(path, parts)
                 return
             if not self.is_object_store:
                 fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
