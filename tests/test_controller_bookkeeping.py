@@ -42,6 +42,7 @@ class StandInGroup:
         self.newly_ready = list(self.spares)
         self.building: list[Member] = []
         self.building_spares: list[Member] = []
+        self.dataset_size = None  # as a WorkerGroup before its ranks are built (or that none reported)
         self.interrupted = None
 
     @property
