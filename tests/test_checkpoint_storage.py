@@ -541,3 +541,32 @@ def test_a_local_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch
     with pytest.raises(Exception):
         store.write_bytes("step/shard", b"data")
     assert os.listdir(tmp_path / "step") == []
+
+
+@pytest.mark.parametrize("code", ["EINVAL", "ENAMETOOLONG", "ENOSPC", "EROFS", "EDQUOT"])
+def test_an_oserror_retrying_cannot_fix_is_refused_at_once_not_retried_as_an_outage(tmp_path, code):
+    # s3fs's InvalidArgument (EINVAL), a key too long, a full or read-only disk: retried as
+    # transient, each cost ~1 s of sleeps and was reported as an outage.
+    import errno
+
+    store = Storage(f"file://{tmp_path}", {}, retry=RetryPolicy(attempts=4, base_s=5.0, max_s=5.0))
+    calls = []
+
+    def refuse():
+        calls.append(1)
+        raise OSError(getattr(errno, code), "refused (test)")
+
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as err:
+        store._call("write", "step/x", refuse)
+    assert not isinstance(err.value, StorageUnavailable) and calls == [1] and time.monotonic() - t0 < 1
+    transient = []
+
+    def reset():
+        transient.append(1)
+        raise OSError(errno.ECONNRESET, "connection reset (test)")
+
+    quick = Storage(f"file://{tmp_path}", {}, retry=RetryPolicy(attempts=3, base_s=0.01, max_s=0.01))
+    with pytest.raises(StorageUnavailable):
+        quick._call("read", "step/x", reset)
+    assert transient == [1, 1, 1]

@@ -7,6 +7,7 @@ Retries transient errors with bounded exponential backoff, checks the storage be
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import inspect
 import logging
@@ -46,7 +47,12 @@ _SECRET_KEY_HINTS = ("secret", "token", "password", "passwd", "credential", "key
 # timeouts) is treated as transient.
 _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError,
               ValueError, TypeError, KeyError, NotImplementedError, ConfigError)
-
+# Plain OSErrors that retrying cannot fix either: s3fs turns S3's InvalidArgument, InvalidRequest,
+# InvalidBucketName and KeyTooLongError into EINVAL or ENAMETOOLONG, and a local disk that is full,
+# over quota or read-only says so by errno. Retried as transient, each cost a step ~1 s of sleeps in
+# blocking mode and was reported as an outage ("storage_outage") rather than a refusal.
+_PERMANENT_ERRNOS = frozenset({errno.EINVAL, errno.ENAMETOOLONG, errno.EMSGSIZE, errno.EROFS, errno.ENOSPC,
+                               errno.EDQUOT})
 
 
 def _write_local(path: str, parts: list) -> None:
@@ -321,11 +327,11 @@ class Storage:
                 raise
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"{op}: not found: {self.describe(rel)} ({self.redact(str(exc))})") from None
-            except _PERMANENT as exc:
-                raise StorageError(
-                    f"{op} {self.describe(rel)} failed: {type(exc).__name__}: {self.redact(str(exc))}"
-                ) from None
             except Exception as exc:  # noqa: BLE001 - transient by elimination; retried, then wrapped
+                if isinstance(exc, _PERMANENT) or (isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS):
+                    raise StorageError(
+                        f"{op} {self.describe(rel)} failed: {type(exc).__name__}: {self.redact(str(exc))}"
+                    ) from None
                 last = exc
                 if attempt + 1 < attempts:
                     delay = policy.delay_s(attempt)
