@@ -302,3 +302,20 @@ def test_a_buffer_with_no_bucket_plan_is_reduced_whole_after_the_backward():
     grads = FlatGrads(torch.nn.Linear(3, 2))
     flat = grads.bind(torch.device("cpu"))
     assert grads.buckets == [(0, flat.numel())] and grads._early_ok == [False]
+
+
+def test_a_model_whose_trainable_parameters_changed_or_that_has_sparse_gradients_is_refused_by_name():
+    # Unfrozen after the group formed, a parameter had no slot: fast replicas stepped it on their
+    # own gradients, resting ones on stale ones, and they diverged until the checksum ended the run.
+    import pytest
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    grads = FlatGrads(model)
+    grads.check_model(model)
+    model[0].weight.requires_grad_(True)  # gradual unfreezing, mid-run
+    with pytest.raises(RuntimeError, match=r"changed after the group formed: 0.weight \(unfrozen\)"):
+        grads.check_model(model)
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match=r"sparse gradients \(0 has sparse=True\)"):
+        FlatGrads(sparse).check_model(sparse)

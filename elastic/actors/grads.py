@@ -81,6 +81,7 @@ class FlatGrads:
         self._cast = [i for i, p in enumerate(self.params) if p.dtype != self.dtype]  # no view: copied in and out
         self._viewed = [i for i, p in enumerate(self.params) if p.dtype == self.dtype]
         self._reached = [False] * len(self.params)
+        self._sparse_checked = False  # check_model
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._mark(i))
         self.flat = None
@@ -100,6 +101,32 @@ class FlatGrads:
         self._n = 1  # members of the group reduced over: each divides by it first (reduce)
         self._waiting: list[int] = []  # per bucket: its parameters whose gradients are not in yet
         self._next = 0  # the next bucket to go out
+
+    def check_model(self, model) -> None:
+        """Raise, before a first-N step, when the model is not one this buffer can average alike
+        on every replica (a user error, named). Why: first-N averages the parameters that were
+        trainable when this buffer was built. One unfrozen later (gradual unfreezing) has no slot:
+        the fast replicas stepped it on their own gradients, the resting ones on stale ones, and
+        the replicas diverged until the checksum stopped the run. And a sparse embedding's
+        gradient is made dense here, which a sparse optimizer refuses, and would send the whole
+        table every step."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if len(trainable) != len(self.params) or any(a is not b for a, b in zip(trainable, self.params)):
+            then = {id(p) for p in self.params}
+            changed = [f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
+                       for name, p in model.named_parameters() if p.requires_grad != (id(p) in then)]
+            raise RuntimeError(
+                "first-N aggregation: the model's trainable parameters changed after the group formed: "
+                f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}. Set requires_grad in model_fn, "
+                "before training: first-N averages the parameters trainable when the group formed, and one "
+                "frozen or unfrozen later would be stepped differently on different replicas.")
+        if not self._sparse_checked:
+            self._sparse_checked = True
+            sparse = [name for name, m in model.named_modules()
+                      if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+            if sparse:
+                raise RuntimeError(f"first-N aggregation does not support sparse gradients ({', '.join(sparse)} "
+                                   "has sparse=True): use dense embeddings with first-N, or data parallel.")
 
     def _mark(self, i: int):
         def hook(param) -> None:

@@ -734,6 +734,7 @@ class TrainWorker:
         flat = self._fn_grads.flat  # every gradient (views into it, bar other dtypes) and the loss
         local = 0.0
         computed = False
+        self._fn_grads.check_model(self.model)
         self._check_abandoned(step)
         if self.rank not in eligible:
             pass  # resting (elastic/actors/sitout.py): no gradient, the update all the same
