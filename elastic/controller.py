@@ -536,7 +536,8 @@ class Controller:
         refs = [(m, m.actor.configure_checkpoint.remote(self.store.url, self.store.storage_options,
                                                         self.run_config.name, ckpt.every_n_steps, ckpt.blocking,
                                                         self._self_handle, ckpt.min_shard_bytes,
-                                                        addresses.get(m.info.get("node_id")), self._agents is not None))
+                                                        addresses.get(m.info.get("node_id")), self._agents is not None,
+                                                        ckpt.keep_every))
                 for m in todo]
         spares = {m.name for m in self.group.spares}
         failed: list[str] = []

@@ -1179,3 +1179,49 @@ def test_a_hot_spares_link_does_not_hold_back_the_parts_of_the_nodes_ranks():
     assert pool._expected(2) == without_spare == {0}
     pool.add(0, 2, 5, {"entries": []})
     assert reported == [(5, [0])]
+
+
+def test_the_agent_never_replaces_a_snapshot_keep_every_keeps(node, monkeypatch):
+    # The agent's writer keeps only the newest snapshot waiting: a keep_every step replaced there
+    # was never written, and that milestone never committed.
+    from elastic.checkpoint.agent import _RankLink
+
+    agent, controller, committer, store, _ = node
+    committer.keep_every = 2
+    real = _RankLink._write_shard
+
+    def slow_first(self, p):
+        if p.step == 1:
+            time.sleep(0.5)  # steps 2 and 3 arrive while step 1 is written
+        return real(self, p)
+
+    monkeypatch.setattr(_RankLink, "_write_shard", slow_first)
+    worker = FakeWorker()
+    hook = AgentCheckpointer(agent.address(), 1, lambda: pytest.fail("fell back"), 0, keep_every=2)
+    try:
+        run_training([worker], [hook], committer, [1, 2, 3])
+        finish([worker], [hook], committer)
+        assert committer.latest_committed == 3
+        assert 2 in store.committed_steps()  # kept by keep_every, and written at all
+    finally:
+        hook.close()
+
+
+def test_with_no_free_slot_a_step_keep_every_keeps_waits_for_one_and_others_drop_at_once(monkeypatch):
+    # Dropped, a keep_every step was never written and the milestone never existed: it waits
+    # (bounded) for the agent to hand a slot back; every other step still drops at once.
+    monkeypatch.setattr(AgentCheckpointer, "MILESTONE_WAIT_S", 0.5)
+    worker = FakeWorker(rank=0, world_size=1)
+    with slot_keeping_agent() as (address, received):
+        hook = AgentCheckpointer(address, 1, lambda: pytest.fail("fell back"), keep_every=5)
+        try:
+            waits = {}
+            for step in range(1, 7):
+                worker.train(step)
+                t0 = time.monotonic()
+                hook.after_step(worker, step)
+                waits[step] = time.monotonic() - t0
+            assert waits[5] >= 0.5 and waits[4] < 0.4 and waits[6] < 0.4  # no slot ever comes back here
+            assert hook.dropped == 3 and received.count("snap") == AgentCheckpointer.SLOTS
+        finally:
+            hook.close()

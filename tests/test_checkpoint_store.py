@@ -2027,3 +2027,28 @@ def test_a_commit_a_rewind_left_behind_does_not_end_an_outage(tmp_path, monkeypa
     assert committer.in_outage
     assert not [e for e in committer.drain_events() if e["event"] == "storage_recovered"]
     committer.close()
+
+
+def test_a_ranks_writer_never_replaces_a_snapshot_keep_every_keeps(tmp_path, monkeypatch):
+    # Only the newest snapshot waits for a busy writer: a keep_every step replaced there was never
+    # written, so never whole, never committed, and the milestone never existed.
+    url = f"file://{tmp_path}"
+    worker = FakeWorker(rank=0, world_size=1)
+    hook = WorkerCheckpointer(url, {}, RUN, every_n_steps=1, retry=FAST, keep_every=2)
+    store = CheckpointStore(url, RUN, retry=FAST)
+    committer = CheckpointCommitter(store, CheckpointConfig(keep_last=1, keep_every=2))
+    real = hook.store.write_snapshot
+
+    def slow_first(snapshot):
+        if snapshot.step == 1:
+            time.sleep(0.5)  # steps 2 and 3 are snapshotted while step 1 is written
+        return real(snapshot)
+
+    monkeypatch.setattr(hook.store, "write_snapshot", slow_first)
+    try:
+        run_training([worker], [hook], committer, [1, 2, 3])
+        finish([worker], [hook], committer)
+        assert store.committed_steps() == [2, 3]
+    finally:
+        hook.close()
+        committer.close()

@@ -967,14 +967,16 @@ class TrainWorker:
     # ---- checkpoints (elastic.checkpoint does the storage work) ------------------------------
     def configure_checkpoint(self, url: str, storage_options: dict, run_name: str, every_n_steps: int,
                              blocking: bool, controller: Any = None, min_shard_bytes: int = 0,
-                             agent_address: str | None = None, agents_in_run: bool = False) -> None:
+                             agent_address: str | None = None, agents_in_run: bool = False,
+                             keep_every: int = 0) -> None:
         """``controller``: the controller actor, told of each written part the moment it is written.
         ``min_shard_bytes``: see ``CheckpointConfig``. ``agent_address``: the socket of this
         node's checkpoint agent, which then writes this rank's snapshots (``AgentCheckpointer``).
         ``agents_in_run``: the run has node agents (some other node's, if not this one's; it has
         when this one's is given), so a rank that writes in its own process reports its own
         parts: ranks on agents never add theirs to the group's pool (``WorkerCheckpointer``'s
-        ``pool_parts``)."""
+        ``pool_parts``). ``keep_every``: ``CheckpointConfig.keep_every``, whose steps' snapshots
+        are never replaced on their way to storage (``store.is_milestone``)."""
         from elastic.checkpoint import WorkerCheckpointer
         from elastic.checkpoint.worker_hook import AgentCheckpointer
 
@@ -991,14 +993,15 @@ class TrainWorker:
         def in_process() -> WorkerCheckpointer:
             return WorkerCheckpointer(url, storage_options, run_name, every_n_steps, blocking, notify=notify,
                                       progress=lambda: self.completed_step, min_shard_bytes=min_shard_bytes,
-                                      pool_parts=pool_parts)
+                                      pool_parts=pool_parts, keep_every=keep_every)
 
         # every_n_steps=0: no step is due (``is_due``), and the writer is here for the run's last
         # step, which the controller has snapshotted at the end (flush_checkpoint); without it
         # that step was never written, though a stop or a finish promises it.
         if agent_address is not None and not blocking and every_n_steps > 0:
             try:
-                self._ckpt = AgentCheckpointer(agent_address, every_n_steps, in_process, min_shard_bytes)
+                self._ckpt = AgentCheckpointer(agent_address, every_n_steps, in_process, min_shard_bytes,
+                                               keep_every=keep_every)
                 return
             except OSError as exc:
                 logger.warning("rank %s: cannot reach the node's checkpoint agent (%s); writing checkpoints "

@@ -216,7 +216,7 @@ class _Payload:
     """One snapshot handed to the agent: a slot of a ring (a shard to write) or an RNG alone."""
 
     __slots__ = ("step", "rank", "world_size", "taken_at", "generation", "ring", "slot", "layout", "meta_len", "rng",
-                 "rng_raw", "rng_lens", "part")
+                 "rng_raw", "rng_lens", "part", "keep")
 
     def __init__(self, m: dict):
         self.step, self.rank, self.world_size = int(m["step"]), int(m["rank"]), int(m["world_size"])
@@ -227,6 +227,7 @@ class _Payload:
         self.rng = m.get("rng")  # encoded: a rank with no shard
         self.rng_raw, self.rng_lens = m.get("rng_raw"), m.get("rng_lens")  # RawRng's fields and blob sizes in the slot
         self.part: dict | None = None  # what it was written as, once written (a slot's: reported at its release)
+        self.keep = bool(m.get("keep"))  # a step retention keeps (store.is_milestone): never replaced
 
 
 def _before_fence(p: _Payload, generation: float) -> bool:
@@ -426,7 +427,7 @@ class _RankLink:
                 # the pacing and the parts' progress follow it there (with the old maximum the
                 # writer stayed hurried, and the commit lag inflated, until training passed it).
                 self.newest_step = p.step
-                self.persister.submit(p.step, p, light=p.ring is None)
+                self.persister.submit(p.step, p, light=p.ring is None or p.keep)
                 self._pace()
             elif op == "flush":
                 threading.Thread(target=self._flush, args=(m.get("id"), float(m.get("timeout_s", 30.0))),

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.storage import StorageError
-from elastic.checkpoint.store import CheckpointStore, CleanupReport, CorruptCheckpoint, FileEntry
+from elastic.checkpoint.store import CheckpointStore, CleanupReport, CorruptCheckpoint, FileEntry, is_milestone
 from elastic.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -264,9 +264,8 @@ class CheckpointCommitter:
         # A step retention is to keep (keep_every) is never replaced by a newer one while its
         # manifest waits: replaced, it stayed on storage without one, the sweep deleted it as
         # uncommitted, and the milestone never existed. Blocking mode replaces nothing.
-        milestone = bool(self.keep_every) and step % self.keep_every == 0
         self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at"), record.get("rng"),
-                                      len(self._rewinds)), light=self.blocking or milestone)
+                                      len(self._rewinds)), light=self.blocking or is_milestone(self.keep_every, step))
 
     # ---- the commit thread ------------------------------------------------------------------
     def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None, dict | None, int]

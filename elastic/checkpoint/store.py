@@ -158,6 +158,14 @@ def step_dir(step: int) -> str:
     return f"step-{step:09d}"
 
 
+def is_milestone(keep_every: int, step: int) -> bool:
+    """Whether retention keeps ``step`` for good (``CheckpointConfig.keep_every``). Its snapshot is
+    never replaced by a newer one on its way to storage, in a rank's writer, in its node agent's or
+    in the committer: replaced, the step was never whole, never committed, and the milestone the
+    user asked for never existed. Only the newest snapshot waits otherwise."""
+    return keep_every > 0 and step % keep_every == 0
+
+
 def shard_name(step: int, rank: int, world_size: int) -> str:
     return f"{step_dir(step)}/shard-r{rank}-of-{world_size}.safetensors"
 

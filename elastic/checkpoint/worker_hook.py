@@ -25,7 +25,7 @@ from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.shm import SlotRing, memfd_with
 from elastic.checkpoint.staging import StagingBuffers
 from elastic.checkpoint.storage import RetryPolicy
-from elastic.checkpoint.store import CheckpointStore, Snapshot, rank_meta
+from elastic.checkpoint.store import CheckpointStore, Snapshot, is_milestone, rank_meta
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ class WorkerCheckpointer:
                  blocking: bool = False, *, retry: RetryPolicy | None = None,
                  retry_min_s: float | None = None, retry_max_s: float | None = None,
                  close_timeout_s: float = 30.0, notify: Callable[..., Any] | None = None,
-                 progress: Callable[[], int] | None = None, min_shard_bytes: int = 0, pool_parts: bool = True):
+                 progress: Callable[[], int] | None = None, min_shard_bytes: int = 0, pool_parts: bool = True,
+                 keep_every: int = 0):
         """``notify(step, world_size, parts)``: called from the writer thread once a step's parts are
         written, ``parts`` being ``{rank: {"entries", "taken_at", "progress"[, "generation", "rng"]}}``
         (the worker sends it to the controller actor), so a commit never waits for the step
@@ -119,8 +120,12 @@ class WorkerCheckpointer:
         writing in its own process beside ranks whose node agents write theirs (its agent died,
         or never started): those ranks report through their agents and never add to the group's
         pool, so a pooled part of this rank would wait there for them forever, and no step would
-        commit again."""
+        commit again.
+
+        ``keep_every``: ``CheckpointConfig.keep_every``; such a step's snapshot is never replaced
+        by a newer one while it waits for the writer (``is_milestone``)."""
         self.every_n_steps = checked_every_n_steps(every_n_steps)
+        self.keep_every = keep_every
         self.store = CheckpointStore(url, run_name, storage_options, retry=retry)
         self.min_shard_bytes = min_shard_bytes
         self.pool_parts = pool_parts
@@ -160,7 +165,7 @@ class WorkerCheckpointer:
         self.last_snapshot_s = time.perf_counter() - t0
         pool = getattr(worker, "part_pool", None) if self.pool_parts else None
         self.persister.submit(step, (snapshot, pool, group_generation(worker)),
-                              light=not snapshot.writes_file)
+                              light=not snapshot.writes_file or is_milestone(self.keep_every, step))
         return []
 
     def _write(self, payload: tuple) -> dict:
@@ -281,10 +286,13 @@ class AgentCheckpointer:
 
     SLOTS = 3  # one being written, one waiting, one being filled: as many as the in-process writer holds
     DROP_EVENT_EVERY_S = 60.0
+    # A step retention keeps waits this long for a free slot before it is dropped (_slot_back).
+    MILESTONE_WAIT_S = 5.0
 
     def __init__(self, address: str, every_n_steps: int, fallback: Callable[[], WorkerCheckpointer],
-                 min_shard_bytes: int = 0, close_timeout_s: float = 30.0):
+                 min_shard_bytes: int = 0, close_timeout_s: float = 30.0, keep_every: int = 0):
         self.every_n_steps = checked_every_n_steps(every_n_steps)
+        self.keep_every = keep_every  # a step it keeps goes to the agent marked "keep" (is_milestone)
         self.min_shard_bytes = min_shard_bytes
         self.close_timeout_s = close_timeout_s
         self._make_fallback = fallback
@@ -330,13 +338,17 @@ class AgentCheckpointer:
                                      rng, self.min_shard_bytes)  # live tensors: copied into the slot
             message: dict[str, Any] = {"op": "snap", "step": step, "rank": snap.rank, "world_size": snap.world_size,
                                        "taken_at": snap.taken_at, "generation": group_generation(worker)}
+            if is_milestone(self.keep_every, step):
+                message["keep"] = True
             if snap.writes_file:
                 layout = self._layout_of(snap.tensors)
                 if layout is None:
                     return self._fall_back(worker, step, "a tensor's dtype has no safetensors name here")
                 meta = self._meta(snap)
                 if not self._fill(message, layout, meta, snap.tensors, rng):
-                    return self._drop(step)
+                    if not (message.get("keep") and self._slot_back(self.MILESTONE_WAIT_S)
+                            and self._fill(message, layout, meta, snap.tensors, rng)):
+                        return self._drop(step)
             else:
                 message["rng"] = rng.encode()
             try:
@@ -621,6 +633,20 @@ class AgentCheckpointer:
                                             snapshot=not written and step in (self._handed, self._dropped))
             return self.fallback.flush(timeout_s)
         return bool(self._flushed.get("ok"))
+
+    def _slot_back(self, wait_s: float) -> bool:
+        """Whether a slot is free, waiting up to ``wait_s`` for the agent to hand one back. Only
+        for a step retention keeps (``store.is_milestone``): dropped, it was never written and the
+        milestone never existed, so the rank waits for the agent there, once every ``keep_every``
+        steps and only when the agent is a whole ring behind; every other step is dropped at once
+        (a newer snapshot replaces it anyway)."""
+        deadline = time.monotonic() + wait_s
+        try:
+            while self._ring_id is not None and not self._rings[self._ring_id][1]:
+                self._poll(deadline)
+        except TimeoutError:  # not the link's failure (an OSError the caller would fall back on)
+            return False
+        return True
 
     def _take_again(self, worker: Any, deadline: float) -> None:
         """Snapshot the dropped step once a slot is free (waiting until ``deadline`` at most),
