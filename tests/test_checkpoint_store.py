@@ -2052,3 +2052,19 @@ def test_a_ranks_writer_never_replaces_a_snapshot_keep_every_keeps(tmp_path, mon
     finally:
         hook.close()
         committer.close()
+
+
+def test_a_step_above_the_base_that_training_went_back_to_is_counted_by_retention(tmp_path):
+    # A restore that took a step of a timeline the run had left (above its base) rewound to it:
+    # it was dropped from the steps above the base and never counted, so retention never
+    # deleted it, for the rest of the run.
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    for step in range(1, 6):
+        commit_tiny(store, step)
+    committer = CheckpointCommitter(store, keep_last=1, latest_committed=3, gc_interval_s=3600)
+    hand_over_and_wait(committer, store, 4)
+    assert committer.flush(5) and store.committed_steps() == [4, 5]  # 5: above the base, left for now
+    committer.rewind(5)  # training went back to step 5 (a restore took it)
+    hand_over_and_wait(committer, store, 6)
+    assert committer.flush(5) and store.committed_steps() == [6]
+    committer.close()

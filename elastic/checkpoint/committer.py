@@ -213,12 +213,18 @@ class CheckpointCommitter:
             left, self._left_on_storage = self._left_on_storage, []
         for step, abandoned in pending:
             self._base = step
+            # A step above the base that training went back to (a restore took it: its manifest
+            # checked out) is this timeline's from now on: counted, retention deletes it in its
+            # turn. Left out of both lists, it stayed on storage for the rest of the run.
+            taken = step is not None and step in self._above_base
             later = lambda s: step is None or s > step  # noqa: E731
             self._above_base = sorted({s for s in (self._committed or []) + self._above_base + abandoned
                                        if later(s)})
             if self._committed is not None:
                 self._committed = [s for s in self._committed if not later(s)]
                 self._files = {s: f for s, f in self._files.items() if not later(s)}
+                if taken and step not in self._committed:
+                    self._committed = sorted(self._committed + [step])
             self.store.forget_deletes_above(step)
         # After the rewinds: these landed above the step the newest one went back to.
         self._above_base = sorted(set(self._above_base) | set(left))
