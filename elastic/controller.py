@@ -1056,8 +1056,17 @@ class Controller:
         # How late it is now, for the decision after this window: a replica that sat the window
         # out (no timing: observe() never ran) kept the late stretch _check_late_hung measured
         # before the gather, and that stale stretch counted again as fresh evidence.
-        left = [since for r, since, _ in self._lagging.values() if r == rank]
-        self.straggler_policy.observe_pending(rank, time.time() - min(left) if left else 0.0)
+        self._note_lateness([rank])
+
+    def _note_lateness(self, ranks) -> None:
+        """How long each of ``ranks`` has been late, to the straggler policy: since its oldest
+        window still out (0: none is)."""
+        now = time.time()
+        oldest: dict[int, float] = {}
+        for r, since, _ in self._lagging.values():
+            oldest[r] = min(oldest.get(r, since), since)
+        for r in ranks:
+            self.straggler_policy.observe_pending(r, now - oldest[r] if r in oldest else 0.0)
 
     def _set_meta_after_results(self, step: int) -> None:
         """First-N with requeueing: a step's checkpoint meta is set once its results (or, for a
@@ -1080,12 +1089,8 @@ class Controller:
         then shows up on its refs)."""
         if not self._first_n:
             return
+        self._note_lateness([m.rank for m in self.group.members])
         now = time.time()
-        oldest: dict[int, float] = {}
-        for ref, (r, since, _) in self._lagging.items():
-            oldest[r] = min(oldest.get(r, since), since)
-        for m in self.group.members:
-            self.straggler_policy.observe_pending(m.rank, now - oldest[m.rank] if m.rank in oldest else 0.0)
         timeout = self.failure_config.step_timeout_s
         for r, (start, k) in self._late_clocks().items():
             if now - start > timeout * k and self.group.members[r].name not in self._hung:

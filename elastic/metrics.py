@@ -59,11 +59,15 @@ class RunMetrics:
     def __setstate__(self, state):
         self.__init__(state["run"])
 
+    @staticmethod
+    def _series(name: str, tags: dict) -> tuple[str, tuple]:
+        return name, tuple(sorted(tags.items()))
+
     def _set(self, m, name: str, value: float, tags: dict) -> None:
         """Set a gauge and keep its value for the refresher."""
         m[name].set(value, tags=tags)
         with self._lock:
-            self._last[(name, tuple(sorted(tags.items())))] = value
+            self._last[self._series(name, tags)] = value
             if self._refresher is None and not self._closed.is_set():
                 self._refresher = threading.Thread(target=self._refresh, name="elastic-metrics-refresh", daemon=True)
                 self._refresher.start()
@@ -71,7 +75,7 @@ class RunMetrics:
     def _drop(self, name: str, tags: dict) -> None:
         """Stop refreshing a gauge series: it ages out of the endpoint."""
         with self._lock:
-            self._last.pop((name, tuple(sorted(tags.items()))), None)
+            self._last.pop(self._series(name, tags), None)
 
     def _refresh(self) -> None:
         every = refresh_interval_s()

@@ -501,20 +501,33 @@ def test_a_rank_writing_itself_beside_ranks_on_agents_reports_its_own_parts_and_
         del server
 
 
+def recording_fallback(url: str, options: dict):
+    """A ``fallback`` for ``link``: (the in-process writers it made, the factory)."""
+    made = []
+
+    def in_process():
+        made.append(WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
+        return made[-1]
+
+    return made, in_process
+
+
+def raising(exc: BaseException):
+    """A stand-in for any call that raises ``exc``."""
+    def call(*args, **kwargs):
+        raise exc
+
+    return call
+
+
 @pytest.mark.parametrize("refused", ["ring", "layout"])
 def test_shared_memory_this_process_cannot_make_is_not_reported_as_a_lost_agent(node, monkeypatch, refused):
     """A memfd refused here (the open-files limit) is the rank's own limit, not the agent's
     loss: the event names it, and the rank writes in its own process, which needs no memfd."""
     agent, controller, committer, store, (url, options) = node
     worker = FakeWorker(rank=0, world_size=1)
-    fallbacks = []
-
-    def in_process():
-        fallbacks.append(WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
-        return fallbacks[-1]
-
-    def emfile(*args, **kwargs):
-        raise OSError(errno.EMFILE, "Too many open files")
+    fallbacks, in_process = recording_fallback(url, options)
+    emfile = raising(OSError(errno.EMFILE, "Too many open files"))
 
     from elastic.checkpoint import worker_hook
     if refused == "ring":
@@ -1130,14 +1143,8 @@ def test_shared_memory_the_agent_cannot_map_sends_the_rank_to_its_own_process(no
 
     agent, controller, committer, store, (url, options) = node
     worker = FakeWorker(rank=0, world_size=1)
-    fallbacks = []
-
-    def in_process():
-        fallbacks.append(WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
-        return fallbacks[-1]
-
-    def enomem(*args, **kwargs):
-        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    fallbacks, in_process = recording_fallback(url, options)
+    enomem = raising(OSError(errno.ENOMEM, "Cannot allocate memory"))
 
     monkeypatch.setattr(agent_module, "SlotRing" if refused == "ring" else "read_memfd", enomem)
     hook = link(agent, fallback=in_process)

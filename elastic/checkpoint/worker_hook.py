@@ -640,20 +640,23 @@ class AgentCheckpointer:
         milestone never existed, so the rank waits for the agent there, once every ``keep_every``
         steps and only when the agent is a whole ring behind; every other step is dropped at once
         (a newer snapshot replaces it anyway)."""
-        deadline = time.monotonic() + wait_s
         try:
-            while self._ring_id is not None and not self._rings[self._ring_id][1]:
-                self._poll(deadline)
+            self._wait_for_slot(time.monotonic() + wait_s)
         except TimeoutError:  # not the link's failure (an OSError the caller would fall back on)
             return False
         return True
+
+    def _wait_for_slot(self, deadline: float) -> None:
+        """Until the current ring has a free slot (or there is no ring yet: the next snapshot
+        makes one); ``TimeoutError`` at ``deadline``. The agent's writes in flight hand theirs back."""
+        while self._ring_id is not None and not self._rings[self._ring_id][1]:
+            self._poll(deadline)
 
     def _take_again(self, worker: Any, deadline: float) -> None:
         """Snapshot the dropped step once a slot is free (waiting until ``deadline`` at most),
         once: if it is dropped again (the agent's queue full) or fails, the flush goes on
         without it, as no slot may come back to wait for."""
-        while self._ring_id is not None and not self._rings[self._ring_id][1]:
-            self._poll(deadline)  # the agent's writes in flight hand their slots back
+        self._wait_for_slot(deadline)
         self._events += self.snapshot(worker, self._dropped)
 
     def _close_link(self) -> None:
