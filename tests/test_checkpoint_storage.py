@@ -412,6 +412,25 @@ def test_s3_bulk_delete_raises_for_a_key_s3_did_not_delete(moto_s3, monkeypatch)
     assert sizes == [1000, 501] and storage.list_dir("") == []
 
 
+def test_s3_delete_tree_raises_for_a_key_s3_did_not_delete(moto_s3, monkeypatch):
+    """The recursive delete (GC of an uncommitted step, a step whose files the caller does not
+    know) checks DeleteObjects' answer key by key too: s3fs's own ``rm`` would drop the error."""
+    url, options = backend_url("s3", "", moto_s3)
+    storage = Storage(url, options, retry=FAST)
+    for name in ("a", "b", "sub/c"):
+        storage.write_bytes(f"t/{name}", b"1")
+    fs, _ = storage._filesystem()
+    sizes = refuse_in_bulk_deletes(fs, monkeypatch, {"prefix/t/sub/c"})
+    with pytest.raises(StorageUnavailable, match=r"DeleteObjects left 1 of 1 keys: .*prefix/t/sub/c: InternalError"):
+        storage.delete_tree("t")
+    assert sizes == [3] + [1] * (FAST.attempts - 1)  # a transient error: retried, on what is left
+    assert storage.list_dir("t") == ["sub"]
+    monkeypatch.undo()
+    storage.delete_tree("t")
+    storage.delete_tree("t")  # gone: not an error
+    assert storage.list_dir("") == []
+
+
 def test_retention_keeps_a_step_whose_manifest_s3_did_not_delete(moto_s3, monkeypatch):
     """DeleteObjects answers 200 but leaves one of the manifests: that step must stay committed
     and whole (its files not deleted after it), be reported failed, and go on the next pass."""

@@ -502,6 +502,14 @@ class Storage:
 
         def rm() -> None:
             fs.invalidate_cache()
+            if self.protocol in _S3:
+                # The keys under the prefix, then the checked bulk delete: ``fs.rm(recursive=True)``
+                # makes the same two requests but drops the per-key errors (_delete_objects), and
+                # a key left behind would pass for deleted.
+                keys = fs.find(path)
+                if keys:
+                    self._delete_objects(fs, keys)
+                return
             try:
                 fs.rm(path, recursive=True)
             except FileNotFoundError:
