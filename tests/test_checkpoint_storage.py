@@ -80,6 +80,13 @@ def test_write_read_list_delete(backend):
 
     storage.write_bytes("step-000000001/a.bin", b"overwritten")
     assert storage.read_bytes("step-000000001/a.bin") == b"overwritten"
+    # With a size on record, never more than one byte past it: a grown file shows without being
+    # read whole; a shorter or empty one comes back as it is.
+    assert storage.read_bytes("step-000000002/a.bin", size=10) == b"x" * 11
+    assert storage.read_bytes("step-000000002/a.bin", size=1000) == b"x" * 1000
+    assert storage.read_bytes("step-000000002/a.bin", size=5000) == b"x" * 1000
+    assert storage.read_bytes("step-000000001/b.bin", size=0) == b""
+    assert storage.read_bytes("step-000000001/b.bin", size=3) == b""
 
     storage.delete("step-000000001/b.bin")
     storage.delete("step-000000001/b.bin")  # missing is fine
@@ -367,6 +374,10 @@ def test_s3_reads_a_small_or_unsized_file_with_one_get_and_a_large_one_in_ranges
     monkeypatch.setattr(fs, "default_block_size", 100_000)
     assert storage.read_bytes("step-000000001/shard.bin", size=256_000) == bytes(range(256)) * 1000
     assert calls[0] == "head_object" and calls.count("get_object") == 3  # three ranges of a block
+    calls.clear()
+    # Larger than its record (replaced or appended to): one range, one byte past the record.
+    assert storage.read_bytes("step-000000001/shard.bin", size=150_000) == (bytes(range(256)) * 1000)[:150_001]
+    assert calls == ["head_object", "get_object"]
 
 
 def refuse_in_bulk_deletes(fs, monkeypatch, refused: set[str], code: str = "InternalError") -> list[int]:

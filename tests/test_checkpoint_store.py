@@ -440,6 +440,24 @@ def test_corrupt_and_truncated_files_are_skipped_with_a_warning(backend, caplog)
     assert statuses == {2: "valid", 4: "corrupt", 6: "corrupt"}
 
 
+def test_a_shard_grown_past_its_record_is_corrupt_and_not_read_past_it(backend, caplog, monkeypatch):
+    store = make_store(backend)
+    for step in (2, 4):
+        write_step(store, trained_worker(steps=step), step=step)
+    shard4 = shard_name(4, 1, 2)
+    data = store.storage.read_bytes(shard4)
+    store.storage.write_bytes(shard4, data + b"\0" * 10 * len(data))  # appended to
+    reads = []
+    real = store.storage.read_bytes
+    monkeypatch.setattr(store.storage, "read_bytes",
+                        lambda rel, size=None: reads.append((rel, len(out := real(rel, size)))) or out)
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.store"):
+        assert store.latest_valid() == 2
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "shard-r1-of-2.safetensors" in warnings and f"larger than the recorded {len(data)} bytes" in warnings
+    assert {n for rel, n in reads if rel == shard4} == {len(data) + 1}  # not its 11x
+
+
 def test_corrupt_manifest_means_uncommitted(backend):
     store = make_store(backend)
     write_step(store, trained_worker(steps=1), step=1)

@@ -474,6 +474,8 @@ class CheckpointStore:
             data = self.storage.read_bytes(entry.path, size=entry.size)
         except FileNotFoundError:
             raise CorruptCheckpoint(step, where, "file is missing") from None
+        if len(data) > entry.size:  # read_bytes stops one byte past the record
+            raise CorruptCheckpoint(step, where, f"larger than the recorded {entry.size} bytes (replaced or appended to?)")
         if len(data) != entry.size:
             raise CorruptCheckpoint(step, where, f"size {len(data)} != recorded {entry.size} (truncated?)")
         if sha256(data) != entry.sha256:
