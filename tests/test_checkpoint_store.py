@@ -539,6 +539,54 @@ def test_gc_takes_a_corrupt_manifest_away_first_and_a_missing_one_costs_no_delet
     assert store.step_dirs() == [3] and store.committed_steps() == [3]
 
 
+def test_gc_waits_out_a_failed_deletes_backoff_and_the_backoff_never_overflows(tmp_path, monkeypatch):
+    """A directory GC could not delete is tried again after its backoff, not on every sweep; and
+    however often one keeps failing, the backoff stays a number (2.0 ** 1024 raised OverflowError,
+    which then stopped every later pass)."""
+    store = CheckpointStore(str(tmp_path), RUN, retry=FAST)
+    for step in (1, 2):
+        write_step(store, trained_worker(steps=step), step=step, commit=False)  # torn
+    write_step(store, trained_worker(steps=3), step=3)
+    tried = []
+    real = store.storage.delete_tree
+
+    def refused(rel: str) -> None:
+        tried.append(rel)
+        if rel == step_dir(1):
+            raise StorageError("permission denied")
+        real(rel)
+
+    monkeypatch.setattr(store.storage, "delete_tree", refused)
+    store._retry_deletes[1] = (5000, 0.0)  # it has failed 5,000 times already
+    report = store.gc_uncommitted()
+    assert report.deleted == [2] and list(report.failed) == [1] and not report.error
+    failures, not_before = store._retry_deletes[1]
+    assert failures == 5001 and 0 < not_before - time.monotonic() <= store.DELETE_BACKOFF_MAX_S
+    tried.clear()
+    assert not store.gc_uncommitted().failed and tried == []  # in its backoff: not tried
+    store._retry_deletes[1] = (5001, time.monotonic() - 1)  # the backoff is over
+    monkeypatch.setattr(store.storage, "delete_tree", real)
+    assert store.gc_uncommitted().deleted == [1] and store.step_dirs() == [3]
+
+
+def test_a_new_step_directory_is_made_durable_in_its_parent(tmp_path, monkeypatch):
+    from elastic.checkpoint import storage as storage_module
+
+    synced = []
+    real = storage_module._fsync_dir
+    monkeypatch.setattr(storage_module, "_fsync_dir", lambda d: synced.append(d) or real(d))
+    store = CheckpointStore(str(tmp_path / "runs"), RUN, retry=FAST)
+    commit_tiny(store, 1)
+    root = str(tmp_path / "runs")
+    run, step1 = f"{root}/{RUN}", f"{root}/{RUN}/{step_dir(1)}"
+    # The files' directory after each write; each directory created, in its parent, once.
+    assert {str(tmp_path), root, run} <= set(synced) and synced.count(run) == 1
+    assert synced.count(str(tmp_path)) == 1 and synced.count(root) == 1
+    synced.clear()
+    commit_tiny(store, 2)
+    assert synced.count(run) == 1 and str(tmp_path) not in synced and step1 not in synced
+
+
 def write_version_1_step(store: CheckpointStore, worker: FakeWorker, step: int, world_size: int = 2) -> dict:
     """A step as version 1 wrote it: a bare safetensors shard plus a meta-rN.json per rank."""
     tensors, skeleton = flatten_state(worker.get_state())

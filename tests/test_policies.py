@@ -301,21 +301,23 @@ def test_pending_time_cleared_when_rank_catches_up():
 
 
 def test_a_straggler_known_only_by_how_late_it_was_is_not_named_once_it_caught_up():
-    # A first-N replica late from its first measured step reports no timing of its own (it sat
-    # out); once it caught up, nothing scores it, and a decision used to fail on KeyError.
+    # A first-N replica late from the start reports no timing of its own (it sat out); once it
+    # caught up, nothing scores it, and a decision used to fail on KeyError.
     p = StragglerPolicy(factor=2.0, window=2, evict=True)
     for spares in (0, 0):
         for r in (0, 1):
             p.observe(r, 1.0)
         p.observe_pending(2, 5.0)
         decision = p.decide(spares_ready=spares)
-    assert isinstance(decision, Continue) and decision.straggler == 2  # persistent, no spare yet
+    # Late with no step time of its own: a pause so far, however long (held one short of the window).
+    assert isinstance(decision, Continue) and decision.straggler is None and p.scores()[2] == 5.0
     p.observe_pending(2, 0.0)
     assert 2 not in p.scores()
     for spares in (0, 1):
         decision = p.decide(spares_ready=spares)
         assert isinstance(decision, Continue) and decision.straggler is None
-    p.observe_pending(2, 5.0)  # late again: the count it kept makes it persistent at once
+    p.observe(2, 5.0)  # its step ends, slow: the count it kept makes it persistent at its next late stretch
+    p.observe_pending(2, 5.0)
     assert isinstance(p.decide(spares_ready=1), EvictStraggler)
 
 
@@ -473,6 +475,28 @@ def test_a_promoted_spares_cold_first_step_is_a_pause_and_a_rank_slow_from_the_s
     d = slow.decide(spares_ready=1, steps=16)
     assert isinstance(d, EvictStraggler) and d.rank == 4
     assert "late for 0.60s" in d.reason and "window 5" in d.reason
+
+
+def test_without_a_warm_up_a_late_stretch_before_a_ranks_first_step_since_a_rebuild_is_a_pause():
+    # warmup_steps=0: after a rebuild, a healthy rank pauses (GC) in its first step. With no step
+    # time of its own since the reset, its late stretch alone evicted it on the third decision.
+    p = StragglerPolicy(factor=2.0, window=3, evict=True, warmup_steps=0)
+    for _ in range(10):
+        for r in range(3):
+            p.observe(r, 0.03)
+        p.decide(spares_ready=1)
+    p.reset()
+    for late in (0.3, 0.6, 0.9, 1.2):
+        for r in range(2):
+            p.observe(r, 0.03)
+        p.observe_pending(2, late)
+        assert isinstance(p.decide(spares_ready=1), Continue), late
+    p.observe(2, 1.25)  # its first step ends, slow: counted (no warm-up), and late again after it
+    p.observe_pending(2, 0.3)
+    for r in range(2):
+        p.observe(r, 0.03)
+    d = p.decide(spares_ready=1)
+    assert isinstance(d, EvictStraggler) and d.rank == 2
 
 
 def test_without_a_warm_up_every_timing_counts_from_the_first():

@@ -67,7 +67,7 @@ def _write_local(path: str, parts: list) -> None:
     manifest reaches the disk after the shards it vouches for. A temporary file left by a crash
     goes with its step's directory (retention, or the sweep of uncommitted ones)."""
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
+    _make_dirs_durable(directory)
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         with open(tmp, "wb") as f:
@@ -80,11 +80,34 @@ def _write_local(path: str, parts: list) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _fsync_dir(directory)
+
+
+def _make_dirs_durable(directory: str) -> None:
+    """``os.makedirs``, and each directory it creates made durable in its parent: a step's new
+    directory is an entry of the run's, and without that directory's fsync a crash could lose
+    the whole step, manifest and all, whose files were fsynced (POSIX)."""
+    created, d = [], directory
+    while d and not os.path.isdir(d):
+        created.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    if not created:
+        return
+    os.makedirs(directory, exist_ok=True)
+    for d in created:  # deepest first
+        _fsync_dir(os.path.dirname(d) or ".")
+
+
+def _fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
 
 class StorageError(RuntimeError):
     """A storage operation failed. The message is already redacted."""

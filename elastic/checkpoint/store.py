@@ -682,7 +682,10 @@ class CheckpointStore:
             now = time.monotonic()
             for step in steps:
                 failures = self._retry_deletes.get(step, (0, 0.0))[0] + 1
-                self._retry_deletes[step] = (failures, now + min(self.DELETE_BACKOFF_MAX_S, 2.0 ** (failures - 1)))
+                # The exponent capped before the power: 2.0 ** 1024 raises OverflowError, which
+                # after ~1,000 failures of one step (GC every 10 s: ~3 h) stopped every later pass.
+                backoff = min(self.DELETE_BACKOFF_MAX_S, 2.0 ** min(failures - 1, 30))
+                self._retry_deletes[step] = (failures, now + backoff)
             report.failed.update({step: str(exc) for step in steps})
             # One warning a minute at most (the event log has every failure): a bucket that
             # forbids deletes fails every step's.
@@ -788,9 +791,12 @@ class CheckpointStore:
                 older_than = committed[-1] if committed else None
             if older_than is None:
                 return report
+            now = time.monotonic()
             for step in dirs:
                 if step >= older_than or step in keep:
                     continue
+                if self._retry_deletes.get(step, (0, 0.0))[1] > now:
+                    continue  # its delete failed: tried again after its backoff, as retention's are
                 try:
                     self.load_manifest(step)
                     continue  # committed: retention's business, not GC's

@@ -146,8 +146,10 @@ class StragglerPolicy:
                 continue
             over = self._over[rank] + counted
             if rank in self._busy_for and (own.get(rank, math.inf) <= self.factor
-                                           or self._seen.get(rank, 0) < self._cold_steps):
-                # Late, with healthy steps of its own or in its cold first step: a pause so far.
+                                           or self._seen.get(rank, 0) < max(1, self._cold_steps)):
+                # Late, with healthy steps of its own, with none yet since the reset, or in its
+                # cold first step: a pause so far. (With no warm-up, a rank late before its first
+                # step since a rebuild was counted in full: nothing of its own said it was slow.)
                 over = min(over, self.window - 1)
             self._over[rank] = over
         self._fresh.clear()
