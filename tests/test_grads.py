@@ -127,6 +127,23 @@ def test_a_step_fn_that_drops_the_views_still_fills_the_buffer():
     assert flat[1 + len(list(model.parameters())):].abs().sum() > 0  # the gradients
 
 
+def test_a_gradient_the_step_fn_drops_after_the_backward_is_no_gradient():
+    # A step_fn that freezes a layer for this step (``p.grad = None`` after backward): one process
+    # does not step it; marked present, every replica stepped it on zeros (weight decay, momentum).
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2).to(torch.float64))
+    grads = FlatGrads(model)
+    grads.bind(torch.device("cpu"))
+    grads.before_backward()
+    loss = model[1](model[0](torch.ones(2, 3)).double()).sum()
+    loss.backward()
+    for p in list(model[0].parameters())[:1] + list(model[1].parameters())[:1]:  # one of each dtype
+        p.grad = None
+    grads.after_backward(loss)
+    assert grads._presence.tolist() == [0.0, 1.0, 0.0, 1.0]
+    with grads.for_update():
+        assert [p.grad is not None for p in model.parameters()] == [False, True, False, True]
+
+
 # ---- reducing during the backward (known fast sets) ---------------------------------------------
 class Branchy(torch.nn.Module):
     """A bf16 input layer, five fp32 ones, and a branch only some replicas' batches reach."""

@@ -253,14 +253,20 @@ class FlatGrads:
             grad = p.grad
             if grad is not None and grad.data_ptr() == slot.data_ptr():
                 continue
-            if grad is None or not self._reached[i]:
+            if grad is None:
+                # Reached, then dropped by the step_fn (``p.grad = None``, to freeze it this
+                # step): not this replica's gradient, as one process's optimizer skips it.
+                self._reached[i] = False
+            if not self._reached[i]:
                 slot.zero_()
             else:
                 slot.copy_(grad.to_dense() if grad.is_sparse else grad)
             p.grad = slot
         for i in self._cast:
             grad = self.params[i].grad
-            if grad is None or not self._reached[i]:
+            if grad is None:
+                self._reached[i] = False  # as above
+            if not self._reached[i]:
                 self._slots[i].zero_()
             else:
                 self._slots[i].copy_(grad.to_dense() if grad.is_sparse else grad)
