@@ -209,6 +209,9 @@ class Controller:
         self._eviction_held: int | None = None  # a straggler waiting for a spare (see _note_held_back)
         self._spare_failures_in_row = 0  # spares that failed before they were ready (SPARE_START_ATTEMPTS)
         self._refill_stop_logged = False
+        # Ranks lost after the last step (the final flush, the end's checksums): left out of the end.
+        self._lost_at_end: set[str] = set()
+        self._answered_at_end: list = []
         # Nodes a straggler was evicted from -> time.monotonic() until which spares refilling the
         # pool are kept off them while another node can host one (WorkerGroup.request_spare), so
         # a node that is slow (a throttled GPU, a noisy neighbour) does not get the next spare.
@@ -324,7 +327,14 @@ class Controller:
                     self._stop_after_dispatched()
                     stopping = True
                     continue
+                before = self.step
                 self._run_one_step()
+                if stopping and self.step < before:
+                    # A heal went back (a restart, or a restore from a checkpoint): the stop's
+                    # last step was the newest dispatched before it, and training back up to it
+                    # would run past the stop by every step the heal lost (every_n_steps=500: up
+                    # to 499, past the driver's stop_timeout_s). End at what the heal restored.
+                    self._stop_after_dispatched()
             self._finish_late()
             self._finish_checkpoints()
             if stopping and self.step < total_steps:
@@ -333,14 +343,21 @@ class Controller:
             else:
                 self.transition(State.FINISHED, f"completed {self.step} steps")
         except StopRequested as stop:
-            self._stop_in_wait(str(stop))
+            try:
+                self._stop_in_wait(str(stop))
+            except BaseException as exc:  # the run must still end: ``elastic stop`` waits for it
+                self._errored(exc)
+                raise
         except BaseException as exc:
-            if not self.state.is_terminal:
-                self.transition(State.ERRORED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            self._errored(exc)
             raise
         finally:
             if self.committer is not None:
                 self.committer.close()
+
+    def _errored(self, exc: BaseException) -> None:
+        if not self.state.is_terminal:
+            self.transition(State.ERRORED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
     def request_stop(self, reason: str) -> None:
         """End the run early but cleanly (called from another thread): the steps already handed
@@ -662,6 +679,27 @@ class Controller:
             self._log_outage_events(events)
             return position
 
+    RESTORE_NOTE_S = 60.0  # how often a long checkpoint read is logged as still under way
+
+    def _await_restore(self, ref: Any, step: int) -> Any:
+        """The reading rank's answer to ``restore_checkpoint`` of ``step``, waited for in slices
+        so that a stop breaks in (``StopRequested``), logging every RESTORE_NOTE_S that the read
+        is still under way. Why no deadline: a read that is slow (gigabytes from S3) cannot be
+        told from one that hangs (a stuck mount) from here, and each storage call already has its
+        retries and their bounds; a read that fails raises, and one that never returns is in the
+        event log and stoppable."""
+        t0 = noted = time.monotonic()
+        while True:
+            ready, _ = ray.wait([ref], timeout=1.0, fetch_local=False)
+            if ready:
+                return ray.get(ref)
+            self._check_stop(f"reading checkpoint step {step}")
+            now = time.monotonic()
+            if now - noted >= self.RESTORE_NOTE_S:
+                noted = now
+                self.log("checkpoint", f"still reading checkpoint step {step} from {self.store.location} after "
+                         f"{now - t0:.0f}s", step=step, reading_s=round(now - t0, 1))
+
     def _log_outage_events(self, events: deque) -> None:
         """An OutageTracker's start/end events, as events of their own kind."""
         while events:
@@ -690,7 +728,7 @@ class Controller:
                 ref = reader.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options,
                                                              self.run_config.name, step)
                 try:
-                    meta = ray.get(ref)
+                    meta = self._await_restore(ref, step)
                     break
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
@@ -2161,7 +2199,21 @@ class Controller:
             self.log("checksum", f"all {len(seen)} replicas identical after step {step}", step=step)
 
     def verify_replicas(self) -> list[int]:
-        sums = ray.get([m.actor.param_checksum.remote() for m in self.group.members])
+        """Every live replica's parameter checksum at the end, equal or ReplicaDivergence. A rank
+        lost after the last step is left out (logged): the others hold the run's weights."""
+        sums, self._answered_at_end = [], []
+        refs = [(m, m.actor.param_checksum.remote()) for m in self.group.members if m.name not in self._lost_at_end]
+        for m, ref in refs:
+            try:
+                sums.append(ray.get(ref))
+            except ray.exceptions.RayActorError as exc:
+                self._lost_at_end.add(m.name)
+                self.log("rank_lost", f"rank {m.rank} ({m.name}) was lost after the last step, before the replicas' "
+                         f"checksums: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", rank=m.rank)
+                continue
+            self._answered_at_end.append(m)
+        if not sums:
+            raise TrainingFailed(f"every rank was lost after the last step ({self.step}); no weights to hand back")
         if len(set(sums)) != 1:
             raise ReplicaDivergence(f"replicas differ at step {self.step}: checksums {sums}")
         self.log("checksum", f"all {len(sums)} replicas identical at the end (step {self.step})", step=self.step)
@@ -2290,6 +2342,15 @@ class Controller:
         for r, name, ref in refs:
             try:
                 report = ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s if lost_ok else None)
+            except ray.exceptions.RayActorError as exc:
+                # Lost after its last step (the run's end, a stop): every step trained, and what it
+                # wrote and reported is all there is of it; the steps it still owed a part of stay
+                # uncommitted (checkpoint_incomplete says where fit() again resumes). Failing the
+                # run for it would throw away a finished run's weights.
+                self._lost_at_end.add(name)
+                self.log("rank_lost", f"rank {r} ({name}) was lost after the last step ({what}): "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", rank=r)
+                continue
             except (ray.exceptions.RayError, TimeoutError):
                 if not lost_ok:
                     raise
@@ -2325,7 +2386,7 @@ class Controller:
         if include_state and self.group is not None and self.group.members:
             if self._stopped_while is None:
                 final["replica_checksums"] = self.verify_replicas()  # waits for late replicas to catch up
-                holder = self.group.members[0]
+                holder = self._answered_at_end[0]
             elif self._stop_holder is not None:
                 holder = self._stop_holder[0]
         if holder is not None:

@@ -112,6 +112,9 @@ class FakeWorker:
     def param_checksum(self):
         return 7
 
+    def flush_checkpoint(self, final):
+        return {}  # as TrainWorker.flush_checkpoint of a rank with nothing left to report
+
     @ray.method(concurrency_group="control")
     def abandon_first_n(self, generation):
         """As TrainWorker.abandon_first_n; recorded for the tests (``abandoned``)."""

@@ -261,6 +261,9 @@ class CommittedAt:
     def rewind(self, step):
         self.latest_committed = step
 
+    def drain_events(self):
+        return []
+
 
 @pytest.mark.parametrize("latest, told", [(3, True), (5, False)])
 def test_a_run_that_ends_past_its_newest_commit_says_so(ray_cluster, latest, told):
@@ -272,6 +275,28 @@ def test_a_run_that_ends_past_its_newest_commit_says_so(ray_cluster, latest, tol
         c._finish_checkpoints()
         events = [e for e in c.events if e.kind == "checkpoint_incomplete"]
         assert [(e.details["step"], e.details["latest"]) for e in events] == ([(5, latest)] if told else [])
+
+
+def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(ray_cluster):
+    # Every step trained; then rank 0 dies (a preempted node) during the final flush. The flush
+    # raised RayActorError and the run went ERRORED; without storage, the end's checksums did.
+    with trained("fake-lost-at-end", workers=3, steps=4) as c:
+        committed_at(c, 4)
+        lost = c.group.members[0]
+        ray.kill(lost.actor, no_restart=True)
+        assert_dies(lost.actor)
+        assert c._commit_what_ranks_wrote(None, 5, "final checkpoint")
+        c.committer = None  # the stand-in has no store for result() to name
+        out = c.result(include_state=True)
+        assert out["replica_checksums"] == [7, 7] and "model_state_ref" in out
+        assert ray.get(out["model_state_ref"][0]) == {}  # from a live rank
+        lost_events = [e for e in c.events if e.kind == "rank_lost"]
+        assert [e.details["rank"] for e in lost_events] == [0] and "after the last step" in lost_events[0].message
+        for m in c.group.members[1:]:
+            ray.kill(m.actor, no_restart=True)
+            assert_dies(m.actor)
+        with pytest.raises(TrainingFailed, match="every rank was lost after the last step"):
+            c.verify_replicas()
 
 
 def holder_past_the_run_and_rank_1_replaced(c):
@@ -408,6 +433,52 @@ def test_a_requested_stop_finishes_the_dispatched_steps_then_stops(ray_cluster):
     assert 3 <= c.step == stop[0].details["step"] < 50
     assert [h.step for h in c.history] == list(range(1, c.step + 1))
     assert transitions(c)[-1] == ("running", "stopped")
+
+
+def test_a_heal_that_goes_back_after_a_stop_ends_the_run_there_instead_of_training_back_up(ray_cluster):
+    # Stopped at step 3 (its last step set by what was dispatched), then a heal restores an older
+    # step (a restart from a checkpoint; here step 1, as a stand-in for every_n_steps=500's 1000
+    # against 1490): the run trained every lost step again, up to the stop's last step.
+    c = controller("fake-stop-rollback")
+    c.on_step = lambda record, ctl: ctl.request_stop("asked by the test") if record.step == 3 else None
+    real, calls = c._run_one_step, []
+
+    def run_one_step():
+        capped = c.total_steps < 50  # the stop has set its last step (a window was in flight)
+        real()
+        calls.append((capped, c.step))
+        if capped and len(calls) == 1 + sum(not cap for cap, _ in calls):  # the first call after the cap
+            c.step = 1  # what the heal restored
+            c._inflight.clear()  # a heal's rebuild drops the windows in flight
+
+    c._run_one_step = run_one_step
+    try:
+        c.run_for(steps=50)
+    finally:
+        c.shutdown()
+    assert [cap for cap, _ in calls].count(True) == 1  # no step trained after the heal went back
+    assert c.state is State.STOPPED and c.step == 1
+    assert [e.details["step"] for e in c.events if e.kind == "stop"][-1] == 1
+
+
+def test_a_stop_whose_ending_fails_still_ends_the_run_errored(ray_cluster):
+    # A stop in a wait, then _stop_in_wait itself raised: the run stayed STARTING (or RUNNING,
+    # RECOVERING), never ended, and ``elastic stop`` waited out its whole timeout.
+    c = controller("fake-stop-fails")
+
+    def stopped_while_starting():
+        raise controller_module.StopRequested("stopped while placing")
+
+    def ending_fails(why):
+        raise KeyError("bookkeeping")
+
+    c._start, c._stop_in_wait = stopped_while_starting, ending_fails
+    try:
+        with pytest.raises(KeyError, match="bookkeeping"):
+            c.run_for(steps=5)
+    finally:
+        c.shutdown()
+    assert c.state is State.ERRORED and c.wait_ended(0) is not None
 
 
 HOLDER = """

@@ -446,3 +446,32 @@ def test_a_spare_that_dies_while_checkpoint_writers_are_set_up_is_dropped_not_th
     dead.add("rank-1")
     with pytest.raises(ray.exceptions.RayActorError):
         c._configure_checkpoints(c.group.members)
+
+
+def test_a_checkpoint_read_that_does_not_return_is_logged_and_a_stop_breaks_in(rayless_controller, monkeypatch):
+    # The rank reading the checkpoint is stuck in the read (a hung mount), its heartbeat still
+    # answering: the restore waited in one ray.get with no end, and a stop could not break in.
+    from types import SimpleNamespace
+
+    from elastic.actors.protocol import StopRequested
+
+    c = rayless_controller()
+    c.store = SimpleNamespace(location="file:///ckpt")
+    waits = []
+
+    def never_ready(refs, **kw):
+        waits.append(kw["timeout"])
+        if len(waits) == 3:
+            c.request_stop("a stop from the test")
+        return [], list(refs)
+
+    monkeypatch.setattr(controller_module.ray, "wait", never_ready)
+    monkeypatch.setattr(c, "RESTORE_NOTE_S", 0.0)
+    with pytest.raises(StopRequested, match="reading checkpoint step 7"):
+        c._await_restore("ref", 7)
+    assert len(waits) == 3 and all(0 < t <= 1.0 for t in waits)
+    notes = [e for e in c.events if e.kind == "checkpoint" and "still reading checkpoint step 7" in e.message]
+    assert len(notes) == 2 and notes[0].details["step"] == 7
+    monkeypatch.setattr(controller_module.ray, "wait", lambda refs, **kw: (list(refs), []))
+    monkeypatch.setattr(controller_module.ray, "get", lambda ref, **kw: {"step": 7})
+    assert c._await_restore("ref", 7) == {"step": 7}
