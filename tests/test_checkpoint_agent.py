@@ -1095,7 +1095,7 @@ class _StandInActor:
 def stand_in_ray(monkeypatch):
     """``NodeAgents`` without a cluster: ``ray.get`` returns what it is given, ``ray.kill``
     records the actor, and an agent started on node N answers "new-N" (none on node "full":
-    its agent's name stays taken, as when ``_free_name`` gives up)."""
+    its agent's name stays taken, as when ``free_actor_name`` gives up)."""
     import ray
 
     from elastic.checkpoint.agent import NodeAgents
@@ -1124,7 +1124,7 @@ def test_an_agent_whose_threads_ended_is_replaced_like_one_that_does_not_answer(
 
 
 def test_a_node_whose_agent_cannot_start_gets_none_and_the_others_theirs(stand_in_ray):
-    """The name of an earlier run's agent still taken after ``_free_name``'s wait: the
+    """The name of an earlier run's agent still taken after ``free_actor_name``'s wait: the
     ``ValueError`` no longer fails ``fit()``; that node's ranks write in their own processes."""
     agents, killed = stand_in_ray
     assert agents.addresses({"a", "full"}) == {"a": "new-a", "full": None}

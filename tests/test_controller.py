@@ -299,6 +299,18 @@ def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(ray_clus
             c.verify_replicas()
 
 
+def test_a_new_actor_takes_a_name_the_previous_groups_actor_still_holds(ray_cluster):
+    # A restart kills every rank and starts a group of the same names; ray.kill returns before
+    # the GCS frees a name, and creating "rank-0" then raised ActorAlreadyExistsError, failing
+    # the restart. Here the old rank-0 is still alive: the new one takes its name (and bundle).
+    with trained("fake-names", workers=2, steps=1) as c:
+        old = c.group.members[0].actor
+        new = c.group._spawn(c.group._ranks_pg, c.group.members[0].bundle_index, "rank-0")
+        assert_dies(old)
+        assert ray.get(new.heartbeat.remote(), timeout=60)["rank"] == -1  # a fresh actor
+        c.group.members[0].actor = new  # shut down with the group
+
+
 def holder_past_the_run_and_rank_1_replaced(c):
     """Rank 0 finished steps 3 and 4 past the controller's 2 and began 5; rank 1 was lost and a
     spare took its place. Returns rank 0."""

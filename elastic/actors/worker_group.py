@@ -18,6 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from elastic.actors.names import free_actor_name
 from elastic.actors.protocol import PackedSpec, StopRequested, TrainingSpec, WorkerError
 from elastic.actors.worker import TrainWorker
 from elastic.config import ConfigError, ScalingConfig
@@ -203,7 +204,15 @@ class WorkerGroup:
         return opts
 
     def _spawn(self, pg: PlacementGroup, index: int, name: str, background: bool = False) -> Any:
-        return self._actor_cls.options(**self._options(pg, index, name)).remote(self.spec, name, background)
+        options = self._options(pg, index, name)
+        try:
+            return self._actor_cls.options(**options).remote(self.spec, name, background)
+        except ray.exceptions.ActorAlreadyExistsError:
+            # The actor of this name in the group before this one (a restart killed every rank
+            # and spare, and the new group uses their names again), not yet marked dead: the
+            # whole restart failed on it when the new placement was ready at once.
+            free_actor_name(name, self.namespace)
+            return self._actor_cls.options(**options).remote(self.spec, name, background)
 
     def start(self, num_active: int) -> None:
         """Place and start the active ranks plus the hot spares, then order ranks by node."""

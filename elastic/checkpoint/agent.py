@@ -45,6 +45,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from elastic.actors.names import free_actor_name
 from elastic.actors.priority import can_restore_priority
 from elastic.checkpoint.codec import RawRng, canonical_json, json_object_plus, safetensors_header
 from elastic.checkpoint.persister import AsyncPersister
@@ -750,7 +751,7 @@ class NodeAgents:
     def start(self, node_ids: set[str]) -> None:
         """Start agents where there is none yet, without waiting for them (``addresses`` does).
         A node whose agent cannot be started (its name still held by an earlier run's agent
-        after ``_free_name`` gave up: ``ValueError``; Ray refusing the actor) is left out and
+        after ``free_actor_name`` gave up: ``ValueError``; Ray refusing the actor) is left out and
         logged: it gets no address, and its ranks write checkpoints in their own processes, as
         for an agent that starts but never answers. Raising instead would fail the caller's
         ``fit()`` with an error its retry does not expect, for want of an optional agent."""
@@ -835,7 +836,7 @@ class NodeAgents:
         except ValueError:
             # The name is taken: an agent of an earlier run of this name, whose controller is gone
             # (the trainer runs one controller per run name) and whose kill has not landed yet.
-            _free_name(agent_name(node), self.namespace)
+            free_actor_name(agent_name(node), self.namespace)
             return ray.remote(AgentActor).options(**options).remote(*args)
 
     def _kill(self, node: str) -> None:
@@ -859,16 +860,3 @@ def _kill_quietly(actor: Any) -> None:
         ray.kill(actor, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
-
-
-def _free_name(name: str, namespace: str | None, timeout_s: float = 10.0) -> None:
-    """Kill the actor holding ``name`` and wait until the name is free (``ray.kill`` returns first)."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        except ValueError:
-            return
-        time.sleep(0.05)
