@@ -886,6 +886,54 @@ def test_light_reports_queue_in_order_and_only_snapshots_replace_each_other():
     assert persister.close(5)
 
 
+def test_an_outage_moves_on_to_the_newest_snapshot_but_never_past_a_milestone():
+    """Milestones (keep_every) wait in order through an outage and are written once storage is
+    back; the outage's move to the newest snapshot skipped them (and the one being retried)."""
+    state = {"down": True}
+    written, released = [], []
+
+    def write(payload):
+        if state["down"]:
+            raise StorageError("down")
+        written.append(payload)
+        return [payload]
+
+    persister = AsyncPersister(write, retry_min_s=0.01, retry_max_s=0.02, on_release=released.append)
+    persister.submit(10, "m10", keep=True)  # retried through the outage
+    deadline = time.monotonic() + 5
+    while not persister.in_outage and time.monotonic() < deadline:
+        time.sleep(0.005)
+    persister.submit(11, "s11")
+    persister.submit(12, "r12", light=True)
+    persister.submit(20, "m20", keep=True)
+    persister.submit(21, "s21")  # replaces 11
+    time.sleep(0.1)  # several retries: the milestone in flight is not left for the newest
+    state["down"] = False
+    assert persister.flush(5)
+    assert written[0] == "m10" and "m20" in written and written[-1] == "s21" and "s11" not in written
+    assert sorted(released) == sorted(["m10", "s11", "r12", "m20", "s21"])  # each exactly once
+    persister.close(5)
+
+
+def test_milestones_waiting_are_bounded_apart_from_reports_and_the_oldest_dropped_is_said():
+    writer = SlowWriter()
+    released = []
+    persister = AsyncPersister(writer, max_light=32, max_keep=2, on_release=released.append)
+    persister.submit(1, 1)
+    assert writer.started.wait(5)
+    for step in (10, 20, 30):  # every snapshot a milestone (keep_every == every_n_steps)
+        persister.submit(step, step, keep=True)
+    assert released == [10]  # two wait at most: whole copies of the state, not 32 of them
+    events = [e for e in persister.drain_events() if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in events] == [10] and "milestone step 10 dropped" in events[0]["message"]
+    for step in range(40, 45):
+        persister.submit(step, step, light=True)  # reports do not push milestones out
+    writer.release.set()
+    assert persister.flush(5)
+    assert writer.written == [1, 20, 30, 40, 41, 42, 43, 44]
+    persister.close(5)
+
+
 def test_blocking_mode_writes_inline_and_never_raises():
     calls = []
     fail = {"on": False}

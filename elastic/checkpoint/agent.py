@@ -428,7 +428,7 @@ class _RankLink:
                 # the pacing and the parts' progress follow it there (with the old maximum the
                 # writer stayed hurried, and the commit lag inflated, until training passed it).
                 self.newest_step = p.step
-                self.persister.submit(p.step, p, light=p.ring is None or p.keep)
+                self.persister.submit(p.step, p, light=p.ring is None, keep=p.keep)
                 self._pace()
             elif op == "flush":
                 threading.Thread(target=self._flush, args=(m.get("id"), float(m.get("timeout_s", 30.0))),

@@ -271,7 +271,7 @@ class CheckpointCommitter:
         # manifest waits: replaced, it stayed on storage without one, the sweep deleted it as
         # uncommitted, and the milestone never existed. Blocking mode replaces nothing.
         self._persister.submit(step, (step, entries, world_size, meta, record.get("taken_at"), record.get("rng"),
-                                      len(self._rewinds)), light=self.blocking or is_milestone(self.keep_every, step))
+                                      len(self._rewinds)), light=self.blocking, keep=is_milestone(self.keep_every, step))
 
     # ---- the commit thread ------------------------------------------------------------------
     def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None, dict | None, int]

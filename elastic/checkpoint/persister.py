@@ -90,6 +90,9 @@ class OutageTracker:
         self.started_at, self.failures, self.refused_logged = None, 0, False
 
 
+NEWEST, REPORT, KEEP = "newest", "report", "keep"  # AsyncPersister's kinds of payload
+
+
 class AsyncPersister:
     """Runs ``write_fn(payload) -> entries`` for the newest submitted payload, one at a time.
 
@@ -98,6 +101,14 @@ class AsyncPersister:
     writes a file only every few steps and in between merely reports its RNG. A report queued
     behind its own slow write must not be replaced by the next step's report, or every step
     that write overlapped could never complete (the committer needs every rank's part).
+
+    Kept payloads (``submit(keep=True)``: a ``keep_every`` milestone) are never replaced either,
+    nor skipped when an outage moves on to the newest snapshot: retention promises them. Their
+    own bound is ``max_keep`` waiting; past it the oldest waiting one is dropped, and said so
+    (``checkpoint_failed``). A rank's own writer, whose payloads are whole host copies of its
+    state, keeps 2 (as light payloads they waited up to 32: with ``keep_every ==
+    every_n_steps``, 33 full copies through an outage); the node agent's links, whose payloads
+    sit in its bounded shared-memory slots, and the committer's manifests keep the default.
 
     ``submit`` returns at once (or writes inline when ``blocking``). ``drain`` hands back
     ``(step, entries)`` for every write completed since the last drain; ``drain_events`` the outage
@@ -112,7 +123,7 @@ class AsyncPersister:
     def __init__(self, write_fn: Callable[[Any], list], blocking: bool = False, name: str = "checkpoint write",
                  retry_min_s: float | None = None, retry_max_s: float | None = None, max_events: int = 256,
                  keep_done: bool = True, on_done: Callable[[int, Any, Any], None] | None = None,
-                 max_light: int = 32, on_release: Callable[[Any], None] | None = None,
+                 max_light: int = 32, max_keep: int = 32, on_release: Callable[[Any], None] | None = None,
                  thread_init: Callable[[], None] | None = None, thread_exit: Callable[[], None] | None = None,
                  reached_storage: Callable[[Any], bool] | None = None):
         self._write_fn = write_fn
@@ -132,9 +143,11 @@ class AsyncPersister:
         self.retry_min_s = retry_min_s if retry_min_s is not None else env_number("ELASTIC_CKPT_RETRY_MIN_S", 0.5)
         self.retry_max_s = retry_max_s if retry_max_s is not None else env_number("ELASTIC_CKPT_RETRY_MAX_S", 30.0)
         self._cond = threading.Condition()
-        self._queue: deque = deque()  # (step, payload, light), oldest first; at most one heavy
-        self.max_light = max_light
+        # (step, payload, kind), oldest first: kind NEWEST (at most one), REPORT or KEEP
+        self._queue: deque = deque()
+        self.max_light, self.max_keep = max_light, max_keep
         self._inflight: int | None = None
+        self._current: Any = None  # the payload the writer holds (``_persist`` may move on to a newer one)
         self._done: list[tuple[int, list]] = []
         self._events: deque = deque(maxlen=max_events)
         self._outage = OutageTracker(self._events, name)
@@ -144,8 +157,9 @@ class AsyncPersister:
         self.superseded = 0  # snapshots replaced before they were written
 
     # ---- caller side ------------------------------------------------------------------------
-    def submit(self, step: int, payload: Any, light: bool = False) -> None:
-        """Hand over a snapshot the caller already copied; the persister now owns it."""
+    def submit(self, step: int, payload: Any, light: bool = False, keep: bool = False) -> None:
+        """Hand over a snapshot the caller already copied; the persister now owns it.
+        ``light``: a report, waiting in order; ``keep``: a milestone (see the class)."""
         if self.blocking:
             try:
                 self._write_inline(step, payload)
@@ -157,19 +171,31 @@ class AsyncPersister:
                 logger.debug("persister closed; dropping step %d", step)
                 self._release(payload)
                 return
-            if not light:
-                replaced = [i for i in self._queue if not i[2]]
+            kind = KEEP if keep else REPORT if light else NEWEST
+            if kind == NEWEST:
+                replaced = [i for i in self._queue if i[2] == NEWEST]
                 if replaced:  # one snapshot waits, never more: memory stays bounded
-                    self._queue = deque(i for i in self._queue if i[2])
+                    self._queue = deque(i for i in self._queue if i[2] != NEWEST)
                     self.superseded += len(replaced)
                     logger.debug("step %d replaces waiting step %s", step, [i[0] for i in replaced])
                     for item in replaced:
                         self._release(item[1])
-            self._queue.append((step, payload, light))
-            while len(self._queue) > self.max_light + 1:
-                dropped = self._queue.popleft()
+            self._queue.append((step, payload, kind))
+            kept = [i for i in self._queue if i[2] == KEEP]
+            if len(kept) > self.max_keep:
+                dropped = kept[0]
+                self._unqueue(dropped)
                 self.superseded += 1
-                logger.debug("step %d dropped: %d reports wait", dropped[0], len(self._queue))
+                self._events.append({
+                    "event": "checkpoint_failed", "what": self.name, "step": dropped[0], "time": time.time(),
+                    "error": "milestone dropped", "message": f"{self.name} of milestone step {dropped[0]} dropped: "
+                    f"{len(kept) - 1} milestones were already waiting for storage (keep_every)"})
+                self._release(dropped[1])
+            while sum(1 for i in self._queue if i[2] != KEEP) > self.max_light + 1:
+                dropped = next(i for i in self._queue if i[2] != KEEP)  # the oldest report or snapshot
+                self._unqueue(dropped)
+                self.superseded += 1
+                logger.debug("step %d dropped: %d reports wait", dropped[0], self.max_light)
                 self._release(dropped[1])
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"elastic-{self.name}", daemon=True)
@@ -281,6 +307,10 @@ class AsyncPersister:
                                  "time": time.time(), "error": _short(exc),
                                  "message": f"{self.name} of step {step} failed and was dropped: {_short(exc)}"})
 
+    def _unqueue(self, item: tuple) -> None:
+        """Take ``item`` out of the queue, by identity (``deque.remove`` would compare payloads)."""
+        self._queue = deque(i for i in self._queue if i is not item)
+
     def _backoff_s(self, attempt: int) -> float:
         return min(self.retry_max_s, self.retry_min_s * (2 ** min(attempt, 30))) * random.uniform(0.5, 1.0)
 
@@ -299,20 +329,22 @@ class AsyncPersister:
                 self._cond.wait_for(lambda: bool(self._queue) or self._closing)
                 if not self._queue:
                     return  # closing and nothing left
-                step, payload, _ = self._queue.popleft()
-                self._inflight = step
+                step, payload, kind = self._queue.popleft()
+                self._inflight, self._current = step, payload
             try:
-                payload = self._persist(step, payload)
+                self._persist(step, payload, kind)
             finally:
-                # The payload _persist ended with (it may have moved on to a newer one).
-                self._release(payload)
+                # The payload _persist ended with (it may have moved on to a newer one, and
+                # released this one): the one it holds now, also when it raised past its handlers.
+                self._release(self._current)
                 with self._cond:
-                    self._inflight = None
+                    self._inflight, self._current = None, None
                     self._cond.notify_all()
 
-    def _persist(self, step: int, payload: Any) -> Any:
+    def _persist(self, step: int, payload: Any, kind: str = "newest") -> Any:
         """Write ``payload``, retrying through an outage; returns the payload it ended with (in an
-        outage it moves on to the newest snapshot, releasing the ones it skips)."""
+        outage it moves on to the newest snapshot, releasing the reports it skips; a milestone,
+        retried or waiting, is neither skipped nor released)."""
         attempt = 0
         while True:
             try:
@@ -325,14 +357,25 @@ class AsyncPersister:
                     self._cond.wait_for(lambda: self._abort, timeout=self._backoff_s(attempt))
                     if self._abort:
                         return payload
-                    heavy = [i for i in self._queue if not i[2]]
-                    if heavy:  # move on to the newest snapshot; reports older than it are moot
+                    heavy = [i for i in self._queue if i[2] == NEWEST]
+                    if heavy and kind != KEEP:
+                        # Move on to the newest snapshot; reports older than it are moot.
+                        # Milestones stay queued, in order.
                         self.superseded += 1
                         self._release(payload)
-                        while self._queue[0] is not heavy[-1]:
-                            self._release(self._queue.popleft()[1])
-                        step, payload, _ = self._queue.popleft()
-                        self._inflight = step
+                        newest = heavy[-1]
+                        older = []
+                        for item in self._queue:
+                            if item is newest:
+                                break
+                            older.append(item)
+                        for item in older:
+                            if item[2] == REPORT:
+                                self._unqueue(item)
+                                self._release(item[1])
+                        self._unqueue(newest)
+                        step, payload, kind = newest
+                        self._inflight, self._current = step, payload
                 attempt += 1
                 continue
             except Exception as exc:  # noqa: BLE001 - never let the thread die silently

@@ -140,7 +140,8 @@ class WorkerCheckpointer:
                                         name="checkpoint write",
                                         retry_min_s=retry_min_s, retry_max_s=retry_max_s,
                                         on_done=self._push if notify is not None else None,
-                                        on_release=lambda payload: self.staging.release(payload[0].tensors.values()))
+                                        on_release=lambda payload: self.staging.release(payload[0].tensors.values()),
+                                        max_keep=2)  # whole host copies of the state (see AsyncPersister)
         self.last_snapshot_s = 0.0
         self._snapshot_failed = SnapshotFailures()
 
@@ -165,7 +166,7 @@ class WorkerCheckpointer:
         self.last_snapshot_s = time.perf_counter() - t0
         pool = getattr(worker, "part_pool", None) if self.pool_parts else None
         self.persister.submit(step, (snapshot, pool, group_generation(worker)),
-                              light=not snapshot.writes_file or is_milestone(self.keep_every, step))
+                              light=not snapshot.writes_file, keep=is_milestone(self.keep_every, step))
         return []
 
     def _write(self, payload: tuple) -> dict:
