@@ -24,12 +24,12 @@ def host_port(address: str) -> tuple[str, int] | None:
 
 def shown(address: str) -> str:
     """``address`` as messages show it: a ``user:password@`` (no Ray address has one, but a user
-    may paste one, with or without a scheme) as ``***@``."""
+    may paste one, with or without a scheme) as ``***@``, and no query string (a token there)."""
     head, at, tail = address.rpartition("@")
-    if not at:
-        return address
-    scheme = head.split("://", 1)[0] + "://" if "://" in head else ""
-    return f"{scheme}***@{tail}"
+    if at:
+        scheme = head.split("://", 1)[0] + "://" if "://" in head else ""
+        address = f"{scheme}***@{tail}"
+    return address.split("?", 1)[0]
 
 
 def trainer_address_problem(address: str) -> str | None:

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from elastic.config import ConfigError
 from elastic.address import host_port, shown, trainer_address_problem, unreachable
 from elastic.redact import configure_logging, redact_url, redact_urls_in
 
@@ -121,7 +122,8 @@ def _friendly(fn: Callable) -> Callable:
             if _verbose:
                 raise
             logger.debug("unexpected error", exc_info=True)
-            _fail(f"{type(exc).__name__}: {_one_line(str(exc))} (run with -v for the traceback)", 1)
+            # Redacted before it is cut: a cut inside user:password@ leaves no '@' to find.
+            _fail(f"{type(exc).__name__}: {_one_line(redact_urls_in(str(exc)))} (run with -v for the traceback)", 1)
 
     return wrapper
 
@@ -681,7 +683,7 @@ def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, re
                        f"({'none verifies' if verify else 'none is committed'})", code=EXIT_NO_USABLE_STEP)
 
 
-def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
+def _list_runs(url: str, options: dict, as_json: bool, retry, verify: bool = True) -> None:
     from elastic.checkpoint import CheckpointStore, Storage, StorageError, StorageUnavailable
 
     root = Storage(url, options, retry=retry)
@@ -693,7 +695,7 @@ def _list_runs(url: str, options: dict, as_json: bool, retry) -> None:
         # The URL is a run directory itself: list it as <parent> --run <name>.
         parent, _, name = url.rstrip("/").rpartition("/")
         if parent and name:
-            _list_run(parent, name, options, True, as_json, retry)
+            _list_run(parent, name, options, verify, as_json, retry)
             return
     # name -> its steps, or the (redacted) error when storage refused to list the run. Why per
     # run: one run storage refuses (AccessDenied on its prefix, say) failed the whole listing and
@@ -778,7 +780,10 @@ def checkpoints(
 
     from elastic.checkpoint import RetryPolicy, resolve_url
 
-    url = resolve_url(url)
+    try:
+        url = resolve_url(url)
+    except ConfigError as exc:  # a usage error (exit 2), about the argument, not RunConfig.storage
+        raise CliError(f"URL: {str(exc).replace('RunConfig.storage', 'the URL')}", code=2) from None
     options = _interactive_options(url, parse_storage_options(storage_option))
     protocol = fsspec.core.split_protocol(url)[0] or "file"
     if protocol in ("file", "local"):
@@ -789,7 +794,7 @@ def checkpoints(
     if run:
         _list_run(url, run, options, verify, as_json, retry)
     else:
-        _list_runs(url, options, as_json, retry)
+        _list_runs(url, options, as_json, retry, verify)
 
 
 def _strict_json(obj: Any) -> str:
@@ -841,7 +846,7 @@ def _script_in(working_dir: str, script: str) -> str:
     if not os.path.isfile(path):
         raise CliError(f"{script} not found in the working directory {wd}", code=2)
     rel = os.path.relpath(path, wd)
-    if rel.startswith(".."):
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
         raise CliError(f"{script} is outside the working directory {wd}; it would not be uploaded", code=2)
     return rel
 
@@ -874,8 +879,10 @@ def submit(
         with _env_without(*(_ADDRESS_VARS if address else ())):
             client = JobSubmissionClient(target)
     except Exception as exc:  # noqa: BLE001 - ConnectionError, auth or version errors: one line each
-        where = target or "the local cluster"
-        text = str(exc)
+        # Shown without a user:password@ also when the address has no scheme (Ray adds http://
+        # to admin:pw@head:8265; redact_urls_in knows only scheme://user:pw@), nor the variables'.
+        where = shown(target) if target else "the local cluster"
+        text = redact_urls_in(str(exc)).replace(target or "\0", where)
         if _AUTH_FAILURE.search(text) or "401" in text or "403" in text:
             raise CliError(_auth_hint(where)) from None
         raise CliError(f"cannot reach the Ray dashboard at {where}: {_one_line(text)}") from None

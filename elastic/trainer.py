@@ -29,8 +29,13 @@ from elastic.config import (CheckpointConfig, ConfigError, FailureConfig, RunCon
                             elastic_environment)
 from elastic.controller import TrainingFailed, WorkerError
 from elastic.policies import FailurePolicy
+from elastic.redact import redact_urls_in
 
 logger = logging.getLogger(__name__)
+
+# The run names (their namespaces) a fit() of this process is training now.
+_FITTING: set[str] = set()
+_FITTING_LOCK = threading.Lock()
 
 
 @dataclass
@@ -371,6 +376,14 @@ class Trainer:
             field = "num_spares" if self.scaling.aggregation == "first_n" else "num_backups"
             raise ConfigError("FailureConfig.evict_stragglers puts a hot spare in a straggler's place, and this run "
                               f"keeps none: set ScalingConfig.{field} >= 1, or evict_stragglers=False.")
+        if self.scaling.aggregation == "first_n" and "shrink" in (self.failure.on_failure, self.failure.when_no_spare):
+            # Named first: told only "set allow_shrink False", the user then met FailureConfig's
+            # own "asks to shrink but allow_shrink=False; set allow_shrink=True", each error
+            # pointing at the other.
+            which = "on_failure" if self.failure.on_failure == "shrink" else "when_no_spare"
+            raise ConfigError(f"FailureConfig.{which}='shrink' is not supported with aggregation='first_n' (a "
+                              "first-N group keeps its size); use 'wait', 'restart' or 'fail' there (with "
+                              "on_failure='replace', spares first), and allow_shrink=False.")
         if self.scaling.aggregation == "first_n" and self.failure.allow_shrink:
             raise ConfigError("FailureConfig.allow_shrink is not supported with aggregation='first_n'; set it False.")
         _check_failure_actions(self.failure, self.run, n, global_batch_size)
@@ -430,12 +443,24 @@ class Trainer:
             if reason is not None:  # else ray.init retries for a minute, Ray's core logging each try
                 raise ConfigError(f"Trainer.address={self.address!r}: nothing answers there ({reason}); start the "
                                   "cluster (`ray start --head`) or fix the address.")
-        started = connect(self.address, total_cpu, self.scaling.use_gpu)
+        with _FITTING_LOCK:
+            if self.namespace in _FITTING:
+                # Another fit() of this run name is live in this process (a thread, a notebook
+                # cell): _claim_run_name would take its controller for a leftover of this
+                # driver's and kill it, and the two would write one checkpoint directory.
+                raise ConfigError(f"RunConfig.name={self.run.name!r} is in use: another fit() of that run is training "
+                                  "in this process. Choose another RunConfig.name, or wait for that fit() to return.")
+            _FITTING.add(self.namespace)
         try:
-            return self._fit(steps, epochs)
+            started = connect(self.address, total_cpu, self.scaling.use_gpu)
+            try:
+                return self._fit(steps, epochs)
+            finally:
+                if started:
+                    ray.shutdown()
         finally:
-            if started:
-                ray.shutdown()
+            with _FITTING_LOCK:
+                _FITTING.discard(self.namespace)
 
     def _fit(self, steps: int | None, epochs: int | None) -> Result:
         from elastic.metrics import RunMetrics
@@ -498,7 +523,8 @@ class Trainer:
                 self._kill_controller()
                 what = "failed" if isinstance(exc, ray.exceptions.RayTaskError) else "was lost"
                 raise TrainingFailed(
-                    f"run {self.run.name!r}: its controller {what} ({type(exc).__name__}: {str(exc)[:500]}); "
+                    f"run {self.run.name!r}: its controller {what} ({type(exc).__name__}: "
+                    f"{redact_urls_in(str(exc))[:500]}); "
                     f"fit() again with RunConfig.name={self.run.name!r} and the same storage continues from the "
                     "latest committed checkpoint") from exc
         # The final weights are owned by the controller: fetch them before it goes.

@@ -143,6 +143,16 @@ def test_submit_missing_script(tmp_path):
     assert "nope.py not found" in one_line_error(result.exit_code, result.stdout, result.stderr)
 
 
+def test_submit_takes_a_script_whose_name_starts_with_two_dots(tmp_path):
+    from elastic.cli import CliError, _script_in
+
+    (tmp_path / "..train.py").write_text("print('hi')\n")
+    assert _script_in(str(tmp_path), "..train.py") == "..train.py"
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(CliError, match="outside the working directory"):
+        _script_in(str(tmp_path / "sub"), "../..train.py")
+
+
 def test_submit_runs_a_script_with_its_working_dir(ray_head, tmp_path):
     (tmp_path / "hello.py").write_text("import sys\nprint('hello from', sys.argv[1:])\n")
     out = run_cli(["submit", "--address", ray_head.dashboard_url, "--working-dir", str(tmp_path), "--follow",
@@ -365,6 +375,20 @@ def test_checkpoints_json_is_strict_json(monkeypatch, tmp_path):
         assert result.exit_code == 0, result.stdout + result.stderr
         out = json.loads(result.stdout, parse_constant=refuse)
         assert (out if args else out["r"])[0]["committed_at"] is None
+
+
+def test_checkpoints_of_a_run_directory_honours_no_verify_and_a_malformed_url_is_a_usage_error(tmp_path):
+    write_run(str(tmp_path), "digits", {10: "committed", 20: "corrupt"})
+    run_dir = str(tmp_path / "digits")  # the run's own directory, not the root with --run
+    verified = runner.invoke(app, ["checkpoints", run_dir])
+    assert "sha256 mismatch" in verified.stdout
+    quick = runner.invoke(app, ["checkpoints", run_dir, "--no-verify"])  # it read and hashed every file
+    assert quick.exit_code == 0 and "sha256 mismatch" not in quick.stdout and "2 committed" in quick.stdout
+    for url in ("s3:/bucket/x", "s3://"):
+        result = runner.invoke(app, ["checkpoints", url])
+        line = one_line_error(result.exit_code, result.stdout, result.stderr)
+        assert result.exit_code == 2 and line.startswith("elastic: error: URL:") and "RunConfig" not in line
+        assert "traceback" not in line
 
 
 def test_checkpoints_missing_local_dir(tmp_path):
@@ -633,6 +657,10 @@ def test_submit_never_prints_the_dashboards_credentials(monkeypatch, tmp_path):
     result = runner.invoke(app, args)
     line = one_line_error(result.exit_code, result.stdout, result.stderr)
     assert "S3cretPw" not in result.stdout + result.stderr and "cannot reach the Ray dashboard at http://***@head" in line
+    # With no scheme (Ray adds http:// itself), which the redaction of URLs in text does not know.
+    result = runner.invoke(app, [*args[:-1], "alice:S3cretPw@head:8265"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert "S3cretPw" not in result.stdout + result.stderr and "cannot reach the Ray dashboard at ***@head:8265" in line
 
 
 def test_submit_refuses_a_mistyped_option_and_passes_the_scripts_arguments_after_the_double_dash(

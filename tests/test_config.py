@@ -334,6 +334,41 @@ def test_requeue_dropped_needs_first_n_and_single_step_dispatch():
         _trainer(scaling=first_n, requeue_dropped=True)
 
 
+def test_first_n_with_shrink_names_the_action_to_change_not_allow_shrink_alone():
+    # "set allow_shrink False", then FailureConfig's own "asks to shrink ... set allow_shrink=True":
+    # each error pointed at the other.
+    first_n = ScalingConfig(num_workers=4, num_backups=1, num_spares=1, aggregation="first_n")
+    shrink = elastic.FailureConfig(on_failure="replace", when_no_spare="shrink", allow_shrink=True)
+    with pytest.raises(ConfigError, match=r"FailureConfig\.when_no_spare='shrink' is not supported with "
+                                          r"aggregation='first_n'.*'wait', 'restart' or 'fail'"):
+        _trainer(scaling=first_n, failure=shrink)
+    with pytest.raises(ConfigError, match=r"allow_shrink is not supported"):
+        _trainer(scaling=first_n, failure=elastic.FailureConfig(allow_shrink=True))
+    _trainer(scaling=first_n, failure=elastic.FailureConfig(when_no_spare="fail"))  # what the message offers
+
+
+def test_a_second_fit_of_a_run_live_in_this_process_is_refused_before_anything_starts(monkeypatch):
+    from elastic import trainer as trainer_module
+
+    t = _trainer()
+    monkeypatch.setattr(trainer_module, "connect", lambda *a: pytest.fail("connected"))
+    monkeypatch.setattr(trainer_module, "_FITTING", {t.namespace})
+    with pytest.raises(ConfigError, match=r"RunConfig\.name='.*' is in use: another fit\(\) of that run"):
+        t.fit(steps=1)
+    assert trainer_module._FITTING == {t.namespace}  # the live one's claim stays
+
+
+def test_an_address_is_shown_without_credentials_or_query():
+    from elastic.address import shown
+
+    assert shown("admin:pw@head:8265") == "***@head:8265"
+    assert shown("http://admin:pw@head:8265?token=abc") == "http://***@head:8265"
+    assert shown("ray://head:10001?token=abc") == "ray://head:10001"
+    with pytest.raises(ConfigError) as info:
+        _trainer(address="ray://head:10001?token=abc")
+    assert "abc" not in str(info.value)
+
+
 def test_bucket_cap_must_be_positive():
     with pytest.raises(ConfigError, match="bucket_cap_mb"):
         ScalingConfig(num_workers=2, bucket_cap_mb=0)
