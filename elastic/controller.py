@@ -913,6 +913,10 @@ class Controller:
             if len(shards) != n:  # shrunk: the same global batch, split over fewer ranks
                 flat = [i for s in shards for i in s]
                 per = len(flat) // n
+                # _shrink only shrinks to a size the global batch divides over (and never a
+                # first-N group), so no sample is left out of the split; a remainder would
+                # vanish from the epoch uncounted.
+                assert per * n == len(flat), f"step {step}: {len(flat)} samples do not split over {n} ranks"
                 shards = [flat[i * per:(i + 1) * per] for i in range(n)]
                 # The step is booked as it is trained: with the first split kept, the ledger
                 # said the shards of ranks past the new size were dropped (and counted them).

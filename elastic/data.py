@@ -115,11 +115,12 @@ class ShardPlan:
         shards = [flat[i * shard_size : (i + 1) * shard_size] for i in range(num_shards)]
         return self.position.epoch, shards
 
-    def requeue(self, indices: list[int], epoch: int | None = None) -> None:
+    def requeue(self, indices: list[int], epoch: int) -> None:
         """Put dropped samples back so they are used later in this epoch. Samples dropped in an
         epoch the plan has already left are not carried over: the new epoch has them in its
-        own order, and carrying them would use them twice there."""
-        if epoch is not None and epoch != self.position.epoch:
+        own order, and carrying them would use them twice there. (``epoch`` is required: left
+        out, the check was skipped.)"""
+        if epoch != self.position.epoch:
             return
         self._requeued.extend(indices)
         self.position.requeued = list(self._requeued)

@@ -193,7 +193,7 @@ def test_shard_plan_is_deterministic_and_requeues_first():
     assert a.take(4, 5) == b.take(4, 5)
     assert epoch_order(100, 7, 0) != epoch_order(100, 7, 1)
     epoch, shards = a.take(2, 5)
-    a.requeue(shards[1])
+    a.requeue(shards[1], epoch)
     _, nxt = a.take(1, 5)
     assert nxt[0] == shards[1]
 
