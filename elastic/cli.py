@@ -5,7 +5,8 @@ directories through ``CheckpointStore``; ``submit`` wraps ``JobSubmissionClient`
 command with one line on stderr and a non-zero exit code, never a traceback (``-v`` shows it).
 
 Exit codes: 0 done; 1 failed; 2 usage error (a bad option or address); 3 ``stop`` asked the run
-to stop but could not learn how it ended; 4 ``checkpoints --run`` found no usable step.
+to stop but could not learn how it ended; 4 ``checkpoints --run`` found no usable step; 130
+interrupted (Ctrl-C).
 """
 
 from __future__ import annotations

@@ -240,9 +240,10 @@ class Controller:
         self._hung: set[str] = set()
         self.recomputed = 0  # steps begun on some rank and thrown away by a failure (trained again)
         self.late_gradients = 0  # first-N: gradients a rank computed that came too late to be used
-        # Snapshots each worker (by actor name) dropped for want of a free slot in its node's
-        # checkpoint agent, as of its newest flush: a running total per worker, so the newest wins.
-        self._snapshot_drops: dict[str, int] = {}
+        # Snapshots each worker (by its actor, _actor_key) dropped for want of a free slot in its
+        # node's checkpoint agent: its running total as of its newest flush, and its drop events.
+        self._snapshot_drops: dict[str, int] = {}  # actor key -> its total at the end's drain
+        self._snapshot_drops_told: dict[str, int] = {}  # actor key -> what its drop events said
         self.agreed_steps = 0  # first-N: steps whose fast set was agreed on the store (the rest were known)
         self._planned: dict[int, tuple[int, list[list[int]]]] = {}  # step -> (epoch, shards) handed out
         self._positions: dict[int, dict] = {}  # step -> sampler position right after that step
@@ -1275,8 +1276,22 @@ class Controller:
         for ev in extra.get("ckpt_events", []):
             self._log_storage_event(ev, rank)
 
+    def _actor_key(self, rank: int) -> str:
+        """The actor that holds ``rank`` now, as a key that outlives it (its Ray actor ID): a
+        restart gives a new actor the old one's name."""
+        m = self.group.members[rank] if self.group is not None and 0 <= rank < len(self.group.members) else None
+        if m is None:
+            return f"rank-{rank}"
+        actor_id = getattr(m.actor, "_actor_id", None)
+        return actor_id.hex() if actor_id is not None else f"{m.name}@{id(m.actor)}"
+
     def _log_storage_event(self, ev: dict, rank: int | None = None) -> None:
         details = {k: v for k, v in ev.items() if k not in ("message", "rank")}
+        if ev.get("event") == "checkpoint_snapshots_dropped" and rank is not None:
+            # What a rank said it dropped, as it goes: a rank lost, evicted or restarted before
+            # the end's drain (_commit_what_ranks_wrote) would otherwise not be counted at all.
+            key = self._actor_key(rank)
+            self._snapshot_drops_told[key] = self._snapshot_drops_told.get(key, 0) + int(ev.get("dropped") or 0)
         if ev.get("event") == "checkpoint_committed":
             details.setdefault("lag", max(0, self.step - int(ev["step"])))
             self.log("checkpoint_commit", ev.get("message", ""), **details)
@@ -2343,6 +2358,7 @@ class Controller:
         not take them within ``timeout_s``. ``lost_ok``: a rank that does not answer (lost in a
         recovery) is skipped, what it wrote and reported is all there is of it."""
         refs = [(m.rank, m.name, m.actor.flush_checkpoint.remote(final)) for m in self.group.members]
+        keys = {r: self._actor_key(r) for r, _, _ in refs}
         for r, name, ref in refs:
             try:
                 report = ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s if lost_ok else None)
@@ -2360,7 +2376,7 @@ class Controller:
                     raise
                 continue
             if report and "snapshots_dropped" in report:
-                self._snapshot_drops[name] = int(report["snapshots_dropped"])
+                self._snapshot_drops[keys[r]] = int(report["snapshots_dropped"])
             self._merge_ckpt(r, report)
         committed = self.committer.flush(timeout_s=timeout_s)
         if not committed:
@@ -2378,6 +2394,12 @@ class Controller:
         best, (best_step, _) = max(self._ask_progress(live), key=lambda answer: answer[1][0], default=(None, (-1, 0)))
         # Weights nothing trained or restored, or older than the run's step: not the run's.
         return (best, best_step) if best_step > 0 and best_step >= self.step else None
+
+    def _snapshots_dropped(self) -> int:
+        """Every actor's dropped snapshots: its total at the end's drain where it answered one (the
+        drop events are sent at most once a minute), else what its events said as they came."""
+        told, drained = self._snapshot_drops_told, self._snapshot_drops
+        return sum(max(told.get(k, 0), drained.get(k, 0)) for k in told.keys() | drained.keys())
 
     @property
     def _world_size(self) -> int:
@@ -2413,7 +2435,7 @@ class Controller:
             "agreed_steps": self.agreed_steps,
             "ledger": [asdict(e) for e in self.ledger.entries],
             "dropped_samples": totals.dropped,
-            "checkpoint_snapshots_dropped": sum(self._snapshot_drops.values()) if self.committer is not None else None,
+            "checkpoint_snapshots_dropped": self._snapshots_dropped() if self.committer is not None else None,
             "restored_from": self.restored_from,
             "checkpoint": None,
             "state": self.state.value,

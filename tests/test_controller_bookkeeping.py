@@ -475,3 +475,26 @@ def test_a_checkpoint_read_that_does_not_return_is_logged_and_a_stop_breaks_in(r
     monkeypatch.setattr(controller_module.ray, "wait", lambda refs, **kw: (list(refs), []))
     monkeypatch.setattr(controller_module.ray, "get", lambda ref, **kw: {"step": 7})
     assert c._await_restore("ref", 7) == {"step": 7}
+
+
+def test_snapshots_a_rank_dropped_count_after_it_is_gone(rayless_controller):
+    # The run's checkpoint_snapshots_dropped came only from the end's drain of the ranks then in
+    # the group: a rank lost or replaced before it, and a restart's new rank of the same name
+    # (which took the old name's entry), were not counted.
+    from types import SimpleNamespace
+
+    c = rayless_controller()
+    c.group = StandInGroup(ranks=2)
+    c.committer = SimpleNamespace()
+
+    def dropped(rank, n):
+        c._log_storage_event({"event": "checkpoint_snapshots_dropped", "step": 5, "dropped": n,
+                              "message": f"{n} snapshot(s) dropped"}, rank)
+
+    dropped(1, 3)
+    dropped(1, 2)
+    c.group.members[1] = Member(Answers(), "rank-1", rank=1)  # lost and replaced: a new actor, same name
+    dropped(1, 4)
+    c._snapshot_drops[c._actor_key(1)] = 6  # the new one's total at the end's drain (events undercount)
+    c._snapshot_drops[c._actor_key(0)] = 1  # dropped one, never said (within the minute)
+    assert c._snapshots_dropped() == 5 + 6 + 1
