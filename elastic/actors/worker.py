@@ -202,6 +202,7 @@ class TrainWorker:
         # and the lock that keeps an abort from landing on a group being left or joined.
         self._aborted_generation: int | None = None
         self._group_lock = threading.Lock()
+        self._world_pg = None  # the group's default process group, held for leave() (see there)
         self._slow: tuple[float, int, float] | None = None  # (factor, from_step, delay_s) fault injection
         self._hang_at: int | None = None
         self._kill_at: int | None = None
@@ -384,6 +385,7 @@ class TrainWorker:
         if self.backend == "nccl":
             for key, value in NCCL_ERROR_ENV.items():
                 os.environ.setdefault(key, value)  # the user's own setting wins
+        store = None
         try:
             store = self._rendezvous_store(hosted, rank, world_size, master_addr, master_port, timeout_s)
             self._join(store, rank, world_size, master_addr, master_port, generation, timeout_s, use_ddp,
@@ -392,7 +394,10 @@ class TrainWorker:
             # Torn down at once, as after a failed step (_run_guarded): a group formed before the
             # failure (a peer lost during DDP's first broadcast, a subgroup, the part pool) left up
             # keeps its sockets and rank 0's store open, and the peers blocked on them wait out
-            # collective_timeout_s instead of failing now.
+            # collective_timeout_s instead of failing now. This frame's own references to the
+            # store go first: the exception's traceback holds this frame (running, so leave()
+            # cannot clear it) until Ray frees the exception, and rank 0's store with it.
+            store = hosted = None
             self.leave()
             raise
         return {"rank": rank, "join_s": time.time() - t0}
@@ -425,6 +430,7 @@ class TrainWorker:
                 timeout=timedelta(seconds=timeout_s),
                 device_id=self.device if self.backend == "nccl" else None,
             )
+            self._world_pg = dist.group.WORLD
             buffers = ReplicaBuffers(self.model, self.device)
             self._buffers = buffers if buffers and world_size > 1 else None
             if use_ddp:
@@ -502,6 +508,11 @@ class TrainWorker:
         held = list(self._subgroups.values())
         if dist.is_initialized():
             held.append(dist.group.WORLD)
+        # Also once an NCCL abort (abort_collectives) has emptied torch's registry of groups, and
+        # dist.is_initialized() says False: the reducer would otherwise hold the last reference
+        # to the world group, and free it (joining its watchdog threads) with the GIL held.
+        held.append(self._world_pg)
+        self._world_pg = None
         wrapper = weakref.ref(self.ddp) if self.ddp is not None else None
         _clear_frames(sys.exception())  # the failure being handled, if any (see above)
         self._subgroups.clear()
@@ -868,10 +879,19 @@ class TrainWorker:
 
         ``generation``: the group the controller gave up; a call that arrives after this rank
         joined a newer group (the control thread runs beside the main one) is ignored."""
-        store = self._fn_store
-        if store is None or generation != self.generation:
+        # Checked and set under the group lock, not waited for (as abort_collectives): between
+        # a check and a set without it, the main thread could leave and join the next generation,
+        # whose _join clears the flag, and the flag then set made every step of the new group
+        # fail as abandoned. Held by the main thread, the group is being left or joined anyway.
+        if not self._group_lock.acquire(blocking=False):
             return False
-        self._fn_abandoned = True
+        try:
+            store = self._fn_store
+            if store is None or generation != self.generation:
+                return False
+            self._fn_abandoned = True
+        finally:
+            self._group_lock.release()
         current = self.current_step if self.current_step is not None else self.completed_step + 1
         threading.Thread(target=_mark_abandoned, args=(store, current, self.rank),
                          name="elastic-abandon-first-n", daemon=True).start()
@@ -1046,9 +1066,11 @@ class TrainWorker:
         return extra
 
     def shutdown(self) -> None:
-        if self._ckpt is not None:
-            self._ckpt.close()
-        self.leave()
+        try:
+            if self._ckpt is not None:
+                self._ckpt.close()
+        finally:
+            self.leave()  # also when the writers' close fails: the group must not stay up
 
 
 # Set for NCCL ranks before the group forms, unless the user set them. Blocking waits: an NCCL
