@@ -813,6 +813,12 @@ class Controller:
         in a step was healed."""
         self.generation += 1
         self._rank_done = {m.rank: self.step for m in self.group.members}  # every rank joins at the run's step
+        # Ranks are numbers: a promoted spare, or a survivor renumbered by a shrink, took over its
+        # predecessor's heartbeat time and last result (a fresh spare looked hung for the whole
+        # rebuild, an evicted straggler's step time stood against its replacement). Its join is
+        # its answer.
+        self._last_beat = {m.rank: time.time() for m in self.group.members}
+        self._last_results = {}
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
         head = self.group.members[0]  # hosts the fresh TCP store: its node IP and the port it bound
         port_ref = head.actor.host_rendezvous.remote(self.failure_config.collective_timeout_s)
@@ -1867,6 +1873,7 @@ class Controller:
         standby = survivors[size:]
         names = [self.group.members[r].name for r in standby]
         self.group.remove_ranks(list(lost), stand_by=standby)
+        self._unhealed = ()  # gone with remove_ranks: counted again, world_size read by status() went below 0
         self._stateless.update(names)
         self._per_worker = self.global_batch_size // size
         for r in (*lost, *standby):

@@ -8,7 +8,9 @@ run/rank/kind tags leave here: never a storage URL or a credential.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,8 @@ class RunMetrics:
         self._m = None
         self._ranks: set[str] = set()  # ranks the per-rank gauges were last set for
         self._last: dict[tuple[str, tuple], float] = {}  # (gauge, tags) -> its last value
-        self._lock = threading.Lock()
+        self._since: dict[tuple[str, tuple], float] = {}  # heartbeat series -> monotonic time of that answer
+        self._lock = threading.RLock()  # reentrant: _forget_ranks drops a series while holding it
         self._closed = threading.Event()
         self._refresher: threading.Thread | None = None
 
@@ -64,10 +67,15 @@ class RunMetrics:
         return name, tuple(sorted(tags.items()))
 
     def _set(self, m, name: str, value: float, tags: dict) -> None:
-        """Set a gauge and keep its value for the refresher."""
-        m[name].set(value, tags=tags)
-        with self._lock:
-            self._last[self._series(name, tags)] = value
+        """Set a gauge and keep its value for the refresher. A heartbeat age is kept as the time
+        of the answer, and the refresher sets it as the age then: it grows on a rank that is
+        lost or hung while nothing else updates it (a long wait for capacity, a recovery)."""
+        series = self._series(name, tags)
+        with self._lock:  # with the refresher's sets: it must not put back a value set over
+            m[name].set(value, tags=tags)
+            self._last[series] = value
+            if name == "heartbeat_age" and math.isfinite(value):
+                self._since[series] = time.monotonic() - value
             if self._refresher is None and not self._closed.is_set():
                 self._refresher = threading.Thread(target=self._refresh, name="elastic-metrics-refresh", daemon=True)
                 self._refresher.start()
@@ -76,6 +84,7 @@ class RunMetrics:
         """Stop refreshing a gauge series: it ages out of the endpoint."""
         with self._lock:
             self._last.pop(self._series(name, tags), None)
+            self._since.pop(self._series(name, tags), None)
 
     def _refresh(self) -> None:
         every = refresh_interval_s()
@@ -83,16 +92,20 @@ class RunMetrics:
             self.refresh()
 
     def refresh(self) -> None:
-        """Set every gauge again with its last value (the refresher's tick)."""
-        with self._lock:
-            values = list(self._last.items())
+        """Set every gauge again with its last value (the refresher's tick); a heartbeat age as
+        the seconds since that answer. Under the lock: a series blanked and dropped meanwhile
+        (``_forget_ranks``) was set back to its stale value once."""
         if self._closed.is_set() or self._m is None:
             return
-        for (name, tags), value in values:
-            try:
-                self._m[name].set(value, tags=dict(tags))
-            except Exception:  # metrics must never stop training
-                logger.debug("metrics refresh failed", exc_info=True)
+        with self._lock:
+            now = time.monotonic()
+            for series, value in self._last.items():
+                name, tags = series
+                since = self._since.get(series)
+                try:
+                    self._m[name].set(value if since is None else now - since, tags=dict(tags))
+                except Exception:  # metrics must never stop training
+                    logger.debug("metrics refresh failed", exc_info=True)
 
     def close(self) -> None:
         """The run has ended: its gauges are no longer set again, and leave the endpoint."""
@@ -181,8 +194,9 @@ class RunMetrics:
         for rank in self._ranks - ranks:
             tags = {"run": self.run, "rank": rank}
             for name in ("heartbeat_age", "straggler", "rank_behind", "rank_step_time"):
-                m[name].set(float("nan"), tags=tags)
-                self._drop(name, tags)
+                with self._lock:  # NaN and the drop in one hold: the refresher sets no stale value between
+                    m[name].set(float("nan"), tags=tags)
+                    self._drop(name, tags)
         self._ranks = ranks
 
     def on_heartbeats(self, ages: dict[int, float]) -> None:

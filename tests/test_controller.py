@@ -311,6 +311,17 @@ def test_a_new_actor_takes_a_name_the_previous_groups_actor_still_holds(ray_clus
         c.group.members[0].actor = new  # shut down with the group
 
 
+def test_a_rebuilt_group_starts_every_ranks_heartbeat_age_and_step_time_afresh(ray_cluster):
+    # Ranks are numbers: a spare promoted into rank 1 took over its predecessor's heartbeat time
+    # (looking hung for the whole rebuild on the gauge and in `elastic status`) and its last result.
+    with trained("fake-fresh-rows", workers=2, steps=2) as c:
+        c._last_beat[1] = time.time() - 100
+        c._last_results = {1: "the evicted straggler's"}
+        c._form_group("rebuilt by the test")
+        rows = {row["rank"]: row for row in c.rank_rows(spares=False)}
+        assert rows[1]["heartbeat_age_s"] < 30 and rows[1]["step_time_s"] is None
+
+
 def holder_past_the_run_and_rank_1_replaced(c):
     """Rank 0 finished steps 3 and 4 past the controller's 2 and began 5; rank 1 was lost and a
     spare took its place. Returns rank 0."""

@@ -498,3 +498,15 @@ def test_snapshots_a_rank_dropped_count_after_it_is_gone(rayless_controller):
     c._snapshot_drops[c._actor_key(1)] = 6  # the new one's total at the end's drain (events undercount)
     c._snapshot_drops[c._actor_key(0)] = 1  # dropped one, never said (within the minute)
     assert c._snapshots_dropped() == 5 + 6 + 1
+
+
+def test_a_shrink_counts_its_lost_ranks_out_of_the_world_size_once(rayless_controller):
+    # remove_ranks took the lost ranks out of the group while _unhealed still named them, so a
+    # status() read during the rest of the recovery subtracted them twice (4 ranks, 3 lost: -2).
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=4), global_batch_size=12,
+                           failure=elastic.FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=1))
+    c.group = StandInGroup(ranks=4)
+    c.failures = 1
+    c._unhealed = (1, 2, 3)  # as the recovery loop sets it before the decision is carried out
+    c._decide_and_apply((1, 2, 3), "node_lost")
+    assert len(c.group.members) == 1 and c._world_size == 1

@@ -145,3 +145,23 @@ def test_run_metrics_travel_to_the_controller_without_their_thread_or_values():
     copy = pickle.loads(pickle.dumps(m))
     assert copy.run == "r" and copy._m is None and copy._last == {} and copy._refresher is None
     m.close()
+
+
+def test_a_lost_ranks_heartbeat_age_grows_while_nothing_else_updates_it(monkeypatch):
+    # Rank 1's node died; the run waits 30 minutes for capacity. No step completes and no gather
+    # asks for heartbeats, so the gauge was set again with its last value (~0 s), while
+    # `elastic status` showed the age growing: an alert on it never fired.
+    import elastic.metrics as metrics_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock[0])
+    m = metrics()
+    m.on_heartbeats({0: 0.5, 1: 2.0})
+    clock[0] += 60
+    m.refresh()
+    assert m._m["heartbeat_age"].values["1"][-1] == 62.0 and m._m["heartbeat_age"].values["0"][-1] == 60.5
+    m.on_step(record(1, 1), controller([0]))  # rank 1 is gone: NaN once, then not set again
+    clock[0] += 60
+    m.refresh()
+    assert math.isnan(m._m["heartbeat_age"].values["1"][-1])
+    assert abs(m._m["heartbeat_age"].values["0"][-1] - 60.1) < 1e-9
