@@ -1601,6 +1601,32 @@ def test_a_hyperparameter_newer_torch_added_still_fits():
                             saved) == []
 
 
+def test_an_optimizer_or_scheduler_of_another_class_with_the_same_names_is_named():
+    # AdamW's param groups have Adam's names: loading set decoupled_weight_decay back to False and
+    # the AdamW trained as Adam. A LambdaLR resumed from a StepLR checkpoint loaded the model and
+    # optimizer, then failed with KeyError: 'lr_lambdas' (no ConfigError, the state half-loaded).
+    from helpers import make_model
+
+    from elastic.checkpoint import state_mismatches
+
+    model = make_model()
+    saved = _trained_state(model, lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.1))
+    saved["scheduler"] = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=1), 10).state_dict()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    lam = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=1), lambda s: 1.0).state_dict()
+    problems = state_mismatches({"model": model.state_dict(), "optimizer": adamw.state_dict(), "scheduler": lam},
+                                saved)
+    assert len(problems) == 2
+    assert problems[0].startswith("optimizer: param group 0 has decoupled_weight_decay=False in the checkpoint and "
+                                  "True in this optimizer") and "Adam against AdamW" in problems[0]
+    assert problems[1].startswith("scheduler: the checkpoint's LR scheduler state has ") and "lr_lambdas" in problems[1]
+    # The same classes fit; a scheduler added or removed between runs is no mismatch.
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.1).state_dict()
+    step = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=1), 10).state_dict()
+    assert state_mismatches({"model": model.state_dict(), "optimizer": adam, "scheduler": step}, saved) == []
+    assert state_mismatches({"model": model.state_dict(), "optimizer": adam, "scheduler": None}, saved) == []
+
+
 def test_checkpoint_mismatch_survives_pickling_whole():
     """It travels from a worker to the controller pickled."""
     import pickle

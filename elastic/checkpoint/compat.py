@@ -9,8 +9,12 @@ and the field to change, and leaves the worker's state untouched.
 
 What is compared: the model's keys and shapes (dtype differences are allowed, as torch allows
 them), and the optimizer's param groups: how many there are, how many parameters each holds,
-and the names of their hyperparameters (a different optimizer class has different names).
-The LR scheduler is not compared: one added or removed between runs starts or stops cleanly.
+the names of their hyperparameters (a different optimizer class has different names), and the
+flags that select an algorithm within a class's names (``decoupled_weight_decay``: Adam and
+AdamW have the same names, and loading restores the saved flag, so an AdamW resumed from an
+Adam checkpoint trained as Adam). The LR scheduler: one added or removed between runs starts or
+stops cleanly, but one of another class (other state keys) failed in its ``load_state_dict``
+after the model and optimizer had loaded.
 """
 
 from __future__ import annotations
@@ -72,7 +76,25 @@ def _optimizer_mismatches(live: dict, saved: dict) -> list[str]:
         if unknown:
             out.append(f"optimizer: param group {i} of the checkpoint has hyperparameters this optimizer does not "
                        f"have: {unknown} (was it saved from another optimizer class?)")
+        for flag in ALGORITHM_FLAGS:
+            if flag in mine and flag in theirs and bool(mine[flag]) != bool(theirs[flag]):
+                out.append(f"optimizer: param group {i} has {flag}={theirs[flag]} in the checkpoint and {mine[flag]} "
+                           f"in this optimizer; loading would set it back (was it saved from another optimizer "
+                           f"class, Adam against AdamW?)")
     return out
+
+
+# Hyperparameters that choose the algorithm, not a value along it: the checkpoint's would replace
+# this optimizer's when it loads (torch restores every hyperparameter), silently.
+ALGORITHM_FLAGS = ("decoupled_weight_decay", "amsgrad", "nesterov", "centered")
+
+
+def _scheduler_mismatches(live: Any, saved: Any) -> list[str]:
+    if not isinstance(live, dict) or not isinstance(saved, dict) or set(live) == set(saved):
+        return []  # none on one side (added or removed: fine), or the same kind
+    return [f"scheduler: the checkpoint's LR scheduler state has {_names(sorted(set(saved) - set(live)))} "
+            f"that this run's lacks and lacks {_names(sorted(set(live) - set(saved)))} (was it saved from "
+            f"another scheduler class?)"]
 
 
 def _names(keys: list[str], limit: int = 5) -> str:
@@ -86,6 +108,7 @@ def state_mismatches(live: dict, saved: dict, limit: int = 12) -> list[str]:
     ``limit`` lines, the last saying how many more there were."""
     problems = _model_mismatches(live["model"], saved.get("model", {}))
     problems += _optimizer_mismatches(live["optimizer"], saved.get("optimizer", {}))
+    problems += _scheduler_mismatches(live.get("scheduler"), saved.get("scheduler"))
     if len(problems) > limit:
         problems = problems[:limit - 1] + [f"... and {len(problems) - limit + 1} more difference(s)"]
     return problems
