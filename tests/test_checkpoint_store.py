@@ -458,6 +458,17 @@ def test_a_shard_grown_past_its_record_is_corrupt_and_not_read_past_it(backend, 
     assert {n for rel, n in reads if rel == shard4} == {len(data) + 1}  # not its 11x
 
 
+def test_a_meta_with_keys_that_are_not_strings_commits_a_step_that_validates(tmp_path):
+    # The checksum was taken over {2: .., 10: ..} as built (sorted as ints), the reader
+    # re-encoded {"10": .., "2": ..}: every such step failed its checksum and resume found none.
+    store = CheckpointStore(str(tmp_path), RUN, retry=FAST)
+    entries = store.write_rank_files(1, 0, 1, tiny_state(1))
+    store.commit(1, entries, 1, {"per_rank": {2: "a", 10: "b"}})
+    assert store.latest_valid() == 1 and store.load_manifest(1)["meta"] == {"per_rank": {"10": "b", "2": "a"}}
+    with pytest.raises(ValueError, match="must be plain JSON data"):
+        store.commit(2, store.write_rank_files(2, 0, 1, tiny_state(2)), 1, {"mixed": {1: "a", "b": 2}})
+
+
 def test_corrupt_manifest_means_uncommitted(backend):
     store = make_store(backend)
     write_step(store, trained_worker(steps=1), step=1)

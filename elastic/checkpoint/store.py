@@ -232,6 +232,17 @@ def _record_problem(record: Any) -> str | None:
     return None
 
 
+def _as_read(meta: dict, step: int) -> dict:
+    """``meta`` as a reader of the manifest gets it back: through JSON once. Why: the checksum is
+    taken over the body as built, and a key that is not a string (an int, say) is written as
+    one, and sorted otherwise once read ({2, 10} against {"10", "2"}); every such step's
+    checksum then failed, and resume found no committed step."""
+    try:
+        return json.loads(canonical_json(dict(meta)))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint meta for step {step} must be plain JSON data: {exc}") from None
+
+
 def _manifest_problem(manifest: dict, step: int) -> str | None:
     """Why ``manifest`` (parsed, or the body ``commit`` is about to write) is not a manifest of
     ``step`` that the readers can use, or None.
@@ -385,7 +396,7 @@ class CheckpointStore:
             "world_size": int(world_size),
             "created_at": time.time(),
             "files": [e.to_dict() for e in files],
-            "meta": dict(meta or {}),
+            "meta": _as_read(meta or {}, step),
         }
         if rng:
             body["rng"] = {str(r): rng[r] for r in sorted(rng)}
