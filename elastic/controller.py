@@ -1203,6 +1203,15 @@ class Controller:
                 unfinished[r] = exc
         return unfinished
 
+    @staticmethod
+    def _raise_user_errors(unfinished: dict[int, BaseException | None]) -> None:
+        """``WorkerError`` for the first rank of ``unfinished`` (``_wait_late``) whose window
+        failed in the user's code; deaths, broken groups and busy ranks are the caller's."""
+        for r, exc in sorted(unfinished.items()):
+            if isinstance(exc, ray.exceptions.RayTaskError) and \
+                    not isinstance(getattr(exc, "cause", None), CollectiveError):
+                raise WorkerError(r, str(exc)) from None
+
     def _finish_late(self) -> None:
         """At the end of a run: let late first-N replicas finish their windows, and let go of one
         that cannot. Every step is applied on the fast ranks by now, and nothing more is sent to a
@@ -1213,6 +1222,7 @@ class Controller:
         its user error is the user's (WorkerError), as in a step."""
         unfinished = self._wait_late()
         self._lagging.clear()
+        self._raise_user_errors(unfinished)
         waited = self._late_wait_s()
         busy = (f"still busy after step_timeout_s={waited:g}s" if waited == self.failure_config.step_timeout_s
                 else f"still busy after {waited:g}s, a quarter of the stop's RunConfig.stop_timeout_s")
@@ -1224,10 +1234,8 @@ class Controller:
                 gone[r] = "died"
             elif not isinstance(exc, ray.exceptions.RayTaskError):
                 raise exc
-            elif isinstance(getattr(exc, "cause", None), CollectiveError):
+            else:  # a broken group: the user's own errors were raised above
                 gone[r] = "lost its group"
-            else:
-                raise WorkerError(r, str(exc)) from None
         if gone:
             self.log("late_released", "late replica(s) " + ", ".join(f"{r} ({why})" for r, why in sorted(gone.items()))
                      + " did not finish the run's last window; released, the run ends without them",
@@ -2263,7 +2271,9 @@ class Controller:
         queued = [ref for refs, ranks, *_ in self._inflight.values() for ref, rr in zip(refs, ranks) if rr != r]
         if queued:
             ray.wait(queued, num_returns=len(queued), timeout=self.failure_config.step_timeout_s)
-        self._wait_late(exclude=r)
+        # A late replica's own error (its loss_fn raised in the window it was late with) is the
+        # user's, as in a step or at the run's end: ignored here, the run went on without a word.
+        self._raise_user_errors(self._wait_late(exclude=r))
         self._lagging.clear()
         victim = self.group.members[r]
         self._avoid_node(node)

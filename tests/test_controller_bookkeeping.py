@@ -510,3 +510,23 @@ def test_a_shrink_counts_its_lost_ranks_out_of_the_world_size_once(rayless_contr
     c._unhealed = (1, 2, 3)  # as the recovery loop sets it before the decision is carried out
     c._decide_and_apply((1, 2, 3), "node_lost")
     assert len(c.group.members) == 1 and c._world_size == 1
+
+
+def test_a_late_replicas_own_error_during_an_eviction_is_the_users(rayless_controller):
+    # First-N: rank 2 is evicted while rank 1 is late, and rank 1's loss_fn raised in its late
+    # window. _evict ignored what _wait_late returned: the error vanished, the run went on.
+    import ray
+
+    from elastic.actors.protocol import CollectiveError
+    from elastic.controller import WorkerError
+    from elastic.policies.decisions import EvictStraggler
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, num_spares=1,
+                                                         aggregation="first_n"), global_batch_size=8)
+    c.group = StandInGroup(ranks=3, ready_spares=1)
+    user = ray.exceptions.RayTaskError("train_steps", "Traceback ...", ValueError("a bad sample (test)"))
+    c._wait_late = lambda exclude=None: {1: user}
+    with pytest.raises(WorkerError, match="worker rank 1 raised"):
+        c._evict(EvictStraggler(rank=2, reason="slow (test)"))
+    broken = ray.exceptions.RayTaskError("train_steps", "Traceback ...", CollectiveError("peer gone (test)"))
+    c._raise_user_errors({1: broken, 0: None})  # a broken group or a busy rank is no user error
