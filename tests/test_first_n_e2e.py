@@ -200,8 +200,11 @@ def test_persistent_straggler_evicted_for_spare(ray_cluster):
     # One step per call, so the policy decides after every step (with windows it decides once a
     # window and needs two windows over the threshold; the run is too short for that). Slow from
     # its second step: a rank still in its first step is held as a cold start (a promoted spare's
-    # first kernels), and one 200x slow from step 1 is evicted only once that step ends.
-    result = make("evict", faults=[{"kind": "slow", "rank": 1, "factor": 200.0, "from_step": 2}], spares=1,
+    # first kernels), and one slow from step 1 is evicted only once that step ends. A fixed 1 s a
+    # step, not a factor: a factor multiplies the rank's first, cold step, which on a loaded
+    # machine took 0.2-0.8 s, and while the replica late in step 1 sits out (up to 4 steps) the
+    # slow one is among the N: the test took 11-174 s in the suite, 20 s alone.
+    result = make("evict", faults=[{"kind": "slow", "rank": 1, "delay_s": 1.0, "from_step": 2}], spares=1,
                   failure=failure, steps_per_dispatch=1).fit(steps=STEPS + 4)
     evictions = [e for e in result.events if e["kind"] == "decision" and e["details"]["decision"] == "EvictStraggler"]
     assert len(evictions) == 1 and evictions[0]["details"]["rank"] == 1
