@@ -401,12 +401,17 @@ def refuse_in_bulk_deletes(fs, monkeypatch, refused: set[str], code: str = "Inte
     return sizes
 
 
-def test_s3_bulk_delete_raises_for_a_key_s3_did_not_delete(moto_s3, monkeypatch):
+def s3_storage_with(moto_s3, names: list[str]) -> tuple[Storage, object]:
+    """An S3 Storage (moto) holding a one-byte file at each of ``names``, and its filesystem."""
     url, options = backend_url("s3", "", moto_s3)
     storage = Storage(url, options, retry=FAST)
-    for name in ("a", "b", "c"):
-        storage.write_bytes(f"d/{name}", b"1")
-    fs, _ = storage._filesystem()
+    for name in names:
+        storage.write_bytes(name, b"1")
+    return storage, storage._filesystem()[0]
+
+
+def test_s3_bulk_delete_raises_for_a_key_s3_did_not_delete(moto_s3, monkeypatch):
+    storage, fs = s3_storage_with(moto_s3, ["d/a", "d/b", "d/c"])
     sizes = refuse_in_bulk_deletes(fs, monkeypatch, {"prefix/d/b"})
     with pytest.raises(StorageUnavailable, match=r"DeleteObjects left 1 of 3 keys: .*prefix/d/b: InternalError"):
         storage.delete_files(["d/a", "d/b", "d/c"], "d")
@@ -426,11 +431,7 @@ def test_s3_bulk_delete_raises_for_a_key_s3_did_not_delete(moto_s3, monkeypatch)
 def test_s3_delete_tree_raises_for_a_key_s3_did_not_delete(moto_s3, monkeypatch):
     """The recursive delete (GC of an uncommitted step, a step whose files the caller does not
     know) checks DeleteObjects' answer key by key too: s3fs's own ``rm`` would drop the error."""
-    url, options = backend_url("s3", "", moto_s3)
-    storage = Storage(url, options, retry=FAST)
-    for name in ("a", "b", "sub/c"):
-        storage.write_bytes(f"t/{name}", b"1")
-    fs, _ = storage._filesystem()
+    storage, fs = s3_storage_with(moto_s3, ["t/a", "t/b", "t/sub/c"])
     sizes = refuse_in_bulk_deletes(fs, monkeypatch, {"prefix/t/sub/c"})
     with pytest.raises(StorageUnavailable, match=r"DeleteObjects left 1 of 1 keys: .*prefix/t/sub/c: InternalError"):
         storage.delete_tree("t")

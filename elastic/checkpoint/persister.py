@@ -341,10 +341,10 @@ class AsyncPersister:
                     self._inflight, self._current = None, None
                     self._cond.notify_all()
 
-    def _persist(self, step: int, payload: Any, kind: str = "newest") -> Any:
-        """Write ``payload``, retrying through an outage; returns the payload it ended with (in an
-        outage it moves on to the newest snapshot, releasing the reports it skips; a milestone,
-        retried or waiting, is neither skipped nor released)."""
+    def _persist(self, step: int, payload: Any, kind: str = NEWEST) -> None:
+        """Write ``payload``, retrying through an outage. In an outage it moves on to the newest
+        snapshot (``_current`` then holds it), releasing the reports it skips; a milestone,
+        retried or waiting, is neither skipped nor released."""
         attempt = 0
         while True:
             try:
@@ -356,30 +356,28 @@ class AsyncPersister:
                     # outage does not turn every training step into a storage request.
                     self._cond.wait_for(lambda: self._abort, timeout=self._backoff_s(attempt))
                     if self._abort:
-                        return payload
+                        return
                     heavy = [i for i in self._queue if i[2] == NEWEST]
                     if heavy and kind != KEEP:
                         # Move on to the newest snapshot; reports older than it are moot.
                         # Milestones stay queued, in order.
                         self.superseded += 1
                         self._release(payload)
-                        newest = heavy[-1]
-                        older = []
-                        for item in self._queue:
+                        newest, before, rest = heavy[-1], True, deque()
+                        for item in self._queue:  # one pass: reports before it go, the rest stay in order
                             if item is newest:
-                                break
-                            older.append(item)
-                        for item in older:
-                            if item[2] == REPORT:
-                                self._unqueue(item)
+                                before = False
+                            elif before and item[2] == REPORT:
                                 self._release(item[1])
-                        self._unqueue(newest)
+                            else:
+                                rest.append(item)
+                        self._queue = rest
                         step, payload, kind = newest
                         self._inflight, self._current = step, payload
                 attempt += 1
                 continue
             except Exception as exc:  # noqa: BLE001 - never let the thread die silently
                 self._record_failure(step, exc)
-                return payload
+                return
             self._record_success(step, payload, entries)
-            return payload
+            return
