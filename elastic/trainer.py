@@ -412,7 +412,8 @@ class Trainer:
                 raise ConfigError(
                     f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1 or 'delay_s': d>0, 'from_step': s}} "
                     "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} (a kill may add 'after_update': True) "
-                    "with 0 <= r < number of replicas.")
+                    "with 0 <= r < number of replicas, or {'kind': 'kill_spare', 'rank': r, 'recovery': n>=1} "
+                    "(kills the spare that takes rank r in recovery n, while the ring is rebuilt).")
         # The storage is checked when it is named, not again by each fit(): a fit() while the
         # endpoint is down waits for it (a resume in an outage), where a fresh check would refuse.
         where = (self.run.storage, self.run.name, hash(repr(self.run.storage_options)))  # no secrets kept

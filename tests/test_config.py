@@ -170,8 +170,10 @@ def test_bad_fault_plan():
     [{"kind": "explode", "rank": 0, "at_step": 1}],
 ])
 def test_fault_entries_of_the_wrong_shape_or_type_are_refused_before_start(faults):
-    with pytest.raises(ConfigError, match="Trainer.faults entry"):
+    with pytest.raises(ConfigError, match="Trainer.faults entry") as err:
         _trainer(faults=faults)
+    for kind in ("'slow'", "'kill'", "'hang'", "'kill_spare'"):  # the message names every kind it takes
+        assert kind in str(err.value)
 
 
 @pytest.mark.parametrize("faults", [
