@@ -2205,8 +2205,22 @@ class Controller:
             self.metrics.on_step(record, self, per_rank=bool(decide_steps))
         decision = self.straggler_policy.decide(len(self.group.spares), steps=decide_steps) \
             if decide_steps else None
+        if isinstance(decision, EvictStraggler) and (self._stop_reason is not None or self.step >= self.total_steps):
+            # Nothing is left for the swap to speed up, and it would cost: a stop's rebuild (its
+            # waits bounded by step_timeout_s and collective_timeout_s, not the stop's) could
+            # outlast stop_timeout_s, and the driver's kill would take the last commit with it;
+            # a first-N victim evicted after the last step leaves that step's checkpoint without
+            # its part (the promoted spare never snapshots it). The end releases a late replica.
+            decision = Continue(f"rank {decision.rank} is a persistent straggler, but the run "
+                                f"{'is stopping' if self._stop_reason is not None else 'has taken its last step'}: "
+                                "not evicted", straggler=decision.rank)
         if isinstance(decision, EvictStraggler):
+            t_evict, waited = time.perf_counter(), self._waited_s
             self._evict(decision)
+            # Its waits (the queued and late windows, the leaves, the state's transfer, the
+            # rendezvous) are the workers', not controller time (StepRecord.controller_time_s).
+            # Set, not added to: the late windows' gathers inside it count their own waits.
+            self._waited_s = waited + time.perf_counter() - t_evict
         elif decision is not None:
             self._note_held_back(decision)
         if self.on_step is not None:
@@ -2270,7 +2284,11 @@ class Controller:
         # the newest state, then rebuild. First-N survivors never need the victim to finish.
         queued = [ref for refs, ranks, *_ in self._inflight.values() for ref, rr in zip(refs, ranks) if rr != r]
         if queued:
-            ray.wait(queued, num_returns=len(queued), timeout=self.failure_config.step_timeout_s)
+            # step_timeout_s a step: a rank runs the queued windows one after another, so at a
+            # slow pace they may take that long each step and all be healthy (bounded by one
+            # step_timeout_s, a 16-step window at 10 s a step was cut short and recomputed).
+            steps = sum(k for *_, k in self._inflight.values())
+            ray.wait(queued, num_returns=len(queued), timeout=self.failure_config.step_timeout_s * max(1, steps))
         # A late replica's own error (its loss_fn raised in the window it was late with) is the
         # user's, as in a step or at the run's end: ignored here, the run went on without a word.
         self._raise_user_errors(self._wait_late(exclude=r))

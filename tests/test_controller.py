@@ -1043,6 +1043,68 @@ def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_h
     assert decisions == ["EvictStraggler", "ReplaceWithSpares"]
 
 
+def test_no_eviction_after_the_last_step(ray_cluster):
+    # Nothing is left for a spare to speed up; a first-N victim evicted there also left the last
+    # step's checkpoint without its part. The straggler is named instead.
+    c = controller("fake-evict-last-step", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
+    c.scaling.steps_per_dispatch = 1
+    _evict_rank_1_at(c, 16)
+    try:
+        c.run_for(steps=16)
+    finally:
+        c.shutdown()
+    assert c.state is State.FINISHED and c.step == 16
+    assert not any("evicting" in e.message for e in c.events if e.kind == "transition")
+    held = [e for e in c.events if e.kind == "decision"]
+    assert [(e.details["decision"], e.details["rank"]) for e in held] == [("Continue", 1)]
+    assert "has taken its last step" in held[0].message
+
+
+def test_no_eviction_once_a_stop_is_asked(ray_cluster):
+    # A stop's rebuild could outlast stop_timeout_s (its waits are step_timeout_s and
+    # collective_timeout_s long), and the driver's kill then took the last commit with it.
+    from elastic.policies import EvictStraggler
+
+    c = controller("fake-evict-stopping", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
+    c.scaling.steps_per_dispatch = 1
+
+    def stop_and_evict(spares_ready, steps=1):  # the stop comes as the policy decides to evict
+        if c.step == 5:
+            c.request_stop("asked by the test")
+            return EvictStraggler("rank 1 is slow (test)", 1)
+        return None
+    c.straggler_policy.decide = stop_and_evict
+    try:
+        c.run_for(steps=16)
+    finally:
+        c.shutdown()
+    assert c.state is State.STOPPED
+    assert not any("evicting" in e.message for e in c.events if e.kind == "transition")
+    held = [e for e in c.events if e.kind == "decision"]
+    assert len(held) == 1 and "is stopping" in held[0].message and held[0].details["rank"] == 1
+
+
+def test_an_evictions_rebuild_is_not_counted_as_controller_time(ray_cluster):
+    # StepRecord.controller_time_s leaves out waiting on workers; the eviction's (its rebuild's
+    # transfer of the state, the rendezvous) was booked on the window's steps.
+    c = controller("fake-evict-busy", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
+    c.scaling.steps_per_dispatch = 1
+    _evict_rank_1_at(c, 5)
+    sync = c._sync_state
+
+    def slow_sync(*args, **kwargs):
+        time.sleep(1.5)  # a slow state transfer
+        return sync(*args, **kwargs)
+    c._sync_state = slow_sync
+    try:
+        c.run_for(steps=8)
+    finally:
+        c.shutdown()
+    assert any("evicting" in e.message for e in c.events if e.kind == "transition")
+    step5 = next(h for h in c.history if h.step == 5)
+    assert step5.controller_time_s < 1.0, step5.controller_time_s
+
+
 def stall_rank_2_around(c, method: str, before: bool) -> list:
     """Wrap the controller's ``method`` so that the first time it runs, rank 2 is made busy for
     an hour (a survivor stuck in its own code: the leave() queued behind never runs), ``before``
