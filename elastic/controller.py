@@ -1419,6 +1419,9 @@ class Controller:
                 first_problem = time.time()
                 continue
             if now - t0 > cfg.step_timeout_s:
+                if self._progressed(pending, set(ranks), done_seen):
+                    t0 = time.time()  # a step of the window finished since the last answer: not hung
+                    continue
                 self._kill_hung(self._culprits(pending), f"step exceeded step_timeout_s={cfg.step_timeout_s:g}",
                                 gone=dead)
                 t0 = time.time()  # the peers of a killed rank get a fresh step timeout to fail over
@@ -1594,8 +1597,7 @@ class Controller:
     def _check_heartbeats(self, pending: dict, beats: dict, done_seen: dict[int, int]) -> set[int]:
         """Ask the ranks of ``pending`` for a heartbeat (one in flight per rank, in ``beats``);
         kill one that has not answered within ``heartbeat_timeout_s``. Returns the ranks whose
-        answer shows a step finished since their last answer in ``done_seen`` (their first
-        answer sets it)."""
+        answer shows a step finished since what the wait last heard (``_advanced``)."""
         cfg = self.failure_config
         advanced: set[int] = set()
         for ref, r in pending.items():
@@ -1607,10 +1609,8 @@ class Controller:
                 try:
                     done = ray.get(bref).get("completed_step")
                     self._last_beat[r] = time.time()
-                    if isinstance(done, int):
-                        if r in done_seen and done > done_seen[r]:
-                            advanced.add(r)
-                        done_seen[r] = done
+                    if self._advanced(r, done, done_seen):
+                        advanced.add(r)
                 except ray.exceptions.RayError:
                     pass
                 del beats[r]
@@ -1622,6 +1622,42 @@ class Controller:
             now = time.time()
             self.metrics.on_heartbeats({r: now - self._last_beat.get(r, now) for r in set(pending.values())})
         return advanced
+
+    def _progressed(self, pending: dict, needed: set[int], done_seen: dict[int, int]) -> set[int]:
+        """The ranks of ``needed`` still in ``pending`` whose completed step is past what the wait
+        last heard (``done_seen``, else the step the controller last collected of them), asked
+        now. Why at the step timeout: the heartbeats' answers are read once an interval, so
+        with ``heartbeat_interval_s`` near ``step_timeout_s`` the answer that showed a window's
+        step finishing came after the timeout, and a healthy window of slow steps was killed as
+        hung. A hung rank's control thread still answers, with the step it stopped at; a stopped
+        process answers nothing, and is killed after this wait of 2 s at most."""
+        refs = {self.group.members[r].actor.heartbeat.remote(): r for r in set(pending.values()) & needed}
+        if not refs:
+            return set()
+        ready, _ = ray.wait(list(refs), num_returns=len(refs),
+                            timeout=min(self.failure_config.heartbeat_timeout_s, 2.0))
+        advanced: set[int] = set()
+        for ref in ready:
+            r = refs[ref]
+            try:
+                done = ray.get(ref).get("completed_step")
+            except ray.exceptions.RayError:
+                continue  # its death shows on its step's ref
+            if self._advanced(r, done, done_seen):
+                advanced.add(r)
+        return advanced
+
+    def _advanced(self, r: int, done: Any, done_seen: dict[int, int]) -> bool:
+        """Whether rank ``r``'s heartbeat's completed step ``done`` is past what the wait last
+        heard of it (``done_seen``, kept up to date here), or before any answer the step the
+        controller last collected of it. Why not the first answer as the baseline: with an
+        interval near the step timeout, the first answer came with the timeout, and a step
+        finished before it was never seen as progress."""
+        if not isinstance(done, int):
+            return False
+        base = done_seen.get(r, self._rank_done.get(r))
+        done_seen[r] = done if base is None else max(base, done)
+        return base is not None and done > base
 
     def _probe_dead(self) -> set[int]:
         refs = {m.actor.heartbeat.remote(): m.rank for m in self.group.members}

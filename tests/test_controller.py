@@ -1675,6 +1675,22 @@ def test_a_window_of_healthy_steps_longer_than_step_timeout_s_is_no_hang(ray_clu
         c.shutdown()
 
 
+def test_a_heartbeat_interval_near_the_step_timeout_does_not_kill_a_healthy_window(ray_cluster):
+    # The heartbeats' answers were read once an interval, after the step timeout's check: with
+    # heartbeat_interval_s=0.9 and step_timeout_s=1, a window of 0.3 s steps was killed as hung
+    # at 1 s although a step had finished at 0.3 s. The timeout now asks first.
+    c = controller("fake-long-beat", failure=elastic.FailureConfig(step_timeout_s=1.0, heartbeat_interval_s=0.9,
+                                                                   max_failures=0),
+                   steps_per_dispatch=6)
+    c.worker_group_cls = SteadyGroup
+    try:
+        c.run_for(steps=12)
+        assert c.state is State.FINISHED and c.failures == 0
+        assert not [e for e in c.events if e.kind == "hang"]
+    finally:
+        c.shutdown()
+
+
 def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hangs(ray_cluster):
     # The hung set named ranks: the spare in rank 1's slot was then never checked, and stayed
     # late for the rest of the run (first-N), a backup lost for good.
