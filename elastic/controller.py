@@ -1144,6 +1144,10 @@ class Controller:
         for r, (start, k) in self._late_clocks().items():
             if now - start > timeout * k and self.group.members[r].name not in self._hung:
                 stuck = self._lagging_ranks(only=r)
+                if ray.wait(list(stuck), num_returns=1, timeout=0)[0]:
+                    # It finished a window since the clock was read (a rank runs its windows in
+                    # order: the oldest one is done); the next gather collects it.
+                    continue
                 self._kill_hung(stuck, f"made no progress: its oldest late window ({k} step(s)) ran past "
                                        f"step_timeout_s={timeout:g}s a step")
 

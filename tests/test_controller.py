@@ -1710,6 +1710,24 @@ def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hang
         assert_dies(spare.actor)
 
 
+def test_a_late_window_that_just_finished_is_not_killed_as_hung(ray_cluster):
+    # Its clock ran past step_timeout_s, but its result came in since: killing it threw away a
+    # replica that had caught up (and cost a recovery). The next gather collects it.
+    @ray.remote(num_cpus=0)
+    def finished():
+        return []
+
+    with trained("fake-late-finished", workers=3, backups=1, steps=2) as c:
+        c.scaling = dataclasses.replace(c.scaling, aggregation="first_n", num_backups=1)
+        c.failure_config.step_timeout_s = 0.5
+        ref = finished.remote()
+        ray.wait([ref], timeout=30)
+        c._lagging = {ref: (1, time.time() - 5, 1)}
+        c._check_late_hung()
+        assert not [e for e in c.events if e.kind == "hang"]
+        assert c.group.members[1].name not in c._hung
+
+
 def test_the_drivers_elastic_overrides_reach_the_controller_and_the_actors_it_starts(ray_cluster, monkeypatch):
     # On a joined cluster the actors run under the raylets' environment: an ELASTIC_* override
     # set only in the driver was checked there, then not used by the ranks, agents or controller.
