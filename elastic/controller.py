@@ -1437,6 +1437,13 @@ class Controller:
             raise WorkerError(*user_error)
         if not dead and not collective_failed:
             return results
+        # Late windows that came back in this gather hold steps the fast N finished: their
+        # timings, checksums and checkpoint parts count, whatever broke now. Dropped with the
+        # failure, a divergence their checksums showed went unseen until a later check, and
+        # their parts of those steps never reached the committer.
+        for ref, res in results.items():
+            if ref not in required and ref in self._lagging:
+                self._collect_late(self._lagging.pop(ref)[0], res)
         if not dead:
             # A collective broke but no actor was seen dying: ask who is alive. If everyone is,
             # the group itself broke (a dropped link): rebuild it with the same members.

@@ -1728,6 +1728,41 @@ def test_a_late_window_that_just_finished_is_not_killed_as_hung(ray_cluster):
         assert c.group.members[1].name not in c._hung
 
 
+@pytest.mark.parametrize("late_checksum", [7, 8])
+def test_a_late_window_that_came_back_in_a_failed_gather_is_still_checked(ray_cluster, late_checksum):
+    # Rank 2's late window (step 1, its checksum) came back in the same gather as rank 0's death:
+    # dropped with the failure, its checksum was never compared (and its checkpoint parts never
+    # reached the committer).
+    import os
+
+    from elastic.actors.worker import StepResult
+    from elastic.controller import Failure, ReplicaDivergence
+
+    @ray.remote(num_cpus=0)
+    class Doomed:
+        def die(self):
+            os._exit(1)
+
+    @ray.remote(num_cpus=0)
+    def late_window():
+        return [StepResult(2, 1, 1.0, 0.001, 0.001, 4, 1, {"local_time_s": 0.001, "checksum": late_checksum})]
+
+    with trained("fake-late-in-failure", workers=3, steps=1) as c:
+        c.scaling = dataclasses.replace(c.scaling, aggregation="first_n", num_backups=1)
+        c._checksums = {1: {0: 7, 1: 7}}  # the fast two's, from their step 1
+        late = late_window.remote()
+        ray.wait([late], timeout=30)
+        c._lagging = {late: (2, time.time(), 1)}
+        doomed = Doomed.remote()
+        dying = doomed.die.remote()
+        expected = Failure if late_checksum == 7 else ReplicaDivergence
+        with pytest.raises(expected):
+            c._gather([dying], [0], lagging={late: 2})
+        assert not c._lagging
+        if late_checksum == 7:
+            assert any(e.kind == "checksum" and "after step 1" in e.message for e in c.events)
+
+
 def test_the_drivers_elastic_overrides_reach_the_controller_and_the_actors_it_starts(ray_cluster, monkeypatch):
     # On a joined cluster the actors run under the raylets' environment: an ELASTIC_* override
     # set only in the driver was checked there, then not used by the ranks, agents or controller.
