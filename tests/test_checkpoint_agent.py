@@ -665,18 +665,25 @@ def test_the_report_thread_survives_links_coming_and_going_and_a_failing_report(
 
     agent, controller, committer, store, _ = node
     failing = [True]
+    failed, added = [], []  # the steps of the parts whose report failed, and of those added after
     real_add = agent.pool.add
 
-    def add_once_failing(*args):
+    def add_once_failing(rank, world_size, step, part):
         if failing.pop() if failing else False:
+            failed.append(step)
             raise RuntimeError("injected")
-        return real_add(*args)
+        added.append(step)
+        return real_add(rank, world_size, step, part)
 
     monkeypatch.setattr(agent.pool, "add", add_once_failing)
     with linked_after_step_one(agent, committer) as (worker, hook):
         run_training([worker], [hook], committer, [2])
         finish([worker], [hook], committer)
         assert committer.latest_committed == 2
+    # The failure did happen, in the report thread, on step 1's part (the first it reported), and
+    # that thread went on to report step 2, which committed: it is still running.
+    assert failing == [] and failed == [1] and 2 in added
+    assert agent.stats()["threads"] and all(agent.stats()["threads"].values())
 
 
 def memfd_descriptors(name: str) -> list[str]:

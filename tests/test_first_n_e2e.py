@@ -12,8 +12,9 @@ import pytest
 import elastic
 import torch
 
-from helpers import (assert_weights_close, loss_fn, make_adamw, make_dataset, make_mixed_precision_model, make_model,
-                     make_model_with_unused_branch, make_sgd, reference_weights)
+from helpers import (assert_weights_close, initial_model, loss_fn, make_adamw, make_dataset,
+                     make_mixed_precision_model, make_model, make_model_with_unused_branch, make_sgd,
+                     reference_weights)
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +53,16 @@ def test_slow_rank_never_enters_update_and_replicas_stay_identical(ray_cluster):
         assert sum(e["used"] for e in result.ledger if e["step"] == step) == N
     ref = reference_weights(STEPS, N * PER, batches=used_batches(result))
     assert_weights_close(result.model_state, ref, atol=1e-6)
-    # checked after every step (checksum_every_n_steps=1) and once more at the end
-    assert len(result.events_of("checksum")) >= 1
+    # checked after every step (checksum_every_n_steps=1) and once more at the end. A step's check
+    # is logged once every member reported its checksum: the slow rank's come in late (it applies
+    # every update), and the run waits for them at the end (_finish_late), with no regroup to
+    # clear them, so each step has its event, with all three replicas in it.
+    checks = result.events_of("checksum")
+    per_step = [e for e in checks if "after step" in e["message"]]
+    assert sorted(e["details"]["step"] for e in per_step) == list(range(1, STEPS + 1))
+    assert all(e["message"] == f"all {N + B} replicas identical after step {e['details']['step']}" for e in per_step)
+    assert [e["message"] for e in checks if "at the end" in e["message"]] == \
+        [f"all {N + B} replicas identical at the end (step {STEPS})"]
     assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
     # dropped samples match what the ledger says was handed out and not used
     dropped = sum(len(e["indices"]) for e in result.ledger if not e["used"])
@@ -128,9 +137,21 @@ def test_max_grad_norm_clips_the_fast_ranks_mean_on_every_replica(ray_cluster):
     # weights equal one process clipping the gradient of the fast ranks' shards together.
     result = make("firstn-clip", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
                   max_grad_norm=0.05).fit(steps=STEPS)
-    ref = reference_weights(STEPS, N * PER, batches=used_batches(result), max_grad_norm=0.05)
+    batches = used_batches(result)
+    ref = reference_weights(STEPS, N * PER, batches=batches, max_grad_norm=0.05)
     assert_weights_close(result.model_state, ref, atol=1e-6)
     assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
+    # The clip was active: every step's norm (of the fast ranks' mean, before clipping) is over it,
+    # and the first is the one one process computes on the fast ranks' shards of step 1.
+    assert [h["step"] for h in result.history] == list(range(1, STEPS + 1))
+    assert all(h["grad_norm"] is not None and h["grad_norm"] > 0.05 for h in result.history)
+    model, ds = initial_model(0), make_dataset()
+    loss_fn(model, ds[batches[0]]).backward()
+    first = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    assert result.history[0]["grad_norm"] == pytest.approx(float(first), rel=1e-5)
+    # and it mattered: the same batches unclipped end elsewhere
+    unclipped = reference_weights(STEPS, N * PER, batches=batches)
+    assert any((result.model_state[k] - unclipped[k]).abs().max() > 1e-3 for k in unclipped)
 
 
 def test_a_persistent_straggler_sits_out_instead_of_computing_gradients_nobody_uses(ray_cluster):
@@ -219,12 +240,13 @@ def test_persistent_straggler_evicted_for_spare(ray_cluster):
 RANKS_1_2_SLOWED = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} for r in (1, 2)]
 
 
-def heal_two_of_three_lost(name: str, faults: list, after_update: bool = False):
+def heal_two_of_three_lost(name: str, faults: list, after_update: bool = False, late_backoff_steps: int = 8):
     """Ranks 1 and 2 die in step 3 (or right after its update), with two spares and one step per
     call; the run must heal in one recovery, at once, with identical replicas."""
     kill = {"after_update": True} if after_update else {}
     faults = [{"kind": "kill", "rank": r, "at_step": 3, **kill} for r in (1, 2)] + faults
-    result = make(name, faults=faults, spares=2, steps_per_dispatch=1).fit(steps=STEPS)
+    result = make(name, faults=faults, spares=2, steps_per_dispatch=1,
+                  late_backoff_steps=late_backoff_steps).fit(steps=STEPS)
     assert result.metrics["steps"] == STEPS
     assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
     assert result.recoveries[0]["kind"] != "hang"
@@ -247,6 +269,23 @@ def test_losing_more_ranks_than_backups_heals_without_waiting_out_the_survivors(
     # healed twice (seen once under make test's two processes).
     result = heal_two_of_three_lost("firstn-two-lost", [{"kind": "slow", "rank": 0, "delay_s": 0.3, "from_step": 1}])
     assert result.recoveries[0]["detect_s"] < 10
+    # Which path the run took, from its events. Rank 0, 0.3 s behind from step 1, still lacks an
+    # update the dead leader sent or never sent: the run rolls back to the step rank 0 holds (the
+    # event names it; it is logged at the run's step, past it) and resumes right after it. Only a
+    # rank 0 that had caught up with the run's step when the others died is synced from as is.
+    resumed = result.recoveries[0]["step"]
+    syncs = result.events_of("state_sync")
+    rollbacks = [e for e in syncs if "rolling back to step" in e["message"]]
+    if rollbacks:
+        assert len(rollbacks) == 1
+        held = rollbacks[0]["details"]["step"]
+        assert held < rollbacks[0]["step"] and resumed == held + 1 < 3
+        assert result.recoveries[0]["recomputed"] >= rollbacks[0]["step"] - held
+        # The spares took rank 0's (older) state, not a dead rank's newer one.
+        assert any(e["message"].startswith(f"rank 0 sent step-{held} state to rank(s) [1, 2]") for e in syncs)
+    else:
+        # No rollback: rank 0 held the run's step and the spares took it from there.
+        assert any(e["message"].startswith(f"rank 0 sent step-{resumed - 1} state to rank(s) [1, 2]") for e in syncs)
     ref = reference_weights(STEPS, N * PER, batches=used_batches(result))
     assert_weights_close(result.model_state, ref, atol=1e-6)
 
@@ -259,15 +298,33 @@ def test_a_late_replica_whose_leader_dies_before_sending_fails_over_at_once(ray_
     # the survivor's state (or kept, if the gradient had reached it), with the same weights as
     # one process training on the batches that were used.
     # Ranks 1 and 2 are slowed by 0.2 s from the start, so rank 0 is in the fast set of steps 1
-    # and 2 and late first in step 3 (0.5 s against 0.2 s). Without that, arrival order under a
+    # and 2 and late first in step 3 (1 s against 0.2 s). Without that, arrival order under a
     # loaded suite sometimes made rank 0 late in step 2 already; the dying leader's update of step
     # 2 was then still in flight too, and the run (rightly) replayed from step 2.
+    # late_backoff_steps=0: with the sit-out schedule the replica late in step 1 (rank 1 or 2)
+    # rests through step 5, so steps 2-5 have a known fast set holding rank 0, which then leads
+    # step 3 and is never late in it (seen: history [0, 1] for step 3, step 3 kept). Without it
+    # every replica computes every step and rank 0, a second behind the others, is late in step 3.
     result = heal_two_of_three_lost("firstn-leader-lost",
-                                    [{"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 3}, *RANKS_1_2_SLOWED],
-                                    after_update=True)
+                                    [{"kind": "slow", "rank": 0, "delay_s": 1.0, "from_step": 3}, *RANKS_1_2_SLOWED],
+                                    after_update=True, late_backoff_steps=0)
     assert result.recoveries[0]["kind"] == "actor_died"
     assert result.recoveries[0]["detect_s"] < 10
-    assert result.recoveries[0]["step"] in (3, 4)
+    resumed = result.recoveries[0]["step"]
+    syncs = [e["message"] for e in result.events_of("state_sync")]
+    kept = result.events_of("step_kept")
+    if resumed == 4:
+        # The leader's update reached rank 0 before it died: step 3 stands, made by the two that
+        # died (rank 0's own record of the step's fast set), rank 0 late in it.
+        assert next(h for h in result.history if h["step"] == 3)["ranks"] == [1, 2]
+        assert [e["details"]["kept"] for e in kept] == [[3]]
+    else:
+        # Rank 0 never finished step 3. Had it been in the step's fast set it would have (the
+        # others died after their update, so the all-reduce with it completed), so it was the
+        # late replica whose receive failed: step 3 is replayed from the step-2 state it holds.
+        assert resumed == 3 and not kept
+        assert any(m.startswith("rank 0 sent step-2 state to rank(s) [1, 2]") for m in syncs)
+        assert not any("rolling back" in m for m in syncs)
     ref = reference_weights(STEPS, N * PER, batches=used_batches(result))
     assert_weights_close(result.model_state, ref, atol=1e-6)
 

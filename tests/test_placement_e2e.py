@@ -65,8 +65,14 @@ def test_refill_spare_builds_on_idle_cpu_then_runs_at_normal_priority(two_nodes)
         assert group.collect_spares(block=True, timeout_s=120) == 2
         first, refill = [m.info for m in group.spares]
         assert first["started_in_background"] is False
-        assert refill["started_in_background"] is can_restore_priority()
         assert first["idle_threads"] == refill["idle_threads"] == 0
+        # Whether the worker may leave SCHED_IDLE is judged as this process judges it (same user,
+        # same limits): where it may not, the refill built at normal priority, and the idle build
+        # went untested (shown by -ra).
+        if not can_restore_priority():
+            assert refill["started_in_background"] is False
+            pytest.skip("no CAP_SYS_NICE or RLIMIT_NICE to leave SCHED_IDLE: the refill built at normal priority")
+        assert refill["started_in_background"] is True
     finally:
         group.shutdown()
 

@@ -174,9 +174,13 @@ def test_no_spare_fail(ray_cluster):
         trainer.fit(steps=STEPS)
 
 
-def test_with_no_spare_and_no_free_capacity_the_lost_ranks_bundle_hosts_its_replacement(ray_cluster):
+def test_with_no_spare_and_no_free_capacity_the_lost_ranks_bundle_hosts_its_replacement(ray_cluster, clean_weights):
     # Each worker asks for 3 CPUs: 2 workers take 6 of the cluster's 8, so a replacement fits
     # nowhere but in the lost rank's own bundle, which Ray keeps reserved for the ranks' group.
+    from ray.util import placement_group_table
+
+    # The premise: once the ranks' bundles are reserved, the cluster has no room for a third.
+    assert ray.cluster_resources()["CPU"] - 2 * 3 < 3
     failure = elastic.FailureConfig(when_no_spare="wait", capacity_timeout_s=30)
     trainer = elastic.Trainer(
         make_model, make_sgd, make_dataset, loss_fn, BATCH,
@@ -185,6 +189,15 @@ def test_with_no_spare_and_no_free_capacity_the_lost_ranks_bundle_hosts_its_repl
     result = trainer.fit(steps=STEPS)
     assert result.metrics["steps"] == STEPS
     assert [e["details"]["decision"] for e in result.events_of("decision")] == ["WaitForCapacity", "ReplaceWithSpares"]
+    assert [(e["details"]["spare"], e["details"]["rank"]) for e in result.events_of("replace")] == [("spare-0", 1)]
+    # Where the replacement ran: a spare that gets no bundle of the ranks' group asks for a
+    # placement group of its own ("<namespace>/spare-<i>", elastic/actors/worker_group.py). The
+    # run made none: its only group is the ranks' two bundles, so spare-0 was placed in one of
+    # them, and rank 0 held the other, so in the bundle rank 1 left.
+    groups = [pg for pg in placement_group_table().values() if pg["name"].startswith("elastic-nocap/")]
+    assert [(pg["name"], len(pg["bundles"])) for pg in groups] == [("elastic-nocap/ranks", 2)]
+    assert recomputed(result) <= 1
+    assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 
 
 def backward_in_step_fn(model, batch):

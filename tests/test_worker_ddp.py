@@ -193,6 +193,40 @@ def test_a_first_n_abandon_never_lands_on_a_group_being_left_or_joined():
     assert TrainWorker.abandon_first_n(worker, 2) is False and worker._fn_abandoned is False  # an older group's
 
 
+def test_a_first_n_abandon_of_the_current_group_sets_the_flag_and_marks_the_current_step():
+    # The lock free and the generation the controller gave up: the flag is set, the lock given
+    # back, and (in a thread of its own) the current step's agreement key is marked on a real
+    # TCPStore, under the prefix a process group uses.
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import ABANDONED, TrainWorker, _fast_key
+
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    store = dist.PrefixStore("default_pg/0/", master)
+    worker = SimpleNamespace(generation=3, rank=1, _group_lock=threading.Lock(), _fn_store=store,
+                             _fn_abandoned=False, current_step=None, completed_step=6)
+    assert TrainWorker.abandon_first_n(worker, 3) is True
+    assert worker._fn_abandoned is True
+    assert worker._group_lock.acquire(blocking=False)  # released on the way out
+    worker._group_lock.release()
+    # No step under way: the next one (7) is the step a waiting rank would block in. get() waits
+    # for the marking thread.
+    assert store.get(_fast_key(7)) == ABANDONED
+    # In a step: that step's key, and a fast set already published stays as it was.
+    store.set(_fast_key(9), "3")
+    worker.current_step = 9
+    assert TrainWorker.abandon_first_n(worker, 3) is True
+    worker.current_step = 10
+    assert TrainWorker.abandon_first_n(worker, 3) is True
+    for t in threading.enumerate():  # the marking threads have done their compare_set
+        if t.name == "elastic-abandon-first-n":
+            t.join(10)
+    assert store.get(_fast_key(10)) == ABANDONED
+    assert store.get(_fast_key(9)) == b"3"
+    assert not store.check([_fast_key(8)])  # only the current step's key is marked
+
+
 class SlowToRead(torch.utils.data.Dataset):
     """A dataset whose samples take 50 ms each to read (a slow disk, a crowded decoder)."""
 
