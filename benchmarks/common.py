@@ -332,7 +332,9 @@ def _raytrain_loop(cfg: dict) -> None:
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+            # weights_only: the file is state dicts, an int and a float (or None), all of which the
+            # restricted unpickler loads; a full unpickle of a file on shared storage would run code.
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start, t_run_first = state["step"], state["first_step_time"]

@@ -490,7 +490,7 @@ def status(
                     except CliError:
                         rows.append((name, None))
                 if as_json:
-                    _stdout().print_json(_strict_json({name: st for name, st in rows}))
+                    _print_json({name: st for name, st in rows})
                 else:
                     _stdout().print(_runs_table(rows))
                     _stdout().print(f"{len(runs)} live runs; `elastic status RUN` shows one.", highlight=False)
@@ -498,7 +498,7 @@ def status(
             run = runs[0]
         st = _controller_status(run, addr, timeout_s)
         if as_json:
-            _stdout().print_json(_strict_json(st))
+            _print_json(st)
             return
         out = _stdout()
         out.print(_summary(st), highlight=False)
@@ -670,7 +670,7 @@ def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, re
         raise _storage_error(exc, store.location) from None
     good = [s.step for s in steps if s.status in ("valid", "committed")]
     if as_json:
-        _stdout().print_json(_strict_json([s.to_dict() for s in steps]))
+        _print_json([s.to_dict() for s in steps])
     elif steps:
         _stdout().print(_steps_table(steps))
         counts = {k: sum(1 for s in steps if s.status == k) for k in _STATUSES}
@@ -686,13 +686,14 @@ def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, re
 
 def _list_runs(url: str, options: dict, as_json: bool, retry, verify: bool = True) -> None:
     from elastic.checkpoint import CheckpointStore, Storage, StorageError, StorageUnavailable
+    from elastic.checkpoint.store import parse_step_dir
 
     root = Storage(url, options, retry=retry)
     try:
         entries = root.list_dir("", detail=True)
     except (StorageError, OSError) as exc:
         raise _storage_error(exc, root.location) from None
-    if any(re.match(r"^step-\d{9,}$", e["name"]) for e in entries):
+    if any(parse_step_dir(e["name"]) is not None for e in entries):
         # The URL is a run directory itself: list it as <parent> --run <name>.
         parent, _, name = url.rstrip("/").rpartition("/")
         if parent and name:
@@ -719,8 +720,8 @@ def _list_runs(url: str, options: dict, as_json: bool, retry, verify: bool = Tru
             rows.append((entry["name"], steps))
     if as_json:
         # A run that could not be listed maps to {"error": ...} instead of its list of steps.
-        _stdout().print_json(_strict_json({name: {"error": steps} if isinstance(steps, str)
-                                           else [s.to_dict() for s in steps] for name, steps in rows}))
+        _print_json({name: {"error": steps} if isinstance(steps, str) else [s.to_dict() for s in steps]
+                     for name, steps in rows})
         return
     if not rows:
         _stdout().print(f"no checkpoints in {root.location}", highlight=False, markup=False)
@@ -796,6 +797,16 @@ def checkpoints(
         _list_run(url, run, options, verify, as_json, retry)
     else:
         _list_runs(url, options, as_json, retry, verify)
+
+
+def _print_json(obj: Any) -> None:
+    """``obj`` as strict JSON (``_strict_json``) on stdout, every non-ASCII character escaped.
+
+    Why escaped: rich's ``print_json`` writes them as they are by default, and the names and
+    problem texts it prints come from storage listings (a bucket anyone with write access can
+    name keys in): a C1 control character such as U+009B (CSI) reached the terminal raw, where
+    it starts an escape sequence. Escaped, it is ``\\u009b``, and a JSON parser reads it back."""
+    _stdout().print_json(_strict_json(obj), ensure_ascii=True)
 
 
 def _strict_json(obj: Any) -> str:

@@ -3,12 +3,15 @@ endpoint (moto's server), plus validate() and credential redaction."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 
 import pytest
 
 from elastic.checkpoint.storage import (
+    FileRefused,
     Redactor,
     RetryPolicy,
     Storage,
@@ -601,3 +604,122 @@ def test_an_oserror_retrying_cannot_fix_is_refused_at_once_not_retried_as_an_out
     with pytest.raises(StorageUnavailable):
         quick._call("read", "step/x", reset)
     assert transient == [1, 1, 1]
+
+
+# ---- reads that must stop: a bound for files of unknown size, and local files that are no files ----
+def test_a_read_with_max_size_takes_one_byte_past_it_and_refuses_a_larger_file(tmp_path, moto_s3, monkeypatch):
+    """A manifest has no recorded size: ``max_size`` bounds it. On S3 still one GET (a range),
+    and an empty object, which S3 refuses a range of, still reads."""
+    for url, options in (backend_url("file", str(tmp_path)), backend_url("memory", str(tmp_path)),
+                         backend_url("s3", "", moto_s3)):
+        storage = Storage(url, options, retry=FAST)
+        storage.write_bytes("step-000000001/manifest.json", b"m" * 100)
+        storage.write_bytes("step-000000002/manifest.json", b"")
+        calls, real = [], storage._call
+
+        def call(op, rel, fn, retry=None):
+            out = real(op, rel, fn, retry)
+            calls.append(len(out))
+            return out
+
+        monkeypatch.setattr(storage, "_call", call)
+        assert storage.read_bytes("step-000000001/manifest.json", max_size=100) == b"m" * 100
+        assert storage.read_bytes("step-000000002/manifest.json", max_size=100) == b""
+        with pytest.raises(FileRefused, match="manifest.json refused: larger than 99 bytes") as info:
+            storage.read_bytes("step-000000001/manifest.json", max_size=99)
+        assert info.value.reason == "larger than 99 bytes" and calls == [100, 0, 100], url  # 99 + 1
+    url, options = backend_url("s3", "", moto_s3)
+    storage = Storage(url, options, retry=FAST)
+    storage.write_bytes("step-000000001/manifest.json", b"m" * 100)
+    fs, _ = storage._filesystem()
+    methods, real_s3 = [], fs._call_s3
+
+    async def spy(method, *args, **kwargs):
+        methods.append((method, kwargs.get("Range")))
+        return await real_s3(method, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "_call_s3", spy)
+    with pytest.raises(FileRefused):
+        storage.read_bytes("step-000000001/manifest.json", max_size=10)
+    assert methods == [("get_object", "bytes=0-10")]
+
+
+def _within(fn, timeout_s: float = 20.0):
+    """``fn()``'s outcome (its result or its exception), failing if it blocks past ``timeout_s``."""
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(done=_outcome(fn)), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"still blocked after {timeout_s} s"
+    return out["done"]
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - handed back to the test
+        return exc
+
+
+def test_a_local_read_refuses_a_fifo_a_device_or_a_directory_at_once(tmp_path):
+    """A FIFO blocked open() for good; a link to /dev/zero read without end (the read of a
+    bounded size stopped, but an unbounded one did not); a directory failed as IsADirectoryError.
+    Each is refused without a byte read, and not retried (FileRefused is permanent)."""
+    storage = Storage(f"file://{tmp_path}", retry=RetryPolicy(attempts=50, base_s=10.0, max_s=20.0))
+    os.mkdir(tmp_path / "d")
+    os.mkfifo(tmp_path / "d" / "fifo")
+    os.symlink("/dev/zero", tmp_path / "d" / "zero")
+    os.mkdir(tmp_path / "d" / "dir")
+    try:
+        for name in ("fifo", "zero", "dir"):
+            for kwargs in ({"size": 10}, {"max_size": 10}):
+                exc = _within(lambda: storage.read_bytes(f"d/{name}", **kwargs))
+                assert isinstance(exc, FileRefused), (name, exc)
+                assert "not a regular file" in exc.reason and f"read file://{tmp_path}/d/{name} refused" in str(exc)
+    finally:
+        with contextlib.suppress(OSError):  # a reader blocked in open() (the old code) gets EOF
+            os.close(os.open(tmp_path / "d" / "fifo", os.O_WRONLY | os.O_NONBLOCK))
+    # A regular file, with a record far larger than memory: no more than the file is asked for.
+    storage.write_bytes("d/f", b"x" * 1000)
+    assert storage.read_bytes("d/f", size=2 ** 40) == b"x" * 1000
+    assert storage.read_bytes("d/f", size=10) == b"x" * 11
+
+
+@pytest.mark.parametrize("error", [MemoryError, OverflowError])
+def test_an_error_of_memory_or_range_is_no_outage(tmp_path, error):
+    """Retried as transient, a MemoryError was reported as a storage outage, and a resume
+    waited resume_timeout_s for storage that was up."""
+    storage = Storage(f"file://{tmp_path}", retry=RetryPolicy(attempts=5, base_s=10.0, max_s=20.0))
+    calls = []
+
+    def fail():
+        calls.append(1)
+        raise error("too large")
+
+    with pytest.raises(StorageError) as info:
+        storage._call("read", "x", fail)
+    assert not isinstance(info.value, StorageUnavailable) and calls == [1]
+
+
+def test_local_links_below_the_root_are_refused_for_writes_and_deletes_and_skipped_by_a_listing(tmp_path):
+    """The root may be a link (a user's ``ckpt -> /mnt/big``); nothing below it is followed for a
+    write or a delete, and a listing can leave links out (``CheckpointStore.step_dirs``)."""
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "root")
+    storage = Storage(f"file://{tmp_path}/root", retry=FAST)
+    storage.write_bytes("step-000000001/a", b"1")  # through the root's link: fine
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "a").write_bytes(b"theirs")
+    os.symlink(tmp_path / "theirs", tmp_path / "real" / "step-000000002")
+    assert storage.list_dir("") == ["step-000000001", "step-000000002"]
+    assert storage.list_dir("", skip_links=True) == ["step-000000001"]
+    for call in (lambda: storage.write_bytes("step-000000002/a", b"ours"),
+                 lambda: storage.delete("step-000000002/a"),
+                 lambda: storage.delete_files(["step-000000002/a"], "step-000000002"),
+                 lambda: storage.delete_tree("step-000000002")):
+        with pytest.raises(StorageError, match="step-000000002 is a symbolic link"):
+            call()
+    assert (tmp_path / "theirs" / "a").read_bytes() == b"theirs"
+    assert os.path.islink(tmp_path / "real" / "step-000000002")
+    storage.delete_tree("step-000000001")
+    assert storage.list_dir("") == ["step-000000002"]

@@ -11,6 +11,7 @@ import os
 import pickle
 import random
 import signal
+import socket
 import threading
 import time
 
@@ -450,7 +451,7 @@ def test_a_shard_grown_past_its_record_is_corrupt_and_not_read_past_it(backend, 
     reads = []
     real = store.storage.read_bytes
     monkeypatch.setattr(store.storage, "read_bytes",
-                        lambda rel, size=None: reads.append((rel, len(out := real(rel, size)))) or out)
+                        lambda rel, size=None, **kw: reads.append((rel, len(out := real(rel, size, **kw)))) or out)
     with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.store"):
         assert store.latest_valid() == 2
     warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
@@ -1826,16 +1827,20 @@ def test_a_rewind_does_not_wait_for_a_cleanup_pass_stuck_on_storage(tmp_path):
 def refuse_manifest_reads(store: CheckpointStore, step: int, monkeypatch) -> None:
     """Storage answers step ``step``'s manifest read with a permanent refusal, as S3 does for an
     object a lifecycle rule archived to Glacier (403 InvalidObjectState). Through monkeypatch:
-    fsspec caches filesystem instances, so the patched one is every later test's too."""
-    fs, _ = store.storage._filesystem()
-    real = fs.cat_file
+    fsspec caches filesystem instances, so a patched one is every later test's too. Local
+    storage reads through ``storage._read_local``, the others through ``fs.cat_file``."""
+    import elastic.checkpoint.storage as storage_module
 
-    def cat_file(path, **kwargs):
+    local = store.storage.protocol == "file"
+    fs, _ = store.storage._filesystem()
+    real = storage_module._read_local if local else fs.cat_file
+
+    def read(path, *args, **kwargs):
         if f"{step_dir(step)}/manifest.json" in path:
             raise PermissionError("InvalidObjectState: The operation is not valid for the object's storage class")
-        return real(path, **kwargs)
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(fs, "cat_file", cat_file)
+    monkeypatch.setattr(*((storage_module, "_read_local") if local else (fs, "cat_file")), read)
 
 
 def test_an_older_step_whose_manifest_storage_refuses_is_skipped_and_left_alone(tmp_path, caplog, monkeypatch):
@@ -1871,14 +1876,14 @@ def delete_during_first_shard_read(store: CheckpointStore, step: int, then=None)
     deterministic. Returns the list of steps whose reads the hook saw."""
     real, seen = store.storage.read_bytes, []
 
-    def read_bytes(rel, size=None):
+    def read_bytes(rel, size=None, **kwargs):
         if rel == shard_name(step, 0, 1) and not seen:
             seen.append(step)
             report = store.apply_retention(keep_last=1, committed=[step, step + 1])
             assert report.deleted == [step], report
             if then is not None:
                 then()
-        return real(rel, size=size)
+        return real(rel, size=size, **kwargs)
 
     store.storage.read_bytes = read_bytes
     return seen
@@ -1922,15 +1927,15 @@ def test_a_step_storage_refuses_is_unreadable_and_the_listing_goes_on(tmp_path, 
     for step in (5, 10, 15):
         commit_tiny(store, step)
     refuse_manifest_reads(store, 5, monkeypatch)
-    fs, _ = store.storage._filesystem()
-    refused_manifest = fs.cat_file
+    import elastic.checkpoint.storage as storage_module
+    refused_manifest = storage_module._read_local
 
-    def cat_file(path, **kwargs):  # and one shard of step 10 (read by verify only)
+    def read_local(path, limit):  # and one shard of step 10 (read by verify only)
         if shard_name(10, 0, 1) in path:
             raise PermissionError(f"AccessDenied: {path}")
-        return refused_manifest(path, **kwargs)
+        return refused_manifest(path, limit)
 
-    monkeypatch.setattr(fs, "cat_file", cat_file)
+    monkeypatch.setattr(storage_module, "_read_local", read_local)
     for verify in (True, False):
         infos = {i.step: i for i in store.list_steps(verify=verify)}
         good = "valid" if verify else "committed"
@@ -1941,10 +1946,10 @@ def test_a_step_storage_refuses_is_unreadable_and_the_listing_goes_on(tmp_path, 
     assert "AccessDenied" in {i.step: i for i in store.list_steps()}[10].problem
 
     # An outage is not one unreadable step: every step would be; the listing still fails.
-    def down(path, **kwargs):
+    def down(path, limit):
         raise ConnectionError("endpoint down")
 
-    monkeypatch.setattr(fs, "cat_file", down)
+    monkeypatch.setattr(storage_module, "_read_local", down)
     with pytest.raises(StorageUnavailable):
         store.list_steps(verify=False)
 
@@ -2219,3 +2224,82 @@ def test_a_step_above_the_base_that_training_went_back_to_is_counted_by_retentio
     hand_over_and_wait(committer, store, 6)
     assert committer.flush(5) and store.committed_steps() == [6]
     committer.close()
+
+
+# ---- the rank's link to its node's checkpoint agent -----------------------------------------
+def _agent_impostor() -> tuple[socket.socket, str]:
+    """A listening socket where a node agent would be (an abstract name, as the agent's)."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    address = f"\0elastic-test-agent-{os.getpid()}-{random.getrandbits(64):x}"
+    server.bind(address)
+    server.listen(1)
+    return server, address
+
+
+def test_a_rank_refuses_an_agent_socket_held_by_another_user(monkeypatch):
+    """The agent's address is an abstract socket name, which any user of the node can bind:
+    the rank checks who holds it (SO_PEERCRED), as the agent checks its ranks, and refuses a
+    link to another user's process with an OSError, on which the rank writes in its own
+    process. Another user is stood in for by this process's uid seen as another one."""
+    from elastic.checkpoint.worker_hook import AgentCheckpointer
+
+    server, address = _agent_impostor()
+    try:
+        hook = AgentCheckpointer(address, 1, lambda: pytest.fail("fell back"))  # the same user: linked
+        conn, _ = server.accept()
+        hook.sock.close()
+        conn.close()
+        real = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real + 1)
+        with pytest.raises(OSError, match=f"held by user {real}, not this rank's user {real + 1}"):
+            AgentCheckpointer(address, 1, lambda: pytest.fail("fell back"))
+        conn, _ = server.accept()  # it connected, then hung up: nothing was sent to the impostor
+        conn.settimeout(5)
+        assert conn.recv(4096) == b""
+        conn.close()
+    finally:
+        server.close()
+
+
+# ---- local storage: step directories that are links ------------------------------------------
+def _files_under(root) -> dict:
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(root) for f in files}
+
+
+def test_a_step_directory_that_is_a_symlink_is_no_step_and_nothing_is_deleted_through_it(tmp_path, caplog):
+    """A run directory in a directory others can write (``/tmp/ckpt``): a step "directory"
+    another user made a link to their own files was listed as a step of the run, its target's
+    manifest vouched for it, and retention and GC deleted the target's files through it."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in (1, 5):
+        commit_tiny(store, step)
+    # Behind step 3: a whole committed step (manifest and shard) elsewhere; behind step 2, a
+    # corrupt manifest and a shard (GC's business, were it the run's).
+    commit_tiny(CheckpointStore(f"file://{tmp_path}/other", RUN, retry=FAST), 3)
+    victim3, victim2 = tmp_path / "other" / RUN / step_dir(3), tmp_path / "victim2"
+    victim2.mkdir()
+    (victim2 / "manifest.json").write_bytes(b"not a manifest")
+    (victim2 / "shard-r0-of-1.safetensors").write_bytes(b"their bytes")
+    run = tmp_path / "ckpt" / RUN
+    os.symlink(victim3, run / step_dir(3))
+    os.symlink(victim2, run / step_dir(2))
+    before = {v: _files_under(v) for v in (victim2, victim3)}
+
+    assert store.step_dirs() == [1, 5] and store.committed_steps() == [1, 5]
+    assert [i.step for i in store.list_steps()] == [1, 5]
+    assert store.gc_uncommitted().error is None
+    assert store.apply_retention(keep_last=1).deleted == [1]
+    # A caller that knows step 3 as committed (the committer wrote it, then the directory was
+    # swapped for a link): the delete is refused, and retried later as any failed delete.
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.store"):
+        report = store.apply_retention(keep_last=1, committed=[3, 5], files={3: [shard_name(3, 0, 1)]})
+    assert report.deleted == [] and "is a symbolic link" in report.failed[3]
+    with pytest.raises(StorageError, match="is a symbolic link"):
+        store.storage.delete_tree(step_dir(2))
+    with pytest.raises(StorageError, match="is a symbolic link"):
+        store.storage.write_bytes(shard_name(3, 0, 1), b"ours")
+
+    assert {v: _files_under(v) for v in (victim2, victim3)} == before  # untouched
+    assert os.path.islink(run / step_dir(3)) and os.path.islink(run / step_dir(2))
+    assert store.committed_steps() == [5] and store.read_state()[0]["completed_step"] == 5

@@ -377,6 +377,36 @@ def test_checkpoints_json_is_strict_json(monkeypatch, tmp_path):
         assert (out if args else out["r"])[0]["committed_at"] is None
 
 
+def test_json_output_escapes_control_characters_from_storage(monkeypatch, tmp_path):
+    """A run name (a key anyone with write access to the bucket can make) or a problem text
+    holding U+009B, the C1 CSI that starts a terminal escape sequence: ``--json`` wrote it raw
+    (rich's print_json keeps non-ASCII as it is); now it is the JSON escape, parsed back
+    unchanged."""
+    import elastic.cli as cli
+
+    csi = "\u009b"
+    run = f"r{csi}2J"
+    write_run(str(tmp_path), run, {1: "committed", 2: "corrupt"})
+    for args in ([], ["--run", run]):
+        result = runner.invoke(app, ["checkpoints", str(tmp_path), *args, "--json"])
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert csi not in result.stdout and "\\u009b" in result.stdout
+        out = json.loads(result.stdout)
+        steps = out[run] if not args else out
+        assert [s["status"] for s in steps] == (["committed", "committed"] if not args else ["valid", "corrupt"])
+        if args:
+            assert csi in steps[1]["problem"]  # the step's path names the run
+    st = {"run": run, "state": "running", "step": 7, "problem": f"{csi}31m"}
+    monkeypatch.setattr(cli, "_cluster_address", lambda address: "127.0.0.1:1")
+    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s, source: None)
+    monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
+    monkeypatch.setattr(cli, "_controller_status", lambda run, addr, timeout_s: st)
+    monkeypatch.setattr("ray.shutdown", lambda: None)
+    result = runner.invoke(app, ["status", run, "--json"])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert csi not in result.stdout and json.loads(result.stdout) == st
+
+
 def test_checkpoints_of_a_run_directory_honours_no_verify_and_a_malformed_url_is_a_usage_error(tmp_path):
     write_run(str(tmp_path), "digits", {10: "committed", 20: "corrupt"})
     run_dir = str(tmp_path / "digits")  # the run's own directory, not the root with --run

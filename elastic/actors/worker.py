@@ -1037,7 +1037,9 @@ class TrainWorker:
         from elastic.checkpoint.worker_hook import live_state
 
         store = CheckpointStore(url, run_name, storage_options)
-        state, meta = store.read_state(step)
+        # data_position: the controller resumes from it; a step whose meta lacks it is corrupt
+        # (skipped for an older one), not a KeyError that ended the resume.
+        state, meta = store.read_state(step, meta_keys=("data_position",))
         problems = state_mismatches(live_state(self), state)
         if problems:
             raise CheckpointMismatch(step, store.location, problems)

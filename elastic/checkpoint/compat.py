@@ -40,6 +40,52 @@ class CheckpointMismatch(ValueError):
         return type(self), (self.step, self.location, self.problems)
 
 
+def saved_state_problem(saved: Any) -> str | None:
+    """Why ``saved`` (a training state read from a checkpoint) does not have the shape the
+    comparison below and torch's ``load_state_dict`` read, or None.
+
+    Why ask: a checkpoint's checksums say its bytes are the ones written, not that this code
+    wrote them. A ``param_groups`` that is a dict or an int, a group without ``params``, or
+    keys that are not strings (sorted against strings: a TypeError) raised out of
+    ``state_mismatches`` or the rank's ``set_state``; the store calls this while reading, so
+    such a step is a corrupt one, skipped for an older step."""
+    if not isinstance(saved, dict):
+        return f"the state is a {type(saved).__name__}, not a dict"
+    model, optimizer, scheduler = saved.get("model"), saved.get("optimizer"), saved.get("scheduler")
+    if not _keyed_by_str(model):
+        return "the state's model is not a dict with string keys"
+    if not _keyed_by_str(optimizer) or not isinstance(optimizer.get("state"), dict):
+        return "the state's optimizer is not a dict with string keys and its per-parameter state"
+    groups = optimizer.get("param_groups")
+    if not isinstance(groups, list):
+        return f"the state's optimizer param_groups is a {type(groups).__name__}, not a list"
+    for i, group in enumerate(groups):
+        if not _keyed_by_str(group) or not isinstance(group.get("params"), list):
+            return f"the state's optimizer param group {i} is not a dict with string keys and a list of params"
+    if scheduler is not None and not _keyed_by_str(scheduler):
+        return "the state's scheduler is neither None nor a dict with string keys"
+    return None
+
+
+def _keyed_by_str(d: Any) -> bool:
+    return isinstance(d, dict) and all(isinstance(k, str) for k in d)
+
+
+SHOWN_CHARS = 200  # of a value read from storage, in a problem message (``shown``)
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to ``SHOWN_CHARS``: a value read from storage, in a message (a log
+    line, an event, the CLI's listing, the user's terminal) that must not carry megabytes of
+    it; repr escapes its control characters. A value whose repr fails (an int past Python's
+    digit limit) is named by its type."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a message must never fail for the value it shows
+        return f"<a {type(value).__name__}>"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 def _shape(t: Any) -> list[int] | None:
     shape = getattr(t, "shape", None)
     return list(shape) if shape is not None else None
@@ -52,7 +98,8 @@ def _model_mismatches(live: dict, saved: dict) -> list[str]:
     if missing:
         out.append(f"model: {len(missing)} key(s) of the model are not in the checkpoint: {_names(missing)}")
     if unexpected:
-        out.append(f"model: {len(unexpected)} key(s) in the checkpoint are not in the model: {_names(unexpected)}")
+        out.append(f"model: {len(unexpected)} key(s) in the checkpoint are not in the model: "
+                   f"{_names([shown(k) for k in unexpected])}")
     for key in live:
         if key in saved and _shape(live[key]) != _shape(saved[key]):
             out.append(f"model: {key} is {_shape(saved[key])} in the checkpoint and {_shape(live[key])} in the model")
@@ -75,12 +122,12 @@ def _optimizer_mismatches(live: dict, saved: dict) -> list[str]:
         unknown = sorted(set(theirs) - set(mine))
         if unknown:
             out.append(f"optimizer: param group {i} of the checkpoint has hyperparameters this optimizer does not "
-                       f"have: {unknown} (was it saved from another optimizer class?)")
+                       f"have: {shown(unknown)} (was it saved from another optimizer class?)")
         for flag in ALGORITHM_FLAGS:
             if flag in mine and flag in theirs and bool(mine[flag]) != bool(theirs[flag]):
-                out.append(f"optimizer: param group {i} has {flag}={theirs[flag]} in the checkpoint and {mine[flag]} "
-                           f"in this optimizer; loading would set it back (was it saved from another optimizer "
-                           f"class, Adam against AdamW?)")
+                out.append(f"optimizer: param group {i} has {flag}={shown(theirs[flag])} in the checkpoint and "
+                           f"{mine[flag]} in this optimizer; loading would set it back (was it saved from another "
+                           f"optimizer class, Adam against AdamW?)")
     return out
 
 
@@ -92,7 +139,8 @@ ALGORITHM_FLAGS = ("decoupled_weight_decay", "amsgrad", "nesterov", "centered")
 def _scheduler_mismatches(live: Any, saved: Any) -> list[str]:
     if not isinstance(live, dict) or not isinstance(saved, dict) or set(live) == set(saved):
         return []  # none on one side (added or removed: fine), or the same kind
-    return [f"scheduler: the checkpoint's LR scheduler state has {_names(sorted(set(saved) - set(live)))} "
+    theirs = sorted(map(shown, set(saved) - set(live)))  # the checkpoint's keys, shown escaped
+    return [f"scheduler: the checkpoint's LR scheduler state has {_names(theirs)} "
             f"that this run's lacks and lacks {_names(sorted(set(live) - set(saved)))} (was it saved from "
             f"another scheduler class?)"]
 

@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import re
+import stat
 import threading
 import time
 import uuid
@@ -46,7 +47,10 @@ _SECRET_KEY_HINTS = ("secret", "token", "password", "passwd", "credential", "key
 # Errors that retrying cannot fix. Everything else (OSError, botocore/aiohttp connection errors,
 # timeouts) is treated as transient.
 _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError,
-              ValueError, TypeError, KeyError, NotImplementedError, ConfigError)
+              ValueError, TypeError, KeyError, NotImplementedError, ConfigError, MemoryError, OverflowError)
+# MemoryError and OverflowError: a read whose bytes do not fit (or whose range does not fit an
+# index) fails the same way on every try. Retried as transient, one was reported as a storage
+# outage, and a resume waited ``resume_timeout_s`` for storage that was up all along.
 # Plain OSErrors that retrying cannot fix either: s3fs turns S3's InvalidArgument, InvalidRequest,
 # InvalidBucketName and KeyTooLongError into EINVAL or ENAMETOOLONG, and a local disk that is full,
 # over quota or read-only says so by errno. Retried as transient, each cost a step ~1 s of sleeps in
@@ -115,6 +119,43 @@ class StorageError(RuntimeError):
 
 class StorageUnavailable(StorageError):
     """A storage operation kept failing with transient errors after every retry."""
+
+
+class FileRefused(StorageError):
+    """A file that is not what a checkpoint writes, so it was not read (or not whole): not a
+    regular file (a FIFO, a device, a directory) or larger than the bound the caller read it
+    with. About the file, not the storage: permanent, and a checkpoint's reader takes it for a
+    corrupt step. ``reason``: the message without the file's location."""
+
+    def __init__(self, reason: str, where: str = ""):
+        super().__init__(f"{where} refused: {reason}" if where else reason)
+        self.reason, self.where = reason, where
+
+    def __reduce__(self):
+        # Rebuilt from its fields when pickled (it may cross to another process, as the other
+        # errors do); the default (the message as the only argument) would nest the location.
+        return type(self), (self.reason, self.where)
+
+
+def _read_local(path: str, limit: int | None) -> bytes:
+    """The regular file ``path``: all of it, or at most ``limit`` bytes.
+
+    Opened without blocking and checked before a byte is read. Why: a FIFO under a manifest's
+    name blocked ``open`` for good (a resume, and the cleanup thread under its lock), and a
+    link to ``/dev/zero`` was read without end. And the bytes asked for are bounded by the
+    file's own size, not only by ``limit``: a read allocates what it asks for up front, and a
+    manifest's record that says 2**40 bytes must cost no more than the file holds. The file
+    growing after the ``fstat`` still shows: one byte past its size is asked for."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused("not a regular file (a FIFO, a device or a directory); checkpoints write none")
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb") as f:  # owns fd from here: closed on every way out
+        return f.read() if limit is None else f.read(min(limit, st.st_size + 1))
 
 
 @dataclass(frozen=True)
@@ -348,6 +389,8 @@ class Storage:
                 return fn()
             except ConfigError:
                 raise
+            except FileRefused as exc:
+                raise FileRefused(exc.reason, f"{op} {self.describe(rel)}") from None
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"{op}: not found: {self.describe(rel)} ({self.redact(str(exc))})") from None
             except Exception as exc:  # noqa: BLE001 - transient by elimination; retried, then wrapped
@@ -375,6 +418,7 @@ class Storage:
         fs, _ = self._filesystem()
         path = self.full_path(rel)
         parts = data if isinstance(data, list) else [data]
+        self._refuse_links("write", rel)
 
         def write() -> None:
             if self.protocol in _LOCAL:
@@ -390,11 +434,14 @@ class Storage:
             # A write that finds nothing means the bucket (or mount) is gone: a storage problem.
             raise StorageError(str(exc)) from None
 
-    def read_bytes(self, rel: str, size: int | None = None) -> bytes:
+    def read_bytes(self, rel: str, size: int | None = None, max_size: int | None = None) -> bytes:
         """The file ``rel``. ``size``: its size, when a manifest's record gives it; then at most
         ``size + 1`` bytes are read, so a file replaced by a larger one (or appended to) costs no
         more memory or transfer than its record says, and the caller's size check still sees
-        that it does not match.
+        that it does not match. ``max_size``: for a file whose size nothing records (a
+        manifest), the most it may hold: at most ``max_size + 1`` bytes are read, in one
+        request, and a larger file is a ``FileRefused``, as is (on local storage) anything but
+        a regular file (``_read_local``).
 
         On S3, a file of unknown size (a manifest, a rank's meta) or one no larger than s3fs's
         block is read with a single GET. Why: s3fs (2025 on) first asks for the size, to split a
@@ -405,21 +452,34 @@ class Storage:
         concurrent read."""
         fs, _ = self._filesystem()
         path = self.full_path(rel)
+        bound = size if size is not None else max_size
+        if self.protocol in _LOCAL:
+            data = self._call("read", rel, lambda: _read_local(path, None if bound is None else bound + 1))
+        else:
+            data = self._read_remote(fs, rel, path, size, bound)
+        if size is None and max_size is not None and len(data) > max_size:
+            raise FileRefused(f"larger than {max_size} bytes", f"read {self.describe(rel)}")
+        return data
+
+    def _read_remote(self, fs: Any, rel: str, path: str, size: int | None, bound: int | None) -> bytes:
+        """``read_bytes`` on storage other than local files: at most ``bound + 1`` bytes when
+        ``bound`` is given (``size``, or ``max_size`` for a file of unknown size: one ranged
+        request)."""
         kwargs = {}
         if self.protocol in _S3 and _reads_concurrently(type(fs)) and (size is None or size <= fs.default_block_size):
             kwargs["max_concurrency"] = 1
-        if size is None:
+        if bound is None:
             return self._call("read", rel, lambda: fs.cat_file(path, **kwargs))
 
         def read() -> bytes:
-            if "max_concurrency" in kwargs or self.protocol not in _S3:
+            if "max_concurrency" in kwargs or self.protocol not in _S3 or size is None:
                 # One ranged read. Not for an empty record: S3 refuses a range that starts at the
                 # end (416 InvalidRange, an EINVAL here), and an empty file is read whole; nor for
                 # an empty file with a record that is not (truncated): S3 refuses the range again.
-                if not size:
+                if not bound:
                     return fs.cat_file(path)
                 try:
-                    return fs.cat_file(path, start=0, end=size + 1, **kwargs)
+                    return fs.cat_file(path, start=0, end=bound + 1, **kwargs)
                 except OSError as exc:
                     if exc.errno == errno.EINVAL and self.protocol in _S3 and fs.size(path) == 0:
                         return b""
@@ -427,7 +487,7 @@ class Storage:
             # A shard above s3fs's block keeps its concurrent ranged GETs, which need no range
             # from us: its size first (the HEAD s3fs would make anyway), and one range if larger.
             actual = fs.size(path)
-            return fs.cat_file(path, start=0, end=size + 1) if actual > size else fs.cat_file(path)
+            return fs.cat_file(path, start=0, end=bound + 1) if actual > bound else fs.cat_file(path)
 
         return self._call("read", rel, read)
 
@@ -436,11 +496,12 @@ class Storage:
         path = self.full_path(rel)
         return bool(self._call("exists", rel, lambda: fs.exists(path), retry))
 
-    def list_dir(self, rel: str = "", detail: bool = False) -> list:
+    def list_dir(self, rel: str = "", detail: bool = False, skip_links: bool = False) -> list:
         """Immediate children of ``rel``: names (detail=False) or dicts {name, type, size}.
 
         A missing directory lists as empty (object stores have no empty directories). The listing
         cache is dropped first: other processes (workers, the controller) write here too.
+        ``skip_links``: symbolic links (local storage) are left out (``_refuse_links``).
         """
         fs, _ = self._filesystem()
         path = self.full_path(rel)
@@ -458,16 +519,39 @@ class Storage:
             name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
             if not name or str(entry["name"]).rstrip("/") == path.rstrip("/"):
                 continue  # some backends list the directory itself
+            if skip_links and self.protocol in _LOCAL and os.path.islink(_join(path, name)):
+                continue
             if detail:
                 out.append({"name": name, "type": entry.get("type", "file"), "size": int(entry.get("size") or 0)})
             else:
                 out.append(name)
         return sorted(out, key=lambda e: e["name"] if detail else e)
 
+    def _refuse_links(self, op: str, rel: str, itself: bool = False) -> None:
+        """StorageError if a directory on the way from the root to ``rel`` (or, with ``itself``,
+        ``rel`` itself) is a symbolic link, on local storage.
+
+        Why: a run's directory may sit in a directory others can write (``/tmp/ckpt``), and a
+        step directory another user made a link (to their files, or to anything this user can
+        write) turned the run's writes, and retention's and GC's deletes, on what it points to.
+        Checkpoints make no links. The root itself may be one (a user's ``ckpt -> /mnt/big``).
+        A link made between this check and the call it guards is not caught: that needs write
+        access to the run directory itself, which already lets anyone rewrite its checkpoints."""
+        if self.protocol not in _LOCAL:
+            return
+        _, root = self._filesystem()
+        parts = [p for p in rel.split("/") if p]
+        for i in range(1, len(parts) + (1 if itself else 0)):
+            sub = "/".join(parts[:i])
+            if os.path.islink(_join(root, sub)):
+                raise StorageError(f"{op} {self.describe(rel)} refused: {self.describe(sub)} is a symbolic link, "
+                                   "which no checkpoint makes (made by someone else?); left as it is")
+
     def delete(self, rel: str) -> None:
         """Delete one file; a missing file is not an error."""
         fs, _ = self._filesystem()
         path = self.full_path(rel)
+        self._refuse_links("delete", rel)
         try:
             self._call("delete", rel, lambda: fs.rm_file(path))
         except FileNotFoundError:
@@ -486,6 +570,9 @@ class Storage:
             return False
         fs, _ = self._filesystem()
         paths = [self.full_path(r) for r in rels]
+        self._refuse_links("delete", dir_rel, itself=True)
+        for r in rels:
+            self._refuse_links("delete", r)
         if self.is_object_store:
             self._call("delete", dir_rel, lambda: self._delete_objects(fs, paths))
             return True
@@ -546,6 +633,7 @@ class Storage:
             raise ValueError("refusing to delete the storage root")
         fs, _ = self._filesystem()
         path = self.full_path(rel)
+        self._refuse_links("delete", rel, itself=True)
 
         def rm() -> None:
             fs.invalidate_cache()

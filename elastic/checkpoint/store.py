@@ -45,7 +45,9 @@ from elastic.checkpoint.codec import (
     tensor_nbytes,
     unflatten_state,
 )
-from elastic.checkpoint.storage import RetryPolicy, Storage, StorageError, StorageUnavailable, resolve_url
+from elastic.checkpoint.compat import saved_state_problem, shown
+from elastic.checkpoint.storage import (FileRefused, RetryPolicy, Storage, StorageError, StorageUnavailable,
+                                        resolve_url)
 from elastic.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,18 @@ MANIFEST = "manifest.json"
 FORMAT = "elastic-checkpoint"
 VERSION = 3
 _META_KEY = "elastic"  # the rank's JSON meta, under this key of the shard's safetensors __metadata__
-_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+# ASCII digits only (``\d`` is any Unicode digit), at most 18 of them (a step below 10**18; an
+# int() of thousands of digits raises), matched whole (``$`` passes a trailing newline); and
+# ``parse_step_dir`` takes only the name ``step_dir`` gives.
+_STEP_DIR = re.compile(r"step-([0-9]{9,18})", re.ASCII)
+# The most a manifest may hold. Nothing records its size, so without a bound a huge object (or,
+# on local storage, a link to /dev/zero) named manifest.json was read whole, by every resume
+# and cleanup pass. One is ~200 bytes a rank plus the meta and the RNG states of ranks with no
+# file (a few KB each): far below this for any world size there is.
+MAX_MANIFEST_BYTES = 64 << 20
+# The largest file a manifest's record may name (1 TiB): a record's size is how much a read may
+# ask for, and one of 2**63 bytes failed as OverflowError, one larger than memory as MemoryError.
+MAX_FILE_BYTES = 1 << 40
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -158,6 +171,17 @@ def step_dir(step: int) -> str:
     return f"step-{step:09d}"
 
 
+def parse_step_dir(name: str) -> int | None:
+    """The step of a step directory's name, or None for any other name. Only the name
+    ``step_dir`` gives counts: ``step-0000000005`` beside ``step-000000005`` named step 5
+    twice, so retention's "newest keep_last" counted it twice and deleted one step too many."""
+    m = _STEP_DIR.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir(step) == name else None
+
+
 def is_milestone(keep_every: int, step: int) -> bool:
     """Whether retention keeps ``step`` for good (``CheckpointConfig.keep_every``). Its snapshot is
     never replaced by a newer one on its way to storage, in a rank's writer, in its node agent's or
@@ -204,17 +228,25 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_RANK_KEY = re.compile(r"^(0|[1-9][0-9]*)$")  # str(rank), as ``commit`` writes the keys of "rng"
+# str(rank), as ``commit`` writes the keys of "rng": ASCII digits, at most 9 (a rank below 10**9,
+# which int() turns into a number without fail; thousands of digits made it raise ValueError).
+_RANK_KEY = re.compile(r"0|[1-9][0-9]{0,8}", re.ASCII)
+# The names of the files a writer makes in a step's directory: a rank's shard (``shard_name``)
+# and, in version 1, its meta (``meta_name``). Nothing else, and no subdirectory.
+_FILE_NAME = re.compile(r"shard-r(?:0|[1-9][0-9]{0,8})-of-[1-9][0-9]{0,8}\.safetensors"
+                        r"|meta-r(?:0|[1-9][0-9]{0,8})\.json", re.ASCII)
 
 
 def _path_problem(path: Any, step: int) -> str | None:
-    """Why ``path`` is not a normalized relative path of a file inside ``step``'s directory, or
+    """Why ``path`` is not the name of a file a writer makes inside ``step``'s directory, or
     None. A ``..`` (or a backslash, which some filesystems take for a separator) would let a
-    manifest vouch for, and ``verify`` read, a file outside the step, even outside the run."""
+    manifest vouch for, and ``verify`` read, a file outside the step, even outside the run;
+    and a name no writer gives (a NUL in it, a component too long, a subdirectory) failed its
+    read with a permanent storage error, which ended the resume instead of falling back."""
     prefix = step_dir(step) + "/"
-    if (not isinstance(path, str) or not path.startswith(prefix) or "\\" in path
-            or any(part in ("", ".", "..") for part in path[len(prefix):].split("/"))):
-        return f"path {path!r} is not a normalized relative path inside {prefix}"
+    if not isinstance(path, str) or not path.startswith(prefix) or not _FILE_NAME.fullmatch(path[len(prefix):]):
+        return (f"path {shown(path)} is not the name of a file a writer makes inside {prefix} "
+                "(shard-rN-of-M.safetensors, meta-rN.json)")
     return None
 
 
@@ -225,10 +257,10 @@ def _record_problem(record: Any) -> str | None:
     missing = [key for key in ("path", "size", "sha256") if key not in record]
     if missing:
         return f"no {missing[0]!r}"
-    if not _is_int(record["size"]) or record["size"] < 0:
-        return f"size {record['size']!r} is not a byte count"
+    if not _is_int(record["size"]) or not 0 <= record["size"] <= MAX_FILE_BYTES:
+        return f"size {shown(record['size'])} is not a byte count up to {MAX_FILE_BYTES}"
     if not isinstance(record["sha256"], str):
-        return f"sha256 {record['sha256']!r} is not a hex digest"
+        return f"sha256 {shown(record['sha256'])} is not a hex digest"
     return None
 
 
@@ -252,20 +284,21 @@ def _manifest_problem(manifest: dict, step: int) -> str | None:
     would fail later, in ``read_state``, with a KeyError rather than as a corrupt step that
     resuming skips. ``commit`` checks its own manifest with it, so what it writes always loads."""
     if manifest.get("format") != FORMAT or not _is_int(manifest.get("step")) or manifest["step"] != step:
-        return f"manifest is for step {manifest.get('step')!r}, format {manifest.get('format')!r}"
+        return f"manifest is for step {shown(manifest.get('step'))}, format {shown(manifest.get('format'))}"
     version, world_size = manifest.get("version"), manifest.get("world_size")
     if not _is_int(version) or not 1 <= version <= VERSION:
-        return f"manifest version {version!r} is not one this code reads (1 to {VERSION})"
+        return f"manifest version {shown(version)} is not one this code reads (1 to {VERSION})"
     if not _is_int(world_size) or world_size < 1:
-        return f"manifest's world_size {world_size!r} is not a positive integer"
+        return f"manifest's world_size {shown(world_size)} is not a positive integer"
     created_at = manifest.get("created_at")
     if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
-        return f"manifest's created_at {created_at!r} is not a time"
+        return f"manifest's created_at {shown(created_at)} is not a time"
     if not isinstance(manifest.get("meta"), dict):
         return f"manifest's meta is a {type(manifest.get('meta')).__name__}, not an object"
     rng = manifest.get("rng", {})
     if not isinstance(rng, dict) or not all(
-            _RANK_KEY.match(rank) and int(rank) < world_size and (state is None or isinstance(state, dict))
+            isinstance(rank, str) and _RANK_KEY.fullmatch(rank) and int(rank) < world_size
+            and (state is None or isinstance(state, dict))
             for rank, state in rng.items()):
         return f"manifest's rng is not an object of ranks below {world_size} and their RNG states"
     files = manifest.get("files")
@@ -280,6 +313,38 @@ def _manifest_problem(manifest: dict, step: int) -> str | None:
         problem = _path_problem(record["path"], step)
         if problem:
             return f"manifest's file record {i}: {problem}"
+    return None
+
+
+def _state_problem(state: dict) -> str | None:
+    """Why ``state`` (a whole training state, its checksums matched) is not one the ranks can
+    load, or None. Its bytes are the ones written, but not necessarily by this code: an
+    optimizer whose ``param_groups`` is a dict, or a ``completed_step`` that is not a number,
+    raised a TypeError or KeyError in the comparison with the live state (``compat``) or in
+    the rank's ``set_state``, which failed the run instead of falling back to an older step."""
+    problem = saved_state_problem(state)
+    if problem:
+        return problem
+    done = state.get("completed_step")
+    if not _is_int(done) or done < 0:
+        return f"the state's completed_step {shown(done)} is not a step number"
+    return None
+
+
+def _meta_problem(meta: dict, keys: Iterable[str]) -> str | None:
+    """Why a step's meta (the manifest's, parsed) lacks what a resume reads, or None: each of
+    ``keys``, and a well-formed ``data_position`` when it has one (``DataPosition.from_dict``'s
+    fields), which the controller read with int() and a KeyError or TypeError ended the run."""
+    for key in keys:
+        if key not in meta:
+            return f"the manifest's meta has no {key!r}"
+    if "data_position" not in meta:
+        return None
+    position = meta["data_position"]
+    requeued = position.get("requeued", []) if isinstance(position, dict) else None
+    if not (isinstance(position, dict) and _is_int(position.get("epoch")) and _is_int(position.get("cursor"))
+            and isinstance(requeued, list) and all(_is_int(i) for i in requeued)):
+        return f"the manifest's data_position {shown(position)} is not a data position (epoch, cursor, requeued)"
     return None
 
 
@@ -416,13 +481,12 @@ class CheckpointStore:
 
     # ---- reading ----------------------------------------------------------------------------
     def step_dirs(self) -> list[int]:
-        """Every step that has a directory, committed or not, oldest first."""
-        steps = []
-        for name in self.storage.list_dir(""):
-            m = _STEP_DIR.match(name)
-            if m:
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        """Every step that has a directory, committed or not, oldest first: each once, by the
+        name ``step_dir`` gives it (``parse_step_dir``). On local storage a step "directory"
+        that is a symbolic link is no step of this run (``Storage._refuse_links``): listed, its
+        target's manifest vouched for it, and retention and GC deleted its target's files."""
+        steps = {parse_step_dir(name) for name in self.storage.list_dir("", skip_links=True)}
+        return sorted(step for step in steps if step is not None)
 
     def load_manifest(self, step: int) -> dict:
         """The parsed manifest of ``step``. FileNotFoundError if absent, CorruptCheckpoint if it does not check."""
@@ -431,8 +495,11 @@ class CheckpointStore:
     def _load_manifest(self, step: int) -> tuple[dict, list[FileEntry]]:
         """``load_manifest``, with its file records parsed (once, for the readers that verify them)."""
         rel = f"{step_dir(step)}/{MANIFEST}"
-        data = self.storage.read_bytes(rel)
         where = self.storage.describe(rel)
+        try:
+            data = self.storage.read_bytes(rel, max_size=MAX_MANIFEST_BYTES)
+        except FileRefused as exc:  # larger than any manifest, or (local) a FIFO, a device
+            raise CorruptCheckpoint(step, where, f"manifest is not one a writer makes: {exc.reason}") from None
         try:
             manifest = json.loads(data)
             body = {k: v for k, v in manifest.items() if k != "checksum"}
@@ -441,13 +508,21 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError, MemoryError) as exc:
             # RecursionError: a manifest nested thousands deep (b"[" * 5000) is JSON that does
             # not parse here; uncaught, it stopped every listing (resume, retention, GC, the CLI).
-            raise CorruptCheckpoint(step, where, f"manifest does not parse ({type(exc).__name__}: {exc})") from None
+            raise CorruptCheckpoint(step, where, f"manifest does not parse ({type(exc).__name__}: "
+                                                 f"{shown(str(exc))})") from None
         if recorded != actual:
             raise CorruptCheckpoint(step, where, "manifest checksum mismatch (truncated or edited)")
-        problem = _manifest_problem(manifest, step)  # e.g. a file record without its checksum vouches for nothing
+        try:
+            problem = _manifest_problem(manifest, step)  # e.g. a file record without its checksum vouches for nothing
+            entries = [] if problem else [FileEntry.from_dict(record) for record in manifest["files"]]
+        except Exception as exc:  # noqa: BLE001 - see below
+            # Whatever a manifest that checks out holds, its checks end in a verdict: an
+            # exception out of them (a ValueError from an int of 5,000 digits, once) passed
+            # ``committed_steps`` by, failed every resume, and stopped every cleanup pass.
+            problem = f"manifest's fields do not check ({type(exc).__name__}: {shown(str(exc))})"
         if problem:
             raise CorruptCheckpoint(step, where, problem)
-        return manifest, [FileEntry.from_dict(record) for record in manifest["files"]]
+        return manifest, entries
 
     def committed_steps(self) -> list[int]:
         """Steps whose manifest exists and checks out (files not verified), oldest first.
@@ -485,6 +560,8 @@ class CheckpointStore:
             data = self.storage.read_bytes(entry.path, size=entry.size)
         except FileNotFoundError:
             raise CorruptCheckpoint(step, where, "file is missing") from None
+        except FileRefused as exc:  # (local) a FIFO, a device or a directory under a shard's name
+            raise CorruptCheckpoint(step, where, f"file is not one a writer makes: {exc.reason}") from None
         if len(data) > entry.size:  # read_bytes stops one byte past the record
             raise CorruptCheckpoint(step, where, f"larger than the recorded {entry.size} bytes (replaced or appended to?)")
         if len(data) != entry.size:
@@ -549,10 +626,12 @@ class CheckpointStore:
             return step
         return None
 
-    def read_state(self, step: int | None = None) -> tuple[dict, dict]:
+    def read_state(self, step: int | None = None, meta_keys: Iterable[str] = ()) -> tuple[dict, dict]:
         """``(state, meta)`` of a committed step (default: ``latest_valid()``), verifying checksums as it reads.
 
-        ``state`` has the shape of ``TrainWorker.get_state()`` whatever world size wrote it.
+        ``state`` has the shape of ``TrainWorker.get_state()`` whatever world size wrote it:
+        checked (``_state_problem``), as is the meta's ``data_position`` when it has one, and
+        that it has each of ``meta_keys``; a step that fails is a CorruptCheckpoint.
         """
         if step is None:
             step = self.latest_valid()
@@ -573,7 +652,7 @@ class CheckpointStore:
                     part = decode_tensors(data)
                     overlap = set(part) & set(tensors)
                     if overlap:
-                        raise CorruptCheckpoint(step, where, f"tensors written twice: {sorted(overlap)[:3]}")
+                        raise CorruptCheckpoint(step, where, f"tensors written twice: {shown(sorted(overlap)[:3])}")
                     tensors.update(part)
                 if skeleton is None and (entry.path.endswith(".safetensors") or "/meta-r" in entry.path):
                     meta = self._decode_meta(entry.path, data)  # version 3: any rank's shard may hold it
@@ -582,7 +661,8 @@ class CheckpointStore:
             except CorruptCheckpoint:
                 raise
             except Exception as exc:  # noqa: BLE001 - any decode failure of checksummed bytes is corruption
-                raise CorruptCheckpoint(step, where, f"cannot decode ({type(exc).__name__}: {exc})") from None
+                raise CorruptCheckpoint(step, where,
+                                        f"cannot decode ({type(exc).__name__}: {shown(str(exc))})") from None
         if skeleton is None:
             raise CorruptCheckpoint(step, self.storage.describe(step_dir(step)),
                                     "no shard holds the state skeleton (the non-tensor state)")
@@ -591,19 +671,24 @@ class CheckpointStore:
             needed = set(skeleton_tensor_names(skeleton))
         except Exception as exc:  # noqa: BLE001 - a skeleton that checks out and does not decode is corruption
             raise CorruptCheckpoint(step, where, f"the state skeleton does not decode ({type(exc).__name__}: "
-                                                 f"{exc})") from None
+                                                 f"{shown(str(exc))})") from None
         if needed != set(tensors):
             missing, extra = sorted(needed - set(tensors)), sorted(set(tensors) - needed)
             raise CorruptCheckpoint(step, where, f"shards of world size {world_size} do not match the state "
-                                                 f"(missing {missing[:3]}, unexpected {extra[:3]})")
+                                                 f"(missing {shown(missing[:3])}, unexpected {shown(extra[:3])})")
         try:
             state = unflatten_state(tensors, skeleton)
         except Exception as exc:  # noqa: BLE001 - as above: skipped for an older step, never raised raw
-            raise CorruptCheckpoint(step, where, f"the state does not rebuild ({type(exc).__name__}: {exc})") from None
+            raise CorruptCheckpoint(step, where, f"the state does not rebuild ({type(exc).__name__}: "
+                                                 f"{shown(str(exc))})") from None
         if not isinstance(state, dict) or not all(isinstance(state.get(k, {}), dict) for k in ("model", "optimizer")):
             raise CorruptCheckpoint(step, where, "the state is not a training state (a dict, its model and "
                                                  "optimizer dicts)")
-        return state, manifest.get("meta", {})
+        meta = manifest.get("meta", {})
+        problem = _state_problem(state) or _meta_problem(meta, meta_keys)
+        if problem:
+            raise CorruptCheckpoint(step, where, problem)
+        return state, meta
 
     @staticmethod
     def _decode_meta(path: str, data: bytes) -> dict | None:
@@ -627,7 +712,7 @@ class CheckpointStore:
                     return meta.get("rng") if meta is not None else None
                 except Exception as exc:  # noqa: BLE001 - as read_state: checksummed bytes that do not decode
                     raise CorruptCheckpoint(step, self.storage.describe(path),
-                                            f"cannot decode ({type(exc).__name__}: {exc})") from None
+                                            f"cannot decode ({type(exc).__name__}: {shown(str(exc))})") from None
         return None
 
     # ---- cleanup ----------------------------------------------------------------------------

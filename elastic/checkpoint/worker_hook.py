@@ -15,6 +15,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import time
 from typing import Any, Callable
 
@@ -261,6 +262,30 @@ class _AgentRefused(ConnectionError):
                          f"{error}; the agent's process is at fault, not this one")
 
 
+def _connect_agent(address: str) -> socket.socket:
+    """A link to the node's checkpoint agent at ``address``; OSError if there is none, or if the
+    process listening there is not this user's (``SO_PEERCRED``), so the rank writes in its
+    own process instead.
+
+    Why check the server: the agent's address is an abstract socket name, which file
+    permissions do not guard, and any user of the node can bind it first (before the agent
+    starts, or after it died). Linked to that process, the rank would hand it memfds holding
+    its share of the model and optimizer (read, and never written) and take its reports of
+    shards written for true. The agent checks its clients the same way (``agent._same_user``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(address)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            raise PermissionError(f"the checkpoint agent's socket {address!r} is held by user {uid}, not "
+                                  f"this rank's user {os.getuid()}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class _Layout:
     """A shard layout a rank has met: ``codec.shard_layout``'s entries, the bytes of its data
     section, and the id the agent knows it by (None until it is sent)."""
@@ -298,8 +323,7 @@ class AgentCheckpointer:
         self.close_timeout_s = close_timeout_s
         self._make_fallback = fallback
         self.fallback: WorkerCheckpointer | None = None
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.connect(address)
+        self.sock = _connect_agent(address)
         self._ring_id: int | None = None  # the ring snapshots go into; older ones wait for their slots
         self._rings: dict[int, tuple[SlotRing, set[int]]] = {}  # ring id -> (ring, free slots)
         self._layouts: dict[tuple, _Layout] = {}  # (name, dtype, shape) of each tensor -> its layout
