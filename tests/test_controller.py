@@ -990,6 +990,15 @@ def _evict_rank_1_at(c, step):
     c.straggler_policy.decide = forced
 
 
+def run_evicting_rank_1_at(c, step, steps=16):
+    """``_evict_rank_1_at(c, step)``, then ``c.run_for(steps)``; the controller is shut down after."""
+    _evict_rank_1_at(c, step)
+    try:
+        c.run_for(steps=steps)
+    finally:
+        c.shutdown()
+
+
 def test_an_eviction_waits_when_the_spare_died_since_the_pool_was_last_watched(ray_cluster):
     c = controller("fake-evict-dead-spare", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
     c.scaling.steps_per_dispatch = 1
@@ -1008,11 +1017,7 @@ def test_an_eviction_waits_when_the_spare_died_since_the_pool_was_last_watched(r
             else:
                 pytest.fail("the killed spare still answers")
     c.on_step = kill_spare
-    _evict_rank_1_at(c, 13)
-    try:
-        c.run_for(steps=16)
-    finally:
-        c.shutdown()
+    run_evicting_rank_1_at(c, 13)
     assert c.state is State.FINISHED and c.failures == 0
     assert any(e.kind == "spare_lost" for e in c.events)
     held = [e for e in c.events if e.kind == "decision" and e.details.get("decision") == "Continue"]
@@ -1023,7 +1028,6 @@ def test_an_eviction_waits_when_the_spare_died_since_the_pool_was_last_watched(r
 def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_healed_like_any(ray_cluster):
     c = controller("fake-evict-spare-dies", backups=2, failure=elastic.FailureConfig(evict_stragglers=True))
     c.scaling.steps_per_dispatch = 1
-    _evict_rank_1_at(c, 13)
     replace, killed = c._replace, []
 
     def replace_then_kill(lost):
@@ -1033,10 +1037,7 @@ def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_h
             ray.kill(c.group.members[lost[0]].actor)
             assert_dies(c.group.members[lost[0]].actor)  # before the sync asks it
     c._replace = replace_then_kill
-    try:
-        c.run_for(steps=16)
-    finally:
-        c.shutdown()
+    run_evicting_rank_1_at(c, 13)
     assert c.state is State.FINISHED and c.step == 16
     assert c.failures == 1 and [r["kind"] for r in c.recoveries] == ["failure_during_recovery"]
     decisions = [e.details["decision"] for e in c.events if e.kind == "decision"]
@@ -1048,11 +1049,7 @@ def test_no_eviction_after_the_last_step(ray_cluster):
     # step's checkpoint without its part. The straggler is named instead.
     c = controller("fake-evict-last-step", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
     c.scaling.steps_per_dispatch = 1
-    _evict_rank_1_at(c, 16)
-    try:
-        c.run_for(steps=16)
-    finally:
-        c.shutdown()
+    run_evicting_rank_1_at(c, 16)
     assert c.state is State.FINISHED and c.step == 16
     assert not any("evicting" in e.message for e in c.events if e.kind == "transition")
     held = [e for e in c.events if e.kind == "decision"]
@@ -1660,31 +1657,19 @@ def test_a_long_heartbeat_interval_does_not_stretch_the_step_timeout(ray_cluster
         assert "step exceeded step_timeout_s=1" in hang.message
 
 
-def test_a_window_of_healthy_steps_longer_than_step_timeout_s_is_no_hang(ray_cluster):
+@pytest.mark.parametrize("timeout_s, interval_s, window", [(1.5, 0.1, 8), (1.0, 0.9, 6)])
+def test_a_window_of_healthy_steps_longer_than_step_timeout_s_is_no_hang(ray_cluster, timeout_s, interval_s, window):
     # The step timeout ran over the whole dispatch window: 8 steps of 0.3 s against a 1.5 s
     # step timeout killed both ranks as hung, window after window, until max_failures ended the
     # run. The clock restarts whenever the ranks' heartbeats show a step finished.
-    c = controller("fake-long-window", failure=elastic.FailureConfig(step_timeout_s=1.5, heartbeat_interval_s=0.1),
-                   steps_per_dispatch=8)
+    # (1.0, 0.9, 6): the answers were read once an interval, after the step timeout's check,
+    # and a first answer only set the baseline: with the interval near the timeout, a window of
+    # 0.3 s steps was killed as hung at 1 s although a step had finished at 0.3 s.
+    c = controller(f"fake-long-window-{window}", failure=elastic.FailureConfig(
+        step_timeout_s=timeout_s, heartbeat_interval_s=interval_s, max_failures=0), steps_per_dispatch=window)
     c.worker_group_cls = SteadyGroup
     try:
-        c.run_for(steps=16)
-        assert c.state is State.FINISHED and c.failures == 0
-        assert not [e for e in c.events if e.kind == "hang"]
-    finally:
-        c.shutdown()
-
-
-def test_a_heartbeat_interval_near_the_step_timeout_does_not_kill_a_healthy_window(ray_cluster):
-    # The heartbeats' answers were read once an interval, after the step timeout's check: with
-    # heartbeat_interval_s=0.9 and step_timeout_s=1, a window of 0.3 s steps was killed as hung
-    # at 1 s although a step had finished at 0.3 s. The timeout now asks first.
-    c = controller("fake-long-beat", failure=elastic.FailureConfig(step_timeout_s=1.0, heartbeat_interval_s=0.9,
-                                                                   max_failures=0),
-                   steps_per_dispatch=6)
-    c.worker_group_cls = SteadyGroup
-    try:
-        c.run_for(steps=12)
+        c.run_for(steps=2 * window)
         assert c.state is State.FINISHED and c.failures == 0
         assert not [e for e in c.events if e.kind == "hang"]
     finally:

@@ -151,9 +151,16 @@ def test_a_restart_forgets_the_ranks_killed_as_hung_so_the_new_ones_of_those_nam
     assert c._hung == set() and c.step == 5 and c.recomputed == 2
     killed = []
     monkeypatch.setattr(c, "_kill_hung", lambda stuck, why, gone=(): killed.append(sorted(stuck.values())))
+    unfinished(monkeypatch)
     c._lagging = {"window": (1, time.time() - 10, 1)}  # the new rank 1, late for 10 s
     c._check_late_hung()
     assert killed == [[1]]
+
+
+def unfinished(monkeypatch) -> None:
+    """The stand-in late windows (names, not refs) are still running: ``ray.wait`` on them
+    finds none done (``_check_late_hung`` spares a window that finished meanwhile)."""
+    monkeypatch.setattr(controller_module.ray, "wait", lambda refs, num_returns=1, timeout=None: ([], list(refs)))
 
 
 def test_a_late_rank_has_step_timeout_s_a_step_of_its_oldest_window_from_when_it_started_on_it(
@@ -167,6 +174,7 @@ def test_a_late_rank_has_step_timeout_s_a_step_of_its_oldest_window_from_when_it
     c.group = StandInGroup(ranks=3)
     killed = []
     monkeypatch.setattr(c, "_kill_hung", lambda stuck, why, gone=(): killed.append(sorted(stuck.values())))
+    unfinished(monkeypatch)
     now = time.time()
     c._lagging = {"w1": (2, now - 3, 4)}  # late 3 s on a window of 4 steps
     c._check_late_hung()
