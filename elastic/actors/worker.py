@@ -795,6 +795,10 @@ class TrainWorker:
         buffer_tag = _BUFFER_TAG | (step & (_BUFFER_TAG - 1)) if self.backend == "gloo" else 0
         if order <= n:
             group = self._fn_group(fast)
+            if self._fn_sends is not None:  # sends to ranks in this step's fast set are done
+                self._fn_sends.confirm(fast)
+                if self._fn_buffer_sends is not None:
+                    self._fn_buffer_sends.confirm(fast)
             if early:
                 self._fn_grads.finish_reduce()
             else:
@@ -976,7 +980,9 @@ class TrainWorker:
         for t in self.model.state_dict(keep_vars=True).values():
             if not isinstance(t, torch.Tensor):
                 continue  # a module's non-tensor extra state: not a parameter or buffer
-            crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
+            # The array itself, not .tobytes(): zlib reads any contiguous buffer, and the copy
+            # was a fresh allocation of the whole model every check, on every replica.
+            crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
         return crc
 
     def evaluate(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
