@@ -2383,8 +2383,37 @@ class Controller:
             return
         if self.metrics is not None:
             self.metrics.on_recovery("straggler", time.time() - t0)
+        self._snapshot_after_evict(r)
         self._refill_spares()
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
+
+    def _snapshot_after_evict(self, r: int) -> None:
+        """With ``every_n_steps`` > 1, have the new group checkpoint the step it starts from.
+
+        Why: a step commits once every rank's part of it is in. A first-N victim trailing the
+        fast N never wrote its part of the due steps it had not reached, and the spare in its
+        place got the state after them, so those steps never commit and the newest checkpoint
+        stays up to ``every_n_steps`` behind until the next due step (a DDP victim's writer was
+        killed mid-persist the same way). A step that was due (the others wrote theirs) needs
+        the spare's part alone; another one, every rank's. The snapshots persist in the
+        background as any step's, and their parts come back with later results. With
+        ``every_n_steps`` = 1 the next step commits anyway."""
+        every = self.run_config.checkpoint.every_n_steps
+        if self.committer is None or every <= 1 or self.step <= (self.restored_from or 0):
+            return
+        step = self.step
+        position = self._positions.get(step) if self._look_ahead else None
+        self.committer.set_meta(step, self._checkpoint_meta(step, position or self.plan.position.to_dict()), force=True)
+        members = [self.group.members[r]] if step % every == 0 else list(self.group.members)
+        refs = [(m.rank, m.actor.snapshot_checkpoint.remote(step)) for m in members]
+        for rank, ref in refs:
+            try:
+                self._merge_ckpt(rank, ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s))
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                # A lost rank shows in the next step, which heals it; this step then stays
+                # uncommitted, as it would have without the snapshot.
+                self.log("checkpoint_failed", f"rank {rank} did not snapshot step {step} after the eviction: "
+                         f"{type(exc).__name__}", step=step, rank=rank)
 
     def _avoid_node(self, node: str | None, now: float | None = None) -> None:
         """Keep refill spares off ``node`` for ``straggler_node_avoid_s`` from now (again, if it

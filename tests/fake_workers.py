@@ -112,6 +112,9 @@ class FakeWorker:
     def param_checksum(self):
         return 7
 
+    def snapshot_checkpoint(self, step):
+        return {}  # as TrainWorker.snapshot_checkpoint of a rank that writes no checkpoints
+
     def flush_checkpoint(self, final):
         return {}  # as TrainWorker.flush_checkpoint of a rank with nothing left to report
 

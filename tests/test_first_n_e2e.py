@@ -237,6 +237,29 @@ def test_persistent_straggler_evicted_for_spare(ray_cluster):
     assert len(set(result.replica_checksums)) == 1
 
 
+def test_the_step_an_eviction_leaves_at_is_checkpointed_off_schedule(ray_cluster, tmp_path):
+    # With every_n_steps > 1 the evicted straggler, trailing the fast N, never wrote its part of
+    # the due steps it had not reached, and the spare in its place got the state after them, so
+    # the newest checkpoint stayed behind until the next due step. The new group snapshots the
+    # step it starts from. every_n_steps=100: no step of the run is due but the last, so the
+    # eviction's step commits only through that snapshot. 40 steps: a newer snapshot (the last
+    # step's) coming while that one still waits in a writer replaces it, which is as good in a
+    # run but not here.
+    failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=3.0, straggler_window=2,
+                                    checksum_every_n_steps=1)
+    result = make("evict-ckpt", faults=[{"kind": "slow", "rank": 1, "delay_s": 1.0, "from_step": 2}], spares=1,
+                  failure=failure, steps_per_dispatch=1, storage=f"file://{tmp_path}",
+                  checkpoint=elastic.CheckpointConfig(every_n_steps=100, keep_last=100)).fit(steps=40)
+    # The step the new group starts from: the one the eviction decided at, or past it when the
+    # survivors finished a window already queued (the rebuild waits for it).
+    transitions = result.events_of("transition")
+    replaced = [e for e in transitions if "replaced by a spare" in e["message"]]
+    assert len(replaced) == 1, [(e["step"], e["message"]) for e in transitions]
+    replaced = replaced[0]
+    committed = {e["details"]["step"] for e in result.events_of("checkpoint_commit")}
+    assert committed == {replaced["step"], 40}, (replaced["step"], sorted(committed))
+
+
 # Ranks 1 and 2 slowed by 0.2 s from the start: rank 0 is surely in the fast set until a test
 # slows it more.
 RANKS_1_2_SLOWED = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} for r in (1, 2)]

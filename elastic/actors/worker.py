@@ -1062,6 +1062,14 @@ class TrainWorker:
         self._ckpt.flush(worker=self)
         return {**self._ckpt.drain(events), "world_size": self.world_size}
 
+    def snapshot_checkpoint(self, step: int) -> dict:
+        """Snapshot ``step`` now, off the ``every_n_steps`` schedule, if this rank completed it:
+        persisted in the background as any step's, its part reported with a later step's
+        results (``_after_step``). The controller asks after an eviction (``_snapshot_after_evict``)."""
+        if self._ckpt is None or step != self.completed_step:
+            return {}
+        return {**self._ckpt.drain(self._ckpt.snapshot(self, step)), "world_size": self.world_size}
+
     def _after_step(self, step: int, grad_norm: float | None = None) -> dict:
         """What a step reports besides its loss: finished checkpoint shards, the gradient norm
         when clipping, and, every K steps, a parameter checksum the controller compares across
