@@ -242,12 +242,15 @@ def test_the_step_an_eviction_leaves_at_is_checkpointed_off_schedule(ray_cluster
     # the due steps it had not reached, and the spare in its place got the state after them, so
     # the newest checkpoint stayed behind until the next due step. The new group snapshots the
     # step it starts from. every_n_steps=100: no step of the run is due but the last, so the
-    # eviction's step commits only through that snapshot. 40 steps: a newer snapshot (the last
-    # step's) coming while that one still waits in a writer replaces it, which is as good in a
-    # run but not here.
+    # eviction's step commits only through that snapshot. A newer snapshot (the last step's)
+    # coming while that one still waits replaces it, which is as good in a run but not here.
     failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=3.0, straggler_window=2,
                                     checksum_every_n_steps=1)
-    result = make("evict-ckpt", faults=[{"kind": "slow", "rank": 1, "delay_s": 1.0, "from_step": 2}], spares=1,
+    # Ranks 0 and 2 take 0.1 s a step: the 31 steps after the eviction outlast the node agent's
+    # wait to pool a step's parts (POOL_WAIT_S, 2 s; the evicted rank's part never comes), so
+    # the last step's snapshot cannot replace the eviction's while it waits there.
+    paced = [{"kind": "slow", "rank": r, "delay_s": 0.1, "from_step": 2} for r in (0, 2)]
+    result = make("evict-ckpt", faults=[{"kind": "slow", "rank": 1, "delay_s": 1.0, "from_step": 2}, *paced], spares=1,
                   failure=failure, steps_per_dispatch=1, storage=f"file://{tmp_path}",
                   checkpoint=elastic.CheckpointConfig(every_n_steps=100, keep_last=100)).fit(steps=40)
     # The step the new group starts from: the one the eviction decided at, or past it when the
