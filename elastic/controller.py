@@ -1125,6 +1125,13 @@ class Controller:
         if self.committer is not None and not self._look_ahead:
             self.committer.set_meta(step, self._checkpoint_meta(step, self.plan.position.to_dict()))
 
+    def _force_meta(self, step: int) -> None:
+        """The committer's meta for ``step``, a step the ranks snapshot off the ``every_n_steps``
+        schedule (the run's last, the step after an eviction): its data position as dispatched
+        (look-ahead) or the plan's now."""
+        position = self._positions.get(step) if self._look_ahead else None
+        self.committer.set_meta(step, self._checkpoint_meta(step, position or self.plan.position.to_dict()), force=True)
+
     def _checkpoint_meta(self, step: int, position: dict) -> dict:
         return {"data_position": position, "world_size": len(self.group.members),
                 "global_batch_size": self.global_batch_size, "generation": self.generation,
@@ -2402,8 +2409,7 @@ class Controller:
         if self.committer is None or every <= 1 or self.step <= (self.restored_from or 0):
             return
         step = self.step
-        position = self._positions.get(step) if self._look_ahead else None
-        self.committer.set_meta(step, self._checkpoint_meta(step, position or self.plan.position.to_dict()), force=True)
+        self._force_meta(step)
         members = [self.group.members[r]] if step % every == 0 else list(self.group.members)
         refs = [(m.rank, m.actor.snapshot_checkpoint.remote(step)) for m in members]
         for rank, ref in refs:
@@ -2450,9 +2456,7 @@ class Controller:
         every = self.run_config.checkpoint.every_n_steps
         if (every == 0 or self.step % every or self._snapshot_last) and self.step > (self.restored_from or 0):
             final = self.step
-            position = self._positions.get(final) if self._look_ahead else None
-            self.committer.set_meta(final, self._checkpoint_meta(final, position or self.plan.position.to_dict()),
-                                    force=True)
+            self._force_meta(final)
         if self._commit_what_ranks_wrote(final, 60, "final checkpoint") and \
                 (self.committer.latest_committed or 0) < self.step and self.step > (self.restored_from or 0):
             # Every handed-over step is committed, yet not the last: some rank's part of it never

@@ -61,10 +61,12 @@ class UpdateSends:
     def __len__(self) -> int:
         return len(self._in_flight)
 
-    def send(self, vector: Any, dsts: list[int], tag: int) -> None:
+    def send(self, vector: Any, dsts: list[int], tag: int, received: Any = ()) -> None:
         """Send a copy of ``vector`` to every rank in ``dsts``; returns without waiting for them,
-        unless more than ``limit`` sends would be in flight."""
+        unless more than ``limit`` sends would be in flight. ``received``: the ranks that reduced
+        in this step (``confirm``), whose earlier sends are done."""
         self.reap()
+        self.confirm(received)
         buf = self._free.pop() if self._free else vector.new_empty(vector.shape)
         buf.copy_(vector)
         self._in_flight.append(([self._isend(buf, dst=dst, tag=tag) for dst in dsts], buf, tuple(dsts)))

@@ -795,10 +795,6 @@ class TrainWorker:
         buffer_tag = _BUFFER_TAG | (step & (_BUFFER_TAG - 1)) if self.backend == "gloo" else 0
         if order <= n:
             group = self._fn_group(fast)
-            if self._fn_sends is not None:  # sends to ranks in this step's fast set are done
-                self._fn_sends.confirm(fast)
-                if self._fn_buffer_sends is not None:
-                    self._fn_buffer_sends.confirm(fast)
             if early:
                 self._fn_grads.finish_reduce()
             else:
@@ -809,9 +805,11 @@ class TrainWorker:
             if self.rank == leader and late:
                 # A copy: the next step's backward writes into ``flat`` before a late rank may
                 # have received this one (elastic/actors/sends.py bounds and reuses the copies).
-                self._fn_sends.send(flat, late, tag)
+                # fast: its ranks applied every earlier update, so the sends to them are done
+                # and their buffers free (UpdateSends.confirm).
+                self._fn_sends.send(flat, late, tag, received=fast)
                 if buffers is not None:
-                    self._fn_buffer_sends.send(buffers, late, buffer_tag)
+                    self._fn_buffer_sends.send(buffers, late, buffer_tag, received=fast)
         else:
             dist.recv(flat, src=leader, tag=tag)
             if buffers is not None:
