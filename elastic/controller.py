@@ -25,6 +25,7 @@ from elastic.actors.worker_group import (Member, WorkerGroup, check_cluster_fits
                                          unreachable_nodes)
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents
+from elastic.checkpoint.store import taken_at_here
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan, epoch_order_digest
 from elastic.policies import (
@@ -616,7 +617,7 @@ class Controller:
                 return
             if "progress" in part:
                 self._worker_progress = max(self._worker_progress, int(part["progress"]))
-            self.committer.add(step, rank, world_size, part["entries"], taken_at=part.get("taken_at"),
+            self.committer.add(step, rank, world_size, part["entries"], taken_at=taken_at_here(part),
                                rng=part.get("rng"))
 
     def _rewind(self, step: int | None) -> None:

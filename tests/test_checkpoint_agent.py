@@ -23,7 +23,7 @@ from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheck
 from elastic.checkpoint.agent import CheckpointAgent, receive_message, send_message
 from elastic.checkpoint.codec import capture_rng, encode_tensor_buffers, shard_layout
 from elastic.checkpoint.shm import SlotRing, supported
-from elastic.checkpoint.store import shard_name
+from elastic.checkpoint.store import shard_name, taken_at_here
 from elastic.actors.worker import _to_device
 from elastic.checkpoint.worker_hook import AgentCheckpointer
 from elastic.config import CheckpointConfig
@@ -55,7 +55,7 @@ class FakeController:
 
     def _written(self, step, world_size, parts):
         for rank, part in parts.items():
-            self.committer.add(step, int(rank), world_size, part["entries"], taken_at=part.get("taken_at"),
+            self.committer.add(step, int(rank), world_size, part["entries"], taken_at=taken_at_here(part),
                                rng=part.get("rng"))
 
 
@@ -240,6 +240,26 @@ def test_the_agent_writes_the_rng_the_rank_read_inside_the_step(node):
         finish([worker], [hook], committer)
         assert committer.latest_committed == 1
         assert store.read_rng(1, 0) == expected
+    finally:
+        hook.close()
+
+
+def test_the_agent_sends_each_part_with_its_age_on_the_nodes_clock(node):
+    """The controller may run on another host, with another clock: it dates the snapshot from
+    the part's age (``with_age``), read here, where the snapshot was taken."""
+    agent, controller, committer, _, _ = node
+    worker, hook = FakeWorker(), link(agent)
+    agent.expect(1, [0])
+    try:
+        started = time.time()
+        worker.train(1)
+        hook.after_step(worker, 1)
+        committer.set_meta(1, {"data": {"cursor": 1}})
+        finish([worker], [hook], committer)
+        assert committer.latest_committed == 1
+        parts = [part for _, _, sent in controller.checkpoint_written.calls for part in sent.values()]
+        assert parts and all(0 <= part["age_s"] <= time.time() - started for part in parts)
+        assert all(started <= part["taken_at"] <= part["taken_at"] + part["age_s"] <= time.time() for part in parts)
     finally:
         hook.close()
 

@@ -1002,6 +1002,7 @@ class TrainWorker:
         ``pool_parts``). ``keep_every``: ``CheckpointConfig.keep_every``, whose steps' snapshots
         are never replaced on their way to storage (``store.is_milestone``)."""
         from elastic.checkpoint import WorkerCheckpointer
+        from elastic.checkpoint.store import with_ages
         from elastic.checkpoint.worker_hook import AgentCheckpointer
 
         if self._ckpt is not None:
@@ -1010,7 +1011,7 @@ class TrainWorker:
         notify = None
         if controller is not None:
             def notify(step, world_size, parts):  # writer thread; fire and forget
-                controller.checkpoint_written.remote(step, world_size, parts)
+                controller.checkpoint_written.remote(step, world_size, with_ages(parts))
 
         pool_parts = not (agents_in_run or agent_address is not None)
 
@@ -1058,7 +1059,7 @@ class TrainWorker:
             return {}
         events = self._ckpt.snapshot(self, final_step) if final_step == self.completed_step else []
         self._ckpt.flush(worker=self)
-        return {**self._ckpt.drain(events), "world_size": self.world_size}
+        return self._ckpt_report(self._ckpt.drain(events))
 
     def snapshot_checkpoint(self, step: int) -> dict:
         """Snapshot ``step`` now, off the ``every_n_steps`` schedule, if this rank completed it:
@@ -1066,13 +1067,23 @@ class TrainWorker:
         results (``_after_step``). The controller asks after an eviction (``_snapshot_after_evict``)."""
         if self._ckpt is None or step != self.completed_step:
             return {}
-        return {**self._ckpt.drain(self._ckpt.snapshot(self, step)), "world_size": self.world_size}
+        return self._ckpt_report(self._ckpt.drain(self._ckpt.snapshot(self, step)))
+
+    def _ckpt_report(self, report: dict) -> dict:
+        """The checkpointer's report as it goes to the controller: the finished parts with their
+        ages (``with_age``: the controller may be on another host, with another clock), and this
+        rank's world size."""
+        from elastic.checkpoint.store import with_age
+
+        now = time.time()
+        return {**report, "ckpt_done": [(step, with_age(part, now)) for step, part in report.get("ckpt_done", [])],
+                "world_size": self.world_size}
 
     def _after_step(self, step: int, grad_norm: float | None = None) -> dict:
         """What a step reports besides its loss: finished checkpoint shards, the gradient norm
         when clipping, and, every K steps, a parameter checksum the controller compares across
         replicas."""
-        extra = {} if self._ckpt is None else {**self._ckpt.after_step(self, step), "world_size": self.world_size}
+        extra = {} if self._ckpt is None else self._ckpt_report(self._ckpt.after_step(self, step))
         if grad_norm is not None:
             extra["grad_norm"] = grad_norm
         if self._checksum_every and step % self._checksum_every == 0:

@@ -50,7 +50,7 @@ from elastic.actors.priority import can_restore_priority
 from elastic.checkpoint.codec import RawRng, canonical_json, json_object_plus, safetensors_header
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.shm import SlotRing, read_memfd
-from elastic.checkpoint.store import CheckpointStore, shard_metadata
+from elastic.checkpoint.store import CheckpointStore, shard_metadata, with_ages
 
 logger = logging.getLogger(__name__)
 
@@ -668,7 +668,7 @@ class CheckpointAgent:
 
     def _report(self, step: int, world_size: int, parts: dict) -> None:
         try:
-            self.controller.checkpoint_written.remote(step, world_size, parts)
+            self.controller.checkpoint_written.remote(step, world_size, with_ages(parts))
         except Exception as exc:  # noqa: BLE001 - the controller is gone: the run is over
             logger.warning("checkpoint agent: cannot report step %d: %s", step, exc)
 

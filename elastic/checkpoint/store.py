@@ -135,6 +135,36 @@ class Snapshot:
         return bool(self.tensors) or self.skeleton is not None
 
 
+def with_age(part: dict, now: float | None = None) -> dict:
+    """A rank's written part (``{"entries", "taken_at", ...}``) as it leaves the host that took
+    its snapshot: with ``age_s``, how long ago that was, read on the clock that took it.
+
+    Why: ``taken_at`` is that host's wall clock. The controller, on another host, measured a
+    commit's persist time as its own clock minus ``taken_at``, which adds the offset between
+    the two clocks (up to seconds with NTP, any amount without; a negative persist time when
+    the worker's clock is ahead). A duration means the same on both hosts (``taken_at_here``)."""
+    taken_at = part.get("taken_at")
+    if taken_at is None:
+        return part
+    return {**part, "age_s": max(0.0, (time.time() if now is None else now) - float(taken_at))}
+
+
+def with_ages(parts: dict) -> dict:
+    """``{rank: part}`` as it leaves this host (``with_age``, one clock reading for all)."""
+    now = time.time()
+    return {rank: with_age(part, now) for rank, part in parts.items()}
+
+
+def taken_at_here(part: dict) -> float | None:
+    """When a part's snapshot was taken, on this host's clock: now minus the part's ``age_s``
+    (``with_age``), so the message's way here counts as persisting, as it does; ``taken_at``
+    itself for a part that carries no age (one that never left its host)."""
+    if part.get("age_s") is not None:
+        return time.time() - float(part["age_s"])
+    taken_at = part.get("taken_at")
+    return None if taken_at is None else float(taken_at)
+
+
 @dataclass
 class StepInfo:
     """One step directory, for listings (``elastic checkpoints URL``).
