@@ -1625,13 +1625,8 @@ class Controller:
         for r, (bref, sent) in list(beats.items()):
             ready, _ = ray.wait([bref], timeout=0)
             if ready:
-                try:
-                    done = ray.get(bref).get("completed_step")
-                    self._last_beat[r] = time.time()
-                    if self._advanced(r, done, done_seen):
-                        advanced.add(r)
-                except ray.exceptions.RayError:
-                    pass
+                if self._beat_advanced(r, bref, done_seen):
+                    advanced.add(r)
                 del beats[r]
             elif time.time() - sent > cfg.heartbeat_timeout_s:
                 stuck = {k: v for k, v in pending.items() if v == r}
@@ -1655,16 +1650,18 @@ class Controller:
             return set()
         ready, _ = ray.wait(list(refs), num_returns=len(refs),
                             timeout=min(self.failure_config.heartbeat_timeout_s, 2.0))
-        advanced: set[int] = set()
-        for ref in ready:
-            r = refs[ref]
-            try:
-                done = ray.get(ref).get("completed_step")
-            except ray.exceptions.RayError:
-                continue  # its death shows on its step's ref
-            if self._advanced(r, done, done_seen):
-                advanced.add(r)
-        return advanced
+        return {refs[ref] for ref in ready if self._beat_advanced(refs[ref], ref, done_seen)}
+
+    def _beat_advanced(self, r: int, ref: Any, done_seen: dict[int, int]) -> bool:
+        """Rank ``r``'s heartbeat ``ref``, answered: the rank is heard from (``_last_beat``), and
+        whether its completed step is past what the wait last heard (``_advanced``). An answer
+        that is an error is no progress: the rank's death shows on its step's ref."""
+        try:
+            done = ray.get(ref).get("completed_step")
+        except ray.exceptions.RayError:
+            return False
+        self._last_beat[r] = time.time()
+        return self._advanced(r, done, done_seen)
 
     def _advanced(self, r: int, done: Any, done_seen: dict[int, int]) -> bool:
         """Whether rank ``r``'s heartbeat's completed step ``done`` is past what the wait last
