@@ -227,7 +227,11 @@ def test_persistent_straggler_evicted_for_spare(ray_cluster):
     # slow one is among the N: the test took 11-174 s in the suite, 20 s alone.
     # STEPS + 8: under load the warm-up and the sit-outs put the decision as late as step ~12,
     # and none comes after the last step (nothing left to speed up).
-    result = make("evict", faults=[{"kind": "slow", "rank": 1, "delay_s": 1.0, "from_step": 2}], spares=1,
+    # Ranks 0 and 2 take 0.05 s a step: the model's own step is a few ms, and in one suite run
+    # (two pytest processes on two cores) rank 0's was 3.43x rank 2's two steps in a row, and
+    # rank 0 was evicted. With the pace, scheduling noise of tens of ms cannot reach 3x.
+    paced = [{"kind": "slow", "rank": r, "delay_s": 0.05, "from_step": 2} for r in (0, 2)]
+    result = make("evict", faults=[{"kind": "slow", "rank": 1, "delay_s": 1.0, "from_step": 2}, *paced], spares=1,
                   failure=failure, steps_per_dispatch=1).fit(steps=STEPS + 8)
     evictions = [e for e in result.events if e["kind"] == "decision" and e["details"]["decision"] == "EvictStraggler"]
     assert len(evictions) == 1 and evictions[0]["details"]["rank"] == 1
