@@ -24,7 +24,7 @@ from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, Sto
 from elastic.actors.worker_group import (Member, WorkerGroup, check_cluster_fits, describe_worker_failure,
                                          unreachable_nodes)
 from elastic.checkpoint import shm
-from elastic.checkpoint.agent import NodeAgents
+from elastic.checkpoint.agent import ON_NODES, NodeAgents
 from elastic.checkpoint.store import taken_at_here
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.data import DataPosition, SampleLedger, ShardPlan, epoch_order_digest
@@ -521,6 +521,8 @@ class Controller:
 
     def _setup_data_and_checkpoints(self) -> None:
         position = None
+        if self.store is not None:
+            self._check_storage_here()
         if self._agents_wanted():
             # Started now, so their processes come up while the resume reads storage.
             self._agents = NodeAgents(self.store, self.run_config.name, self._self_handle,
@@ -536,19 +538,37 @@ class Controller:
 
             self.committer = CheckpointCommitter(self.store, self.run_config.checkpoint,
                                                  latest_committed=self.restored_from, progress=self._progress_step)
-            self._configure_checkpoints(self._all_actors())
+            self._configure_checkpoints(self._all_actors(), check_storage=True)
 
-    def _configure_checkpoints(self, members: list[Member]) -> None:
+    def _check_storage_here(self) -> None:
+        """The storage, checked from the controller's process before the resume reads it: a
+        refusal (no credentials here, no write access) ends the run with a ConfigError. Why:
+        the controller is a Ray actor, with its node's environment, not the driver's that
+        ``Storage.validate`` checked with; without credentials its resume took the refusals for
+        an outage and waited ``resume_timeout_s`` for them to pass."""
+        try:
+            self.store.warm_up(check=True)
+        except ConfigError as exc:
+            raise ConfigError(f"the run's controller (on node {ray.util.get_node_ip_address()}): "
+                              f"{exc} {ON_NODES}") from None
+
+    def _configure_checkpoints(self, members: list[Member], check_storage: bool = False) -> None:
         """Give actors their checkpoint writer (once each; a spare started later gets it when it
         first joins). Inside the controller actor, ranks report written parts straight to it,
-        and unless writes block the step, each node's agent writes them (``NodeAgents``)."""
+        and unless writes block the step, each node's agent writes them (``NodeAgents``).
+
+        ``check_storage``: the run's start. Whatever writes a node's checkpoints (its agent, or
+        ranks writing in their own processes) checks the storage from there, and a refusal ends
+        the run with a ConfigError that names the node, before any step: the driver's check
+        (``Storage.validate``) used the driver's credentials. Later (a spare, a restart) a
+        refusal is left to the writes, which retry and report it: the run is training by then."""
         todo = [m for m in members if m.name not in self._configured]
         if self.store is None or not todo:
             return
         ckpt = self.run_config.checkpoint
         addresses: dict = {}
         if self._agents is not None:
-            addresses = self._agents.addresses({m.info.get("node_id") for m in todo})
+            addresses = self._agents.addresses({m.info.get("node_id") for m in todo}, check_storage)
             self.log("checkpoint_agents", f"{sum(a is not None for a in addresses.values())} of {len(addresses)} "
                      f"node(s) write checkpoints through a checkpoint agent",
                      nodes={node: a is not None for node, a in addresses.items()})
@@ -556,7 +576,7 @@ class Controller:
                                                         self.run_config.name, ckpt.every_n_steps, ckpt.blocking,
                                                         self._self_handle, ckpt.min_shard_bytes,
                                                         addresses.get(m.info.get("node_id")), self._agents is not None,
-                                                        ckpt.keep_every))
+                                                        ckpt.keep_every, check_storage))
                 for m in todo]
         spares = {m.name for m in self.group.spares}
         failed: list[str] = []
@@ -565,6 +585,9 @@ class Controller:
             try:
                 self._answer(m, ref, deadline - time.monotonic(), "its checkpoint writer's setup")
             except ray.exceptions.RayError as exc:
+                if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, ConfigError):
+                    raise ConfigError(f"{m.name} on node {m.info.get('node_ip')}: {exc.cause} "
+                                      f"{ON_NODES}") from None
                 if m.name not in spares:
                     raise  # a rank: the caller's failure handling finds it lost
                 # A spare: not worth the run (a start, a restart from the checkpoint) it was set up

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheckpointer
-from elastic.checkpoint.agent import CheckpointAgent, receive_message, send_message
+from elastic.checkpoint.agent import CheckpointAgent, NodeAgents, receive_message, send_message
 from elastic.checkpoint.codec import capture_rng, encode_tensor_buffers, shard_layout
 from elastic.checkpoint.shm import SlotRing, supported
 from elastic.checkpoint.store import shard_name, taken_at_here
@@ -1148,7 +1148,8 @@ class _StandInActor:
                  "threads": threads or {"accept": True, "reports": True}}
         self.stats = SimpleNamespace(remote=lambda: stats)
         self.address = SimpleNamespace(remote=lambda: address)
-        self.warm_up = SimpleNamespace(remote=lambda: None)
+        self.checks: list[bool] = []  # warm_up's: its "ref" is this list
+        self.warm_up = SimpleNamespace(remote=lambda check=False: self.checks.append(check) or self.checks)
 
 
 @pytest.fixture
@@ -1190,6 +1191,39 @@ def test_a_node_whose_agent_cannot_start_gets_none_and_the_others_theirs(stand_i
     assert agents.addresses({"a", "full"}) == {"a": "new-a", "full": None}
     assert "full" not in agents._starting and not killed
     assert agents.addresses({"full"}) == {"full": None}  # tried again when asked again
+
+
+def test_at_the_start_a_new_agents_storage_refusal_ends_the_run_naming_the_node(stand_in_ray, monkeypatch):
+    """``addresses(check_storage=True)`` (the run's start) waits for each new agent's storage
+    check; a ConfigError from one (no credentials on its node) comes back as a ConfigError that
+    names the node. Later (a spare's node, a replaced agent) the check is not waited for."""
+    import ray
+
+    from elastic.config import ConfigError
+
+    agents, _ = stand_in_ray
+    started: dict = {}
+    start = NodeAgents._start
+
+    def recording_start(self, node):
+        started[node] = start(self, node)
+        return started[node]
+
+    monkeypatch.setattr(NodeAgents, "_start", recording_start)
+    cause = ConfigError("RunConfig.storage='s3://b/runs': no AWS credentials found. Pass RunConfig.storage_options")
+    identity = ray.get
+
+    def get(ref, timeout=None):
+        if "b" in started and ref is started["b"].checks:
+            raise ray.exceptions.RayTaskError("warm_up", "Traceback ...", cause)
+        return identity(ref, timeout)
+
+    monkeypatch.setattr(ray, "get", get)
+    assert agents.addresses({"a"}, check_storage=True) == {"a": "new-a"}
+    assert started["a"].checks == [True]
+    with pytest.raises(ConfigError, match=r"checkpoint agent on node b: .*no AWS credentials found.*driver's own check"):
+        agents.addresses({"b"}, check_storage=True)
+    assert agents.addresses({"c"}) == {"c": "new-c"} and started["c"].checks == [False]
 
 
 @pytest.mark.parametrize("backend", ["file"], indirect=True)  # the storage plays no part

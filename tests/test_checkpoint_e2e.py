@@ -426,6 +426,36 @@ def test_a_resume_waits_for_storage_that_does_not_answer(ray_cluster, uninterrup
         s3.stop()
 
 
+@pytest.mark.parametrize("writers", ["agents", "ranks"])
+def test_storage_the_nodes_cannot_write_ends_the_run_before_any_step(ray_cluster, monkeypatch, writers):
+    """The S3 credentials are in the driver's environment only (AWS_* variables set after the
+    cluster started, whose processes never see them). The driver's check passed with them; the
+    node's writers (its checkpoint agent, or ranks writing in their own processes with
+    blocking=True) had none, and before, the run trained on with every write failing in the
+    background. Now it ends at the start with a ConfigError that says where and what to do."""
+    import botocore.session
+
+    if botocore.session.Session().get_credentials() is not None:
+        pytest.skip("this machine has AWS credentials of its own, which the cluster's processes would find")
+    s3 = MotoS3().start()
+    try:
+        bucket = s3.create_bucket()
+        options = {k: v for k, v in s3.storage_options().items() if k not in ("key", "secret")}
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.storage_options()["key"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+        t = trainer(f"nocreds-{writers}", f"s3://{bucket}/runs", storage_options=options,
+                    blocking=writers == "ranks")
+        with pytest.raises(elastic.ConfigError) as err:
+            t.fit(steps=3)
+        text = str(err.value)
+        # The controller is a Ray actor too, and the first to miss them (it reads storage to resume).
+        assert "no AWS credentials found" in text and "controller (on node" in text and "storage_options" in text
+        assert TEST_SECRET not in text
+        assert CheckpointStore(f"s3://{bucket}/runs", f"nocreds-{writers}", s3.storage_options()).step_dirs() == []
+    finally:
+        s3.stop()
+
+
 def test_every_rank_lost_spares_load_the_checkpoint(ray_cluster, tmp_path, uninterrupted):
     faults = [{"kind": "kill", "rank": 0, "at_step": 6}, {"kind": "kill", "rank": 1, "at_step": 6}]
     result = trainer("allgone", f"file://{tmp_path}/ckpt", backups=2, blocking=True, faults=faults).fit(steps=12)

@@ -4,6 +4,7 @@ endpoint (moto's server), plus validate() and credential redaction."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -236,6 +237,40 @@ def test_validate_leaves_no_probe_behind(backend):
     storage = Storage(url, options, retry=FAST)
     storage.validate()
     assert storage.list_dir("") == []
+
+
+def test_check_here_refuses_what_the_storage_refuses_and_lets_an_outage_pass(no_aws_env, moto_s3, tmp_path, caplog):
+    """``check_here`` runs in the controller, the node agents and the ranks at a run's start:
+    a refusal is a ConfigError; an outage a warning (the writes retry and report it)."""
+    bucket = moto_s3.create_bucket()
+    with pytest.raises(ConfigError, match="no AWS credentials found"):
+        Storage(f"s3://{bucket}/run", {"endpoint_url": moto_s3.endpoint_url}, retry=FAST).check_here()
+    with pytest.raises(ConfigError, match="not writable from here"):
+        Storage("s3://no-such-bucket-elastic/run", moto_s3.storage_options(), retry=FAST).check_here()
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="not writable from here"):
+        Storage(f"{blocker}/run", retry=FAST).check_here()
+    storage = Storage(f"s3://{bucket}/run", moto_s3.storage_options(), retry=FAST)
+    storage.check_here()
+    assert storage.list_dir("") == []  # the probe is gone
+    down = MotoS3().start()
+    options = down.storage_options()
+    down.stop()
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.storage"):
+        Storage("s3://some-bucket/run", options, retry=FAST).check_here()
+    assert any("did not answer a probe write" in r.getMessage() for r in caplog.records)
+    assert TEST_SECRET not in caplog.text
+
+
+def test_missing_credentials_are_a_refusal_not_an_outage(no_aws_env, moto_s3):
+    """botocore's NoCredentialsError (no key in storage_options, none in this process's
+    environment) is the same on every try: before, it was retried and called an outage."""
+    bucket = moto_s3.create_bucket()
+    storage = Storage(f"s3://{bucket}/run", {"endpoint_url": moto_s3.endpoint_url}, retry=FAST)
+    with pytest.raises(StorageError, match="NoCredentialsError") as err:
+        storage.list_dir("")
+    assert not isinstance(err.value, StorageUnavailable)
 
 
 # ---- redaction ---------------------------------------------------------------------------------

@@ -18,11 +18,14 @@ from ray.cluster_utils import Cluster
 
 import elastic
 from conftest import release_shared_cluster
+from elastic.checkpoint import CheckpointStore
+from elastic.checkpoint.testing import TEST_KEY, TEST_SECRET, MotoS3
 from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd, reference_weights
 
 pytestmark = pytest.mark.slow
 
 STEPS = 16
+HEAD_CREDENTIALS = {"AWS_ACCESS_KEY_ID": TEST_KEY, "AWS_SECRET_ACCESS_KEY": TEST_SECRET}
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +36,11 @@ def cluster():
     # health_check_period_ms apart: 5 x 3 s by default, ~13 s of every test here spent waiting
     # for it. 3 x 0.5 s finds a killed raylet in ~1.5 s (its checks fail at once: connection
     # refused); a live one under load still has health_check_timeout_ms (10 s) to answer each.
+    # The head's processes (the controller) have S3 credentials in their environment, the nodes'
+    # none (test_storage_a_nodes_writers_cannot_write_ends_the_run_before_any_step).
     release_shared_cluster()
     c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False,
+        "num_cpus": 0, "include_dashboard": False, "env_vars": HEAD_CREDENTIALS,
         "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
     node_a = c.add_node(num_cpus=2)
     c.add_node(num_cpus=2)
@@ -149,3 +154,37 @@ def test_a_refill_spare_waiting_for_room_takes_the_lost_ranks_bundle_once_ray_pl
         for node in nodes:
             if node.node_id != lost_node:
                 c.remove_node(node)
+
+
+@pytest.mark.parametrize("writers", ["agents", "ranks"])
+def test_storage_a_nodes_writers_cannot_write_ends_the_run_before_any_step(cluster, monkeypatch, writers):
+    """S3 credentials in the driver's environment and the head's (where the controller runs),
+    none on the nodes that host the ranks. The driver's and the controller's checks pass;
+    before, the nodes' writers (the node's checkpoint agent, or with blocking=True the ranks in
+    their own processes) failed every write in the background for the whole run. Now the run
+    ends at the start with a ConfigError that names the node and says what to do."""
+    import botocore.session
+
+    if botocore.session.Session().get_credentials() is not None:
+        pytest.skip("this machine has AWS credentials of its own, which the nodes' processes would find")
+    s3 = MotoS3().start()
+    try:
+        bucket = s3.create_bucket()
+        options = {k: v for k, v in s3.storage_options().items() if k not in ("key", "secret")}
+        for name, value in HEAD_CREDENTIALS.items():
+            monkeypatch.setenv(name, value)
+        t = elastic.Trainer(
+            make_model, make_sgd, make_dataset, loss_fn, 32, scaling=elastic.ScalingConfig(num_workers=2),
+            run=elastic.RunConfig(name=f"nodecreds-{writers}", seed=0, storage=f"s3://{bucket}/runs",
+                                  storage_options=options,
+                                  checkpoint=elastic.CheckpointConfig(blocking=writers == "ranks")))
+        with pytest.raises(elastic.ConfigError) as err:
+            t.fit(steps=3)
+        text = str(err.value)
+        assert "no AWS credentials found" in text and "on node" in text and "storage_options" in text
+        assert "controller" not in text
+        assert ("checkpoint agent" in text) == (writers == "agents")
+        assert TEST_SECRET not in text
+        assert CheckpointStore(f"s3://{bucket}/runs", f"nodecreds-{writers}", s3.storage_options()).step_dirs() == []
+    finally:
+        s3.stop()

@@ -992,7 +992,7 @@ class TrainWorker:
     def configure_checkpoint(self, url: str, storage_options: dict, run_name: str, every_n_steps: int,
                              blocking: bool, controller: Any = None, min_shard_bytes: int = 0,
                              agent_address: str | None = None, agents_in_run: bool = False,
-                             keep_every: int = 0) -> None:
+                             keep_every: int = 0, check_storage: bool = False) -> None:
         """``controller``: the controller actor, told of each written part the moment it is written.
         ``min_shard_bytes``: see ``CheckpointConfig``. ``agent_address``: the socket of this
         node's checkpoint agent, which then writes this rank's snapshots (``AgentCheckpointer``).
@@ -1000,7 +1000,9 @@ class TrainWorker:
         when this one's is given), so a rank that writes in its own process reports its own
         parts: ranks on agents never add theirs to the group's pool (``WorkerCheckpointer``'s
         ``pool_parts``). ``keep_every``: ``CheckpointConfig.keep_every``, whose steps' snapshots
-        are never replaced on their way to storage (``store.is_milestone``)."""
+        are never replaced on their way to storage (``store.is_milestone``). ``check_storage``: at
+        the run's start, a rank that writes in its own process raises ConfigError when the storage
+        refuses it (``CheckpointStore.warm_up``); the node's agent checks for the ranks it writes for."""
         from elastic.checkpoint import WorkerCheckpointer
         from elastic.checkpoint.store import with_ages
         from elastic.checkpoint.worker_hook import AgentCheckpointer
@@ -1031,8 +1033,13 @@ class TrainWorker:
             except OSError as exc:
                 logger.warning("rank %s: cannot reach the node's checkpoint agent (%s); writing checkpoints "
                                "in this process", self.rank, exc)
-        self._ckpt = in_process()
-        self._ckpt.warm_up()
+        ckpt = in_process()
+        try:
+            ckpt.warm_up(check_storage)
+        except BaseException:
+            ckpt.close()  # its writer thread: the run ends here
+            raise
+        self._ckpt = ckpt
 
     def restore_checkpoint(self, url: str, storage_options: dict, run_name: str, step: int) -> dict:
         """Load a committed step (checksums verified while reading); returns its manifest meta.

@@ -59,6 +59,9 @@ MAX_FDS = 4
 # How long a node's parts of a step wait for the node's other ranks before they go to the
 # controller on their own (a rank that stopped writing, or one far behind in first-N).
 POOL_WAIT_S = 2.0
+# Said with a storage refusal on a node after the driver's check passed (``validate``).
+ON_NODES = ("The driver's own check passed: its environment (AWS_* variables, ~/.aws, an instance role) is not "
+            "the nodes'. Pass the credentials in RunConfig.storage_options, or set them up on every node.")
 # A writer this many steps behind its rank's newest snapshot runs at normal priority until it
 # has caught up (WriterPriority.hurry).
 HURRY_STEPS = 1
@@ -572,9 +575,9 @@ class CheckpointAgent:
         """The ranks of a new group of ``world_size`` that run on this node (see ``_NodePool``)."""
         self.pool.expect(world_size, set(ranks))
 
-    def warm_up(self) -> None:
-        """Open the storage client now (``CheckpointStore.warm_up``)."""
-        self.store.warm_up()
+    def warm_up(self, check: bool = False) -> None:
+        """Open the storage client now (``CheckpointStore.warm_up``, ``check`` as there)."""
+        self.store.warm_up(check)
 
     def stats(self) -> dict:
         """What the agent holds, and ``threads``: whether its accept and report threads still
@@ -767,9 +770,13 @@ class NodeAgents:
                     if actor is not None:
                         _kill_quietly(actor)
 
-    def addresses(self, node_ids: set[str]) -> dict[str, str | None]:
+    def addresses(self, node_ids: set[str], check_storage: bool = False) -> dict[str, str | None]:
         """Each node's agent address, starting agents where there is none or it died; None for a
-        node whose agent does not start (its ranks then write checkpoints in their own processes)."""
+        node whose agent does not start (its ranks then write checkpoints in their own processes).
+
+        ``check_storage``: at the run's start, wait for each new agent's storage check
+        (``CheckpointStore.warm_up``) and raise ConfigError, naming the node, when the storage
+        refuses the agent: the agent writes its node's checkpoints, with the node's credentials."""
         import ray
 
         pings = {node: self._agents[node][0].stats.remote() for node in node_ids if node in self._agents}
@@ -788,16 +795,39 @@ class NodeAgents:
                                node, " and ".join(stopped))
                 self._kill(node)
         self.start(node_ids)
+        checks = {}
         for node in [n for n in node_ids if n in self._starting]:
             actor, ref = self._starting.pop(node)
             try:
                 self._agents[node] = (actor, ray.get(ref, timeout=self.START_TIMEOUT_S))
-                actor.warm_up.remote()
+                checks[node] = actor.warm_up.remote(check_storage)
             except Exception as exc:  # noqa: BLE001 - the ranks fall back to writing themselves
                 logger.warning("no checkpoint agent on node %s (%s); its ranks write checkpoints in their own "
                                "processes", node, exc)
                 ray.kill(actor, no_restart=True)
+        if check_storage:
+            self._checked(checks)
         return {node: self._agents[node][1] if node in self._agents else None for node in node_ids}
+
+    def _checked(self, checks: dict) -> None:
+        """Wait for the agents' storage checks (node id -> ref of ``warm_up(True)``), all at once.
+        A refusal raises ConfigError naming the node. An agent that dies or does not answer in
+        time is the ranks' to replace (they write in their own processes, and check there)."""
+        import ray
+
+        from elastic.config import ConfigError
+
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        for node, ref in checks.items():
+            try:
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, ConfigError):
+                    raise ConfigError(f"the checkpoint agent on node {node}: {exc.cause} {ON_NODES}") from None
+                logger.warning("the checkpoint agent on node %s failed its storage check: %s", node, exc.cause)
+            except Exception as exc:  # noqa: BLE001 - dead or slow: see the docstring
+                logger.warning("the checkpoint agent on node %s did not finish its storage check (%s); its ranks "
+                               "write checkpoints in their own processes if it is lost", node, type(exc).__name__)
 
     def settle(self, generation: int, timeout_s: float) -> list[tuple[int | None, int]]:
         """``CheckpointAgent.settle`` on every node's agent, all at once; the (rank, step) of

@@ -55,6 +55,11 @@ _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Permissi
 # InvalidBucketName and KeyTooLongError into EINVAL or ENAMETOOLONG, and a local disk that is full,
 # over quota or read-only says so by errno. Retried as transient, each cost a step ~1 s of sleeps in
 # blocking mode and was reported as an outage ("storage_outage") rather than a refusal.
+# botocore's errors for credentials it cannot find or read, by name (botocore comes with s3fs,
+# and is not imported here): the same on every try in this process. Retried as transient, a
+# controller or node without credentials was an "outage", and a resume waited resume_timeout_s
+# for storage that answered the driver.
+_PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ProfileNotFound"})
 _PERMANENT_ERRNOS = frozenset({errno.EINVAL, errno.ENAMETOOLONG, errno.EMSGSIZE, errno.EROFS, errno.ENOSPC,
                                errno.EDQUOT})
 
@@ -394,7 +399,8 @@ class Storage:
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"{op}: not found: {self.describe(rel)} ({self.redact(str(exc))})") from None
             except Exception as exc:  # noqa: BLE001 - transient by elimination; retried, then wrapped
-                if isinstance(exc, _PERMANENT) or (isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS):
+                if isinstance(exc, _PERMANENT) or type(exc).__name__ in _PERMANENT_NAMES \
+                        or (isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS):
                     raise StorageError(
                         f"{op} {self.describe(rel)} failed: {type(exc).__name__}: {self.redact(str(exc))}"
                     ) from None
@@ -689,19 +695,62 @@ class Storage:
                     f"RunConfig.storage={self.location!r}: bucket {bucket!r} does not exist (or these "
                     "credentials cannot see it); create it or fix the bucket name."
                 ))
-        probe = _join(probe_dir, f".elastic-probe-{uuid.uuid4().hex}")
-        payload = b"elastic storage probe"
         try:
-            self._call("probe write", probe, lambda: self._probe_write(probe, payload), retry=quick)
-            back = self._call("probe read", probe, lambda: fs.cat_file(self.full_path(probe)), retry=quick)
+            self._probe(quick, probe_dir)
         except (StorageError, FileNotFoundError) as exc:
             raise ConfigError(
                 f"RunConfig.storage={self.location!r} is not writable: {self.redact(str(exc))}. "
                 "Check the path, permissions and RunConfig.storage_options."
             ) from None
+
+    def check_here(self) -> None:
+        """Whether this process can write the storage, for a run about to train: raise
+        ConfigError when the storage refuses it; an outage is only logged.
+
+        Why beside ``validate``: that runs in the driver, with the driver's environment, and the
+        ranks and node agents that write the checkpoints run on other nodes, with theirs. S3
+        credentials from the driver's AWS_* variables or ``~/.aws`` (a laptop over ``ray://``,
+        a head node's IAM role) are not there, nor may s3fs be installed; the writes then failed
+        in the background for the whole run, with events but no error. Checked here: the scheme
+        and its filesystem, S3 credentials as botocore finds them in this process, and a probe
+        written, read back and deleted. An outage is not a refusal: storage down at a start
+        leaves the writes to retry and report it, as they do mid-run."""
+        self._check_scheme()
+        if self.protocol in _S3:
+            self._check_s3_credentials()
+        try:
+            self._filesystem()
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as in validate: a filesystem that connects when made
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} cannot be opened as a {self.protocol}:// filesystem here: "
+                f"{type(exc).__name__}: {self.redact(str(exc))}. Check RunConfig.storage_options."
+            ) from None
+        try:
+            self._probe(RetryPolicy(attempts=2, base_s=min(self.retry.base_s, 0.2), max_s=0.5))
+        except StorageUnavailable as exc:
+            logger.warning("checkpoint storage %s did not answer a probe write: %s (checkpoints retry until it does)",
+                           self.location, exc)
+        except (StorageError, FileNotFoundError) as exc:
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} is not writable from here: {self.redact(str(exc))}. "
+                "Check the permissions and RunConfig.storage_options."
+            ) from None
+
+    def _probe(self, retry: RetryPolicy, probe_dir: str = "") -> None:
+        """Write a small probe file, read it back and delete it (the delete may fail: a stray
+        probe is harmless). Raises the storage errors of the write and the read, and
+        ConfigError when the bytes read back differ."""
+        fs, _ = self._filesystem()
+        probe = _join(probe_dir, f".elastic-probe-{uuid.uuid4().hex}")
+        payload = b"elastic storage probe"
+        try:
+            self._call("probe write", probe, lambda: self._probe_write(probe, payload), retry=retry)
+            back = self._call("probe read", probe, lambda: fs.cat_file(self.full_path(probe)), retry=retry)
         finally:
             try:
-                self._call("probe delete", probe, lambda: fs.rm_file(self.full_path(probe)), retry=quick)
+                self._call("probe delete", probe, lambda: fs.rm_file(self.full_path(probe)), retry=retry)
             except Exception:  # noqa: BLE001 - a stray probe file is harmless
                 logger.debug("could not delete probe %s", self.describe(probe))
         if back != payload:

@@ -432,12 +432,19 @@ class CheckpointStore:
         """Raise ConfigError now if the storage cannot work (scheme, credentials, bucket, write access)."""
         self.storage.validate()
 
-    def warm_up(self) -> None:
+    def warm_up(self, check: bool = False) -> None:
         """Open the storage client now, before training, with one cheap request. Why: an S3
         client (s3fs/aiobotocore) sets itself up on its first request, 0.43 s for the first
         0.8 MB PUT against moto on loopback where the next ones took 0.016 s, and in a
         writer's first checkpoint that delay is lag. A failure here is only logged: the writes
-        retry and report an outage on their own."""
+        retry and report an outage on their own.
+
+        ``check``: at a run's start, the request is ``Storage.check_here``'s probe, and a
+        storage that refuses this process (credentials or s3fs missing on this node, no write
+        permission) raises ConfigError; an outage is still only logged."""
+        if check:
+            self.storage.check_here()
+            return
         try:
             self.storage.exists("", retry=RetryPolicy(attempts=1))
         except Exception as exc:  # noqa: BLE001 - storage may be down now; training must still start

@@ -146,9 +146,9 @@ class WorkerCheckpointer:
         self.last_snapshot_s = 0.0
         self._snapshot_failed = SnapshotFailures()
 
-    def warm_up(self) -> None:
-        """Open the storage client now (``CheckpointStore.warm_up``)."""
-        self.store.warm_up()
+    def warm_up(self, check: bool = False) -> None:
+        """Open the storage client now (``CheckpointStore.warm_up``, ``check`` as there)."""
+        self.store.warm_up(check)
 
     def due(self, step: int) -> bool:
         return is_due(self.every_n_steps, step)
