@@ -34,7 +34,7 @@ from rich.table import Table
 
 from elastic.config import ConfigError
 from elastic.address import host_port, shown, trainer_address_problem, unreachable
-from elastic.redact import configure_logging, redact_url, redact_urls_in
+from elastic.redact import carries_credentials, configure_logging, redact_url, redact_urls_in
 
 logger = logging.getLogger(__name__)
 
@@ -784,19 +784,43 @@ def checkpoints(
 
     try:
         url = resolve_url(url)
-    except ConfigError as exc:  # a usage error (exit 2), about the argument, not RunConfig.storage
-        raise CliError(f"URL: {str(exc).replace('RunConfig.storage', 'the URL')}", code=2) from None
+    except ConfigError as exc:
+        raise _usage_error(exc) from None
     options = _interactive_options(url, parse_storage_options(storage_option))
     protocol = fsspec.core.split_protocol(url)[0] or "file"
+    if protocol == "memory" and not _in_this_process(url):
+        raise CliError("URL: memory:// storage lives in the memory of the training driver, and no other process "
+                       "can list it; use file:// or s3:// storage to list checkpoints from outside the run", code=2)
     if protocol in ("file", "local"):
         local = url.split("://", 1)[-1] if "://" in url else url
         if not os.path.isdir(local):
             raise CliError(f"{local} does not exist or is not a directory")
     retry = RetryPolicy(attempts=2, base_s=0.2, max_s=1.0)
-    if run:
-        _list_run(url, run, options, verify, as_json, retry)
-    else:
-        _list_runs(url, options, as_json, retry, verify)
+    try:
+        if run:
+            _list_run(url, run, options, verify, as_json, retry)
+        else:
+            _list_runs(url, options, as_json, retry, verify)
+    except ConfigError as exc:  # the storage refused the URL or the options: an unknown scheme, say
+        raise _usage_error(exc) from None
+
+
+def _in_this_process(url: str) -> bool:
+    """Whether this process's memory:// holds ``url``. Only a driver that trained there does (it
+    may call this command in-process, as the tests do); as a command of its own, the memory is
+    this process's, empty, and the listing said "no checkpoints" of a run that had some."""
+    import fsspec.core
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs.exists(path)
+
+
+def _usage_error(exc: ConfigError) -> CliError:
+    """A storage ConfigError as the usage error it is here (exit 2), naming what this command was
+    given, the URL and --storage-option, not the RunConfig fields the message was written for."""
+    text = re.sub(r"\bRunConfig\.storage_options\b", "--storage-option", str(exc))
+    text = re.sub(r"\bRunConfig\.storage\b=?", "the URL ", text).replace("the URL  ", "the URL ")
+    return CliError(f"URL: {text}", code=2)
 
 
 def _print_json(obj: Any) -> None:
@@ -863,6 +887,23 @@ def _script_in(working_dir: str, script: str) -> str:
     return rel
 
 
+def _refuse_credentials_in(args: list[str]) -> None:
+    """Refuse a script argument that carries a credential (``carries_credentials``): a URL's
+    user:password@, a presigned URL's signature, an Authorization header, an access key id.
+
+    Why refused, not redacted: the entrypoint goes to Ray as it is, which keeps it in its job
+    table and shows it to everyone who can see the dashboard's Jobs page or run ``ray job list``.
+    The argument is not shown (by its number only): it holds the secret."""
+    for i, arg in enumerate(args, 1):
+        if carries_credentials(arg):
+            raise CliError(
+                f"the script's argument #{i} carries a credential (a URL's user:password@, a signed query, an "
+                "Authorization header or an access key id), and Ray keeps the command line in its job table, shown "
+                "on the dashboard and by `ray job list`; give the job its credentials off the command line: the "
+                "nodes' environment or role (AWS_* variables, ~/.aws, an instance profile) or a file the script reads",
+                code=2)
+
+
 # Not ``ignore_unknown_options``: with it a mistyped option (``--adress http://prod:8265``) went
 # to the script as an argument, and the job to the default cluster. The script's own arguments
 # come after ``--``, which click passes on as they are.
@@ -885,6 +926,7 @@ def submit(
     if not os.path.isdir(working_dir):
         raise CliError(f"--working-dir {working_dir} is not a directory", code=2)
     rel = _script_in(working_dir, script)
+    _refuse_credentials_in(args or [])
     entrypoint = shlex.join(["python", rel, *(args or [])])
     target = _job_address(address)
     try:
@@ -903,7 +945,7 @@ def submit(
     # Printed, so without credentials: Ray keeps an address's user:password@ (basic auth in front
     # of the dashboard), and the logs command below then needs it given again.
     dashboard = redact_url(client.get_address().rstrip("/"))
-    # The script's arguments too: a storage URL among them may carry user:password@.
+    # Redacted all the same, though no argument carries a credential (``_refuse_credentials_in``).
     for line in (f"job: {job_id}", f"entrypoint: {redact_urls_in(entrypoint)}",
                  f"dashboard: {dashboard}/#/jobs/{job_id}"):
         _plain(line)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -234,6 +235,26 @@ def test_checkpoints_never_prints_credentials_from_the_url_and_takes_brackets_li
         assert "hunter2secret" not in result.stdout + result.stderr
     assert "a[red]b" in listing.stdout and "a[red]b: 1 step(s)" in one.stdout
     assert "no checkpoints for run 'x[/y]'" in one_line_error(empty.exit_code, empty.stdout, empty.stderr)
+
+
+def test_checkpoints_names_the_url_and_options_it_was_given_and_refuses_memory(tmp_path):
+    # The storage's ConfigError named RunConfig.storage and RunConfig.storage_options, which the
+    # user of this command never set, and exited 1 as if the storage were unreadable.
+    result = runner.invoke(app, ["checkpoints", "foo://x"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 2 and "RunConfig" not in line and "ConfigError" not in line, line
+    assert line.startswith("elastic: error: URL: the URL 'foo://x' has an unknown URL scheme 'foo://'"), line
+    result = runner.invoke(app, ["checkpoints", "s3://key:pw-in-the-url@bucket/p", "--run", "r"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 2 and "RunConfig" not in line and "pw-in-the-url" not in line, line
+    assert "the URL 's3://***@bucket/p/r' carries credentials" in line and "--storage-option (key, secret" in line
+    # memory:// is the training driver's own: listed here, it was this process's, always empty,
+    # and "no checkpoints" with exit 0 said the run had none.
+    for args in (["memory://name"], ["memory://name", "--run", "r"], ["memory://bob:hunter2secret@name"]):
+        result = runner.invoke(app, ["checkpoints", *args])
+        line = one_line_error(result.exit_code, result.stdout, result.stderr)
+        assert result.exit_code == 2 and "lives in the memory of the training driver" in line, line
+        assert "hunter2secret" not in line
 
 
 def test_checkpoints_shows_control_characters_in_names_escaped_and_survives_an_odd_timestamp():
@@ -678,10 +699,11 @@ def test_submit_never_prints_the_dashboards_credentials(monkeypatch, tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stdout + result.stderr
     assert "S3cretPw" not in result.stdout + result.stderr
-    # nor a URL's credentials among the script's arguments, in the entrypoint line
+    # A URL's credentials among the script's arguments: refused (test_submit_refuses_...), never printed.
     result = runner.invoke(app, [*args, "--", "--storage", "https://bob:ArgPassw0rd@store/p"])
-    assert result.exit_code == 0, result.stdout + result.stderr
-    assert "ArgPassw0rd" not in result.stdout and "entrypoint: python job.py --storage https://***@store/p" in result.stdout
+    assert result.exit_code == 2 and "ArgPassw0rd" not in result.stdout + result.stderr
+    result = runner.invoke(app, [*args, "--", "--storage", "https://store/p"])
+    assert result.exit_code == 0 and "entrypoint: python job.py --storage https://store/p" in result.stdout
     assert "dashboard: http://***@head:8265/#/jobs/raysubmit_1" in result.stdout
     Client.reachable = False
     result = runner.invoke(app, args)
@@ -691,6 +713,46 @@ def test_submit_never_prints_the_dashboards_credentials(monkeypatch, tmp_path):
     result = runner.invoke(app, [*args[:-1], "alice:S3cretPw@head:8265"])
     line = one_line_error(result.exit_code, result.stdout, result.stderr)
     assert "S3cretPw" not in result.stdout + result.stderr and "cannot reach the Ray dashboard at ***@head:8265" in line
+
+
+@pytest.mark.parametrize("arg", [
+    "https://bob:ArgPassw0rd@store/p",
+    "--storage=s3://bkt/p?X-Amz-Credential=AKIAARGKEYID0123%2F20240101&X-Amz-Signature=ArgPassw0rd",
+    "/bkt/k?AWSAccessKeyId=AKIAARGKEYID0123&Signature=ArgPassw0rd",
+    "Authorization: Bearer ArgPassw0rd",
+    "AKIAIOSFODNN7EXAMPLE",
+])
+def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, tmp_path):
+    # The terminal's entrypoint line was redacted, but Ray got the command line as it was: kept in
+    # its job table, on the dashboard's Jobs page and in `ray job list` for anyone to read.
+    import ray.job_submission
+
+    submitted = []
+
+    class Client:
+        def __init__(self, address):
+            self.address = address
+
+        def submit_job(self, entrypoint, runtime_env, submission_id):
+            submitted.append(entrypoint)
+            return "raysubmit_test"
+
+        def get_address(self):
+            return self.address
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    base = ["submit", "job.py", "--working-dir", str(tmp_path), "--address", "http://head:8265", "--", "--lr", "0.1"]
+    result = runner.invoke(app, [*base, arg])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 2 and submitted == [], line
+    assert "argument #3 carries a credential" in line and "ray job list" in line
+    assert "ArgPassw0rd" not in result.stdout + result.stderr and "EXAMPLE" not in line
+    # What only looks like one goes: a query that signs nothing, an '@' in a path, the words.
+    harmless = ["s3://bkt/p?versionId=3", "s3://bkt/key@v1/x", "--note=authorization failed", "signature"]
+    result = runner.invoke(app, [*base, *harmless])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert submitted == [shlex.join(["python", "job.py", "--lr", "0.1", *harmless])]
 
 
 def test_submit_refuses_a_mistyped_option_and_passes_the_scripts_arguments_after_the_double_dash(

@@ -41,7 +41,9 @@ _LOCAL = ("file", "local")
 
 # storage_options keys whose values are secrets. Values of any key that merely *looks* secret are
 # redacted too, so a new backend's credential option cannot leak by omission.
-_SECRET_KEY_HINTS = ("secret", "token", "password", "passwd", "credential", "key", "sas", "signature", "auth",
+# "pass" covers password, passwd and passphrase (SFTP's key file); "pwd" and "bearer" what some
+# backends call a password or a token. Not "pw" alone: as a part of a word it matches too much.
+_SECRET_KEY_HINTS = ("secret", "token", "pass", "pwd", "credential", "key", "sas", "signature", "auth", "bearer",
                      "connection_string", "cookie")
 
 # Errors that retrying cannot fix. Everything else (OSError, botocore/aiohttp connection errors,
@@ -204,16 +206,61 @@ def _secret_values(options: Any, secret: bool = False) -> set[str]:
 class Redactor:
     """Replaces known secret values, and the userinfo and query string of any URL, in text with ``***``."""
 
+    # Where botocore finds credentials when storage_options name none: a process that opens s3://
+    # storage hides their values too (``Storage._filesystem``), as botocore's errors and the
+    # repr of its requests can show them.
+    AWS_ENVIRONMENT = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
     def __init__(self, storage_options: dict | None, extra: tuple[str, ...] = ()):
-        secrets = _secret_values(storage_options or {}) | {s for s in extra if s and len(s) >= 4}
-        # Longest first, so a secret that contains another is replaced whole.
-        self._secrets = sorted(secrets, key=len, reverse=True)
+        options = storage_options or {}
+        self._secrets: set[str] = set()
+        self._pattern: re.Pattern | None = None
+        self.hide(*_secret_values(options), *self._paired_and_bytes(options), *extra)
+
+    def hide(self, *secrets: str) -> None:
+        """Hide ``secrets`` too (those under 4 characters would redact half of every message)."""
+        known = self._secrets | {s for s in secrets if s and len(s) >= 4}
+        if known == self._secrets:
+            return
+        # Each secret also as text shows it once escaped: percent-encoded in a URL or a signed
+        # request's canonical form, JSON-escaped in a JSON body or log line, as Python's repr
+        # writes it inside a dict of options. Longest first, so a form that contains another
+        # is replaced whole.
+        import json
+        from urllib.parse import quote, quote_plus
+
+        forms = {form for s in known
+                 for form in (s, quote(s, safe=""), quote(s), quote_plus(s), json.dumps(s)[1:-1], repr(s)[1:-1])}
+        pattern = re.compile("|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)))
+        self._secrets, self._pattern = known, pattern  # __call__ reads the pattern once: the old one or this
+
+    @staticmethod
+    def _paired_and_bytes(options: Any, secret: bool = False) -> set[str]:
+        """Secrets ``_secret_values`` does not collect: the value of a (name, value) pair whose name
+        looks like a credential, under a key that does not (``{"headers": [("Authorization",
+        "Bearer ...")]}``: aiohttp takes headers as a list of pairs), and bytes under a key that
+        does, as text."""
+        found: set[str] = set()
+        if isinstance(options, Mapping):
+            for key, value in options.items():
+                found |= Redactor._paired_and_bytes(value, secret or looks_secret(key))
+        elif isinstance(options, (list, tuple)):
+            named = len(options) == 2 and isinstance(options[0], (str, bytes)) and looks_secret(options[0])
+            if named and not secret:
+                found |= _secret_values(options[1], True)
+            for i, value in enumerate(options):
+                found |= Redactor._paired_and_bytes(value, secret or (named and i == 1))
+        elif isinstance(options, (set, frozenset)):
+            for value in options:
+                found |= Redactor._paired_and_bytes(value, secret)
+        elif secret and isinstance(options, (bytes, bytearray)):
+            found |= {bytes(options).decode("utf-8", "backslashreplace"), repr(bytes(options))[2:-1]}
+        return found
 
     def __call__(self, text: str) -> str:
         text = redact_urls_in(str(text))
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        pattern = self._pattern
+        return pattern.sub("***", text) if pattern is not None else text
 
 
 def _join(*parts: str) -> str:
@@ -332,10 +379,20 @@ class Storage:
     # ---- filesystem -------------------------------------------------------------------------
     def _filesystem(self) -> tuple[Any, str]:
         if self._fs is None:
+            from elastic.redact import quiet_credential_loggers
+
             self._check_scheme()
             options = _s3_defaults(self.storage_options) if self.protocol in _S3 else self.storage_options
+            if self.protocol in _S3:
+                # The credentials botocore finds in this process's environment (the ranks' and
+                # agents' may differ from the driver's, where this Storage was made).
+                self.redact.hide(*(os.environ.get(name, "") for name in Redactor.AWS_ENVIRONMENT))
             try:
                 fs, root = fsspec.core.url_to_fs(self.url, **options)
+                # Here, not before: importing the filesystem made its libraries' loggers, and each
+                # takes its filter now. Every process that talks to storage comes through here,
+                # whatever logging it was given (elastic/redact.py).
+                quiet_credential_loggers()
                 if self.protocol == "memory":
                     from elastic.checkpoint import memory
 
