@@ -281,6 +281,9 @@ class ScalingConfig:
             if 0 < value < 1e-4:  # Ray refuses it when the actor is created, inside the controller
                 raise ConfigError(f"ScalingConfig.resources_per_worker[{key!r}]={value:g} is finer than Ray's "
                                   "resource precision (0.0001): use 0 or at least 0.0001.")
+            problem = _accelerator_problem(key, value) if key != "GPU" and value > 0 else None
+            if problem is not None:
+                raise ConfigError(f"ScalingConfig.resources_per_worker[{key!r}]={value:g}: {problem}")
         if resources.get("object_store_memory", 0) > 0:
             # Measured with Ray 2.60: an actor asking for object_store_memory in a placement
             # group bundle crashed its raylet (local_resource_manager.cc check failure), taking
@@ -414,8 +417,30 @@ class FailureConfig:
                               f"straggler's node at once; math.inf: never for this run), got {avoid!r}.")
 
 
+def _accelerator_problem(name: str, amount: float) -> str | None:
+    """Why Ray refuses ``amount`` of accelerator resource ``name`` (whole neuron_cores or HPUs,
+    TPU chips 1, 2, 4 or 8), or None: Ray's own rule, which it applies only when the actor is
+    created, inside the controller, with a message that names no setting. None for resources
+    that are no accelerator, and where Ray's accelerator registry (a private module) is not
+    there to ask. GPU amounts have rules of their own (``ScalingConfig``)."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+
+        manager = get_accelerator_manager_for_resource(name)
+        if manager is None:
+            return None
+        ok, why = manager.validate_resource_request_quantity(float(amount))
+    except Exception:  # noqa: BLE001 - a private API: when it moves, Ray still checks at creation
+        return None
+    return None if ok else (why or "Ray refuses this amount")
+
+
 # fullmatch, not match with "$": "$" also matches before a final newline ("run\n" passed).
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+# The names of a run's step directories (elastic/checkpoint/store.py's _STEP_DIR). A run of such a
+# name sits beside the others under the storage root, and a listing of that root (``elastic
+# checkpoints URL``) took the root for a run directory with a step in it.
+_STEP_DIR_NAME = re.compile(r"step-[0-9]{9,18}", re.ASCII)
 
 
 @dataclass
@@ -502,6 +527,9 @@ class RunConfig:
             raise ConfigError(
                 f"RunConfig.name={self.name!r} must be 1-100 characters of letters, digits, '_', '.', '-', starting with a letter or digit."
             )
+        if _STEP_DIR_NAME.fullmatch(self.name):
+            raise ConfigError(f"RunConfig.name={self.name!r} is the name of a checkpoint step directory, which a run "
+                              "beside it under the storage root would be taken for; choose another name.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ConfigError(f"RunConfig.seed must be an integer in [-2**63, 2**64) (torch's seed range), "
                               f"{_got(self.seed)}.")

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.protocol import PackedSpec, TrainingSpec
+from elastic.actors.worker_group import check_cluster_fits
 from elastic.address import shown, trainer_address_problem, unreachable
 from elastic.config import (CheckpointConfig, ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real,
                             _require_flag, _require_int, _require_positive, check_environment,
@@ -426,6 +427,30 @@ class Trainer:
                 self._store.validate()
             self._store_for = where
 
+    def _check_cluster_address(self) -> None:
+        """The address ``connect`` will join, checked as ``Trainer.address`` is when it is set
+        (``trainer_address_problem``, then ``unreachable``), naming where it came from: with
+        ``Trainer.address=None`` it is the environment's ``RAY_ADDRESS``. Why: a stale
+        RAY_ADDRESS (a cluster torn down since, a dashboard's http:// address left from ``ray
+        job``) went to ``ray.init`` unchecked, which retried for a minute while Ray's core logged
+        each try, and a ``user:password@`` in it was echoed by Ray's messages."""
+        if self.address is not None:
+            address, source = self.address, "Trainer.address"
+        elif os.environ.get("RAY_ADDRESS", "").strip() and os.environ["RAY_ADDRESS"] != "local":
+            address, source = os.environ["RAY_ADDRESS"].strip(), "the environment variable RAY_ADDRESS"
+        else:
+            return
+        problem = trainer_address_problem(address)
+        if problem is not None:  # Trainer.address was checked when set; RAY_ADDRESS is read now
+            raise ConfigError(f"{source}={shown(address)!r} {problem}: use HOST:PORT (the GCS, e.g. 10.0.0.1:6379), "
+                              "ray://HOST:10001 or 'auto'" + (", or unset it for an embedded local Ray."
+                                                               if source != "Trainer.address" else "."))
+        reason = unreachable(address)
+        if reason is not None:  # else ray.init retries for a minute, Ray's core logging each try
+            fix = "fix the address" if source == "Trainer.address" else "unset RAY_ADDRESS for an embedded local Ray"
+            raise ConfigError(f"{source}={shown(address)!r}: nothing answers there ({reason}); start the "
+                              f"cluster (`ray start --head`) or {fix}.")
+
     @property
     def namespace(self) -> str:
         return f"elastic-{self.run.name}"
@@ -439,11 +464,8 @@ class Trainer:
         self._prepare()  # again: a setting may have changed since the Trainer was made
         total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
             self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
-        if self.address is not None and not ray.is_initialized():
-            reason = unreachable(self.address)
-            if reason is not None:  # else ray.init retries for a minute, Ray's core logging each try
-                raise ConfigError(f"Trainer.address={self.address!r}: nothing answers there ({reason}); start the "
-                                  "cluster (`ray start --head`) or fix the address.")
+        if not ray.is_initialized():
+            self._check_cluster_address()
         with _FITTING_LOCK:
             if self.namespace in _FITTING:
                 # Another fit() of this run name is live in this process (a thread, a notebook
@@ -471,6 +493,9 @@ class Trainer:
                       global_batch_size=self.global_batch_size, checkpoint_store=self._store,
                       metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped)
         actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
+        # Here, before the controller starts, as well as in it (Controller._schedule): a run the
+        # cluster can never place fails now, not inside the controller, as a TrainingFailed.
+        check_cluster_fits(self.scaling, self.scaling.num_replicas)
         self._claim_run_name()
         mirror = self._shared_memory_storage()
         with mirror or nullcontext():

@@ -560,6 +560,31 @@ def test_an_address_where_nothing_answers_is_refused_in_seconds(monkeypatch):
     assert _trainer(address="auto").address == "auto" and _trainer(address="ray://head:10001")
 
 
+@pytest.mark.parametrize("value, why", [
+    ("http://head:8265", r"the environment variable RAY_ADDRESS='http://head:8265' is a dashboard address"),
+    ("admin:hunter22@127.0.0.1:6379", r"RAY_ADDRESS='\*\*\*@127.0.0.1:6379' holds a user:password@.*unset it"),
+    ("CLOSED", r"RAY_ADDRESS='127.0.0.1:\d+': nothing answers there .*unset RAY_ADDRESS for an embedded"),
+])
+def test_a_ray_address_from_the_environment_is_checked_as_trainer_address_is(monkeypatch, value, why):
+    """Trainer.address=None joins RAY_ADDRESS: a stale or wrong one went to ray.init unchecked
+    (a minute of retries with Ray's core logging each, a password echoed by its messages)."""
+    import socket
+    import time
+
+    import ray
+
+    if value == "CLOSED":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            value = f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh driver process
+    monkeypatch.setenv("RAY_ADDRESS", value)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=why) as info:
+        _trainer(scaling=ScalingConfig(num_workers=2)).fit(steps=1)
+    assert time.monotonic() - start < 10 and "hunter22" not in str(info.value)
+
+
 @pytest.mark.parametrize("name, value, what", [
     ("ELASTIC_HEARTBEAT_TIMEOUT_S", "10s", "seconds > 0"),  # was a bare "could not convert string to float"
     ("ELASTIC_HEARTBEAT_TIMEOUT_S", "nan", "seconds > 0"),  # blamed FailureConfig.heartbeat_timeout_s, never set
@@ -652,3 +677,24 @@ def test_evicting_stragglers_with_one_rank_is_warned_about(caplog):
         _trainer(scaling=ScalingConfig(num_workers=2, num_backups=1), failure=FailureConfig(evict_stragglers=True))
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "evict_stragglers" in said[0] and "never evicts" in said[0]
+
+
+@pytest.mark.parametrize("resources, why", [
+    ({"neuron_cores": 0.5}, r"\['neuron_cores'\]=0.5: neuron_cores resource quantity must be whole numbers"),
+    ({"HPU": 1.5}, r"\['HPU'\]=1.5: HPU resource quantity must be whole numbers"),
+    ({"TPU": 3}, r"\['TPU'\]=3: .*not a supported chip configuration"),
+])
+def test_an_accelerator_amount_ray_refuses_is_refused_before_start(resources, why):
+    # Accepted before; Ray refused it when the controller created the actors, naming no setting.
+    with pytest.raises(ConfigError, match=rf"ScalingConfig.resources_per_worker{why}"):
+        ScalingConfig(num_workers=2, resources_per_worker=resources)
+    # Amounts Ray takes, and resources that are no accelerator, pass as before.
+    ScalingConfig(num_workers=2, resources_per_worker={"TPU": 4, "neuron_cores": 2, "HPU": 1, "custom": 0.5})
+
+
+@pytest.mark.parametrize("name", ["step-000000001", "step-123456789012"])
+def test_a_run_named_like_a_step_directory_is_refused(name):
+    # It sat beside the other runs, and `elastic checkpoints ROOT` took the root for a run directory.
+    with pytest.raises(ConfigError, match=rf"RunConfig.name='{name}' is the name of a checkpoint step directory"):
+        elastic.RunConfig(name=name)
+    elastic.RunConfig(name="step-1")  # no step directory's name (those have 9 to 18 digits)

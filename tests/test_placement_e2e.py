@@ -188,3 +188,23 @@ def test_a_spare_off_the_stragglers_node_is_promoted_before_an_older_one_on_it(t
         assert group.promote_spare(0, avoid_nodes={a}).name == "spare-0"  # none off node a is left
     finally:
         group.shutdown()
+
+
+@pytest.mark.parametrize("scaling, why", [
+    (dict(num_workers=1, resources_per_worker={"CPU": 4}), r"No node of the cluster has room for one worker \(CPU=4\)"),
+    (dict(num_workers=3, placement_strategy="STRICT_SPREAD"), r"STRICT_SPREAD' puts each of the 3 actors"),
+])
+def test_a_run_the_nodes_cannot_place_fails_at_fit_before_the_controller_starts(two_nodes, scaling, why):
+    """Two nodes of 3 CPUs, 6 in all: before, the totals check passed, Ray waited
+    placement_timeout_s for a placement group it could never place, and the run failed as a
+    TrainingFailed with the controller's traceback."""
+    import time
+
+    t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 6, scaling=elastic.ScalingConfig(**scaling),
+                        run=elastic.RunConfig(name="noplace"))
+    started = time.monotonic()
+    with pytest.raises(elastic.ConfigError, match=why):
+        t.fit(steps=2)
+    assert time.monotonic() - started < 15
+    with pytest.raises(ValueError):
+        ray.get_actor("controller", namespace="elastic-noplace")  # never started

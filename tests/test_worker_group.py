@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 import elastic
 from elastic.actors import worker_group as worker_group_module
 from elastic.actors.worker import TrainingSpec
@@ -105,3 +107,37 @@ def test_a_cluster_too_small_for_the_replicas_names_the_settings_that_count_them
         check_cluster_fits(first_n, first_n.num_replicas)
     assert "lower ScalingConfig.num_workers or num_backups (first-N replicas)" in str(err.value)
     assert "Hot spares (num_spares) are not counted" in str(err.value)
+
+
+def _nodes(*cpus):
+    return [{"Alive": True, "Resources": {"CPU": float(c), "memory": 1e9}} for c in cpus] + \
+        [{"Alive": False, "Resources": {"CPU": 64.0}}]  # a dead node holds nothing
+
+
+@pytest.mark.parametrize("scaling, nodes, why", [
+    # Totals suffice (8 CPUs for 2 x 4), but a worker's 4 CPUs are placed on one node of 2.
+    (dict(num_workers=2, resources_per_worker={"CPU": 4}), (2, 2, 2, 2), "No node of the cluster has room for one "
+     r"worker \(CPU=4\)"),
+    (dict(num_workers=3, placement_strategy="STRICT_SPREAD"), (4, 4), "STRICT_SPREAD' puts each of the 3 actors on a "
+     r"node of its own, and 2 node\(s\) have room"),
+    (dict(num_workers=3, placement_strategy="STRICT_PACK"), (2, 2), "STRICT_PACK' puts all 3 actors on one node, and "
+     "the largest holds 2"),
+    # 2 + 1 whole bundles of 2 CPUs in 4 + 3 CPUs: 7 in all, room for 3 bundles of the 4 asked.
+    (dict(num_workers=4, resources_per_worker={"CPU": 2}), (5, 3), r"The cluster's nodes hold 3 workers of CPU=2"),
+])
+def test_a_cluster_whose_nodes_cannot_place_the_run_is_refused_before_it_starts(monkeypatch, scaling, nodes, why):
+    # Ray waited for such a placement group until placement_timeout_s, and the run failed with
+    # a traceback naming no setting.
+    import ray
+
+    from elastic.actors.worker_group import check_cluster_fits
+    from elastic.config import ConfigError
+
+    config = elastic.ScalingConfig(**scaling)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(sum(nodes))})
+    monkeypatch.setattr(ray, "nodes", lambda: _nodes(*nodes))
+    with pytest.raises(ConfigError, match=why):
+        check_cluster_fits(config, config.num_replicas)
+    monkeypatch.setattr(ray, "nodes", lambda: _nodes(*[sum(nodes) * 4] * (len(nodes) + 3)))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(sum(nodes) * 4 * (len(nodes) + 3))})
+    check_cluster_fits(config, config.num_replicas)  # larger nodes, and more of them: it fits

@@ -9,6 +9,7 @@ the controller tells it which actor becomes which rank.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,38 @@ def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
                 f"lower {count} or resources_per_worker, or add nodes. Hot spares ({spares}) are not counted "
                 "here: they wait for room."
             )
+    _check_nodes_fit(scaling, total_bundles, bundle, count)
+
+
+def _bundles_on(node_resources: dict, bundle: dict) -> int:
+    """How many of ``bundle`` one node holds: a bundle never spans nodes."""
+    return int(min(math.floor(node_resources.get(key, 0.0) / per + 1e-9) for key, per in bundle.items() if per > 0))
+
+
+def _check_nodes_fit(scaling: ScalingConfig, total_bundles: int, bundle: dict, count: str) -> None:
+    """The cluster's nodes, one by one: a bundle is placed on one node, so totals that suffice
+    can still leave a run that Ray never places (4 CPUs a worker on nodes of 2 each; more ranks
+    than nodes with STRICT_SPREAD; more than one node holds with STRICT_PACK). Ray waits for
+    such a placement group until ``placement_timeout_s``, and the run then failed with a
+    traceback naming no setting."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    fits = [_bundles_on(r, bundle) for r in nodes]
+    shown = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
+    if not any(fits):
+        raise ConfigError(f"No node of the cluster has room for one worker ({shown}): a worker's resources are "
+                          "placed on one node. Lower ScalingConfig.resources_per_worker, or add larger nodes.")
+    strategy = scaling.placement_strategy
+    if strategy == "STRICT_SPREAD" and sum(f > 0 for f in fits) < total_bundles:
+        raise ConfigError(f"ScalingConfig.placement_strategy='STRICT_SPREAD' puts each of the {total_bundles} actors "
+                          f"on a node of its own, and {sum(f > 0 for f in fits)} node(s) have room for one; use "
+                          f"'SPREAD', lower {count}, or add nodes.")
+    if strategy == "STRICT_PACK" and max(fits) < total_bundles:
+        raise ConfigError(f"ScalingConfig.placement_strategy='STRICT_PACK' puts all {total_bundles} actors on one "
+                          f"node, and the largest holds {max(fits)}; use 'PACK', lower {count}, or add a larger node.")
+    if sum(fits) < total_bundles:
+        raise ConfigError(f"The cluster's nodes hold {sum(fits)} workers of {shown} (a worker's resources are placed "
+                          f"on one node), and the run needs {total_bundles}; lower {count} or "
+                          "resources_per_worker, or add nodes.")
 
 
 def unreachable_nodes(node_ids: set, timeout_s: float = 1.0) -> set:
