@@ -27,6 +27,7 @@ from elastic.checkpoint import shm
 from elastic.checkpoint.agent import ON_NODES, NodeAgents
 from elastic.checkpoint.store import taken_at_here
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
+from elastic.redact import redact_urls_in
 from elastic.data import DataPosition, SampleLedger, ShardPlan, epoch_order_digest
 from elastic.policies import (
     Continue,
@@ -267,7 +268,18 @@ class Controller:
         self.requeue_dropped = requeue_dropped
 
     # ---- event log and state machine ------------------------------------------------------
+    def redact(self, text: str) -> str:
+        """``text`` without credentials: the storage's (its options' secrets, its URL's userinfo,
+        see ``Redactor``), and any URL's userinfo and query string. Everything the run shows
+        passes here (events, the log, an error sent back to the driver): the messages come from
+        exceptions of any part (a worker, Ray, the storage), and the storage's own are redacted
+        already, but nothing else is known to be."""
+        storage = getattr(getattr(self, "store", None), "storage", None)
+        return storage.redact(text) if storage is not None else redact_urls_in(text)
+
     def log(self, kind: str, message: str, **details) -> None:
+        message = self.redact(message)
+        details = {k: self.redact(v) if isinstance(v, str) else v for k, v in details.items()}
         with self._log_lock:
             self.events.append(Event(time.time(), self.step, kind, message, details))
             if kind in ROUTINE_KINDS:
@@ -452,7 +464,7 @@ class Controller:
         if members:
             dead = self._probe_dead()
             return sorted(dead) if dead else None
-        return "a rank" if isinstance(exc, ray.exceptions.RayActorError) else None
+        return "a rank" if actor_lost(exc) else None
 
     def _abandon_start(self) -> None:
         """Undo a start that lost a rank, so the next try starts clean: the committer, the nodes'
@@ -845,7 +857,10 @@ class Controller:
         self._last_results = {}
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
         head = self.group.members[0]  # hosts the fresh TCP store: its node IP and the port it bound
-        port_ref = head.actor.host_rendezvous.remote(self.failure_config.collective_timeout_s)
+        # The group's timeout, as every other rank's store has (``join``): rank 0 waits on its
+        # own store, and with first-N's longer timeout a resting rank 0 gave up on the fast N's
+        # step after collective_timeout_s and took the store, and the group, with it.
+        port_ref = head.actor.host_rendezvous.remote(self._group_timeout_s())
         addr, port = head.info["node_ip"], self._answer(head, port_ref, self.failure_config.collective_timeout_s,
                                                         "for a rendezvous store")
         world = len(self.group.members)
@@ -859,7 +874,7 @@ class Controller:
                                     self.scaling.late_backoff_steps)
                 for m in self.group.members]
         try:
-            ray.get(refs, timeout=self.failure_config.collective_timeout_s + 30)
+            ray.get(refs, timeout=self._group_timeout_s() + 30)
         except ray.exceptions.RayTaskError as exc:
             user = self._user_join_error(refs)
             if user is not None:
@@ -1265,7 +1280,7 @@ class Controller:
         for r, exc in unfinished.items():
             if exc is None:
                 gone[r] = busy
-            elif isinstance(exc, ray.exceptions.RayActorError):
+            elif actor_lost(exc):
                 gone[r] = "died"
             elif not isinstance(exc, ray.exceptions.RayTaskError):
                 raise exc
@@ -1410,15 +1425,18 @@ class Controller:
                 try:
                     results[ref] = ray.get(ref)
                     got += ref in required
-                except ray.exceptions.RayActorError as exc:
-                    dead.add(r)
-                    node_suspect = node_suspect or _looks_like_node_death(exc)
-                except ray.exceptions.RayTaskError as exc:
-                    cause = exc.cause if hasattr(exc, "cause") else None
-                    if isinstance(cause, CollectiveError):
-                        collective_failed.add(r)
+                except ray.exceptions.RayError as exc:
+                    if actor_lost(exc):
+                        self._lost(r, dead)
+                        node_suspect = node_suspect or _looks_like_node_death(exc)
+                    elif isinstance(exc, ray.exceptions.RayTaskError):
+                        cause = exc.cause if hasattr(exc, "cause") else None
+                        if isinstance(cause, CollectiveError):
+                            collective_failed.add(r)
+                        else:
+                            user_error = user_error or (r, str(exc))
                     else:
-                        user_error = user_error or (r, str(exc))
+                        raise
                 if (dead or collective_failed or user_error) and first_problem is None:
                     first_problem = time.time()
             if (dead or collective_failed or user_error) and self._first_n and not released:
@@ -1585,6 +1603,16 @@ class Controller:
             return own
         last = max(info, key=lambda r: info[r]["phase_since"])
         return {ref: r for ref, r in refs.items() if r == last}
+
+    def _lost(self, r: int, dead: set[int]) -> None:
+        """Rank ``r``'s call says it is lost (``actor_lost``): into ``dead``, and killed. Why kill
+        it: ``ActorUnavailableError`` (a network blip, a raylet restarting) reports an actor
+        that may still live, with its sockets open; its peers then waited out the collective
+        timeout for it, a healthy survivor was killed as the hung one, and the rank could run
+        its next queued window against the survivors' earlier step. Killing a dead one is a no-op."""
+        dead.add(r)
+        with contextlib.suppress(Exception):
+            ray.kill(self.group.members[r].actor, no_restart=True)
 
     def _kill_hung(self, pending: dict, why: str, gone: Iterable[int] = ()) -> None:
         """Kill the ranks in ``pending`` (ref -> rank) as hung. ``gone``: ranks known dead or
@@ -1862,11 +1890,15 @@ class Controller:
         return found
 
     def _ask_to_leave(self, survivors: list[Member]) -> tuple[list, dict]:
-        """Ask ``survivors`` to leave the group and wait up to ``collective_timeout_s``. Returns
+        """Ask ``survivors`` to leave the group and wait up to the group's timeout and a margin. Returns
         the calls' refs, in order, and those not back by then (ref -> rank): stuck in a call
         queued ahead of the leave."""
         refs = [m.actor.leave.remote() for m in survivors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.failure_config.collective_timeout_s)
+        # The group's timeout and a margin: a call queued ahead of the leave (a join, a step)
+        # ends by the group's timeout after it began, then tears its group down; without the
+        # margin a survivor whose join waited on a spare that died in the rendezvous could be
+        # killed as stuck a moment before its join gave up.
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._group_timeout_s() + LEAVE_MARGIN_S)
         return refs, {ref: m.rank for m, ref in zip(survivors, refs) if ref not in ready}
 
     def _collect_spares(self) -> None:
@@ -2329,7 +2361,9 @@ class Controller:
         for m, ref in refs:
             try:
                 sums.append(ray.get(ref))
-            except ray.exceptions.RayActorError as exc:
+            except ray.exceptions.RayError as exc:
+                if not actor_lost(exc):
+                    raise
                 self._lost_at_end.add(m.name)
                 self.log("rank_lost", f"rank {m.rank} ({m.name}) was lost after the last step, before the replicas' "
                          f"checksums: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", rank=m.rank)
@@ -2498,7 +2532,9 @@ class Controller:
         for r, name, ref in refs:
             try:
                 report = ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s if lost_ok else None)
-            except ray.exceptions.RayActorError as exc:
+            except ray.exceptions.RayError as exc:
+                if not actor_lost(exc):
+                    raise
                 # Lost after its last step (the run's end, a stop): every step trained, and what it
                 # wrote and reported is all there is of it; the steps it still owed a part of stay
                 # uncommitted (checkpoint_incomplete says where fit() again resumes). Failing the
@@ -2686,12 +2722,31 @@ def _wait_dead(actor, timeout_s: float) -> bool:
     while time.time() < deadline:
         try:
             ray.get(actor.heartbeat.remote(), timeout=max(0.1, deadline - time.time()))
-        except ray.exceptions.RayActorError:
-            return True
         except ray.exceptions.GetTimeoutError:
             return False
+        except ray.exceptions.RayError as exc:
+            if actor_lost(exc):
+                return True
+            raise
         time.sleep(0.1)
     return False
+
+
+LEAVE_MARGIN_S = 10.0  # beyond the group's timeout, for survivors asked to leave (_ask_to_leave)
+
+
+def actor_lost(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a call to an actor, says the actor is gone or cannot be
+    reached. Ray reports most deaths as ``RayActorError`` (ActorDiedError, ActorUnavailableError),
+    but an actor its memory monitor killed fails its pending calls with ``OutOfMemoryError``, and
+    a node's death or a crashed process can come as ``NodeDiedError``, ``WorkerCrashedError`` or
+    a result lost with its node (``ObjectLostError``): none of them a RayActorError, and each
+    ended the run where a death is healed. Not lost: the actor's own code raised
+    (``RayTaskError``), a wait ran out (``GetTimeoutError``), the call was cancelled."""
+    if isinstance(exc, ray.exceptions.RayActorError):  # a RayTaskError too when a call inside the actor's died
+        return True
+    return isinstance(exc, ray.exceptions.RayError) and not isinstance(
+        exc, (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError, ray.exceptions.TaskCancelledError))
 
 
 def _looks_like_node_death(exc: BaseException) -> bool:

@@ -1657,6 +1657,45 @@ def test_a_long_heartbeat_interval_does_not_stretch_the_step_timeout(ray_cluster
         assert "step exceeded step_timeout_s=1" in hang.message
 
 
+@pytest.mark.parametrize("error", ["OutOfMemoryError", "NodeDiedError", "ActorUnavailableError"])
+def test_a_rank_whose_call_fails_with_any_kind_of_loss_is_lost_and_killed(ray_cluster, monkeypatch, error):
+    # Ray's memory monitor fails the calls of an actor it killed with OutOfMemoryError, and a
+    # node's death can come as NodeDiedError: neither is a RayActorError, and either ended the run
+    # instead of being healed. ActorUnavailableError names an actor that may still live, with its
+    # sockets open: it is killed now, so its peers do not wait out the collective timeout for it.
+    from elastic.controller import Failure, actor_lost
+
+    exc = {"OutOfMemoryError": ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory"),
+           "NodeDiedError": ray.exceptions.NodeDiedError("the node died"),
+           "ActorUnavailableError": ray.exceptions.ActorUnavailableError("connection lost", None)}[error]
+    assert actor_lost(exc)
+    with trained(f"fake-lost-{error.lower()}", workers=2, steps=1) as c:
+        ref = c.group.members[1].actor.heartbeat.remote()  # answers; its get raises the loss below
+        ray.wait([ref], timeout=30)
+        real_get = ray.get
+
+        def get(refs, *args, **kwargs):
+            if refs is ref:
+                raise exc
+            return real_get(refs, *args, **kwargs)
+
+        monkeypatch.setattr(ray, "get", get)
+        with pytest.raises(Failure) as failure:
+            c._gather([ref], [1])
+        assert failure.value.dead == {1}
+        assert_dies(c.group.members[1].actor)
+
+
+def test_what_is_no_loss_of_the_actor():
+    from elastic.controller import actor_lost
+
+    assert not actor_lost(ray.exceptions.GetTimeoutError("waited"))
+    assert not actor_lost(ray.exceptions.TaskCancelledError())
+    assert not actor_lost(ray.exceptions.RayTaskError("step", "Traceback ...", ValueError("the user's")))
+    assert not actor_lost(ValueError("not Ray's"))
+    assert actor_lost(ray.exceptions.ActorDiedError()) and actor_lost(ray.exceptions.WorkerCrashedError())
+
+
 @pytest.mark.parametrize("timeout_s, interval_s, window", [(1.5, 0.1, 8), (1.0, 0.9, 6)])
 def test_a_window_of_healthy_steps_longer_than_step_timeout_s_is_no_hang(ray_cluster, timeout_s, interval_s, window):
     # The step timeout ran over the whole dispatch window: 8 steps of 0.3 s against a 1.5 s

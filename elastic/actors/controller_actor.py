@@ -45,9 +45,9 @@ class ControllerActor:
             c.run_for(total_steps, epochs)
             return c.result(include_state=True)
         except BaseException as exc:
-            self._error = "".join(traceback.format_exception(exc))
+            self._error = c.redact("".join(traceback.format_exception(exc)))
             out = c.result(include_state=False)
-            out["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": self._error}
+            out["error"] = {"type": type(exc).__name__, "message": c.redact(str(exc)), "traceback": self._error}
             return out
         finally:
             c.shutdown()
