@@ -326,6 +326,33 @@ def test_the_agent_sends_a_steps_parts_of_the_nodes_ranks_in_one_message(node, m
             hook.close()
 
 
+def test_the_failure_of_a_write_under_way_when_its_rank_goes_is_reported(node, monkeypatch):
+    """The rank's link closes (its process died) while the agent writes its snapshot, and the
+    write then fails. The link was dropped from the pool, its events drained, before the write
+    ended: the failure landed in a persister no one polled, and the run never heard of it."""
+    agent, controller, _, _, _ = node
+    started, release = threading.Event(), threading.Event()
+
+    def failing_write(self, *args):
+        started.set()
+        release.wait(20)
+        raise PermissionError("refused after the rank was gone")
+
+    monkeypatch.setattr(CheckpointStore, "write_shard", failing_write)
+    worker, hook = FakeWorker(rank=0, world_size=1), link(agent)
+    worker.train(1)
+    hook.after_step(worker, 1)
+    assert started.wait(10)
+    hook._close_link()  # the rank's end of the socket closes, as in its death
+    time.sleep(0.2)  # the agent's connection thread sees the end and waits for the write in progress
+    release.set()
+    deadline = time.monotonic() + 10
+    while not any(ev.get("event") == "checkpoint_failed" for _, ev in controller.events) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [ev["step"] for _, ev in controller.events if ev.get("event") == "checkpoint_failed"] == [1]
+
+
 def test_a_busy_agent_keeps_only_the_newest_snapshot_and_the_rank_never_waits(node, monkeypatch):
     agent, controller, committer, store, _ = node
     release = threading.Event()

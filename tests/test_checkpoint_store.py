@@ -898,9 +898,9 @@ def test_light_reports_queue_in_order_and_only_snapshots_replace_each_other():
     assert persister.close(5)
 
 
-def test_an_outage_moves_on_to_the_newest_snapshot_but_never_past_a_milestone():
-    """Milestones (keep_every) wait in order through an outage and are written once storage is
-    back; the outage's move to the newest snapshot skipped them (and the one being retried)."""
+def persister_in_an_outage(step, payload, keep=False):
+    """A persister whose storage is down (``state["down"]``) once it has begun to retry
+    ``payload``: ``(persister, state, written, released)``."""
     state = {"down": True}
     written, released = [], []
 
@@ -911,10 +911,17 @@ def test_an_outage_moves_on_to_the_newest_snapshot_but_never_past_a_milestone():
         return [payload]
 
     persister = AsyncPersister(write, retry_min_s=0.01, retry_max_s=0.02, on_release=released.append)
-    persister.submit(10, "m10", keep=True)  # retried through the outage
+    persister.submit(step, payload, keep=keep)
     deadline = time.monotonic() + 5
     while not persister.in_outage and time.monotonic() < deadline:
         time.sleep(0.005)
+    return persister, state, written, released
+
+
+def test_an_outage_moves_on_to_the_newest_snapshot_but_never_past_a_milestone():
+    """Milestones (keep_every) wait in order through an outage and are written once storage is
+    back; the outage's move to the newest snapshot skipped them (and the one being retried)."""
+    persister, state, written, released = persister_in_an_outage(10, "m10", keep=True)  # retried through it
     persister.submit(11, "s11")
     persister.submit(12, "r12", light=True)
     persister.submit(20, "m20", keep=True)
@@ -924,6 +931,24 @@ def test_an_outage_moves_on_to_the_newest_snapshot_but_never_past_a_milestone():
     assert persister.flush(5)
     assert written[0] == "m10" and "m20" in written and written[-1] == "s21" and "s11" not in written
     assert sorted(released) == sorted(["m10", "s11", "r12", "m20", "s21"])  # each exactly once
+    persister.close(5)
+
+
+def test_an_outage_moving_on_from_a_snapshot_writes_a_waiting_milestone_before_any_newer_step():
+    """A snapshot (8) retried through an outage, then milestone 10 and snapshot 12 queued: the
+    move-on went to 12, and 10 was written after it. The committer, past 10 once 12 was whole,
+    took 10's parts for stale: the milestone never committed (or its commit raced the sweep
+    that deletes the directories of steps below a commit). Now the move goes to 10, then 12."""
+    persister, state, written, released = persister_in_an_outage(8, "s8")  # retried through it
+    persister.submit(9, "r9", light=True)
+    persister.submit(10, "m10", keep=True)
+    persister.submit(11, "s11")
+    persister.submit(12, "s12")  # replaces 11
+    time.sleep(0.1)  # several retries, each a chance to move on
+    state["down"] = False
+    assert persister.flush(5)
+    assert written == ["m10", "s12"]  # 8 superseded, the report before the milestone moot
+    assert sorted(released) == sorted(["s8", "r9", "m10", "s11", "s12"])  # each exactly once
     persister.close(5)
 
 

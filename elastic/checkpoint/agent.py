@@ -394,8 +394,11 @@ class _RankLink:
             # the rank, and a write landing after a recovery rolled the run back could put an
             # old shard under a step number the new group writes again.
             self.gone = True
-            self.agent.forget(self)
+            # Abort first: a write under way finishes inside it, and its events (a failure, an
+            # outage starting or ending) are drained by forget. The other way round they landed
+            # in a persister no one polled any more, and a failed last write went unsaid.
             dropped = self.persister.abort()
+            self.agent.forget(self)
             if dropped:
                 logger.info("checkpoint agent: rank %s is gone; its snapshots of steps %s are not written",
                             self.rank, dropped)

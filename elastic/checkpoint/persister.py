@@ -343,8 +343,8 @@ class AsyncPersister:
 
     def _persist(self, step: int, payload: Any, kind: str = NEWEST) -> None:
         """Write ``payload``, retrying through an outage. In an outage it moves on to the newest
-        snapshot (``_current`` then holds it), releasing the reports it skips; a milestone,
-        retried or waiting, is neither skipped nor released."""
+        snapshot, or to a milestone queued before it (``_current`` then holds it), releasing the
+        reports it skips; a milestone, retried or waiting, is neither skipped nor released."""
         attempt = 0
         while True:
             try:
@@ -359,20 +359,26 @@ class AsyncPersister:
                         return
                     heavy = [i for i in self._queue if i[2] == NEWEST]
                     if heavy and kind != KEEP:
-                        # Move on to the newest snapshot; reports older than it are moot.
-                        # Milestones stay queued, in order.
+                        # Move on to the newest snapshot, or to a milestone queued before it:
+                        # steps go to storage in order. Why: written after a newer step, a
+                        # milestone reached the committer after that step had committed, and
+                        # was taken for stale (never committed), or its commit raced the sweep
+                        # of the directories below the newer commit. Reports older than the
+                        # target are moot; the rest stay queued, in order.
                         self.superseded += 1
                         self._release(payload)
-                        newest, before, rest = heavy[-1], True, deque()
+                        newest = heavy[-1]
+                        target = next(i for i in self._queue if i[2] == KEEP or i is newest)
+                        before, rest = True, deque()
                         for item in self._queue:  # one pass: reports before it go, the rest stay in order
-                            if item is newest:
+                            if item is target:
                                 before = False
                             elif before and item[2] == REPORT:
                                 self._release(item[1])
                             else:
                                 rest.append(item)
                         self._queue = rest
-                        step, payload, kind = newest
+                        step, payload, kind = target
                         self._inflight, self._current = step, payload
                 attempt += 1
                 continue
