@@ -192,13 +192,17 @@ def _when(ts: Optional[float]) -> str:
         return "?"
 
 
-def _straggler(score: Optional[float]) -> str:
+def _straggler(score: Optional[float], factor: Optional[float] = None) -> str:
+    """A rank's straggler score: red over the run's eviction threshold (``straggler_factor``,
+    from ``status()``; 2.0, the default, for a run that does not say), yellow halfway there.
+    With fixed colours a score of 2.5 showed red in a run that evicts above 3, and never would."""
     if score is None:
         return "-"
     text = f"{score:.2f}"
-    if score >= 2.0:
+    factor = factor if isinstance(factor, (int, float)) and factor > 1 else 2.0
+    if score > factor:
         return f"[red]{text}[/]"
-    if score >= 1.5:
+    if score >= 1 + (factor - 1) / 2:
         return f"[yellow]{text}[/]"
     return text
 
@@ -432,7 +436,7 @@ def _ranks_table(st: dict) -> Table:
             _dash(row.get("rank")), _dash(row.get("name")), "[cyan]spare[/]" if spare else "active", _node(row),
             _dash(row.get("pid")), _dash(row.get("state")), _dash(row.get("step")), _dash(row.get("behind_steps")),
             _seconds(row.get("step_time_s")), _seconds(row.get("heartbeat_age_s")),
-            _straggler(row.get("straggler_score")),
+            _straggler(row.get("straggler_score"), st.get("straggler_factor")),
         )
     return table
 

@@ -890,6 +890,8 @@ class Controller:
         self._lagging.clear()  # windows of the old generation
         self._checksums.clear()  # they may name actors that just left
         self.straggler_policy.reset()
+        if self.metrics is not None:
+            self.metrics.on_group([m.rank for m in self.group.members])
         backend = "/".join(sorted({m.info.get("backend", "?") for m in self.group.members}))
         self.log("rendezvous", f"generation {self.generation}: {world} rank(s) on {backend} at {addr}:{port} "
                  f"({reason})", generation=self.generation, world_size=world, backend=backend,
@@ -1751,6 +1753,8 @@ class Controller:
         healed = set(lost)
         kind = failure.kind
         self.transition(State.RECOVERING, f"{kind} of rank(s) {list(lost)} in step {self.step + 1}")
+        if self.metrics is not None:
+            self.metrics.on_rebuild(lost=set(lost))
         while True:
             self._count_failure(kind)
             found = self._settle_survivors(set(lost))
@@ -2131,6 +2135,8 @@ class Controller:
                      f"trained again", step=step, trimmed_through=self._trimmed_through)
         self.history = [h for h in self.history if h.step <= step]
         self.ledger.truncate(step)
+        if self.metrics is not None:
+            self.metrics.on_rewind(step, self.committer.lag(self._progress_step()) if self.committer else None)
 
     def _sync_state(self) -> None:
         """Bring every rank to the newest state a survivor holds, through the object store.
@@ -2387,6 +2393,8 @@ class Controller:
             return
         node = self.group.members[r].info.get("node_id")
         self.transition(State.RECOVERING, f"evicting straggler rank {r}: {decision.reason}")
+        if self.metrics is not None:
+            self.metrics.on_rebuild(lost=set())
         self.log("decision", f"EvictStraggler: {decision.reason}", decision="EvictStraggler", rank=r, node_id=node)
         t0 = time.time()
         # Let the survivors finish what they hold (the queued window, late windows) so they hold
@@ -2659,7 +2667,10 @@ class Controller:
         return {
             "run": self.run_config.name, "state": self.state.value, "step": self.step,
             "total_steps": self.total_steps, "loss": last.loss if last else None,
-            "samples_per_s": (last.samples / last.step_time_s) if last and last.step_time_s else None,
+            # Only while training: during a rebuild the last step's rate was shown as the run's.
+            "samples_per_s": (last.samples / last.step_time_s)
+            if last and last.step_time_s and self.state is State.RUNNING else None,
+            "straggler_factor": self.failure_config.straggler_factor,
             "world_size": self._world_size,
             "spares": len(self.group.spares) if self.group else 0,
             "spares_building": self.group.pending_spares if self.group else 0,

@@ -183,7 +183,9 @@ class RunMetrics:
                     self._set(m, "rank_step_time", float("nan") if step_time is None else step_time, tags)
                 self._forget_ranks(m, {str(row["rank"]) for row in rows})
             if controller.committer is not None:
-                self._set(m, "ckpt_lag", controller.committer.lag(record.step), run)
+                # Against the newest step any rank finished, as the commits' and status()'s lag:
+                # against this record's step, the gauge flipped between the two.
+                self._set(m, "ckpt_lag", controller.committer.lag(controller._progress_step()), run)
         self._safe(update)
 
     def _forget_ranks(self, m, ranks: set[str]) -> None:
@@ -198,6 +200,49 @@ class RunMetrics:
                     m[name].set(float("nan"), tags=tags)
                     self._drop(name, tags)
         self._ranks = ranks
+
+    def on_rebuild(self, lost: set[int]) -> None:
+        """The group is being rebuilt (a recovery of the ``lost`` ranks, an eviction): nothing
+        trains, so throughput is 0; the old ring's step times, scores and lags leave the
+        endpoint, and so do the heartbeat ages of every rank but the lost ones, until a new group
+        forms (``on_group``). Why: the last step's throughput stayed on the dashboard for the
+        whole recovery, each survivor's heartbeat age grew as if it were hung (no one asks the
+        survivors for heartbeats while the ring is rebuilt: a wait for capacity can take
+        minutes), and an evicted straggler's score went on showing on the rank number its
+        replacement took. A lost rank's age goes on growing: the alert on it should fire."""
+        def update(m):
+            self._set(m, "samples", 0.0, {"run": self.run})
+            keep = {str(rank) for rank in lost} & self._ranks
+            for rank in self._ranks:
+                tags = {"run": self.run, "rank": rank}
+                for name in ("straggler", "rank_behind", "rank_step_time") + (() if rank in keep else ("heartbeat_age",)):
+                    with self._lock:  # NaN and the drop in one hold, as in _forget_ranks
+                        m[name].set(float("nan"), tags=tags)
+                        self._drop(name, tags)
+            self._ranks = keep
+        self._safe(update)
+
+    def on_group(self, ranks: list[int]) -> None:
+        """A group formed: each rank answered just now (its join), and its step time, score and
+        lag are not known until its first window (NaN, "no value")."""
+        def update(m):
+            for rank in ranks:
+                tags = {"run": self.run, "rank": str(rank)}
+                self._set(m, "heartbeat_age", 0.0, tags)
+                for name in ("straggler", "rank_behind", "rank_step_time"):
+                    self._set(m, name, float("nan"), tags)
+            self._forget_ranks(m, {str(rank) for rank in ranks})
+        self._safe(update)
+
+    def on_rewind(self, step: int, lag: int | None) -> None:
+        """Training went back to ``step`` (a restart from a checkpoint): the step gauge and the
+        checkpoint lag say so now, not once the first step after it completes."""
+        def update(m):
+            run = {"run": self.run}
+            self._set(m, "step", step, run)
+            if lag is not None:
+                self._set(m, "ckpt_lag", lag, run)
+        self._safe(update)
 
     def on_heartbeats(self, ages: dict[int, float]) -> None:
         """Heartbeat ages while the controller waits on a step, so the gauge grows on a rank

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from elastic.checkpoint.testing import TEST_KEY, TEST_SECRET
 from elastic.data import ShardPlan
 
 
@@ -152,3 +154,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# The S3 credentials the tests of storage checked from every process put in the environment.
+DRIVER_CREDENTIALS = {"AWS_ACCESS_KEY_ID": TEST_KEY, "AWS_SECRET_ACCESS_KEY": TEST_SECRET}
+
+
+@contextlib.contextmanager
+def s3_with_credentials_in_this_process_only(monkeypatch):
+    """A moto S3 endpoint and a fresh bucket whose credentials are in this process's AWS_*
+    variables only, set now (a cluster started before never sees them), and not in the s3fs
+    options it yields: ``(server, bucket, options)``. Skips on a machine with AWS credentials of
+    its own, which the cluster's processes would find."""
+    import botocore.session
+    import pytest
+
+    from elastic.checkpoint.testing import MotoS3
+
+    if botocore.session.Session().get_credentials() is not None:
+        pytest.skip("this machine has AWS credentials of its own, which the cluster's processes would find")
+    s3 = MotoS3().start()
+    try:
+        bucket = s3.create_bucket()
+        for name, value in DRIVER_CREDENTIALS.items():
+            monkeypatch.setenv(name, value)
+        yield s3, bucket, {k: v for k, v in s3.storage_options().items() if k not in ("key", "secret")}
+    finally:
+        s3.stop()

@@ -20,7 +20,8 @@ import torch
 import elastic
 from elastic.checkpoint import CheckpointStore, memory
 from elastic.checkpoint.testing import TEST_SECRET, MotoS3, clear_memory
-from helpers import assert_weights_close, loss_fn, make_adam, make_dataset, make_model, reference_weights
+from helpers import (assert_weights_close, loss_fn, make_adam, make_dataset, make_model, reference_weights,
+                     s3_with_credentials_in_this_process_only)
 
 pytestmark = pytest.mark.slow
 
@@ -433,16 +434,7 @@ def test_storage_the_nodes_cannot_write_ends_the_run_before_any_step(ray_cluster
     node's writers (its checkpoint agent, or ranks writing in their own processes with
     blocking=True) had none, and before, the run trained on with every write failing in the
     background. Now it ends at the start with a ConfigError that says where and what to do."""
-    import botocore.session
-
-    if botocore.session.Session().get_credentials() is not None:
-        pytest.skip("this machine has AWS credentials of its own, which the cluster's processes would find")
-    s3 = MotoS3().start()
-    try:
-        bucket = s3.create_bucket()
-        options = {k: v for k, v in s3.storage_options().items() if k not in ("key", "secret")}
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.storage_options()["key"])
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    with s3_with_credentials_in_this_process_only(monkeypatch) as (s3, bucket, options):
         t = trainer(f"nocreds-{writers}", f"s3://{bucket}/runs", storage_options=options,
                     blocking=writers == "ranks")
         with pytest.raises(elastic.ConfigError) as err:
@@ -452,8 +444,6 @@ def test_storage_the_nodes_cannot_write_ends_the_run_before_any_step(ray_cluster
         assert "no AWS credentials found" in text and "controller (on node" in text and "storage_options" in text
         assert TEST_SECRET not in text
         assert CheckpointStore(f"s3://{bucket}/runs", f"nocreds-{writers}", s3.storage_options()).step_dirs() == []
-    finally:
-        s3.stop()
 
 
 def test_every_rank_lost_spares_load_the_checkpoint(ray_cluster, tmp_path, uninterrupted):

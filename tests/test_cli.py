@@ -783,3 +783,12 @@ def test_submit_refuses_a_mistyped_option_and_passes_the_scripts_arguments_after
                                  "http://prod.example:8265", "--", "--lr", "0.1", "--adress", "x"])
     assert result.exit_code == 0, result.stdout + result.stderr
     assert submitted == [("http://prod.example:8265", "python job.py --lr 0.1 --adress x")]
+
+
+def test_straggler_scores_are_coloured_against_the_runs_eviction_threshold():
+    # Red at a fixed 2.0 showed 2.5 as a straggler in a run that evicts above 3, and never would.
+    from elastic.cli import _straggler
+
+    assert _straggler(2.5, 3.0) == "[yellow]2.50[/]" and _straggler(3.2, 3.0) == "[red]3.20[/]"
+    assert _straggler(1.9, 3.0) == "1.90" and _straggler(3.0, 3.0) == "[yellow]3.00[/]"  # evicted above it
+    assert _straggler(2.1, None) == "[red]2.10[/]" and _straggler(None, 3.0) == "-"

@@ -70,7 +70,12 @@ def test_happy_path_state_machine(ray_cluster):
     assert transitions(c) == [("scheduling", "starting"), ("starting", "running"), ("running", "finished")]
     assert [h.step for h in c.history] == [1, 2, 3, 4, 5]
     assert all(e.message for e in c.events)
-    assert c.status()["state"] == "finished"
+    st = c.status()
+    assert st["state"] == "finished" and st["straggler_factor"] == c.failure_config.straggler_factor
+    # Throughput is a running run's: after it (or during a rebuild) the last step's rate is not the run's.
+    assert st["samples_per_s"] is None
+    c.state = State.RUNNING
+    assert c.status()["samples_per_s"] > 0
 
 
 def test_each_rank_row_says_how_far_the_rank_trails_the_run(ray_cluster):

@@ -165,3 +165,43 @@ def test_a_lost_ranks_heartbeat_age_grows_while_nothing_else_updates_it(monkeypa
     m.refresh()
     assert math.isnan(m._m["heartbeat_age"].values["1"][-1])
     assert abs(m._m["heartbeat_age"].values["0"][-1] - 60.1) < 1e-9
+
+
+def test_a_rebuild_shows_no_throughput_and_only_the_lost_ranks_heartbeat_age_grows(monkeypatch):
+    # During a recovery the last step's throughput stayed on the dashboard, every survivor's
+    # heartbeat age grew as if hung (no one asks them while the ring is rebuilt), and the old
+    # ring's straggler scores stayed on the rank numbers the new group takes.
+    import elastic.metrics as metrics_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock[0])
+    m = metrics()
+    m.on_step(record(5, 3), controller(range(3)))
+    m.on_rebuild(lost={1})
+    assert m._m["samples"].values[None][-1] == 0.0
+    for name in ("straggler", "rank_behind", "rank_step_time"):
+        assert all(math.isnan(m._m[name].values[r][-1]) for r in ("0", "1", "2")), name
+    assert math.isnan(m._m["heartbeat_age"].values["0"][-1]) and math.isnan(m._m["heartbeat_age"].values["2"][-1])
+    clock[0] += 60
+    m.refresh()
+    assert abs(m._m["heartbeat_age"].values["1"][-1] - 60.1) < 1e-9  # the lost rank's keeps growing: its alert fires
+    assert math.isnan(m._m["heartbeat_age"].values["0"][-1])  # survivors: not set again
+    assert m._m["samples"].values[None][-1] == 0.0
+    m.on_group([0, 1])  # rebuilt, shrunk to two: rank 1 a promoted spare, rank 2 gone
+    assert m._m["heartbeat_age"].values["1"][-1] == 0.0 and m._m["heartbeat_age"].values["0"][-1] == 0.0
+    assert math.isnan(m._m["straggler"].values["1"][-1]) and math.isnan(m._m["heartbeat_age"].values["2"][-1])
+    clock[0] += 5
+    m.refresh()
+    assert m._m["heartbeat_age"].values["1"][-1] == 5.0 and len(m._m["heartbeat_age"].values["2"]) == 2  # NaN once
+
+
+def test_the_lag_gauge_counts_from_the_newest_step_a_rank_finished_and_a_rewind_moves_the_step():
+    asked = []
+    m = metrics()
+    c = controller(range(2))
+    c.committer = SimpleNamespace(lag=lambda step: asked.append(step) or step - 3)
+    c._progress_step = lambda: 9  # a rank ahead of the step booked (a window's later steps, a late replica)
+    m.on_step(record(7, 2), c)
+    assert asked == [9] and m._m["ckpt_lag"].values[None][-1] == 6
+    m.on_rewind(4, lag=0)  # restarted from the checkpoint of step 4
+    assert m._m["step"].values[None][-1] == 4 and m._m["ckpt_lag"].values[None][-1] == 0

@@ -19,13 +19,13 @@ from ray.cluster_utils import Cluster
 import elastic
 from conftest import release_shared_cluster
 from elastic.checkpoint import CheckpointStore
-from elastic.checkpoint.testing import TEST_KEY, TEST_SECRET, MotoS3
-from helpers import assert_weights_close, loss_fn, make_dataset, make_model, make_sgd, reference_weights
+from elastic.checkpoint.testing import TEST_SECRET
+from helpers import (DRIVER_CREDENTIALS, assert_weights_close, loss_fn, make_dataset, make_model, make_sgd,
+                     reference_weights, s3_with_credentials_in_this_process_only)
 
 pytestmark = pytest.mark.slow
 
 STEPS = 16
-HEAD_CREDENTIALS = {"AWS_ACCESS_KEY_ID": TEST_KEY, "AWS_SECRET_ACCESS_KEY": TEST_SECRET}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def cluster():
     # none (test_storage_a_nodes_writers_cannot_write_ends_the_run_before_any_step).
     release_shared_cluster()
     c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "env_vars": HEAD_CREDENTIALS,
+        "num_cpus": 0, "include_dashboard": False, "env_vars": DRIVER_CREDENTIALS,
         "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
     node_a = c.add_node(num_cpus=2)
     c.add_node(num_cpus=2)
@@ -163,16 +163,7 @@ def test_storage_a_nodes_writers_cannot_write_ends_the_run_before_any_step(clust
     before, the nodes' writers (the node's checkpoint agent, or with blocking=True the ranks in
     their own processes) failed every write in the background for the whole run. Now the run
     ends at the start with a ConfigError that names the node and says what to do."""
-    import botocore.session
-
-    if botocore.session.Session().get_credentials() is not None:
-        pytest.skip("this machine has AWS credentials of its own, which the nodes' processes would find")
-    s3 = MotoS3().start()
-    try:
-        bucket = s3.create_bucket()
-        options = {k: v for k, v in s3.storage_options().items() if k not in ("key", "secret")}
-        for name, value in HEAD_CREDENTIALS.items():
-            monkeypatch.setenv(name, value)
+    with s3_with_credentials_in_this_process_only(monkeypatch) as (s3, bucket, options):
         t = elastic.Trainer(
             make_model, make_sgd, make_dataset, loss_fn, 32, scaling=elastic.ScalingConfig(num_workers=2),
             run=elastic.RunConfig(name=f"nodecreds-{writers}", seed=0, storage=f"s3://{bucket}/runs",
@@ -186,5 +177,3 @@ def test_storage_a_nodes_writers_cannot_write_ends_the_run_before_any_step(clust
         assert ("checkpoint agent" in text) == (writers == "agents")
         assert TEST_SECRET not in text
         assert CheckpointStore(f"s3://{bucket}/runs", f"nodecreds-{writers}", s3.storage_options()).step_dirs() == []
-    finally:
-        s3.stop()
