@@ -353,6 +353,40 @@ def test_the_failure_of_a_write_under_way_when_its_rank_goes_is_reported(node, m
     assert [ev["step"] for _, ev in controller.events if ev.get("event") == "checkpoint_failed"] == [1]
 
 
+def test_a_link_the_agent_cannot_serve_costs_that_rank_its_agent_not_the_agents_accept_thread(node, monkeypatch):
+    """A link whose thread cannot start (the process's thread limit) raised out of the accept
+    loop: the agent still answered, but no rank could link to it again."""
+    import elastic.checkpoint.agent as agent_module
+
+    agent, _, _, _, (url, options) = node
+    made = []
+    real = agent_module._RankLink
+
+    def link_or_fail(*args):
+        made.append(args)
+        if len(made) == 1:
+            raise RuntimeError("can't start new thread")
+        return real(*args)
+
+    def in_process():
+        return WorkerCheckpointer(url, options, RUN, 1)
+
+    monkeypatch.setattr(agent_module, "_RankLink", link_or_fail)
+    hooks = [link(agent, fallback=in_process)]
+    try:
+        deadline = time.monotonic() + 10
+        while not made and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert made and agent.stats()["threads"]["accept"]
+        hooks.append(link(agent))
+        while len(made) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(made) == 2 and agent.stats()["links"] == 1  # the next rank links as before
+    finally:
+        for hook in hooks:
+            hook.close()
+
+
 def test_a_busy_agent_keeps_only_the_newest_snapshot_and_the_rank_never_waits(node, monkeypatch):
     agent, controller, committer, store, _ = node
     release = threading.Event()

@@ -663,10 +663,22 @@ class CheckpointAgent:
                 conn.close()
                 continue
             number += 1
-            link = _RankLink(self, conn, number)
-            self.pool.connect(link)
-            threading.Thread(target=link.serve, name=f"elastic-checkpoint agent link {link.number}",
-                             daemon=True).start()
+            link = None
+            try:
+                link = _RankLink(self, conn, number)
+                self.pool.connect(link)
+                threading.Thread(target=link.serve, name=f"elastic-checkpoint agent link {link.number}",
+                                 daemon=True).start()
+            except Exception as exc:  # noqa: BLE001 - one rank's link, not the agent (see below)
+                # A thread that cannot start (the process's thread limit) ended this loop before:
+                # the agent still answered, but no rank could link to it again. This rank finds
+                # its connection closed and writes its checkpoints in its own process.
+                logger.warning("checkpoint agent: cannot serve a rank's connection (%s: %s); that rank writes "
+                               "its checkpoints itself", type(exc).__name__, exc)
+                if link is not None:
+                    self.pool.drop(link)
+                    link.persister.abort(0.0)
+                conn.close()
 
     def forget(self, link: _RankLink) -> None:
         self.pool.drop(link)
