@@ -437,10 +437,11 @@ def _accelerator_problem(name: str, amount: float) -> str | None:
 
 # fullmatch, not match with "$": "$" also matches before a final newline ("run\n" passed).
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
-# The names of a run's step directories (elastic/checkpoint/store.py's _STEP_DIR). A run of such a
-# name sits beside the others under the storage root, and a listing of that root (``elastic
-# checkpoints URL``) took the root for a run directory with a step in it.
-_STEP_DIR_NAME = re.compile(r"step-[0-9]{9,18}", re.ASCII)
+# The names of a run's step directories (``parse_step_dir`` in elastic/checkpoint/store.py reads
+# the step from the group). Here, where RunConfig refuses a run of such a name: it sits beside
+# the others under the storage root, and a listing of that root (``elastic checkpoints URL``)
+# took the root for a run directory with a step in it.
+STEP_DIR_NAME = re.compile(r"step-([0-9]{9,18})", re.ASCII)
 
 
 @dataclass
@@ -527,7 +528,7 @@ class RunConfig:
             raise ConfigError(
                 f"RunConfig.name={self.name!r} must be 1-100 characters of letters, digits, '_', '.', '-', starting with a letter or digit."
             )
-        if _STEP_DIR_NAME.fullmatch(self.name):
+        if STEP_DIR_NAME.fullmatch(self.name):
             raise ConfigError(f"RunConfig.name={self.name!r} is the name of a checkpoint step directory, which a run "
                               "beside it under the storage root would be taken for; choose another name.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:

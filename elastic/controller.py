@@ -24,7 +24,7 @@ from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, Sto
 from elastic.actors.worker_group import (Member, WorkerGroup, check_cluster_fits, describe_worker_failure,
                                          unreachable_nodes)
 from elastic.checkpoint import shm
-from elastic.checkpoint.agent import ON_NODES, NodeAgents
+from elastic.checkpoint.agent import NodeAgents, refused_on_node
 from elastic.checkpoint.store import taken_at_here
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.redact import redact_urls_in
@@ -561,8 +561,7 @@ class Controller:
         try:
             self.store.warm_up(check=True)
         except ConfigError as exc:
-            raise ConfigError(f"the run's controller (on node {ray.util.get_node_ip_address()}): "
-                              f"{exc} {ON_NODES}") from None
+            raise refused_on_node(f"the run's controller (on node {ray.util.get_node_ip_address()})", exc) from None
 
     def _configure_checkpoints(self, members: list[Member], check_storage: bool = False) -> None:
         """Give actors their checkpoint writer (once each; a spare started later gets it when it
@@ -598,8 +597,7 @@ class Controller:
                 self._answer(m, ref, deadline - time.monotonic(), "its checkpoint writer's setup")
             except ray.exceptions.RayError as exc:
                 if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, ConfigError):
-                    raise ConfigError(f"{m.name} on node {m.info.get('node_ip')}: {exc.cause} "
-                                      f"{ON_NODES}") from None
+                    raise refused_on_node(f"{m.name} on node {m.info.get('node_ip')}", exc.cause) from None
                 if m.name not in spares:
                     raise  # a rank: the caller's failure handling finds it lost
                 # A spare: not worth the run (a start, a restart from the checkpoint) it was set up

@@ -32,6 +32,10 @@ def refresh_interval_s() -> float:
     return interval / 2
 
 
+# The per-rank gauges, heartbeat age first (a lost rank's keeps growing through a rebuild).
+PER_RANK = ("heartbeat_age", "straggler", "rank_behind", "rank_step_time")
+
+
 class RunMetrics:
     """Created lazily inside the controller actor (metrics objects are per process).
 
@@ -194,12 +198,17 @@ class RunMetrics:
         would otherwise go on showing its last straggler score or heartbeat age on dashboards
         and alerts."""
         for rank in self._ranks - ranks:
-            tags = {"run": self.run, "rank": rank}
-            for name in ("heartbeat_age", "straggler", "rank_behind", "rank_step_time"):
-                with self._lock:  # NaN and the drop in one hold: the refresher sets no stale value between
-                    m[name].set(float("nan"), tags=tags)
-                    self._drop(name, tags)
+            self._blank(m, rank, PER_RANK)
         self._ranks = ranks
+
+    def _blank(self, m, rank: str, names) -> None:
+        """``rank``'s series of ``names`` set to NaN once and no longer refreshed, so they leave
+        the endpoint."""
+        tags = {"run": self.run, "rank": rank}
+        for name in names:
+            with self._lock:  # NaN and the drop in one hold: the refresher sets no stale value between
+                m[name].set(float("nan"), tags=tags)
+                self._drop(name, tags)
 
     def on_rebuild(self, lost: set[int]) -> None:
         """The group is being rebuilt (a recovery of the ``lost`` ranks, an eviction): nothing
@@ -214,11 +223,7 @@ class RunMetrics:
             self._set(m, "samples", 0.0, {"run": self.run})
             keep = {str(rank) for rank in lost} & self._ranks
             for rank in self._ranks:
-                tags = {"run": self.run, "rank": rank}
-                for name in ("straggler", "rank_behind", "rank_step_time") + (() if rank in keep else ("heartbeat_age",)):
-                    with self._lock:  # NaN and the drop in one hold, as in _forget_ranks
-                        m[name].set(float("nan"), tags=tags)
-                        self._drop(name, tags)
+                self._blank(m, rank, [name for name in PER_RANK if not (name == "heartbeat_age" and rank in keep)])
             self._ranks = keep
         self._safe(update)
 
@@ -229,7 +234,7 @@ class RunMetrics:
             for rank in ranks:
                 tags = {"run": self.run, "rank": str(rank)}
                 self._set(m, "heartbeat_age", 0.0, tags)
-                for name in ("straggler", "rank_behind", "rank_step_time"):
+                for name in PER_RANK[1:]:
                     self._set(m, name, float("nan"), tags)
             self._forget_ranks(m, {str(rank) for rank in ranks})
         self._safe(update)

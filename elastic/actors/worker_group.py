@@ -127,9 +127,10 @@ def _check_nodes_fit(scaling: ScalingConfig, total_bundles: int, bundle: dict, c
         raise ConfigError(f"No node of the cluster has room for one worker ({shown}): a worker's resources are "
                           "placed on one node. Lower ScalingConfig.resources_per_worker, or add larger nodes.")
     strategy = scaling.placement_strategy
-    if strategy == "STRICT_SPREAD" and sum(f > 0 for f in fits) < total_bundles:
+    roomy = sum(f > 0 for f in fits)  # nodes with room for one worker
+    if strategy == "STRICT_SPREAD" and roomy < total_bundles:
         raise ConfigError(f"ScalingConfig.placement_strategy='STRICT_SPREAD' puts each of the {total_bundles} actors "
-                          f"on a node of its own, and {sum(f > 0 for f in fits)} node(s) have room for one; use "
+                          f"on a node of its own, and {roomy} node(s) have room for one; use "
                           f"'SPREAD', lower {count}, or add nodes.")
     if strategy == "STRICT_PACK" and max(fits) < total_bundles:
         raise ConfigError(f"ScalingConfig.placement_strategy='STRICT_PACK' puts all {total_bundles} actors on one "

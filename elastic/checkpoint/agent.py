@@ -62,6 +62,14 @@ POOL_WAIT_S = 2.0
 # Said with a storage refusal on a node after the driver's check passed (``validate``).
 ON_NODES = ("The driver's own check passed: its environment (AWS_* variables, ~/.aws, an instance role) is not "
             "the nodes'. Pass the credentials in RunConfig.storage_options, or set them up on every node.")
+
+
+def refused_on_node(where: str, refusal: BaseException):
+    """The ConfigError for a storage refusal met by ``where`` (a process on some node) at a run's
+    start, after the driver's check had passed (``Storage.check_here``)."""
+    from elastic.config import ConfigError
+
+    return ConfigError(f"{where}: {refusal} {ON_NODES}")
 # A writer this many steps behind its rank's newest snapshot runs at normal priority until it
 # has caught up (WriterPriority.hurry).
 HURRY_STEPS = 1
@@ -838,7 +846,7 @@ class NodeAgents:
                 ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.RayTaskError as exc:
                 if isinstance(exc.cause, ConfigError):
-                    raise ConfigError(f"the checkpoint agent on node {node}: {exc.cause} {ON_NODES}") from None
+                    raise refused_on_node(f"the checkpoint agent on node {node}", exc.cause) from None
                 logger.warning("the checkpoint agent on node %s failed its storage check: %s", node, exc.cause)
             except Exception as exc:  # noqa: BLE001 - dead or slow: see the docstring
                 logger.warning("the checkpoint agent on node %s did not finish its storage check (%s); its ranks "

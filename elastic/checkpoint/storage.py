@@ -189,14 +189,23 @@ def looks_secret(key: Any) -> bool:
 def _secret_values(options: Any, secret: bool = False) -> set[str]:
     """Every string (or number: a secret that happens to be all digits, parsed as one) in
     storage_options stored under a key that looks like a credential, at any depth below it:
-    ``auth=("user", "pass")`` and ``headers={"Authorization": ...}`` as much as ``secret=...``."""
+    ``auth=("user", "pass")`` and ``headers={"Authorization": ...}`` as much as ``secret=...``;
+    the value of a (name, value) pair whose name looks like one, under any key
+    (``{"headers": [("Authorization", "Bearer ...")]}``: aiohttp takes headers as a list of
+    pairs); and bytes, as text and as their repr shows them."""
     found: set[str] = set()
     if isinstance(options, Mapping):
         for key, value in options.items():
             found |= _secret_values(value, secret or looks_secret(key))
-    elif isinstance(options, (list, tuple, set, frozenset)):
+    elif isinstance(options, (list, tuple)):
+        named = len(options) == 2 and isinstance(options[0], (str, bytes)) and looks_secret(options[0])
+        for i, value in enumerate(options):
+            found |= _secret_values(value, secret or (named and i == 1))
+    elif isinstance(options, (set, frozenset)):
         for value in options:
             found |= _secret_values(value, secret)
+    elif secret and isinstance(options, (bytes, bytearray)):
+        found |= {bytes(options).decode("utf-8", "backslashreplace"), repr(bytes(options))[2:-1]}
     elif secret and isinstance(options, (str, int, float)) and not isinstance(options, bool):
         if len(str(options)) >= 4:  # a 1-3 character "secret" would redact half of every message
             found.add(str(options))
@@ -215,7 +224,7 @@ class Redactor:
         options = storage_options or {}
         self._secrets: set[str] = set()
         self._pattern: re.Pattern | None = None
-        self.hide(*_secret_values(options), *self._paired_and_bytes(options), *extra)
+        self.hide(*_secret_values(options), *extra)
 
     def hide(self, *secrets: str) -> None:
         """Hide ``secrets`` too (those under 4 characters would redact half of every message)."""
@@ -233,29 +242,6 @@ class Redactor:
                  for form in (s, quote(s, safe=""), quote(s), quote_plus(s), json.dumps(s)[1:-1], repr(s)[1:-1])}
         pattern = re.compile("|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)))
         self._secrets, self._pattern = known, pattern  # __call__ reads the pattern once: the old one or this
-
-    @staticmethod
-    def _paired_and_bytes(options: Any, secret: bool = False) -> set[str]:
-        """Secrets ``_secret_values`` does not collect: the value of a (name, value) pair whose name
-        looks like a credential, under a key that does not (``{"headers": [("Authorization",
-        "Bearer ...")]}``: aiohttp takes headers as a list of pairs), and bytes under a key that
-        does, as text."""
-        found: set[str] = set()
-        if isinstance(options, Mapping):
-            for key, value in options.items():
-                found |= Redactor._paired_and_bytes(value, secret or looks_secret(key))
-        elif isinstance(options, (list, tuple)):
-            named = len(options) == 2 and isinstance(options[0], (str, bytes)) and looks_secret(options[0])
-            if named and not secret:
-                found |= _secret_values(options[1], True)
-            for i, value in enumerate(options):
-                found |= Redactor._paired_and_bytes(value, secret or (named and i == 1))
-        elif isinstance(options, (set, frozenset)):
-            for value in options:
-                found |= Redactor._paired_and_bytes(value, secret)
-        elif secret and isinstance(options, (bytes, bytearray)):
-            found |= {bytes(options).decode("utf-8", "backslashreplace"), repr(bytes(options))[2:-1]}
-        return found
 
     def __call__(self, text: str) -> str:
         text = redact_urls_in(str(text))
@@ -722,19 +708,8 @@ class Storage:
         Checks the scheme, S3 credentials and bucket, then writes, reads back and deletes a small
         probe file under ``probe_dir`` so permission problems show up now rather than at step 1000.
         """
-        self._check_scheme()
-        if self.protocol in _S3:
-            self._check_s3_credentials()
-        try:
-            fs, root = self._filesystem()
-        except ConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a filesystem that connects when made (ftp://) or cannot be one (tar://x)
-            raise ConfigError(
-                f"RunConfig.storage={self.location!r} cannot be opened as a {self.protocol}:// filesystem: "
-                f"{type(exc).__name__}: {self.redact(str(exc))}. Check the URL and RunConfig.storage_options."
-            ) from None
-        quick = RetryPolicy(attempts=2, base_s=min(self.retry.base_s, 0.2), max_s=0.5)
+        fs, root = self._open_checked()
+        quick = self._quick_retry()
         if self.protocol in _S3:
             bucket = root.split("/", 1)[0]
             if not bucket:
@@ -772,20 +747,9 @@ class Storage:
         and its filesystem, S3 credentials as botocore finds them in this process, and a probe
         written, read back and deleted. An outage is not a refusal: storage down at a start
         leaves the writes to retry and report it, as they do mid-run."""
-        self._check_scheme()
-        if self.protocol in _S3:
-            self._check_s3_credentials()
+        self._open_checked(" here")
         try:
-            self._filesystem()
-        except ConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - as in validate: a filesystem that connects when made
-            raise ConfigError(
-                f"RunConfig.storage={self.location!r} cannot be opened as a {self.protocol}:// filesystem here: "
-                f"{type(exc).__name__}: {self.redact(str(exc))}. Check RunConfig.storage_options."
-            ) from None
-        try:
-            self._probe(RetryPolicy(attempts=2, base_s=min(self.retry.base_s, 0.2), max_s=0.5))
+            self._probe(self._quick_retry())
         except StorageUnavailable as exc:
             logger.warning("checkpoint storage %s did not answer a probe write: %s (checkpoints retry until it does)",
                            self.location, exc)
@@ -794,6 +758,27 @@ class Storage:
                 f"RunConfig.storage={self.location!r} is not writable from here: {self.redact(str(exc))}. "
                 "Check the permissions and RunConfig.storage_options."
             ) from None
+
+    def _open_checked(self, here: str = "") -> tuple[Any, str]:
+        """The checks ``validate`` and ``check_here`` share: the scheme, S3 credentials as botocore
+        finds them in this process, and the filesystem opened (``_filesystem``), each failure a
+        ConfigError. ``here``: said after "filesystem" for a check outside the driver."""
+        self._check_scheme()
+        if self.protocol in _S3:
+            self._check_s3_credentials()
+        try:
+            return self._filesystem()
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a filesystem that connects when made (ftp://) or cannot be one (tar://x)
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} cannot be opened as a {self.protocol}:// filesystem{here}: "
+                f"{type(exc).__name__}: {self.redact(str(exc))}. Check the URL and RunConfig.storage_options."
+            ) from None
+
+    def _quick_retry(self) -> RetryPolicy:
+        """A check's retries: two tries, short waits (a start should not sit out an outage)."""
+        return RetryPolicy(attempts=2, base_s=min(self.retry.base_s, 0.2), max_s=0.5)
 
     def _probe(self, retry: RetryPolicy, probe_dir: str = "") -> None:
         """Write a small probe file, read it back and delete it (the delete may fail: a stray

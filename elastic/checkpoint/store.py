@@ -48,7 +48,7 @@ from elastic.checkpoint.codec import (
 from elastic.checkpoint.compat import saved_state_problem, shown
 from elastic.checkpoint.storage import (FileRefused, RetryPolicy, Storage, StorageError, StorageUnavailable,
                                         resolve_url)
-from elastic.config import ConfigError
+from elastic.config import STEP_DIR_NAME, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,11 @@ MANIFEST = "manifest.json"
 FORMAT = "elastic-checkpoint"
 VERSION = 3
 _META_KEY = "elastic"  # the rank's JSON meta, under this key of the shard's safetensors __metadata__
-# ASCII digits only (``\d`` is any Unicode digit), at most 18 of them (a step below 10**18; an
-# int() of thousands of digits raises), matched whole (``$`` passes a trailing newline); and
-# ``parse_step_dir`` takes only the name ``step_dir`` gives.
-_STEP_DIR = re.compile(r"step-([0-9]{9,18})", re.ASCII)
+# STEP_DIR_NAME (elastic/config.py, which refuses a run of such a name): ASCII digits only (``\d``
+# is any Unicode digit), at most 18 of them (a step below 10**18; an int() of thousands of digits
+# raises), matched whole (``$`` passes a trailing newline); and ``parse_step_dir`` takes only the
+# name ``step_dir`` gives.
+_STEP_DIR = STEP_DIR_NAME
 # The most a manifest may hold. Nothing records its size, so without a bound a huge object (or,
 # on local storage, a link to /dev/zero) named manifest.json was read whole, by every resume
 # and cleanup pass. One is ~200 bytes a rank plus the meta and the RNG states of ranks with no
