@@ -3,19 +3,25 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The torch this machine has on disk (a CPU build); pyproject.toml states the range users may have.
+# The torch the tests run on; pyproject.toml states the range users may have.
 TORCH ?= torch==2.13.0
+# Where the first torch install looks (empty: pip's configured index). Which build pip picks is up to
+# that index: this machine's pip config finds a CPU wheel in /opt/wheels, while plain PyPI on Linux
+# x86_64 gives the CUDA build (several GB). For a CPU build elsewhere:
+#   make demo TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
 
 .PHONY: demo test bench setup clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch first, pinned to the local CPU build; pyproject states the supported range.
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	# torch first, pinned to $(TORCH), from TORCH_INDEX_URL if set; pyproject states the supported range.
+	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
 	# The pin again: pip's resolver, backtracking over s3fs/fsspec and ray versions, otherwise
 	# drops the installed torch for the newest one the index has (a multi-GB CUDA build).
-	$(BIN)/python -m pip install --quiet -e ".[test]" "$(TORCH)"
+	# One venv for test, demo and bench: the bench extra adds Ray Train, which benchmarks/ compare with.
+	$(BIN)/python -m pip install --quiet -e ".[test,bench]" "$(TORCH)"
 	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.split('+')[0] == '$(TORCH)'.split('==')[1] else 'setup installed torch ' + v + ', not $(TORCH)')"
 	@touch $(STAMP)
 
