@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 import ray
 
 from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, StopRequested, TrainingSpec, WorkerError
+from elastic.actors.sends import max_trail
 from elastic.actors.worker_group import (Member, WorkerGroup, check_cluster_fits, describe_worker_failure,
                                          unreachable_nodes)
 from elastic.checkpoint import shm
@@ -80,10 +81,6 @@ ROUTINE_EVENTS_KEPT = 1000
 # ~400 more in the result (tracemalloc, 4 ranks), so a long run of short steps (40 a second for
 # a week: 24M steps) would have grown the controller by ~8 GB and sent it all to the driver.
 HISTORY_KEPT = 100_000
-# Steps back for which the sampler's position is kept: a first-N survivor may be behind the
-# controller by as many steps as a late replica may trail (64 sends, elastic/actors/sends.py,
-# plus a dispatch window of 16), and a rollback to it must know where its data stood.
-POSITIONS_KEPT = 128
 # Spares in a row that may fail before they are ready (died building, or built a dataset that
 # differs from the ranks') before the controller stops refilling the pool on its own. Why stop:
 # a spare that fails for a reason of its node or its dataset_fn fails again the same way, and
@@ -2299,13 +2296,25 @@ class Controller:
                      f"{lost}", steps=unknown)
 
     # ---- after each step --------------------------------------------------------------------
+    def _forget_positions(self, step: int) -> None:
+        """Drop the sampler positions recorded for steps no survivor can be back at after ``step``.
+
+        Kept as far back as a first-N survivor may be behind: as far as a late replica may trail
+        (``max_trail``: each rank that leads may hold sends to it, so it grows with the world),
+        plus a dispatch window; a rollback to that survivor must know where its data stood. With
+        a fixed 128 (one leader's 64 sends and a window), a replica late on two leaders' sends
+        was past the positions kept, and the loss of every replica ahead of it failed the run
+        (or rolled it back to the last commit) while a survivor held a newer state."""
+        kept = max_trail(len(self.group.members)) + self._window
+        # Positions go in at dispatch in step order (a replan clears them all), so the oldest is first.
+        while self._positions and next(iter(self._positions)) < step - kept:
+            del self._positions[next(iter(self._positions))]
+
     def _after_step(self, record: StepRecord, decide_steps: int = 1) -> None:
         """Bookkeeping after a step. ``decide_steps``: on a window's last step, the window's
         length (the straggler policy decides over that many steps); 0 on its other steps."""
         self._planned.pop(record.step, None)
-        # Positions go in at dispatch in step order (a replan clears them all), so the oldest is first.
-        while self._positions and next(iter(self._positions)) < record.step - POSITIONS_KEPT:
-            del self._positions[next(iter(self._positions))]
+        self._forget_positions(record.step)
         if self.committer is not None:
             for r, res in self._last_results.items():
                 self._merge_ckpt(r, res)

@@ -326,6 +326,18 @@ def test_device_choice_without_gpu():
         choose_device_and_backend(True, [], True)
     with pytest.raises(RuntimeError, match="not available"):
         choose_device_and_backend(True, [1], False)
+    # Ray narrowed CUDA_VISIBLE_DEVICES to the actor's GPU: it is cuda:0 whatever Ray's id.
+    assert choose_device_and_backend(True, [3], True, device_count=1) == ("cuda:0", "nccl")
+    assert choose_device_and_backend(True, ["3"], True, device_count=1) == ("cuda:0", "nccl")
+
+
+def test_device_choice_when_ray_leaves_every_gpu_visible():
+    # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1: each rank sees all of the node's GPUs, and
+    # Ray's id is the index. cuda:0 on every rank of a node made NCCL refuse ("Duplicate GPU").
+    assert choose_device_and_backend(True, ["3"], True, device_count=8) == ("cuda:3", "nccl")
+    assert choose_device_and_backend(True, [2, 5], True, device_count=8) == ("cuda:2", "nccl")
+    assert choose_device_and_backend(True, ["GPU-1a2b"], True, device_count=8) == ("cuda:0", "nccl")  # not an index
+    assert choose_device_and_backend(True, [9], True, device_count=8) == ("cuda:0", "nccl")
 
 
 def test_requeue_dropped_needs_first_n_and_single_step_dispatch():

@@ -1208,6 +1208,27 @@ def test_with_requeueing_a_steps_recorded_data_position_holds_its_drops():
     assert replanned.take(3, 8)[1][0] == shards[2]  # the replay of step 2 uses them first
 
 
+def test_positions_are_kept_as_far_back_as_a_late_replica_may_trail():
+    # A first-N replica late on several leaders' sends trails by up to 65 steps per rank of the
+    # world; a rollback to it replans from the position recorded for its step. A fixed 128 steps
+    # dropped those of a replica 200 steps behind in a group of 4.
+    from types import SimpleNamespace
+
+    from elastic.actors.sends import max_trail
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    scaling = elastic.ScalingConfig(num_workers=3, num_backups=1, aggregation="first_n")
+    c = Controller(spec, scaling, elastic.RunConfig(name="positions-kept"), elastic.FailureConfig(),
+                   global_batch_size=12)
+    c.group = SimpleNamespace(members=[object()] * 4)
+    c._positions = {step: {"epoch": 0, "cursor": 12 * step, "requeued": []} for step in range(1, 501)}
+    c._forget_positions(500)
+    oldest = 500 - max_trail(4) - c._window
+    assert max_trail(4) == 260 and min(c._positions) == oldest and 300 in c._positions
+    assert list(c._positions) == list(range(oldest, 501))
+
+
 def test_with_requeueing_a_step_kept_in_a_recovery_gets_its_checkpoint_meta(ray_cluster):  # the Controller asks Ray for its runtime context
     # With requeueing the meta is set from a step's results; a step kept in a recovery or a stop
     # in a wait (its results never came back) had none, so its checkpoint could never commit.

@@ -120,3 +120,25 @@ def test_digits_example_on_gpu_with_an_embedded_ray(gpu_cluster):
     assert out.returncode == 0, out.stderr[-3000:]
     acc = float(out.stdout.split("test_accuracy=")[1].split()[0])
     assert acc >= 0.95
+
+
+def make_model_on_gpu() -> torch.nn.Module:
+    """A model_fn that initialises its weights on the GPU, from CUDA's generator."""
+    return torch.nn.Linear(16, 4, device="cuda")
+
+
+def test_a_model_initialised_on_the_gpu_follows_the_run_seed(gpu_cluster):
+    # Only the CPU's generators were seeded when the model was built: a model_fn initialising on
+    # the GPU drew from CUDA's fixed default seed, the same weights whatever RunConfig.seed said.
+    def first_weights(seed: int) -> dict:
+        spec = TrainingSpec(make_model_on_gpu, make_adam, make_dataset, loss_fn, seed=seed, use_gpu=True)
+        group = WorkerGroup(elastic.ScalingConfig(num_workers=1, use_gpu=True), spec, f"elastic-gpu-seed-{seed}")
+        try:
+            group.start(1)
+            return ray.get(group.members[0].actor.model_state.remote())
+        finally:
+            group.shutdown()
+
+    zero, again, one = first_weights(0), first_weights(0), first_weights(1)
+    assert_weights_close(zero, again, atol=0.0)
+    assert not torch.equal(zero["weight"], one["weight"])

@@ -3,6 +3,7 @@ first-N's helpers, and how a batch is fetched from the dataset."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -170,6 +171,47 @@ def test_a_leaders_copies_in_flight_stay_within_the_send_budget_with_the_buffers
     assert grad_limit == SEND_BUDGET_BYTES // (grad_bytes + buffer_bytes)
 
 
+class PerProcessInitModel(torch.nn.Module):
+    """A model_fn that is not deterministic under the run's seed: its weights and a buffer come
+    from the process id (as an init by time, pid or an uninitialised torch.empty would)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(os.getpid())
+        self.net = torch.nn.Linear(4, 2)
+        with torch.no_grad():
+            self.net.weight.copy_(torch.randn(2, 4, generator=g))
+        self.register_buffer("running", torch.randn(3, generator=g))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _first_n_start_state(rank: int, port: int, out) -> None:
+    """Two real TrainWorkers (no Ray) of PerProcessInitModel join a first-N group (N = 1 of 2):
+    the parameters and buffers each holds after the join."""
+    from helpers import loss_fn, make_dataset, make_sgd
+
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    worker = TrainWorker(TrainingSpec(PerProcessInitModel, make_sgd, make_dataset, loss_fn))
+    before = [t.tolist() for t in worker.model.state_dict().values()]
+    worker.join(rank, 2, "127.0.0.1", port, 1, 20.0, use_ddp=False, subgroup_size=1)
+    out.put((rank, (before, [t.tolist() for t in worker.model.state_dict().values()])))
+    worker.leave()
+
+
+def test_first_n_replicas_start_from_rank_0s_parameters_and_buffers():
+    # DDP's constructor broadcasts rank 0's module state; first-N had nothing like it, so a model_fn
+    # that is not deterministic under the seed gave each replica its own weights from step 0.
+    states = run_pair(_first_n_start_state, free_port())
+    (before0, after0), (before1, after1) = states[0], states[1]
+    assert before0 != before1  # the two processes built different models
+    assert after0 == after1 == before0
+
+
 def test_a_join_that_fails_after_the_group_formed_leaves_it():
     # The group stayed up after a failed join: its sockets and rank 0's store open, so peers
     # blocked on this rank waited out collective_timeout_s instead of failing at once.
@@ -319,11 +361,11 @@ def test_first_n_agreement_keys_are_forgotten_a_horizon_behind_so_the_store_stay
     # late replica forgets the step a horizon behind.
     from datetime import timedelta
 
-    from elastic.actors.sends import MAX_IN_FLIGHT
+    from elastic.actors.sends import max_trail
     from elastic.actors.worker import _count_key, _fast_key, agreement_horizon, forget_agreement
 
     assert agreement_horizon(4) == 4096
-    assert agreement_horizon(64) == 2 * MAX_IN_FLIGHT * 64  # wide groups trail further
+    assert agreement_horizon(64) == 2 * max_trail(64)  # wide groups trail further
     horizon = agreement_horizon(3)
     master = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
     store = dist.PrefixStore("default_pg/0/", master)
@@ -602,12 +644,12 @@ def test_a_step_of_an_aborted_nccl_generation_makes_no_update_and_fails_as_a_col
 
     synced = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(
-        synchronize=lambda: synced.append(device)))
+        query=lambda: synced.append(device) or True))
     model = torch.nn.Linear(2, 1)
     model(torch.ones(1, 2)).sum().backward()
     before = model.weight.detach().clone()
     worker = SimpleNamespace(backend="nccl", generation=3, rank=0, device="cuda:0", _aborted_generation=3,
-                             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), scheduler=None,
+                             _collective_timeout_s=30.0, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), scheduler=None,
                              spec=SimpleNamespace(max_grad_norm=None), completed_step=4, current_step=5,
                              _kill_after_update=False, _kill_at=None)
     worker._check_not_aborted = lambda: TrainWorker._check_not_aborted(worker)
@@ -627,6 +669,32 @@ def test_a_step_of_an_aborted_nccl_generation_makes_no_update_and_fails_as_a_col
 
     with pytest.raises(CollectiveError, match="Default process group has not been initialized"):
         TrainWorker._run_guarded(worker, registry_gone)
+
+
+def test_an_nccl_step_whose_collective_never_ends_fails_at_the_groups_timeout(monkeypatch):
+    # The stream's synchronize() has no timeout: a kernel hung on a dead peer that no abort
+    # reached held the rank there until it was killed as hung, its state lost with it.
+    import time
+    from types import SimpleNamespace
+
+    from elastic.actors.protocol import CollectiveError
+    from elastic.actors.worker import TrainWorker, wait_for_stream
+
+    polls = []
+    hung = SimpleNamespace(query=lambda: polls.append(time.monotonic()) and False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: hung)
+    worker = SimpleNamespace(backend="nccl", generation=3, rank=1, device="cuda:0", _aborted_generation=None,
+                             _collective_timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"rank 1: the collectives of group generation 3 did not finish "
+                                              r"within the group's timeout \(0.3 s\)"):
+        TrainWorker._check_not_aborted(worker)
+    assert 0.3 <= time.monotonic() - t0 < 5.0
+    assert len(polls) >= 10  # polled (sleeps of at most 1 ms), not one sleep to the deadline
+
+    done_after = iter([False] * 5 + [True])
+    assert wait_for_stream(SimpleNamespace(query=lambda: next(done_after)), 5.0) is True
+    assert wait_for_stream(SimpleNamespace(query=lambda: True), 0.0) is True
 
 
 def test_a_rank_that_takes_an_older_state_forgets_the_fast_sets_of_the_history_given_up():

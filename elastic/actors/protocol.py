@@ -65,16 +65,24 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
-def choose_device_and_backend(use_gpu: bool, gpu_ids: list, cuda_available: bool) -> tuple[str, str]:
+def choose_device_and_backend(use_gpu: bool, gpu_ids: list, cuda_available: bool,
+                              device_count: int = 1) -> tuple[str, str]:
     """NCCL on a GPU that Ray assigned to this actor, gloo on the CPU.
 
-    Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs, so the first visible device is ours.
+    Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs, so the first visible device (cuda:0) is
+    ours. Where it does not (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``, which some
+    serving set-ups use), every GPU of the node is visible (``device_count`` above the GPUs
+    assigned) and Ray's id is the device's index: cuda:0 on every rank of a node made NCCL refuse
+    the group ("Duplicate GPU detected").
     """
     if use_gpu:
         if not gpu_ids:
             raise RuntimeError("use_gpu=True but Ray assigned no GPU to this worker")
         if not cuda_available:
             raise RuntimeError(f"Ray assigned GPU(s) {gpu_ids} but torch.cuda is not available in this worker")
+        first = str(gpu_ids[0])
+        if device_count > len(gpu_ids) and first.isdigit() and int(first) < device_count:
+            return f"cuda:{int(first)}", "nccl"
         return "cuda:0", "nccl"
     return "cpu", "gloo"
 

@@ -46,6 +46,17 @@ def in_flight_limit(nbytes: int) -> int:
     return max(2, min(MAX_IN_FLIGHT, SEND_BUDGET_BYTES // max(1, nbytes)))
 
 
+def max_trail(world_size: int) -> int:
+    """Steps a first-N replica may trail the fastest rank of a group of ``world_size``.
+
+    Why per rank of the world, not per leader: a replica late in every step from s to t is
+    waiting on each of those steps' updates, sent by whichever rank led the step (the lowest of
+    its fast set), and leadership moves as the fast set does. Each leader lets at most
+    ``MAX_IN_FLIGHT`` sends to it be in flight and blocks on the next one, so a rank that leads
+    accounts for at most ``MAX_IN_FLIGHT + 1`` of the steps it trails by."""
+    return (MAX_IN_FLIGHT + 1) * max(1, int(world_size))
+
+
 class UpdateSends:
     """One leader's sends in flight, oldest first, and the buffers of finished ones."""
 

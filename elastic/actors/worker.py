@@ -53,7 +53,7 @@ from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's 
 )
 from elastic.actors.buffers import ReplicaBuffers
 from elastic.actors.grads import FlatGrads
-from elastic.actors.sends import MAX_IN_FLIGHT, UpdateSends, in_flight_limit
+from elastic.actors.sends import UpdateSends, in_flight_limit, max_trail
 from elastic.actors.sitout import SitOutSchedule
 
 # Imported on first use, in the worker process: the controller imports this module to name the
@@ -64,22 +64,52 @@ np = LazyModule("numpy")
 torch_data = LazyModule("torch.utils.data")
 torch_parallel = LazyModule("torch.nn.parallel")
 ddp_hooks = LazyModule("torch.distributed.algorithms.ddp_comm_hooks.default_hooks")
+torch_dist_utils = LazyModule("torch.distributed.utils")
+
+# DDP's bucket size for the broadcast of rank 0's module state at construction (torch's
+# DistributedDataParallel: ``int(250 * 1024 * 1024)``), used for first-N's broadcast at a join.
+DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
 
 
-def _seed_everything(value: int, device_type: str = "cpu") -> None:
-    """Seed python, numpy and torch for this device.
+def _seed_everything(value: int, device: Any = None) -> None:
+    """Seed python, numpy and torch, and ``device``'s generator when it is a GPU.
 
     Not ``torch.manual_seed``: on a process where CUDA/XPU/MTIA are not initialised it queues a
     lazy seeding call for each of them, with a formatted stack trace apiece (~0.2 ms, 5-10% of a
     small step) and a queue that grows three entries every step for the life of the worker.
     """
     torch.default_generator.manual_seed(value)
-    if device_type == "cuda":
-        torch.cuda.manual_seed(value)  # the current device, initialised by now: no lazy queue
+    if device is not None and device.type == "cuda":
+        # This rank's device, named: torch.cuda.manual_seed seeds the calling thread's current
+        # device, and Ray may run a call on a thread that never selected ours.
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(value)
     np.random.seed(value % (2**32))
     random.seed(value)
+
+
+def wait_for_stream(stream: Any, timeout_s: float) -> bool:
+    """Wait until ``stream``'s queued work is done (True), or ``timeout_s`` passed first (False).
+
+    Polled, since a CUDA stream's ``synchronize()`` takes no timeout: the first 2 ms by yielding
+    (a step's collectives usually end within them, and a GPU rank has its CPU to itself while
+    it waits), then with sleeps doubling to 1 ms, so a wait costs at most ~1 ms past the work."""
+    if stream.query():
+        return True
+    start = time.monotonic()
+    deadline, spin_until, delay = start + timeout_s, start + 0.002, 0.0001
+    while not stream.query():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if now < spin_until:
+            time.sleep(0)
+        else:
+            time.sleep(min(delay, deadline - now))
+            delay = min(2 * delay, 0.001)
+    return True
 
 
 def ddp_bucket_kwargs(backend: str, bucket_cap_mb: float | None) -> dict:
@@ -156,12 +186,16 @@ class TrainWorker:
         self.actor_name = actor_name
 
         self._gpu_ids = list(ray.get_gpu_ids()) if spec.use_gpu else []
+        cuda = spec.use_gpu and torch.cuda.is_available()
         self.device_str, self.backend = choose_device_and_backend(
-            spec.use_gpu, self._gpu_ids, torch.cuda.is_available()
+            spec.use_gpu, self._gpu_ids, cuda, torch.cuda.device_count() if cuda else 0
         )
         self.device = torch.device(self.device_str)
+        self._bind_device()
         torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
-        _seed_everything(spec.seed)
+        # The GPU's generator too: a model_fn that initialises on the GPU otherwise drew from
+        # CUDA's fixed default seed whatever RunConfig.seed said.
+        _seed_everything(spec.seed, self.device)
         self.model = spec.model_fn().to(self.device)
         if not any(p.requires_grad for p in self.model.parameters()):
             # DDP would refuse it at the rendezvous, and first-N would train nothing.
@@ -180,6 +214,7 @@ class TrainWorker:
         self.rank = -1
         self.world_size = 0
         self.generation = -1
+        self._collective_timeout_s = 0.0  # the group's, from join()
         self.completed_step = 0
         self.started_step = 0  # newest step this rank began computing; started - completed = work at risk
         self.current_step: int | None = None
@@ -217,6 +252,13 @@ class TrainWorker:
         self._ckpt = None
 
     # ---- identity and liveness -------------------------------------------------------------
+    def _bind_device(self) -> None:
+        """Make this rank's GPU the calling thread's current device (the CUDA runtime keeps one per
+        thread, and Ray runs calls on its own threads): the user's functions that say "cuda"
+        without an index, and torch calls that take the current device, then mean this rank's."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
         return {
@@ -284,10 +326,19 @@ class TrainWorker:
         the step run on to the optimizer with partly reduced gradients, and report the step done:
         a survivor with corrupted weights, taken as current by the recovery. Waiting for the
         stream here (the update waits for the gradients anyway) and then reading the abort flag,
-        set before the abort, turns that step into a failed collective, as on gloo."""
+        set before the abort, turns that step into a failed collective, as on gloo.
+
+        Waited for with the group's timeout, not ``synchronize()``: with TORCH_NCCL_BLOCKING_WAIT
+        (NCCL_ERROR_ENV) torch's own watchdog does not end a hung collective, and DDP's future
+        does not wait with it, so a kernel hung on a dead peer that no abort reaches (the
+        controller's abort refused for a generation, or never sent) held this rank in the
+        stream's synchronize until it was killed as hung, its state lost with it."""
         if self.backend != "nccl":
             return
-        torch.cuda.current_stream(self.device).synchronize()
+        if not wait_for_stream(torch.cuda.current_stream(self.device), self._collective_timeout_s):
+            raise CollectiveError(f"rank {self.rank}: the collectives of group generation {self.generation} did "
+                                  f"not finish within the group's timeout ({self._collective_timeout_s:g} s): a "
+                                  "peer is hung or gone; the step makes no update")
         if self._aborted_generation == self.generation:
             raise CollectiveError(f"rank {self.rank}: the NCCL collectives of group generation {self.generation} "
                                   "were aborted (a peer failed); the step's gradients are not whole, so it makes "
@@ -380,6 +431,7 @@ class TrainWorker:
         t0 = time.time()
         with self._group_lock:  # an abort checked against the old generation cannot land on this one
             self.rank, self.world_size, self.generation = rank, world_size, generation
+        self._collective_timeout_s = float(timeout_s)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         if self.backend == "nccl":
@@ -431,10 +483,19 @@ class TrainWorker:
                 device_id=self.device if self.backend == "nccl" else None,
             )
             self._world_pg = dist.group.WORLD
+            if subgroup_size and world_size > 1:
+                # First-N replicas start from rank 0's parameters and buffers, as DDP's constructor
+                # makes its replicas do (with the same torch function and bucket size). Why: nothing
+                # else makes a fresh run's replicas agree (a recovery's state sync comes before the
+                # join, so this changes nothing there), and a model_fn that is not deterministic
+                # under the run's seed (a torch.empty parameter, an init by time or pid, a
+                # nondeterministic init kernel) gave each replica other weights from step 0: the
+                # replica checksum then ended the run, or with it off they trained apart.
+                torch_dist_utils._sync_module_states(self.model, self._world_pg, DDP_BROADCAST_BUCKET_BYTES, 0, set())
             buffers = ReplicaBuffers(self.model, self.device)
             self._buffers = buffers if buffers and world_size > 1 else None
             if use_ddp:
-                device_ids = [0] if self.backend == "nccl" else None
+                device_ids = [self.device.index] if self.backend == "nccl" else None
                 # Gradients as views into DDP's communication buckets: no per-step allocation of fresh
                 # gradient tensors and no copy into the buckets. Measured on the default benchmark
                 # workload (4 ranks, 2 cores, 500 steps, alternating runs): 8641/8708/8715 samples/s
@@ -643,6 +704,7 @@ class TrainWorker:
         this rank's ``progress()`` says how far it got, and the controller keeps them.
         """
         run = self._first_n_step if self._fn_store is not None else self._train_step
+        self._bind_device()
         return [self._guarded_step(run, first_step + i, indices, generation) for i, indices in enumerate(shards)]
 
     def _guarded_step(self, run: Callable[[int, list[int]], StepResult], step: int, indices: list[int],
@@ -667,7 +729,7 @@ class TrainWorker:
     def _train_step(self, step: int, indices: list[int]) -> StepResult:
         t0 = time.perf_counter()
         self.current_step = self.started_step = step
-        _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device.type)
+        _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device)
         batch = self._batch(indices)
         model = self.ddp if self.ddp is not None else self.model
         model.train()
@@ -750,7 +812,7 @@ class TrainWorker:
         if self.rank not in eligible:
             pass  # resting (elastic/actors/sitout.py): no gradient, the update all the same
         elif known or schedule.streak[self.rank] == 0 or (store.add(_count_key(step), 0) & 0xFF) < n:
-            _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device.type)
+            _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device)
             batch = self._batch(indices)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
@@ -984,6 +1046,7 @@ class TrainWorker:
         return crc
 
     def evaluate(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
+        self._bind_device()
         self.model.eval()
         with torch.no_grad():
             return fn(self.model)
@@ -1136,7 +1199,7 @@ def _count_key(step: int) -> str:
 
 def agreement_horizon(world_size: int) -> int:
     """How many steps a first-N step's store keys outlive it (see ``forget_agreement``)."""
-    return max(4096, 2 * MAX_IN_FLIGHT * world_size)
+    return max(4096, 2 * max_trail(world_size))
 
 
 def forget_agreement(store, step: int) -> None:
@@ -1147,9 +1210,8 @@ def forget_agreement(store, step: int) -> None:
     55,000 steps, linearly; the other ranks stayed flat), which a week of short steps makes
     gigabytes. Why deleting a step ``agreement_horizon`` behind is safe: a replica reads a step's
     keys only while it is at that step, and no replica is that far behind the one deleting.
-    Each leader keeps at most ``MAX_IN_FLIGHT`` updates in flight to a late replica and then
-    waits for it, so a replica trails the group by at most that many steps per leader, under
-    ``MAX_IN_FLIGHT * world_size``; the horizon is twice that, and at least 4096. A key
+    A replica trails the group by at most ``max_trail(world_size)`` steps (elastic/actors/sends.py);
+    the horizon is twice that, and at least 4096. A key
     already gone (a step before the group formed, or before the run) is no error."""
     if step < 0:
         return
