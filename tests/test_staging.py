@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from elastic.checkpoint.staging import StagingBuffers
@@ -69,3 +70,15 @@ def test_a_state_of_repeated_shapes_is_copied_into_recycled_buffers_once_they_co
         assert len(set(held)) == len(held)
         if len(out) == 3:
             staging.release(out.pop(0).tensors.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_copies_from_a_gpu_are_whole_after_settle():
+    # The copies from a GPU are queued (one wait for all of them, not one each); settle() waits.
+    staging = StagingBuffers()
+    sources = [torch.randn(512, 512, device="cuda") for _ in range(8)] + [torch.ones(3)]
+    copies = [staging.copy(t) for t in sources]
+    staging.settle()
+    assert all(c.device.type == "cpu" and torch.equal(c, t.cpu()) for c, t in zip(copies, sources))
+    assert all(c.is_pinned() for c in copies[:-1])
+    staging.settle()  # nothing queued: no wait

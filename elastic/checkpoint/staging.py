@@ -43,9 +43,14 @@ class StagingBuffers:
         self._out: dict[int, tuple] = {}  # data_ptr -> key of every buffer handed out, not yet back
         self._lock = threading.Lock()
         self.reused = 0  # copies made into a recycled buffer
+        self._queued: set = set()  # GPUs with copies queued since the last settle()
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A private, contiguous CPU copy of ``t``, like ``host_copy``, in a recycled buffer when one fits."""
+        """A private, contiguous CPU copy of ``t``, like ``host_copy``, in a recycled buffer when one fits.
+
+        From a GPU the copy is only queued: call ``settle()`` before the copies are read. Why: a
+        synchronous device-to-host copy waits for its stream each time, thousands of waits a step
+        for a model under Adam, inside the step; one wait for all of a snapshot's copies does."""
         t = t.detach()
         if t.numel() == 0 or t.layout != torch.strided:
             return host_copy(t)
@@ -56,10 +61,21 @@ class StagingBuffers:
             self.reused += buf is not None
         if buf is None:
             buf = torch.empty(key[0], dtype=t.dtype, device="cpu", pin_memory=key[2])
-        buf.copy_(t)  # synchronous, also from a GPU: the snapshot is whole when this returns
+        if key[2]:
+            buf.copy_(t, non_blocking=True)  # into pinned memory: queued on t's device's current stream
+            self._queued.add(t.device)
+        else:
+            buf.copy_(t)
         with self._lock:
             self._out[buf.data_ptr()] = key
         return buf
+
+    def settle(self) -> None:
+        """Wait for the device-to-host copies queued since the last call: every copy ``copy``
+        returned is whole after this. A stream's ``synchronize()`` returns once all work queued on
+        it is done, and each copy went on its source device's current stream of this thread."""
+        while self._queued:
+            torch.cuda.current_stream(self._queued.pop()).synchronize()
 
     def release(self, tensors) -> None:
         """Take back the buffers of one snapshot that is written or dropped. Anything this did
