@@ -25,7 +25,8 @@ from helpers import (assert_weights_close, loss_fn, make_adam, make_dataset, mak
 
 pytestmark = pytest.mark.slow
 
-STEPS_OUTAGE = 40
+STEPS_OUTAGE = 100  # 0.2 s a step: ~5 before the outage, ~50 in its 10 s, ~45 (9 s) after it
+OUTAGE_S = 10  # how long the S3 endpoint is down, as the issue asks ("about 10 s")
 OUTAGE_STEPS = 3  # steps training must go on past the stop before the endpoint returns
 
 
@@ -46,6 +47,33 @@ def uninterrupted():
     return reference_weights(12, 32, seed=0, optimizer_fn=make_adam)
 
 
+def _torn_step_writer(url: str, run: str, step: int) -> None:
+    """Child process: write every rank's shards of ``step`` (a state unlike the run's: the last
+    committed one, every float tensor moved by 1) and die by SIGKILL before any manifest."""
+    from elastic.checkpoint.codec import capture_rng
+
+    store = CheckpointStore(url, run)
+    state, _ = store.read_state()
+    for part in ("model", "optimizer"):
+        for value in _tensors(state[part]):
+            if value.is_floating_point():
+                value.add_(1.0)
+    for rank in range(2):
+        store.write_rank_files(step, rank, 2, state, capture_rng())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
 def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrupted):
     url = f"file://{tmp_path}/ckpt"
     # The first run has both ranks write a shard; the second (the default min_shard_bytes, far
@@ -61,6 +89,16 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
     assert len(store.load_manifest(5)["files"]) == 2
     # what the sample order depends on, so a resume can tell it is the same order
     assert {k: store.load_manifest(5)["meta"][k] for k in ("dataset_size", "seed")} == {"dataset_size": 256, "seed": 0}
+    # A torn write: a writer killed (SIGKILL) between step 6's shards and its manifest. The resume
+    # never sees that step: it continues from 5, and ends on the weights of an uninterrupted run.
+    import multiprocessing
+
+    torn = multiprocessing.get_context("spawn").Process(target=_torn_step_writer, args=(url, "resume", 6))
+    torn.start()
+    torn.join(120)
+    assert torn.exitcode == -signal.SIGKILL
+    assert store.step_dirs()[-1] == 6 and len(store.storage.list_dir("step-000000006")) >= 2
+    assert store.latest_valid() == 5
     second = trainer("resume", url).fit(steps=12)
     assert second.metrics["restored_from"] == 5
     resume = second.events_of("resume")[0]
@@ -316,7 +354,7 @@ def test_restart_from_checkpoint_when_no_spare(ray_cluster, uninterrupted):
     assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
 
 
-def test_s3_outage_mid_run(ray_cluster, uninterrupted):
+def test_s3_outage_mid_run(ray_cluster):
     s3 = MotoS3().start()
     try:
         bucket = s3.create_bucket()
@@ -325,11 +363,12 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
                     faults=[{"kind": "slow", "rank": 0, "delay_s": 0.2, "from_step": 1}])
         seen = {}
 
-        # Stop the endpoint once training is under way and a step is committed, for 3 s and at
+        # Stop the endpoint once training is under way and a step is committed, for OUTAGE_S and at
         # least until training has gone OUTAGE_STEPS steps past the stop, then bring it back. Rank 0
-        # is slowed so a step takes ~0.2 s: the run is still going when the endpoint returns.
+        # is slowed so a step takes ~0.2 s: the run goes on ~9 s after the endpoint returns, long
+        # enough for the writers' next try (at most ELASTIC_CKPT_RETRY_MAX_S, 5 s, apart) to find it.
         # Why the steps as well as the time: on a loaded machine (the full suite on 2 cores) a step
-        # can take longer than 1.5 s, and a 3 s outage that training does not outpace by two steps
+        # can take longer than 1.5 s, and an outage that training does not outpace by two steps
         # supersedes no snapshot: the writers retry the one step they hold and commit it after the
         # outage. Why a commit first: the skipped steps show as a gap between a commit before the
         # outage and one after it. Under load the idle-class writers had committed nothing by step
@@ -351,7 +390,7 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
                 time.sleep(0.1)
             s3.stop()
             seen["stopped_at"], seen["committed_before"] = st["step"], st["checkpoint"]["latest"]
-            time.sleep(3)
+            time.sleep(OUTAGE_S)
             deadline = time.time() + 60
             while (st := status())["step"] < seen["stopped_at"] + OUTAGE_STEPS and time.time() < deadline:
                 time.sleep(0.1)
@@ -361,7 +400,8 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
         th = threading.Thread(target=outage)
         th.start()
         result = t.fit(steps=STEPS_OUTAGE)
-        th.join()
+        th.join(timeout=120)
+        assert not th.is_alive()
         assert result.metrics["steps"] == STEPS_OUTAGE
         assert seen["stopped_at"] >= 5 and seen["committed_before"] is not None, \
             "the outage must begin once training is under way and a step is committed"
@@ -369,6 +409,11 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
         assert result.events_of("storage_outage"), "the outage must be visible in the event log"
         commits = [e for e in result.events if e["kind"] == "checkpoint_commit"]
         assert commits[-1]["details"]["step"] == STEPS_OUTAGE
+        # Checkpoints caught up while the run went on, not only in the end's flush (which
+        # commits the last step alone): steps after the endpoint's return committed before it.
+        caught_up = [e["details"]["step"] for e in commits
+                     if seen["restarted_at"] < e["details"]["step"] < STEPS_OUTAGE]
+        assert caught_up, f"nothing committed between the endpoint's return at step {seen['restarted_at']} and the end"
         # Commits fell behind during the outage (the status lag grew), and resumed with the newest
         # snapshot, skipping the steps the outage superseded.
         assert seen["lag_in_outage"] >= 2
@@ -380,6 +425,9 @@ def test_s3_outage_mid_run(ray_cluster, uninterrupted):
             f"commits' details {[{k: e['details'].get(k) for k in ('step', 'lag', 'persist_s', 'time')} for e in commits]}")
         store = CheckpointStore(url, "outage", s3.storage_options())
         assert store.latest_valid() == STEPS_OUTAGE
+        # The outage changed nothing in training: the same weights as one process on the same batches.
+        assert_weights_close(result.model_state, reference_weights(STEPS_OUTAGE, 32, seed=0, optimizer_fn=make_adam),
+                             atol=1e-5)
         for e in result.events:
             assert TEST_SECRET not in str(e)
     finally:

@@ -1145,6 +1145,23 @@ def test_worker_hook_and_committer_end_to_end(backend, blocking, min_shard_bytes
         committer.close()
 
 
+def test_an_outages_tries_are_at_most_5_s_apart_by_default(monkeypatch):
+    # 30 s by default: the tries of a 10 s outage had backed off to 8-16 s, and the run went that
+    # long again on its old checkpoint with the storage back.
+    monkeypatch.delenv("ELASTIC_CKPT_RETRY_MAX_S", raising=False)
+    persister = AsyncPersister(lambda payload: [])
+    try:
+        assert persister.retry_max_s == 5.0
+        waits = [persister._backoff_s(attempt) for attempt in range(64)]
+        assert max(waits) <= 5.0 and waits[0] <= persister.retry_min_s and max(waits[10:]) >= 2.5
+    finally:
+        persister.close()
+    monkeypatch.setenv("ELASTIC_CKPT_RETRY_MAX_S", "60")
+    persister = AsyncPersister(lambda payload: [])
+    assert persister.retry_max_s == 60.0
+    persister.close()
+
+
 def test_persister_releases_every_payload_exactly_once():
     """Written, replaced while waiting, dropped from a full light queue, failed, skipped in an
     outage, refused after close: each payload comes back once, and never while being written."""
@@ -2002,6 +2019,35 @@ def test_a_cleanup_pass_from_before_a_rewind_deletes_no_step_of_the_new_timeline
         assert committer.latest_committed == 9
         assert 9 in store.committed_steps()
         store.verify(9)
+    finally:
+        release.set()
+        committer.close()
+
+
+def test_a_rewind_a_running_pass_could_not_apply_is_applied_before_the_new_timelines_commits(tmp_path):
+    """A pass began (its first listing stalls, as on a loaded memory:// host), a recovery went
+    back to step 3 meanwhile (the pass held the cleanup lock: the rewind waited for the next
+    pass), and the new timeline committed 4, 5 and 6 again. The pass took those commits in; the
+    next applied the rewind to them as if they were the timeline left, and scheduled the new 4
+    and 5 for deletion as passed: the run ended with steps 2, 3 and 6 (seen in the suite), and
+    would have lost 6 at the next commit."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=3600, retention_interval_s=0)
+    entered, release = stall(store, "committed_steps")
+    try:
+        hand_over_and_wait(committer, store, 1)
+        assert entered.wait(10)  # the first pass, listing storage
+        for step in range(2, 6):
+            hand_over_and_wait(committer, store, step)  # the commit thread does not wait for the pass
+        committer.rewind(3)
+        for step in range(4, 7):
+            hand_over_and_wait(committer, store, step)  # the new timeline's 4, 5 and 6
+        release.set()
+        assert committer.flush(timeout_s=10)
+        hand_over_and_wait(committer, store, 7)
+        assert committer.flush(timeout_s=10)
+        assert store.committed_steps() == [5, 6, 7]
+        assert [store.read_state(s)[0]["model"]["w"][0].item() for s in (5, 6, 7)] == [5.0, 6.0, 7.0]
     finally:
         release.set()
         committer.close()

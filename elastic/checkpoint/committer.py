@@ -205,12 +205,14 @@ class CheckpointCommitter:
             finally:
                 self._cleanup_lock.release()
 
-    def _apply_rewinds(self) -> None:
+    def _apply_rewinds(self, taken: tuple[list, list] | None = None) -> None:
         """The cleanup side of ``rewind``, under the cleanup lock: the new base, and the steps of
-        the timeline training left moved above it (``_take_in``)."""
-        with self._lock:
-            pending, self._pending_rewinds = self._pending_rewinds, []
-            left, self._left_on_storage = self._left_on_storage, []
+        the timeline training left moved above it (``_take_in``). ``taken``: the pending rewinds
+        and left-behind steps, taken from under the lock by the caller (``_take_rewinds``)."""
+        if taken is None:
+            with self._lock:
+                taken = self._take_rewinds()
+        pending, left = taken
         for step, abandoned in pending:
             self._base = step
             # A step above the base that training went back to (a restore took it: its manifest
@@ -228,6 +230,12 @@ class CheckpointCommitter:
             self.store.forget_deletes_above(step)
         # After the rewinds: these landed above the step the newest one went back to.
         self._above_base = sorted(set(self._above_base) | set(left))
+
+    def _take_rewinds(self) -> tuple[list, list]:
+        """The rewinds no pass has applied yet and the steps left behind. Call under ``_lock``."""
+        pending, self._pending_rewinds = self._pending_rewinds, []
+        left, self._left_on_storage = self._left_on_storage, []
+        return pending, left
 
     def _left_behind(self, step: int, timeline: int) -> bool:
         """Whether a rewind since ``timeline`` went back before ``step``: its state is not this
@@ -472,6 +480,14 @@ class CheckpointCommitter:
                     done, self._done = self._done, []
                     step, pending = self._latest, set(self._reports)  # pending: steps still being written
                     committing = self._committing
+                    # Rewinds since this pass began, with the commits: they go first. Why: a
+                    # rewind removes the later commits waiting in _done (its abandoned ones), so
+                    # every commit in ``done`` is of the timeline after each of these rewinds. Left
+                    # to the next pass, a rewind was applied to commits this pass took in, the new
+                    # timeline's steps above the step it went back to, and they were deleted as
+                    # passed (a run ended with steps 2, 3 and 6 of 6, keep_last=3).
+                    rewinds = self._take_rewinds()
+                self._apply_rewinds(rewinds)
                 # This run's own commits, listed or committed over a step of an abandoned timeline,
                 # are not above the base: they are this run's, and retention counts them.
                 mine = {s for s, _ in done}

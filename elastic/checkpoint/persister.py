@@ -141,7 +141,12 @@ class AsyncPersister:
         self.blocking = blocking
         self.name = name
         self.retry_min_s = retry_min_s if retry_min_s is not None else env_number("ELASTIC_CKPT_RETRY_MIN_S", 0.5)
-        self.retry_max_s = retry_max_s if retry_max_s is not None else env_number("ELASTIC_CKPT_RETRY_MAX_S", 30.0)
+        # At most 5 s between tries in an outage (ELASTIC_CKPT_RETRY_MAX_S): checkpoints catch up
+        # within seconds of the endpoint's return. With 30 s the tries of a 10 s outage had
+        # backed off to 8-16 s, and the run went that long again on its old checkpoint with the
+        # storage back, a node lost then costing those steps. A try a rank every 5 s is little
+        # load for any store, and each try is itself retried by Storage (StoragePolicy).
+        self.retry_max_s = retry_max_s if retry_max_s is not None else env_number("ELASTIC_CKPT_RETRY_MAX_S", 5.0)
         self._cond = threading.Condition()
         # (step, payload, kind), oldest first: kind NEWEST (at most one), REPORT or KEEP
         self._queue: deque = deque()
