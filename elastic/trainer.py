@@ -22,6 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.actors.controller_actor import ControllerActor
+from elastic.actors.names import free_actor_name
 from elastic.actors.protocol import PackedSpec, TrainingSpec
 from elastic.actors.worker_group import check_cluster_fits
 from elastic.address import shown, trainer_address_problem, unreachable
@@ -37,6 +38,15 @@ logger = logging.getLogger(__name__)
 # The run names (their namespaces) a fit() of this process is training now.
 _FITTING: set[str] = set()
 _FITTING_LOCK = threading.Lock()
+# The controllers this process created (Ray actor IDs, hex): the only ones a fit() may take for
+# its own leftovers (_claim_run_name). Kept after their kill (an ID a fit): the GCS frees a killed
+# actor's name after ray.kill returns, and the next fit() of the name finds it still there.
+_OUR_CONTROLLERS: set[str] = set()
+# The fits of this process training on the embedded Ray one of them started (connect): the last to
+# finish shuts it down. Why counted: fits in two threads share the process's one Ray, and the
+# first to finish shut it down under the other.
+_EMBEDDED_LOCK = threading.Lock()
+_embedded_fits = 0
 
 
 @dataclass
@@ -65,6 +75,9 @@ class TrainingStopped(KeyboardInterrupt):
     def __init__(self, message: str, result: "Result"):
         super().__init__(message)
         self.result = result
+
+    def __reduce__(self):  # pickled with its result (a fit() in a Ray task, Tune, multiprocessing)
+        return type(self), (str(self), self.result)
 
 
 @contextmanager
@@ -136,7 +149,13 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
     if ray.is_initialized():
         _check_same_cluster(address)
         return False
-    if address is None and os.environ.get("RAY_ADDRESS"):
+    env_address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address is None and env_address == "local":
+        # Ray's own name for a new local instance: the embedded Ray, as address="local" is. Passed
+        # on as "auto", Ray read it back from the environment and started a Ray that this
+        # function did not count as started, so fit() never shut it down.
+        address = "local"
+    elif address is None and env_address:
         address = "auto"
     if address is None or address == "local":
         cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
@@ -148,13 +167,43 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
             import torch
 
             gpus = {"num_gpus": torch.cuda.device_count()}
-        with _users_sigterm_kept():
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
-                     configure_logging=False, runtime_env={"env_vars": env}, **gpus)
+        try:
+            with _users_sigterm_kept():
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+                         configure_logging=False, runtime_env={"env_vars": env}, **gpus)
+        except BaseException:
+            # A Ctrl-C (or a failure) part way through: a Ray half started here was never shut
+            # down, and the next fit() found it initialised, took it for the user's, and kept it.
+            if ray.is_initialized():
+                ray.shutdown()
+            raise
         return True
     with _users_sigterm_kept():
         ray.init(address=address, log_to_driver=True)
     return False
+
+
+@contextmanager
+def _ray_for_fit(address: str | None, min_cpus: float, use_gpu: bool):
+    """Ray for one fit(): ``connect``, and the embedded Ray it started shut down when the last fit
+    of this process that trains on it is done (a fit in another thread may still be training
+    there)."""
+    global _embedded_fits
+    with _EMBEDDED_LOCK:
+        if _embedded_fits and ray.is_initialized():
+            _check_same_cluster(address)
+            ours = True
+        else:
+            ours = connect(address, min_cpus, use_gpu)
+        _embedded_fits += ours
+    try:
+        yield
+    finally:
+        if ours:
+            with _EMBEDDED_LOCK:
+                _embedded_fits -= 1
+                if _embedded_fits == 0:
+                    ray.shutdown()
 
 
 _MAX_FAULT = 86400.0  # the largest slow factor or delay_s (seconds) a fault may ask for
@@ -254,6 +303,12 @@ def _check_same_cluster(address: str | None) -> None:
     Only a ``host:port`` GCS address can be compared (``ray://`` names a client server, not the
     GCS; ``auto`` and ``local`` name no one cluster), and hosts are compared by resolved IP, so
     ``localhost`` and ``127.0.0.1`` are the same."""
+    if address is not None and address.startswith("ray://") and not _client_connected():
+        # Connected straight to a GCS, not through Ray Client: a ray:// address is another
+        # connection, and training ran on the cluster this process had joined, logged at INFO.
+        raise ConfigError(f"Trainer.address={shown(address)!r} is a Ray Client address, but this process is already "
+                          f"connected to the Ray cluster at {ray.get_runtime_context().gcs_address} directly: call "
+                          "ray.shutdown() first, or pass address=None to train on the cluster it is connected to.")
     if address is None or address in ("auto", "local") or "://" in address:
         if address == "local":
             # Asked for a new local Ray, which this process cannot start while it is connected.
@@ -269,6 +324,13 @@ def _check_same_cluster(address: str | None) -> None:
         raise ConfigError(f"Trainer.address={address!r}, but this process is already connected to the Ray "
                           f"cluster at {current}: call ray.shutdown() first, or pass address=None to train "
                           "on the cluster it is connected to.")
+
+
+def _client_connected() -> bool:
+    """Whether this process joined Ray through Ray Client (ray://)."""
+    from ray.util.client import ray as client
+
+    return client.is_connected()
 
 
 def _resolve(host_port: str) -> tuple[str, str]:
@@ -475,12 +537,8 @@ class Trainer:
                                   "in this process. Choose another RunConfig.name, or wait for that fit() to return.")
             _FITTING.add(self.namespace)
         try:
-            started = connect(self.address, total_cpu, self.scaling.use_gpu)
-            try:
+            with _ray_for_fit(self.address, total_cpu, self.scaling.use_gpu):
                 return self._fit(steps, epochs)
-            finally:
-                if started:
-                    ray.shutdown()
         finally:
             with _FITTING_LOCK:
                 _FITTING.discard(self.namespace)
@@ -531,37 +589,32 @@ class Trainer:
                         memory_host: str | None = None) -> Result:
         # The controller lives beside the driver: a worker node that dies must not take the
         # controller (and with it the run) along.
-        self.controller = actor_cls.options(**self._controller_options(memory_host)).remote(kwargs)
-        ref = self.controller.run.remote(steps, epochs)
-        stopped_by = None
-        with _sigterm_stops_the_run() as signals:
-            try:
-                out = self._wait_with_progress(ref)
-            except KeyboardInterrupt:
-                stopped_by = "SIGTERM" if "SIGTERM" in signals else "KeyboardInterrupt"
-                out = self._stop(ref, stopped_by)
-            except ray.exceptions.RayError as exc:
-                # The controller itself is gone (Ray's memory monitor, a crash, a kill from the
-                # dashboard), or its run raised past its own handling: it never ran
-                # WorkerGroup.shutdown, and its placement groups stay reserved while this driver
-                # lives, so a next fit() would wait for resources nothing uses. Kill what is left
-                # of it, free them, and say how to go on.
-                self._kill_controller()
-                what = "failed" if isinstance(exc, ray.exceptions.RayTaskError) else "was lost"
-                raise TrainingFailed(
-                    f"run {self.run.name!r}: its controller {what} ({type(exc).__name__}: "
-                    f"{redact_urls_in(str(exc))[:500]}); "
-                    f"fit() again with RunConfig.name={self.run.name!r} and the same storage continues from the "
-                    "latest committed checkpoint") from exc
-        # The final weights are owned by the controller: fetch them before it goes.
-        state_ref = out.pop("model_state_ref", None)
-        if state_ref:
-            try:
-                out["model_state"] = ray.get(state_ref[0])
-            except ray.exceptions.RayError as exc:  # their holder died after the run ended
-                logger.warning("run %r: the final weights could not be fetched (%s); the result has no "
-                               "model_state (the latest committed checkpoint has them, if storage was set)",
-                               self.run.name, type(exc).__name__)
+        try:
+            self.controller = actor_cls.options(**self._controller_options(memory_host)).remote(kwargs)
+        except ValueError as exc:
+            if not isinstance(exc, ray.exceptions.ActorAlreadyExistsError):
+                raise
+            # Another driver claimed the name between _claim_run_name and here.
+            raise ConfigError(f"RunConfig.name={self.run.name!r} is in use: another run of that name started on "
+                              "this cluster just now. Choose another RunConfig.name, or stop that run first.") from exc
+        _OUR_CONTROLLERS.add(self.controller._actor_id.hex())
+        try:
+            out, stopped_by = self._await_controller(steps, epochs)
+            # The final weights are owned by the controller: fetch them before it goes.
+            state_ref = out.pop("model_state_ref", None)
+            if state_ref:
+                try:
+                    out["model_state"] = ray.get(state_ref[0])
+                except ray.exceptions.RayError as exc:  # their holder died after the run ended
+                    logger.warning("run %r: the final weights could not be fetched (%s); the result has no "
+                                   "model_state (the latest committed checkpoint has them, if storage was set)",
+                                   self.run.name, type(exc).__name__)
+        except BaseException:
+            # Any way out but the run's own end: an error of the progress display (a closed
+            # stdout, a broken pipe), a Ctrl-C while the final weights come. The controller
+            # trained on (or held the weights) on the user's cluster until this process exited.
+            self._kill_controller()
+            raise
         self._kill_controller(release=False)
         if "error" in out:
             err = out["error"]
@@ -594,29 +647,73 @@ class Trainer:
             raise TrainingStopped(self._stopped_message(stopped_by, out), result)
         return result
 
+    def _await_controller(self, steps: int | None, epochs: int | None) -> tuple[dict, str | None]:
+        """Run the controller to its end: its output, and what stopped it (None: nothing did)."""
+        ref = self.controller.run.remote(steps, epochs)
+        with _sigterm_stops_the_run() as signals:
+            try:
+                return self._wait_with_progress(ref), None
+            except KeyboardInterrupt:
+                stopped_by = "SIGTERM" if "SIGTERM" in signals else "KeyboardInterrupt"
+                return self._stop(ref, stopped_by), stopped_by
+            except ray.exceptions.RayError as exc:
+                # The controller itself is gone (Ray's memory monitor, a crash, a kill from the
+                # dashboard), or its run raised past its own handling: it never ran
+                # WorkerGroup.shutdown, and its placement groups stay reserved while this driver
+                # lives, so a next fit() would wait for resources nothing uses. The caller kills
+                # what is left of it and frees them; this says how to go on.
+                raise TrainingFailed(self._controller_failure(exc)) from exc
+
+    def _controller_failure(self, exc: BaseException) -> str:
+        """What to tell the user of a controller that failed or was lost."""
+        from elastic.actors.worker_group import describe_worker_failure
+
+        if isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_init_failed", False):
+            what = "could not start"
+        elif isinstance(exc, ray.exceptions.RayTaskError):
+            what = "failed"
+        else:
+            what = "was lost"
+        if what == "was lost":  # Ray's account of the process's end, no traceback: its first line
+            line = (str(exc).strip().splitlines() or [""])[0]
+            told = f"run {self.run.name!r}: its controller was lost ({type(exc).__name__}: {line[:400]})"
+        else:
+            # Ray's text puts the exception's own line last: described as a worker's failure is,
+            # not cut at its first 500 characters (the header and traceback, the cause cut off).
+            told = describe_worker_failure(exc, f"run {self.run.name!r}: its controller {what}")
+        told = redact_urls_in(told)
+        if self._store is not None:
+            return (f"{told}\nfit() again with RunConfig.name={self.run.name!r} and the same storage continues from "
+                    "the latest committed checkpoint")
+        return f"{told}\nThis run had no RunConfig.storage, so a new fit() starts from the beginning"
+
     def _claim_run_name(self) -> None:
         """Make sure no other live run has this run's name on the cluster, before any actor starts.
 
-        A controller of the same name that belongs to this driver's job is a leftover (a fit()
-        that was killed mid-way): it goes. One that belongs to another job is a live run: its
-        driver owns it, and Ray ends a driver's actors with the driver. Two runs of one name
-        would write into one checkpoint directory, so that is an error that names the field to
-        change, never a kill of someone else's run."""
+        A controller of the same name that this process created is a leftover (a fit() that
+        was killed mid-way): it goes. Any other is a live run: its owner (the process that
+        created it) is alive, since Ray ends an actor with its owner. That includes a fit() in
+        another process of this job (a Ray task or actor, a Tune trial), which a check of the
+        job alone took for a leftover and killed. Two runs of one name would write into one
+        checkpoint directory, so that is an error that names the field to change, never a kill
+        of someone else's run."""
         try:
             old = ray.get_actor("controller", namespace=self.namespace)
         except ValueError:
             return
-        # The job that created the actor is part of its ID (Ray's ActorID embeds the JobID), so
-        # this needs no answer from the actor. Why not ask it: a controller that is still
-        # starting, or too busy to answer within a timeout, used to count as a leftover and was
-        # killed, with another driver's live run under it.
-        owner = old._actor_id.job_id.hex()
-        if owner != ray.get_runtime_context().get_job_id():
+        # Known by its actor ID, which needs no answer from the actor. Why not ask it: a
+        # controller that is still starting, or too busy to answer within a timeout, used to
+        # count as a leftover and was killed, with another driver's live run under it.
+        if old._actor_id.hex() not in _OUR_CONTROLLERS:
+            # The job that created the actor is part of its ID (Ray's ActorID embeds the JobID).
+            owner = old._actor_id.job_id.hex()
+            where = ("another process of this job (a Ray task or actor)"
+                     if owner == ray.get_runtime_context().get_job_id() else f"job {owner}")
             raise ConfigError(
                 f"RunConfig.name={self.run.name!r} is in use: a run of that name is training on this cluster "
-                f"(job {owner}; its controller is the actor 'controller' in namespace {self.namespace!r}). "
+                f"({where}; its controller is the actor 'controller' in namespace {self.namespace!r}). "
                 f"Choose another RunConfig.name, or stop that run first (Ctrl-C in its driver, or ray job stop).")
-        ray.kill(old, no_restart=True)
+        free_actor_name("controller", self.namespace)  # killed, and the name free for the new one
         self._release_placement()
 
     def _kill_controller(self, release: bool = True) -> None:

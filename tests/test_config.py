@@ -372,6 +372,80 @@ def test_a_second_fit_of_a_run_live_in_this_process_is_refused_before_anything_s
     assert trainer_module._FITTING == {t.namespace}  # the live one's claim stays
 
 
+def test_fits_in_two_threads_share_the_embedded_ray_and_the_last_shuts_it_down(monkeypatch):
+    # The first fit to finish shut the embedded Ray down under the other, still training.
+    from elastic import trainer as trainer_module
+
+    up, calls = [False], []
+
+    def connect(address, min_cpus, use_gpu):
+        calls.append("connect")
+        up[0] = True
+        return True
+
+    monkeypatch.setattr(trainer_module, "connect", connect)
+    monkeypatch.setattr(trainer_module.ray, "is_initialized", lambda: up[0])
+    monkeypatch.setattr(trainer_module.ray, "shutdown", lambda: calls.append("shutdown") or up.__setitem__(0, False))
+    first = trainer_module._ray_for_fit(None, 1, False)
+    first.__enter__()
+    with trainer_module._ray_for_fit(None, 1, False):  # a second fit while the first trains
+        assert calls == ["connect"]
+    assert calls == ["connect"] and up[0]  # the first still trains on it
+    first.__exit__(None, None, None)
+    assert calls == ["connect", "shutdown"] and trainer_module._embedded_fits == 0
+    with trainer_module._ray_for_fit(None, 1, False):  # a later fit starts its own again
+        pass
+    assert calls == ["connect", "shutdown", "connect", "shutdown"]
+
+
+@pytest.mark.parametrize("env", ["local", " local "])
+def test_ray_address_local_is_the_embedded_ray_fit_shuts_down(monkeypatch, env):
+    # Passed on as "auto", Ray read "local" back from the environment and started a Ray that
+    # connect() did not count as started: fit() never shut it down.
+    from elastic import trainer as trainer_module
+
+    seen = []
+    monkeypatch.setenv("RAY_ADDRESS", env)
+    monkeypatch.setattr(trainer_module.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(trainer_module.ray, "init", lambda **kw: seen.append(kw["address"]))
+    assert trainer_module.connect(None) is True and seen == ["local"]
+
+
+def test_an_embedded_ray_interrupted_while_it_starts_is_shut_down(monkeypatch):
+    # A half-started Ray was left initialised; the next fit() took it for the user's and kept it.
+    from elastic import trainer as trainer_module
+
+    state, calls = {"up": False}, []
+
+    def interrupted(**kw):
+        state["up"] = True
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(trainer_module.ray, "is_initialized", lambda: state["up"])
+    monkeypatch.setattr(trainer_module.ray, "init", interrupted)
+    monkeypatch.setattr(trainer_module.ray, "shutdown", lambda: calls.append("shutdown"))
+    with pytest.raises(KeyboardInterrupt):
+        trainer_module.connect(None)
+    assert calls == ["shutdown"]
+
+
+def test_the_errors_fit_raises_pickle_with_what_they_carry():
+    # A fit() in a Ray task, a Tune trial or a multiprocessing pool sends its error back pickled:
+    # these failed to unpickle (TypeError: missing 'result' / 'message') in place of the error.
+    import pickle
+
+    from elastic.actors.protocol import WorkerError
+    from elastic.trainer import Result, TrainingStopped
+
+    result = Result(metrics={"steps": 3}, history=[], events=[], checkpoint=None, recoveries=[], ledger=[])
+    stopped = pickle.loads(pickle.dumps(TrainingStopped("run 'x' stopped after step 3", result)))
+    assert str(stopped) == "run 'x' stopped after step 3" and stopped.result.metrics == {"steps": 3}
+    error = pickle.loads(pickle.dumps(WorkerError(2, "ValueError: bad batch")))
+    assert (error.rank, error.message, str(error)) == (2, "ValueError: bad batch",
+                                                      "worker rank 2 raised:\nValueError: bad batch")
+
+
 def test_an_address_is_shown_without_credentials_or_query():
     from elastic.address import shown
 

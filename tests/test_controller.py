@@ -550,6 +550,97 @@ def test_a_run_name_another_driver_is_using_is_refused_and_its_run_left_alone(ra
         other.wait(timeout=30)
 
 
+@ray.remote(num_cpus=0)
+class ControllerOwner:
+    """Another process of this driver's job (a Ray actor, as a Tune trial's is) that started a run."""
+
+    def start(self, namespace: str) -> bool:
+        @ray.remote(num_cpus=0)
+        class Running:
+            pass
+
+        self.controller = Running.options(name="controller", namespace=namespace).remote()
+        return ray.get(self.controller.__ray_ready__.remote())
+
+
+def test_a_run_name_another_process_of_this_job_is_using_is_refused_and_its_run_left_alone(ray_cluster):
+    # Only the job was compared: a controller of this job was a leftover of this driver's and was
+    # killed, though another process of the job (a Ray task or actor) was training with it.
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    owner = ControllerOwner.remote()
+    try:
+        assert ray.get(owner.start.remote("elastic-busy-here"), timeout=60) is True
+        trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
+                                  scaling=elastic.ScalingConfig(num_workers=1),
+                                  run=elastic.RunConfig(name="busy-here"))
+        with pytest.raises(elastic.ConfigError, match=r"RunConfig.name='busy-here' is in use.*another process of "
+                                                      r"this job"):
+            trainer.fit(steps=1)
+        still = ray.get_actor("controller", namespace="elastic-busy-here")
+        assert ray.get(still.__ray_ready__.remote(), timeout=10) is True
+    finally:
+        ray.kill(owner)
+
+
+def test_a_fit_that_leaves_by_an_unexpected_error_kills_its_controller(ray_cluster, monkeypatch):
+    # Only a Ray error of the wait killed the controller: an error of the progress display (a
+    # closed stdout, a broken pipe) left it training on the cluster until the driver exited.
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
+                              scaling=elastic.ScalingConfig(num_workers=1), run=elastic.RunConfig(name="display-broke"))
+
+    def broken_pipe(ref):
+        raise BrokenPipeError("stdout closed")
+
+    monkeypatch.setattr(trainer, "_wait_with_progress", broken_pipe)
+    with pytest.raises(BrokenPipeError):
+        trainer.fit(steps=1000)
+    assert trainer.controller is None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor("controller", namespace="elastic-display-broke")
+        except ValueError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the controller outlived its fit()")
+
+
+def test_a_controller_that_could_not_start_is_reported_with_its_error(ray_cluster):
+    # It read "its controller was lost" with Ray's text cut at 500 characters, the exception's
+    # own line (last in Ray's text) cut off, and the advice to resume from a checkpoint of a run
+    # with no storage.
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    @ray.remote(num_cpus=0)
+    class FailsToStart:
+        def __init__(self):
+            raise RuntimeError("boom while starting " + "x" * 600)
+
+        def run(self):
+            return None
+
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ray.get(FailsToStart.remote().run.remote(), timeout=60)
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8, run=elastic.RunConfig(name="nostart"))
+    told = trainer._controller_failure(info.value)
+    assert told.startswith("run 'nostart': its controller could not start: RuntimeError: boom while starting xxx")
+    assert "no RunConfig.storage, so a new fit() starts from the beginning" in told
+
+
+def test_a_ray_client_address_while_connected_directly_is_refused(ray_cluster):
+    # Training ran on the cluster this process had joined, logged at INFO only.
+    from elastic.trainer import _check_same_cluster
+
+    with pytest.raises(elastic.ConfigError, match=r"Trainer.address='ray://elsewhere:10001' is a Ray Client "
+                                                  r"address, but this process is already connected"):
+        _check_same_cluster("ray://elsewhere:10001")
+    _check_same_cluster("auto")  # names no one cluster: the connection is used
+
+
 def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     """The driver's side of a stop: when the run does not finish within RunConfig.stop_timeout_s
     (or a second interrupt comes), its controller is killed, and with it the run."""
@@ -644,9 +735,16 @@ def test_a_controller_lost_mid_run_fails_the_fit_and_frees_its_placement_groups(
 
     trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
                               run=elastic.RunConfig(name=name, progress=False))
-    with pytest.raises(TrainingFailed, match=f"(?s)run '{name}': its controller {said} .*RunConfig.name='{name}'") \
+    with pytest.raises(TrainingFailed, match=f"(?s)run '{name}': its controller {said}.*"
+                                             "This run had no RunConfig.storage, so a new fit.. starts from the beginning") \
             as info:
         trainer._run_controller(Dies, {}, 1, None)
+    if how == "raises":  # the exception's own line, then its traceback
+        assert "its controller failed: RuntimeError: a bug past the controller's own handling (test)\n" \
+               "--- worker traceback ---" in str(info.value)
+    else:
+        assert "its controller was lost (ActorDiedError: " in str(info.value) or \
+            "its controller was lost (RayActorError: " in str(info.value)
     assert isinstance(info.value.__cause__, cause)
     assert trainer.controller is None
     states = [row["state"] for row in placement_group_table().values() if row["name"] == f"elastic-{name}/ranks"]

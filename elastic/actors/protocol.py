@@ -33,6 +33,10 @@ class WorkerError(RuntimeError):
     def __init__(self, rank: int, message: str):
         super().__init__(f"worker rank {rank} raised:\n{message}")
         self.rank = rank
+        self.message = message
+
+    def __reduce__(self):  # pickled by its arguments (a fit() in a Ray task, Tune, multiprocessing)
+        return type(self), (self.rank, self.message)
 
 
 @dataclass
