@@ -174,6 +174,30 @@ def test_the_refill_after_evicting_a_straggler_is_asked_for_off_the_stragglers_n
     assert "where a straggler was evicted" in asked[0]["message"]
 
 
+def test_the_first_spares_are_placed_off_the_ranks_nodes_where_another_node_has_room(two_nodes):
+    # They went wherever Ray packed them, often beside the ranks they back up: the loss of that
+    # node took the spare with the rank, and the recovery found none.
+    for strategy in ("PACK", "SPREAD"):
+        group = FakeGroup(elastic.ScalingConfig(num_workers=1, num_backups=1, placement_strategy=strategy), spec(),
+                          f"elastic-spare-off-ranks-{strategy.lower()}")
+        try:
+            group.start(1)
+            assert group.collect_spares(block=True, timeout_s=60) == 1
+            assert group.spares[0].info["node_id"] != group.members[0].info["node_id"]
+            assert group.take_spare_notes() == []
+        finally:
+            group.shutdown()
+    # Ranks on both nodes: no node is free of them, and the spare is placed as usual.
+    group = FakeGroup(elastic.ScalingConfig(num_workers=2, num_backups=1, placement_strategy="STRICT_SPREAD"), spec(),
+                      "elastic-spare-no-free-node")
+    try:
+        group.start(2)
+        assert group.collect_spares(block=True, timeout_s=60) == 1
+        assert group.spares[0].info["node_id"] in node_ids()
+    finally:
+        group.shutdown()
+
+
 def test_a_spare_off_the_stragglers_node_is_promoted_before_an_older_one_on_it(two_nodes):
     a, b = node_ids()
     group = FakeGroup(elastic.ScalingConfig(num_workers=1), spec(), "elastic-promote-off-node")

@@ -265,8 +265,14 @@ class WorkerGroup:
         pending = [Member(self._spawn(pg, b, f"rank-{r}"), f"rank-{r}", pg=pg, bundle_index=b)
                    for r, b in enumerate(by_node)]
         self._bundle_holder = {m.bundle_index: m.name for m in pending}
+        # The spares off the ranks' nodes where another node has room for one: a spare on a
+        # rank's node dies with it, and the node's loss then finds no spare (a wait for capacity
+        # or a restart from the checkpoint, not one step). Where no other node could host one
+        # (one node, or the others too small) they go anywhere (_avoidable), and one still
+        # unplaced after placement_timeout_s (AVOID_GRACE_S in a recovery) is asked for anywhere.
+        rank_nodes = sorted({node for node in bundle_nodes.values() if node})
         for _ in range(self.scaling.num_hot_spares):
-            self.request_spare()
+            self.request_spare(avoid_nodes=rank_nodes)
         # Every rank builds at once; each is taken as it is built, so a rank that fails to build
         # is told at once, not after the slowest model_fn or dataset_fn. No time limit (a big
         # model or dataset may take long to build), but a stop ends the wait: Ctrl-C during a
@@ -286,6 +292,7 @@ class WorkerGroup:
                 if waiting and not done and self.interrupted():
                     raise StopRequested(f"stopped while rank(s) {sorted(waiting.values())} built their model "
                                         "and dataset")
+            self._check_same_dataset(pending)  # inside: ranks of a refused start are killed like any
         except BaseException:
             # The ranks started so far are no members yet, so shutdown() would leave them to the
             # removal of their placement group, which frees their names only once Ray has seen
@@ -297,7 +304,6 @@ class WorkerGroup:
                 except Exception:  # noqa: BLE001 - dead already, or its node gone: nothing to free
                     logger.debug("kill of %s failed", m.name, exc_info=True)
             raise
-        self._check_same_dataset(pending)
         self.members = order_by_node(pending)
         self._name_ranks()
         # The spares that found room build beside the ranks, ready for the first failure; one
