@@ -147,6 +147,27 @@ def run_pair(target, *args) -> dict:
     return results
 
 
+def port_box():
+    """What two spawned ranks share their rendezvous port through (``join_pair``)."""
+    import multiprocessing
+
+    return multiprocessing.get_context("spawn").Queue()
+
+
+def join_pair(worker, rank: int, world_size: int, box, *args, **kwargs) -> None:
+    """``worker.join`` for a group of spawned processes: rank 0 binds its rendezvous store on a
+    port the kernel picks (``host_rendezvous``) and hands the port to the others through ``box``.
+    Why not ``free_port()``: a port found free and let go can be taken before rank 0 binds it
+    (EADDRINUSE in the suite, and the peer waited out its 120 s)."""
+    if rank == 0:
+        port = worker.host_rendezvous(60.0)
+        for _ in range(world_size - 1):
+            box.put(port)
+    else:
+        port = box.get(timeout=120)
+    worker.join(rank, world_size, "127.0.0.1", port, *args, **kwargs)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 the kernel just handed out (free when this returns)."""
     import socket

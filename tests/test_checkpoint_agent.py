@@ -27,7 +27,6 @@ from elastic.checkpoint.store import shard_name, taken_at_here
 from elastic.actors.worker import _to_device
 from elastic.checkpoint.worker_hook import AgentCheckpointer
 from elastic.config import CheckpointConfig
-from helpers import free_port
 from test_checkpoint_store import FAST, FakeWorker, add_parts, assert_same, backend, finish, run_training  # noqa: F401 - backend: a fixture
 
 pytestmark = pytest.mark.skipif(not supported(), reason="memfds are Linux only")
@@ -565,8 +564,8 @@ def test_a_rank_writing_itself_beside_ranks_on_agents_reports_its_own_parts_and_
     committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=1, keep_last=2))
     controller = FakeController(committer)
     agents = [CheckpointAgent(url, options, RUN, controller) for _ in range(2)]
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # the group's store
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # the group's store
+    port = server.port  # bound by the store itself: no race for a port found free and then taken
     workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
     hooks = []
     for w, agent in zip(workers, agents):

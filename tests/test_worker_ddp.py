@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic.actors.worker import ddp_bucket_kwargs
-from helpers import free_port, run_pair
+from helpers import join_pair, port_box, run_pair
 
 
 def _buckets_reduced(rank: int, init_file: str, caps: list, out) -> None:
@@ -63,7 +63,7 @@ def in_spawned_process(target, *args):
         proc.join(timeout=60)
 
 
-def _leave_after_losing_the_peer(rank: int, port: int, out) -> None:
+def _leave_after_losing_the_peer(rank: int, box, out) -> None:
     """A real TrainWorker (no Ray) in a two-rank DDP group; rank 1 SIGKILLs itself in step 2."""
     from helpers import loss_fn, make_dataset, make_model, make_sgd
 
@@ -72,7 +72,7 @@ def _leave_after_losing_the_peer(rank: int, port: int, out) -> None:
 
     torch.set_num_threads(1)
     worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, loss_fn))
-    worker.join(rank, 2, "127.0.0.1", port, 1, 20.0)
+    join_pair(worker, rank, 2, box, 1, 20.0)
     if rank == 1:
         worker.inject_kill(at_step=2)
     try:
@@ -87,10 +87,10 @@ def test_a_collective_failure_frees_the_ddp_wrapper_before_its_group():
     # reducer never drops the group's last reference with the GIL held (a deadlock with gloo's
     # worker threads, elastic/actors/worker.py: TrainWorker.leave). The failed step's frames
     # held the wrapper until Ray dropped the exception; now they are cleared first.
-    port = free_port()
+    box = port_box()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_leave_after_losing_the_peer, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_leave_after_losing_the_peer, args=(r, box, out)) for r in range(2)]
     for p in procs:
         p.start()
     leaks, still_in_group = out.get(timeout=120)
@@ -101,7 +101,7 @@ def test_a_collective_failure_frees_the_ddp_wrapper_before_its_group():
     assert (leaks, still_in_group) == (0, False)
 
 
-def _join_that_fails_after_the_group_formed(port: int, out) -> None:
+def _join_that_fails_after_the_group_formed(out) -> None:
     """A real TrainWorker (no Ray) whose join fails once the process group is up (DDP's
     constructor refuses, as a peer lost during its first broadcast would make it)."""
     from helpers import loss_fn, make_dataset, make_model, make_sgd
@@ -116,6 +116,7 @@ def _join_that_fails_after_the_group_formed(port: int, out) -> None:
         raise RuntimeError("DDP refused (test)")
     torch.nn.parallel.DistributedDataParallel = refuses
     try:
+        port = worker.host_rendezvous(60.0)  # bound by the store: no port found free, then taken
         worker.join(0, 1, "127.0.0.1", port, 1, 20.0)
         out.put("joined")
     except RuntimeError as exc:
@@ -143,7 +144,7 @@ class MaskedModel(torch.nn.Module):
         return self.net(x)
 
 
-def _first_n_send_budget(rank: int, port: int, out) -> None:
+def _first_n_send_budget(rank: int, box, out) -> None:
     """Two real TrainWorkers (no Ray) joining a first-N group (N = 1 of 2) of MaskedModel: what
     a leader keeps in flight to a late replica, a step's gradient and buffers together."""
     from helpers import loss_fn, make_dataset, make_sgd
@@ -153,7 +154,7 @@ def _first_n_send_budget(rank: int, port: int, out) -> None:
 
     torch.set_num_threads(1)
     worker = TrainWorker(TrainingSpec(MaskedModel, make_sgd, make_dataset, loss_fn))
-    worker.join(rank, 2, "127.0.0.1", port, 1, 20.0, use_ddp=False, subgroup_size=1)
+    join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=False, subgroup_size=1)
     grads = worker._fn_grads.flat
     out.put((rank, (worker._fn_sends.limit, worker._fn_buffer_sends.limit,
                     grads.numel() * grads.element_size(), worker._buffers.flat.numel() * 8)))
@@ -165,7 +166,7 @@ def test_a_leaders_copies_in_flight_stay_within_the_send_budget_with_the_buffers
     # whole buffer vector: up to 64 copies of 8 MB here, twice the 256 MB the budget allows.
     from elastic.actors.sends import SEND_BUDGET_BYTES
 
-    grad_limit, buffer_limit, grad_bytes, buffer_bytes = run_pair(_first_n_send_budget, free_port())[0]
+    grad_limit, buffer_limit, grad_bytes, buffer_bytes = run_pair(_first_n_send_budget, port_box())[0]
     assert grad_limit == buffer_limit
     assert grad_limit * (grad_bytes + buffer_bytes) <= SEND_BUDGET_BYTES
     assert grad_limit == SEND_BUDGET_BYTES // (grad_bytes + buffer_bytes)
@@ -187,7 +188,7 @@ class PerProcessInitModel(torch.nn.Module):
         return self.net(x)
 
 
-def _first_n_start_state(rank: int, port: int, out) -> None:
+def _first_n_start_state(rank: int, box, out) -> None:
     """Two real TrainWorkers (no Ray) of PerProcessInitModel join a first-N group (N = 1 of 2):
     the parameters and buffers each holds after the join."""
     from helpers import loss_fn, make_dataset, make_sgd
@@ -198,7 +199,7 @@ def _first_n_start_state(rank: int, port: int, out) -> None:
     torch.set_num_threads(1)
     worker = TrainWorker(TrainingSpec(PerProcessInitModel, make_sgd, make_dataset, loss_fn))
     before = [t.tolist() for t in worker.model.state_dict().values()]
-    worker.join(rank, 2, "127.0.0.1", port, 1, 20.0, use_ddp=False, subgroup_size=1)
+    join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=False, subgroup_size=1)
     out.put((rank, (before, [t.tolist() for t in worker.model.state_dict().values()])))
     worker.leave()
 
@@ -206,7 +207,7 @@ def _first_n_start_state(rank: int, port: int, out) -> None:
 def test_first_n_replicas_start_from_rank_0s_parameters_and_buffers():
     # DDP's constructor broadcasts rank 0's module state; first-N had nothing like it, so a model_fn
     # that is not deterministic under the seed gave each replica its own weights from step 0.
-    states = run_pair(_first_n_start_state, free_port())
+    states = run_pair(_first_n_start_state, port_box())
     (before0, after0), (before1, after1) = states[0], states[1]
     assert before0 != before1  # the two processes built different models
     assert after0 == after1 == before0
@@ -215,7 +216,7 @@ def test_first_n_replicas_start_from_rank_0s_parameters_and_buffers():
 def test_a_join_that_fails_after_the_group_formed_leaves_it():
     # The group stayed up after a failed join: its sockets and rank 0's store open, so peers
     # blocked on this rank waited out collective_timeout_s instead of failing at once.
-    assert in_spawned_process(_join_that_fails_after_the_group_formed, free_port()) == \
+    assert in_spawned_process(_join_that_fails_after_the_group_formed) == \
         ("DDP refused (test)", False, False)
 
 
