@@ -588,15 +588,22 @@ def test_a_fit_that_leaves_by_an_unexpected_error_kills_its_controller(ray_clust
     # closed stdout, a broken pipe) left it training on the cluster until the driver exited.
     from helpers import loss_fn, make_adam, make_dataset, make_model
 
-    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
-                              scaling=elastic.ScalingConfig(num_workers=1), run=elastic.RunConfig(name="display-broke"))
+    @ray.remote(num_cpus=0)
+    class Trains:  # a controller whose run goes on
+        def __init__(self, kwargs):
+            pass
+
+        def run(self, steps, epochs):
+            time.sleep(3600)
+
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8, run=elastic.RunConfig(name="display-broke"))
 
     def broken_pipe(ref):
         raise BrokenPipeError("stdout closed")
 
     monkeypatch.setattr(trainer, "_wait_with_progress", broken_pipe)
     with pytest.raises(BrokenPipeError):
-        trainer.fit(steps=1000)
+        trainer._run_controller(Trains, {}, 1000, None)
     assert trainer.controller is None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
