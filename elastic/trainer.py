@@ -591,9 +591,7 @@ class Trainer:
         # controller (and with it the run) along.
         try:
             self.controller = actor_cls.options(**self._controller_options(memory_host)).remote(kwargs)
-        except ValueError as exc:
-            if not isinstance(exc, ray.exceptions.ActorAlreadyExistsError):
-                raise
+        except ray.exceptions.ActorAlreadyExistsError as exc:
             # Another driver claimed the name between _claim_run_name and here.
             raise ConfigError(f"RunConfig.name={self.run.name!r} is in use: another run of that name started on "
                               "this cluster just now. Choose another RunConfig.name, or stop that run first.") from exc
@@ -668,19 +666,15 @@ class Trainer:
         """What to tell the user of a controller that failed or was lost."""
         from elastic.actors.worker_group import describe_worker_failure
 
-        if isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_init_failed", False):
-            what = "could not start"
-        elif isinstance(exc, ray.exceptions.RayTaskError):
-            what = "failed"
-        else:
-            what = "was lost"
-        if what == "was lost":  # Ray's account of the process's end, no traceback: its first line
-            line = (str(exc).strip().splitlines() or [""])[0]
-            told = f"run {self.run.name!r}: its controller was lost ({type(exc).__name__}: {line[:400]})"
-        else:
+        init_failed = isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_init_failed", False)
+        if init_failed or isinstance(exc, ray.exceptions.RayTaskError):
             # Ray's text puts the exception's own line last: described as a worker's failure is,
             # not cut at its first 500 characters (the header and traceback, the cause cut off).
-            told = describe_worker_failure(exc, f"run {self.run.name!r}: its controller {what}")
+            told = describe_worker_failure(exc, f"run {self.run.name!r}: its controller "
+                                                f"{'could not start' if init_failed else 'failed'}")
+        else:  # lost: Ray's account of the process's end, no traceback; its first line
+            line = (str(exc).strip().splitlines() or [""])[0]
+            told = f"run {self.run.name!r}: its controller was lost ({type(exc).__name__}: {line[:400]})"
         told = redact_urls_in(told)
         if self._store is not None:
             return (f"{told}\nfit() again with RunConfig.name={self.run.name!r} and the same storage continues from "

@@ -82,10 +82,9 @@ def _seed_everything(value: int, device: Any = None) -> None:
     """
     torch.default_generator.manual_seed(value)
     if device is not None and device.type == "cuda":
-        # This rank's device, named: torch.cuda.manual_seed seeds the calling thread's current
-        # device, and Ray may run a call on a thread that never selected ours.
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(value)
+        # The calling thread's current device: every caller runs on a thread that bound this
+        # rank's (TrainWorker._bind_device, in _build and train_steps).
+        torch.cuda.manual_seed(value)
     np.random.seed(value % (2**32))
     random.seed(value)
 

@@ -457,8 +457,7 @@ class WorkerGroup:
             return []
         bundle = self.scaling.bundle()
         for node in ray.nodes():
-            if node.get("Alive") and node.get("NodeID") not in avoid and \
-                    all(node.get("Resources", {}).get(k, 0.0) >= v for k, v in bundle.items()):
+            if node.get("Alive") and node.get("NodeID") not in avoid and _bundles_on(node.get("Resources", {}), bundle):
                 return avoid
         return []
 

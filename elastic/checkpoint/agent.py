@@ -401,18 +401,24 @@ class _RankLink:
             # its death. What still waits then is not written: in process it would have died with
             # the rank, and a write landing after a recovery rolled the run back could put an
             # old shard under a step number the new group writes again.
-            self.gone = True
-            # Abort first: a write under way finishes inside it, and its events (a failure, an
-            # outage starting or ending) are drained by forget. The other way round they landed
-            # in a persister no one polled any more, and a failed last write went unsaid.
-            dropped = self.persister.abort()
-            self.agent.forget(self)
+            dropped = self.close()
             if dropped:
                 logger.info("checkpoint agent: rank %s is gone; its snapshots of steps %s are not written",
                             self.rank, dropped)
-            for ring in self.rings.values():
-                ring.close()
-            self.conn.close()
+
+    def close(self, timeout_s: float = 5.0) -> list[int]:
+        """Tear the link down: its writes stopped, its events reported, its memory and connection
+        closed. Returns the steps whose snapshots it dropped."""
+        self.gone = True
+        # Abort first: a write under way finishes inside it, and its events (a failure, an
+        # outage starting or ending) are drained by forget. The other way round they landed
+        # in a persister no one polled any more, and a failed last write went unsaid.
+        dropped = self.persister.abort(timeout_s)
+        self.agent.forget(self)
+        for ring in self.rings.values():
+            ring.close()
+        self.conn.close()
+        return dropped
 
     def _handle(self, m: dict, fds: list[int]) -> None:
         op = m.get("op")
@@ -684,9 +690,9 @@ class CheckpointAgent:
                 logger.warning("checkpoint agent: cannot serve a rank's connection (%s: %s); that rank writes "
                                "its checkpoints itself", type(exc).__name__, exc)
                 if link is not None:
-                    self.pool.drop(link)
-                    link.persister.abort(0.0)
-                conn.close()
+                    link.close(0.0)  # never served: no write, event or memory of its own yet
+                else:
+                    conn.close()
 
     def forget(self, link: _RankLink) -> None:
         self.pool.drop(link)

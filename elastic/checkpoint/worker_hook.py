@@ -58,14 +58,12 @@ def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: Sta
     24.0 ms, so it was not adopted. Where the ranks already fill the cores, a copy moved off the
     step's path still takes the same CPU; what costs the extra 2-3 ms there was not found.
     """
-    if staging is None:
-        return Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size), RawRng.take(),
-                                 min_shard_bytes, copy=host_copy)
     try:
         return Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size), RawRng.take(),
-                                 min_shard_bytes, copy=staging.copy)
+                                 min_shard_bytes, copy=staging.copy if staging is not None else host_copy)
     finally:
-        staging.settle()  # its copies from a GPU are whole before anyone reads them
+        if staging is not None:
+            staging.settle()  # its copies from a GPU are whole before anyone reads them
 
 
 def group_generation(worker: Any) -> int | None:
