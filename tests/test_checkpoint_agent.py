@@ -897,10 +897,11 @@ def test_an_agent_lost_after_a_rollback_leaves_the_replayed_step_to_the_rank_not
         worker.set_state(at_3)
         committer.rewind(3)
         worker.generation = 2
-        write = agent.store.write_shard
-        monkeypatch.setattr(agent.store, "write_shard", lambda *a, **k: (gate.wait(20), write(*a, **k))[1])
+        write, writing = agent.store.write_shard, threading.Event()
+        monkeypatch.setattr(agent.store, "write_shard",
+                            lambda *a, **k: (writing.set(), gate.wait(20), write(*a, **k))[2])
         run_training([worker], [hook], committer, [4, 5])  # handed to the agent, which writes nothing yet
-        time.sleep(0.2)
+        assert writing.wait(10)  # the agent holds generation 2's first write
         for link_ in agent.pool.connected():
             link_.conn.shutdown(socket.SHUT_RDWR)  # the agent dies, generation 2's writes unwritten
         assert hook.flush(10, worker=worker)

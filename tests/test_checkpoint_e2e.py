@@ -105,7 +105,9 @@ def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrup
     # One read from storage; the other rank got the state through the object store.
     assert resume["details"]["read_by"] == 0 and "sent to 1 more through the object store" in resume["message"]
     assert second.checkpoint["latest_step"] == 12
-    assert isinstance(second.metrics["checkpoint_snapshots_dropped"], int)  # through the agents
+    # Through the agents, which may drop a snapshot for want of a free slot (the flush takes the
+    # last step's again): at most one a rank for each of steps 6-12.
+    assert second.metrics["checkpoint_snapshots_dropped"] in range(0, 2 * 7 + 1)
     assert_weights_close(second.model_state, uninterrupted, atol=1e-5)
     assert second.events_of("data_order_changed") == []
     manifest = store.load_manifest(12)

@@ -277,14 +277,16 @@ def heal_two_of_three_lost(name: str, faults: list, after_update: bool = False, 
     call; the run must heal in one recovery, at once, with identical replicas."""
     kill = {"after_update": True} if after_update else {}
     faults = [{"kind": "kill", "rank": r, "at_step": 3, **kill} for r in (1, 2)] + faults
-    result = make(name, faults=faults, spares=2, steps_per_dispatch=1,
-                  late_backoff_steps=late_backoff_steps).fit(steps=STEPS)
+    # A collective timeout of 60 s, far from the bound below both ways: a survivor that sat it
+    # out takes at least 60 s, a heal a few seconds (the suite's 20 s left 20 s to both).
+    result = make(name, faults=faults, spares=2, steps_per_dispatch=1, late_backoff_steps=late_backoff_steps,
+                  failure=elastic.FailureConfig(checksum_every_n_steps=1, collective_timeout_s=60)).fit(steps=STEPS)
     assert result.metrics["steps"] == STEPS
     assert [sorted(r["ranks"]) for r in result.recoveries] == [[1, 2]]
     assert result.recoveries[0]["kind"] != "hang"
-    # Healed well inside the collective timeout (20 s) that a survivor must not sit out. (Not the
-    # whole fit(): that also starts three ranks and two spares on a loaded machine.)
-    assert result.recoveries[0]["detect_s"] + result.recoveries[0]["rebuild_s"] < 20
+    # Healed well inside the collective timeout that a survivor must not sit out. (Not the whole
+    # fit(): that also starts three ranks and two spares on a loaded machine.)
+    assert result.recoveries[0]["detect_s"] + result.recoveries[0]["rebuild_s"] < 30
     assert len(set(result.replica_checksums)) == 1
     return result
 
@@ -293,7 +295,7 @@ def test_losing_more_ranks_than_backups_heals_without_waiting_out_the_survivors(
     # Two of three replicas die in one step (as when a node with two ranks goes), and with them
     # every holder of the current state: rank 0, slowed from the start, is the late replica and
     # still in step 1 (its update from the dead leader never comes). It must not sit out the
-    # collective timeout (20 s here) and be killed as hung; the run rolls back to the step it
+    # collective timeout (60 s here) and be killed as hung; the run rolls back to the step it
     # holds, the start, and replays from there with the same weights as one process.
     # Without rank 0 slowed, ranks 1 and 2 were not surely the fast pair: one of them was
     # sometimes the late replica of step 2, still in that window when the other died; it was

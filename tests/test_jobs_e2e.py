@@ -67,6 +67,18 @@ def _session_id(pid: int) -> int | None:
         return None
 
 
+# What ray start's components print when a port they were given is bound by another process.
+PORT_TAKEN = re.compile(r"already in use|in use by|Address in use|[Ff]ailed to bind|port .* (is )?not available")
+
+
+class _HeadExited(BaseException):
+    """``ray start`` exited: a BaseException, as pytest.fail's, so wait_for's retries let it out."""
+
+    def __init__(self, returncode: int, log: str):
+        super().__init__(f"ray start exited with {returncode}")
+        self.returncode, self.log = returncode, log
+
+
 class RayHead:
     """A head node from ``ray start --head --block``, in its own session, ports and temp dir.
 
@@ -78,12 +90,8 @@ class RayHead:
     def __init__(self, num_cpus: int = 8):
         self.num_cpus = num_cpus
         self.token = secrets.token_hex(32)
-        # Short: Ray puts unix sockets under it and their paths must stay below 108 bytes.
-        self.temp_dir = tempfile.mkdtemp(prefix="ray_e2e_", dir="/tmp")
-        (self.port, self.dashboard_port, self.agent_listen_port, self.agent_grpc_port, self.metrics_port,
-         self.client_port, self.runtime_env_agent_port) = free_ports(7)
+        self._prepare()
         self.proc: subprocess.Popen | None = None
-        self.log_path = os.path.join(self.temp_dir, "head.log")
 
     @property
     def gcs_address(self) -> str:
@@ -112,7 +120,28 @@ class RayHead:
             env["RAY_AUTH_TOKEN"] = self.token
         return env
 
-    def start(self, timeout_s: float = 90) -> "RayHead":
+    def _prepare(self) -> None:
+        """Fresh ports and temp dir (a failed start's stop() removes the dir)."""
+        # Short: Ray puts unix sockets under it and their paths must stay below 108 bytes.
+        self.temp_dir = tempfile.mkdtemp(prefix="ray_e2e_", dir="/tmp")
+        self.log_path = os.path.join(self.temp_dir, "head.log")
+        (self.port, self.dashboard_port, self.agent_listen_port, self.agent_grpc_port, self.metrics_port,
+         self.client_port, self.runtime_env_agent_port) = free_ports(7)
+
+    def start(self, timeout_s: float = 90, attempts: int = 3) -> "RayHead":
+        """Start the head; ``attempts`` times with fresh ports if one was taken in the meantime.
+        Why: ``ray start`` needs its ports named (port 0 is not accepted for all of them), and a
+        port free_ports saw free can be bound by another process before the head binds it."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except _HeadExited as exc:
+                if attempt + 1 == attempts or not PORT_TAKEN.search(exc.log):
+                    pytest.fail(f"ray start exited with {exc.returncode}:\n{exc.log}")
+                self._prepare()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> "RayHead":
         env = self.env()
         # Export metrics every 2 s instead of 10 s, so a short run shows up in Prometheus.
         env["RAY_metrics_report_interval_ms"] = "2000"
@@ -140,7 +169,7 @@ class RayHead:
 
     def _jobs_api_ready(self) -> bool:
         if self.proc.poll() is not None:
-            pytest.fail(f"ray start exited with {self.proc.returncode}:\n{self.log_tail()}")
+            raise _HeadExited(self.proc.returncode, self.log_tail())
         req = urllib.request.Request(f"{self.dashboard_url}/api/version", headers=self.auth_headers)
         with urllib.request.urlopen(req, timeout=3) as resp:
             if resp.status != 200:

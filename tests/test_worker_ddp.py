@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import zlib
 
 import pytest
 import torch
@@ -487,7 +488,11 @@ def test_the_replica_checksum_covers_buffers_and_any_dtype():
     model[1].running_mean[0] += 1e-3  # statistics only: no parameter moves
     assert TrainWorker.param_checksum(w) != before
     model.to(torch.bfloat16)  # numpy has no bfloat16: the bytes are read as bytes
-    assert isinstance(TrainWorker.param_checksum(w), int)
+    before = TrainWorker.param_checksum(w)
+    assert isinstance(before, int) and TrainWorker.param_checksum(w) == before
+    with torch.no_grad():
+        model[0].weight[0, 0] = model[0].weight[0, 0].item() + 1.0  # exact in bfloat16
+    assert TrainWorker.param_checksum(w) != before
     model.register_buffer("cache", torch.zeros(3), persistent=False)
     before = TrainWorker.param_checksum(w)
     model.cache += 1  # a cache is not state
@@ -574,7 +579,11 @@ def test_a_model_with_non_tensor_extra_state_is_checksummed_and_handed_over():
 
     model = _WithExtraState()
     w = SimpleNamespace(model=model)
-    assert isinstance(TrainWorker.param_checksum(w), int)
+    # The extra state is left out (it is no tensor); the parameters are still checked.
+    expected = 0
+    for t in (model.lin.weight, model.lin.bias):
+        expected = zlib.crc32(t.detach().numpy().tobytes(), expected)
+    assert TrainWorker.param_checksum(w) == expected
     state = TrainWorker.model_state(w)
     assert state["_extra_state"] == {"scale": 0.5} and state["lin.weight"].device.type == "cpu"
     _WithExtraState().load_state_dict(state)
