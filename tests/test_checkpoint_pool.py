@@ -91,3 +91,24 @@ def test_a_part_is_reported_directly_when_the_store_is_gone(tmp_path):
     (step, part), = ckpt.drain()["ckpt_done"]
     assert (step, part["entries"], part["taken_at"]) == (1, sent[0][2][1]["entries"], sent[0][2][1]["taken_at"])
     ckpt.close()
+
+
+def test_a_pool_that_could_not_connect_fails_at_once_after(monkeypatch):
+    """The group's store gone before this pool's first part: torch's client retries the connect
+    for about twice its timeout, and each of the old group's snapshots (which carry the pool)
+    waited that long again on the writer thread. Now the connect is tried once."""
+    tries = []
+    real = dist.TCPStore
+
+    def counting(*args, **kwargs):
+        tries.append(args[:2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "TCPStore", counting)
+    pool = PartPool("127.0.0.1", free_port(), 2, timeout_s=0.5)
+    with pytest.raises(Exception):
+        pool.add(1, 0, {"r": 0})
+    for step in (2, 3):
+        with pytest.raises(ConnectionError, match="did not answer"):
+            pool.add(step, 0, {"r": 0})
+    assert len(tries) == 1

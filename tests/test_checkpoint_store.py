@@ -222,6 +222,10 @@ def test_flatten_state_keeps_every_plain_value_and_refuses_what_json_cannot_key(
             flatten_state({"optimizer": {bad_key: 1}})
     with pytest.raises(TypeError, match="without pickle"):
         flatten_state({"x": [1, object()]})
+    # numpy scalars with no Python number: .item() gives the numpy scalar back (it recursed)
+    for bad in (np.longdouble(1.5), np.clongdouble(1 + 2j)):
+        with pytest.raises(TypeError, match=rf"has a numpy {bad.dtype}"):
+            flatten_state({"x": bad})
 
 
 def test_a_member_spliced_into_a_json_object_reads_back_with_the_rest():

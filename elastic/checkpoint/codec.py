@@ -72,7 +72,11 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
         if isinstance(obj, list):
             return [v if type(v) in _PLAIN else walk(v, f"{prefix}{i}") for i, v in enumerate(obj)]
         if isinstance(obj, np.generic):
-            return walk(obj.item(), path)
+            item = obj.item()
+            if isinstance(item, np.generic):  # longdouble and clongdouble have no Python scalar
+                raise TypeError(f"checkpoint state at {path or '<root>'} has a numpy {obj.dtype}, which has no "
+                                "exact Python number; convert it to a float or a tensor")
+            return walk(item, path)
         if isinstance(obj, float):
             if obj != obj or obj in (float("inf"), float("-inf")):
                 return {_FLOAT: repr(obj)}  # strict JSON has no NaN/Infinity
@@ -353,8 +357,9 @@ class SkeletonJson:
     160-layer MLP under Adam with StepLR, 2-vCPU VM, alternating runs) the meta of the rank
     that carries the skeleton took 2.3 and 3.2 ms a step as one ``canonical_json``, and 1.15
     and 1.35 ms this way (``AgentCheckpointer._meta``).
-    A value equal to its predecessor but of another type (1 and 1.0, 1 and True) keeps the old
-    text: the restored number then has the old type, and the same value."""
+    A value equal to its predecessor but of another type (1 and 1.0, 1 and True), or a zero of
+    the other sign (0.0 and -0.0), keeps the old text: the restored number then has the old type
+    and sign, and the same value."""
 
     DEPTH, FANOUT = 2, 16  # entries of more members (a model's tensors) are compared whole
 

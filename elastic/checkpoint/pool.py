@@ -50,13 +50,26 @@ class PartPool:
         self.host, self.port, self.world_size = host, int(port), int(world_size)
         self.timeout_s, self.slots = timeout_s, slots
         self._store: Any = None
+        self._unreachable: str | None = None  # why the one connect failed
         self._lock = threading.Lock()
 
     def _connect(self) -> Any:
+        """The store client, connected once. A connect that failed is not tried again: every later
+        call raises at once. Why: the group's store is gone for good then (its group torn down
+        before this pool's first part, as in a failure right after a rendezvous), and torch's
+        client retries a connect for about twice ``timeout_s``. The pool rides in the payloads
+        of the old group's snapshots, so each of them paid that wait again on the writer thread,
+        and the new group's writes queued behind them."""
         with self._lock:
+            if self._unreachable is not None:
+                raise ConnectionError(f"the part pool at {self.host}:{self.port} did not answer: {self._unreachable}")
             if self._store is None:
-                client = dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=self.timeout_s),
-                                       wait_for_workers=False)
+                try:
+                    client = dist.TCPStore(self.host, self.port, None, False,
+                                           timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+                except Exception as exc:
+                    self._unreachable = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    raise
                 self._store = dist.PrefixStore(_PREFIX, client)
             return self._store
 
