@@ -1685,6 +1685,68 @@ def test_an_optimizer_or_scheduler_of_another_class_with_the_same_names_is_named
     assert state_mismatches({"model": model.state_dict(), "optimizer": adam, "scheduler": None}, saved) == []
 
 
+def test_a_scheduler_dropped_or_saved_by_another_torch_still_fits():
+    """A run that drops its scheduler reads the scheduler's initial_lr in the saved param groups;
+    a scheduler's state from another torch has keys of that version (verbose, no _is_initial).
+    Both were refused as another class."""
+    from elastic.checkpoint import state_mismatches
+
+    model = torch.nn.Linear(4, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.optim.lr_scheduler.StepLR(sgd, 10)
+    saved = {"model": model.state_dict(), "optimizer": sgd.state_dict(), "scheduler": step.state_dict()}
+    assert "initial_lr" in saved["optimizer"]["param_groups"][0]
+    plain = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
+    assert state_mismatches({"model": model.state_dict(), "optimizer": plain, "scheduler": None}, saved) == []
+    older = dict(step.state_dict(), verbose=False)
+    del older["_is_initial"]
+    live = {"model": model.state_dict(), "optimizer": sgd.state_dict(), "scheduler": step.state_dict()}
+    assert state_mismatches(live, dict(saved, scheduler=older)) == []
+    # Another class still differs outside those keys.
+    multi = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD(model.parameters(), lr=0.1), [5]).state_dict()
+    (problem,) = state_mismatches(live, dict(saved, scheduler=multi))
+    assert "milestones" in problem and "step_size" in problem
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self, b_first: bool = False):
+        super().__init__()
+        if b_first:
+            self.b = torch.nn.Linear(3, 2)
+        self.a = torch.nn.Linear(4, 3)
+        if not b_first:
+            self.b = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_optimizer_state_for_parameters_declared_in_another_order_is_named():
+    """Same names and shapes, so the model's check passes; torch gives the optimizer's state to
+    parameters by position, and Adam's moments of a.weight went to b.weight: the first step
+    failed inside the worker on their shapes."""
+    from elastic.checkpoint import state_mismatches
+
+    torch.manual_seed(0)
+    old = _TwoLayers()
+    adam = torch.optim.Adam(old.parameters(), lr=1e-3)
+    old(torch.randn(5, 4)).sum().backward()
+    adam.step()
+    saved = {"model": old.state_dict(), "optimizer": adam.state_dict()}
+
+    def check(model):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        shapes = [list(p.shape) for g in opt.param_groups for p in g["params"]]
+        return state_mismatches({"model": model.state_dict(), "optimizer": opt.state_dict()}, saved,
+                                param_shapes=shapes)
+
+    assert check(_TwoLayers()) == []
+    problems = check(_TwoLayers(b_first=True))
+    assert problems and problems[0].startswith("optimizer: the state of parameter 0 (exp_avg) is [3, 4] in the "
+                                               "checkpoint, and that parameter is [2, 3] in this model")
+    assert "declared in another order" in problems[0]
+
+
 def test_checkpoint_mismatch_survives_pickling_whole():
     """It travels from a worker to the controller pickled."""
     import pickle

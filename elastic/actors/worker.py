@@ -1114,7 +1114,8 @@ class TrainWorker:
         # data_position: the controller resumes from it; a step whose meta lacks it is corrupt
         # (skipped for an older one), not a KeyError that ended the resume.
         state, meta = store.read_state(step, meta_keys=("data_position",))
-        problems = state_mismatches(live_state(self), state)
+        shapes = [list(p.shape) for group in self.optimizer.param_groups for p in group["params"]]
+        problems = state_mismatches(live_state(self), state, param_shapes=shapes)
         if problems:
             raise CheckpointMismatch(step, store.location, problems)
         self.set_state(state)

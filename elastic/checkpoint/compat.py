@@ -12,9 +12,10 @@ them), and the optimizer's param groups: how many there are, how many parameters
 the names of their hyperparameters (a different optimizer class has different names), and the
 flags that select an algorithm within a class's names (``decoupled_weight_decay``: Adam and
 AdamW have the same names, and loading restores the saved flag, so an AdamW resumed from an
-Adam checkpoint trained as Adam). The LR scheduler: one added or removed between runs starts or
-stops cleanly, but one of another class (other state keys) failed in its ``load_state_dict``
-after the model and optimizer had loaded.
+Adam checkpoint trained as Adam); and the shapes of the per-parameter state (moments, momentum)
+against the parameters it goes to by position. The LR scheduler: one added or removed between
+runs starts or stops cleanly, but one of another class (other state keys) failed in its
+``load_state_dict`` after the model and optimizer had loaded.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def _optimizer_mismatches(live: dict, saved: dict) -> list[str]:
         # Only names the checkpoint has and this optimizer lacks: a newer torch adds
         # hyperparameters with defaults (its load_state_dict fills them in), so a checkpoint
         # from an older torch lacking one still fits.
-        unknown = sorted(set(theirs) - set(mine))
+        # initial_lr: an LR scheduler adds it to the groups, so a run that dropped its scheduler
+        # reads it in the checkpoint's groups; the optimizer never reads it.
+        unknown = sorted(set(theirs) - set(mine) - {"initial_lr"})
         if unknown:
             out.append(f"optimizer: param group {i} of the checkpoint has hyperparameters this optimizer does not "
                        f"have: {shown(unknown)} (was it saved from another optimizer class?)")
@@ -131,17 +134,60 @@ def _optimizer_mismatches(live: dict, saved: dict) -> list[str]:
     return out
 
 
+# Per-parameter optimizer state that has the parameter's shape, in torch.optim's optimizers (Adam,
+# AdamW, NAdam, RAdam, Adamax, SGD, RMSprop, Adadelta, Adagrad, ASGD, Rprop). Others (Adafactor's
+# factored row and column statistics, a custom optimizer's) are not compared.
+PARAM_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+                      "sum", "exp_inf", "ax", "grad_avg", "prev")
+
+
+def _optimizer_state_mismatches(saved: dict, param_shapes: list[list[int]]) -> list[str]:
+    """The saved per-parameter state against the parameters it will be given to. Why: torch
+    gives an optimizer's state to parameters by position, not by name, so a model whose
+    submodules were declared in another order (the same names and shapes, which the model's
+    check passes) had its moments loaded onto other parameters: with other shapes the first
+    optimizer step failed inside the worker, with the same shapes they were silently swapped
+    (that case no check can see)."""
+    ids = [pid for group in saved.get("param_groups", []) for pid in group["params"]]
+    state = saved.get("state", {})
+    out = []
+    for position, (pid, shape) in enumerate(zip(ids, param_shapes)):
+        if not isinstance(pid, (int, str)):
+            continue  # not an id torch writes: left to the load
+        entry = state.get(pid, state.get(str(pid)))
+        if not isinstance(entry, dict):
+            continue  # no state yet (a parameter that never had a gradient)
+        for key in PARAM_SHAPED_STATE:
+            theirs = _shape(entry.get(key))
+            if theirs is not None and theirs != list(shape):
+                out.append(f"optimizer: the state of parameter {position} ({key}) is {theirs} in the checkpoint, "
+                           f"and that parameter is {list(shape)} in this model (the optimizer's state goes to "
+                           "parameters by position: were the model's layers declared in another order?)")
+                break
+    return out
+
+
 # Hyperparameters that choose the algorithm, not a value along it: the checkpoint's would replace
 # this optimizer's when it loads (torch restores every hyperparameter), silently.
 ALGORITHM_FLAGS = ("decoupled_weight_decay", "amsgrad", "nesterov", "centered")
 
 
+# Keys a scheduler's state gained or lost between torch versions of one class (torch 2.x:
+# ``verbose`` went, ``_is_initial``, ``default_min_lr`` and ``_anneal_func_type`` came). Their
+# load_state_dict takes the state as it is (``__dict__.update``), so a checkpoint from another
+# torch with or without them still fits.
+SCHEDULER_VERSION_KEYS = frozenset({"verbose", "_is_initial", "default_min_lr", "_anneal_func_type", "anneal_func",
+                                    "_get_lr_called_within_step", "_step_count", "_last_lr"})
+
+
 def _scheduler_mismatches(live: Any, saved: Any) -> list[str]:
-    if not isinstance(live, dict) or not isinstance(saved, dict) or set(live) == set(saved):
-        return []  # none on one side (added or removed: fine), or the same kind
-    theirs = sorted(map(shown, set(saved) - set(live)))  # the checkpoint's keys, shown escaped
-    return [f"scheduler: the checkpoint's LR scheduler state has {_names(theirs)} "
-            f"that this run's lacks and lacks {_names(sorted(set(live) - set(saved)))} (was it saved from "
+    if not isinstance(live, dict) or not isinstance(saved, dict):
+        return []  # none on one side (added or removed: fine)
+    theirs, mine = set(saved) - SCHEDULER_VERSION_KEYS, set(live) - SCHEDULER_VERSION_KEYS
+    if theirs == mine:
+        return []  # the same kind
+    return [f"scheduler: the checkpoint's LR scheduler state has {_names(sorted(map(shown, theirs - mine)))} "
+            f"that this run's lacks and lacks {_names(sorted(mine - theirs))} (was it saved from "
             f"another scheduler class?)"]
 
 
@@ -150,12 +196,17 @@ def _names(keys: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def state_mismatches(live: dict, saved: dict, limit: int = 12) -> list[str]:
+def state_mismatches(live: dict, saved: dict, limit: int = 12,
+                     param_shapes: list[list[int]] | None = None) -> list[str]:
     """Why ``saved`` cannot be loaded into ``live`` (both shaped like ``TrainWorker.get_state()``:
     ``{"model": state_dict, "optimizer": state_dict, ...}``); empty when it fits. At most
-    ``limit`` lines, the last saying how many more there were."""
+    ``limit`` lines, the last saying how many more there were. ``param_shapes``: the shapes of
+    the optimizer's parameters, in its order (its groups' ``params``), to check the saved
+    per-parameter state against."""
     problems = _model_mismatches(live["model"], saved.get("model", {}))
     problems += _optimizer_mismatches(live["optimizer"], saved.get("optimizer", {}))
+    if param_shapes is not None and not problems:
+        problems += _optimizer_state_mismatches(saved.get("optimizer", {}), param_shapes)
     problems += _scheduler_mismatches(live.get("scheduler"), saved.get("scheduler"))
     if len(problems) > limit:
         problems = problems[:limit - 1] + [f"... and {len(problems) - limit + 1} more difference(s)"]
