@@ -17,7 +17,7 @@ def host_port(address: str) -> tuple[str, int] | None:
     """``(host, port)`` of ``HOST:PORT``, ``ray://HOST:PORT`` or ``[IPv6]:PORT``; None when it is neither."""
     hostport = address.split("://", 1)[-1].rstrip("/")
     host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         return None
     return host.strip("[]"), int(port)
 

@@ -17,6 +17,14 @@ import re
 # it stops at the first '/', so a path such as ``s3://bucket/key@v1/x`` is left as it is.
 _SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*://"
 USERINFO = re.compile(rf"(?P<scheme>{_SCHEME})(?P<userinfo>[^/@\s:]*:\S*|[^/@\s]*)@")
+# Schemes whose ``name@host`` is no credential: Azure's ``abfs://container@account.dfs.core.
+# windows.net/path`` (adlfs, Hadoop's wasb) names a container there. Their user:password@ is.
+CONTAINER_AT_HOST = frozenset({"abfs", "abfss", "az", "adl", "wasb", "wasbs"})
+
+
+def is_credential(m: re.Match) -> bool:
+    """Whether a ``USERINFO`` match is a credential: not an Azure container (``CONTAINER_AT_HOST``)."""
+    return ":" in m.group("userinfo") or m.group("scheme")[:-3].lower() not in CONTAINER_AT_HOST
 _QUERY = re.compile(r"\?.*$")
 # A URL's query string inside other text: up to whitespace or a character no URL holds unescaped
 # (a quote or an angle bracket), so the text around the URL stays readable.
@@ -26,8 +34,11 @@ _URL_QUERY = re.compile(rf"(?P<url>{_SCHEME}[^\s?'\"<>]*)\?[^\s'\"<>]+")
 # SigV2's ``AWSAccessKeyId=`` and ``Signature=``, and the ``Credential=<access key id>`` and
 # ``Signature=`` of an Authorization header. The value ends where a query's or a header's next
 # field starts. Not after a letter or '-' (``X-Amz-Signature`` matches whole, ``mysignature=`` not).
-SIGNED_PARAM = re.compile(r"(?i)(?<![\w-])(?P<name>x-amz-(?:credential|signature|security-token)|credential|"
-                          r"signature|awsaccesskeyid)=(?P<value>[^&\s'\",;<>]+)")
+# Google Cloud Storage's V4 signing (``X-Goog-Credential``, ``X-Goog-Signature``) and an Azure SAS
+# token's ``sig=`` are the same in other clouds' requests; ``sig`` only as a query parameter,
+# after '?' or '&' (the word is common).
+SIGNED_PARAM = re.compile(r"(?i)(?:(?<![\w-])(?P<name>x-(?:amz|goog)-(?:credential|signature|security-token)|"
+                          r"credential|signature|awsaccesskeyid)|(?<=[?&])(?P<sas>sig))=(?P<value>[^&\s'\",;<>]+)")
 # A header that is a credential, as an HTTP dump (``Authorization: AWS4-HMAC-SHA256 ...``),
 # botocore's repr of a request's headers (``'X-Amz-Security-Token': b'...'``) or its canonical
 # request (``x-amz-security-token:...``) shows it: the value runs to its closing quote or the
@@ -40,7 +51,7 @@ _ACCESS_KEY_ID = re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-
 
 
 def _redact_userinfo(text: str) -> str:
-    return USERINFO.sub(r"\g<scheme>***@", text)
+    return USERINFO.sub(lambda m: m.group("scheme") + "***@" if is_credential(m) else m.group(0), text)
 
 
 def redact_url(url: str) -> str:
@@ -54,7 +65,7 @@ def redact_urls_in(text: str) -> str:
     hidden where no URL carries it."""
     # Userinfo first: a password may hold a '?', which would otherwise start a "query".
     text = _URL_QUERY.sub(r"\g<url>", _redact_userinfo(text))
-    text = SIGNED_PARAM.sub(r"\g<name>=***", text)
+    text = SIGNED_PARAM.sub(lambda m: f"{m.group('name') or m.group('sas')}=***", text)
     text = CREDENTIAL_HEADER.sub(r"\g<name>\g<sep>***", text)
     return _ACCESS_KEY_ID.sub("***", text)
 
@@ -63,7 +74,8 @@ def carries_credentials(text: str) -> bool:
     """Whether ``text`` holds a credential that ``redact_urls_in`` would hide: a URL's
     user:password@, a signed query parameter, an Authorization or security-token header, an
     AWS access key id. A URL's other query parameters are no credential."""
-    return any(p.search(text) for p in (USERINFO, SIGNED_PARAM, CREDENTIAL_HEADER, _ACCESS_KEY_ID))
+    return (any(is_credential(m) for m in USERINFO.finditer(text))
+            or any(p.search(text) for p in (SIGNED_PARAM, CREDENTIAL_HEADER, _ACCESS_KEY_ID)))
 
 
 # Loggers that at DEBUG print each request with its signed headers and what went into the

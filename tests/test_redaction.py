@@ -146,6 +146,11 @@ def test_signed_query_parameters_and_credential_headers_are_redacted_without_a_u
         "host:bkt.s3.amazonaws.com\nx-amz-security-token:FwoGZXIvYXdzE\n":
             "host:bkt.s3.amazonaws.com\nx-amz-security-token:***\n",
         f"the access key {KEY_ID} was refused": "the access key *** was refused",
+        # Google Cloud Storage's V4 signing and an Azure SAS token, in a request line
+        "GET /b/o?X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-Credential=svc%40p.iam&X-Goog-Signature=deadbeef":
+            "GET /b/o?X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-Credential=***&X-Goog-Signature=***",
+        "PUT /c/blob?sv=2022-11-02&se=2030-01-01&sp=rw&sig=SECRETSIG%3D HTTP/1.1":
+            "PUT /c/blob?sv=2022-11-02&se=2030-01-01&sp=rw&sig=*** HTTP/1.1",
     }
     for text, expected in cases.items():
         assert redact_urls_in(text) == expected
@@ -166,6 +171,9 @@ def test_ordinary_text_paths_and_urls_come_out_unchanged():
         "endpoint http://127.0.0.1:9000 in eu-west-1, anon=False use_ssl=True",
         "X-Amz-Date: 20240101T000000Z, x-amz-content-sha256:UNSIGNED-PAYLOAD",
         "key=value pairs; token count 1234; AKIA is a prefix",
+        # Azure's container@account is a name, not a credential (adlfs, Hadoop's wasb)
+        "abfs://ckpts@acct.dfs.core.windows.net/runs/step-000000001",
+        "wasbs://data@acct.blob.core.windows.net/x; sig mismatch: sig=",
     ]
     for text in texts:
         assert redact_urls_in(text) == text
@@ -204,3 +212,19 @@ def test_s3_storage_hides_the_aws_credentials_of_the_environment(monkeypatch):
     local = Storage("memory://redaction-env", {})
     local.full_path()
     assert local.redact("nothing secret here") == "nothing secret here"
+
+
+def test_azure_container_urls_are_no_credential_and_their_user_password_is():
+    from elastic.checkpoint.storage import _url_secrets
+    from elastic.redact import carries_credentials
+
+    url = "abfs://data@acct.dfs.core.windows.net/runs"
+    # The container name is not a secret: "data" in messages stayed readable.
+    assert not carries_credentials(url) and _url_secrets(url) == ()
+    assert Redactor(None, _url_secrets(url))("no data_position in the data loader") == \
+        "no data_position in the data loader"
+    with_password = "abfss://user:pa55@acct.dfs.core.windows.net/runs"
+    assert carries_credentials(with_password) and set(_url_secrets(with_password)) >= {"user", "pa55"}
+    assert redact_urls_in(with_password) == "abfss://***@acct.dfs.core.windows.net/runs"
+    # Any other scheme's name@host is still taken for a credential (a token as the user name).
+    assert carries_credentials("https://ghp_token@github.com/x")

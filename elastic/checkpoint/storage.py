@@ -27,7 +27,7 @@ import fsspec
 import fsspec.core
 
 from elastic.config import ConfigError, env_number
-from elastic.redact import USERINFO, redact_url, redact_urls_in
+from elastic.redact import USERINFO, is_credential, redact_url, redact_urls_in
 
 logger = logging.getLogger(__name__)
 
@@ -866,7 +866,7 @@ def _url_secrets(url: str) -> tuple[str, ...]:
     ``user:first-piece`` for the host or bucket and the rest for the path, so each of those is a
     secret too."""
     m = USERINFO.match(url)
-    if not m:
+    if not m or not is_credential(m):
         return ()
     user, _, password = m.group("userinfo").partition(":")
     pieces = password.split("/")
