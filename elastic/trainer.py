@@ -707,7 +707,8 @@ class Trainer:
                 f"RunConfig.name={self.run.name!r} is in use: a run of that name is training on this cluster "
                 f"({where}; its controller is the actor 'controller' in namespace {self.namespace!r}). "
                 f"Choose another RunConfig.name, or stop that run first (Ctrl-C in its driver, or ray job stop).")
-        free_actor_name("controller", self.namespace)  # killed, and the name free for the new one
+        # Killed (that actor only), and the name free for the new one.
+        free_actor_name("controller", self.namespace, actor_id=old._actor_id.hex())
         self._release_placement()
 
     def _kill_controller(self, release: bool = True) -> None:

@@ -338,6 +338,14 @@ def test_device_choice_when_ray_leaves_every_gpu_visible():
     assert choose_device_and_backend(True, [2, 5], True, device_count=8) == ("cuda:2", "nccl")
     assert choose_device_and_backend(True, ["GPU-1a2b"], True, device_count=8) == ("cuda:0", "nccl")  # not an index
     assert choose_device_and_backend(True, [9], True, device_count=8) == ("cuda:0", "nccl")
+    # The node's own CUDA_VISIBLE_DEVICES narrows what torch sees: Ray's id is an entry of that
+    # list, and the device its place there (ids 4-7 all gave cuda:0, id 1 the wrong card).
+    assert choose_device_and_backend(True, ["5"], True, device_count=4, visible="4,5,6,7") == ("cuda:1", "nccl")
+    assert choose_device_and_backend(True, ["1"], True, device_count=4, visible="0,1,2,3") == ("cuda:1", "nccl")
+    assert choose_device_and_backend(True, ["1"], True, device_count=4, visible="3,2,1,0") == ("cuda:2", "nccl")
+    assert choose_device_and_backend(True, ["GPU-b"], True, device_count=2, visible="GPU-a,GPU-b") == \
+        ("cuda:1", "nccl")
+    assert choose_device_and_backend(True, ["9"], True, device_count=4, visible="4,5,6,7") == ("cuda:0", "nccl")
 
 
 def test_requeue_dropped_needs_first_n_and_single_step_dispatch():

@@ -125,3 +125,25 @@ def test_processes_started_during_the_build_are_restored_too():
         assert idle is False and inside == (os.SCHED_OTHER, os.SCHED_OTHER)
         pytest.skip(NO_PRIVILEGE)
     assert idle is True and inside == (os.SCHED_IDLE, os.SCHED_IDLE)
+
+
+def test_inside_a_user_namespace_the_capability_bit_is_not_taken_for_the_right():
+    """``unshare -rU``: CapEff shows CAP_SYS_NICE, but the kernel checks it against the initial
+    user namespace and leaving SCHED_IDLE fails with EPERM. Read from CapEff, a spare built
+    there stayed idle-class for good; now the probe says no and nothing is lowered."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rU", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no unprivileged user namespaces here (unshare -rU)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import os\n"
+            "from elastic.actors.priority import can_restore_priority, idle_priority\n"
+            "caps = int(open('/proc/self/status').read().split('CapEff:')[1].split()[0], 16)\n"
+            "with idle_priority(True) as idle:\n"
+            "    inside = os.sched_getscheduler(0)\n"
+            "print(caps >> 23 & 1, can_restore_priority(), idle, inside == os.SCHED_OTHER)\n")
+    out = subprocess.run([unshare, "-rU", sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=root), cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "False", "False", "True"]

@@ -141,3 +141,33 @@ def test_a_cluster_whose_nodes_cannot_place_the_run_is_refused_before_it_starts(
     monkeypatch.setattr(ray, "nodes", lambda: _nodes(*[sum(nodes) * 4] * (len(nodes) + 3)))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(sum(nodes) * 4 * (len(nodes) + 3))})
     check_cluster_fits(config, config.num_replicas)  # larger nodes, and more of them: it fits
+
+
+def test_freeing_a_name_kills_only_the_actor_that_held_it_first(monkeypatch):
+    """A name freed and taken again between two looks (another driver's run of the same name)
+    belonged to another actor: the loop killed whoever held the name at each look."""
+    import ray
+
+    from elastic.actors.names import free_actor_name
+
+    class Handle:
+        def __init__(self, hex_id):
+            self._actor_id = type("Id", (), {"hex": lambda self, h=hex_id: h})()
+
+    holders = [Handle("aa"), Handle("aa"), Handle("bb"), Handle("bb")]
+    killed = []
+
+    def get_actor(name, namespace=None):
+        if not holders:
+            raise ValueError(f"no actor {name}")
+        return holders.pop(0)
+
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart: killed.append(handle._actor_id.hex()))
+    free_actor_name("controller", "ns", timeout_s=5)
+    assert killed == ["aa", "aa"] and len(holders) == 1  # "bb" seen, and left alone
+    # Told which actor was checked: one that holds the name at the first look already is not it.
+    holders[:] = [Handle("cc")]
+    killed.clear()
+    free_actor_name("controller", "ns", timeout_s=5, actor_id="aa")
+    assert killed == []

@@ -24,37 +24,56 @@ priority they took ~30 ms, for ~200 steps (same run, one eviction each).
 Going back from ``SCHED_IDLE`` needs the right to raise priority (``CAP_SYS_NICE``, or an
 ``RLIMIT_NICE`` that covers the thread's nice value; the kernel's ``can_nice``). Without it the
 spare would stay idle-class forever and become the next straggler, so then nothing changes and
-the spare starts at normal priority. Checked before anything is lowered.
+the spare starts at normal priority. Tried on a thread of its own before anything is lowered
+(``can_restore_priority``).
+
+Not covered: a process the start-up detaches (a double fork, ``setsid`` and re-parented to
+init) is no longer under this process, so it is not found and keeps SCHED_IDLE.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import resource
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
-_CAP_SYS_NICE = 23  # linux/capability.h
 
-
+@functools.lru_cache(maxsize=1)
 def can_restore_priority() -> bool:
-    """Whether this process may move a thread out of SCHED_IDLE again."""
+    """Whether this process may move a thread out of SCHED_IDLE again: tried once, on a thread of
+    its own that goes into SCHED_IDLE and back (then ends), and remembered.
+
+    Why try instead of reading the rights: the kernel checks CAP_SYS_NICE against the initial
+    user namespace, so inside another one (rootless podman, Docker or Kubernetes with user
+    namespaces and SYS_NICE added) ``CapEff`` shows the bit while leaving SCHED_IDLE fails with
+    EPERM; a seccomp profile can refuse it too. Read from CapEff, a spare started there stayed
+    idle-class for good, the next straggler."""
     if not sys.platform.startswith("linux") or not hasattr(os, "SCHED_IDLE"):
         return False
-    try:
-        with open("/proc/self/status") as f:
-            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
-        if int(caps, 16) >> _CAP_SYS_NICE & 1:
-            return True
-        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
-        nice = os.getpriority(os.PRIO_PROCESS, 0)
-        return soft == resource.RLIM_INFINITY or 20 - nice <= soft
-    except (OSError, ValueError, AttributeError):
-        return False
+    box: dict[str, bool] = {}
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            box["ok"] = False
+            return
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            box["ok"] = True
+        except OSError:
+            box["ok"] = False  # this thread ends idle-class; nothing else was lowered
+
+    thread = threading.Thread(target=probe, name="elastic-priority-probe", daemon=True)
+    thread.start()
+    thread.join(10)
+    return box.get("ok", False)
 
 
 def _thread_ids() -> list[int]:

@@ -70,14 +70,17 @@ class StepResult:
 
 
 def choose_device_and_backend(use_gpu: bool, gpu_ids: list, cuda_available: bool,
-                              device_count: int = 1) -> tuple[str, str]:
+                              device_count: int = 1, visible: str | None = None) -> tuple[str, str]:
     """NCCL on a GPU that Ray assigned to this actor, gloo on the CPU.
 
     Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs, so the first visible device (cuda:0) is
     ours. Where it does not (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``, which some
     serving set-ups use), every GPU of the node is visible (``device_count`` above the GPUs
     assigned) and Ray's id is the device's index: cuda:0 on every rank of a node made NCCL refuse
-    the group ("Duplicate GPU detected").
+    the group ("Duplicate GPU detected"). ``visible``: the process's CUDA_VISIBLE_DEVICES. Where
+    the node's own list narrows the GPUs ("4,5,6,7"), Ray's ids are that list's entries and torch
+    numbers the devices it names from 0, so the device is the id's place in the list (ids 4-7
+    all gave cuda:0 before).
     """
     if use_gpu:
         if not gpu_ids:
@@ -85,8 +88,14 @@ def choose_device_and_backend(use_gpu: bool, gpu_ids: list, cuda_available: bool
         if not cuda_available:
             raise RuntimeError(f"Ray assigned GPU(s) {gpu_ids} but torch.cuda is not available in this worker")
         first = str(gpu_ids[0])
-        if device_count > len(gpu_ids) and first.isdigit() and int(first) < device_count:
-            return f"cuda:{int(first)}", "nccl"
+        if device_count > len(gpu_ids):
+            listed = [v.strip() for v in visible.split(",")] if visible and visible.strip() else None
+            if listed is not None:
+                index = listed.index(first) if first in listed else None
+            else:
+                index = int(first) if first.isascii() and first.isdigit() else None
+            if index is not None and index < device_count:
+                return f"cuda:{index}", "nccl"
         return "cuda:0", "nccl"
     return "cpu", "gloo"
 

@@ -187,8 +187,8 @@ class TrainWorker:
         self._gpu_ids = list(ray.get_gpu_ids()) if spec.use_gpu else []
         cuda = spec.use_gpu and torch.cuda.is_available()
         self.device_str, self.backend = choose_device_and_backend(
-            spec.use_gpu, self._gpu_ids, cuda, torch.cuda.device_count() if cuda else 0
-        )
+            spec.use_gpu, self._gpu_ids, cuda, torch.cuda.device_count() if cuda else 0,
+            os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.device = torch.device(self.device_str)
         self._bind_device()
         torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
