@@ -4,6 +4,7 @@ and a storage outage against a real S3 endpoint that goes away and comes back.""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import multiprocessing
@@ -1706,6 +1707,43 @@ def test_a_scheduler_dropped_or_saved_by_another_torch_still_fits():
     multi = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD(model.parameters(), lr=0.1), [5]).state_dict()
     (problem,) = state_mismatches(live, dict(saved, scheduler=multi))
     assert "milestones" in problem and "step_size" in problem
+
+
+def test_a_sequential_schedule_into_multisteplr_resumes_past_its_hand_over():
+    """MultiStepLR keeps its milestones in a Counter; restored as a dict, SequentialLR's hand-over
+    to it (a closed-form step calling .elements()) raised AttributeError after a resume."""
+    from torch.optim import lr_scheduler as lr
+
+    from elastic.checkpoint.codec import SkeletonJson, canonical_json, flatten_state, unflatten_state
+
+    def schedule():
+        opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        return opt, lr.SequentialLR(opt, [lr.LinearLR(opt, 0.1, total_iters=3), lr.MultiStepLR(opt, [5, 8])], [3])
+
+    opt, sched = schedule()
+    opt.step()
+    sched.step()  # one step into the warm-up, as a checkpoint mid-warm-up has it
+    tensors, skeleton = flatten_state(sched.state_dict())
+    for text in (canonical_json(skeleton), SkeletonJson().dumps(skeleton)):
+        state = unflatten_state(tensors, json.loads(text))
+        assert type(state["_schedulers"][1]["milestones"]) is collections.Counter
+        opt2, resumed = schedule()
+        resumed.load_state_dict(state)
+        for _ in range(12):  # past the hand-over at step 3 and MultiStepLR's milestones after it
+            opt2.step()
+            resumed.step()
+        assert resumed.get_last_lr() == pytest.approx([0.001])  # 0.1, decayed at both milestones
+
+
+def test_a_model_compiled_in_one_run_and_not_the_other_is_named_as_that():
+    from elastic.checkpoint import state_mismatches
+
+    model = torch.nn.Linear(4, 3)
+    plain = {"model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict()}
+    compiled = dict(plain, model={f"_orig_mod.{k}": v for k, v in model.state_dict().items()})
+    for live, saved in ((plain, compiled), (compiled, plain)):
+        (problem,) = state_mismatches(live, saved)
+        assert "torch.compile's '_orig_mod.' prefix" in problem
 
 
 class _TwoLayers(torch.nn.Module):

@@ -13,6 +13,7 @@ import json
 import random
 import struct
 import sys
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,10 @@ safetensors_torch = LazyModule("safetensors.torch")
 # are tagged (keeping Adam's ``betas`` a tuple).
 _TENSOR = "__tensor__"
 _DICT = "__dict__"
+# A Counter stays one: MultiStepLR keeps its milestones in one and calls .elements() when it
+# steps in closed form (SequentialLR's hand-over to it does). Restored as a dict, a resumed
+# SequentialLR into MultiStepLR raised AttributeError at that hand-over, hours into the run.
+_COUNTER = "__counter__"
 _TUPLE = "__tuple__"
 _FLOAT = "__float__"
 _PLAIN = frozenset({int, str, bool, type(None)})  # kept in a skeleton as they are (exact types only)
@@ -66,7 +71,7 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
                         not isinstance(key, (str, int)) or isinstance(key, bool)):
                     raise TypeError(f"checkpoint state key {key!r} at {path or '<root>'} must be str or int")
                 pairs.append([key, value if type(value) in _PLAIN else walk(value, f"{prefix}{key}")])
-            return {_DICT: pairs}
+            return {_COUNTER if type(obj) is Counter else _DICT: pairs}
         if isinstance(obj, tuple):
             return {_TUPLE: [v if type(v) in _PLAIN else walk(v, f"{prefix}{i}") for i, v in enumerate(obj)]}
         if isinstance(obj, list):
@@ -104,6 +109,8 @@ def unflatten_state(tensors: dict[str, torch.Tensor], skeleton: Any) -> Any:
                 return tensors[name]
             if _DICT in obj:
                 return {key: build(value) for key, value in obj[_DICT]}
+            if _COUNTER in obj:
+                return Counter({key: build(value) for key, value in obj[_COUNTER]})
             if _TUPLE in obj:
                 return tuple(build(v) for v in obj[_TUPLE])
             if _FLOAT in obj:

@@ -92,10 +92,18 @@ def _shape(t: Any) -> list[int] | None:
     return list(shape) if shape is not None else None
 
 
+_COMPILED = "_orig_mod."
+
+
 def _model_mismatches(live: dict, saved: dict) -> list[str]:
     out = []
     missing = [k for k in live if k not in saved]
     unexpected = [k for k in saved if k not in live]
+    strip = lambda keys: sorted(str(k).replace(_COMPILED, "") for k in keys)
+    if missing and unexpected and strip(missing) == strip(unexpected):
+        # torch.compile's wrapper (OptimizedModule) prefixes every key of the model it holds
+        return [f"model: the keys differ only by torch.compile's {_COMPILED!r} prefix: the model was compiled "
+                "in one run and not in the other. Compile it in model_fn in both, or in neither"]
     if missing:
         out.append(f"model: {len(missing)} key(s) of the model are not in the checkpoint: {_names(missing)}")
     if unexpected:
