@@ -337,3 +337,7 @@ def test_a_model_whose_trainable_parameters_changed_or_that_has_sparse_gradients
     sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
     with pytest.raises(RuntimeError, match=r"sparse gradients \(0 has sparse=True\)"):
         FlatGrads(sparse).check_model(sparse)
+    # A complex parameter made the presence marks complex: the first update failed comparing them.
+    complex_ = torch.nn.Linear(4, 2, dtype=torch.complex64)
+    with pytest.raises(RuntimeError, match=r"complex parameters \(weight, bias\)"):
+        FlatGrads(complex_).check_model(complex_)

@@ -723,3 +723,151 @@ def test_a_rank_that_takes_an_older_state_forgets_the_fast_sets_of_the_history_g
     assert TrainWorker.fast_sets(rank, 1, 8) == {s: [0, 1] for s in range(1, 6)}
     state["completed_step"] = 7  # forward (a rank behind catching up): what it knows stays
     assert TrainWorker.set_state(rank, state) == 7 and sorted(rank._fast_log) == [1, 2, 3, 4, 5]
+
+
+class _FrozenBackbone(torch.nn.Module):
+    """A backbone model_fn froze (no gradients, eval mode: BatchNorm statistics fixed) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32))
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.backbone(x)))
+
+
+def frozen_backbone_model():
+    model = _FrozenBackbone()
+    model.backbone.requires_grad_(False)
+    model.backbone.eval()
+    return model
+
+
+def pretrained_style_model():
+    from helpers import make_model
+
+    return make_model().eval()  # as from_pretrained returns a model
+
+
+def _train_modes_over_steps(kind: str, out) -> None:
+    from helpers import loss_fn, make_dataset, make_sgd
+
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    model_fn = frozen_backbone_model if kind == "frozen" else pretrained_style_model
+    worker = TrainWorker(TrainingSpec(model_fn, make_sgd, make_dataset, loss_fn))
+    port = worker.host_rendezvous(60.0)
+    worker.join(0, 1, "127.0.0.1", port, 1, 20.0)
+    modes = lambda: sorted({name or "root": m.training for name, m in worker.model.named_modules()}.items())
+    built = modes()
+    worker.train_steps(1, [list(range(8))], 1)
+    worker.evaluate(lambda m: m(torch.zeros(2, 16)))
+    worker.train_steps(2, [list(range(8, 16))], 1)
+    stats = None
+    if kind == "frozen":
+        bn = worker.model.backbone[1]
+        stats = (float(bn.running_mean.abs().sum()), float(bn.running_var.sum()), int(bn.num_batches_tracked))
+    out.put((built, modes(), stats))
+    worker.leave()
+
+
+@pytest.mark.parametrize("kind", ["frozen", "pretrained"])
+def test_modules_model_fn_left_in_eval_mode_stay_there_and_a_wholly_eval_model_trains(kind):
+    # Every step called model.train(): a backbone model_fn froze in eval mode had its BatchNorm
+    # normalise with batch statistics and update its running ones (dropout on too), silently.
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_train_modes_over_steps, args=(kind, out))
+    proc.start()
+    built, after, stats = out.get(timeout=120)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert after == built  # two steps and an evaluate() in between
+    if kind == "frozen":
+        assert dict(built) == {"root": True, "backbone": False, "backbone.0": False, "backbone.1": False,
+                               "head": True}
+        assert stats == (0.0, 32.0, 0)  # BatchNorm1d's initial statistics, untouched
+    else:
+        assert all(training for _, training in built)  # switched to train mode once, at build
+
+
+def _user_code_checks(out) -> None:
+    from helpers import loss_fn, make_dataset, make_model, make_sgd
+
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    found = {}
+
+    def two_groups(params):  # reads its argument twice, as weight-decay splits do
+        return torch.optim.SGD([{"params": [p for p in params if p.ndim >= 2]},
+                                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=0.1)
+
+    worker = TrainWorker(TrainingSpec(make_model, two_groups, make_dataset, loss_fn))
+    found["groups"] = [len(g["params"]) for g in worker.optimizer.param_groups]
+    try:
+        TrainWorker(TrainingSpec(make_model, lambda p: torch.optim.SGD([x for x in p if x.ndim >= 2], lr=0.1),
+                                 make_dataset, loss_fn))
+    except ValueError as exc:
+        found["left_out"] = str(exc)
+
+    try:
+        TrainWorker(TrainingSpec(make_model, lambda p: torch.optim.LBFGS(p), make_dataset, loss_fn))
+    except ValueError as exc:
+        found["closure"] = str(exc)
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    try:
+        TrainWorker(TrainingSpec(make_model, make_sgd, Stream, loss_fn))
+    except ValueError as exc:
+        found["iterable"] = str(exc)
+    sparse_model = lambda: torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    try:
+        TrainWorker(TrainingSpec(sparse_model, make_sgd, make_dataset, loss_fn, max_grad_norm=1.0))
+    except ValueError as exc:
+        found["sparse_clip"] = str(exc)
+
+    def bypassing_ddp(model, batch):  # the bare model's forward: no all-reduce is set up
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model.module(x), y)
+
+    worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, bypassing_ddp))
+    port = worker.host_rendezvous(60.0)
+    worker.join(0, 1, "127.0.0.1", port, 1, 20.0)
+    before = worker.param_checksum()
+    try:
+        worker.train_steps(1, [list(range(8))], 1)
+    except ValueError as exc:
+        found["bypass"] = str(exc)
+    found["stepped"] = worker.param_checksum() != before
+    out.put(found)
+
+
+def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused_early():
+    # optimizer_fn got model.parameters()'s generator: a second pass over it (the biases' group)
+    # was empty and those parameters never trained. A trainable parameter in no group was never
+    # stepped and its gradient piled up. A loss_fn calling model.module skipped DDP's forward:
+    # each rank stepped on its own gradient, with nothing said until the replicas' checksums.
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_user_code_checks, args=(out,))
+    proc.start()
+    found = out.get(timeout=120)
+    proc.join(timeout=60)
+    assert found["groups"] == [2, 2]
+    assert found["left_out"].startswith("optimizer_fn left 2 trainable parameter(s) out of its param groups "
+                                        "(0.bias, 2.bias)")
+    assert found["bypass"].startswith("loss_fn never called the model it was given")
+    # At build, not at the first step after the all-reduce: an optimizer that needs a closure, and
+    # clipping sparse gradients (torch computes no norm for them)
+    assert found["closure"].startswith("optimizer_fn returned a LBFGS, whose step() needs a closure")
+    assert found["iterable"].startswith("dataset_fn returned a Stream, which cannot be read by index")
+    assert found["sparse_clip"].startswith("max_grad_norm clips the gradient's norm") and "0 has sparse=True" in \
+        found["sparse_clip"]
+    assert found["stepped"] is False  # refused before the optimizer step

@@ -127,6 +127,13 @@ class FlatGrads:
             if sparse:
                 raise RuntimeError(f"first-N aggregation does not support sparse gradients ({', '.join(sparse)} "
                                    "has sparse=True): use dense embeddings with first-N, or data parallel.")
+            # The flat buffer takes the gradients' dtype, and each step's presence marks (which
+            # replicas reached a parameter) are read from it as real numbers: with a complex
+            # parameter they were complex, and the first update failed comparing them.
+            complex_ = [name for name, p in model.named_parameters() if p.requires_grad and p.is_complex()]
+            if complex_:
+                raise RuntimeError(f"first-N aggregation does not support complex parameters ({', '.join(complex_[:5])}"
+                                   "): use data parallel (aggregation='all'), or keep them as real and imaginary parts.")
 
     def _mark(self, i: int):
         def hook(param) -> None:

@@ -196,11 +196,29 @@ class TrainWorker:
         # CUDA's fixed default seed whatever RunConfig.seed said.
         _seed_everything(spec.seed, self.device)
         self.model = spec.model_fn().to(self.device)
+        if not any(m.training for m in self.model.modules()):
+            # Built in eval mode as a whole (from_pretrained returns models so): trained in train
+            # mode, as a training loop's model.train() would. A model_fn that put some modules in
+            # eval mode beside others (a frozen backbone: BatchNorm statistics and dropout fixed)
+            # is left as it is; the steps never call model.train(), which turned those back on.
+            self.model.train()
+        self._train_modes = [(m, m.training) for m in self.model.modules()]  # evaluate() puts them back
         if not any(p.requires_grad for p in self.model.parameters()):
             # DDP would refuse it at the rendezvous, and first-N would train nothing.
             raise ValueError("model_fn returned a model with no trainable parameters (none has "
                              "requires_grad=True): there is nothing to train")
-        self.optimizer = spec.optimizer_fn(self.model.parameters())
+        # A list, not model.parameters()'s generator: an optimizer_fn that reads its argument twice
+        # (weights in one param group, biases and norms in another) built an empty second group.
+        self.optimizer = spec.optimizer_fn(list(self.model.parameters()))
+        _check_optimizer_covers(self.model, self.optimizer)
+        _check_step_needs_no_closure(self.optimizer)
+        sparse = [name for name, m in self.model.named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+        if sparse and spec.max_grad_norm is not None:
+            # clip_grad_norm_ raises NotImplementedError on a sparse gradient, at the first step.
+            raise ValueError(f"max_grad_norm clips the gradient's norm, which torch does not compute for sparse "
+                             f"gradients ({', '.join(sparse[:5])} has sparse=True): use dense embeddings, or "
+                             "leave Trainer.max_grad_norm unset")
         self.scheduler = spec.scheduler_fn(self.optimizer) if spec.scheduler_fn else None
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             # Its step() needs a metric, and the first optimizer step would fail on it far from here.
@@ -208,7 +226,14 @@ class TrainWorker:
                             "the scheduler after every optimizer step with none, on every replica alike. Use a "
                             "step-based scheduler (LambdaLR, StepLR, OneCycleLR, CosineAnnealingLR, ...).")
         self.dataset = spec.dataset_fn()
+        if isinstance(self.dataset, torch.utils.data.IterableDataset) or not hasattr(self.dataset, "__len__"):
+            # The controller hands each rank sample indices, so the dataset must be read by index
+            # (len() failed with a bare TypeError in the worker's first report).
+            raise ValueError(f"dataset_fn returned a {type(self.dataset).__name__}, which cannot be read by index: "
+                             "elastic hands each rank the indices of its samples, so it needs a map-style dataset "
+                             "(with __len__ and __getitem__)")
         self.ddp = None  # DistributedDataParallel while in a group (aggregation "all")
+        self._ddp_forwarded = False  # the step's forward went through self.ddp (_note_ddp_forward)
         self.teardown_leaks = 0  # leave() calls the DDP wrapper outlived (see leave)
         self.rank = -1
         self.world_size = 0
@@ -508,6 +533,7 @@ class TrainWorker:
                     **ddp_no_forward_buffer_sync(ddp.__init__), **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
                 if self.spec.step_fn is not None:
                     self.ddp.register_comm_hook(None, self._first_contact_hook)
+                self.ddp.register_forward_pre_hook(self._note_ddp_forward)
             if subgroup_size and subgroup_size < world_size:
                 # Every rank must create every subgroup, in the same order: gloo's new_group is a
                 # collective over the world (the use_local_synchronization variant hung in our probe).
@@ -638,6 +664,10 @@ class TrainWorker:
             self._injected_delay(step, time.perf_counter() - t_step)
         return loss, fwd if has_collective else time.perf_counter() - t_step
 
+    def _note_ddp_forward(self, module, args) -> None:
+        """A forward pre-hook on the DDP wrapper: the step's loss went through it (``_train_step``)."""
+        self._ddp_forwarded = True
+
     def _first_contact_hook(self, state, bucket):
         """DDP's all-reduce of a bucket (its default hook, the same sum and division), first
         noting, under a ``step_fn``, when this rank's first bucket of the step goes out: where it
@@ -731,9 +761,17 @@ class TrainWorker:
         _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device)
         batch = self._batch(indices)
         model = self.ddp if self.ddp is not None else self.model
-        model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self._ddp_forwarded = False
         loss, local = self._forward_backward(model, batch, step, self.ddp is not None, t0)
+        if self.ddp is not None and not self._ddp_forwarded:
+            fn = "step_fn" if self.spec.step_fn is not None else "loss_fn"
+            raise ValueError(
+                f"{fn} never called the model it was given: with data parallel that is the "
+                "DistributedDataParallel wrapper, whose forward sets up the gradient all-reduce. A forward "
+                "through model.module (or another reference to the model) leaves each rank on its own "
+                "gradients, and the replicas drift apart. Call model(...) for the forward; model.module "
+                "is the bare model for anything else.")
         compute = time.perf_counter() - t0
         if self._buffers is not None:  # DDP's rule: rank 0's buffers (elastic/actors/buffers.py)
             if self.rank == 0:
@@ -813,7 +851,6 @@ class TrainWorker:
         elif known or schedule.streak[self.rank] == 0 or (store.add(_count_key(step), 0) & 0xFF) < n:
             _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device)
             batch = self._batch(indices)
-            self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
             self._fn_grads.before_backward()
             if early:
@@ -1045,10 +1082,15 @@ class TrainWorker:
         return crc
 
     def evaluate(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
+        """``fn(model)`` in eval mode, without gradients; every module's mode is put back after."""
         self._bind_device()
         self.model.eval()
-        with torch.no_grad():
-            return fn(self.model)
+        try:
+            with torch.no_grad():
+                return fn(self.model)
+        finally:
+            for module, training in self._train_modes:
+                module.training = training
 
     # ---- checkpoints (elastic.checkpoint does the storage work) ------------------------------
     def configure_checkpoint(self, url: str, storage_options: dict, run_name: str, every_n_steps: int,
@@ -1217,6 +1259,34 @@ def forget_agreement(store, step: int) -> None:
         return
     for key in (_count_key(step), _fast_key(step)):
         store.delete_key(key)
+
+
+def _check_optimizer_covers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every trainable parameter is in one of the optimizer's param groups. Why: one left out is
+    never stepped, and since zero_grad clears only the optimizer's parameters its gradient piles
+    up step after step (and into max_grad_norm's norm). Almost always an optimizer_fn that
+    dropped it by mistake; a parameter meant to stay as it is should not require a gradient."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if left:
+        shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        raise ValueError(f"optimizer_fn left {len(left)} trainable parameter(s) out of its param groups ({shown}): "
+                         "put them in a group, or set requires_grad=False on parameters that are not trained")
+
+
+def _check_step_needs_no_closure(optimizer: torch.optim.Optimizer) -> None:
+    """elastic calls ``optimizer.step()`` once a step, with no closure: an optimizer whose step
+    needs one (LBFGS, which evaluates the loss several times a step) failed at the first step,
+    after the all-reduce, with a TypeError about a missing argument."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step with no signature to read: left to the first step
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"optimizer_fn returned a {type(optimizer).__name__}, whose step() needs a closure (it "
+                         "evaluates the loss itself); elastic steps the optimizer once a step with the gradient "
+                         "it reduced, and no closure. Use an optimizer that steps on a given gradient (SGD, "
+                         "Adam, ...).")
 
 
 class FirstNAbandoned(RuntimeError):
