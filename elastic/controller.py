@@ -26,6 +26,7 @@ from elastic.actors.worker_group import (Member, WorkerGroup, check_cluster_fits
                                          unreachable_nodes)
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents, refused_on_node
+from elastic.checkpoint.compat import UnsaveableState
 from elastic.checkpoint.store import taken_at_here
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.redact import redact_urls_in
@@ -593,6 +594,8 @@ class Controller:
             try:
                 self._answer(m, ref, deadline - time.monotonic(), "its checkpoint writer's setup")
             except ray.exceptions.RayError as exc:
+                if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, UnsaveableState):
+                    raise exc.cause from None  # the run's state, the same on every rank: no node to name
                 if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, ConfigError):
                     raise refused_on_node(f"{m.name} on node {m.info.get('node_ip')}", exc.cause) from None
                 if m.name not in spares:

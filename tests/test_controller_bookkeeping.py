@@ -456,6 +456,37 @@ def test_a_spare_that_dies_while_checkpoint_writers_are_set_up_is_dropped_not_th
         c._configure_checkpoints(c.group.members)
 
 
+def test_a_state_no_checkpoint_can_hold_ends_the_start_with_that_error_not_a_storage_refusal(
+        rayless_controller, monkeypatch):
+    # A rank's writer set-up found the state unsaveable (UnsaveableState, a ConfigError): it is the
+    # run's state, not a node's storage credentials, so it is raised as it is, without the
+    # refusal's advice about AWS variables on the nodes.
+    import ray
+
+    from elastic.checkpoint import UnsaveableState
+    from elastic.config import ConfigError
+
+    c = rayless_controller()
+    c.group = StandInGroup(ranks=2)
+    for m in c.group.members:
+        m.actor = Configures(m.name)
+    c.store = type("Store", (), {"url": "memory://x", "storage_options": {}})()
+    causes = {"rank-0": UnsaveableState("optimizer/param_groups/0/dtype has a dtype"),
+              "rank-1": ConfigError("Access Denied")}
+
+    def get(ref, **kw):
+        raise ray.exceptions.RayTaskError("configure_checkpoint", "traceback", causes[ref])
+
+    monkeypatch.setattr(controller_module.ray, "get", get)
+    with pytest.raises(UnsaveableState, match="the training state cannot be checkpointed: optimizer") as info:
+        c._configure_checkpoints(c.group.members)
+    assert "AWS" not in str(info.value)
+    del causes["rank-0"]  # a storage refusal still names the node and the credentials' advice
+    c.group.members = c.group.members[1:]
+    with pytest.raises(ConfigError, match="rank-1 on node .*Access Denied.*driver's own check passed"):
+        c._configure_checkpoints(c.group.members)
+
+
 def test_a_checkpoint_read_that_does_not_return_is_logged_and_a_stop_breaks_in(rayless_controller, monkeypatch):
     # The rank reading the checkpoint is stuck in the read (a hung mount), its heartbeat still
     # answering: the restore waited in one ray.get with no end, and a stop could not break in.

@@ -794,7 +794,7 @@ def test_modules_model_fn_left_in_eval_mode_stay_there_and_a_wholly_eval_model_t
         assert all(training for _, training in built)  # switched to train mode once, at build
 
 
-def _user_code_checks(out) -> None:
+def _user_code_checks(tmp, out) -> None:
     from helpers import loss_fn, make_dataset, make_model, make_sgd
 
     from elastic.actors.protocol import TrainingSpec
@@ -833,6 +833,19 @@ def _user_code_checks(out) -> None:
     except ValueError as exc:
         found["sparse_clip"] = str(exc)
 
+    def with_a_dtype(params):  # a param group holding a torch.dtype: no checkpoint can store it
+        opt = make_sgd(params)
+        opt.param_groups[0]["compute_dtype"] = torch.float32
+        return opt
+
+    from elastic.checkpoint import UnsaveableState
+
+    worker = TrainWorker(TrainingSpec(make_model, with_a_dtype, make_dataset, loss_fn))
+    try:
+        worker.configure_checkpoint(f"file://{tmp}/ckpt", {}, "run", 1, True)
+    except UnsaveableState as exc:
+        found["unsaveable"] = str(exc)
+
     def bypassing_ddp(model, batch):  # the bare model's forward: no all-reduce is set up
         x, y = batch
         return torch.nn.functional.cross_entropy(model.module(x), y)
@@ -849,14 +862,14 @@ def _user_code_checks(out) -> None:
     out.put(found)
 
 
-def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused_early():
+def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused_early(tmp_path):
     # optimizer_fn got model.parameters()'s generator: a second pass over it (the biases' group)
     # was empty and those parameters never trained. A trainable parameter in no group was never
     # stepped and its gradient piled up. A loss_fn calling model.module skipped DDP's forward:
     # each rank stepped on its own gradient, with nothing said until the replicas' checksums.
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_user_code_checks, args=(out,))
+    proc = ctx.Process(target=_user_code_checks, args=(str(tmp_path), out))
     proc.start()
     found = out.get(timeout=120)
     proc.join(timeout=60)
@@ -867,6 +880,10 @@ def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused
     # At build, not at the first step after the all-reduce: an optimizer that needs a closure, and
     # clipping sparse gradients (torch computes no norm for them)
     assert found["closure"].startswith("optimizer_fn returned a LBFGS, whose step() needs a closure")
+    # A state no checkpoint can hold: at the writer's set-up, before any step (it was a
+    # checkpoint_failed event every step, with no step ever committed and fit() succeeding)
+    assert found["unsaveable"].startswith("the training state cannot be checkpointed: checkpoint state at "
+                                          "optimizer/param_groups/0/compute_dtype has a dtype")
     assert found["iterable"].startswith("dataset_fn returned a Stream, which cannot be read by index")
     assert found["sparse_clip"].startswith("max_grad_norm clips the gradient's norm") and "0 has sparse=True" in \
         found["sparse_clip"]

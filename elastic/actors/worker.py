@@ -1107,10 +1107,15 @@ class TrainWorker:
         are never replaced on their way to storage (``store.is_milestone``). ``check_storage``: at
         the run's start, a rank that writes in its own process raises ConfigError when the storage
         refuses it (``CheckpointStore.warm_up``); the node's agent checks for the ranks it writes for."""
-        from elastic.checkpoint import WorkerCheckpointer
+        from elastic.checkpoint import UnsaveableState, WorkerCheckpointer
+        from elastic.checkpoint.codec import flatten_state
         from elastic.checkpoint.store import with_ages
-        from elastic.checkpoint.worker_hook import AgentCheckpointer
+        from elastic.checkpoint.worker_hook import AgentCheckpointer, live_state
 
+        try:  # once, before any step: a state no snapshot can take fails every one of them alike
+            flatten_state(live_state(self))
+        except TypeError as exc:
+            raise UnsaveableState(str(exc)) from None
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None

@@ -9,7 +9,7 @@ written last (``CheckpointCommitter``); ``CheckpointStore`` reads, verifies, lis
 from elastic.checkpoint.agent import CheckpointAgent, NodeAgents
 from elastic.checkpoint.codec import capture_rng, restore_rng
 from elastic.checkpoint.committer import CheckpointCommitter
-from elastic.checkpoint.compat import CheckpointMismatch, state_mismatches
+from elastic.checkpoint.compat import CheckpointMismatch, UnsaveableState, state_mismatches
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.storage import RetryPolicy, Storage, StorageError, StorageUnavailable, resolve_url
 from elastic.checkpoint.store import (
@@ -24,6 +24,6 @@ from elastic.checkpoint.worker_hook import AgentCheckpointer, WorkerCheckpointer
 
 __all__ = [
     "AgentCheckpointer", "AsyncPersister", "CheckpointAgent", "CheckpointCommitter", "CheckpointMismatch", "CheckpointStore", "CleanupReport", "CorruptCheckpoint", "FileEntry",
-    "NodeAgents", "RetryPolicy", "Snapshot", "StepInfo", "Storage", "StorageError", "StorageUnavailable", "WorkerCheckpointer",
+    "NodeAgents", "RetryPolicy", "Snapshot", "StepInfo", "Storage", "StorageError", "StorageUnavailable", "UnsaveableState", "WorkerCheckpointer",
     "capture_rng", "resolve_url", "restore_rng", "state_mismatches",
 ]

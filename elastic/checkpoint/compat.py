@@ -22,6 +22,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from elastic.config import ConfigError
+
+
+class UnsaveableState(ConfigError):
+    """The training state holds something a checkpoint cannot store without pickle, found when a
+    rank's checkpoint writer is set up: the run ends before any step with this error, instead of
+    training on with a checkpoint_failed event every step and no step ever committed."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+        super().__init__(
+            f"the training state cannot be checkpointed: {problem}. Keep only tensors, numbers, strings, "
+            "None and dicts, lists or tuples of them in the model's state_dict, the optimizer's param groups "
+            "and state, and the LR scheduler's state; or run without RunConfig.storage.")
+
+    def __reduce__(self):
+        return type(self), (self.problem,)
+
 
 class CheckpointMismatch(ValueError):
     """A committed checkpoint does not fit the model or optimizer it would be loaded into."""
