@@ -93,10 +93,11 @@ def test_a_part_is_reported_directly_when_the_store_is_gone(tmp_path):
     ckpt.close()
 
 
-def test_a_pool_that_could_not_connect_fails_at_once_after(monkeypatch):
-    """The group's store gone before this pool's first part: torch's client retries the connect
-    for about twice its timeout, and each of the old group's snapshots (which carry the pool)
-    waited that long again on the writer thread. Now the connect is tried once."""
+def test_a_pool_of_a_group_left_never_connects_and_one_of_a_live_group_tries_again(monkeypatch):
+    """A pool's group torn down before its first part (a failure right after a rendezvous): each
+    of the old group's queued snapshots carries the pool and retried the connect for about twice
+    the store's timeout on the writer thread. Once the rank left (retire), it fails at once. In a
+    live group a failed connect is tried again: given up on, it left every later step incomplete."""
     tries = []
     real = dist.TCPStore
 
@@ -106,9 +107,12 @@ def test_a_pool_that_could_not_connect_fails_at_once_after(monkeypatch):
 
     monkeypatch.setattr(dist, "TCPStore", counting)
     pool = PartPool("127.0.0.1", free_port(), 2, timeout_s=0.5)
-    with pytest.raises(Exception):
-        pool.add(1, 0, {"r": 0})
-    for step in (2, 3):
-        with pytest.raises(ConnectionError, match="did not answer"):
+    for step in (1, 2):
+        with pytest.raises(Exception):
             pool.add(step, 0, {"r": 0})
-    assert len(tries) == 1
+    assert len(tries) == 2  # tried again while the group may live
+    pool.retire()
+    for step in (3, 4):
+        with pytest.raises(ConnectionError, match="of a group this rank left"):
+            pool.add(step, 0, {"r": 0})
+    assert len(tries) == 2

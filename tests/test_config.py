@@ -346,6 +346,8 @@ def test_device_choice_when_ray_leaves_every_gpu_visible():
     assert choose_device_and_backend(True, ["GPU-b"], True, device_count=2, visible="GPU-a,GPU-b") == \
         ("cuda:1", "nccl")
     assert choose_device_and_backend(True, ["9"], True, device_count=4, visible="4,5,6,7") == ("cuda:0", "nccl")
+    assert choose_device_and_backend(True, ["2"], True, device_count=4, visible="GPU-a,GPU-b,GPU-c,GPU-d") == \
+        ("cuda:2", "nccl")  # an id the list does not name: taken as the index
 
 
 def test_requeue_dropped_needs_first_n_and_single_step_dispatch():

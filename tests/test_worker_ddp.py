@@ -766,11 +766,15 @@ def _train_modes_over_steps(kind: str, out) -> None:
     worker.train_steps(1, [list(range(8))], 1)
     worker.evaluate(lambda m: m(torch.zeros(2, 16)))
     worker.train_steps(2, [list(range(8, 16))], 1)
-    stats = None
+    stats, unfrozen = None, None
+    after = modes()
     if kind == "frozen":
         bn = worker.model.backbone[1]
         stats = (float(bn.running_mean.abs().sum()), float(bn.running_var.sum()), int(bn.num_batches_tracked))
-    out.put((built, modes(), stats))
+        worker.model.backbone.train()  # unfrozen by the user's code later on: evaluate() keeps that
+        worker.evaluate(lambda m: m(torch.zeros(2, 16)))
+        unfrozen = worker.model.backbone.training
+    out.put((built, after, stats, unfrozen))
     worker.leave()
 
 
@@ -782,7 +786,7 @@ def test_modules_model_fn_left_in_eval_mode_stay_there_and_a_wholly_eval_model_t
     out = ctx.Queue()
     proc = ctx.Process(target=_train_modes_over_steps, args=(kind, out))
     proc.start()
-    built, after, stats = out.get(timeout=120)
+    built, after, stats, unfrozen = out.get(timeout=120)
     proc.join(timeout=60)
     assert proc.exitcode == 0
     assert after == built  # two steps and an evaluate() in between
@@ -790,6 +794,7 @@ def test_modules_model_fn_left_in_eval_mode_stay_there_and_a_wholly_eval_model_t
         assert dict(built) == {"root": True, "backbone": False, "backbone.0": False, "backbone.1": False,
                                "head": True}
         assert stats == (0.0, 32.0, 0)  # BatchNorm1d's initial statistics, untouched
+        assert unfrozen is True  # evaluate() put back the modes it found, not the build's
     else:
         assert all(training for _, training in built)  # switched to train mode once, at build
 
@@ -846,6 +851,25 @@ def _user_code_checks(tmp, out) -> None:
     except UnsaveableState as exc:
         found["unsaveable"] = str(exc)
 
+    frozen_sparse = lambda: torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True).requires_grad_(False),
+                                                torch.nn.Linear(4, 2))
+    TrainWorker(TrainingSpec(frozen_sparse, make_sgd, make_dataset, loss_fn, max_grad_norm=1.0))  # no gradient
+    # An optimizer holding none of the model's parameters (one stepping master copies of its own)
+    TrainWorker(TrainingSpec(make_model, lambda p: torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),
+                             make_dataset, loss_fn))
+
+    def through_forward(model, batch):  # DDP's forward called by name: its all-reduce is set up
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model.forward(x), y)
+
+    worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, through_forward))
+    port = worker.host_rendezvous(60.0)
+    worker.join(0, 1, "127.0.0.1", port, 1, 20.0)
+    before = worker.param_checksum()
+    worker.train_steps(1, [list(range(8))], 1)
+    found["forward_by_name"] = worker.param_checksum() != before
+    worker.leave()
+
     def bypassing_ddp(model, batch):  # the bare model's forward: no all-reduce is set up
         x, y = batch
         return torch.nn.functional.cross_entropy(model.module(x), y)
@@ -888,3 +912,4 @@ def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused
     assert found["sparse_clip"].startswith("max_grad_norm clips the gradient's norm") and "0 has sparse=True" in \
         found["sparse_clip"]
     assert found["stepped"] is False  # refused before the optimizer step
+    assert found["forward_by_name"] is True  # model.forward(x) goes through DDP as model(x) does

@@ -56,7 +56,7 @@ from __future__ import annotations
 import functools
 import math
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from elastic._lazy import LazyModule
 
@@ -122,8 +122,7 @@ class FlatGrads:
                 "frozen or unfrozen later would be stepped differently on different replicas.")
         if not self._sparse_checked:
             self._sparse_checked = True
-            sparse = [name for name, m in model.named_modules()
-                      if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+            sparse = sparse_embeddings(model)
             if sparse:
                 raise RuntimeError(f"first-N aggregation does not support sparse gradients ({', '.join(sparse)} "
                                    "has sparse=True): use dense embeddings with first-N, or data parallel.")
@@ -316,3 +315,9 @@ class FlatGrads:
         finally:
             for p, grad in aside:
                 p.grad = grad  # the view again: the next backward accumulates into the buffer
+
+
+def sparse_embeddings(model: Any) -> list[str]:
+    """The names of the model's trainable embeddings with sparse gradients (``sparse=True``)."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]

@@ -89,10 +89,10 @@ def choose_device_and_backend(use_gpu: bool, gpu_ids: list, cuda_available: bool
             raise RuntimeError(f"Ray assigned GPU(s) {gpu_ids} but torch.cuda is not available in this worker")
         first = str(gpu_ids[0])
         if device_count > len(gpu_ids):
-            listed = [v.strip() for v in visible.split(",")] if visible and visible.strip() else None
-            if listed is not None:
-                index = listed.index(first) if first in listed else None
-            else:
+            listed = [v.strip() for v in visible.split(",")] if visible and visible.strip() else []
+            if first in listed:
+                index = listed.index(first)
+            else:  # no list, or an id not in it: Ray's id as the index
                 index = int(first) if first.isascii() and first.isdigit() else None
             if index is not None and index < device_count:
                 return f"cuda:{index}", "nccl"

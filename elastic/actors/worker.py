@@ -52,7 +52,7 @@ from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's 
     unpack_spec,
 )
 from elastic.actors.buffers import ReplicaBuffers
-from elastic.actors.grads import FlatGrads
+from elastic.actors.grads import FlatGrads, sparse_embeddings
 from elastic.actors.sends import UpdateSends, in_flight_limit, max_trail
 from elastic.actors.sitout import SitOutSchedule
 
@@ -202,7 +202,6 @@ class TrainWorker:
             # eval mode beside others (a frozen backbone: BatchNorm statistics and dropout fixed)
             # is left as it is; the steps never call model.train(), which turned those back on.
             self.model.train()
-        self._train_modes = [(m, m.training) for m in self.model.modules()]  # evaluate() puts them back
         if not any(p.requires_grad for p in self.model.parameters()):
             # DDP would refuse it at the rendezvous, and first-N would train nothing.
             raise ValueError("model_fn returned a model with no trainable parameters (none has "
@@ -212,8 +211,7 @@ class TrainWorker:
         self.optimizer = spec.optimizer_fn(list(self.model.parameters()))
         _check_optimizer_covers(self.model, self.optimizer)
         _check_step_needs_no_closure(self.optimizer)
-        sparse = [name for name, m in self.model.named_modules()
-                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+        sparse = sparse_embeddings(self.model)
         if sparse and spec.max_grad_norm is not None:
             # clip_grad_norm_ raises NotImplementedError on a sparse gradient, at the first step.
             raise ValueError(f"max_grad_norm clips the gradient's norm, which torch does not compute for sparse "
@@ -533,7 +531,7 @@ class TrainWorker:
                     **ddp_no_forward_buffer_sync(ddp.__init__), **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
                 if self.spec.step_fn is not None:
                     self.ddp.register_comm_hook(None, self._first_contact_hook)
-                self.ddp.register_forward_pre_hook(self._note_ddp_forward)
+                self.ddp.forward = _noting_forward(self.ddp, self._note_ddp_forward)
             if subgroup_size and subgroup_size < world_size:
                 # Every rank must create every subgroup, in the same order: gloo's new_group is a
                 # collective over the world (the use_local_synchronization variant hung in our probe).
@@ -606,7 +604,9 @@ class TrainWorker:
         self._fn_buffer_sends = None
         if self._fn_grads is not None:
             self._fn_grads.release()  # its step's subgroup and works, or their sockets stay open
-        self.part_pool = None  # snapshots taken in the old group keep theirs (it fails fast once gone)
+        if self.part_pool is not None:
+            self.part_pool.retire()  # snapshots taken in the old group keep theirs, which now fails fast
+        self.part_pool = None
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         with self._group_lock:  # no abort_collectives in the middle (see there)
             if dist.is_initialized():
@@ -664,8 +664,8 @@ class TrainWorker:
             self._injected_delay(step, time.perf_counter() - t_step)
         return loss, fwd if has_collective else time.perf_counter() - t_step
 
-    def _note_ddp_forward(self, module, args) -> None:
-        """A forward pre-hook on the DDP wrapper: the step's loss went through it (``_train_step``)."""
+    def _note_ddp_forward(self) -> None:
+        """The DDP wrapper's forward ran: the step's loss went through it (``_train_step``)."""
         self._ddp_forwarded = True
 
     def _first_contact_hook(self, state, bucket):
@@ -1084,12 +1084,13 @@ class TrainWorker:
     def evaluate(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
         """``fn(model)`` in eval mode, without gradients; every module's mode is put back after."""
         self._bind_device()
+        modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
         try:
             with torch.no_grad():
                 return fn(self.model)
         finally:
-            for module, training in self._train_modes:
+            for module, training in modes:
                 module.training = training
 
     # ---- checkpoints (elastic.checkpoint does the storage work) ------------------------------
@@ -1161,7 +1162,11 @@ class TrainWorker:
         # data_position: the controller resumes from it; a step whose meta lacks it is corrupt
         # (skipped for an older one), not a KeyError that ended the resume.
         state, meta = store.read_state(step, meta_keys=("data_position",))
-        shapes = [list(p.shape) for group in self.optimizer.param_groups for p in group["params"]]
+        shapes = None
+        if type(self.optimizer).__module__.startswith("torch.optim"):
+            # Only torch's own: others may keep state of these names in other shapes (GaLore's
+            # moments are of the projected, low-rank gradient).
+            shapes = [list(p.shape) for group in self.optimizer.param_groups for p in group["params"]]
         problems = state_mismatches(live_state(self), state, param_shapes=shapes)
         if problems:
             raise CheckpointMismatch(step, store.location, problems)
@@ -1266,14 +1271,32 @@ def forget_agreement(store, step: int) -> None:
         store.delete_key(key)
 
 
+def _noting_forward(ddp: Any, note: Callable[[], None]) -> Callable[..., Any]:
+    """The DDP wrapper's own forward, calling ``note`` first; set as the instance's ``forward``.
+
+    Why not a forward pre-hook: hooks run only through ``__call__``, and ``model.forward(x)``
+    does DDP's all-reduce set-up too (its forward calls ``_pre_forward``), so a correct step was
+    refused. The wrapper is reached through a weak reference: a strong one from its own
+    ``__dict__`` is a reference cycle, which leaves freeing the reducer, and its process group,
+    to the cyclic collector at any moment, not to ``leave()`` (see there for why that matters)."""
+    forward, wrapper = type(ddp).forward, weakref.ref(ddp)
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        note()
+        return forward(wrapper(), *args, **kwargs)
+
+    return noted
+
+
 def _check_optimizer_covers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every trainable parameter is in one of the optimizer's param groups. Why: one left out is
     never stepped, and since zero_grad clears only the optimizer's parameters its gradient piles
     up step after step (and into max_grad_norm's norm). Almost always an optimizer_fn that
     dropped it by mistake; a parameter meant to stay as it is should not require a gradient."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    if left:
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    left = [name for name, p in trainable if id(p) not in held]
+    if left and len(left) < len(trainable):  # none held: a wrapper stepping master copies of its own
         shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
         raise ValueError(f"optimizer_fn left {len(left)} trainable parameter(s) out of its param groups ({shown}): "
                          "put them in a group, or set requires_grad=False on parameters that are not trained")

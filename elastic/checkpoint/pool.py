@@ -50,26 +50,26 @@ class PartPool:
         self.host, self.port, self.world_size = host, int(port), int(world_size)
         self.timeout_s, self.slots = timeout_s, slots
         self._store: Any = None
-        self._unreachable: str | None = None  # why the one connect failed
+        self._retired = False  # the rank left the group (retire)
         self._lock = threading.Lock()
 
+    def retire(self) -> None:
+        """The rank left this pool's group. A pool not connected by then never connects: the
+        group's store may be gone, and torch's client retries a connect for about twice
+        ``timeout_s``. The pool rides in the payloads of the old group's snapshots, so each of
+        them paid that wait on the writer thread, the new group's writes queued behind them.
+        While the group lives, a failed connect is tried again at the next part: a pool given up
+        on in a live group would leave the other ranks' parts waiting for this rank's, and no
+        later step would complete."""
+        self._retired = True
+
     def _connect(self) -> Any:
-        """The store client, connected once. A connect that failed is not tried again: every later
-        call raises at once. Why: the group's store is gone for good then (its group torn down
-        before this pool's first part, as in a failure right after a rendezvous), and torch's
-        client retries a connect for about twice ``timeout_s``. The pool rides in the payloads
-        of the old group's snapshots, so each of them paid that wait again on the writer thread,
-        and the new group's writes queued behind them."""
         with self._lock:
-            if self._unreachable is not None:
-                raise ConnectionError(f"the part pool at {self.host}:{self.port} did not answer: {self._unreachable}")
             if self._store is None:
-                try:
-                    client = dist.TCPStore(self.host, self.port, None, False,
-                                           timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
-                except Exception as exc:
-                    self._unreachable = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                    raise
+                if self._retired:
+                    raise ConnectionError(f"the part pool at {self.host}:{self.port} is of a group this rank left")
+                client = dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=self.timeout_s),
+                                       wait_for_workers=False)
                 self._store = dist.PrefixStore(_PREFIX, client)
             return self._store
 
