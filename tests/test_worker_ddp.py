@@ -858,31 +858,29 @@ def _user_code_checks(tmp, out) -> None:
     TrainWorker(TrainingSpec(make_model, lambda p: torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),
                              make_dataset, loss_fn))
 
+    def one_step(loss) -> tuple[bool, str | None]:
+        """A rank of a one-rank DDP group takes step 1 with ``loss``: (weights moved, error)."""
+        worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, loss))
+        worker.join(0, 1, "127.0.0.1", worker.host_rendezvous(60.0), 1, 20.0)
+        before, error = worker.param_checksum(), None
+        try:
+            worker.train_steps(1, [list(range(8))], 1)
+        except ValueError as exc:
+            error = str(exc)
+        moved = worker.param_checksum() != before
+        worker.leave()
+        return moved, error
+
     def through_forward(model, batch):  # DDP's forward called by name: its all-reduce is set up
         x, y = batch
         return torch.nn.functional.cross_entropy(model.forward(x), y)
-
-    worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, through_forward))
-    port = worker.host_rendezvous(60.0)
-    worker.join(0, 1, "127.0.0.1", port, 1, 20.0)
-    before = worker.param_checksum()
-    worker.train_steps(1, [list(range(8))], 1)
-    found["forward_by_name"] = worker.param_checksum() != before
-    worker.leave()
 
     def bypassing_ddp(model, batch):  # the bare model's forward: no all-reduce is set up
         x, y = batch
         return torch.nn.functional.cross_entropy(model.module(x), y)
 
-    worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, bypassing_ddp))
-    port = worker.host_rendezvous(60.0)
-    worker.join(0, 1, "127.0.0.1", port, 1, 20.0)
-    before = worker.param_checksum()
-    try:
-        worker.train_steps(1, [list(range(8))], 1)
-    except ValueError as exc:
-        found["bypass"] = str(exc)
-    found["stepped"] = worker.param_checksum() != before
+    found["forward_by_name"] = one_step(through_forward)
+    found["stepped"], found["bypass"] = one_step(bypassing_ddp)
     out.put(found)
 
 
@@ -912,4 +910,4 @@ def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused
     assert found["sparse_clip"].startswith("max_grad_norm clips the gradient's norm") and "0 has sparse=True" in \
         found["sparse_clip"]
     assert found["stepped"] is False  # refused before the optimizer step
-    assert found["forward_by_name"] is True  # model.forward(x) goes through DDP as model(x) does
+    assert found["forward_by_name"] == (True, None)  # model.forward(x) goes through DDP as model(x) does
