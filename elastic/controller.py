@@ -594,9 +594,9 @@ class Controller:
             try:
                 self._answer(m, ref, deadline - time.monotonic(), "its checkpoint writer's setup")
             except ray.exceptions.RayError as exc:
-                if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, UnsaveableState):
-                    raise exc.cause from None  # the run's state, the same on every rank: no node to name
                 if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, ConfigError):
+                    if isinstance(exc.cause, UnsaveableState):
+                        raise exc.cause from None  # the run's state, the same on every rank: no node to name
                     raise refused_on_node(f"{m.name} on node {m.info.get('node_ip')}", exc.cause) from None
                 if m.name not in spares:
                     raise  # a rank: the caller's failure handling finds it lost

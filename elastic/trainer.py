@@ -190,11 +190,9 @@ def _ray_for_fit(address: str | None, min_cpus: float, use_gpu: bool):
     there)."""
     global _embedded_fits
     with _EMBEDDED_LOCK:
-        if _embedded_fits and ray.is_initialized():
-            _check_same_cluster(address)
-            ours = True
-        else:
-            ours = connect(address, min_cpus, use_gpu)
+        # connect() joins the Ray already up (checking it is the one asked for) and says False;
+        # while fits of this process train on it, that Ray is the embedded one, and ours too.
+        ours = connect(address, min_cpus, use_gpu) or _embedded_fits > 0
         _embedded_fits += ours
     try:
         yield

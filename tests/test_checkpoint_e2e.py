@@ -50,28 +50,16 @@ def uninterrupted():
 def _torn_step_writer(url: str, run: str, step: int) -> None:
     """Child process: write every rank's shards of ``step`` (a state unlike the run's: the last
     committed one, every float tensor moved by 1) and die by SIGKILL before any manifest."""
-    from elastic.checkpoint.codec import capture_rng
+    from elastic.checkpoint.codec import capture_rng, flatten_state
 
     store = CheckpointStore(url, run)
     state, _ = store.read_state()
-    for part in ("model", "optimizer"):
-        for value in _tensors(state[part]):
-            if value.is_floating_point():
-                value.add_(1.0)
+    for value in flatten_state({"model": state["model"], "optimizer": state["optimizer"]})[0].values():
+        if value.is_floating_point():
+            value.add_(1.0)
     for rank in range(2):
         store.write_rank_files(step, rank, 2, state, capture_rng())
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _tensors(value)
 
 
 def test_every_step_committed_and_exact_resume(ray_cluster, tmp_path, uninterrupted):

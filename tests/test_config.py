@@ -388,20 +388,23 @@ def test_fits_in_two_threads_share_the_embedded_ray_and_the_last_shuts_it_down(m
 
     up, calls = [False], []
 
-    def connect(address, min_cpus, use_gpu):
+    def connect(address, min_cpus, use_gpu):  # as the real one: True only when it started Ray
+        if up[0]:
+            return False
         calls.append("connect")
         up[0] = True
         return True
 
+    def shutdown():
+        calls.append("shutdown")
+        up[0] = False
+
     monkeypatch.setattr(trainer_module, "connect", connect)
-    monkeypatch.setattr(trainer_module.ray, "is_initialized", lambda: up[0])
-    monkeypatch.setattr(trainer_module.ray, "shutdown", lambda: calls.append("shutdown") or up.__setitem__(0, False))
-    first = trainer_module._ray_for_fit(None, 1, False)
-    first.__enter__()
-    with trainer_module._ray_for_fit(None, 1, False):  # a second fit while the first trains
-        assert calls == ["connect"]
-    assert calls == ["connect"] and up[0]  # the first still trains on it
-    first.__exit__(None, None, None)
+    monkeypatch.setattr(trainer_module.ray, "shutdown", shutdown)
+    with trainer_module._ray_for_fit(None, 1, False):
+        with trainer_module._ray_for_fit(None, 1, False):  # a second fit while the first trains
+            assert calls == ["connect"]
+        assert calls == ["connect"] and up[0]  # the first still trains on it
     assert calls == ["connect", "shutdown"] and trainer_module._embedded_fits == 0
     with trainer_module._ray_for_fit(None, 1, False):  # a later fit starts its own again
         pass

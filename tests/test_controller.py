@@ -1321,11 +1321,7 @@ def test_positions_are_kept_as_far_back_as_a_late_replica_may_trail():
 
     from elastic.actors.sends import max_trail
 
-    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
-                        loss_fn=lambda m, b: None)
-    scaling = elastic.ScalingConfig(num_workers=3, num_backups=1, aggregation="first_n")
-    c = Controller(spec, scaling, elastic.RunConfig(name="positions-kept"), elastic.FailureConfig(),
-                   global_batch_size=12)
+    c = controller("positions-kept", workers=3, backups=1, aggregation="first_n", global_batch_size=12)
     c.group = SimpleNamespace(members=[object()] * 4)
     c._positions = {step: {"epoch": 0, "cursor": 12 * step, "requeued": []} for step in range(1, 501)}
     c._forget_positions(500)

@@ -4,6 +4,7 @@ groups and ranks (``rayless_controller``), for the counts and sets that decide w
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -380,8 +381,6 @@ def test_first_n_steps_a_checkpoint_proves_take_their_fast_sets_from_the_members
     # rank then loads step 12 (no survivor holds the state). The ranks that load it know no fast
     # set, so each replica's shard of 11 and 12 was booked as used; the old members' records say
     # which two made each step. A member that died is skipped.
-    from types import SimpleNamespace
-
     from elastic.data import ShardPlan
 
     c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
@@ -429,7 +428,7 @@ def test_a_spare_that_dies_while_checkpoint_writers_are_set_up_is_dropped_not_th
     c.group = StandInGroup(ranks=2, ready_spares=1)
     for m in c.group.members + c.group.spares:
         m.actor = Configures(m.name)
-    c.store = type("Store", (), {"url": "memory://x", "storage_options": {}})()
+    c.store = SimpleNamespace(url="memory://x", storage_options={})
     dead = {"spare-0"}
 
     def get(ref, **kw):
@@ -470,7 +469,7 @@ def test_a_state_no_checkpoint_can_hold_ends_the_start_with_that_error_not_a_sto
     c.group = StandInGroup(ranks=2)
     for m in c.group.members:
         m.actor = Configures(m.name)
-    c.store = type("Store", (), {"url": "memory://x", "storage_options": {}})()
+    c.store = SimpleNamespace(url="memory://x", storage_options={})
     causes = {"rank-0": UnsaveableState("optimizer/param_groups/0/dtype has a dtype"),
               "rank-1": ConfigError("Access Denied")}
 
@@ -490,8 +489,6 @@ def test_a_state_no_checkpoint_can_hold_ends_the_start_with_that_error_not_a_sto
 def test_a_checkpoint_read_that_does_not_return_is_logged_and_a_stop_breaks_in(rayless_controller, monkeypatch):
     # The rank reading the checkpoint is stuck in the read (a hung mount), its heartbeat still
     # answering: the restore waited in one ray.get with no end, and a stop could not break in.
-    from types import SimpleNamespace
-
     from elastic.actors.protocol import StopRequested
 
     c = rayless_controller()
@@ -520,8 +517,6 @@ def test_snapshots_a_rank_dropped_count_after_it_is_gone(rayless_controller):
     # The run's checkpoint_snapshots_dropped came only from the end's drain of the ranks then in
     # the group: a rank lost or replaced before it, and a restart's new rank of the same name
     # (which took the old name's entry), were not counted.
-    from types import SimpleNamespace
-
     c = rayless_controller()
     c.group = StandInGroup(ranks=2)
     c.committer = SimpleNamespace()

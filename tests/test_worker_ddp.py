@@ -51,6 +51,19 @@ def buckets_reduced(tmp_path, caps: list) -> list[int]:
     return counts
 
 
+def local_worker(model_fn, optimizer_fn=None, dataset_fn=None, loss=None, **spec):
+    """A real TrainWorker (no Ray) in this process, on one thread; the helpers' SGD, dataset and
+    loss unless given."""
+    from helpers import loss_fn, make_dataset, make_sgd
+
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    return TrainWorker(TrainingSpec(model_fn, optimizer_fn or make_sgd, dataset_fn or make_dataset, loss or loss_fn,
+                                    **spec))
+
+
 def in_spawned_process(target, *args):
     """Run ``target(*args, out)`` in a fresh spawned process (its own torch.distributed state) and
     return what it put on ``out``."""
@@ -148,13 +161,7 @@ class MaskedModel(torch.nn.Module):
 def _first_n_send_budget(rank: int, box, out) -> None:
     """Two real TrainWorkers (no Ray) joining a first-N group (N = 1 of 2) of MaskedModel: what
     a leader keeps in flight to a late replica, a step's gradient and buffers together."""
-    from helpers import loss_fn, make_dataset, make_sgd
-
-    from elastic.actors.protocol import TrainingSpec
-    from elastic.actors.worker import TrainWorker
-
-    torch.set_num_threads(1)
-    worker = TrainWorker(TrainingSpec(MaskedModel, make_sgd, make_dataset, loss_fn))
+    worker = local_worker(MaskedModel)
     join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=False, subgroup_size=1)
     grads = worker._fn_grads.flat
     out.put((rank, (worker._fn_sends.limit, worker._fn_buffer_sends.limit,
@@ -192,13 +199,7 @@ class PerProcessInitModel(torch.nn.Module):
 def _first_n_start_state(rank: int, box, out) -> None:
     """Two real TrainWorkers (no Ray) of PerProcessInitModel join a first-N group (N = 1 of 2):
     the parameters and buffers each holds after the join."""
-    from helpers import loss_fn, make_dataset, make_sgd
-
-    from elastic.actors.protocol import TrainingSpec
-    from elastic.actors.worker import TrainWorker
-
-    torch.set_num_threads(1)
-    worker = TrainWorker(TrainingSpec(PerProcessInitModel, make_sgd, make_dataset, loss_fn))
+    worker = local_worker(PerProcessInitModel)
     before = [t.tolist() for t in worker.model.state_dict().values()]
     join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=False, subgroup_size=1)
     out.put((rank, (before, [t.tolist() for t in worker.model.state_dict().values()])))
@@ -751,16 +752,8 @@ def pretrained_style_model():
 
 
 def _train_modes_over_steps(kind: str, out) -> None:
-    from helpers import loss_fn, make_dataset, make_sgd
-
-    from elastic.actors.protocol import TrainingSpec
-    from elastic.actors.worker import TrainWorker
-
-    torch.set_num_threads(1)
-    model_fn = frozen_backbone_model if kind == "frozen" else pretrained_style_model
-    worker = TrainWorker(TrainingSpec(model_fn, make_sgd, make_dataset, loss_fn))
-    port = worker.host_rendezvous(60.0)
-    worker.join(0, 1, "127.0.0.1", port, 1, 20.0)
+    worker = local_worker(frozen_backbone_model if kind == "frozen" else pretrained_style_model)
+    join_pair(worker, 0, 1, None, 1, 20.0)  # a group of one
     modes = lambda: sorted({name or "root": m.training for name, m in worker.model.named_modules()}.items())
     built = modes()
     worker.train_steps(1, [list(range(8))], 1)
@@ -800,68 +793,54 @@ def test_modules_model_fn_left_in_eval_mode_stay_there_and_a_wholly_eval_model_t
 
 
 def _user_code_checks(tmp, out) -> None:
-    from helpers import loss_fn, make_dataset, make_model, make_sgd
+    from helpers import make_model, make_sgd
 
-    from elastic.actors.protocol import TrainingSpec
-    from elastic.actors.worker import TrainWorker
+    from elastic.checkpoint import UnsaveableState
 
-    torch.set_num_threads(1)
-    found = {}
+    def refusal(model_fn=make_model, **kw) -> str | None:
+        """Why a worker of these parts refuses to build, or None."""
+        try:
+            local_worker(model_fn, **kw)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def two_groups(params):  # reads its argument twice, as weight-decay splits do
         return torch.optim.SGD([{"params": [p for p in params if p.ndim >= 2]},
                                 {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=0.1)
 
-    worker = TrainWorker(TrainingSpec(make_model, two_groups, make_dataset, loss_fn))
-    found["groups"] = [len(g["params"]) for g in worker.optimizer.param_groups]
-    try:
-        TrainWorker(TrainingSpec(make_model, lambda p: torch.optim.SGD([x for x in p if x.ndim >= 2], lr=0.1),
-                                 make_dataset, loss_fn))
-    except ValueError as exc:
-        found["left_out"] = str(exc)
-
-    try:
-        TrainWorker(TrainingSpec(make_model, lambda p: torch.optim.LBFGS(p), make_dataset, loss_fn))
-    except ValueError as exc:
-        found["closure"] = str(exc)
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(range(10))
-
-    try:
-        TrainWorker(TrainingSpec(make_model, make_sgd, Stream, loss_fn))
-    except ValueError as exc:
-        found["iterable"] = str(exc)
-    sparse_model = lambda: torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
-    try:
-        TrainWorker(TrainingSpec(sparse_model, make_sgd, make_dataset, loss_fn, max_grad_norm=1.0))
-    except ValueError as exc:
-        found["sparse_clip"] = str(exc)
 
     def with_a_dtype(params):  # a param group holding a torch.dtype: no checkpoint can store it
         opt = make_sgd(params)
         opt.param_groups[0]["compute_dtype"] = torch.float32
         return opt
 
-    from elastic.checkpoint import UnsaveableState
-
-    worker = TrainWorker(TrainingSpec(make_model, with_a_dtype, make_dataset, loss_fn))
+    sparse_model = lambda: torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    found = {
+        "groups": [len(g["params"]) for g in local_worker(make_model, two_groups).optimizer.param_groups],
+        "left_out": refusal(optimizer_fn=lambda p: torch.optim.SGD([x for x in p if x.ndim >= 2], lr=0.1)),
+        "closure": refusal(optimizer_fn=lambda p: torch.optim.LBFGS(p)),
+        "iterable": refusal(dataset_fn=Stream),
+        "sparse_clip": refusal(sparse_model, max_grad_norm=1.0),
+    }
     try:
-        worker.configure_checkpoint(f"file://{tmp}/ckpt", {}, "run", 1, True)
+        local_worker(make_model, with_a_dtype).configure_checkpoint(f"file://{tmp}/ckpt", {}, "run", 1, True)
     except UnsaveableState as exc:
         found["unsaveable"] = str(exc)
 
     frozen_sparse = lambda: torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True).requires_grad_(False),
                                                 torch.nn.Linear(4, 2))
-    TrainWorker(TrainingSpec(frozen_sparse, make_sgd, make_dataset, loss_fn, max_grad_norm=1.0))  # no gradient
+    local_worker(frozen_sparse, max_grad_norm=1.0)  # no gradient: no refusal
     # An optimizer holding none of the model's parameters (one stepping master copies of its own)
-    TrainWorker(TrainingSpec(make_model, lambda p: torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),
-                             make_dataset, loss_fn))
+    local_worker(make_model, lambda p: torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
 
     def one_step(loss) -> tuple[bool, str | None]:
         """A rank of a one-rank DDP group takes step 1 with ``loss``: (weights moved, error)."""
-        worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, loss))
-        worker.join(0, 1, "127.0.0.1", worker.host_rendezvous(60.0), 1, 20.0)
+        worker = local_worker(make_model, loss=loss)
+        join_pair(worker, 0, 1, None, 1, 20.0)  # a group of one
         before, error = worker.param_checksum(), None
         try:
             worker.train_steps(1, [list(range(8))], 1)
@@ -889,12 +868,7 @@ def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused
     # was empty and those parameters never trained. A trainable parameter in no group was never
     # stepped and its gradient piled up. A loss_fn calling model.module skipped DDP's forward:
     # each rank stepped on its own gradient, with nothing said until the replicas' checksums.
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_user_code_checks, args=(str(tmp_path), out))
-    proc.start()
-    found = out.get(timeout=120)
-    proc.join(timeout=60)
+    found = in_spawned_process(_user_code_checks, str(tmp_path))
     assert found["groups"] == [2, 2]
     assert found["left_out"].startswith("optimizer_fn left 2 trainable parameter(s) out of its param groups "
                                         "(0.bias, 2.bias)")

@@ -146,13 +146,14 @@ def test_a_cluster_whose_nodes_cannot_place_the_run_is_refused_before_it_starts(
 def test_freeing_a_name_kills_only_the_actor_that_held_it_first(monkeypatch):
     """A name freed and taken again between two looks (another driver's run of the same name)
     belonged to another actor: the loop killed whoever held the name at each look."""
+    from types import SimpleNamespace
+
     import ray
 
     from elastic.actors.names import free_actor_name
 
-    class Handle:
-        def __init__(self, hex_id):
-            self._actor_id = type("Id", (), {"hex": lambda self, h=hex_id: h})()
+    def Handle(hex_id):  # what free_actor_name reads of an actor handle
+        return SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: hex_id))
 
     holders = [Handle("aa"), Handle("aa"), Handle("bb"), Handle("bb")]
     killed = []

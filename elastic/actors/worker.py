@@ -224,7 +224,7 @@ class TrainWorker:
                             "the scheduler after every optimizer step with none, on every replica alike. Use a "
                             "step-based scheduler (LambdaLR, StepLR, OneCycleLR, CosineAnnealingLR, ...).")
         self.dataset = spec.dataset_fn()
-        if isinstance(self.dataset, torch.utils.data.IterableDataset) or not hasattr(self.dataset, "__len__"):
+        if isinstance(self.dataset, torch_data.IterableDataset) or not hasattr(self.dataset, "__len__"):
             # The controller hands each rank sample indices, so the dataset must be read by index
             # (len() failed with a bare TypeError in the worker's first report).
             raise ValueError(f"dataset_fn returned a {type(self.dataset).__name__}, which cannot be read by index: "
@@ -1156,18 +1156,14 @@ class TrainWorker:
         Raises ``CheckpointMismatch``, with this rank's state untouched, when the step does not
         fit the model or optimizer this run built (``elastic.checkpoint.compat``)."""
         from elastic.checkpoint import CheckpointMismatch, CheckpointStore, state_mismatches
+        from elastic.checkpoint.compat import param_shapes_of
         from elastic.checkpoint.worker_hook import live_state
 
         store = CheckpointStore(url, run_name, storage_options)
         # data_position: the controller resumes from it; a step whose meta lacks it is corrupt
         # (skipped for an older one), not a KeyError that ended the resume.
         state, meta = store.read_state(step, meta_keys=("data_position",))
-        shapes = None
-        if type(self.optimizer).__module__.startswith("torch.optim"):
-            # Only torch's own: others may keep state of these names in other shapes (GaLore's
-            # moments are of the projected, low-rank gradient).
-            shapes = [list(p.shape) for group in self.optimizer.param_groups for p in group["params"]]
-        problems = state_mismatches(live_state(self), state, param_shapes=shapes)
+        problems = state_mismatches(live_state(self), state, param_shapes=param_shapes_of(self.optimizer))
         if problems:
             raise CheckpointMismatch(step, store.location, problems)
         self.set_state(state)

@@ -167,6 +167,15 @@ PARAM_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffe
                       "sum", "exp_inf", "ax", "grad_avg", "prev")
 
 
+def param_shapes_of(optimizer: Any) -> list[list[int]] | None:
+    """The shapes of ``optimizer``'s parameters in its order, for ``state_mismatches``; None for
+    an optimizer not of ``torch.optim``: others may keep state of the names above in other shapes
+    (GaLore's moments are of the projected, low-rank gradient)."""
+    if not type(optimizer).__module__.startswith("torch.optim"):
+        return None
+    return [list(p.shape) for group in optimizer.param_groups for p in group["params"]]
+
+
 def _optimizer_state_mismatches(saved: dict, param_shapes: list[list[int]]) -> list[str]:
     """The saved per-parameter state against the parameters it will be given to. Why: torch
     gives an optimizer's state to parameters by position, not by name, so a model whose

@@ -56,11 +56,6 @@ MANIFEST = "manifest.json"
 FORMAT = "elastic-checkpoint"
 VERSION = 3
 _META_KEY = "elastic"  # the rank's JSON meta, under this key of the shard's safetensors __metadata__
-# The step directories' names are parsed with STEP_DIR_NAME (elastic/config.py, which refuses a
-# run of such a name): ASCII digits only (``\d`` is any Unicode digit), at most 18 of them (a step
-# below 10**18; an int() of thousands of digits raises), matched whole (``$`` passes a trailing
-# newline); and ``parse_step_dir`` takes only the name ``step_dir`` gives.
-
 # The most a manifest may hold. Nothing records its size, so without a bound a huge object (or,
 # on local storage, a link to /dev/zero) named manifest.json was read whole, by every resume
 # and cleanup pass. One is ~200 bytes a rank plus the meta and the RNG states of ranks with no
@@ -205,7 +200,10 @@ def step_dir(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     """The step of a step directory's name, or None for any other name. Only the name
     ``step_dir`` gives counts: ``step-0000000005`` beside ``step-000000005`` named step 5
-    twice, so retention's "newest keep_last" counted it twice and deleted one step too many."""
+    twice, so retention's "newest keep_last" counted it twice and deleted one step too many.
+    Parsed with ``STEP_DIR_NAME`` (elastic/config.py, which refuses a run of such a name): ASCII
+    digits only (``\\d`` is any Unicode digit), at most 18 of them (a step below 10**18; an int()
+    of thousands of digits raises), matched whole (``$`` passes a trailing newline)."""
     m = STEP_DIR_NAME.fullmatch(name)
     if m is None:
         return None
