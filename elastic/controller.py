@@ -1727,9 +1727,15 @@ class Controller:
         return base is not None and done > base
 
     def _probe_dead(self) -> set[int]:
-        refs = {m.actor.heartbeat.remote(): m.rank for m in self.group.members}
+        """The ranks lost: those whose heartbeat does not answer within ``heartbeat_timeout_s``,
+        and those killed as hung, asked nothing. ``ray.kill`` returns before the process is gone,
+        and a heartbeat (answered on the control thread) could come back from a rank killed a
+        moment before: on a loaded node the recovery that had just killed it then found no rank
+        lost and failed the run ("rebuild failed without a lost rank")."""
+        killed = {m.rank for m in self.group.members if m.name in self._hung}
+        refs = {m.actor.heartbeat.remote(): m.rank for m in self.group.members if m.rank not in killed}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.failure_config.heartbeat_timeout_s)
-        dead = set(refs.values())
+        dead = set(refs.values()) | killed
         for ref in ready:
             try:
                 ray.get(ref)
