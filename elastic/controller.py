@@ -1260,7 +1260,7 @@ class Controller:
         for r, exc in sorted(unfinished.items()):
             if isinstance(exc, ray.exceptions.RayTaskError) and \
                     not isinstance(getattr(exc, "cause", None), CollectiveError):
-                raise WorkerError(r, str(exc)) from None
+                raise _user_failure(r, exc) from None
 
     def _finish_late(self) -> None:
         """At the end of a run: let late first-N replicas finish their windows, and let go of one
@@ -1393,7 +1393,7 @@ class Controller:
         got = 0
         dead: set[int] = set()
         collective_failed: set[int] = set()
-        user_error: tuple[int, str] | None = None
+        user_error: tuple[int, Exception] | None = None  # the first rank whose user code raised, what to raise
         cfg = self.failure_config
         # t0: the step timeout's clock, restarted after a kill and whenever a rank this wait
         # needs reports a step finished (``_check_heartbeats``): the timeout is a step's, and a
@@ -1434,7 +1434,7 @@ class Controller:
                         if isinstance(cause, CollectiveError):
                             collective_failed.add(r)
                         else:
-                            user_error = user_error or (r, str(exc))
+                            user_error = user_error or (r, _user_failure(r, exc))
                     else:
                         raise
                 if (dead or collective_failed or user_error) and first_problem is None:
@@ -1483,7 +1483,7 @@ class Controller:
                 if self._check_heartbeats(pending, beats, done_seen) & set(ranks):
                     t0 = time.time()
         if user_error is not None and not dead:
-            raise WorkerError(*user_error)
+            raise user_error[1]
         if not dead and not collective_failed:
             return results
         # Late windows that came back in this gather hold steps the fast N finished: their
@@ -2728,6 +2728,15 @@ def _storage_unavailable(exc: BaseException) -> BaseException | None:
 
     cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else exc
     return cause if isinstance(cause, StorageUnavailable) else None
+
+
+def _user_failure(rank: int, exc: "ray.exceptions.RayTaskError") -> Exception:
+    """What a step ends the run with when ``rank``'s user code raised ``exc``: the
+    ``UnsaveableState`` a snapshot found (the training state took on something no checkpoint can
+    store after the set-up's check passed: the same state on every rank, with the fix in its
+    message), as it is; any other error as the rank's ``WorkerError``, with its traceback."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, UnsaveableState) else WorkerError(rank, str(exc))
 
 
 _NODE_DEATH_MARKERS = ("node has died", "node died", "node is dead", "socket closed")

@@ -26,6 +26,7 @@ from elastic.actors.names import free_actor_name
 from elastic.actors.protocol import PackedSpec, TrainingSpec
 from elastic.actors.worker_group import check_cluster_fits
 from elastic.address import shown, trainer_address_problem, unreachable
+from elastic.checkpoint.compat import UnsaveableState
 from elastic.config import (CheckpointConfig, ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real,
                             _require_flag, _require_int, _require_positive, check_environment,
                             elastic_environment)
@@ -613,12 +614,7 @@ class Trainer:
             raise
         self._kill_controller(release=False)
         if "error" in out:
-            err = out["error"]
-            if err["type"] == "WorkerError":
-                raise WorkerError(-1, err["message"]) if "rank" not in err["message"] else _worker_error(err["message"])
-            if err["type"] == "ConfigError":
-                raise ConfigError(err["message"])
-            raise TrainingFailed(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
+            _raise_run_error(out["error"])
         hist, totals = out["history"], out["totals"]
         metrics = {
             "steps": out["steps"],
@@ -802,6 +798,19 @@ class Trainer:
 
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4g}"
+
+
+def _raise_run_error(err: dict) -> None:
+    """Raise the error the controller's run ended with (``ControllerActor.run``'s ``error``) as
+    the user catches it: the rank's WorkerError, the ConfigError (an ``UnsaveableState`` as
+    that class), anything else a TrainingFailed with the controller's traceback."""
+    if err["type"] == "WorkerError":
+        raise WorkerError(-1, err["message"]) if "rank" not in err["message"] else _worker_error(err["message"])
+    if err["type"] == "UnsaveableState":
+        raise UnsaveableState(*err["args"])
+    if err["type"] == "ConfigError":
+        raise ConfigError(err["message"])
+    raise TrainingFailed(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
 
 
 def _worker_error(message: str) -> WorkerError:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointCommitter, CheckpointStore, WorkerCheckpointer
+from elastic.checkpoint import CheckpointCommitter, CheckpointStore, UnsaveableState, WorkerCheckpointer
 from elastic.checkpoint.agent import CheckpointAgent, NodeAgents, receive_message, send_message
 from elastic.checkpoint.codec import capture_rng, encode_tensor_buffers, shard_layout
 from elastic.checkpoint.shm import SlotRing, supported
@@ -1387,3 +1387,30 @@ def test_with_no_free_slot_a_step_keep_every_keeps_waits_for_one_and_others_drop
             assert hook.dropped == 3 and received.count("snap") == AgentCheckpointer.SLOTS
         finally:
             hook.close()
+
+
+def test_a_state_no_checkpoint_can_store_ends_the_step_and_is_only_an_event_at_the_end(tmp_path):
+    # An optimizer that puts a set in its param group after the writer's set-up check: either
+    # writer's snapshot of a step raises UnsaveableState naming the step (the run ends there,
+    # where every later snapshot would fail alike). The run's final snapshot, taken once every
+    # step has trained, is a checkpoint_failed event instead: that step stays uncommitted.
+    url = f"file://{tmp_path}"
+    committer = CheckpointCommitter(CheckpointStore(url, RUN, {}, retry=FAST), CheckpointConfig(every_n_steps=1))
+    agent = CheckpointAgent(url, {}, RUN, FakeController(committer))
+    hooks = {"in_process": WorkerCheckpointer(url, {}, RUN, every_n_steps=1, retry=FAST), "agent": link(agent)}
+    worker = FakeWorker()
+    try:
+        worker.train(1)
+        worker.optimizer.param_groups[0]["tags"] = {"warm"}
+        for name, hook in hooks.items():
+            with pytest.raises(UnsaveableState, match=r"optimizer/param_groups/0/tags has a set; .*"
+                                                      r"\(found in step 1's snapshot; "):
+                hook.after_step(worker, 1)
+            events = hook.snapshot(worker, 1, final=True)
+            assert [e["event"] for e in events] == ["checkpoint_failed"], name
+            assert "optimizer/param_groups/0/tags has a set" in events[0]["error"], name
+    finally:
+        for hook in hooks.values():
+            hook.close()
+        agent.shutdown()
+        committer.close()

@@ -18,7 +18,7 @@ import ray
 import torch
 
 import elastic
-from elastic.checkpoint import CheckpointStore, memory
+from elastic.checkpoint import CheckpointStore, UnsaveableState, memory
 from elastic.checkpoint.testing import TEST_SECRET, MotoS3, clear_memory
 from helpers import (assert_weights_close, loss_fn, make_adam, make_dataset, make_model, reference_weights,
                      s3_with_credentials_in_this_process_only)
@@ -277,6 +277,33 @@ def test_a_checkpoint_of_another_model_stops_the_run_with_a_config_error_and_is_
     assert same.metrics["restored_from"] == 3 and same.history == []
     assert "already at step 3, at or past the 3 asked for" in same.events_of("resume")[-1]["message"]
     assert_weights_close(same.model_state, state["model"], atol=0)
+
+
+def test_a_state_that_turns_unsaveable_mid_run_ends_the_run_at_that_step(ray_cluster, tmp_path):
+    """An optimizer that puts a set in its param group at its third step: no checkpoint can store
+    step 3. The run ends there with UnsaveableState (a ConfigError) naming the value and the
+    step, and step 2 stays the committed one. It trained on with a checkpoint_failed event every
+    step, no step committed after 2, and fit() succeeded."""
+
+    class TaggingAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            loss = super().step(closure)
+            if int(next(iter(self.state.values()))["step"]) >= 3:
+                self.param_groups[0]["tags"] = {"warm"}
+            return loss
+
+    url = f"file://{tmp_path}/ckpt"
+    run = elastic.Trainer(make_model, lambda params: TaggingAdam(params, lr=1e-2), make_dataset, loss_fn, 32,
+                          scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
+                          run=elastic.RunConfig(name="tags", storage=url, seed=0,
+                                                checkpoint=elastic.CheckpointConfig(blocking=True)))
+    with pytest.raises(UnsaveableState) as info:
+        run.fit(steps=8)
+    assert isinstance(info.value, elastic.ConfigError) and info.value.step == 3
+    assert str(info.value).startswith("the training state cannot be checkpointed: checkpoint state at "
+                                      "optimizer/param_groups/0/tags has a set; only tensors")
+    assert "found in step 3's snapshot" in str(info.value)
+    assert CheckpointStore(url, "tags").latest_valid() == 2
 
 
 def test_elastic_stop_stops_cleanly_and_fit_again_continues_exactly(ray_cluster, tmp_path):

@@ -12,6 +12,7 @@ import traceback
 
 import ray
 
+from elastic.checkpoint.compat import UnsaveableState
 from elastic.config import ConfigError, env_log_level
 from elastic.controller import Controller
 from elastic.redact import configure_logging
@@ -47,7 +48,10 @@ class ControllerActor:
         except BaseException as exc:
             self._error = c.redact("".join(traceback.format_exception(exc)))
             out = c.result(include_state=False)
-            out["error"] = {"type": type(exc).__name__, "message": c.redact(str(exc)), "traceback": self._error}
+            out["error"] = error = {"type": type(exc).__name__, "message": c.redact(str(exc)),
+                                    "traceback": self._error}
+            if isinstance(exc, UnsaveableState):  # raised at the driver as this class (trainer._raise_run_error)
+                error["args"] = [c.redact(exc.problem), exc.step]
             return out
         finally:
             c.shutdown()

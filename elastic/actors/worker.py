@@ -1109,13 +1109,13 @@ class TrainWorker:
         the run's start, a rank that writes in its own process raises ConfigError when the storage
         refuses it (``CheckpointStore.warm_up``); the node's agent checks for the ranks it writes for."""
         from elastic.checkpoint import UnsaveableState, WorkerCheckpointer
-        from elastic.checkpoint.codec import flatten_state
+        from elastic.checkpoint.codec import UnsaveableValue, flatten_state
         from elastic.checkpoint.store import with_ages
         from elastic.checkpoint.worker_hook import AgentCheckpointer, live_state
 
         try:  # once, before any step: a state no snapshot can take fails every one of them alike
             flatten_state(live_state(self))
-        except TypeError as exc:
+        except UnsaveableValue as exc:
             raise UnsaveableState(str(exc)) from None
         if self._ckpt is not None:
             self._ckpt.close()
@@ -1175,7 +1175,7 @@ class TrainWorker:
         snapshotted now (if this rank completed it), so the run ends on a committed step."""
         if self._ckpt is None:
             return {}
-        events = self._ckpt.snapshot(self, final_step) if final_step == self.completed_step else []
+        events = self._ckpt.snapshot(self, final_step, final=True) if final_step == self.completed_step else []
         self._ckpt.flush(worker=self)
         return self._ckpt_report(self._ckpt.drain(events))
 

@@ -38,11 +38,17 @@ _FLOAT = "__float__"
 _PLAIN = frozenset({int, str, bool, type(None)})  # kept in a skeleton as they are (exact types only)
 
 
+class UnsaveableValue(TypeError):
+    """``flatten_state`` met a value no checkpoint can store without pickle; the message names
+    its path in the state (``compat.UnsaveableState`` is what the run ends with)."""
+
+
 def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
     """Split ``state`` into {name: tensor} and a JSON-safe skeleton that names each tensor.
 
     Names are the '/'-joined path (``model/fc.weight``, ``optimizer/state/0/exp_avg``). Tensors are
-    returned as they are (no copy); callers clone what they keep.
+    returned as they are (no copy); callers clone what they keep. Raises ``UnsaveableValue`` for
+    a value the skeleton cannot hold.
     """
     tensors: dict[str, torch.Tensor] = {}
     tensor_type = torch.Tensor  # once: through the lazy module each lookup is a __getattr__ call
@@ -69,7 +75,7 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
             for key, value in obj.items():
                 if type(key) is not str and type(key) is not int and (
                         not isinstance(key, (str, int)) or isinstance(key, bool)):
-                    raise TypeError(f"checkpoint state key {key!r} at {path or '<root>'} must be str or int")
+                    raise UnsaveableValue(f"checkpoint state key {key!r} at {path or '<root>'} must be str or int")
                 pairs.append([key, value if type(value) in _PLAIN else walk(value, f"{prefix}{key}")])
             return {_COUNTER if type(obj) is Counter else _DICT: pairs}
         if isinstance(obj, tuple):
@@ -79,7 +85,7 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
         if isinstance(obj, np.generic):
             item = obj.item()
             if isinstance(item, np.generic):  # longdouble and clongdouble have no Python scalar
-                raise TypeError(f"checkpoint state at {path or '<root>'} has a numpy {obj.dtype}, which has no "
+                raise UnsaveableValue(f"checkpoint state at {path or '<root>'} has a numpy {obj.dtype}, which has no "
                                 "exact Python number; convert it to a float or a tensor")
             return walk(item, path)
         if isinstance(obj, float):
@@ -88,7 +94,7 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
             return obj
         if obj is None or isinstance(obj, (bool, int, str)):
             return obj
-        raise TypeError(
+        raise UnsaveableValue(
             f"checkpoint state at {path or '<root>'} has a {type(obj).__name__}; only tensors, "
             "dicts, lists, tuples, str, int, float, bool and None can be saved without pickle"
         )

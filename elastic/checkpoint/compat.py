@@ -26,19 +26,22 @@ from elastic.config import ConfigError
 
 
 class UnsaveableState(ConfigError):
-    """The training state holds something a checkpoint cannot store without pickle, found when a
-    rank's checkpoint writer is set up: the run ends before any step with this error, instead of
-    training on with a checkpoint_failed event every step and no step ever committed."""
+    """The training state holds something a checkpoint cannot store without pickle. Found when a
+    rank's checkpoint writer is set up, the run ends before any step; found in a later step's
+    snapshot (an optimizer that adds such a value to its state as it trains; ``step`` is then
+    that step), the run ends at that step, its last committed checkpoint standing. Either way
+    instead of training on with a checkpoint_failed event every step and no step committed."""
 
-    def __init__(self, problem: str):
-        self.problem = problem
+    def __init__(self, problem: str, step: int | None = None):
+        self.problem, self.step = problem, step
+        found = "" if step is None else f" (found in step {step}'s snapshot; the state at the run's start could be saved)"
         super().__init__(
-            f"the training state cannot be checkpointed: {problem}. Keep only tensors, numbers, strings, "
+            f"the training state cannot be checkpointed: {problem}{found}. Keep only tensors, numbers, strings, "
             "None and dicts, lists or tuples of them in the model's state_dict, the optimizer's param groups "
             "and state, and the LR scheduler's state; or run without RunConfig.storage.")
 
     def __reduce__(self):
-        return type(self), (self.problem,)
+        return type(self), (self.problem, self.step)
 
 
 class CheckpointMismatch(ValueError):

@@ -20,8 +20,9 @@ import time
 from typing import Any, Callable
 
 from elastic.checkpoint.agent import MAX_MESSAGE, receive_message, send_message
-from elastic.checkpoint.codec import (RawRng, SkeletonJson, canonical_json, encoded_rng, host_copy,
-                                      json_object_plus, shard_layout)
+from elastic.checkpoint.codec import (RawRng, SkeletonJson, UnsaveableValue, canonical_json, encoded_rng,
+                                      host_copy, json_object_plus, shard_layout)
+from elastic.checkpoint.compat import UnsaveableState
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.shm import SlotRing, memfd_with
 from elastic.checkpoint.staging import StagingBuffers
@@ -89,8 +90,9 @@ def is_due(every_n_steps: int, step: int) -> bool:
 
 class SnapshotFailures:
     """The event of a snapshot that failed, for either writer; each distinct error is logged
-    with its traceback once, not every step (a state that cannot be saved fails every step
-    alike). Call it inside the ``except`` block."""
+    with its traceback once, not every step (one that repeats fails every step alike). Call it
+    inside the ``except`` block. A state no checkpoint can store is not one of these: it ends the
+    run (``UnsaveableState``), since no later step's snapshot could be taken either."""
 
     def __init__(self):
         self._last: str | None = None
@@ -161,12 +163,18 @@ class WorkerCheckpointer:
         """Snapshot and submit when the step is due; always report what finished since the last call."""
         return self._report(self.snapshot(worker, step) if self.due(step) else [])
 
-    def snapshot(self, worker: Any, step: int) -> list[dict]:
-        """Snapshot ``step`` and hand it to the writer; the events of a snapshot that failed."""
+    def snapshot(self, worker: Any, step: int, final: bool = False) -> list[dict]:
+        """Snapshot ``step`` and hand it to the writer; the events of a snapshot that failed.
+        Raises ``UnsaveableState`` for a state no checkpoint can store, unless ``final`` (the
+        run's last step, trained already: that step stays uncommitted, and the run says so)."""
         t0 = time.perf_counter()
         try:
             snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging)
-        except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
+        except UnsaveableValue as exc:
+            if not final:
+                raise UnsaveableState(str(exc), step) from None
+            return self._snapshot_failed(worker, step, exc)
+        except Exception as exc:  # noqa: BLE001 - a snapshot that failed must not stop training
             return self._snapshot_failed(worker, step, exc)
         self.last_snapshot_s = time.perf_counter() - t0
         pool = getattr(worker, "part_pool", None) if self.pool_parts else None
@@ -356,10 +364,11 @@ class AgentCheckpointer:
             return self.fallback.after_step(worker, step)
         return self._report(self.snapshot(worker, step) if self.due(step) else [])
 
-    def snapshot(self, worker: Any, step: int) -> list[dict]:
-        """Snapshot ``step`` into a slot and hand it to the agent; the events of a failure."""
+    def snapshot(self, worker: Any, step: int, final: bool = False) -> list[dict]:
+        """Snapshot ``step`` into a slot and hand it to the agent; the events of a failure.
+        ``final`` and ``UnsaveableState``: as ``WorkerCheckpointer.snapshot``."""
         if self.fallback is not None:
-            return self.fallback.snapshot(worker, step)
+            return self.fallback.snapshot(worker, step, final)
         try:
             self._poll()
             rng = RawRng.take()
@@ -385,12 +394,16 @@ class AgentCheckpointer:
             except BlockingIOError:  # the agent's queue is full: it is far behind
                 self._give_back(message)
                 return self._drop(step)
+        except UnsaveableValue as exc:
+            if not final:
+                raise UnsaveableState(str(exc), step) from None
+            return self._snapshot_failed(worker, step, exc)
         except _NoSharedMemory as exc:
             return self._fall_back(worker, step, str(exc), event="checkpoint_shared_memory_failed")
         except OSError as exc:
             why, event = self._link_lost(exc)
             return self._fall_back(worker, step, why, event=event)
-        except Exception as exc:  # noqa: BLE001 - a state we cannot save must not stop training
+        except Exception as exc:  # noqa: BLE001 - a snapshot that failed must not stop training
             return self._snapshot_failed(worker, step, exc)
         self._handed, self._dropped = step, None
         return []
