@@ -15,6 +15,7 @@ _EXPORTS = {
     "FailureConfig": "elastic.config",
     "RunConfig": "elastic.config",
     "ScalingConfig": "elastic.config",
+    "ModelParameters": "elastic.actors.protocol",
     "ReplicaDivergence": "elastic.controller",
     "State": "elastic.controller",
     "TrainingFailed": "elastic.controller",

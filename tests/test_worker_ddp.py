@@ -818,9 +818,23 @@ def _user_code_checks(tmp, out) -> None:
         opt.param_groups[0]["compute_dtype"] = torch.float32
         return opt
 
+    def by_name(params):  # no weight decay on biases, by their names
+        return torch.optim.AdamW([{"params": [p for n, p in params.named if not n.endswith("bias")]},
+                                  {"params": [p for n, p in params.named if n.endswith("bias")], "weight_decay": 0.0}],
+                                 lr=0.1)
+
+    def names_of(worker) -> list[list[str]]:
+        """Each param group's parameters, by the model's names for them."""
+        name = {id(p): n for n, p in worker.model.named_parameters()}
+        return [[name[id(p)] for p in g["params"]] for g in worker.optimizer.param_groups]
+
+    named = local_worker(make_model, lambda params: torch.optim.SGD(params.named, lr=0.1))
+    named.configure_checkpoint(f"file://{tmp}/named", {}, "run", 1, True)  # its names are saveable
     sparse_model = lambda: torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
     found = {
         "groups": [len(g["params"]) for g in local_worker(make_model, two_groups).optimizer.param_groups],
+        "by_name": names_of(local_worker(make_model, by_name)),
+        "torch_named": named.optimizer.param_groups[0]["param_names"],
         "left_out": refusal(optimizer_fn=lambda p: torch.optim.SGD([x for x in p if x.ndim >= 2], lr=0.1)),
         "closure": refusal(optimizer_fn=lambda p: torch.optim.LBFGS(p)),
         "iterable": refusal(dataset_fn=Stream),
@@ -870,6 +884,9 @@ def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused
     # each rank stepped on its own gradient, with nothing said until the replicas' checksums.
     found = in_spawned_process(_user_code_checks, str(tmp_path))
     assert found["groups"] == [2, 2]
+    # optimizer_fn's list has the names beside it (params.named), for a rule by name
+    assert found["by_name"] == [["0.weight", "2.weight"], ["0.bias", "2.bias"]]
+    assert found["torch_named"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert found["left_out"].startswith("optimizer_fn left 2 trainable parameter(s) out of its param groups "
                                         "(0.bias, 2.bias)")
     assert found["bypass"].startswith("loss_fn never called the model it was given")

@@ -39,12 +39,25 @@ class WorkerError(RuntimeError):
         return type(self), (self.rank, self.message)
 
 
+class ModelParameters(list):
+    """What ``optimizer_fn`` gets: the model's parameters as a list, in ``model.parameters()``'s
+    order, with ``named``: ``[(name, parameter), ...]`` as ``model.named_parameters()`` gives
+    them (the bare model's names, before any DDP wrapper), for rules by name such as no weight
+    decay on biases and norms. ``torch.optim`` optimizers also take ``params.named`` itself, and
+    keep the names in their param groups. A list, so an ``optimizer_fn`` written for
+    ``model.parameters()`` works unchanged and may read it twice."""
+
+    def __init__(self, model: Any):
+        self.named = list(model.named_parameters())
+        super().__init__(p for _, p in self.named)
+
+
 @dataclass
 class TrainingSpec:
     """The user's pieces of training, shipped to every worker."""
 
     model_fn: Callable[[], torch.nn.Module]
-    optimizer_fn: Callable[[Any], torch.optim.Optimizer]
+    optimizer_fn: Callable[[ModelParameters], torch.optim.Optimizer]
     dataset_fn: Callable[[], Any]
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None

@@ -43,6 +43,7 @@ from elastic._lazy import LazyModule
 from elastic.actors.priority import idle_priority, idle_threads
 from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's call protocol)
     CollectiveError,
+    ModelParameters,
     PackedSpec,
     StaleStep,
     StepResult,
@@ -208,7 +209,8 @@ class TrainWorker:
                              "requires_grad=True): there is nothing to train")
         # A list, not model.parameters()'s generator: an optimizer_fn that reads its argument twice
         # (weights in one param group, biases and norms in another) built an empty second group.
-        self.optimizer = spec.optimizer_fn(list(self.model.parameters()))
+        # With the names beside it (ModelParameters.named), for a rule by name.
+        self.optimizer = spec.optimizer_fn(ModelParameters(self.model))
         _check_optimizer_covers(self.model, self.optimizer)
         _check_step_needs_no_closure(self.optimizer)
         sparse = sparse_embeddings(self.model)
