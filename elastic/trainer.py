@@ -374,10 +374,12 @@ class Trainer:
         requeue_dropped: bool = False,
         faults: list[dict] | None = None,
         max_grad_norm: float | None = None,
+        mixed_precision: str | None = None,
     ):
         self.scaling, self.run, self.failure = scaling, run, failure
         self.model_fn, self.optimizer_fn, self.dataset_fn, self.loss_fn = model_fn, optimizer_fn, dataset_fn, loss_fn
         self.step_fn, self.scheduler_fn, self.max_grad_norm = step_fn, scheduler_fn, max_grad_norm
+        self.mixed_precision = mixed_precision
         self.global_batch_size, self.address, self.requeue_dropped = global_batch_size, address, requeue_dropped
         self.faults = faults
         self._warned: set[str] = set()
@@ -417,6 +419,7 @@ class Trainer:
         if max_grad_norm is not None:
             _require_positive("Trainer.max_grad_norm", max_grad_norm, "a number",
                               "(the gradients' total 2-norm is clipped to it), or None")
+        _check_mixed_precision(self.mixed_precision, step_fn)
         n = self.scaling.num_workers
         _require_int("Trainer.global_batch_size", global_batch_size, 1)
         _require_flag("Trainer.requeue_dropped", requeue_dropped)
@@ -459,6 +462,7 @@ class Trainer:
             cpus_per_worker=self.scaling.resources_per_worker.get("CPU", 1.0),
             bucket_cap_mb=self.scaling.bucket_cap_mb, find_unused_parameters=self.scaling.find_unused_parameters,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+            mixed_precision=self.mixed_precision,
         )
         if address is not None:
             problem = trainer_address_problem(address) if isinstance(address, str) else "is not a Ray address"
@@ -798,6 +802,20 @@ class Trainer:
 
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4g}"
+
+
+MIXED_PRECISION = (None, "bf16", "fp16")
+
+
+def _check_mixed_precision(kind: Any, step_fn: Any) -> None:
+    """``Trainer.mixed_precision``: one of ``MIXED_PRECISION``, and not with a ``step_fn``, which
+    runs the forward and backward itself (the autocast and the loss scaling belong there)."""
+    if kind not in MIXED_PRECISION:
+        raise ConfigError(f"Trainer.mixed_precision must be None, 'bf16' or 'fp16', got {kind!r}.")
+    if kind is not None and step_fn is not None:
+        raise ConfigError(f"Trainer.mixed_precision={kind!r} runs loss_fn's forward under autocast (and scales the "
+                          "fp16 loss for its backward), and a step_fn runs the forward and backward itself: "
+                          "use loss_fn, or autocast inside step_fn (bf16) and leave mixed_precision None.")
 
 
 def _raise_run_error(err: dict) -> None:

@@ -86,38 +86,55 @@ def initial_model(seed: int, model_fn=make_model):
 
 def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn=make_sgd,
                       batches: list[list[int]] | None = None, max_grad_norm: float | None = None,
-                      model_fn=make_model, shards: int = 0) -> dict:
+                      model_fn=make_model, shards: int = 0, fp16: bool = False) -> dict:
     """One process trains on the same global batches (concatenated shards) the ranks used.
 
     ``shards=k``: each batch's gradient is the mean of its k equal shards' gradients, averaged in
     the parameters' widest dtype and rounded once, as the ranks average theirs (for a model of
-    several dtypes, where one backward over the whole batch would round differently)."""
+    several dtypes, where one backward over the whole batch would round differently).
+    ``fp16``: torch's AMP recipe (the forward under fp16 autocast, a GradScaler), as
+    ``Trainer(mixed_precision="fp16")`` trains."""
     model = initial_model(seed, model_fn)
     opt = optimizer_fn(model.parameters())
+    scaler = torch.amp.GradScaler("cpu") if fp16 else None
     ds = make_dataset()
     if batches is None:
         plan = ShardPlan(len(ds), seed)
         batches = [sum(plan.take(1, global_batch)[1], []) for _ in range(steps)]
+    def backward(x, y):
+        if scaler is None:
+            loss_fn(model, (x, y)).backward()
+            return
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model, (x, y))
+        scaler.scale(loss).backward()
+
     for idx in batches:
         x, y = ds[idx]
         opt.zero_grad()
         if shards:
-            _mean_of_shard_gradients(model, x.chunk(shards), y.chunk(shards))
+            _mean_of_shard_gradients(model, x.chunk(shards), y.chunk(shards), backward)
         else:
-            loss_fn(model, (x, y)).backward()
+            backward(x, y)
+        if scaler is not None and max_grad_norm is not None:
+            scaler.unscale_(opt)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _mean_of_shard_gradients(model, xs, ys) -> None:
+def _mean_of_shard_gradients(model, xs, ys, backward) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     wide = functools.reduce(torch.promote_types, (p.dtype for p in params))
     total = [torch.zeros_like(p, dtype=wide) for p in params]
     for x, y in zip(xs, ys):
         model.zero_grad(set_to_none=True)
-        loss_fn(model, (x, y)).backward()
+        backward(x, y)
         for t, p in zip(total, params):
             t.add_(p.grad)
     for t, p in zip(total, params):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 import elastic
 from elastic.actors.worker import choose_device_and_backend
@@ -536,6 +537,20 @@ def test_fit_steps_must_be_a_whole_positive_number(value):
 def test_max_grad_norm_must_be_a_positive_number(value):
     with pytest.raises(ConfigError, match="Trainer.max_grad_norm must be a number > 0"):
         _trainer(max_grad_norm=value)
+
+
+@pytest.mark.parametrize("value", ["fp32", "FP16", "float16", True, 16, torch.float16])
+def test_mixed_precision_must_be_bf16_fp16_or_none(value):
+    with pytest.raises(ConfigError, match=r"Trainer\.mixed_precision must be None, 'bf16' or 'fp16', got "):
+        _trainer(mixed_precision=value)
+
+
+def test_mixed_precision_and_a_step_fn_are_refused_together_naming_both():
+    # A step_fn runs the forward and backward itself: the autocast and the fp16 loss scaling
+    # would have to be inside it, so the option would silently do half its job.
+    with pytest.raises(ConfigError, match=r"mixed_precision='fp16' runs loss_fn's forward under autocast.*step_fn"):
+        _trainer(mixed_precision="fp16", step_fn=lambda model, batch: None)
+    assert _trainer(mixed_precision="bf16").spec.mixed_precision == "bf16"
 
 
 @pytest.mark.parametrize("failure, run, match", [

@@ -24,7 +24,7 @@ STEPS = 8
 
 def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8,
          storage=None, checkpoint=None, max_grad_norm=None, model_fn=make_model, optimizer_fn=make_sgd,
-         bucket_cap_mb=None, step_fn=None):
+         bucket_cap_mb=None, step_fn=None, mixed_precision=None):
     return elastic.Trainer(
         model_fn, optimizer_fn, make_dataset, loss_fn, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
@@ -32,7 +32,8 @@ def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch
                                       bucket_cap_mb=bucket_cap_mb),
         run=elastic.RunConfig(name=name, seed=0, storage=storage, checkpoint=checkpoint or elastic.CheckpointConfig()),
         failure=failure or elastic.FailureConfig(checksum_every_n_steps=1),
-        faults=faults, requeue_dropped=requeue, max_grad_norm=max_grad_norm, step_fn=step_fn)
+        faults=faults, requeue_dropped=requeue, max_grad_norm=max_grad_norm, step_fn=step_fn,
+        mixed_precision=mixed_precision)
 
 
 def used_batches(result, first: int = 1) -> list[list[int]]:
@@ -169,6 +170,18 @@ def test_a_persistent_straggler_sits_out_instead_of_computing_gradients_nobody_u
     # computing replicas are the fast set, and every rank knows it without asking.
     assert 1 <= result.metrics["agreed_steps"] <= 5
     ref = reference_weights(steps, N * PER, batches=used_batches(result))
+    assert_weights_close(result.model_state, ref, atol=1e-6)
+    assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
+
+
+def test_fp16_first_n_steps_on_the_fast_ranks_scaled_gradients_and_a_replica_sitting_out_applies_them(ray_cluster):
+    # The first-N mean is of scaled fp16 gradients, unscaled by every replica's own scaler, which
+    # must agree. The slow rank sits out the steps decided while it was busy: it applies them
+    # without a backward of its own, which GradScaler refuses unless its scale was set up first.
+    result = make("firstn-fp16", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
+                  mixed_precision="fp16").fit(steps=STEPS)
+    assert not any(e["used"] for e in result.ledger if e["rank"] == 2)
+    ref = reference_weights(STEPS, N * PER, batches=used_batches(result), fp16=True, shards=N)
     assert_weights_close(result.model_state, ref, atol=1e-6)
     assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
 

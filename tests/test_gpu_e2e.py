@@ -20,6 +20,7 @@ import torch
 import elastic
 from conftest import ROOT, release_shared_cluster, start_cluster, stop_cluster
 from elastic.actors.protocol import CollectiveError
+from elastic.checkpoint import CheckpointStore
 from elastic.actors.worker import TrainingSpec
 from elastic.actors.worker_group import WorkerGroup
 from helpers import assert_weights_close, loss_fn, make_adam, make_dataset, make_model, reference_weights
@@ -37,11 +38,11 @@ def gpu_cluster():
     stop_cluster(cluster)
 
 
-def gpu_trainer(name: str, storage: str) -> elastic.Trainer:
+def gpu_trainer(name: str, storage: str, mixed_precision: str | None = None) -> elastic.Trainer:
     return elastic.Trainer(
         make_model, make_adam, make_dataset, loss_fn, 32,
         scaling=elastic.ScalingConfig(num_workers=1, use_gpu=True),
-        run=elastic.RunConfig(name=name, storage=storage, seed=0))
+        run=elastic.RunConfig(name=name, storage=storage, seed=0), mixed_precision=mixed_precision)
 
 
 def test_worker_on_gpu_uses_nccl(gpu_cluster):
@@ -109,6 +110,20 @@ def test_nccl_training_checkpoints_and_resumes_exactly(gpu_cluster, tmp_path):
     straight = gpu_trainer("gpu-straight", f"file://{tmp_path}/straight").fit(steps=12)
     # Same device, same kernels: the resumed run equals the uninterrupted one.
     assert_weights_close(resumed.model_state, straight.model_state, atol=1e-6)
+
+
+def test_fp16_on_the_gpu_scales_on_the_ranks_device_and_resumes_its_scale(gpu_cluster, tmp_path):
+    # The CPU tests run torch's AMP recipe on the CPU: here the autocast and the GradScaler are
+    # CUDA's, chosen by the rank's device.
+    url = f"file://{tmp_path}/ckpt"
+    first = gpu_trainer("gpu-fp16", url, "fp16").fit(steps=5)
+    saved = CheckpointStore(url, "gpu-fp16").read_state(5)[0]
+    assert saved["scaler"]["_growth_tracker"] == 5 and saved["scaler"]["scale"] == 65536.0
+    # fp16 kernels on the GPU against the CPU's fp32 reference: close, not equal
+    assert_weights_close(first.model_state, reference_weights(5, 32, seed=0, optimizer_fn=make_adam), atol=1e-2)
+    resumed = gpu_trainer("gpu-fp16", url, "fp16").fit(steps=8)
+    assert resumed.metrics["restored_from"] == 5
+    assert CheckpointStore(url, "gpu-fp16").read_state(8)[0]["scaler"]["_growth_tracker"] == 8
 
 
 def test_digits_example_on_gpu_with_an_embedded_ray(gpu_cluster):

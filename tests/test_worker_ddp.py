@@ -605,8 +605,8 @@ def test_set_state_leaves_adams_step_counters_where_torch_keeps_them():
     calls = []
     fresh = torch.optim.Adam(model.parameters())
     fresh.load_state_dict = lambda sd: calls.append(sd)
-    TrainWorker.set_state(SimpleNamespace(model=model, optimizer=fresh, scheduler=None, device=torch.device("meta"),
-                                          _fast_log={}), state)
+    TrainWorker.set_state(SimpleNamespace(model=model, optimizer=fresh, scheduler=None, scaler=None,
+                                          device=torch.device("meta"), _fast_log={}), state)
     assert all(s["step"].device.type == "cpu" for s in calls[0]["state"].values())
 
 
@@ -661,7 +661,7 @@ def test_a_step_of_an_aborted_nccl_generation_makes_no_update_and_fails_as_a_col
     before = model.weight.detach().clone()
     worker = SimpleNamespace(backend="nccl", generation=3, rank=0, device="cuda:0", _aborted_generation=3,
                              _collective_timeout_s=30.0, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), scheduler=None,
-                             spec=SimpleNamespace(max_grad_norm=None), completed_step=4, current_step=5,
+                             spec=SimpleNamespace(max_grad_norm=None), scaler=None, completed_step=4, current_step=5,
                              _kill_after_update=False, _kill_at=None)
     worker._check_not_aborted = lambda: TrainWorker._check_not_aborted(worker)
     with pytest.raises(CollectiveError, match="generation 3 were aborted"):
@@ -717,8 +717,8 @@ def test_a_rank_that_takes_an_older_state_forgets_the_fast_sets_of_the_history_g
 
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank = SimpleNamespace(model=model, optimizer=optimizer, scheduler=None, completed_step=8, started_step=8,
-                           _fast_log={s: (0, 1) for s in range(1, 9)})
+    rank = SimpleNamespace(model=model, optimizer=optimizer, scheduler=None, scaler=None, completed_step=8,
+                           started_step=8, _fast_log={s: (0, 1) for s in range(1, 9)})
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": None, "completed_step": 5}
     assert TrainWorker.set_state(rank, state) == 5
     assert TrainWorker.fast_sets(rank, 1, 8) == {s: [0, 1] for s in range(1, 6)}
@@ -902,3 +902,76 @@ def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused
         found["sparse_clip"]
     assert found["stepped"] is False  # refused before the optimizer step
     assert found["forward_by_name"] == (True, None)  # model.forward(x) goes through DDP as model(x) does
+
+
+def _mixed_precision_steps(out) -> None:
+    from helpers import loss_fn, make_model, reference_weights
+
+    from elastic.checkpoint.codec import flatten_state
+    from elastic.checkpoint.worker_hook import live_state
+    from elastic.data import ShardPlan
+
+    found = {}
+    plan = ShardPlan(256, 0)
+    batches = [plan.take(1, 32)[1][0] for _ in range(3)]
+
+    def trained(worker, shards, first=1):
+        """``worker`` as rank 0 of a group of one, after steps ``first``... on ``shards``."""
+        join_pair(worker, 0, 1, None, 1, 20.0)
+        try:
+            worker.train_steps(first, shards, 1)
+        finally:
+            worker.leave()
+        return worker
+
+    fp16 = trained(local_worker(make_model, mixed_precision="fp16"), batches)
+    reference = reference_weights(3, 32, batches=batches, fp16=True)
+    found["fp16_diff"] = max(float((fp16.model_state()[k] - v).abs().max()) for k, v in reference.items())
+    found["fp16_state"] = fp16.get_state()["scaler"]
+    flatten_state(live_state(fp16))  # saveable, as the checkpoint writer takes it
+
+    # A step whose scaled gradient overflows: skipped, its scale halved, the scheduler not stepped
+    halve = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    worker = trained(local_worker(make_model, mixed_precision="fp16", scheduler_fn=halve), batches[:1])
+    before = {k: v.clone() for k, v in worker.model_state().items()}
+    worker.scaler.update(2.0 ** 100)  # far past fp16's range: the gradients overflow
+    trained(worker, batches[1:2], first=2)
+    found["skipped"] = all(torch.equal(before[k], v) for k, v in worker.model_state().items())
+    found["after_overflow"] = (worker.scaler.get_scale(), worker.scheduler.last_epoch, worker.optimizer.param_groups[0]["lr"])
+    fresh = local_worker(make_model, mixed_precision="fp16")
+    fresh.set_state(worker.get_state())  # a peer's, or a checkpoint's, state: the scale comes along
+    found["restored_scale"] = fresh.scaler.get_scale()
+    fresh.set_state(local_worker(make_model).get_state())  # a run without fp16 had no scaler: a fresh one
+    found["no_scaler_state"] = fresh.scaler.get_scale()
+
+    # An update applied by a replica that never ran a backward (first-N: one sitting out its
+    # first steps, a spare just promoted): GradScaler.step refuses a scaler whose scale() never ran
+    idle = local_worker(make_model, mixed_precision="fp16")
+    before = {k: v.clone() for k, v in idle.model_state().items()}
+    for p in idle.model.parameters():
+        p.grad = torch.full_like(p, 65536.0)  # a gradient of ones, scaled
+    idle._apply_update(1)
+    found["idle_step"] = max(float((before[k] - v - 0.1).abs().max()) for k, v in idle.model_state().items())
+
+    seen = []
+
+    def noting_loss(model, batch):
+        seen.append(str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else None)
+        return loss_fn(model, batch)
+
+    bf16 = trained(local_worker(make_model, loss=noting_loss, mixed_precision="bf16"), batches[:1])
+    found["bf16"] = (seen, bf16.scaler, "scaler" in bf16.get_state())
+    out.put(found)
+
+
+def test_mixed_precision_autocasts_the_forward_and_fp16_scales_the_loss_as_torchs_amp_recipe():
+    # fp16 had no path: a step_fn could not reach the optimizer, so GradScaler's unscale, step and
+    # update could not be done. Now Trainer.mixed_precision does them, and the scaler is state.
+    found = in_spawned_process(_mixed_precision_steps)
+    assert found["fp16_diff"] <= 1e-6  # torch's AMP recipe in one process, on the same batches
+    assert found["fp16_state"]["scale"] == 65536.0 and found["fp16_state"]["_growth_tracker"] == 3
+    assert found["skipped"] is True
+    assert found["after_overflow"] == (2.0 ** 99, 1, 0.05)  # halved once; the LR of step 1's scheduler step only
+    assert found["restored_scale"] == 2.0 ** 99 and found["no_scaler_state"] == 65536.0
+    assert found["idle_step"] <= 1e-6  # SGD's lr 0.1 times the unscaled gradient of ones
+    assert found["bf16"] == (["torch.bfloat16"], None, False)

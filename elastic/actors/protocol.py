@@ -68,6 +68,7 @@ class TrainingSpec:
     bucket_cap_mb: float | None = None  # DDP gradient bucket size; None: chosen by backend (see worker)
     find_unused_parameters: bool = False  # DDP's option: some parameters may get no gradient in a step
     max_grad_norm: float | None = None  # clip the averaged gradient's total 2-norm to this, before the step
+    mixed_precision: str | None = None  # "bf16" or "fp16": the forward under autocast (fp16 with a loss scaler)
 
 
 @dataclass

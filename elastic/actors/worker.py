@@ -33,7 +33,7 @@ import traceback
 import weakref
 import zlib
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -219,6 +219,7 @@ class TrainWorker:
             raise ValueError(f"max_grad_norm clips the gradient's norm, which torch does not compute for sparse "
                              f"gradients ({', '.join(sparse[:5])} has sparse=True): use dense embeddings, or "
                              "leave Trainer.max_grad_norm unset")
+        self._autocast_dtype, self.scaler = mixed_precision(spec.mixed_precision, self.device)
         self.scheduler = spec.scheduler_fn(self.optimizer) if spec.scheduler_fn else None
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             # Its step() needs a metric, and the first optimizer step would fail on it far from here.
@@ -656,15 +657,24 @@ class TrainWorker:
                 self._injected_delay(step, time.perf_counter() - t_step)
                 return loss, time.perf_counter() - t_step
             return loss, self._contact - t_step
-        loss = self.spec.loss_fn(model, batch)
+        with self._autocast():
+            loss = self.spec.loss_fn(model, batch)
         if has_collective:
             self._injected_delay(step, time.perf_counter() - t_step)
         fwd = time.perf_counter() - t_step
         self._enter("backward+allreduce" if has_collective else "backward")
-        loss.backward()
+        # fp16: the loss scaled, so small gradients do not flush to zero; _apply_update unscales.
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         if not has_collective:
             self._injected_delay(step, time.perf_counter() - t_step)
         return loss, fwd if has_collective else time.perf_counter() - t_step
+
+    def _autocast(self):
+        """``Trainer.mixed_precision``'s autocast for the forward (the backward runs outside it, as
+        torch's AMP recipe says), or a context that does nothing."""
+        if self._autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     def _note_ddp_forward(self) -> None:
         """The DDP wrapper's forward ran: the step's loss went through it (``_train_step``)."""
@@ -1014,10 +1024,25 @@ class TrainWorker:
         first-N mean. Every replica clips the same vector the same way, so they stay identical."""
         self._check_not_aborted()
         norm = None
+        scaler = self.scaler
+        if scaler is not None and self.spec.max_grad_norm is not None:
+            scaler.unscale_(self.optimizer)  # clip the gradient itself, not the scaled one
         if self.spec.max_grad_norm is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
-        self.optimizer.step()
-        if self.scheduler is not None:
+        stepped = True
+        if scaler is None:
+            self.optimizer.step()
+        else:
+            # fp16: the step is skipped when a gradient overflowed (inf or NaN), and the scale
+            # backs off; update() lowers it exactly then, so a lower scale is a skipped step.
+            # Every replica sees the same averaged gradient (DDP's all-reduce, the first-N mean),
+            # so all skip alike and their scalers stay equal. The LR scheduler steps with the
+            # optimizer only, as the usual AMP loops do (torch warns of a scheduler stepped first).
+            scale = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            stepped = scaler.get_scale() >= scale
+        if self.scheduler is not None and stepped:
             self.scheduler.step()
         self.completed_step = step
         self.current_step = None
@@ -1028,11 +1053,14 @@ class TrainWorker:
     # ---- state -----------------------------------------------------------------------------
     def get_state(self) -> dict:
         """The full replicated training state, for a peer that has to catch up."""
+        from elastic.checkpoint.worker_hook import scaler_state
+
         return {
             "model": self.model_state(),
             "optimizer": _to_device(self.optimizer.state_dict(), torch.device("cpu")),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "completed_step": self.completed_step,
+            **scaler_state(self),
         }
 
     def model_state(self) -> dict:
@@ -1050,6 +1078,10 @@ class TrainWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        elif self.scaler is not None:  # a state of a run without fp16: a fresh scaler, as a new run's
+            _, self.scaler = mixed_precision("fp16", self.device)
         self.completed_step = self.started_step = int(state["completed_step"])
         # The fast sets of steps past the state taken (a restore or a rollback to an older step)
         # belong to a history that was given up. Kept, they answered the controller's fast_sets
@@ -1267,6 +1299,23 @@ def forget_agreement(store, step: int) -> None:
         return
     for key in (_count_key(step), _fast_key(step)):
         store.delete_key(key)
+
+
+def mixed_precision(kind: str | None, device: torch.device) -> tuple[torch.dtype | None, Any]:
+    """``Trainer.mixed_precision`` on ``device``: (the forward's autocast dtype or None, the
+    fp16 ``GradScaler`` or None).
+
+    The scaler's scale is set up here, by one ``scale()`` call, instead of at the first
+    backward: a replica may apply an update before it ever ran a backward (first-N: one sitting
+    out its first steps, a spare just promoted into the group), and ``GradScaler.step`` refuses
+    a scaler whose ``scale()`` never ran."""
+    if kind is None:
+        return None, None
+    if kind == "bf16":
+        return torch.bfloat16, None
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.scale(torch.ones((), device=device))
+    return torch.float16, scaler
 
 
 def _noting_forward(ddp: Any, note: Callable[[], None]) -> Callable[..., Any]:

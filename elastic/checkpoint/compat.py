@@ -86,7 +86,15 @@ def saved_state_problem(saved: Any) -> str | None:
             return f"the state's optimizer param group {i} is not a dict with string keys and a list of params"
     if scheduler is not None and not _keyed_by_str(scheduler):
         return "the state's scheduler is neither None nor a dict with string keys"
+    scaler = saved.get("scaler")
+    if scaler is not None and not (isinstance(scaler, dict) and all(
+            type(scaler.get(k)) in (int, float) for k in SCALER_KEYS)):
+        return f"the state's fp16 loss scaler is not a dict of its numbers ({', '.join(SCALER_KEYS)})"
     return None
+
+
+# What GradScaler.load_state_dict reads (``TrainWorker.scaler``, Trainer.mixed_precision="fp16")
+SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 def _keyed_by_str(d: Any) -> bool:

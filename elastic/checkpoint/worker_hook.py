@@ -40,7 +40,17 @@ def live_state(worker: Any) -> dict:
         "optimizer": worker.optimizer.state_dict(),
         "scheduler": worker.scheduler.state_dict() if getattr(worker, "scheduler", None) is not None else None,
         "completed_step": int(worker.completed_step),
+        **scaler_state(worker),
     }
+
+
+def scaler_state(worker: Any) -> dict:
+    """``{"scaler": its state}`` for a rank training in fp16 (``TrainWorker.scaler``: its loss
+    scale and growth count are training state, since a replica or a resumed run with another
+    scale would skip other steps), else nothing: the state of a run without one keeps the keys
+    it always had."""
+    scaler = getattr(worker, "scaler", None)
+    return {} if scaler is None else {"scaler": scaler.state_dict()}
 
 
 def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: StagingBuffers | None = None) -> Snapshot:
