@@ -132,6 +132,7 @@ class StepRecord:
     dropped: int = 0
     ranks: list[int] = field(default_factory=list)
     grad_norm: float | None = None  # the averaged gradient's 2-norm before clipping (with max_grad_norm)
+    update_skipped: bool = False  # fp16: the gradient overflowed, so no replica stepped (the loss scale backed off)
 
 
 @dataclass
@@ -144,11 +145,13 @@ class RunTotals:
     time_s: float = 0.0
     timed_samples: int = 0
     dropped: int = 0
+    skipped_updates: int = 0
 
     def add(self, records: list[StepRecord]) -> "RunTotals":
         for h in records:
             self.steps += 1
             self.dropped += h.dropped
+            self.skipped_updates += h.update_skipped
             if h.step_time_s > 0:
                 self.timed_steps += 1
                 self.time_s += h.step_time_s
@@ -361,11 +364,29 @@ class Controller:
                 self._errored(exc)
                 raise
         except BaseException as exc:
+            if isinstance(exc, (WorkerError, UnsaveableState)):
+                self._commit_before_user_error(exc)
             self._errored(exc)
             raise
         finally:
             if self.committer is not None:
                 self.committer.close()
+
+    def _commit_before_user_error(self, exc: BaseException) -> None:
+        """The user's error ends the run (``WorkerError``, ``UnsaveableState``): the ranks are
+        alive and have answered, so what their writers still held of the steps before it (the
+        background writer's default) is committed first, as a stop's is. Without this, the
+        newest committed step, where ``fit()`` again resumes once the error is fixed, depended
+        on how far the writers had got. A failure here is logged: the run ends with the user's
+        error, not with this."""
+        if self.committer is None or self.group is None:
+            return
+        try:
+            self._commit_what_ranks_wrote(None, 30, f"checkpoints of the steps before the {type(exc).__name__}",
+                                          lost_ok=True)
+        except Exception as failed:  # noqa: BLE001 - the user's error is what the run ends with
+            logger.warning("run %s: the steps before the %s could not be committed: %s", self.run_config.name,
+                           type(exc).__name__, self.redact(f"{type(failed).__name__}: {failed}")[:300])
 
     def _errored(self, exc: BaseException) -> None:
         if not self.state.is_terminal:
@@ -1094,6 +1115,7 @@ class Controller:
         record = self._book_step(step, used, loss, step_time_s)
         # Every replica clipped the same averaged gradient, so any one's norm is the step's.
         record.grad_norm = next((res.extra["grad_norm"] for res in results.values() if "grad_norm" in res.extra), None)
+        record.update_skipped = any(res.extra.get("update_skipped") for res in results.values())
         return record
 
     def _book_step(self, step: int, used, loss: float, step_time_s: float) -> StepRecord:
@@ -2497,8 +2519,10 @@ class Controller:
             except (ray.exceptions.RayError, TimeoutError) as exc:
                 # A lost rank shows in the next step, which heals it; this step then stays
                 # uncommitted, as it would have without the snapshot.
+                cause = getattr(exc, "cause", None)
+                why = f"{type(cause).__name__}: {cause}" if isinstance(cause, UnsaveableState) else type(exc).__name__
                 self.log("checkpoint_failed", f"rank {rank} did not snapshot step {step} after the eviction: "
-                         f"{type(exc).__name__}", step=step, rank=rank)
+                         f"{why}", step=step, rank=rank)
 
     def _avoid_node(self, node: str | None, now: float | None = None) -> None:
         """Keep refill spares off ``node`` for ``straggler_node_avoid_s`` from now (again, if it
@@ -2557,6 +2581,8 @@ class Controller:
             try:
                 report = ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s if lost_ok else None)
             except ray.exceptions.RayError as exc:
+                if isinstance(getattr(exc, "cause", None), UnsaveableState):
+                    raise exc.cause from None  # the last step's snapshot found it: as in a step
                 if not actor_lost(exc):
                     raise
                 # Lost after its last step (the run's end, a stop): every step trained, and what it

@@ -626,6 +626,7 @@ class Trainer:
             "samples_per_s": totals["timed_samples"] / totals["time_s"] if totals["time_s"] else 0.0,
             "mean_step_time_s": totals["time_s"] / totals["timed_steps"] if totals["timed_steps"] else 0.0,
             "dropped_samples": out["dropped_samples"],
+            "skipped_updates": totals["skipped_updates"],
             "checkpoint_snapshots_dropped": out.get("checkpoint_snapshots_dropped"),
             "late_gradients": out["late_gradients"],
             "agreed_steps": out["agreed_steps"],

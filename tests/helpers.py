@@ -86,7 +86,7 @@ def initial_model(seed: int, model_fn=make_model):
 
 def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn=make_sgd,
                       batches: list[list[int]] | None = None, max_grad_norm: float | None = None,
-                      model_fn=make_model, shards: int = 0, fp16: bool = False) -> dict:
+                      model_fn=make_model, shards: int = 0, fp16: bool = False, loss=loss_fn) -> dict:
     """One process trains on the same global batches (concatenated shards) the ranks used.
 
     ``shards=k``: each batch's gradient is the mean of its k equal shards' gradients, averaged in
@@ -103,11 +103,11 @@ def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn
         batches = [sum(plan.take(1, global_batch)[1], []) for _ in range(steps)]
     def backward(x, y):
         if scaler is None:
-            loss_fn(model, (x, y)).backward()
+            loss(model, (x, y)).backward()
             return
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(model, (x, y))
-        scaler.scale(loss).backward()
+            value = loss(model, (x, y))
+        scaler.scale(value).backward()
 
     for idx in batches:
         x, y = ds[idx]

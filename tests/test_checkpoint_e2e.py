@@ -282,8 +282,8 @@ def test_a_checkpoint_of_another_model_stops_the_run_with_a_config_error_and_is_
 def test_a_state_that_turns_unsaveable_mid_run_ends_the_run_at_that_step(ray_cluster, tmp_path):
     """An optimizer that puts a set in its param group at its third step: no checkpoint can store
     step 3. The run ends there with UnsaveableState (a ConfigError) naming the value and the
-    step, and step 2 stays the committed one. It trained on with a checkpoint_failed event every
-    step, no step committed after 2, and fit() succeeded."""
+    step, after committing step 2, which the background writers may still have held. It trained
+    on with a checkpoint_failed event every step, no step committed after 2, and fit() succeeded."""
 
     class TaggingAdam(torch.optim.Adam):
         def step(self, closure=None):
@@ -295,8 +295,7 @@ def test_a_state_that_turns_unsaveable_mid_run_ends_the_run_at_that_step(ray_clu
     url = f"file://{tmp_path}/ckpt"
     run = elastic.Trainer(make_model, lambda params: TaggingAdam(params, lr=1e-2), make_dataset, loss_fn, 32,
                           scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
-                          run=elastic.RunConfig(name="tags", storage=url, seed=0,
-                                                checkpoint=elastic.CheckpointConfig(blocking=True)))
+                          run=elastic.RunConfig(name="tags", storage=url, seed=0))
     with pytest.raises(UnsaveableState) as info:
         run.fit(steps=8)
     assert isinstance(info.value, elastic.ConfigError) and info.value.step == 3
@@ -304,6 +303,27 @@ def test_a_state_that_turns_unsaveable_mid_run_ends_the_run_at_that_step(ray_clu
                                       "optimizer/param_groups/0/tags has a set; only tensors")
     assert "found in step 3's snapshot" in str(info.value)
     assert CheckpointStore(url, "tags").latest_valid() == 2
+
+
+def test_an_error_in_the_users_step_commits_the_steps_before_it(ray_cluster, tmp_path):
+    # A loss_fn that raises in its third step, on every rank: the run ends with that WorkerError,
+    # and step 2, which the background writers may still have held, is committed first (the
+    # newest committed step depended on how far they had got).
+    calls = []
+
+    def failing_loss(model, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("a batch this loss cannot take")
+        return loss_fn(model, batch)
+
+    url = f"file://{tmp_path}/ckpt"
+    run = elastic.Trainer(make_model, make_adam, make_dataset, failing_loss, 32,
+                          scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
+                          run=elastic.RunConfig(name="user-error", storage=url, seed=0))
+    with pytest.raises(elastic.WorkerError, match="a batch this loss cannot take"):
+        run.fit(steps=8)
+    assert CheckpointStore(url, "user-error").latest_valid() == 2
 
 
 def test_fp16_trains_as_torchs_amp_recipe_and_its_loss_scale_resumes_with_it(ray_cluster, tmp_path):

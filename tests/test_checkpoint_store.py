@@ -1691,6 +1691,21 @@ def test_an_optimizer_or_scheduler_of_another_class_with_the_same_names_is_named
     assert state_mismatches({"model": model.state_dict(), "optimizer": adam, "scheduler": None}, saved) == []
 
 
+def test_an_optimizer_built_from_named_parameters_and_one_built_from_plain_ones_fit_each_other():
+    # torch keeps named parameters' names in the param groups (param_names) and loads them
+    # either way; they were taken for a hyperparameter of another optimizer class.
+    from elastic.checkpoint import state_mismatches
+
+    model = torch.nn.Linear(4, 3)
+    named = torch.optim.SGD(list(model.named_parameters()), lr=0.1).state_dict()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
+    assert "param_names" in named["param_groups"][0]
+    for live, saved in ((plain, named), (named, plain)):
+        assert state_mismatches({"model": model.state_dict(), "optimizer": live, "scheduler": None},
+                                {"model": model.state_dict(), "optimizer": saved, "scheduler": None}) == []
+    torch.optim.SGD(model.parameters(), lr=0.1).load_state_dict(named)  # as torch loads it
+
+
 def test_a_scheduler_dropped_or_saved_by_another_torch_still_fits():
     """A run that drops its scheduler reads the scheduler's initial_lr in the saved param groups;
     a scheduler's state from another torch has keys of that version (verbose, no _is_initial).

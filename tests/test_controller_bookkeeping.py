@@ -486,6 +486,59 @@ def test_a_state_no_checkpoint_can_hold_ends_the_start_with_that_error_not_a_sto
         c._configure_checkpoints(c.group.members)
 
 
+def test_an_unsaveable_state_found_by_the_last_steps_snapshot_ends_the_run_with_that_error(rayless_controller,
+                                                                                        monkeypatch):
+    # The end's flush snapshots the last step when every_n_steps skipped it; a state no
+    # checkpoint can store there ends the run as in a step, not as Ray's RayTaskError (which the
+    # driver showed as a TrainingFailed with the controller's traceback).
+    import ray
+
+    from elastic.checkpoint import UnsaveableState
+
+    c = rayless_controller()
+    c.group = StandInGroup(ranks=2)
+    for m in c.group.members:
+        m.actor = SimpleNamespace(flush_checkpoint=SimpleNamespace(remote=lambda final: final))
+
+    def get(ref, **kw):
+        raise ray.exceptions.RayTaskError("flush_checkpoint", "traceback", UnsaveableState("x has a set", ref))
+
+    monkeypatch.setattr(controller_module.ray, "get", get)
+    with pytest.raises(UnsaveableState, match=r"x has a set \(found in step 7's snapshot"):
+        c._commit_what_ranks_wrote(7, 5, "final checkpoint")
+
+
+def test_a_users_error_commits_what_the_ranks_wrote_before_the_run_ends_with_it(rayless_controller, caplog):
+    # The ranks are alive after a user's error (WorkerError, UnsaveableState): the steps their
+    # background writers still held are committed first, as a stop's are. A failure of that
+    # commit is logged; the run still ends with the user's error.
+    from elastic.checkpoint import UnsaveableState
+    from elastic.controller import WorkerError
+
+    for error in (WorkerError(1, "ValueError: a batch this loss cannot take"), UnsaveableState("x has a set", 3)):
+        c = rayless_controller()
+        c.group = StandInGroup(ranks=2)
+        c.committer = SimpleNamespace(close=lambda: None)
+        calls = []
+
+        def fail(error=error):
+            raise error
+
+        c._schedule = fail
+        c._commit_what_ranks_wrote = lambda final, timeout_s, what, lost_ok=False: calls.append((final, what, lost_ok))
+        with pytest.raises(type(error)):
+            c.run_for(steps=5)
+        assert calls == [(None, f"checkpoints of the steps before the {type(error).__name__}", True)]
+
+        def storage_gone(*args, **kwargs):
+            raise RuntimeError("the storage went away")
+
+        c._commit_what_ranks_wrote = storage_gone
+        with caplog.at_level("WARNING"), pytest.raises(type(error)):
+            c.run_for(steps=5)
+        assert f"the steps before the {type(error).__name__} could not be committed: RuntimeError" in caplog.text
+
+
 def test_a_checkpoint_read_that_does_not_return_is_logged_and_a_stop_breaks_in(rayless_controller, monkeypatch):
     # The rank reading the checkpoint is stuck in the read (a hung mount), its heartbeat still
     # answering: the restore waited in one ray.get with no end, and a stop could not break in.

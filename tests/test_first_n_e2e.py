@@ -24,9 +24,9 @@ STEPS = 8
 
 def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8,
          storage=None, checkpoint=None, max_grad_norm=None, model_fn=make_model, optimizer_fn=make_sgd,
-         bucket_cap_mb=None, step_fn=None, mixed_precision=None):
+         bucket_cap_mb=None, step_fn=None, mixed_precision=None, loss=loss_fn):
     return elastic.Trainer(
-        model_fn, optimizer_fn, make_dataset, loss_fn, N * PER,
+        model_fn, optimizer_fn, make_dataset, loss, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
                                       steps_per_dispatch=steps_per_dispatch, late_backoff_steps=late_backoff_steps,
                                       bucket_cap_mb=bucket_cap_mb),
@@ -178,10 +178,17 @@ def test_fp16_first_n_steps_on_the_fast_ranks_scaled_gradients_and_a_replica_sit
     # The first-N mean is of scaled fp16 gradients, unscaled by every replica's own scaler, which
     # must agree. The slow rank sits out the steps decided while it was busy: it applies them
     # without a backward of its own, which GradScaler refuses unless its scale was set up first.
+    # The loss is scaled up 100x, so the first steps' gradients overflow fp16 at the scaler's
+    # initial scale: those steps are skipped and the scale backs off, on every replica alike.
+    def loud_loss(model, batch):
+        return loss_fn(model, batch) * 100.0
+
     result = make("firstn-fp16", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
-                  mixed_precision="fp16").fit(steps=STEPS)
+                  mixed_precision="fp16", loss=loud_loss).fit(steps=STEPS)
     assert not any(e["used"] for e in result.ledger if e["rank"] == 2)
-    ref = reference_weights(STEPS, N * PER, batches=used_batches(result), fp16=True, shards=N)
+    skipped = [h["update_skipped"] for h in result.history]
+    assert skipped[0] and not skipped[-1] and result.metrics["skipped_updates"] == sum(skipped)
+    ref = reference_weights(STEPS, N * PER, batches=used_batches(result), fp16=True, shards=N, loss=loud_loss)
     assert_weights_close(result.model_state, ref, atol=1e-6)
     assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
 

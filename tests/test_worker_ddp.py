@@ -916,10 +916,11 @@ def _mixed_precision_steps(out) -> None:
     batches = [plan.take(1, 32)[1][0] for _ in range(3)]
 
     def trained(worker, shards, first=1):
-        """``worker`` as rank 0 of a group of one, after steps ``first``... on ``shards``."""
+        """``worker`` as rank 0 of a group of one, after steps ``first``... on ``shards`` (their
+        results in ``worker.results``)."""
         join_pair(worker, 0, 1, None, 1, 20.0)
         try:
-            worker.train_steps(first, shards, 1)
+            worker.results = worker.train_steps(first, shards, 1)
         finally:
             worker.leave()
         return worker
@@ -938,6 +939,8 @@ def _mixed_precision_steps(out) -> None:
     trained(worker, batches[1:2], first=2)
     found["skipped"] = all(torch.equal(before[k], v) for k, v in worker.model_state().items())
     found["after_overflow"] = (worker.scaler.get_scale(), worker.scheduler.last_epoch, worker.optimizer.param_groups[0]["lr"])
+    found["reported"] = [r.extra.get("update_skipped") for r in worker.results]  # the step's, to the controller
+    found["fp16_reported"] = [r.extra.get("update_skipped") for r in fp16.results]
     fresh = local_worker(make_model, mixed_precision="fp16")
     fresh.set_state(worker.get_state())  # a peer's, or a checkpoint's, state: the scale comes along
     found["restored_scale"] = fresh.scaler.get_scale()
@@ -970,7 +973,7 @@ def test_mixed_precision_autocasts_the_forward_and_fp16_scales_the_loss_as_torch
     found = in_spawned_process(_mixed_precision_steps)
     assert found["fp16_diff"] <= 1e-6  # torch's AMP recipe in one process, on the same batches
     assert found["fp16_state"]["scale"] == 65536.0 and found["fp16_state"]["_growth_tracker"] == 3
-    assert found["skipped"] is True
+    assert found["skipped"] is True and found["reported"] == [True] and found["fp16_reported"] == [None] * 3
     assert found["after_overflow"] == (2.0 ** 99, 1, 0.05)  # halved once; the LR of step 1's scheduler step only
     assert found["restored_scale"] == 2.0 ** 99 and found["no_scaler_state"] == 65536.0
     assert found["idle_step"] <= 1e-6  # SGD's lr 0.1 times the unscaled gradient of ones

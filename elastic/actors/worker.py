@@ -220,6 +220,10 @@ class TrainWorker:
                              f"gradients ({', '.join(sparse[:5])} has sparse=True): use dense embeddings, or "
                              "leave Trainer.max_grad_norm unset")
         self._autocast_dtype, self.scaler = mixed_precision(spec.mixed_precision, self.device)
+        self._stepped = False  # fp16: the optimizer stepped since _apply_update asked (_note_stepped)
+        self._update_skipped = False  # fp16: the last update was skipped, its gradient having overflowed
+        if self.scaler is not None:
+            self.optimizer.register_step_post_hook(self._note_stepped)
         self.scheduler = spec.scheduler_fn(self.optimizer) if spec.scheduler_fn else None
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             # Its step() needs a metric, and the first optimizer step would fail on it far from here.
@@ -669,6 +673,10 @@ class TrainWorker:
             self._injected_delay(step, time.perf_counter() - t_step)
         return loss, fwd if has_collective else time.perf_counter() - t_step
 
+    def _note_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's step post hook (fp16): GradScaler did not skip the step."""
+        self._stepped = True
+
     def _autocast(self):
         """``Trainer.mixed_precision``'s autocast for the forward (the backward runs outside it, as
         torch's AMP recipe says), or a context that does nothing."""
@@ -1029,20 +1037,21 @@ class TrainWorker:
             scaler.unscale_(self.optimizer)  # clip the gradient itself, not the scaled one
         if self.spec.max_grad_norm is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm))
-        stepped = True
+        self._update_skipped = False
         if scaler is None:
             self.optimizer.step()
         else:
-            # fp16: the step is skipped when a gradient overflowed (inf or NaN), and the scale
-            # backs off; update() lowers it exactly then, so a lower scale is a skipped step.
-            # Every replica sees the same averaged gradient (DDP's all-reduce, the first-N mean),
-            # so all skip alike and their scalers stay equal. The LR scheduler steps with the
-            # optimizer only, as the usual AMP loops do (torch warns of a scheduler stepped first).
-            scale = scaler.get_scale()
+            # fp16: GradScaler skips the optimizer's step when a gradient overflowed (inf or NaN)
+            # and backs the scale off. Whether it stepped is read from the optimizer's step hook,
+            # not by comparing scales (two more host syncs a step on a GPU). Every replica sees
+            # the same averaged gradient (DDP's all-reduce, the first-N mean), so all skip alike
+            # and their scalers stay equal. The LR scheduler steps with the optimizer only, as
+            # the usual AMP loops do.
+            self._stepped = False
             scaler.step(self.optimizer)
             scaler.update()
-            stepped = scaler.get_scale() >= scale
-        if self.scheduler is not None and stepped:
+            self._update_skipped = not self._stepped
+        if self.scheduler is not None and not self._update_skipped:
             self.scheduler.step()
         self.completed_step = step
         self.current_step = None
@@ -1209,7 +1218,7 @@ class TrainWorker:
         snapshotted now (if this rank completed it), so the run ends on a committed step."""
         if self._ckpt is None:
             return {}
-        events = self._ckpt.snapshot(self, final_step, final=True) if final_step == self.completed_step else []
+        events = self._ckpt.snapshot(self, final_step) if final_step == self.completed_step else []
         self._ckpt.flush(worker=self)
         return self._ckpt_report(self._ckpt.drain(events))
 
@@ -1238,6 +1247,8 @@ class TrainWorker:
         extra = {} if self._ckpt is None else self._ckpt_report(self._ckpt.after_step(self, step))
         if grad_norm is not None:
             extra["grad_norm"] = grad_norm
+        if self._update_skipped:
+            extra["update_skipped"] = True
         if self._checksum_every and step % self._checksum_every == 0:
             extra["checksum"] = self.param_checksum()
         return extra

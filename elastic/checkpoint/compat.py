@@ -158,8 +158,10 @@ def _optimizer_mismatches(live: dict, saved: dict) -> list[str]:
         # hyperparameters with defaults (its load_state_dict fills them in), so a checkpoint
         # from an older torch lacking one still fits.
         # initial_lr: an LR scheduler adds it to the groups, so a run that dropped its scheduler
-        # reads it in the checkpoint's groups; the optimizer never reads it.
-        unknown = sorted(set(theirs) - set(mine) - {"initial_lr"})
+        # reads it in the checkpoint's groups; the optimizer never reads it. param_names: an
+        # optimizer built from named parameters (ModelParameters.named) keeps them there, and
+        # torch loads them into one built from plain parameters (the names are no hyperparameter).
+        unknown = sorted(set(theirs) - set(mine) - {"initial_lr", "param_names"})
         if unknown:
             out.append(f"optimizer: param group {i} of the checkpoint has hyperparameters this optimizer does not "
                        f"have: {shown(unknown)} (was it saved from another optimizer class?)")

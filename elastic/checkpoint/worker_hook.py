@@ -173,17 +173,14 @@ class WorkerCheckpointer:
         """Snapshot and submit when the step is due; always report what finished since the last call."""
         return self._report(self.snapshot(worker, step) if self.due(step) else [])
 
-    def snapshot(self, worker: Any, step: int, final: bool = False) -> list[dict]:
+    def snapshot(self, worker: Any, step: int) -> list[dict]:
         """Snapshot ``step`` and hand it to the writer; the events of a snapshot that failed.
-        Raises ``UnsaveableState`` for a state no checkpoint can store, unless ``final`` (the
-        run's last step, trained already: that step stays uncommitted, and the run says so)."""
+        Raises ``UnsaveableState`` for a state no checkpoint can store."""
         t0 = time.perf_counter()
         try:
             snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging)
         except UnsaveableValue as exc:
-            if not final:
-                raise UnsaveableState(str(exc), step) from None
-            return self._snapshot_failed(worker, step, exc)
+            raise UnsaveableState(str(exc), step) from None
         except Exception as exc:  # noqa: BLE001 - a snapshot that failed must not stop training
             return self._snapshot_failed(worker, step, exc)
         self.last_snapshot_s = time.perf_counter() - t0
@@ -374,11 +371,11 @@ class AgentCheckpointer:
             return self.fallback.after_step(worker, step)
         return self._report(self.snapshot(worker, step) if self.due(step) else [])
 
-    def snapshot(self, worker: Any, step: int, final: bool = False) -> list[dict]:
+    def snapshot(self, worker: Any, step: int) -> list[dict]:
         """Snapshot ``step`` into a slot and hand it to the agent; the events of a failure.
-        ``final`` and ``UnsaveableState``: as ``WorkerCheckpointer.snapshot``."""
+        Raises ``UnsaveableState`` for a state no checkpoint can store."""
         if self.fallback is not None:
-            return self.fallback.snapshot(worker, step, final)
+            return self.fallback.snapshot(worker, step)
         try:
             self._poll()
             rng = RawRng.take()
@@ -405,9 +402,7 @@ class AgentCheckpointer:
                 self._give_back(message)
                 return self._drop(step)
         except UnsaveableValue as exc:
-            if not final:
-                raise UnsaveableState(str(exc), step) from None
-            return self._snapshot_failed(worker, step, exc)
+            raise UnsaveableState(str(exc), step) from None
         except _NoSharedMemory as exc:
             return self._fall_back(worker, step, str(exc), event="checkpoint_shared_memory_failed")
         except OSError as exc:
