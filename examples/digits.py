@@ -89,6 +89,7 @@ def build_trainer(args) -> elastic.Trainer:
         failure=elastic.FailureConfig(evict_stragglers=args.evict_stragglers),
         faults=faults(args),
         address=args.address,
+        mixed_precision=args.mixed_precision,
     )
 
 
@@ -116,6 +117,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-from-step", type=int, default=10)
     p.add_argument("--evict-stragglers", action="store_true",
                    help="put a hot spare in the place of a rank that stays slower than its peers")
+    p.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
+                   help="the forward under autocast; fp16 scales the loss (a GradScaler)")
     return p
 
 

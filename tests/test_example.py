@@ -66,6 +66,11 @@ def test_the_straggler_demo_flags_make_a_first_n_run_with_a_slow_rank():
     assert digits.build_trainer(digits.parse_args([])).faults == []
 
 
+def test_the_mixed_precision_flag_asks_the_trainer_for_it():
+    assert digits.build_trainer(digits.parse_args(["--mixed-precision", "fp16"])).spec.mixed_precision == "fp16"
+    assert digits.build_trainer(digits.parse_args([])).spec.mixed_precision is None
+
+
 @pytest.mark.parametrize("args, field, flags", [
     (["--slow-rank", "5"], "Trainer.faults", "--slow-rank/--slow-factor/--slow-delay/--slow-from-step: "),
     (["--evict-stragglers", "--spares", "0"], "ScalingConfig.num_backups", "--evict-stragglers, --spares: "),
