@@ -341,8 +341,11 @@ def test_fp16_trains_as_torchs_amp_recipe_and_its_loss_scale_resumes_with_it(ray
 
     fp16().fit(steps=4)
     store = CheckpointStore(url, "fp16")
-    assert store.read_state(4)[0]["scaler"] == {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                                 "growth_interval": 2000, "_growth_tracker": 4}
+    saved = store.read_state(4)[0]
+    assert saved["scaler"] == {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                               "growth_interval": 2000, "_growth_tracker": 4}
+    # With every checkpoint: the names of the optimizer's parameters, for the resume's check
+    assert saved["optimizer_param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     again = fp16().fit(steps=8)
     assert again.metrics["restored_from"] == 4
     assert store.read_state(8)[0]["scaler"]["_growth_tracker"] == 8

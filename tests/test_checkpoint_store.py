@@ -1691,6 +1691,41 @@ def test_an_optimizer_or_scheduler_of_another_class_with_the_same_names_is_named
     assert state_mismatches({"model": model.state_dict(), "optimizer": adam, "scheduler": None}, saved) == []
 
 
+def test_layers_of_the_same_shapes_declared_in_another_order_are_named_not_given_each_others_moments():
+    # The model's state loads by name and fits; torch gives the optimizer's state by position, so
+    # fc1's momentum went to fc2 and back, silently. The checkpoint keeps the parameters' names.
+    from elastic.checkpoint import state_mismatches
+    from elastic.checkpoint.compat import PARAM_NAMES_KEY, param_names_of
+
+    class Before(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    class After(torch.nn.Module):  # the same layers, fc2 declared first
+        def __init__(self):
+            super().__init__()
+            self.fc2 = torch.nn.Linear(4, 4)
+            self.fc1 = torch.nn.Linear(4, 4)
+
+    def state(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": None,
+                PARAM_NAMES_KEY: param_names_of(model, opt)}
+
+    saved = state(Before())
+    assert saved[PARAM_NAMES_KEY] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    problems = state_mismatches(state(After()), saved)
+    assert len(problems) == 1 and problems[0].startswith(
+        "optimizer: its state goes to parameters by position, and 4 position(s) hold another parameter than in "
+        "the checkpoint (position 0 is 'fc1.weight' in the checkpoint and fc2.weight here; position 1 is "
+        "'fc1.bias' in the checkpoint and fc2.bias here; position 2 is 'fc2.weight' in the checkpoint and "
+        "fc1.weight here and 1 more): were the model's layers declared")
+    assert state_mismatches(state(Before()), saved) == []
+    unnamed = {k: v for k, v in saved.items() if k != PARAM_NAMES_KEY}  # written before names were kept
+    assert state_mismatches(state(After()), unnamed) == [] and state_mismatches(unnamed, saved) == []
+
+
 def test_an_optimizer_built_from_named_parameters_and_one_built_from_plain_ones_fit_each_other():
     # torch keeps named parameters' names in the param groups (param_names) and loads them
     # either way; they were taken for a hyperparameter of another optimizer class.

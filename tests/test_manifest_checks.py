@@ -386,9 +386,10 @@ _DROP = object()
     (_state(completed_step=-1), "completed_step -1 is not a step number"),
     (_state(scaler={"scale": 65536.0}), "fp16 loss scaler is not a dict of its numbers"),
     (_state(scaler=[65536.0]), "fp16 loss scaler is not a dict of its numbers"),
+    (_state(optimizer_param_names=["0.weight", 3]), "optimizer_param_names is not a list of names"),
 ], ids=["groups-dict", "groups-int", "group-without-params", "params-int", "group-int-key", "no-optimizer-state",
         "model-int-keys", "no-model", "scheduler-int", "no-completed_step", "completed_step-str",
-        "completed_step-negative", "scaler-partial", "scaler-list"])
+        "completed_step-negative", "scaler-partial", "scaler-list", "param-names-not-str"])
 def test_a_state_that_checks_out_but_is_no_training_state_is_corrupt(backend, state, reason):
     """A step whose checksums match and whose content is malformed raised TypeError or KeyError
     in the comparison with the live model (``compat``) or in the rank's ``set_state``, which

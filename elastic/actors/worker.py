@@ -182,6 +182,8 @@ class TrainWorker:
         self.started_in_background = idle
 
     def _build(self, spec: TrainingSpec, actor_name: str) -> None:
+        from elastic.checkpoint.compat import param_names_of
+
         self.spec = spec
         self.actor_name = actor_name
 
@@ -212,6 +214,9 @@ class TrainWorker:
         # With the names beside it (ModelParameters.named), for a rule by name.
         self.optimizer = spec.optimizer_fn(ModelParameters(self.model))
         _check_optimizer_covers(self.model, self.optimizer)
+        # Once, here: saved with every snapshot, and read by a resume's check (compat); a list of
+        # names per step would cost the step the walk over the model's parameters.
+        self.optimizer_param_names = param_names_of(self.model, self.optimizer)
         _check_step_needs_no_closure(self.optimizer)
         sparse = sparse_embeddings(self.model)
         if sparse and spec.max_grad_norm is not None:

@@ -86,6 +86,9 @@ def saved_state_problem(saved: Any) -> str | None:
             return f"the state's optimizer param group {i} is not a dict with string keys and a list of params"
     if scheduler is not None and not _keyed_by_str(scheduler):
         return "the state's scheduler is neither None nor a dict with string keys"
+    names = saved.get(PARAM_NAMES_KEY)
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return f"the state's {PARAM_NAMES_KEY} is not a list of names"
     scaler = saved.get("scaler")
     if scaler is not None and not (isinstance(scaler, dict) and all(
             type(scaler.get(k)) in (int, float) for k in SCALER_KEYS)):
@@ -93,6 +96,8 @@ def saved_state_problem(saved: Any) -> str | None:
     return None
 
 
+# The training state's key for param_names_of's list (TrainWorker.optimizer_param_names)
+PARAM_NAMES_KEY = "optimizer_param_names"
 # What GradScaler.load_state_dict reads (``TrainWorker.scaler``, Trainer.mixed_precision="fp16")
 SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -189,13 +194,40 @@ def param_shapes_of(optimizer: Any) -> list[list[int]] | None:
     return [list(p.shape) for group in optimizer.param_groups for p in group["params"]]
 
 
+def param_names_of(model: Any, optimizer: Any) -> list[str]:
+    """The model's name for each of ``optimizer``'s parameters, in the optimizer's order (its
+    groups' ``params``), "" for one the model does not hold (a master copy of its own). Saved
+    with each checkpoint (``optimizer_param_names``), for ``state_mismatches``."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names.get(id(p), "") for group in optimizer.param_groups for p in group["params"]]
+
+
+def _param_order_mismatches(live: Any, saved: Any) -> list[str]:
+    """The optimizer's parameters by name against the checkpoint's (``param_names_of``). Why:
+    torch gives the saved state to parameters by position, so a model whose layers of the same
+    shapes were declared in another order (its own state loads by name, and fits) had their
+    moments swapped, silently; the shapes' check cannot see that. A checkpoint without the
+    names (written before they were saved) or with another count (the groups' check names
+    that) is not judged here."""
+    if not isinstance(live, list) or not isinstance(saved, list) or len(live) != len(saved):
+        return []
+    moved = [(i, theirs, mine) for i, (mine, theirs) in enumerate(zip(live, saved)) if mine and theirs and mine != theirs]
+    if not moved:
+        return []
+    pairs = "; ".join(f"position {i} is {shown(theirs)} in the checkpoint and {mine} here" for i, theirs, mine in moved[:3])
+    more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
+    return [f"optimizer: its state goes to parameters by position, and {len(moved)} position(s) hold another "
+            f"parameter than in the checkpoint ({pairs}{more}): were the model's layers declared, or the "
+            "optimizer's groups built, in another order?"]
+
+
 def _optimizer_state_mismatches(saved: dict, param_shapes: list[list[int]]) -> list[str]:
     """The saved per-parameter state against the parameters it will be given to. Why: torch
     gives an optimizer's state to parameters by position, not by name, so a model whose
     submodules were declared in another order (the same names and shapes, which the model's
     check passes) had its moments loaded onto other parameters: with other shapes the first
-    optimizer step failed inside the worker, with the same shapes they were silently swapped
-    (that case no check can see)."""
+    optimizer step failed inside the worker; with the same shapes they were silently swapped
+    (that case ``_param_order_mismatches`` names, where the checkpoint has the names)."""
     ids = [pid for group in saved.get("param_groups", []) for pid in group["params"]]
     state = saved.get("state", {})
     out = []
@@ -250,9 +282,12 @@ def state_mismatches(live: dict, saved: dict, limit: int = 12,
     ``{"model": state_dict, "optimizer": state_dict, ...}``); empty when it fits. At most
     ``limit`` lines, the last saying how many more there were. ``param_shapes``: the shapes of
     the optimizer's parameters, in its order (its groups' ``params``), to check the saved
-    per-parameter state against."""
+    per-parameter state against. The parameters' names are checked where both states have them
+    (``PARAM_NAMES_KEY``)."""
     problems = _model_mismatches(live["model"], saved.get("model", {}))
     problems += _optimizer_mismatches(live["optimizer"], saved.get("optimizer", {}))
+    if not problems:
+        problems += _param_order_mismatches(live.get(PARAM_NAMES_KEY), saved.get(PARAM_NAMES_KEY))
     if param_shapes is not None and not problems:
         problems += _optimizer_state_mismatches(saved.get("optimizer", {}), param_shapes)
     problems += _scheduler_mismatches(live.get("scheduler"), saved.get("scheduler"))

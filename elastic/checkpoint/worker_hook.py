@@ -22,7 +22,7 @@ from typing import Any, Callable
 from elastic.checkpoint.agent import MAX_MESSAGE, receive_message, send_message
 from elastic.checkpoint.codec import (RawRng, SkeletonJson, UnsaveableValue, canonical_json, encoded_rng,
                                       host_copy, json_object_plus, shard_layout)
-from elastic.checkpoint.compat import UnsaveableState
+from elastic.checkpoint.compat import PARAM_NAMES_KEY, UnsaveableState
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.shm import SlotRing, memfd_with
 from elastic.checkpoint.staging import StagingBuffers
@@ -41,7 +41,16 @@ def live_state(worker: Any) -> dict:
         "scheduler": worker.scheduler.state_dict() if getattr(worker, "scheduler", None) is not None else None,
         "completed_step": int(worker.completed_step),
         **scaler_state(worker),
+        **param_names(worker),
     }
+
+
+def param_names(worker: Any) -> dict:
+    """``{PARAM_NAMES_KEY: the model's names of the optimizer's parameters}`` (the worker's, taken
+    when it built: ``compat.param_names_of``), for the resume's check that the saved optimizer
+    state goes to the parameters it was saved from; nothing for a worker without them."""
+    names = getattr(worker, "optimizer_param_names", None)
+    return {} if names is None else {PARAM_NAMES_KEY: names}
 
 
 def scaler_state(worker: Any) -> dict:
