@@ -385,8 +385,8 @@ class Controller:
             self._commit_what_ranks_wrote(None, 30, f"checkpoints of the steps before the {type(exc).__name__}",
                                           lost_ok=True)
         except Exception as failed:  # noqa: BLE001 - the user's error is what the run ends with
-            logger.warning("run %s: the steps before the %s could not be committed: %s", self.run_config.name,
-                           type(exc).__name__, self.redact(f"{type(failed).__name__}: {failed}")[:300])
+            self.log("checkpoint_failed", f"the steps before the {type(exc).__name__} could not be committed: "
+                     f"{type(failed).__name__}: {str(failed)[:300]}")
 
     def _errored(self, exc: BaseException) -> None:
         if not self.state.is_terminal:
@@ -2517,12 +2517,12 @@ class Controller:
             try:
                 self._merge_ckpt(rank, ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s))
             except (ray.exceptions.RayError, TimeoutError) as exc:
+                if isinstance(getattr(exc, "cause", None), UnsaveableState):
+                    raise exc.cause from None  # as in a step: no later snapshot could be taken either
                 # A lost rank shows in the next step, which heals it; this step then stays
                 # uncommitted, as it would have without the snapshot.
-                cause = getattr(exc, "cause", None)
-                why = f"{type(cause).__name__}: {cause}" if isinstance(cause, UnsaveableState) else type(exc).__name__
                 self.log("checkpoint_failed", f"rank {rank} did not snapshot step {step} after the eviction: "
-                         f"{why}", step=step, rank=rank)
+                         f"{type(exc).__name__}", step=step, rank=rank)
 
     def _avoid_node(self, node: str | None, now: float | None = None) -> None:
         """Keep refill spares off ``node`` for ``straggler_node_avoid_s`` from now (again, if it
@@ -2573,16 +2573,28 @@ class Controller:
     def _commit_what_ranks_wrote(self, final: int | None, timeout_s: float, what: str, lost_ok: bool = False) -> bool:
         """Have every rank finish its pending writes (and snapshot ``final``, see
         ``TrainWorker.flush_checkpoint``), then commit every complete step; False if storage did
-        not take them within ``timeout_s``. ``lost_ok``: a rank that does not answer (lost in a
-        recovery) is skipped, what it wrote and reported is all there is of it."""
-        refs = [(m.rank, m.name, m.actor.flush_checkpoint.remote(final)) for m in self.group.members]
+        not take them within ``timeout_s``. ``lost_ok``: a rank that does not answer within
+        ``heartbeat_timeout_s`` (lost in a recovery, or still busy: a late window queued before
+        the flush, a rank stuck in its own code) is skipped, what it wrote and reported is all
+        there is of it; the others' reports still count. A rank whose snapshot of ``final``
+        found the state unsaveable: the complete steps are committed, then its
+        ``UnsaveableState`` raised, as in a step."""
+        members = [m for m in self.group.members if m.rank not in self._unhealed]  # the lost ones: nothing to ask
+        refs = [(m.rank, m.name, m.actor.flush_checkpoint.remote(final)) for m in members]
         keys = {r: self._actor_key(r) for r, _, _ in refs}
+        unsaveable: UnsaveableState | None = None
         for r, name, ref in refs:
             try:
                 report = ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s if lost_ok else None)
+            except ray.exceptions.GetTimeoutError:  # lost_ok only: otherwise the wait has no bound
+                self.log("checkpoint_failed", f"rank {r} ({name}) did not finish its writes within "
+                         f"heartbeat_timeout_s={self.failure_config.heartbeat_timeout_s:g}s ({what}); "
+                         "its steps not yet reported stay uncommitted", rank=r)
+                continue
             except ray.exceptions.RayError as exc:
                 if isinstance(getattr(exc, "cause", None), UnsaveableState):
-                    raise exc.cause from None  # the last step's snapshot found it: as in a step
+                    unsaveable = unsaveable or exc.cause
+                    continue
                 if not actor_lost(exc):
                     raise
                 # Lost after its last step (the run's end, a stop): every step trained, and what it
@@ -2593,10 +2605,6 @@ class Controller:
                 self.log("rank_lost", f"rank {r} ({name}) was lost after the last step ({what}): "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", rank=r)
                 continue
-            except (ray.exceptions.RayError, TimeoutError):
-                if not lost_ok:
-                    raise
-                continue
             if report and "snapshots_dropped" in report:
                 self._snapshot_drops[keys[r]] = int(report["snapshots_dropped"])
             self._merge_ckpt(r, report)
@@ -2605,6 +2613,8 @@ class Controller:
             self.log("checkpoint_flush_timeout", f"{what} not committed within {timeout_s:g}s; storage may be down")
         for ev in self.committer.drain_events():
             self._log_storage_event(ev)
+        if unsaveable is not None:
+            raise unsaveable
         return committed
 
     def _newest_live_member(self) -> tuple[Member, int] | None:

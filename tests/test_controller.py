@@ -788,7 +788,7 @@ def test_final_weights_that_cannot_be_fetched_leave_the_result_without_them(ray_
 
         def run(self, steps, epochs):
             return {"model_state_ref": [lost_weights.remote()],
-                    "history": [], "totals": {"timed_samples": 0, "time_s": 0, "timed_steps": 0},
+                    "history": [], "totals": {"timed_samples": 0, "time_s": 0, "timed_steps": 0, "skipped_updates": 0},
                     "steps": 1, "dropped_samples": 0, "late_gradients": 0, "agreed_steps": 0, "failures": 0,
                     "recomputed_steps": 0, "world_size": 1, "restored_from": None, "events": [],
                     "checkpoint": None, "recoveries": [], "ledger": [], "state": "finished"}

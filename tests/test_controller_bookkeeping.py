@@ -486,29 +486,43 @@ def test_a_state_no_checkpoint_can_hold_ends_the_start_with_that_error_not_a_sto
         c._configure_checkpoints(c.group.members)
 
 
-def test_an_unsaveable_state_found_by_the_last_steps_snapshot_ends_the_run_with_that_error(rayless_controller,
-                                                                                        monkeypatch):
-    # The end's flush snapshots the last step when every_n_steps skipped it; a state no
-    # checkpoint can store there ends the run as in a step, not as Ray's RayTaskError (which the
-    # driver showed as a TrainingFailed with the controller's traceback).
+def test_the_ends_flush_reads_every_rank_then_commits_then_raises_an_unsaveable_state(rayless_controller,
+                                                                                    monkeypatch):
+    # The end's flush snapshots the last step when every_n_steps skipped it. A rank whose snapshot
+    # finds the state unsaveable ends the run as in a step (it was Ray's RayTaskError, which the
+    # driver showed as a TrainingFailed with the controller's traceback), after the other ranks'
+    # reports are read and the complete steps committed. With lost_ok, a rank busy past
+    # heartbeat_timeout_s is skipped, not the end of the commit: its GetTimeoutError was re-raised.
     import ray
 
     from elastic.checkpoint import UnsaveableState
 
     c = rayless_controller()
-    c.group = StandInGroup(ranks=2)
+    c.group = StandInGroup(ranks=3)
     for m in c.group.members:
-        m.actor = SimpleNamespace(flush_checkpoint=SimpleNamespace(remote=lambda final: final))
+        m.actor = SimpleNamespace(flush_checkpoint=SimpleNamespace(remote=lambda final, r=m.rank: r))
+    flushed, merged = [], []
+    c.committer = SimpleNamespace(flush=lambda timeout_s: flushed.append(timeout_s) or True, drain_events=lambda: [])
+    c._merge_ckpt = lambda rank, report: merged.append((rank, report))
+    answers = {0: UnsaveableState("x has a set", 7), 1: {"ckpt_done": []}, 2: ray.exceptions.GetTimeoutError()}
 
-    def get(ref, **kw):
-        raise ray.exceptions.RayTaskError("flush_checkpoint", "traceback", UnsaveableState("x has a set", ref))
+    def get(rank, **kw):
+        answer = answers[rank]
+        if isinstance(answer, UnsaveableState):
+            raise ray.exceptions.RayTaskError("flush_checkpoint", "traceback", answer)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     monkeypatch.setattr(controller_module.ray, "get", get)
     with pytest.raises(UnsaveableState, match=r"x has a set \(found in step 7's snapshot"):
-        c._commit_what_ranks_wrote(7, 5, "final checkpoint")
+        c._commit_what_ranks_wrote(7, 5, "final checkpoint", lost_ok=True)
+    assert merged == [(1, {"ckpt_done": []})] and flushed == [5]
+    skipped = [e for e in c.events if e.kind == "checkpoint_failed"]
+    assert [e.details["rank"] for e in skipped] == [2] and "did not finish its writes" in skipped[0].message
 
 
-def test_a_users_error_commits_what_the_ranks_wrote_before_the_run_ends_with_it(rayless_controller, caplog):
+def test_a_users_error_commits_what_the_ranks_wrote_before_the_run_ends_with_it(rayless_controller):
     # The ranks are alive after a user's error (WorkerError, UnsaveableState): the steps their
     # background writers still held are committed first, as a stop's are. A failure of that
     # commit is logged; the run still ends with the user's error.
@@ -534,9 +548,11 @@ def test_a_users_error_commits_what_the_ranks_wrote_before_the_run_ends_with_it(
             raise RuntimeError("the storage went away")
 
         c._commit_what_ranks_wrote = storage_gone
-        with caplog.at_level("WARNING"), pytest.raises(type(error)):
+        with pytest.raises(type(error)):
             c.run_for(steps=5)
-        assert f"the steps before the {type(error).__name__} could not be committed: RuntimeError" in caplog.text
+        failed = [e.message for e in c.events if e.kind == "checkpoint_failed"]
+        assert failed == [f"the steps before the {type(error).__name__} could not be committed: RuntimeError: "
+                          "the storage went away"]
 
 
 def test_a_checkpoint_read_that_does_not_return_is_logged_and_a_stop_breaks_in(rayless_controller, monkeypatch):

@@ -941,6 +941,15 @@ def _mixed_precision_steps(out) -> None:
     found["after_overflow"] = (worker.scaler.get_scale(), worker.scheduler.last_epoch, worker.optimizer.param_groups[0]["lr"])
     found["reported"] = [r.extra.get("update_skipped") for r in worker.results]  # the step's, to the controller
     found["fp16_reported"] = [r.extra.get("update_skipped") for r in fp16.results]
+    # A fused optimizer is always called, with the overflow flag, and skips inside its kernel:
+    # its step hook fires on a skipped step too, so the skip is read from the scale
+    fused = trained(local_worker(make_model, lambda p: torch.optim.AdamW(p, lr=0.1, fused=True), mixed_precision="fp16",
+                                 scheduler_fn=halve), batches[:1])
+    kept = {k: v.clone() for k, v in fused.model_state().items()}
+    fused.scaler.update(2.0 ** 100)
+    trained(fused, batches[1:2], first=2)
+    found["fused"] = (all(torch.equal(kept[k], v) for k, v in fused.model_state().items()),
+                      [r.extra.get("update_skipped") for r in fused.results], fused.scheduler.last_epoch)
     fresh = local_worker(make_model, mixed_precision="fp16")
     fresh.set_state(worker.get_state())  # a peer's, or a checkpoint's, state: the scale comes along
     found["restored_scale"] = fresh.scaler.get_scale()
@@ -975,6 +984,7 @@ def test_mixed_precision_autocasts_the_forward_and_fp16_scales_the_loss_as_torch
     assert found["fp16_state"]["scale"] == 65536.0 and found["fp16_state"]["_growth_tracker"] == 3
     assert found["skipped"] is True and found["reported"] == [True] and found["fp16_reported"] == [None] * 3
     assert found["after_overflow"] == (2.0 ** 99, 1, 0.05)  # halved once; the LR of step 1's scheduler step only
+    assert found["fused"] == (True, [True], 1)
     assert found["restored_scale"] == 2.0 ** 99 and found["no_scaler_state"] == 65536.0
     assert found["idle_step"] <= 1e-6  # SGD's lr 0.1 times the unscaled gradient of ones
     assert found["bf16"] == (["torch.bfloat16"], None, False)

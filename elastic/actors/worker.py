@@ -227,7 +227,15 @@ class TrainWorker:
         self._autocast_dtype, self.scaler = mixed_precision(spec.mixed_precision, self.device)
         self._stepped = False  # fp16: the optimizer stepped since _apply_update asked (_note_stepped)
         self._update_skipped = False  # fp16: the last update was skipped, its gradient having overflowed
-        if self.scaler is not None:
+        # fp16: how a skipped step is seen. An optimizer stepping through torch's hooks, and not
+        # given the overflow to skip by itself, steps only when GradScaler lets it, so its step
+        # hook says (no host sync). A fused one (Adam, AdamW, SGD with fused=True) is always
+        # called, with the overflow flag, and skips inside its kernel; one without torch's hooks
+        # (a wrapper of its own) has none: for those, a lower scale after update() is a skip.
+        self._skip_seen_by_scale = self.scaler is not None and (
+            getattr(self.optimizer, "_step_supports_amp_scaling", False)
+            or not callable(getattr(self.optimizer, "register_step_post_hook", None)))
+        if self.scaler is not None and not self._skip_seen_by_scale:
             self.optimizer.register_step_post_hook(self._note_stepped)
         self.scheduler = spec.scheduler_fn(self.optimizer) if spec.scheduler_fn else None
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -1047,15 +1055,16 @@ class TrainWorker:
             self.optimizer.step()
         else:
             # fp16: GradScaler skips the optimizer's step when a gradient overflowed (inf or NaN)
-            # and backs the scale off. Whether it stepped is read from the optimizer's step hook,
-            # not by comparing scales (two more host syncs a step on a GPU). Every replica sees
+            # and backs the scale off; how the skip is seen: _skip_seen_by_scale (the scale's
+            # comparison costs two host syncs a step on a GPU, the hook none). Every replica sees
             # the same averaged gradient (DDP's all-reduce, the first-N mean), so all skip alike
             # and their scalers stay equal. The LR scheduler steps with the optimizer only, as
             # the usual AMP loops do.
             self._stepped = False
+            scale = scaler.get_scale() if self._skip_seen_by_scale else None
             scaler.step(self.optimizer)
             scaler.update()
-            self._update_skipped = not self._stepped
+            self._update_skipped = scaler.get_scale() < scale if scale is not None else not self._stepped
         if self.scheduler is not None and not self._update_skipped:
             self.scheduler.step()
         self.completed_step = step
