@@ -151,6 +151,9 @@ class RunMetrics:
                 "dropped": Counter("elastic_dropped_samples_total",
                                    "Samples whose gradient was dropped (first-N); a step replayed after a "
                                    "rollback counts again, where Result.metrics counts it once", tag_keys=("run",)),
+                "skipped": Counter("elastic_skipped_updates_total",
+                                   "Steps whose update was skipped (mixed_precision='fp16': the gradient "
+                                   "overflowed and the loss scale backed off)", tag_keys=("run",)),
             }
         return self._m
 
@@ -281,11 +284,14 @@ class RunMetrics:
         self._set(m, "spares_building", building, run)
 
     def _set_step_done(self, m, record) -> None:
-        """The step gauge and the dropped-samples counter, for a step booked as done."""
+        """The step gauge and the dropped-samples and skipped-updates counters, for a step booked
+        as done."""
         run = {"run": self.run}
         self._set(m, "step", record.step, run)
         if record.dropped:
             m["dropped"].inc(record.dropped, tags=run)
+        if getattr(record, "update_skipped", False):
+            m["skipped"].inc(1, tags=run)
 
     def on_failure(self, kind: str) -> None:
         self._safe(lambda m: m["failures"].inc(1, tags={"run": self.run, "kind": kind}))

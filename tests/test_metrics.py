@@ -84,6 +84,13 @@ def test_the_group_and_pool_gauges_follow_a_recovery_before_any_step():
     assert m._m["spares"].values[None][-1] == 0 and m._m["spares_building"].values[None][-1] == 1
 
 
+def test_an_fp16_step_whose_update_was_skipped_is_counted():
+    m = metrics()
+    m.on_step(record(1, 2), controller(range(2)))
+    m.on_step(SimpleNamespace(**vars(record(2, 2)), update_skipped=True), controller(range(2)))
+    assert m._m["skipped"].values[None] == [1]
+
+
 def test_a_step_kept_after_a_rebuild_counts_its_drops_and_moves_the_step():
     m = metrics()
     kept = SimpleNamespace(step=7, dropped=8)
