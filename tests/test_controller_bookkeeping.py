@@ -633,3 +633,9 @@ def test_a_late_replicas_own_error_during_an_eviction_is_the_users(rayless_contr
         c._evict(EvictStraggler(rank=2, reason="slow (test)"))
     broken = ray.exceptions.RayTaskError("train_steps", "Traceback ...", CollectiveError("peer gone (test)"))
     c._raise_user_errors({1: broken, 0: None})  # a broken group or a busy rank is no user error
+    # A late window whose snapshot found the state unsaveable: that error, as in a step
+    from elastic.checkpoint import UnsaveableState
+
+    unsaveable = ray.exceptions.RayTaskError("train_steps", "Traceback ...", UnsaveableState("x has a set", 9))
+    with pytest.raises(UnsaveableState, match=r"found in step 9's snapshot"):
+        c._raise_user_errors({1: unsaveable})
