@@ -505,11 +505,11 @@ class Trainer:
             address, source = os.environ["RAY_ADDRESS"].strip(), "the environment variable RAY_ADDRESS"
         else:
             return
-        problem = trainer_address_problem(address)
-        if problem is not None:  # Trainer.address was checked when set; RAY_ADDRESS is read now
+        # Trainer.address passed trainer_address_problem in _prepare (each fit() runs it); RAY_ADDRESS is read now.
+        problem = None if self.address is not None else trainer_address_problem(address)
+        if problem is not None:
             raise ConfigError(f"{source}={shown(address)!r} {problem}: use HOST:PORT (the GCS, e.g. 10.0.0.1:6379), "
-                              "ray://HOST:10001 or 'auto'" + (", or unset it for an embedded local Ray."
-                                                               if source != "Trainer.address" else "."))
+                              "ray://HOST:10001 or 'auto', or unset it for an embedded local Ray.")
         reason = unreachable(address)
         if reason is not None:  # else ray.init retries for a minute, Ray's core logging each try
             fix = "fix the address" if source == "Trainer.address" else "unset RAY_ADDRESS for an embedded local Ray"
