@@ -1337,6 +1337,11 @@ def mixed_precision(kind: str | None, device: torch.device) -> tuple[torch.dtype
     if kind is None:
         return None, None
     if kind == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            # torch's autocast would warn once and run the forward in fp32: the run would go on
+            # at a fraction of the speed asked for, with nothing in the run's own output saying so.
+            raise ValueError(f"Trainer.mixed_precision='bf16': {torch.cuda.get_device_name(device)} has no "
+                             "bfloat16 (it came with Ampere); use mixed_precision='fp16'")
         return torch.bfloat16, None
     scaler = torch.amp.GradScaler(device.type)
     scaler.scale(torch.ones((), device=device))
