@@ -86,17 +86,20 @@ def initial_model(seed: int, model_fn=make_model):
 
 def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn=make_sgd,
                       batches: list[list[int]] | None = None, max_grad_norm: float | None = None,
-                      model_fn=make_model, shards: int = 0, fp16: bool = False, loss=loss_fn) -> dict:
+                      model_fn=make_model, shards: int = 0, fp16: bool = False, loss=loss_fn,
+                      device: str = "cpu") -> dict:
     """One process trains on the same global batches (concatenated shards) the ranks used.
 
     ``shards=k``: each batch's gradient is the mean of its k equal shards' gradients, averaged in
     the parameters' widest dtype and rounded once, as the ranks average theirs (for a model of
     several dtypes, where one backward over the whole batch would round differently).
     ``fp16``: torch's AMP recipe (the forward under fp16 autocast, a GradScaler), as
-    ``Trainer(mixed_precision="fp16")`` trains."""
-    model = initial_model(seed, model_fn)
+    ``Trainer(mixed_precision="fp16")`` trains. ``device``: where it trains ("cuda": the GPU
+    tests' reference, on the same kernels as a GPU rank); the weights come back on the host."""
+    model = initial_model(seed, model_fn).to(device)
     opt = optimizer_fn(model.parameters())
-    scaler = torch.amp.GradScaler("cpu") if fp16 else None
+    kind = torch.device(device).type
+    scaler = torch.amp.GradScaler(kind) if fp16 else None
     ds = make_dataset()
     if batches is None:
         plan = ShardPlan(len(ds), seed)
@@ -105,12 +108,12 @@ def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn
         if scaler is None:
             loss(model, (x, y)).backward()
             return
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(kind, dtype=torch.float16):
             value = loss(model, (x, y))
         scaler.scale(value).backward()
 
     for idx in batches:
-        x, y = ds[idx]
+        x, y = (t.to(device) for t in ds[idx])
         opt.zero_grad()
         if shards:
             _mean_of_shard_gradients(model, x.chunk(shards), y.chunk(shards), backward)
@@ -125,7 +128,7 @@ def reference_weights(steps: int, global_batch: int, seed: int = 0, optimizer_fn
             scaler.update()
         else:
             opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _mean_of_shard_gradients(model, xs, ys, backward) -> None:
