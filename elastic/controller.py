@@ -30,7 +30,7 @@ from elastic.checkpoint.compat import UnsaveableState
 from elastic.checkpoint.store import taken_at_here
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.redact import redact_urls_in
-from elastic.data import DataPosition, SampleLedger, ShardPlan, epoch_order_digest
+from elastic.data import BatchSchedule, DataPosition, SampleLedger, ShardPlan, epoch_order_digest
 from elastic.policies import (
     Continue,
     EvictStraggler,
@@ -170,12 +170,14 @@ class Controller:
 
     def __init__(self, spec: TrainingSpec | PackedSpec, scaling: ScalingConfig, run: RunConfig, failure: FailureConfig,
                  global_batch_size: int, checkpoint_store=None, metrics=None, fault_plan: list | None = None,
-                 on_step: Callable[[StepRecord, "Controller"], None] | None = None, requeue_dropped: bool = False):
+                 on_step: Callable[[StepRecord, "Controller"], None] | None = None, requeue_dropped: bool = False,
+                 batch_schedule: dict[int, int] | None = None):
         self.spec = spec
         self.scaling = scaling
         self.run_config = run
         self.failure_config = failure
-        self.global_batch_size = global_batch_size
+        self.global_batch_size = global_batch_size  # step 1's; each step's: self.batches (Trainer.batch_schedule)
+        self.batches = BatchSchedule(global_batch_size, batch_schedule)
         self.store = checkpoint_store
         self.metrics = metrics
         self.fault_plan = list(fault_plan or [])
@@ -201,7 +203,7 @@ class Controller:
         self.committer = None
         self._agents: Any = None  # NodeAgents: the nodes' checkpoint writers (elastic/checkpoint/agent.py)
         self.dataset_size = 0
-        self._per_worker = 0
+        self._split = 0  # the ranks a step's global batch is split over (fewer after a shrink)
         # first-N: a late rank's window result, not waited for -> (rank, time it was late from, its steps)
         self._lagging: dict[Any, tuple[int, float, int]] = {}
         self._late_done_at: dict[int, float] = {}  # first-N: when each rank last handed back a late window
@@ -329,7 +331,7 @@ class Controller:
         try:
             self._schedule()
             self._start()
-            total_steps = steps if steps is not None else epochs * self.plan.steps_per_epoch(self.global_batch_size)
+            total_steps = steps if steps is not None else self.batches.steps_for_epochs(self.plan.num_samples, epochs)
             self.total_steps = total_steps
             self.transition(State.RUNNING, f"{len(self.group.members)} ranks joined generation {self.generation}; "
                             f"training to step {total_steps}")
@@ -535,12 +537,14 @@ class Controller:
         # A step hands every replica a shard (first-N's late ones too). Checked here, the moment the
         # size is known: with fit(epochs=...) a smaller dataset meant 0 steps an epoch, and the run
         # "finished" untrained; with fit(steps=...) the plan refused at the first step.
-        need = self.scaling.num_replicas * (self.global_batch_size // self.scaling.num_workers)
+        need = self.scaling.num_replicas * (self.batches.largest // self.scaling.num_workers)
         if self.dataset_size < need:
+            field = ("Trainer.global_batch_size" if self.batches.largest == self.global_batch_size else
+                     "Trainer.batch_schedule's largest size")
             raise ConfigError(
                 f"the dataset has {self.dataset_size} samples, fewer than one step hands out ({need}: "
                 f"{self.scaling.num_replicas} replicas x {need // self.scaling.num_replicas} samples): lower "
-                f"Trainer.global_batch_size, or use a larger dataset.")
+                f"{field}, or use a larger dataset.")
         self._setup_data_and_checkpoints()
         self._form_group("initial rendezvous")
         self._apply_fault_plan()
@@ -561,8 +565,7 @@ class Controller:
             self._agents.start({m.info.get("node_id") for m in self._all_actors()})
         if self.store is not None:
             position = self._restore_latest()
-        n = self.scaling.num_workers
-        self._per_worker = self.global_batch_size // n
+        self._split = self.scaling.num_workers
         self._replan(position, self.step)
         if self.store is not None:
             from elastic.checkpoint import CheckpointCommitter
@@ -989,7 +992,7 @@ class Controller:
                 # said the shards of ranks past the new size were dropped (and counted them).
                 self._planned[step] = (epoch, shards)
             return epoch, shards
-        epoch, shards = self.plan.take(n, self._per_worker)
+        epoch, shards = self.plan.take(n, self.batches.size_at(step) // self._split)
         self._planned[step] = (epoch, shards)
         # The sampler's place right after this step: a checkpoint of this step must carry it,
         # not the place after the look-ahead step already handed out.
@@ -1195,7 +1198,7 @@ class Controller:
 
     def _checkpoint_meta(self, step: int, position: dict) -> dict:
         return {"data_position": position, "world_size": len(self.group.members),
-                "global_batch_size": self.global_batch_size, "generation": self.generation,
+                "global_batch_size": self.batches.size_at(step), "generation": self.generation,
                 "dataset_size": self.dataset_size, "seed": self.run_config.seed,
                 "order_digest": self.plan.digest(int(position["epoch"]))}
 
@@ -2020,10 +2023,10 @@ class Controller:
         self.group.remove_ranks(list(lost), stand_by=standby)
         self._unhealed = ()  # gone with remove_ranks: counted again, world_size read by status() went below 0
         self._stateless.update(names)
-        self._per_worker = self.global_batch_size // size
+        self._split = size
         for r in (*lost, *standby):
             self.straggler_policy.forget(r)
-        self.log("shrink", f"continuing with {size} worker(s), {self._per_worker} samples each" +
+        self.log("shrink", f"continuing with {size} worker(s), {self.global_batch_size // size} samples each" +
                  (f"; {', '.join(names)} stand(s) by as hot spare(s)" if names else ""),
                  world_size=size, standby=names)
 
@@ -2051,7 +2054,7 @@ class Controller:
         self._check_dataset_unchanged()
         self._note_ready_spares(log=False)  # built: they end a streak of failed spare starts
         self._forget_old_actors()
-        self._per_worker = self.global_batch_size // self.scaling.num_workers
+        self._split = self.scaling.num_workers
         self._configure_checkpoints(self._all_actors())
         position = self._restore_latest(fast)
         if position is None:

@@ -7,6 +7,7 @@ Dropped samples can be requeued so every sample still counts exactly once per ep
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -48,6 +49,46 @@ def order_digest(order: np.ndarray) -> str:
 def epoch_order_digest(num_samples: int, seed: int, epoch: int) -> str:
     """``order_digest`` of epoch ``epoch``'s order."""
     return order_digest(epoch_order_array(num_samples, seed, epoch))
+
+
+class BatchSchedule:
+    """The global batch size of each step: ``Trainer.global_batch_size`` from step 1, and from
+    each step ``s`` of ``Trainer.batch_schedule`` (``{s: size}``) on, that size. A progressive
+    schedule grows the batch where the learning rate would otherwise decay (Smith et al. 2018,
+    "Don't Decay the Learning Rate, Increase the Batch Size"): the same noise scale, fewer
+    steps. A function of the step alone, so a replayed, recovered or resumed step gets the
+    batch size it was first given."""
+
+    def __init__(self, initial: int, changes: dict[int, int] | None = None):
+        self._steps = sorted(changes or {})
+        self._sizes = [initial] + [int((changes or {})[s]) for s in self._steps]
+
+    def size_at(self, step: int) -> int:
+        """The global batch of ``step`` (1-based)."""
+        return self._sizes[bisect.bisect_right(self._steps, step)]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Every size the run trains with, in order."""
+        return list(self._sizes)
+
+    @property
+    def largest(self) -> int:
+        return max(self._sizes)
+
+    def steps_for_epochs(self, num_samples: int, epochs: int) -> int:
+        """How many steps make ``epochs`` epochs of ``num_samples``: each epoch ends where fewer
+        samples than the next step's batch remain (its tail dropped, as ``drop_last``), as
+        ``ShardPlan`` cuts them. With one size: ``epochs * (num_samples // size)``."""
+        if not self._steps:
+            return epochs * (num_samples // self._sizes[0])
+        step, left = 0, num_samples
+        for _ in range(epochs):
+            left = num_samples
+            while left >= self.size_at(step + 1):
+                step += 1
+                left -= self.size_at(step)
+        return step
 
 
 @dataclass

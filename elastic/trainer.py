@@ -375,11 +375,12 @@ class Trainer:
         faults: list[dict] | None = None,
         max_grad_norm: float | None = None,
         mixed_precision: str | None = None,
+        batch_schedule: dict[int, int] | None = None,
     ):
         self.scaling, self.run, self.failure = scaling, run, failure
         self.model_fn, self.optimizer_fn, self.dataset_fn, self.loss_fn = model_fn, optimizer_fn, dataset_fn, loss_fn
         self.step_fn, self.scheduler_fn, self.max_grad_norm = step_fn, scheduler_fn, max_grad_norm
-        self.mixed_precision = mixed_precision
+        self.mixed_precision, self.batch_schedule = mixed_precision, batch_schedule
         self.global_batch_size, self.address, self.requeue_dropped = global_batch_size, address, requeue_dropped
         self.faults = faults
         self._warned: set[str] = set()
@@ -428,6 +429,7 @@ class Trainer:
                 f"Trainer.global_batch_size={global_batch_size} is not divisible by ScalingConfig.num_workers={n}; "
                 f"use a multiple of {n} (e.g. {global_batch_size - global_batch_size % n or n})."
             )
+        _check_batch_schedule(self.batch_schedule, n, self.failure)
         mw = self.failure.min_workers
         if mw is not None and mw > n:
             raise ConfigError(f"FailureConfig.min_workers={mw} is larger than ScalingConfig.num_workers={n}; lower it.")
@@ -552,7 +554,8 @@ class Trainer:
         # Packed: the controller hands the spec on without unpickling the user's modules (torch).
         kwargs = dict(spec=PackedSpec.pack(self.spec), scaling=self.scaling, run=self.run, failure=self.failure,
                       global_batch_size=self.global_batch_size, checkpoint_store=self._store,
-                      metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped)
+                      metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped,
+                      batch_schedule=dict(self.batch_schedule or {}))
         actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
         # Here, before the controller starts, as well as in it (Controller._schedule): a run the
         # cluster can never place fails now, not inside the controller, as a TrainingFailed.
@@ -803,6 +806,28 @@ class Trainer:
 
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4g}"
+
+
+def _check_batch_schedule(schedule: Any, num_workers: int, failure: FailureConfig) -> None:
+    """``Trainer.batch_schedule``: ``{step: global batch size}``, each step an integer >= 2 (step 1
+    takes ``Trainer.global_batch_size``), each size an integer >= 1 that ``num_workers`` divides.
+    Not with a shrink, which keeps one global batch over fewer ranks."""
+    if schedule is None:
+        return
+    if not isinstance(schedule, dict):
+        raise ConfigError(f"Trainer.batch_schedule must be a dict {{step: global batch size}} or None, got "
+                          f"{type(schedule).__name__}.")
+    for step, size in schedule.items():
+        if isinstance(step, bool) or not isinstance(step, int) or step < 2:
+            raise ConfigError(f"Trainer.batch_schedule's step {step!r} must be an integer >= 2 (the step from which "
+                              "its size holds; step 1 takes Trainer.global_batch_size).")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % num_workers:
+            raise ConfigError(f"Trainer.batch_schedule[{step}]={size!r} must be an integer >= 1 divisible by "
+                              f"ScalingConfig.num_workers={num_workers} (each rank takes an equal share).")
+    if schedule and "shrink" in (failure.on_failure, failure.when_no_spare):
+        raise ConfigError("Trainer.batch_schedule changes the global batch, and a shrink keeps one global batch over "
+                          "fewer ranks: choose another action for FailureConfig.on_failure/when_no_spare (replace, "
+                          "wait, restart, fail), or leave batch_schedule None.")
 
 
 MIXED_PRECISION = (None, "bf16", "fp16")

@@ -133,10 +133,10 @@ def rayless_controller(monkeypatch):
     spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
                         loss_fn=lambda m, b: None)
 
-    def build(scaling=None, name="rayless", failure=None, global_batch_size=8):
+    def build(scaling=None, name="rayless", failure=None, global_batch_size=8, batch_schedule=None):
         c = controller_module.Controller(spec, scaling or elastic.ScalingConfig(num_workers=2),
                                          elastic.RunConfig(name=name), failure or elastic.FailureConfig(),
-                                         global_batch_size=global_batch_size)
+                                         global_batch_size=global_batch_size, batch_schedule=batch_schedule)
         assert controller_module.ray.is_initialized() == connected
         return c
     return build

@@ -354,6 +354,29 @@ def test_fp16_trains_as_torchs_amp_recipe_and_its_loss_scale_resumes_with_it(ray
     assert_weights_close(again.model_state, reference_weights(8, 32, fp16=True, shards=2), atol=1e-6)
 
 
+def test_a_growing_batch_schedule_trains_each_step_at_its_size_and_resumes_across_a_change(ray_cluster, tmp_path):
+    """Trainer.batch_schedule={3: 32, 5: 64} over global_batch_size=16: the run stops after step
+    3 and a second fit() goes on from the checkpoint, each step at its scheduled size; the
+    weights equal one process trained on the same global batches."""
+    url = f"file://{tmp_path}/ckpt"
+
+    def growing():
+        return elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 16,
+                               scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
+                               run=elastic.RunConfig(name="growing", storage=url, seed=0),
+                               batch_schedule={3: 32, 5: 64})
+
+    first = growing().fit(steps=3)
+    again = growing().fit(steps=6)
+    assert again.metrics["restored_from"] == 3
+    batches = [[i for e in sorted((e for e in result.ledger if e["step"] == step), key=lambda e: e["rank"])
+                for i in e["indices"]] for result, steps in ((first, (1, 2, 3)), (again, (4, 5, 6))) for step in steps]
+    assert [len(b) for b in batches] == [16, 16, 32, 32, 64, 64]
+    assert len({i for b in batches for i in b}) == sum(map(len, batches))  # one epoch: no sample twice
+    assert_weights_close(again.model_state, reference_weights(6, 16, optimizer_fn=make_adam, batches=batches),
+                         atol=1e-5)
+
+
 def test_elastic_stop_stops_cleanly_and_fit_again_continues_exactly(ray_cluster, tmp_path):
     """`elastic stop RUN` from another process mid-run: the run finishes the steps already
     dispatched, commits the last one's checkpoint and fit() raises TrainingStopped; a second

@@ -557,6 +557,26 @@ def test_bf16_on_a_gpu_without_it_is_refused_when_the_worker_builds(monkeypatch)
     assert mixed_precision("bf16", torch.device("cpu")) == (torch.bfloat16, None)
 
 
+@pytest.mark.parametrize("schedule, match", [
+    ([(3, 64)], r"Trainer\.batch_schedule must be a dict \{step: global batch size\} or None, got list"),
+    ({1: 64}, r"batch_schedule's step 1 must be an integer >= 2 .*step 1 takes Trainer\.global_batch_size"),
+    ({"10": 64}, r"batch_schedule's step '10' must be an integer >= 2"),
+    ({10: 66}, r"batch_schedule\[10\]=66 must be an integer >= 1 divisible by ScalingConfig\.num_workers=4"),
+    ({10: 0}, r"batch_schedule\[10\]=0 must be an integer >= 1"),
+    ({10: 64.0}, r"batch_schedule\[10\]=64\.0 must be an integer"),
+])
+def test_a_batch_schedule_names_the_step_or_size_to_change(schedule, match):
+    with pytest.raises(ConfigError, match=match):
+        _trainer(batch_schedule=schedule)
+
+
+def test_a_batch_schedule_and_a_shrink_are_refused_together():
+    # A shrink keeps one global batch over fewer ranks, which a schedule changes.
+    with pytest.raises(ConfigError, match=r"batch_schedule changes the global batch, and a shrink keeps one"):
+        _trainer(batch_schedule={10: 64}, failure=FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=2))
+    assert _trainer(batch_schedule={10: 64, 20: 128}).batch_schedule == {10: 64, 20: 128}
+
+
 def test_mixed_precision_and_a_step_fn_are_refused_together_naming_both():
     # A step_fn runs the forward and backward itself: the autocast and the fp16 loss scaling
     # would have to be inside it, so the option would silently do half its job.

@@ -1314,7 +1314,7 @@ def test_with_requeueing_a_steps_recorded_data_position_holds_its_drops():
     scaling = elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n")
     c = Controller(spec, scaling, elastic.RunConfig(name="requeue-position"), elastic.FailureConfig(),
                    global_batch_size=16, requeue_dropped=True)
-    c.plan, c._per_worker = ShardPlan(64, seed=0), 8
+    c.plan, c._split = ShardPlan(64, seed=0), c.global_batch_size // 8
     _, shards = c._shards_for(1, 3)
     c._book_step(1, used=[0, 1], loss=0.0, step_time_s=0.1)  # rank 2 was late
     position = DataPosition.from_dict(c._positions[1])
@@ -1355,7 +1355,7 @@ def test_with_requeueing_a_step_kept_in_a_recovery_gets_its_checkpoint_meta(ray_
     metas = {}
     c.committer = SimpleNamespace(set_meta=metas.__setitem__)
     c.group = SimpleNamespace(members=[object()] * 3)
-    c.plan, c._per_worker, c.dataset_size = ShardPlan(64, seed=0), 8, 64
+    c.plan, c._split, c.dataset_size = ShardPlan(64, seed=0), c.global_batch_size // 8, 64
     _, shards = c._shards_for(1, 3)
     c._keep_completed_steps([1], "completed on a survivor before the rebuild", fast={1: [0, 1]})
     assert list(metas) == [1]
@@ -1379,7 +1379,7 @@ def test_a_first_n_step_kept_with_no_replica_knowing_its_fast_set_is_booked_as_u
     c = Controller(spec, scaling, elastic.RunConfig(name="unknown-fast"), elastic.FailureConfig(),
                    global_batch_size=16, requeue_dropped=requeue)
     c.group = SimpleNamespace(members=[object()] * 3)
-    c.plan, c._per_worker, c.dataset_size = ShardPlan(64, seed=0), 8, 64
+    c.plan, c._split, c.dataset_size = ShardPlan(64, seed=0), c.global_batch_size // 8, 64
     _, shards = c._shards_for(1, 3)
     _, known = c._shards_for(2, 3)
     c._keep_completed_steps([1, 2], "completed on a survivor before the rebuild", fast={2: [0, 2]})
@@ -1400,7 +1400,7 @@ def test_a_plain_sync_step_kept_in_a_recovery_used_every_ranks_shard(ray_cluster
                         loss_fn=lambda m, b: None)
     c = Controller(spec, elastic.ScalingConfig(num_workers=2), elastic.RunConfig(name="plain-kept"),
                    elastic.FailureConfig(), global_batch_size=16)
-    c.plan, c._per_worker = ShardPlan(64, seed=0), 8
+    c.plan, c._split = ShardPlan(64, seed=0), c.global_batch_size // 8
     c._shards_for(1, 2)
     c._keep_completed_steps([1], "completed on a survivor before the rebuild")
     assert [e.used for e in c.ledger.entries] == [True, True] and c.history[0].dropped == 0

@@ -263,7 +263,7 @@ def test_a_shrink_with_a_spare_for_one_of_two_lost_ranks_promotes_it_then_drops_
     c.failures = 1
     c._decide_and_apply((1, 2), "node_lost")
     assert [m.name for m in c.group.members] == ["rank-0", "spare-0"] and not c.group.spares
-    assert c._per_worker == 6 and "spare-0" in c._stateless
+    assert c.global_batch_size // c._split == 6 and "spare-0" in c._stateless
     assert [e.kind for e in c.events if e.kind in ("replace", "shrink")] == ["replace", "shrink"]
 
 
@@ -355,7 +355,7 @@ def test_steps_kept_from_a_holder_that_computed_none_of_them_take_their_fast_set
 
     c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
                            global_batch_size=16)
-    c.plan, c._per_worker = ShardPlan(64, seed=0), 8
+    c.plan, c._split = ShardPlan(64, seed=0), c.global_batch_size // 8
     for step in (1, 2):
         c._shards_for(step, 3)
     c.group = StandInGroup(ranks=3)
@@ -366,6 +366,31 @@ def test_steps_kept_from_a_holder_that_computed_none_of_them_take_their_fast_set
     assert c.step == 2
     assert [(h.ranks, h.dropped) for h in c.history[-2:]] == [([0, 2], 8), ([0, 2], 8)]
     assert [e.used for e in c.ledger.entries if e.step == 1] == [True, False, True]
+
+
+def test_a_batch_schedule_sizes_each_steps_shards_from_its_step_on_and_replays_them_as_planned(rayless_controller):
+    # Trainer.batch_schedule={3: 16, 5: 32} over global_batch_size=8 and two ranks: steps 1-2
+    # take 4 samples a rank, 3-4 take 8, 5 on take 16; a replayed step reuses its own shards.
+    from elastic.data import ShardPlan
+
+    c = rayless_controller(global_batch_size=8, batch_schedule={3: 16, 5: 32})
+    c.plan, c._split, c.group = ShardPlan(256, seed=0), 2, StandInGroup(ranks=2)
+    sizes = [[len(shard) for shard in c._shards_for(step, 2)[1]] for step in range(1, 7)]
+    assert sizes == [[4, 4], [4, 4], [8, 8], [8, 8], [16, 16], [16, 16]]
+    first = c._shards_for(4, 2)
+    assert c._shards_for(4, 2) == first
+    assert c._checkpoint_meta(5, c.plan.position.to_dict())["global_batch_size"] == 32
+
+
+def test_a_batch_schedules_epochs_end_where_the_next_steps_batch_no_longer_fits():
+    from elastic.data import BatchSchedule
+
+    schedule = BatchSchedule(16, {4: 32, 10: 64})
+    assert [schedule.size_at(s) for s in (1, 3, 4, 9, 10, 99)] == [16, 16, 32, 32, 64, 64]
+    # Epoch 0: 16 x 3 then 32 (20 left, under the next 32); epoch 1: 32 x 3 (4 left)
+    assert schedule.steps_for_epochs(100, 1) == 4 and schedule.steps_for_epochs(100, 2) == 7
+    assert BatchSchedule(16).steps_for_epochs(100, 2) == 12  # 6 a epoch, as ShardPlan cuts them
+    assert schedule.largest == 64 and schedule.sizes == [16, 32, 64]
 
 
 class Call:
@@ -385,7 +410,7 @@ def test_first_n_steps_a_checkpoint_proves_take_their_fast_sets_from_the_members
 
     c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
                            global_batch_size=16)
-    c.plan, c._per_worker, c.dataset_size = ShardPlan(64, seed=0), 8, 64
+    c.plan, c._split, c.dataset_size = ShardPlan(64, seed=0), c.global_batch_size // 8, 64
     c.step = 10
     for step in (11, 12):
         c._shards_for(step, 3)

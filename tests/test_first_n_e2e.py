@@ -24,7 +24,7 @@ STEPS = 8
 
 def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch=0, late_backoff_steps=8,
          storage=None, checkpoint=None, max_grad_norm=None, model_fn=make_model, optimizer_fn=make_sgd,
-         bucket_cap_mb=None, step_fn=None, mixed_precision=None, loss=loss_fn):
+         bucket_cap_mb=None, step_fn=None, mixed_precision=None, loss=loss_fn, batch_schedule=None):
     return elastic.Trainer(
         model_fn, optimizer_fn, make_dataset, loss, N * PER,
         scaling=elastic.ScalingConfig(num_workers=N, num_backups=B, aggregation="first_n", num_spares=spares,
@@ -33,7 +33,7 @@ def make(name, faults, requeue=False, spares=0, failure=None, steps_per_dispatch
         run=elastic.RunConfig(name=name, seed=0, storage=storage, checkpoint=checkpoint or elastic.CheckpointConfig()),
         failure=failure or elastic.FailureConfig(checksum_every_n_steps=1),
         faults=faults, requeue_dropped=requeue, max_grad_norm=max_grad_norm, step_fn=step_fn,
-        mixed_precision=mixed_precision)
+        mixed_precision=mixed_precision, batch_schedule=batch_schedule)
 
 
 def used_batches(result, first: int = 1) -> list[list[int]]:
@@ -191,6 +191,18 @@ def test_fp16_first_n_steps_on_the_fast_ranks_scaled_gradients_and_a_replica_sit
     ref = reference_weights(STEPS, N * PER, batches=used_batches(result), fp16=True, shards=N, loss=loud_loss)
     assert_weights_close(result.model_state, ref, atol=1e-6)
     assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
+
+
+def test_a_growing_batch_schedule_gives_every_replica_its_share_of_each_steps_size(ray_cluster):
+    # N * PER = 16 from step 1, 32 from step 4: each of the three replicas gets 8, then 16 samples
+    # (size / N), the update is the mean of the fast two, as the one-process reference trains.
+    result = make("firstn-growing", faults=[{"kind": "slow", "rank": 2, "factor": 200.0, "from_step": 1}],
+                  batch_schedule={4: 2 * N * PER}).fit(steps=STEPS)
+    sizes = {(e["step"], len(e["indices"])) for e in result.ledger}
+    assert sizes == {(step, PER if step < 4 else 2 * PER) for step in range(1, STEPS + 1)}
+    ref = reference_weights(STEPS, N * PER, batches=used_batches(result))
+    assert_weights_close(result.model_state, ref, atol=1e-6)
+    assert len(set(result.replica_checksums)) == 1
 
 
 def test_requeue_uses_every_sample_exactly_once(ray_cluster):
