@@ -539,8 +539,10 @@ class Controller:
         # "finished" untrained; with fit(steps=...) the plan refused at the first step.
         need = self.scaling.num_replicas * (self.batches.largest // self.scaling.num_workers)
         if self.dataset_size < need:
+            # Every size is checked, reached or not (total_steps is known only later): a step that
+            # could not be handed out would fail far into the run.
             field = ("Trainer.global_batch_size" if self.batches.largest == self.global_batch_size else
-                     "Trainer.batch_schedule's largest size")
+                     f"Trainer.batch_schedule[{self.batches.first_step_of(self.batches.largest)}]")
             raise ConfigError(
                 f"the dataset has {self.dataset_size} samples, fewer than one step hands out ({need}: "
                 f"{self.scaling.num_replicas} replicas x {need // self.scaling.num_replicas} samples): lower "
@@ -832,6 +834,15 @@ class Controller:
         optimizer still come from the checkpoint. Manifests written before these fields were
         recorded are taken as they are."""
         position = DataPosition.from_dict(meta["data_position"])
+        trained_at = meta.get("global_batch_size")
+        if type(trained_at) is int and trained_at != self.batches.size_at(step):
+            # Sample-exact either way (the sampler's place counts samples), and a schedule may be
+            # changed on purpose; but a run resumed without its schedule would go on at another
+            # batch size with nothing said.
+            self.log("batch_size_changed",
+                     f"checkpointed step {step} trained at a global batch of {trained_at}, and this run's "
+                     f"Trainer.global_batch_size/batch_schedule give it {self.batches.size_at(step)}: the run "
+                     f"goes on at this run's sizes", step=step, saved=trained_at, now=self.batches.size_at(step))
         saved = {"dataset_size": meta.get("dataset_size"), "seed": meta.get("seed")}
         now = {"dataset_size": self.dataset_size, "seed": self.run_config.seed}
         changed = {k: (saved[k], now[k]) for k in now if saved[k] is not None and saved[k] != now[k]}

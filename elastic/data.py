@@ -76,10 +76,17 @@ class BatchSchedule:
     def largest(self) -> int:
         return max(self._sizes)
 
+    def first_step_of(self, size: int) -> int:
+        """The first step that trains at ``size`` (one of ``sizes``)."""
+        i = self._sizes.index(size)
+        return 1 if i == 0 else self._steps[i - 1]
+
     def steps_for_epochs(self, num_samples: int, epochs: int) -> int:
-        """How many steps make ``epochs`` epochs of ``num_samples``: each epoch ends where fewer
-        samples than the next step's batch remain (its tail dropped, as ``drop_last``), as
-        ``ShardPlan`` cuts them. With one size: ``epochs * (num_samples // size)``."""
+        """How many steps make ``epochs`` epochs of ``num_samples`` global batches: each epoch ends
+        where fewer samples than the next step's batch remain (its tail dropped, as
+        ``drop_last``). With one size: ``epochs * (num_samples // size)``. For data parallel this
+        is how ``ShardPlan`` cuts them; first-N draws M/N times the batch a step, so its
+        sampler's epoch runs ahead of these nominal ones (with requeueing, by what was dropped)."""
         if not self._steps:
             return epochs * (num_samples // self._sizes[0])
         step, left = 0, num_samples

@@ -153,7 +153,9 @@ class RunMetrics:
                                    "rollback counts again, where Result.metrics counts it once", tag_keys=("run",)),
                 "skipped": Counter("elastic_skipped_updates_total",
                                    "Steps whose update was skipped (mixed_precision='fp16': the gradient "
-                                   "overflowed and the loss scale backed off)", tag_keys=("run",)),
+                                   "overflowed and the loss scale backed off); a step replayed after a rollback "
+                                   "counts again, one kept in a rebuild without its results does not",
+                                   tag_keys=("run",)),
             }
         return self._m
 

@@ -546,13 +546,14 @@ def test_mixed_precision_must_be_bf16_fp16_or_none(value):
 
 
 def test_bf16_on_a_gpu_without_it_is_refused_when_the_worker_builds(monkeypatch):
-    # torch's autocast would warn once and run the forward in fp32. No GPU here: the device
-    # choice is checked with CUDA's answers stood in.
+    # torch emulates bfloat16 before Ampere (is_bf16_supported() says True, counting emulation):
+    # far slower than fp16. No GPU here: the device choice is checked with CUDA's answers stood in.
     from elastic.actors.worker import mixed_precision
 
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
-    with pytest.raises(ValueError, match=r"'bf16': Tesla V100-SXM2-16GB has no bfloat16 .*mixed_precision='fp16'"):
+    with pytest.raises(ValueError, match=r"'bf16': Tesla V100-SXM2-16GB has no native bfloat16 .*'fp16'"):
         mixed_precision("bf16", torch.device("cuda", 0))
     assert mixed_precision("bf16", torch.device("cpu")) == (torch.bfloat16, None)
 

@@ -21,12 +21,13 @@ from fake_workers import (FakeGroup, FakeWorker, FlakyJoinGroup, NcclFakeGroup, 
                           SparesThatNeverPlace)
 
 
-def controller(name, workers=2, backups=0, failure=None, faults=None, global_batch_size=8, **scaling):
+def controller(name, workers=2, backups=0, failure=None, faults=None, global_batch_size=8, batch_schedule=None,
+               **scaling):
     spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
                         loss_fn=lambda m, b: None)
     c = Controller(spec, elastic.ScalingConfig(num_workers=workers, num_backups=backups, **scaling),
                    elastic.RunConfig(name=name), failure or elastic.FailureConfig(), global_batch_size=global_batch_size,
-                   fault_plan=faults)
+                   fault_plan=faults, batch_schedule=batch_schedule)
     c.worker_group_cls = FakeGroup
     return c
 
@@ -412,6 +413,14 @@ def test_a_dataset_smaller_than_a_step_is_refused_before_training(ray_cluster):
         finally:
             c.shutdown()
     assert c.step == 0 and not c.history
+    # A scheduled size too: each is checked before the first step, and the error names its step
+    c = controller("fake-small-data-later", global_batch_size=8, batch_schedule={30: 16, 60: 128})
+    with pytest.raises(elastic.ConfigError, match=r"fewer than one step hands out \(128.*Trainer\.batch_schedule\[60\]"):
+        try:
+            c.run_for(steps=10)
+        finally:
+            c.shutdown()
+    assert c.step == 0
 
 
 def test_lost_work_counted_once_when_healing_runs_twice(ray_cluster):

@@ -382,6 +382,21 @@ def test_a_batch_schedule_sizes_each_steps_shards_from_its_step_on_and_replays_t
     assert c._checkpoint_meta(5, c.plan.position.to_dict())["global_batch_size"] == 32
 
 
+def test_a_resume_whose_batch_sizes_differ_from_the_checkpoints_says_so(rayless_controller):
+    # Sample-exact either way, but a run resumed without its schedule went on at another size
+    # with nothing said.
+    c = rayless_controller(global_batch_size=8, batch_schedule={5: 16})
+    c.dataset_size = 256
+    position = {"epoch": 0, "cursor": 64, "requeued": []}
+    assert c._resumable_position(7, {"data_position": position, "global_batch_size": 16}).cursor == 64
+    assert c._resumable_position(3, {"data_position": position, "global_batch_size": 8}).cursor == 64
+    assert not [e for e in c.events if e.kind == "batch_size_changed"]
+    assert c._resumable_position(7, {"data_position": position, "global_batch_size": 32}).cursor == 64
+    [event] = [e for e in c.events if e.kind == "batch_size_changed"]
+    assert (event.details["saved"], event.details["now"]) == (32, 16)
+    assert "step 7 trained at a global batch of 32" in event.message
+
+
 def test_a_batch_schedules_epochs_end_where_the_next_steps_batch_no_longer_fits():
     from elastic.data import BatchSchedule
 
@@ -391,6 +406,7 @@ def test_a_batch_schedules_epochs_end_where_the_next_steps_batch_no_longer_fits(
     assert schedule.steps_for_epochs(100, 1) == 4 and schedule.steps_for_epochs(100, 2) == 7
     assert BatchSchedule(16).steps_for_epochs(100, 2) == 12  # 6 a epoch, as ShardPlan cuts them
     assert schedule.largest == 64 and schedule.sizes == [16, 32, 64]
+    assert [schedule.first_step_of(size) for size in (16, 32, 64)] == [1, 4, 10]
 
 
 class Call:

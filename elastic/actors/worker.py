@@ -1337,11 +1337,13 @@ def mixed_precision(kind: str | None, device: torch.device) -> tuple[torch.dtype
     if kind is None:
         return None, None
     if kind == "bf16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            # torch's autocast would warn once and run the forward in fp32: the run would go on
-            # at a fraction of the speed asked for, with nothing in the run's own output saying so.
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+            # No bfloat16 units before Ampere (compute capability 8): torch emulates it there
+            # (is_bf16_supported() says True by its default, including emulation), so the run
+            # would go on far slower than fp16, with nothing in the run's output saying why.
             raise ValueError(f"Trainer.mixed_precision='bf16': {torch.cuda.get_device_name(device)} has no "
-                             "bfloat16 (it came with Ampere); use mixed_precision='fp16'")
+                             "native bfloat16 (it came with Ampere, compute capability 8); use "
+                             "mixed_precision='fp16'")
         return torch.bfloat16, None
     scaler = torch.amp.GradScaler(device.type)
     scaler.scale(torch.ones((), device=device))
