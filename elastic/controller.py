@@ -621,7 +621,7 @@ class Controller:
                 self._answer(m, ref, deadline - time.monotonic(), "its checkpoint writer's setup")
             except ray.exceptions.RayError as exc:
                 if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, ConfigError):
-                    if isinstance(exc.cause, UnsaveableState):
+                    if _unsaveable(exc) is not None:
                         raise exc.cause from None  # the run's state, the same on every rank: no node to name
                     raise refused_on_node(f"{m.name} on node {m.info.get('node_ip')}", exc.cause) from None
                 if m.name not in spares:
@@ -2531,7 +2531,7 @@ class Controller:
             try:
                 self._merge_ckpt(rank, ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s))
             except (ray.exceptions.RayError, TimeoutError) as exc:
-                if isinstance(getattr(exc, "cause", None), UnsaveableState):
+                if _unsaveable(exc) is not None:
                     raise exc.cause from None  # as in a step: no later snapshot could be taken either
                 # A lost rank shows in the next step, which heals it; this step then stays
                 # uncommitted, as it would have without the snapshot.
@@ -2606,7 +2606,7 @@ class Controller:
                          "its steps not yet reported stay uncommitted", rank=r)
                 continue
             except ray.exceptions.RayError as exc:
-                if isinstance(getattr(exc, "cause", None), UnsaveableState):
+                if _unsaveable(exc) is not None:
                     unsaveable = unsaveable or exc.cause
                     continue
                 if not actor_lost(exc):
@@ -2785,8 +2785,16 @@ def _user_failure(rank: int, exc: "ray.exceptions.RayTaskError") -> Exception:
     ``UnsaveableState`` a snapshot found (the training state took on something no checkpoint can
     store after the set-up's check passed: the same state on every rank, with the fix in its
     message), as it is; any other error as the rank's ``WorkerError``, with its traceback."""
+    return _unsaveable(exc) or WorkerError(rank, str(exc))
+
+
+def _unsaveable(exc: BaseException) -> UnsaveableState | None:
+    """The ``UnsaveableState`` a rank raised behind ``exc`` (a snapshot or the writer's set-up
+    found a state no checkpoint can store), else None. Every path that reads a rank's error
+    ends the run with it as it is (a step, a late window, the eviction's snapshot, the end's
+    flush, the writers' set-up)."""
     cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, UnsaveableState) else WorkerError(rank, str(exc))
+    return cause if isinstance(cause, UnsaveableState) else None
 
 
 _NODE_DEATH_MARKERS = ("node has died", "node died", "node is dead", "socket closed")

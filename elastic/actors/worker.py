@@ -225,18 +225,7 @@ class TrainWorker:
                              f"gradients ({', '.join(sparse[:5])} has sparse=True): use dense embeddings, or "
                              "leave Trainer.max_grad_norm unset")
         self._autocast_dtype, self.scaler = mixed_precision(spec.mixed_precision, self.device)
-        self._stepped = False  # fp16: the optimizer stepped since _apply_update asked (_note_stepped)
         self._update_skipped = False  # fp16: the last update was skipped, its gradient having overflowed
-        # fp16: how a skipped step is seen. An optimizer stepping through torch's hooks, and not
-        # given the overflow to skip by itself, steps only when GradScaler lets it, so its step
-        # hook says (no host sync). A fused one (Adam, AdamW, SGD with fused=True) is always
-        # called, with the overflow flag, and skips inside its kernel; one without torch's hooks
-        # (a wrapper of its own) has none: for those, a lower scale after update() is a skip.
-        self._skip_seen_by_scale = self.scaler is not None and (
-            getattr(self.optimizer, "_step_supports_amp_scaling", False)
-            or not callable(getattr(self.optimizer, "register_step_post_hook", None)))
-        if self.scaler is not None and not self._skip_seen_by_scale:
-            self.optimizer.register_step_post_hook(self._note_stepped)
         self.scheduler = spec.scheduler_fn(self.optimizer) if spec.scheduler_fn else None
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             # Its step() needs a metric, and the first optimizer step would fail on it far from here.
@@ -686,10 +675,6 @@ class TrainWorker:
             self._injected_delay(step, time.perf_counter() - t_step)
         return loss, fwd if has_collective else time.perf_counter() - t_step
 
-    def _note_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """The optimizer's step post hook (fp16): GradScaler did not skip the step."""
-        self._stepped = True
-
     def _autocast(self):
         """``Trainer.mixed_precision``'s autocast for the forward (the backward runs outside it, as
         torch's AMP recipe says), or a context that does nothing."""
@@ -1054,17 +1039,18 @@ class TrainWorker:
         if scaler is None:
             self.optimizer.step()
         else:
-            # fp16: GradScaler skips the optimizer's step when a gradient overflowed (inf or NaN)
-            # and backs the scale off; how the skip is seen: _skip_seen_by_scale (the scale's
-            # comparison costs two host syncs a step on a GPU, the hook none). Every replica sees
-            # the same averaged gradient (DDP's all-reduce, the first-N mean), so all skip alike
-            # and their scalers stay equal. The LR scheduler steps with the optimizer only, as
-            # the usual AMP loops do.
-            self._stepped = False
-            scale = scaler.get_scale() if self._skip_seen_by_scale else None
+            # fp16: GradScaler skips the step when a gradient overflowed (inf or NaN), and update()
+            # backs the scale off exactly then, so a lower scale is a skipped step. Read from the
+            # scale for every optimizer: a fused one (fused=True) is always called, with the
+            # overflow flag, and skips inside its kernel, so its step hooks cannot tell. On a GPU
+            # the two reads are host syncs, beside the one the step's loss costs anyway. Every
+            # replica sees the same averaged gradient (DDP's all-reduce, the first-N mean), so
+            # all skip alike and their scalers stay equal. The LR scheduler steps with the
+            # optimizer only, as the usual AMP loops do.
+            scale = scaler.get_scale()
             scaler.step(self.optimizer)
             scaler.update()
-            self._update_skipped = scaler.get_scale() < scale if scale is not None else not self._stepped
+            self._update_skipped = scaler.get_scale() < scale
         if self.scheduler is not None and not self._update_skipped:
             self.scheduler.step()
         self.completed_step = step
