@@ -31,14 +31,15 @@ OUTAGE_STEPS = 3  # steps training must go on past the stop before the endpoint 
 
 
 def trainer(name, storage, workers=2, backups=0, failure=None, faults=None, storage_options=None,
-            steps_per_dispatch=0, **ckpt):
+            steps_per_dispatch=0, optimizer_fn=make_adam, loss=loss_fn, global_batch_size=32, mixed_precision=None,
+            batch_schedule=None, **ckpt):
     return elastic.Trainer(
-        make_model, make_adam, make_dataset, loss_fn, 32,
+        make_model, optimizer_fn, make_dataset, loss, global_batch_size,
         scaling=elastic.ScalingConfig(num_workers=workers, num_backups=backups,
                                       steps_per_dispatch=steps_per_dispatch),
         run=elastic.RunConfig(name=name, storage=storage, storage_options=storage_options or {}, seed=0,
                               checkpoint=elastic.CheckpointConfig(**ckpt)),
-        failure=failure, faults=faults)
+        failure=failure, faults=faults, mixed_precision=mixed_precision, batch_schedule=batch_schedule)
 
 
 @pytest.fixture(scope="module")
@@ -293,11 +294,8 @@ def test_a_state_that_turns_unsaveable_mid_run_ends_the_run_at_that_step(ray_clu
             return loss
 
     url = f"file://{tmp_path}/ckpt"
-    run = elastic.Trainer(make_model, lambda params: TaggingAdam(params, lr=1e-2), make_dataset, loss_fn, 32,
-                          scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
-                          run=elastic.RunConfig(name="tags", storage=url, seed=0))
     with pytest.raises(UnsaveableState) as info:
-        run.fit(steps=8)
+        trainer("tags", url, optimizer_fn=lambda params: TaggingAdam(params, lr=1e-2)).fit(steps=8)
     assert isinstance(info.value, elastic.ConfigError) and info.value.step == 3
     assert str(info.value).startswith("the training state cannot be checkpointed: checkpoint state at "
                                       "optimizer/param_groups/0/tags has a set; only tensors")
@@ -318,11 +316,8 @@ def test_an_error_in_the_users_step_commits_the_steps_before_it(ray_cluster, tmp
         return loss_fn(model, batch)
 
     url = f"file://{tmp_path}/ckpt"
-    run = elastic.Trainer(make_model, make_adam, make_dataset, failing_loss, 32,
-                          scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
-                          run=elastic.RunConfig(name="user-error", storage=url, seed=0))
     with pytest.raises(elastic.WorkerError, match="a batch this loss cannot take"):
-        run.fit(steps=8)
+        trainer("user-error", url, loss=failing_loss).fit(steps=8)
     assert CheckpointStore(url, "user-error").latest_valid() == 2
 
 
@@ -332,12 +327,7 @@ def test_fp16_trains_as_torchs_amp_recipe_and_its_loss_scale_resumes_with_it(ray
     checkpoint, and a resumed run goes on with it: its growth count reaches 8, not 8 - 4."""
     url = f"file://{tmp_path}/ckpt"
 
-    def fp16():
-        return elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 32,
-                               scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
-                               run=elastic.RunConfig(name="fp16", storage=url, seed=0,
-                                                     checkpoint=elastic.CheckpointConfig(blocking=True)),
-                               mixed_precision="fp16")
+    fp16 = lambda: trainer("fp16", url, optimizer_fn=make_sgd, mixed_precision="fp16", blocking=True)
 
     fp16().fit(steps=4)
     store = CheckpointStore(url, "fp16")
@@ -360,11 +350,7 @@ def test_a_growing_batch_schedule_trains_each_step_at_its_size_and_resumes_acros
     weights equal one process trained on the same global batches."""
     url = f"file://{tmp_path}/ckpt"
 
-    def growing():
-        return elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 16,
-                               scaling=elastic.ScalingConfig(num_workers=2, num_backups=0),
-                               run=elastic.RunConfig(name="growing", storage=url, seed=0),
-                               batch_schedule={3: 32, 5: 64})
+    growing = lambda: trainer("growing", url, global_batch_size=16, batch_schedule={3: 32, 5: 64})
 
     first = growing().fit(steps=3)
     again = growing().fit(steps=6)

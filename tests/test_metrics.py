@@ -33,8 +33,9 @@ def controller(ranks):
                            committer=None)
 
 
-def record(step, world):
-    return SimpleNamespace(step=step, step_time_s=0.2, samples=64, world_size=world, grad_norm=None, dropped=0)
+def record(step, world, **extra):
+    return SimpleNamespace(step=step, step_time_s=0.2, samples=64, world_size=world, grad_norm=None, dropped=0,
+                           **extra)
 
 
 def test_a_rank_gone_after_a_shrink_stops_showing_its_last_values():
@@ -87,7 +88,7 @@ def test_the_group_and_pool_gauges_follow_a_recovery_before_any_step():
 def test_an_fp16_step_whose_update_was_skipped_is_counted():
     m = metrics()
     m.on_step(record(1, 2), controller(range(2)))
-    m.on_step(SimpleNamespace(**vars(record(2, 2)), update_skipped=True), controller(range(2)))
+    m.on_step(record(2, 2, update_skipped=True), controller(range(2)))
     assert m._m["skipped"].values[None] == [1]
 
 

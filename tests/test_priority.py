@@ -8,12 +8,15 @@ normal-priority fallback and are skipped.
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import subprocess
 import sys
 import threading
 
 import pytest
 
+from conftest import ROOT
 from elastic.actors.priority import can_restore_priority, idle_priority, idle_threads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux")
@@ -131,17 +134,12 @@ def test_inside_a_user_namespace_the_capability_bit_is_not_taken_for_the_right()
     """``unshare -rU``: CapEff shows CAP_SYS_NICE, but the kernel checks it against the initial
     user namespace and leaving SCHED_IDLE fails with EPERM. Read from CapEff, a spare built
     there stayed idle-class for good; now the probe says no and nothing is lowered."""
-    import shutil
-
-    import resource
-
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-rU", "true"], capture_output=True).returncode != 0:
         pytest.skip("no unprivileged user namespaces here (unshare -rU)")
     soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
     if soft == resource.RLIM_INFINITY or soft >= 20 - os.getpriority(os.PRIO_PROCESS, 0):
         pytest.skip("RLIMIT_NICE lets this process leave SCHED_IDLE in any namespace")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import os\n"
             "from elastic.actors.priority import can_restore_priority, idle_priority\n"
             "caps = int(open('/proc/self/status').read().split('CapEff:')[1].split()[0], 16)\n"
@@ -149,6 +147,6 @@ def test_inside_a_user_namespace_the_capability_bit_is_not_taken_for_the_right()
             "    inside = os.sched_getscheduler(0)\n"
             "print(caps >> 23 & 1, can_restore_priority(), idle, inside == os.SCHED_OTHER)\n")
     out = subprocess.run([unshare, "-rU", sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=root), cwd=root)
+                         env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "False", "False", "True"]

@@ -933,23 +933,25 @@ def _mixed_precision_steps(out) -> None:
 
     # A step whose scaled gradient overflows: skipped, its scale halved, the scheduler not stepped
     halve = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    worker = trained(local_worker(make_model, mixed_precision="fp16", scheduler_fn=halve), batches[:1])
-    before = {k: v.clone() for k, v in worker.model_state().items()}
-    worker.scaler.update(2.0 ** 100)  # far past fp16's range: the gradients overflow
-    trained(worker, batches[1:2], first=2)
-    found["skipped"] = all(torch.equal(before[k], v) for k, v in worker.model_state().items())
+    reported = lambda w: [r.extra.get("update_skipped") for r in w.results]  # the steps', to the controller
+
+    def overflowed(optimizer_fn=None):
+        """An fp16 worker (its LR halved each step) after step 1, then step 2 with the scale far
+        past fp16's range, so its gradients overflow: (the worker, its weights unchanged by step 2)."""
+        worker = trained(local_worker(make_model, optimizer_fn, mixed_precision="fp16", scheduler_fn=halve),
+                         batches[:1])
+        before = {k: v.clone() for k, v in worker.model_state().items()}
+        worker.scaler.update(2.0 ** 100)
+        trained(worker, batches[1:2], first=2)
+        return worker, all(torch.equal(before[k], v) for k, v in worker.model_state().items())
+
+    worker, found["skipped"] = overflowed()
     found["after_overflow"] = (worker.scaler.get_scale(), worker.scheduler.last_epoch, worker.optimizer.param_groups[0]["lr"])
-    found["reported"] = [r.extra.get("update_skipped") for r in worker.results]  # the step's, to the controller
-    found["fp16_reported"] = [r.extra.get("update_skipped") for r in fp16.results]
+    found["reported"], found["fp16_reported"] = reported(worker), reported(fp16)
     # A fused optimizer is always called, with the overflow flag, and skips inside its kernel:
     # its step hook fires on a skipped step too, so the skip is read from the scale
-    fused = trained(local_worker(make_model, lambda p: torch.optim.AdamW(p, lr=0.1, fused=True), mixed_precision="fp16",
-                                 scheduler_fn=halve), batches[:1])
-    kept = {k: v.clone() for k, v in fused.model_state().items()}
-    fused.scaler.update(2.0 ** 100)
-    trained(fused, batches[1:2], first=2)
-    found["fused"] = (all(torch.equal(kept[k], v) for k, v in fused.model_state().items()),
-                      [r.extra.get("update_skipped") for r in fused.results], fused.scheduler.last_epoch)
+    fused, unchanged = overflowed(lambda p: torch.optim.AdamW(p, lr=0.1, fused=True))
+    found["fused"] = (unchanged, reported(fused), fused.scheduler.last_epoch)
     fresh = local_worker(make_model, mixed_precision="fp16")
     fresh.set_state(worker.get_state())  # a peer's, or a checkpoint's, state: the scale comes along
     found["restored_scale"] = fresh.scaler.get_scale()
