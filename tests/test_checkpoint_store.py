@@ -1547,6 +1547,40 @@ def test_committer_batches_retention_and_flush_leaves_exactly_keep_last(backend,
     committer.close()
 
 
+def test_committer_reports_a_failed_delete_and_a_failed_sweep_as_events_and_retries_both(tmp_path, monkeypatch):
+    """A delete that fails is a ``checkpoint_delete_failed`` event naming the step and the error, a
+    sweep that cannot list storage a ``checkpoint_cleanup_failed`` event; the commits stand, and a
+    later pass deletes what the failed one left (README: these events are the ones that say so)."""
+    store = CheckpointStore(f"file://{tmp_path}", RUN, {}, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=3600, retention_interval_s=3600)
+    for step in (1, 2):
+        hand_over_and_wait(committer, store, step)
+    assert committer.flush(10) and store.committed_steps() == [2]
+    committer.drain_events()
+    hand_over_and_wait(committer, store, 3)
+
+    def refuse(*args, **kwargs):
+        raise StorageError("503 Slow Down")
+
+    with monkeypatch.context() as m:
+        m.setattr(store.storage, "delete", refuse)  # a step's delete starts with its manifest
+        m.setattr(store, "step_dirs", refuse)  # the sweep starts with a listing
+        assert committer.flush(10)
+    events = committer.drain_events()
+    failed = [e for e in events if e["event"] == "checkpoint_delete_failed"]
+    assert [(e["step"], e["error"]) for e in failed] == [(2, "503 Slow Down")]
+    assert "could not delete step 2 (will retry)" in failed[0]["message"]
+    swept = [e for e in events if e["event"] == "checkpoint_cleanup_failed"]
+    assert [e["error"] for e in swept] == ["503 Slow Down"]
+    assert not [e for e in events if e["event"] == "checkpoint_deleted"]
+    assert store.committed_steps() == [2, 3] and committer.latest_committed == 3
+    time.sleep(1.05)  # a failed delete waits out its backoff (1 s after a first failure)
+    assert committer.flush(10)
+    assert store.committed_steps() == [3] and store.step_dirs() == [3]
+    assert [e["deleted"] for e in committer.drain_events() if e["event"] == "checkpoint_deleted"] == [[2]]
+    committer.close()
+
+
 def test_flush_sweeps_superseded_writes_and_leaves_newer_ones(backend):
     """The end of a run (or a stop) leaves no uncommitted directory behind a committed step. One
     newer than the newest commit may still be written by a rank, and stays."""

@@ -680,3 +680,43 @@ def test_a_late_replicas_own_error_during_an_eviction_is_the_users(rayless_contr
     unsaveable = ray.exceptions.RayTaskError("train_steps", "Traceback ...", UnsaveableState("x has a set", 9))
     with pytest.raises(UnsaveableState, match=r"found in step 9's snapshot"):
         c._raise_user_errors({1: unsaveable})
+
+
+def test_a_rollback_whose_old_checkpoint_writes_do_not_settle_says_so_and_goes_on(
+        rayless_controller, tmp_path):
+    """A rollback waits (``SETTLE_TIMEOUT_S``) for the nodes' agents to finish the writes of the
+    state it goes back from; writes still under way after that are a
+    ``checkpoint_writes_unsettled`` event naming them (rank, step), and the rollback goes on."""
+    from elastic.checkpoint import CheckpointCommitter, CheckpointStore
+    from elastic.config import CheckpointConfig
+
+    c = rayless_controller(name="unsettled")
+    c.committer = CheckpointCommitter(CheckpointStore(f"file://{tmp_path}", "unsettled"),
+                                      CheckpointConfig(every_n_steps=1))
+    asked = []
+
+    class StuckAgents:
+        def settle(self, generation, timeout_s):
+            asked.append((generation, timeout_s))
+            return [(1, 7), (0, 8)]
+
+    c._agents, c.generation, c._worker_progress = StuckAgents(), 3, 9
+    try:
+        c._rewind(5)
+    finally:
+        c.committer.close()
+    assert asked == [(3, c.SETTLE_TIMEOUT_S)]
+    assert c._rolled_back_through == 3 and c._worker_progress == 5
+    unsettled = [e for e in c.events if e.kind == "checkpoint_writes_unsettled"]
+    assert len(unsettled) == 1 and unsettled[0].details["stuck"] == [[1, 7], [0, 8]]
+    assert "(rank, step): [(1, 7), (0, 8)]" in unsettled[0].message
+    # Settled: nothing said.
+    c._agents = SimpleNamespace(settle=lambda generation, timeout_s: [])
+    c.committer = CheckpointCommitter(CheckpointStore(f"file://{tmp_path}", "unsettled"),
+                                      CheckpointConfig(every_n_steps=1))
+    try:
+        c._rewind(None)
+    finally:
+        c.committer.close()
+    assert c._worker_progress == 0
+    assert len([e for e in c.events if e.kind == "checkpoint_writes_unsettled"]) == 1
