@@ -1124,18 +1124,6 @@ class TrainWorker:
             crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
         return crc
 
-    def evaluate(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
-        """``fn(model)`` in eval mode, without gradients; every module's mode is put back after."""
-        self._bind_device()
-        modes = [(module, module.training) for module in self.model.modules()]
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                return fn(self.model)
-        finally:
-            for module, training in modes:
-                module.training = training
-
     # ---- checkpoints (elastic.checkpoint does the storage work) ------------------------------
     def configure_checkpoint(self, url: str, storage_options: dict, run_name: str, every_n_steps: int,
                              blocking: bool, controller: Any = None, min_shard_bytes: int = 0,
