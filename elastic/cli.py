@@ -334,20 +334,15 @@ def _connect(address: str, namespace: str, timeout_s: float) -> str:
     raise CliError(f"cannot connect to the Ray cluster at {address}: {detail}")
 
 
-def _live_runs(timeout_s: float) -> list[str]:
-    """Runs with a live controller: actors named ``controller`` in namespaces ``elastic-*``."""
+def _live_runs() -> list[str]:
+    """Runs with a live controller: actors named ``controller`` in namespaces ``elastic-*``, as the
+    cluster ``_connect`` joined knows them (its GCS). Not the state API: ``list_actors`` finds a
+    cluster of its own (RAY_ADDRESS, the one recorded under /tmp/ray, a GCS process on this
+    machine), so on cluster A's head ``--address B`` listed A's runs."""
     import ray
 
-    try:
-        from ray.util.state import list_actors
-
-        actors = list_actors(filters=[("name", "=", CONTROLLER_NAME), ("state", "=", "ALIVE")],
-                             limit=10_000, timeout=max(1, int(timeout_s)), raise_on_missing_output=False)
-        namespaces = [a.ray_namespace for a in actors]
-    except Exception:  # noqa: BLE001 - a cluster without a dashboard has no state API
-        logger.debug("state API unavailable; asking the GCS for named actors", exc_info=True)
-        namespaces = [a.get("namespace") for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a.get("name") == CONTROLLER_NAME]
+    namespaces = [a.get("namespace") for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("name") == CONTROLLER_NAME]
     return sorted({ns[len(NAMESPACE_PREFIX):] for ns in namespaces if ns and ns.startswith(NAMESPACE_PREFIX)})
 
 
@@ -359,7 +354,7 @@ def _controller(run: str, address: str, timeout_s: float) -> Any:
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     except ValueError:
-        others = [r for r in _live_runs(timeout_s) if r != run]
+        others = [r for r in _live_runs() if r != run]
         hint = f"; live runs: {', '.join(others)}" if others else "; no elastic run is live there"
         raise CliError(f"no run {run!r} on the cluster at {address} "
                        f"(no actor {CONTROLLER_NAME!r} in namespace {namespace!r}){hint}") from None
@@ -483,7 +478,7 @@ def status(
     addr = _connect(addr, NAMESPACE_PREFIX + (run or "cli"), timeout_s)
     try:
         if run is None:
-            runs = _live_runs(timeout_s)
+            runs = _live_runs()
             if not runs:
                 raise CliError(f"no elastic run is live on the cluster at {addr}")
             if len(runs) > 1:
@@ -619,7 +614,11 @@ def _interactive_options(url: str, options: dict) -> dict:
     if protocol not in ("s3", "s3a"):
         return options
     opts = dict(options)
-    config = dict(opts.get("config_kwargs") or {})
+    given = opts.get("config_kwargs") or {}
+    if not isinstance(given, dict):  # -o config_kwargs=5: botocore's Config takes keyword arguments
+        raise CliError("--storage-option config_kwargs must be an object of botocore Config settings, e.g. "
+                       "-o config_kwargs.connect_timeout=10", code=2)
+    config = dict(given)
     config.setdefault("connect_timeout", 3)
     config.setdefault("read_timeout", 30)
     config.setdefault("retries", {"max_attempts": 2})
@@ -770,7 +769,9 @@ def checkpoints(
     storage_option: list[str] = typer.Option(
         [], "--storage-option", "-o", help="KEY=VALUE for fsspec (repeatable); dotted keys nest "
                                            "(client_kwargs.region_name=eu-west-1); values parse as JSON if they can."),
-    verify: bool = typer.Option(True, "--verify/--no-verify", help="Read every file and check its size and sha256."),
+    verify: bool = typer.Option(True, "--verify/--no-verify",
+                                help="Read every file and check its size and sha256 (a run's listing: with --run "
+                                     "or a run directory; the overview of all runs reads manifests only)."),
     as_json: bool = typer.Option(False, "--json", help="Print the listing as JSON (strict: no NaN); without "
                                                         "--run, a run storage refuses to list is {\"error\": ...}."),
 ) -> None:
@@ -933,6 +934,14 @@ def submit(
     _refuse_credentials_in(args or [])
     entrypoint = shlex.join(["python", rel, *(args or [])])
     target = _job_address(address)
+    if target and "://" not in target:
+        # A cluster's GCS address (HEAD:6379): Ray reads the dashboard's URL from the GCS, retrying
+        # 20 times 2 s apart, and the retries' messages are quieted here, so nothing at that
+        # address was a silent wait of 40 s or more. A TCP connect says so in seconds.
+        reason = unreachable(target, PROBE_TIMEOUT_S)
+        if reason is not None:
+            raise CliError(f"cannot reach a Ray cluster at {shown(target)}: {reason} (give the dashboard's URL, "
+                           "--address http://HEAD:8265, or the cluster's HEAD:6379)")
     try:
         with _env_without(*(_ADDRESS_VARS if address else ())):
             client = JobSubmissionClient(target)
@@ -941,7 +950,8 @@ def submit(
         # to admin:pw@head:8265; redact_urls_in knows only scheme://user:pw@), nor the variables'.
         where = shown(target) if target else "the local cluster"
         text = redact_urls_in(str(exc)).replace(target or "\0", where)
-        if _AUTH_FAILURE.search(text) or "401" in text or "403" in text:
+        # An HTTP 401/403 as a status of its own, not digits of the address (http://node401:8265).
+        if _AUTH_FAILURE.search(text) or re.search(r"(?<![\w.:-])40[13](?!\w)", text.replace(where, "")):
             raise CliError(_auth_hint(where)) from None
         raise CliError(f"cannot reach the Ray dashboard at {where}: {_one_line(text)}") from None
     runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}

@@ -38,12 +38,15 @@ _URL_QUERY = re.compile(rf"(?P<url>{_SCHEME}[^\s?'\"<>]*)\?[^\s'\"<>]+")
 # token's ``sig=`` are the same in other clouds' requests; ``sig`` only as a query parameter,
 # after '?' or '&' (the word is common).
 SIGNED_PARAM = re.compile(r"(?i)(?:(?<![\w-])(?P<name>x-(?:amz|goog)-(?:credential|signature|security-token)|"
-                          r"credential|signature|awsaccesskeyid)|(?<=[?&])(?P<sas>sig))=(?P<value>[^&\s'\",;<>]+)")
+                          r"credential|signature|awsaccesskeyid|ray-authentication-token)|(?<=[?&])(?P<sas>sig))"
+                          r"=(?P<value>[^&\s'\",;<>]+)")
 # A header that is a credential, as an HTTP dump (``Authorization: AWS4-HMAC-SHA256 ...``),
 # botocore's repr of a request's headers (``'X-Amz-Security-Token': b'...'``) or its canonical
 # request (``x-amz-security-token:...``) shows it: the value runs to its closing quote or the
-# end of the line. Only with a ':', so "authorization failed" stays as it is.
-CREDENTIAL_HEADER = re.compile(r"(?i)(?<![\w-])(?P<name>(?:proxy-)?authorization|x-amz-security-token)"
+# end of the line. Only with a ':', so "authorization failed" stays as it is. Ray's token auth
+# (2.60) sends its token as ``X-Ray-Authorization: Bearer ...`` (or ``Authorization``) and in the
+# dashboard's ``ray-authentication-token`` cookie: a Cookie header is hidden whole.
+CREDENTIAL_HEADER = re.compile(r"(?i)(?<![\w-])(?P<name>(?:proxy-|x-ray-)?authorization|x-amz-security-token|cookie)"
                                r"(?P<sep>['\"]?[ \t]*:[ \t]*(?:b?['\"])?)(?P<value>[^'\"\r\n]+)")
 # An AWS access key id on its own (AKIA... long-term, ASIA... temporary): 20 characters of a
 # form ordinary text does not take.

@@ -138,6 +138,16 @@ def test_submit_unreachable_dashboard():
     assert f"127.0.0.1:{port}" in line
 
 
+def test_submit_to_a_cluster_address_nothing_listens_on_says_so_without_asking_ray():
+    # HEAD:6379 (the GCS) rather than the dashboard's URL: Ray's client reads the dashboard's
+    # address from the GCS and retried for 40 s, its messages quieted. The probe answers first.
+    port = free_ports(1)[0]
+    result = runner.invoke(app, ["submit", "--address", f"127.0.0.1:{port}", "examples/digits.py"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 1
+    assert f"cannot reach a Ray cluster at 127.0.0.1:{port}" in line and "http://HEAD:8265" in line
+
+
 def test_submit_missing_script(tmp_path):
     result = runner.invoke(app, ["submit", "--working-dir", str(tmp_path), "nope.py"])
     assert result.exit_code == 2
@@ -478,6 +488,11 @@ def test_checkpoints_bad_storage_option():
     result = runner.invoke(app, ["checkpoints", "/tmp", "-o", "novalue"])
     assert result.exit_code == 2
     assert "KEY=VALUE" in one_line_error(result.exit_code, result.stdout, result.stderr)
+    # config_kwargs that is no object: named, not a TypeError from inside dict()
+    for value in ("5", "abc"):
+        result = runner.invoke(app, ["checkpoints", "s3://bkt/runs", "-o", f"config_kwargs={value}"])
+        line = one_line_error(result.exit_code, result.stdout, result.stderr)
+        assert result.exit_code == 2 and "--storage-option config_kwargs must be an object" in line
 
 
 def test_parse_storage_options_nests_and_parses_json():
@@ -709,10 +724,33 @@ def test_submit_never_prints_the_dashboards_credentials(monkeypatch, tmp_path):
     result = runner.invoke(app, args)
     line = one_line_error(result.exit_code, result.stdout, result.stderr)
     assert "S3cretPw" not in result.stdout + result.stderr and "cannot reach the Ray dashboard at http://***@head" in line
-    # With no scheme (Ray adds http:// itself), which the redaction of URLs in text does not know.
+    # With no scheme (a cluster's GCS address to Ray, probed first), which the redaction of URLs in
+    # text does not know.
     result = runner.invoke(app, [*args[:-1], "alice:S3cretPw@head:8265"])
     line = one_line_error(result.exit_code, result.stdout, result.stderr)
-    assert "S3cretPw" not in result.stdout + result.stderr and "cannot reach the Ray dashboard at ***@head:8265" in line
+    assert "S3cretPw" not in result.stdout + result.stderr and "cannot reach a Ray cluster at ***@head:8265" in line
+
+
+@pytest.mark.parametrize("error, auth", [
+    ("Request failed with status code 401: Unauthorized", True),
+    ("403 Forbidden", True),
+    ("Failed to connect to Ray at address: {address}", False),  # its digits are the host's, not a status
+])
+def test_submit_tells_an_auth_refusal_from_an_address_with_its_digits(error, auth, monkeypatch, tmp_path):
+    import ray.job_submission
+
+    address = "http://node401:8265"
+
+    def client(target):
+        raise ConnectionError(error.format(address=target))
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", client)
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), "--address", address])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 1
+    assert ("RAY_AUTH_TOKEN" in line) == auth
+    assert ("cannot reach the Ray dashboard at http://node401:8265" in line) == (not auth)
 
 
 @pytest.mark.parametrize("arg", [
@@ -720,6 +758,7 @@ def test_submit_never_prints_the_dashboards_credentials(monkeypatch, tmp_path):
     "--storage=s3://bkt/p?X-Amz-Credential=AKIAARGKEYID0123%2F20240101&X-Amz-Signature=ArgPassw0rd",
     "/bkt/k?AWSAccessKeyId=AKIAARGKEYID0123&Signature=ArgPassw0rd",
     "Authorization: Bearer ArgPassw0rd",
+    "X-Ray-Authorization: Bearer ArgPassw0rd",
     "AKIAIOSFODNN7EXAMPLE",
 ])
 def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, tmp_path):

@@ -139,6 +139,10 @@ def test_signed_query_parameters_and_credential_headers_are_redacted_without_a_u
         "Authorization: AWS4-HMAC-SHA256 Credential=AKIA0123/20240101/us-east-1/s3/aws4_request, "
         "SignedHeaders=host;x-amz-date, Signature=9f8e7d": "Authorization: ***",
         "proxy-authorization: Bearer eyJhbGciOi.x": "proxy-authorization: ***",
+        # Ray's token auth: its header, its dashboard cookie (in a Cookie header, or on its own)
+        "X-Ray-Authorization: Bearer 3f9a0c1d2e": "X-Ray-Authorization: ***",
+        "Cookie: ray-authentication-token=3f9a0c1d2e; theme=dark": "Cookie: ***",
+        "set ray-authentication-token=3f9a0c1d2e; path=/": "set ray-authentication-token=***; path=/",
         "X-Amz-Security-Token: FwoGZXIvYXdzE\nX-Amz-Date: 20240101T000000Z":
             "X-Amz-Security-Token: ***\nX-Amz-Date: 20240101T000000Z",
         "headers={'X-Amz-Security-Token': b'FwoGZXIvYXdzE', 'Authorization': b'AWS4-HMAC-SHA256 Credential=x'}":
