@@ -953,6 +953,30 @@ def _mixed_precision_steps(out) -> None:
     fresh.set_state(local_worker(make_model).get_state())  # a run without fp16 had no scaler: a fresh one
     found["no_scaler_state"] = fresh.scaler.get_scale()
 
+    # A step that fails as a collective after the scaler unscaled its gradient (here inside the
+    # clipping) and is trained again: GradScaler remembered the unscale, so the replay raised
+    # "unscale_() has already been called" (or, without clipping, stepped on the scaled gradient)
+    from elastic.actors.protocol import CollectiveError
+
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def fails_once(*args, **kwargs):
+        torch.nn.utils.clip_grad_norm_ = real_clip
+        raise RuntimeError("gloo: connection closed by peer (test)")
+
+    replayed = local_worker(make_model, mixed_precision="fp16", max_grad_norm=0.5)
+    torch.nn.utils.clip_grad_norm_ = fails_once
+    try:
+        trained(replayed, batches[:1])
+    except CollectiveError:
+        found["failed_once"] = True
+    finally:
+        torch.nn.utils.clip_grad_norm_ = real_clip
+    trained(replayed, batches[:1])
+    clean = trained(local_worker(make_model, mixed_precision="fp16", max_grad_norm=0.5), batches[:1])
+    found["replayed_diff"] = max(float((clean.model_state()[k] - v).abs().max())
+                                 for k, v in replayed.model_state().items())
+
     # An update applied by a replica that never ran a backward (first-N: one sitting out its
     # first steps, a spare just promoted): GradScaler.step refuses a scaler whose scale() never ran
     idle = local_worker(make_model, mixed_precision="fp16")
@@ -984,4 +1008,5 @@ def test_mixed_precision_autocasts_the_forward_and_fp16_scales_the_loss_as_torch
     assert found["fused"] == (True, [True], 1)
     assert found["restored_scale"] == 2.0 ** 99 and found["no_scaler_state"] == 65536.0
     assert found["idle_step"] <= 1e-6  # SGD's lr 0.1 times the unscaled gradient of ones
+    assert found["failed_once"] and found["replayed_diff"] == 0.0
     assert found["bf16"] == (["torch.bfloat16"], None, False)

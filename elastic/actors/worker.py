@@ -771,6 +771,8 @@ class TrainWorker:
         except Exception:
             if self._buffers is not None and self.completed_step < step:
                 self._buffers.restore()  # the failed step's forward leaves no trace in the replica
+            if self.scaler is not None and self.completed_step < step:
+                self._renew_scaler()
             raise
 
     def _train_step(self, step: int, indices: list[int]) -> StepResult:
@@ -1059,6 +1061,17 @@ class TrainWorker:
             os.kill(os.getpid(), 9)
         return norm
 
+    def _renew_scaler(self, state: dict | None = None) -> None:
+        """A new GradScaler with ``state`` (default: this one's scale and growth count). Why: a
+        GradScaler remembers, per optimizer, that it unscaled (and found an overflow in) the step
+        under way, until its ``update()``; ``load_state_dict`` keeps that. A step that failed
+        between the two (a collective failure in the clipping or the optimizer's step), trained
+        again, raised "unscale_() has already been called", or, without clipping, stepped on the
+        still-scaled gradient, this replica alone."""
+        state = self.scaler.state_dict() if state is None else state
+        _, self.scaler = mixed_precision("fp16", self.device)
+        self.scaler.load_state_dict(state)
+
     # ---- state -----------------------------------------------------------------------------
     def get_state(self) -> dict:
         """The full replicated training state, for a peer that has to catch up."""
@@ -1088,7 +1101,7 @@ class TrainWorker:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
+            self._renew_scaler(state["scaler"])
         elif self.scaler is not None:  # a state of a run without fp16: a fresh scaler, as a new run's
             _, self.scaler = mixed_precision("fp16", self.device)
         self.completed_step = self.started_step = int(state["completed_step"])
