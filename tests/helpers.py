@@ -150,20 +150,37 @@ def assert_weights_close(a: dict, b: dict, atol: float) -> None:
         assert torch.allclose(a[k], b[k], atol=atol, rtol=0), f"{k} differs by {(a[k] - b[k]).abs().max()}"
 
 
-def run_pair(target, *args) -> dict:
-    """``target(rank, *args, out)`` in two spawned processes (a gloo pair of ranks 0 and 1); each
-    puts one ``(key, value)`` into ``out``. Returns those as a dict, once both exited cleanly."""
+@contextlib.contextmanager
+def spawned(target, arg_tuples):
+    """One spawned process per ``args`` in ``arg_tuples``, each running ``target(*args, out)``;
+    yields ``(processes, out)``. Any process still alive on the way out is killed. Why: a test
+    that failed (a ``get`` that timed out, an assertion) left them running, and as non-daemon
+    children pytest's exit waited for them, for up to gloo's 30 minutes with a rank stuck in a
+    collective."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(rank, *args, out)) for rank in (0, 1)]
+    procs = [ctx.Process(target=target, args=(*args, out)) for args in arg_tuples]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    try:
+        yield procs, out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=30)
+
+
+def run_pair(target, *args) -> dict:
+    """``target(rank, *args, out)`` in two spawned processes (a gloo pair of ranks 0 and 1); each
+    puts one ``(key, value)`` into ``out``. Returns those as a dict, once both exited cleanly."""
+    with spawned(target, [(rank, *args) for rank in (0, 1)]) as (procs, out):
+        results = dict(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
     return results
 
 

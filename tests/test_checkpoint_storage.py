@@ -129,13 +129,13 @@ def test_storage_pickles_without_filesystem(backend):
 # ---- retries against a real endpoint that goes away and comes back -----------------------------
 def test_transient_errors_are_retried_until_the_endpoint_returns():
     server = MotoS3().start()
+    restart = threading.Timer(0.4, server.start)
     try:
         bucket = server.create_bucket()
         storage = Storage(f"s3://{bucket}/run", server.storage_options(),
                           retry=RetryPolicy(attempts=30, base_s=0.05, max_s=0.1))
         storage.write_bytes("before", b"1")
         server.stop()
-        restart = threading.Timer(0.4, server.start)
         restart.start()
         t0 = time.monotonic()
         storage.write_bytes("during", b"2")  # fails until the server is back, then succeeds
@@ -144,6 +144,9 @@ def test_transient_errors_are_retried_until_the_endpoint_returns():
         assert storage.read_bytes("before") == b"1"  # moto's backend kept the bucket across restarts
         assert storage.read_bytes("during") == b"2"
     finally:
+        restart.cancel()  # a failure before it fired: it must not start the server after the stop below
+        if restart.is_alive():
+            restart.join()
         server.stop()
 
 

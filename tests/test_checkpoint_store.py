@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -70,6 +71,18 @@ def backend(request, tmp_path):
 def make_store(backend) -> CheckpointStore:
     _, url, options = backend
     return CheckpointStore(url, RUN, options, retry=FAST)
+
+
+@pytest.fixture
+def delete_clock(monkeypatch):
+    """The store's monotonic clock, which times a failed delete's backoff, stopped; ``advance(s)``
+    moves it on. Why: a test that counts retries on the real clock raced it (a loop of commits
+    that took over a second on a loaded machine saw a backoff end early)."""
+    from elastic.checkpoint import store as store_module
+
+    now = [time.monotonic()]
+    monkeypatch.setattr(store_module, "time", SimpleNamespace(time=time.time, monotonic=lambda: now[0]))
+    return SimpleNamespace(advance=lambda s: now.__setitem__(0, now[0] + s))
 
 
 # ---- a stand-in for TrainWorker: the same attributes and the same get_state/set_state ------------
@@ -809,7 +822,7 @@ def test_retention_during_an_outage_never_raises_and_catches_up():
         server.stop()
 
 
-def test_bulk_retention_failure_leaves_steps_uncommitted_and_is_retried(monkeypatch):
+def test_bulk_retention_failure_leaves_steps_uncommitted_and_is_retried(monkeypatch, delete_clock):
     """The files' bulk delete fails after the manifests' went: those steps are merely
     uncommitted (never committed with files missing), and the next pass removes them."""
     server = MotoS3().start()
@@ -835,7 +848,7 @@ def test_bulk_retention_failure_leaves_steps_uncommitted_and_is_retried(monkeypa
         assert store.committed_steps() == [3] and store.step_dirs() == [1, 2, 3]
         # Retried once their backoff (1 s after a first failure) is over, not by the pass right after.
         assert store.apply_retention(1, committed=[3], files=files).deleted == [] and len(calls) == 2
-        time.sleep(1.05)
+        delete_clock.advance(1.05)
         assert store.apply_retention(1, committed=[3], files=files).deleted == [1, 2]
         assert store.step_dirs() == [3]
     finally:
@@ -1547,7 +1560,8 @@ def test_committer_batches_retention_and_flush_leaves_exactly_keep_last(backend,
     committer.close()
 
 
-def test_committer_reports_a_failed_delete_and_a_failed_sweep_as_events_and_retries_both(tmp_path, monkeypatch):
+def test_committer_reports_a_failed_delete_and_a_failed_sweep_as_events_and_retries_both(tmp_path, monkeypatch,
+                                                                                          delete_clock):
     """A delete that fails is a ``checkpoint_delete_failed`` event naming the step and the error, a
     sweep that cannot list storage a ``checkpoint_cleanup_failed`` event; the commits stand, and a
     later pass deletes what the failed one left (README: these events are the ones that say so)."""
@@ -1574,7 +1588,7 @@ def test_committer_reports_a_failed_delete_and_a_failed_sweep_as_events_and_retr
     assert [e["error"] for e in swept] == ["503 Slow Down"]
     assert not [e for e in events if e["event"] == "checkpoint_deleted"]
     assert store.committed_steps() == [2, 3] and committer.latest_committed == 3
-    time.sleep(1.05)  # a failed delete waits out its backoff (1 s after a first failure)
+    delete_clock.advance(1.05)  # a failed delete waits out its backoff (1 s after a first failure)
     assert committer.flush(10)
     assert store.committed_steps() == [3] and store.step_dirs() == [3]
     assert [e["deleted"] for e in committer.drain_events() if e["event"] == "checkpoint_deleted"] == [[2]]
@@ -2331,7 +2345,7 @@ def test_missing_file_finds_a_file_gone_or_of_another_size_in_the_step_or_below_
     assert store.missing_file(5, entries[1:]).endswith("extra/notes.bin")
 
 
-def test_a_delete_that_keeps_failing_is_retried_with_backoff_and_warned_of_once(tmp_path, caplog):
+def test_a_delete_that_keeps_failing_is_retried_with_backoff_and_warned_of_once(tmp_path, caplog, delete_clock):
     """A bucket whose policy forbids deletes: every retention pass (once a second while
     training runs) retried every step that had failed and logged each, so the requests and
     log lines grew with the run. Each step is tried once, then after 1, 2, 4 ... s."""
@@ -2353,7 +2367,7 @@ def test_a_delete_that_keeps_failing_is_retried_with_backoff_and_warned_of_once(
         assert len([r for r in caplog.records if "could not delete" in r.message]) == 1
         calls.clear()
         assert committer.flush(timeout_s=10) and calls == []
-        time.sleep(1.05)
+        delete_clock.advance(1.05)
         assert committer.flush(timeout_s=10) and len(calls) == 17  # their first backoff is over
     finally:
         committer.close()

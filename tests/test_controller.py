@@ -1633,6 +1633,7 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
         raise ValueError("boom in the last window")
 
     c = controller("fake-late-end", workers=3)
+    late = busy.remote()
     try:
         c.run_for(steps=2)
         c.failure_config.step_timeout_s = 1.0
@@ -1640,7 +1641,7 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
         ray.kill(dead)
         assert_dies(dead)
         ref = dead.progress.remote()
-        c._lagging = {ref: (1, time.time(), 1), busy.remote(): (2, time.time(), 1)}
+        c._lagging = {ref: (1, time.time(), 1), late: (2, time.time(), 1)}
         c._finish_late()
         assert [m.name for m in c.group.members] == ["rank-0"] and not c._lagging
         released = [e for e in c.events if e.kind == "late_released"]
@@ -1651,6 +1652,7 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
         with pytest.raises(elastic.WorkerError, match="boom in the last window"):
             c._finish_late()
     finally:
+        ray.cancel(late, force=True)  # else it held a worker process 60 s into later tests
         c.shutdown()
 
 
@@ -1868,16 +1870,21 @@ def test_a_spare_that_took_over_a_rank_killed_as_hung_is_killed_too_when_it_hang
     def busy():
         time.sleep(60)
 
-    with trained("fake-hung-slot", workers=3, backups=1, steps=2) as c:
-        c._kill_hung({busy.remote(): 1}, "made no progress (test)")
-        spare = c.group.promote_spare(1)
-        c.scaling = dataclasses.replace(c.scaling, aggregation="first_n", num_backups=1)
-        c.failure_config.step_timeout_s = 0.5
-        c._lagging = {busy.remote(): (1, time.time() - 5, 1)}
-        c._check_late_hung()
-        hangs = [e for e in c.events if e.kind == "hang"]
-        assert len(hangs) == 2 and hangs[1].details["rank"] == 1 and spare.name in c._hung
-        assert_dies(spare.actor)
+    busy_refs = [busy.remote(), busy.remote()]  # cancelled after: they held a worker process 60 s
+    try:
+        with trained("fake-hung-slot", workers=3, backups=1, steps=2) as c:
+            c._kill_hung({busy_refs[0]: 1}, "made no progress (test)")
+            spare = c.group.promote_spare(1)
+            c.scaling = dataclasses.replace(c.scaling, aggregation="first_n", num_backups=1)
+            c.failure_config.step_timeout_s = 0.5
+            c._lagging = {busy_refs[1]: (1, time.time() - 5, 1)}
+            c._check_late_hung()
+            hangs = [e for e in c.events if e.kind == "hang"]
+            assert len(hangs) == 2 and hangs[1].details["rank"] == 1 and spare.name in c._hung
+            assert_dies(spare.actor)
+    finally:
+        for ref in busy_refs:
+            ray.cancel(ref, force=True)
 
 
 def test_a_late_window_that_just_finished_is_not_killed_as_hung(ray_cluster):
@@ -1986,9 +1993,13 @@ def test_a_stop_waits_for_late_replicas_a_quarter_of_the_drivers_stop_timeout(ra
         c.request_stop("a stop from the test")
         assert c._late_wait_s() == c.run_config.stop_timeout_s / 4 == 15
         c.run_config.stop_timeout_s = 2.0
-        c._lagging = {busy.remote(): (2, time.time(), 1)}
+        late = busy.remote()
+        c._lagging = {late: (2, time.time(), 1)}
         t0 = time.time()
-        c._finish_late()
+        try:
+            c._finish_late()
+        finally:
+            ray.cancel(late, force=True)  # else it held a worker process 60 s into later tests
         assert time.time() - t0 < 10
         [released] = [e for e in c.events if e.kind == "late_released"]
         assert released.details["ranks"] == [2]
@@ -2110,8 +2121,8 @@ def test_a_first_n_rank_that_fails_alive_releases_the_survivors_waiting_on_the_a
         raise CollectiveError("rank 1: connection reset by peer (test)")
 
     @ray.remote(num_cpus=0)
-    def waiting():  # a survivor's window, ending by itself well inside collective_timeout_s
-        time.sleep(3)
+    def waiting():  # a survivor's window, still running when it is released (cancelled below)
+        time.sleep(60)
 
     import threading
 
@@ -2128,10 +2139,17 @@ def test_a_first_n_rank_that_fails_alive_releases_the_survivors_waiting_on_the_a
 
         thread = threading.Thread(target=gather)
         thread.start()
-        survivors = [c.group.members[0].actor, c.group.members[2].actor]
-        deadline = time.time() + 2.5  # before the survivors' windows end
-        while time.time() < deadline and ray.get([a.abandoned.remote() for a in survivors]) != [[c.generation]] * 2:
-            time.sleep(0.1)
-        assert ray.get([a.abandoned.remote() for a in survivors]) == [[c.generation]] * 2
-        thread.join(timeout=60)
-        assert raised
+        try:
+            survivors = [c.group.members[0].actor, c.group.members[2].actor]
+            # Bounded against a hang only: the survivors' windows would run 60 s, the gather's
+            # collective_timeout_s 20 s, so released here means released by the failure.
+            deadline = time.time() + 15
+            while (time.time() < deadline
+                   and ray.get([a.abandoned.remote() for a in survivors]) != [[c.generation]] * 2):
+                time.sleep(0.1)
+            assert ray.get([a.abandoned.remote() for a in survivors]) == [[c.generation]] * 2
+            thread.join(timeout=60)
+            assert raised
+        finally:
+            for ref in (refs[0], refs[2]):
+                ray.cancel(ref, force=True)

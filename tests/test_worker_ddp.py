@@ -11,10 +11,9 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic.actors.worker import ddp_bucket_kwargs
-from helpers import join_pair, port_box, run_pair
+from helpers import join_pair, port_box, run_pair, spawned
 
 
 def _buckets_reduced(rank: int, init_file: str, caps: list, out) -> None:
@@ -39,15 +38,11 @@ def _buckets_reduced(rank: int, init_file: str, caps: list, out) -> None:
 
 
 def buckets_reduced(tmp_path, caps: list) -> list[int]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_buckets_reduced, args=(r, str(tmp_path / "init"), caps, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    counts = out.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    with spawned(_buckets_reduced, [(r, str(tmp_path / "init"), caps) for r in range(2)]) as (procs, out):
+        counts = out.get(timeout=120)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
     return counts
 
 
@@ -67,14 +62,11 @@ def local_worker(model_fn, optimizer_fn=None, dataset_fn=None, loss=None, **spec
 def in_spawned_process(target, *args):
     """Run ``target(*args, out)`` in a fresh spawned process (its own torch.distributed state) and
     return what it put on ``out``."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, out))
-    proc.start()
-    try:
-        return out.get(timeout=120)
-    finally:
+    with spawned(target, [args]) as ([proc], out):
+        found = out.get(timeout=120)
         proc.join(timeout=60)
+    assert proc.exitcode == 0
+    return found
 
 
 def _leave_after_losing_the_peer(rank: int, box, out) -> None:
@@ -102,14 +94,10 @@ def test_a_collective_failure_frees_the_ddp_wrapper_before_its_group():
     # worker threads, elastic/actors/worker.py: TrainWorker.leave). The failed step's frames
     # held the wrapper until Ray dropped the exception; now they are cleared first.
     box = port_box()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_leave_after_losing_the_peer, args=(r, box, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    leaks, still_in_group = out.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
+    with spawned(_leave_after_losing_the_peer, [(r, box) for r in range(2)]) as (procs, out):
+        leaks, still_in_group = out.get(timeout=120)
+        for p in procs:
+            p.join(timeout=60)
     assert procs[1].exitcode == -9  # rank 1 died in its step, as injected
     assert procs[0].exitcode == 0
     assert (leaks, still_in_group) == (0, False)
@@ -771,13 +759,7 @@ def _train_modes_over_steps(kind: str, out) -> None:
 def test_modules_model_fn_left_in_eval_mode_stay_there_and_a_wholly_eval_model_trains(kind):
     # Every step called model.train(): a backbone model_fn froze in eval mode had its BatchNorm
     # normalise with batch statistics and update its running ones (dropout on too), silently.
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_train_modes_over_steps, args=(kind, out))
-    proc.start()
-    built, after, stats = out.get(timeout=120)
-    proc.join(timeout=60)
-    assert proc.exitcode == 0
+    built, after, stats = in_spawned_process(_train_modes_over_steps, kind)
     assert after == built  # after two steps
     if kind == "frozen":
         assert dict(built) == {"root": True, "backbone": False, "backbone.0": False, "backbone.1": False,

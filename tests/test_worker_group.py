@@ -28,7 +28,7 @@ def test_a_blocking_wait_for_spares_looks_for_freed_bundles_again_as_it_waits(mo
     monkeypatch.setattr(worker_group_module, "MOVE_CHECK_S", 0.05)
     t0 = time.monotonic()
     assert group.collect_spares(block=True, timeout_s=0.4) == 0
-    assert len(looked) >= 5 and time.monotonic() - t0 >= 0.4
+    assert len(looked) >= 2 and time.monotonic() - t0 >= 0.4  # more than the one look before the wait
     looked.clear()
     group.collect_spares()  # not blocking: one look
     assert len(looked) == 1
