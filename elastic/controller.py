@@ -22,8 +22,8 @@ import ray
 
 from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, StopRequested, TrainingSpec, WorkerError
 from elastic.actors.sends import max_trail
-from elastic.actors.worker_group import (Member, WorkerGroup, check_cluster_fits, describe_worker_failure,
-                                         unreachable_nodes)
+from elastic.actors.worker_group import (Member, PlacementTimeout, WorkerGroup, check_cluster_fits,
+                                         describe_worker_failure, unreachable_nodes)
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents, refused_on_node
 from elastic.checkpoint.compat import UnsaveableState
@@ -167,6 +167,7 @@ class Controller:
     # it gives up (_rewind): one storage call each, normally milliseconds.
     SETTLE_TIMEOUT_S = 30.0
     FORM_ATTEMPTS = 3  # rendezvous a group gets while every rank is alive (_form_group)
+    JOIN_GRACE_S = 30.0  # a join's wait beyond the group's own timeout, which the worker's join has too
 
     def __init__(self, spec: TrainingSpec | PackedSpec, scaling: ScalingConfig, run: RunConfig, failure: FailureConfig,
                  global_batch_size: int, checkpoint_store=None, metrics=None, fault_plan: list | None = None,
@@ -907,7 +908,18 @@ class Controller:
                                     self.scaling.late_backoff_steps)
                 for m in self.group.members]
         try:
-            ray.get(refs, timeout=self._group_timeout_s() + 30)
+            ray.get(refs, timeout=self._group_timeout_s() + self.JOIN_GRACE_S)
+        except ray.exceptions.GetTimeoutError:
+            # A join past its own timeout (the group's, inside the worker) is stuck outside
+            # Python (NCCL's communicator set-up, a stopped process) while its control thread
+            # still answers heartbeats: killed as hung, as ``_answer`` kills a recovery's silent
+            # member, so the recovery's probe finds it lost and heals it. Left alive, the probe
+            # found no one lost and the run ended.
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            self._kill_hung({ref: m.rank for ref, m in zip(refs, self.group.members) if ref not in ready},
+                            f"did not finish joining generation {self.generation} within "
+                            f"{self._group_timeout_s() + self.JOIN_GRACE_S:g}s")
+            raise
         except ray.exceptions.RayTaskError as exc:
             user = self._user_join_error(refs)
             if user is not None:
@@ -1379,7 +1391,10 @@ class Controller:
     def _actor_key(self, rank: int) -> str:
         """The actor that holds ``rank`` now, as a key that outlives it (its Ray actor ID): a
         restart gives a new actor the old one's name."""
-        m = self.group.members[rank] if self.group is not None and 0 <= rank < len(self.group.members) else None
+        # One read of the list: the checkpoint thread calls this while a shrink or a restart may
+        # replace it on the training thread (an IndexError between a length check and the index).
+        members = self.group.members if self.group is not None else []
+        m = members[rank] if 0 <= rank < len(members) else None
         if m is None:
             return f"rank-{rank}"
         actor_id = getattr(m.actor, "_actor_id", None)
@@ -2050,12 +2065,16 @@ class Controller:
         # Asked before the survivors go: a checkpoint newer than our step keeps the steps it proves.
         fast = self._members_fast_sets(self.group.members, self.step + 1, lost_up_to) if self._first_n else None
         while True:
+            self._unhealed = ()  # the lost ranks go with the old group (before it empties: world_size)
             self.group.shutdown()
             self._new_group()
-            self._unhealed = ()  # the lost ranks went with the old group
             try:
                 self.group.start(self.scaling.num_replicas)
                 break
+            except PlacementTimeout as exc:
+                # The cluster that is left cannot hold a whole group (a node gone, no spare):
+                # the run ends here, saying it was a restart and what checkpoint it has.
+                raise TrainingFailed(self._fail_message(f"the restart could not be placed: {exc}")) from None
             except ray.exceptions.RayError as exc:
                 # A rank lost while the new group builds (the flapping node that chose the
                 # restart): the group holds no members yet, so the recovery loop could not name

@@ -1313,6 +1313,32 @@ def test_a_survivor_that_never_leaves_after_a_failure_is_killed_as_hung_and_heal
     assert [r["ranks"] for r in c.recoveries] == [[1, 2]] and c.failures == 1
 
 
+def test_a_survivor_whose_join_never_returns_is_killed_as_hung_and_healed(ray_cluster):
+    # Rank 1 dies; in the rebuild, rank 2's join never returns (stuck outside Python, its control
+    # thread still answering heartbeats). The join's wait timed out, nobody was killed, the
+    # recovery's probe found no one lost and the run ended ("rebuild failed without a lost rank").
+    c = controller("fake-join-stuck", workers=3, backups=2, global_batch_size=12,
+                   failure=elastic.FailureConfig(collective_timeout_s=2),
+                   faults=[{"kind": "kill", "rank": 1, "at_step": 5}])
+    c.scaling.steps_per_dispatch = 1
+    c.JOIN_GRACE_S = 1.0
+    real, stalled = c._form_group, []
+
+    def stall_rank_2_in_the_rebuild(reason, attempt=1):
+        if c.state is State.RECOVERING and not stalled:
+            stalled.append(c.group.members[2].name)
+            c.group.members[2].actor.stall.remote(3600)  # its join queues behind this
+        return real(reason, attempt)
+
+    c._form_group = stall_rank_2_in_the_rebuild
+    errors = run_for_bounded(c, 8, "the rebuild waited for good on a join that never returned")
+    assert not errors, errors
+    assert c.state is State.FINISHED and c.step == 8 and stalled == ["rank-2"]
+    hangs = [e for e in c.events if e.kind == "hang"]
+    assert [e.details["rank"] for e in hangs] == [2] and "did not finish joining generation" in hangs[0].message
+    assert [r["ranks"] for r in c.recoveries] == [[1, 2]]
+
+
 def test_with_requeueing_a_steps_recorded_data_position_holds_its_drops():
     # A rollback to a step replans from the data position recorded for it; recorded at dispatch,
     # that position lacked the step's dropped (requeued) samples, and they were never used.

@@ -720,3 +720,26 @@ def test_a_rollback_whose_old_checkpoint_writes_do_not_settle_says_so_and_goes_o
         c.committer.close()
     assert c._worker_progress == 0
     assert len([e for e in c.events if e.kind == "checkpoint_writes_unsettled"]) == 1
+
+
+def test_a_restart_the_cluster_left_cannot_place_ends_as_a_training_failure_naming_the_checkpoint(rayless_controller):
+    # The PlacementTimeout of a restart's new group left the recovery loop as it was: a generic
+    # error whose advice (fewer workers...) said nothing of the restart or of the checkpoint.
+    from elastic.actors.worker_group import PlacementTimeout
+    from elastic.controller import TrainingFailed
+
+    c = rayless_controller(name="restart-unplaced")
+    c.step, c.store = 7, SimpleNamespace(location="file:///ckpt")
+    c.committer = SimpleNamespace(latest_committed=6, flush=lambda timeout_s: True)
+
+    def start(n):
+        raise PlacementTimeout("2 rank bundle(s) could not be placed within 1s (ScalingConfig.placement_timeout_s)")
+
+    c.group = SimpleNamespace(members=[], shutdown=lambda: None, start=start)
+    c._new_group = lambda: None
+    c._begun_by_survivors = lambda: 7
+    c._unhealed = (1,)
+    with pytest.raises(TrainingFailed, match=r"training stopped at step 7: the restart could not be placed: 2 rank "
+                                             r"bundle.*latest committed checkpoint: step 6 at file:///ckpt"):
+        c._restart_all()
+    assert c._unhealed == ()

@@ -52,6 +52,21 @@ def test_failure_policy(cfg, v, expected):
     assert decision.reason
 
 
+@pytest.mark.parametrize("cfg", [FailureConfig(), FailureConfig(on_failure="restart"), FailureConfig(on_failure="fail"),
+                                 FailureConfig(on_failure="shrink", allow_shrink=True, min_workers=1),
+                                 FailureConfig(on_failure="wait"), FailureConfig(when_no_spare="fail")])
+def test_a_group_that_broke_with_every_rank_alive_forms_again_with_its_members_whatever_on_failure_says(cfg):
+    # A dropped link: nothing lost. "restart" rebuilt every rank from the checkpoint, "fail" ended
+    # the run. The failure still counts (max_failures bounds a link that keeps dropping).
+    decision = FailurePolicy(cfg, num_workers=4).decide(
+        FailureView((), "collective", 4, spares_ready=0, spares_pending=0, failures_so_far=1))
+    assert isinstance(decision, ReplaceWithSpares) and decision.ranks == ()
+    assert "no rank lost (collective)" in decision.reason
+    over = FailurePolicy(cfg, num_workers=4).decide(
+        FailureView((), "collective", 4, spares_ready=0, spares_pending=0, failures_so_far=cfg.max_failures + 1))
+    assert isinstance(over, Fail) and "max_failures" in over.reason
+
+
 def test_failure_policy_reasons_name_the_limit():
     d = FailurePolicy(FailureConfig(max_failures=0), 4).decide(view(ready=1))
     assert "max_failures=0" in d.reason

@@ -54,6 +54,11 @@ class FailurePolicy:
         lost = view.lost_ranks
         if view.failures_so_far > cfg.max_failures:
             return Fail(f"failure {view.failures_so_far} exceeds FailureConfig.max_failures={cfg.max_failures}")
+        if not lost:
+            # The group broke with every rank alive (a link dropped): on_failure is for a lost
+            # rank, and none is; the same members form the group again. With "restart" every
+            # rank was rebuilt from the checkpoint, with "fail" the run ended, for a network blip.
+            return ReplaceWithSpares(f"no rank lost ({view.kind}): the same members form the group again", ())
         action = cfg.on_failure
         if action == "replace":
             if view.spares_ready >= len(lost):
