@@ -271,6 +271,11 @@ class ScalingConfig:
             if not isinstance(key, str):
                 raise ConfigError(f"ScalingConfig.resources_per_worker keys must be Ray resource names (str), got "
                                   f"{key!r} ({type(key).__name__}).")
+            if key.upper() in ("CPU", "GPU") and key != key.upper():
+                # A custom resource to Ray: no node has it, and the run waited placement_timeout_s
+                # to be told it could not be placed (a 'gpu' also got past the use_gpu check).
+                raise ConfigError(f"ScalingConfig.resources_per_worker[{key!r}]: Ray's resource names are "
+                                  f"case-sensitive; write {key.upper()!r}.")
             if not _finite_real(value) or value < 0:
                 raise ConfigError(
                     f"ScalingConfig.resources_per_worker[{key!r}] must be a finite number >= 0, {_got(value)}."
@@ -304,10 +309,12 @@ class ScalingConfig:
             if gpu < 1 and self.num_replicas > 1:
                 # Ray would pack two ranks onto one card, and NCCL refuses two ranks of one group
                 # on the same device ("Duplicate GPU detected") when the group forms.
+                one = ("use aggregation='all' with num_workers=1 and no backups" if self.aggregation == "first_n"
+                       else "train with one rank")
                 raise ConfigError(
                     f"ScalingConfig.resources_per_worker['GPU']={gpu} lets Ray put two of the "
                     f"{self.num_replicas} ranks on one GPU, and NCCL refuses two ranks on one device. Give each "
-                    "worker a whole GPU (resources_per_worker['GPU'] >= 1), or train with one rank.")
+                    f"worker a whole GPU (resources_per_worker['GPU'] >= 1), or {one}.")
             if gpu > 1 and gpu != int(gpu):
                 # Ray counts GPUs in whole units: it refuses 1.5 when the actor is created, inside
                 # the controller, with a message that names no setting.
@@ -412,7 +419,7 @@ class FailureConfig:
         avoid = self.straggler_node_avoid_s
         # An int too large for a float (10**400) made the first eviction's deadline an OverflowError.
         too_large = isinstance(avoid, int) and not isinstance(avoid, bool) and not _finite_real(avoid)
-        if isinstance(avoid, bool) or not isinstance(avoid, (int, float)) or too_large or not avoid >= 0:
+        if isinstance(avoid, bool) or not isinstance(avoid, numbers.Real) or too_large or not avoid >= 0:
             raise ConfigError(f"FailureConfig.straggler_node_avoid_s must be seconds >= 0 (0: spares may go back on a "
                               f"straggler's node at once; math.inf: never for this run), got {avoid!r}.")
 

@@ -89,10 +89,16 @@ class BatchSchedule:
         sampler's epoch runs ahead of these nominal ones (with requeueing, by what was dropped)."""
         if not self._steps:
             return epochs * (num_samples // self._sizes[0])
-        step, left = 0, num_samples
-        for _ in range(epochs):
+        step, last = 0, self._steps[-1]
+        for epoch in range(epochs):
             left = num_samples
             while left >= self.size_at(step + 1):
+                if step + 1 >= last:
+                    # One size from here on: the rest is arithmetic. Why: stepping on one at a time
+                    # ran in the controller after the actors started, and fit(epochs=10**6) with a
+                    # schedule hung there.
+                    final = self._sizes[-1]
+                    return step + left // final + (epochs - epoch - 1) * (num_samples // final)
                 step += 1
                 left -= self.size_at(step)
         return step

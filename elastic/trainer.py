@@ -287,9 +287,26 @@ def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureCo
     if failure.evict_stragglers and scaling.num_replicas < 2:
         out.append("FailureConfig.evict_stragglers compares each rank's step time with its peers'; with one rank "
                    "there is none to compare with, and this run never evicts.")
+    spares = scaling.num_hot_spares
+    if spares and not failure.evict_stragglers and (failure.on_failure in ("restart", "fail")
+                                                    or failure.max_failures == 0):
+        why = ("max_failures=0 ends the run at its first failure" if failure.max_failures == 0 else
+               f"on_failure={failure.on_failure!r} does not take spares")
+        out.append(f"ScalingConfig asks for {spares} hot spare(s), but FailureConfig.{why} and evict_stragglers is "
+                   "off: the spares hold their resources for the whole run and never train.")
+    if spares and scaling.placement_strategy in ("STRICT_PACK", "STRICT_SPREAD"):
+        out.append(f"ScalingConfig.placement_strategy={scaling.placement_strategy!r} holds for the ranks' own "
+                   "placement group; hot spares are placed apart from it (PACK), so once a spare takes a rank the "
+                   "run no longer keeps that strategy.")
+    if scaling.use_gpu and scaling.resources_per_worker.get("GPU", 1) > 1:
+        out.append(f"ScalingConfig.resources_per_worker['GPU']={scaling.resources_per_worker['GPU']:g}: each rank "
+                   "trains on one GPU (its first); the others are held and idle. Raise num_workers instead.")
     if run.storage is None:
         if run.checkpoint != CheckpointConfig():
             out.append("RunConfig.checkpoint is set but RunConfig.storage is None: this run writes no checkpoints.")
+        if run.storage_options:
+            out.append("RunConfig.storage_options is set but RunConfig.storage is None: this run writes no "
+                       "checkpoints, and they are not used.")
     elif run.checkpoint.every_n_steps == 0 and changed(run.checkpoint, "keep_every"):
         out.append("CheckpointConfig.keep_every keeps every Nth committed step, and every_n_steps=0 commits none "
                    "but the last; it is ignored.")
@@ -529,6 +546,7 @@ class Trainer:
             if v is not None:
                 _require_int(f"Trainer.fit's {name}", v, 1)
         self._prepare()  # again: a setting may have changed since the Trainer was made
+        packed = _packed_spec(self.spec, self.run)  # before Ray: a factory that cannot travel is a ConfigError
         total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
             self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
         if not ray.is_initialized():
@@ -543,16 +561,16 @@ class Trainer:
             _FITTING.add(self.namespace)
         try:
             with _ray_for_fit(self.address, total_cpu, self.scaling.use_gpu):
-                return self._fit(steps, epochs)
+                return self._fit(steps, epochs, packed)
         finally:
             with _FITTING_LOCK:
                 _FITTING.discard(self.namespace)
 
-    def _fit(self, steps: int | None, epochs: int | None) -> Result:
+    def _fit(self, steps: int | None, epochs: int | None, packed: PackedSpec) -> Result:
         from elastic.metrics import RunMetrics
 
         # Packed: the controller hands the spec on without unpickling the user's modules (torch).
-        kwargs = dict(spec=PackedSpec.pack(self.spec), scaling=self.scaling, run=self.run, failure=self.failure,
+        kwargs = dict(spec=packed, scaling=self.scaling, run=self.run, failure=self.failure,
                       global_batch_size=self.global_batch_size, checkpoint_store=self._store,
                       metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped,
                       batch_schedule=dict(self.batch_schedule or {}))
@@ -842,6 +860,37 @@ def _check_mixed_precision(kind: Any, step_fn: Any) -> None:
         raise ConfigError(f"Trainer.mixed_precision={kind!r} runs loss_fn's forward under autocast (and scales the "
                           "fp16 loss for its backward), and a step_fn runs the forward and backward itself: "
                           "use loss_fn, or autocast inside step_fn (bf16) and leave mixed_precision None.")
+
+
+def _packed_spec(spec: TrainingSpec, run: RunConfig) -> PackedSpec:
+    """The workers' spec, pickled (cloudpickle) as the actors get it, or a ConfigError naming the
+    setting that cannot be: before Ray starts, where the bare TypeError ("cannot pickle
+    '_thread.lock' object") came after an embedded Ray had started, naming no setting. The
+    storage options travel to the actors too; their values are never shown (credentials)."""
+    import ray.cloudpickle
+
+    try:
+        packed = PackedSpec.pack(spec)
+    except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, or the object's own
+        names = ("model_fn", "optimizer_fn", "dataset_fn", "loss_fn", "step_fn", "scheduler_fn")
+        for name in names:
+            try:
+                ray.cloudpickle.dumps(getattr(spec, name))
+            except Exception as fn_exc:  # noqa: BLE001 - as above
+                exc, where = fn_exc, f"Trainer.{name}"
+                break
+        else:
+            where = "The training settings"
+        raise ConfigError(f"{where} cannot be sent to the workers, which get it pickled (cloudpickle): "
+                          f"{type(exc).__name__}: {exc}. A function that captures a lock, an open file, a "
+                          "client or a live object in its closure cannot travel: create such things inside the "
+                          "function.") from None
+    try:
+        ray.cloudpickle.dumps(run.storage_options)
+    except Exception as exc:  # noqa: BLE001 - as above
+        raise ConfigError(f"RunConfig.storage_options cannot be sent to the run's actors (cloudpickle: "
+                          f"{type(exc).__name__}); give it plain values (strings, numbers, dicts).") from None
+    return packed
 
 
 def _raise_run_error(err: dict) -> None:

@@ -55,6 +55,11 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"resources_per_worker": {"CPU": 1, "object_store_memory": 2**20}}, r"resources_per_worker\[.object_store_memory.\] is not supported"),
     ({"resources_per_worker": {"CPU": "1"}}, r"resources_per_worker\['CPU'\]"),
     ({"resources_per_worker": {"CPU": 0.00001}}, r"resources_per_worker\['CPU'\]=1e-05 is finer than Ray's resource precision"),
+    ({"resources_per_worker": {"gpu": 1}}, r"resources_per_worker\['gpu'\]: Ray's resource names are case-sensitive; "
+                                           r"write 'GPU'"),
+    ({"resources_per_worker": {"Cpu": 2}}, r"write 'CPU'"),
+    ({"use_gpu": True, "num_workers": 1, "num_backups": 1, "aggregation": "first_n", "resources_per_worker": {"GPU": 0.5}},
+     r"or use aggregation='all' with num_workers=1 and no backups"),
 ])
 def test_scaling_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):
@@ -291,6 +296,18 @@ def test_valid_edge_values_still_pass():
                             checksum_every_n_steps=0, allow_shrink=True, evict_stragglers=True, node_settle_s=0.001,
                             straggler_factor=1.5, straggler_node_avoid_s=float("inf"))
     assert failure.straggler_node_avoid_s == float("inf") and failure.evict_stragglers is True
+    import numpy as np
+
+    assert FailureConfig(straggler_node_avoid_s=np.float32(3600)).straggler_node_avoid_s == 3600  # as other seconds
+
+
+def test_a_storage_retry_far_past_any_default_waits_its_cap_and_raises_nothing():
+    # ELASTIC_STORAGE_ATTEMPTS may be large: base_s * 2**attempt stopped fitting a float past
+    # attempt ~1,020, an OverflowError inside an outage's retries.
+    from elastic.checkpoint.storage import RetryPolicy
+
+    policy = RetryPolicy(attempts=5000, base_s=0.5, max_s=5.0)
+    assert 2.5 <= policy.delay_s(4999) <= 5.0 and policy.delay_s(0) <= 0.5
 
 
 def test_fractional_gpu_is_fine_for_one_rank():
@@ -817,6 +834,36 @@ def test_settings_this_run_never_reads_are_warned_about_once(caplog):
         "last; it is ignored."]
 
 
+@pytest.mark.parametrize("scaling, failure, run, said", [
+    (ScalingConfig(num_workers=2, num_backups=1), FailureConfig(on_failure="restart"), {"storage": "memory://warn"},
+     "on_failure='restart' does not take spares"),
+    (ScalingConfig(num_workers=2, num_backups=1, num_spares=2, aggregation="first_n"), FailureConfig(max_failures=0),
+     None, "ScalingConfig asks for 2 hot spare(s), but FailureConfig.max_failures=0 ends the run"),
+    (ScalingConfig(num_workers=2, num_backups=1, placement_strategy="STRICT_SPREAD"), FailureConfig(), None,
+     "placement_strategy='STRICT_SPREAD' holds for the ranks' own placement group"),
+    (ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 2}), FailureConfig(), None,
+     "each rank trains on one GPU (its first); the others are held and idle"),
+    (ScalingConfig(num_workers=2), FailureConfig(), {"storage_options": {"anon": True}},
+     "RunConfig.storage_options is set but RunConfig.storage is None"),
+])
+def test_settings_that_cannot_act_in_this_run_are_warned_about(scaling, failure, run, said, caplog):
+    # Spares that restart/fail (or max_failures=0) never take, a strict strategy spares break, a
+    # second GPU a rank never uses, storage options with no storage: accepted without a word.
+    import logging
+
+    from elastic.config import RunConfig
+
+    with caplog.at_level(logging.WARNING, logger="elastic.trainer"):
+        _trainer(scaling=scaling, failure=failure, run=RunConfig(**(run or {})))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and said in messages[0], messages
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="elastic.trainer"):  # spares an eviction takes: no word
+        _trainer(scaling=ScalingConfig(num_workers=2, num_backups=1),
+                 failure=FailureConfig(on_failure="fail", evict_stragglers=True))
+    assert not caplog.records
+
+
 def test_evicting_stragglers_with_one_rank_is_warned_about(caplog):
     # A lone rank always scores 1.0 against no peers: eviction could never happen, in silence.
     import logging
@@ -847,3 +894,28 @@ def test_a_run_named_like_a_step_directory_is_refused(name):
     with pytest.raises(ConfigError, match=rf"RunConfig.name='{name}' is the name of a checkpoint step directory"):
         elastic.RunConfig(name=name)
     elastic.RunConfig(name="step-1")  # no step directory's name (those have 9 to 18 digits)
+
+
+def test_a_factory_or_storage_option_that_cannot_be_pickled_is_named_before_ray_starts(monkeypatch):
+    # The bare TypeError ("cannot pickle '_thread.lock' object") came from inside fit(), after an
+    # embedded Ray had started, naming no setting.
+    import threading
+
+    import ray
+
+    from elastic.config import RunConfig
+
+    started = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append(a))
+    lock = threading.Lock()
+
+    def dataset_fn():  # its closure holds a lock
+        with lock:
+            return make_dataset()
+
+    with pytest.raises(ConfigError, match=r"Trainer\.dataset_fn cannot be sent to the workers, which get it pickled "
+                                          r"\(cloudpickle\): TypeError: .*lock"):
+        _trainer(dataset_fn=dataset_fn).fit(steps=1)
+    with pytest.raises(ConfigError, match=r"RunConfig\.storage_options cannot be sent to the run's actors"):
+        _trainer(run=RunConfig(storage="memory://pickle", storage_options={"client": threading.Lock()})).fit(steps=1)
+    assert started == []

@@ -407,6 +407,26 @@ def test_a_batch_schedules_epochs_end_where_the_next_steps_batch_no_longer_fits(
     assert BatchSchedule(16).steps_for_epochs(100, 2) == 12  # 6 a epoch, as ShardPlan cuts them
     assert schedule.largest == 64 and schedule.sizes == [16, 32, 64]
     assert [schedule.first_step_of(size) for size in (16, 32, 64)] == [1, 4, 10]
+    # Past the last change the count is arithmetic (a million epochs walked step by step hung the
+    # controller): the same as walking every step, for schedules that grow, shrink or change mid-epoch.
+    import random
+
+    def walked(schedule, num_samples, epochs):
+        step = 0
+        for _ in range(epochs):
+            left = num_samples
+            while left >= schedule.size_at(step + 1):
+                step += 1
+                left -= schedule.size_at(step)
+        return step
+
+    rng = random.Random(0)
+    for _ in range(200):
+        changes = {rng.randint(1, 40): rng.choice([8, 16, 24, 32, 64]) for _ in range(rng.randint(1, 4))}
+        schedule, num_samples = BatchSchedule(rng.choice([8, 16, 32]), changes), rng.randint(64, 300)
+        for epochs in (1, 2, 5, 13):
+            assert schedule.steps_for_epochs(num_samples, epochs) == walked(schedule, num_samples, epochs), changes
+    assert schedule.steps_for_epochs(10**9, 10**6) > 0  # returns at once
 
 
 class Call:

@@ -178,7 +178,9 @@ class RetryPolicy:
 
     def delay_s(self, attempt: int) -> float:
         """Sleep before retry number ``attempt`` (0-based), with jitter so ranks do not retry in lockstep."""
-        return min(self.max_s, self.base_s * (2 ** attempt)) * random.uniform(0.5, 1.0)
+        # The exponent capped: past ~1,000 retries (ELASTIC_STORAGE_ATTEMPTS allows it, an outage
+        # of over an hour) base_s * 2**attempt no longer fits a float, an OverflowError inside a retry.
+        return min(self.max_s, self.base_s * (2.0 ** min(attempt, 60))) * random.uniform(0.5, 1.0)
 
 
 def looks_secret(key: Any) -> bool:
