@@ -561,6 +561,7 @@ class Controller:
         position = None
         if self.store is not None:
             self._check_storage_here()
+            self._check_storage_shared()
         if self._agents_wanted():
             # Started now, so their processes come up while the resume reads storage.
             self._agents = NodeAgents(self.store, self.run_config.name, self._self_handle,
@@ -587,6 +588,43 @@ class Controller:
             self.store.warm_up(check=True)
         except ConfigError as exc:
             raise refused_on_node(f"the run's controller (on node {ray.util.get_node_ip_address()})", exc) from None
+
+    def _check_storage_shared(self) -> None:
+        """Local storage (``file://``, a plain path) must be one directory on every node of the
+        run: the controller writes a marker file there, and one actor on each node looks for it;
+        a node that does not see it ends the run with a ConfigError, before any step. Why: the
+        ranks (or their node's agent) write their shards on their own node, and the controller
+        writes the manifest on its own, so on disks that are not shared every node kept its own
+        checkpoints, retention deleted only the controller's, and a resume found no step whose
+        files were all there, with nothing said. Ray Train checks its storage path the same way.
+        Spares started later are not checked: a run is training by then."""
+        import uuid
+
+        storage = self.store.storage
+        if not storage.is_local:
+            return
+        by_node: dict = {}
+        for m in self._all_actors():
+            by_node.setdefault(m.info.get("node_id"), m)
+        marker = f".elastic-shared-{uuid.uuid4().hex}"
+        storage.write_bytes(marker, b"the run's controller wrote this; every node must see it")
+        try:
+            path = storage.full_path(marker)
+            asked = [(m, m.actor.sees_file.remote(path)) for m in by_node.values()]
+            deadline = time.monotonic() + self.failure_config.collective_timeout_s
+            for m, ref in asked:
+                if not self._answer(m, ref, deadline - time.monotonic(), "whether it sees the checkpoint directory"):
+                    raise ConfigError(
+                        f"RunConfig.storage={storage.location!r} is a path on each node's own disk, and node "
+                        f"{m.info.get('node_ip')} ({m.name}) does not see the file the run's controller (on node "
+                        f"{ray.util.get_node_ip_address()}) wrote there: every node would keep its own "
+                        "checkpoints, and a resume could not find them. Mount one shared filesystem at that path "
+                        "on every node, or use an object store (s3://...).")
+        finally:
+            try:
+                storage.delete(marker)
+            except Exception as exc:  # noqa: BLE001 - a stray marker is harmless
+                logger.debug("could not delete the storage marker %s: %s", marker, exc)
 
     def _configure_checkpoints(self, members: list[Member], check_storage: bool = False) -> None:
         """Give actors their checkpoint writer (once each; a spare started later gets it when it

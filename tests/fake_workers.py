@@ -36,6 +36,14 @@ class FakeWorker:
     def host_rendezvous(self, timeout_s):
         return 1
 
+    @ray.method(concurrency_group="control")
+    def sees_file(self, path):
+        return os.path.exists(path) and not getattr(self, "blind", False)
+
+    def blind_to_files(self):
+        """Test aid: ``sees_file`` answers False, as on a node whose disk is not the controller's."""
+        self.blind = True
+
     def fast_sets(self, first, last):
         return {}  # first-N fast sets: a fake rank records none
 

@@ -1788,6 +1788,36 @@ def test_a_stop_while_a_resume_waits_for_storage_ends_the_run(ray_cluster):
     assert "model_state_ref" not in out  # the ranks hold only their initial weights
 
 
+def test_local_storage_a_node_does_not_see_ends_the_run_before_any_step(ray_cluster, tmp_path):
+    # On disks that are not shared, every node kept its own checkpoints (the manifest on the
+    # controller's), retention deleted only the controller's, and a resume found nothing whole.
+    import os
+
+    from elastic.checkpoint import CheckpointStore
+
+    c = controller("fake-unshared")
+    c.store = CheckpointStore(f"file://{tmp_path}", "fake-unshared")
+    real = c._check_storage_shared
+
+    def ranks_on_another_disk():  # one actor a node is asked, here rank 0 for the one node
+        ray.get([m.actor.blind_to_files.remote() for m in c.group.members])
+        real()
+
+    c._check_storage_shared = ranks_on_another_disk
+    try:
+        with pytest.raises(elastic.ConfigError, match=r"is a path on each node's own disk, and node 127\.0\.0\.1 \(rank-0\) "
+                                              r"does not see the file the run's controller .* Mount one shared "
+                                              r"filesystem at that path on every node, or use an object store"):
+            c.run_for(steps=2)
+        assert c.step == 0
+    finally:
+        c.shutdown()
+    with trained("fake-shared", workers=2, steps=1) as c:  # every node sees it: nothing said
+        c.store = CheckpointStore(f"file://{tmp_path}", "fake-shared")
+        c._check_storage_shared()
+    assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.startswith(".elastic-shared-")]
+
+
 def test_a_survivor_stood_by_by_a_shrink_gets_the_state_when_it_is_promoted_even_at_the_same_step(ray_cluster):
     # Its state is from before the shrink. When the kept ranks replayed that step with fewer ranks
     # and it finished it in the old world, both say "step t": without this it kept its own copy.

@@ -384,6 +384,12 @@ class TrainWorker:
         except ProcessLookupError:
             return False
 
+    @ray.method(concurrency_group="control")
+    def sees_file(self, path: str) -> bool:
+        """Whether ``path`` (on this node's filesystem) exists: the controller's check that a
+        local checkpoint directory is the same directory on every node (``_check_storage_shared``)."""
+        return os.path.exists(path)
+
     def _enter(self, phase: str) -> None:
         """Phases let the controller tell a rank stuck in its own code from one waiting on peers."""
         self.phase, self.phase_since = phase, time.time()

@@ -420,6 +420,12 @@ class Storage:
     def is_object_store(self) -> bool:
         return self.protocol in _OBJECT_STORES
 
+    @property
+    def is_local(self) -> bool:
+        """A path on each node's own filesystem (``file://``, a plain path): the same directory on
+        every node only where a shared filesystem is mounted there."""
+        return self.protocol in _LOCAL
+
     def full_path(self, rel: str = "") -> str:
         _, root = self._filesystem()
         return _join(root, rel) if rel else root
