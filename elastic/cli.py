@@ -903,7 +903,7 @@ def _refuse_credentials_in(args: list[str]) -> None:
         if carries_credentials(arg):
             raise CliError(
                 f"the script's argument #{i} carries a credential (a URL's user:password@, a signed query, an "
-                "Authorization header or an access key id), and Ray keeps the command line in its job table, shown "
+                "Authorization or Cookie header, Ray's auth token or an access key id), and Ray keeps the command line in its job table, shown "
                 "on the dashboard and by `ray job list`; give the job its credentials off the command line: the "
                 "nodes' environment or role (AWS_* variables, ~/.aws, an instance profile) or a file the script reads",
                 code=2)
@@ -934,10 +934,19 @@ def submit(
     _refuse_credentials_in(args or [])
     entrypoint = shlex.join(["python", rel, *(args or [])])
     target = _job_address(address)
-    if target and "://" not in target:
+    if target and "://" not in target and target != "auto":
         # A cluster's GCS address (HEAD:6379): Ray reads the dashboard's URL from the GCS, retrying
         # 20 times 2 s apart, and the retries' messages are quieted here, so nothing at that
-        # address was a silent wait of 40 s or more. A TCP connect says so in seconds.
+        # address was a silent wait of 40 s or more. A TCP connect says so in seconds. Refused
+        # first, as status refuses it: no HOST:PORT, or a user:password@ (no GCS address has one,
+        # and the probe would look the host up with the password in it).
+        source = "--address" if address else "RAY_API_SERVER_ADDRESS/RAY_ADDRESS"
+        if host_port(target) is None:
+            raise CliError(f"{source} {shown(target)!r} is neither the dashboard's URL (http://HEAD:8265) nor "
+                           "a cluster's HOST:PORT (HEAD:6379)", code=2)
+        problem = trainer_address_problem(target)
+        if problem is not None:
+            raise CliError(f"{source} {shown(target)!r} {problem}", code=2)
         reason = unreachable(target, PROBE_TIMEOUT_S)
         if reason is not None:
             raise CliError(f"cannot reach a Ray cluster at {shown(target)}: {reason} (give the dashboard's URL, "
@@ -951,7 +960,7 @@ def submit(
         where = shown(target) if target else "the local cluster"
         text = redact_urls_in(str(exc)).replace(target or "\0", where)
         # An HTTP 401/403 as a status of its own, not digits of the address (http://node401:8265).
-        if _AUTH_FAILURE.search(text) or re.search(r"(?<![\w.:-])40[13](?!\w)", text.replace(where, "")):
+        if _AUTH_FAILURE.search(text) or re.search(r"(?<![\w.:/@-])40[13](?![\w-]|\.\w)", text.replace(where, "")):
             raise CliError(_auth_hint(where)) from None
         raise CliError(f"cannot reach the Ray dashboard at {where}: {_one_line(text)}") from None
     runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}

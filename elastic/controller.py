@@ -597,7 +597,8 @@ class Controller:
         writes the manifest on its own, so on disks that are not shared every node kept its own
         checkpoints, retention deleted only the controller's, and a resume found no step whose
         files were all there, with nothing said. Ray Train checks its storage path the same way.
-        Spares started later are not checked: a run is training by then."""
+        Checked again by a restart (its group may stand on other nodes); spares started later
+        are not checked: a run is training by then."""
         import uuid
 
         storage = self.store.storage
@@ -2122,6 +2123,7 @@ class Controller:
         self._check_dataset_unchanged()
         self._note_ready_spares(log=False)  # built: they end a streak of failed spare starts
         self._forget_old_actors()
+        self._check_storage_shared()  # the new group may stand on nodes the run had not used
         self._split = self.scaling.num_workers
         self._configure_checkpoints(self._all_actors())
         position = self._restore_latest(fast)

@@ -267,9 +267,10 @@ def _check_failure_actions(failure: FailureConfig, run: RunConfig, num_workers: 
 
 
 def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureConfig) -> list[str]:
-    """Settings changed from their defaults that this run never reads, one sentence each. Why
-    warn, not refuse: each is harmless, and a config shared between runs of both kinds may carry
-    one; but a user who set it expects it to act."""
+    """Settings changed from their defaults that this run never reads, or that cannot act as
+    asked (spares nothing takes, a strict strategy spares may break, a GPU a rank never uses),
+    one sentence each. Why warn, not refuse: each is harmless, and a config shared between runs
+    of both kinds may carry one; but a user who set it expects it to act."""
     def changed(config, name: str) -> bool:
         return getattr(config, name) != getattr(type(config)(), name)
 
@@ -297,7 +298,7 @@ def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureCo
     if spares and scaling.placement_strategy in ("STRICT_PACK", "STRICT_SPREAD"):
         out.append(f"ScalingConfig.placement_strategy={scaling.placement_strategy!r} holds for the ranks' own "
                    "placement group; hot spares are placed apart from it (PACK), so once a spare takes a rank the "
-                   "run no longer keeps that strategy.")
+                   "run may no longer keep that strategy.")
     if scaling.use_gpu and scaling.resources_per_worker.get("GPU", 1) > 1:
         out.append(f"ScalingConfig.resources_per_worker['GPU']={scaling.resources_per_worker['GPU']:g}: each rank "
                    "trains on one GPU (its first); the others are held and idle. Raise num_workers instead.")

@@ -724,17 +724,23 @@ def test_submit_never_prints_the_dashboards_credentials(monkeypatch, tmp_path):
     result = runner.invoke(app, args)
     line = one_line_error(result.exit_code, result.stdout, result.stderr)
     assert "S3cretPw" not in result.stdout + result.stderr and "cannot reach the Ray dashboard at http://***@head" in line
-    # With no scheme (a cluster's GCS address to Ray, probed first), which the redaction of URLs in
-    # text does not know.
+    # With no scheme (a cluster's GCS address to Ray), which the redaction of URLs in text does not
+    # know: refused before any lookup of the host (the probe's DNS query carried the password).
     result = runner.invoke(app, [*args[:-1], "alice:S3cretPw@head:8265"])
     line = one_line_error(result.exit_code, result.stdout, result.stderr)
-    assert "S3cretPw" not in result.stdout + result.stderr and "cannot reach a Ray cluster at ***@head:8265" in line
+    assert result.exit_code == 2 and "S3cretPw" not in result.stdout + result.stderr
+    assert "--address '***@head:8265' holds a user:password@" in line
+    result = runner.invoke(app, [*args[:-1], "head"])  # no port: neither a dashboard URL nor HOST:PORT
+    assert result.exit_code == 2 and "is neither the dashboard's URL" in one_line_error(
+        result.exit_code, result.stdout, result.stderr)
 
 
 @pytest.mark.parametrize("error, auth", [
     ("Request failed with status code 401: Unauthorized", True),
     ("403 Forbidden", True),
     ("Failed to connect to Ray at address: {address}", False),  # its digits are the host's, not a status
+    ("Failed to resolve http://401.example.com/api", False),
+    ("cannot reach //403-gw:8265 behind the proxy", False),
 ])
 def test_submit_tells_an_auth_refusal_from_an_address_with_its_digits(error, auth, monkeypatch, tmp_path):
     import ray.job_submission

@@ -385,10 +385,17 @@ class TrainWorker:
             return False
 
     @ray.method(concurrency_group="control")
-    def sees_file(self, path: str) -> bool:
-        """Whether ``path`` (on this node's filesystem) exists: the controller's check that a
-        local checkpoint directory is the same directory on every node (``_check_storage_shared``)."""
-        return os.path.exists(path)
+    def sees_file(self, path: str, within_s: float = 2.0) -> bool:
+        """Whether ``path`` (on this node's filesystem) exists, looked for up to ``within_s``: the
+        controller's check that a local checkpoint directory is the same directory on every node
+        (``_check_storage_shared``). Looked for again for a while, as a network filesystem's cached
+        listing (NFS attribute caches, a FUSE mount's) can lag a file made on another node."""
+        deadline = time.monotonic() + within_s
+        while not os.path.exists(path):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def _enter(self, phase: str) -> None:
         """Phases let the controller tell a rank stuck in its own code from one waiting on peers."""
@@ -778,7 +785,12 @@ class TrainWorker:
             if self._buffers is not None and self.completed_step < step:
                 self._buffers.restore()  # the failed step's forward leaves no trace in the replica
             if self.scaler is not None and self.completed_step < step:
-                self._renew_scaler()
+                try:
+                    self._renew_scaler()
+                except Exception:  # noqa: BLE001 - the step's own error is the one to report
+                    # (its state_dict reads the scale from the GPU, which a sticky CUDA error
+                    # fails too: raised here, it replaced the CollectiveError the step raised)
+                    logger.debug("rank %s: could not renew the loss scaler", self.rank, exc_info=True)
             raise
 
     def _train_step(self, step: int, indices: list[int]) -> StepResult:
