@@ -851,6 +851,21 @@ def _user_code_checks(tmp, out) -> None:
 
     found["forward_by_name"] = one_step(through_forward)
     found["stepped"], found["bypass"] = one_step(bypassing_ddp)
+
+    class TimesOut(torch.utils.data.Dataset):  # a network-backed dataset whose read fails
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            raise RuntimeError("read timed out (test)")
+
+    reader = local_worker(make_model, dataset_fn=TimesOut)
+    join_pair(reader, 0, 1, None, 1, 20.0)
+    try:
+        reader.train_steps(1, [list(range(8))], 1)
+    except Exception as exc:  # noqa: BLE001 - which one is the point
+        found["data_error"] = type(exc).__name__, str(exc)
+    reader.leave()
     out.put(found)
 
 
@@ -878,6 +893,9 @@ def test_user_code_that_would_train_wrongly_or_fail_in_the_first_step_is_refused
     assert found["sparse_clip"].startswith("max_grad_norm clips the gradient's norm") and "0 has sparse=True" in \
         found["sparse_clip"]
     assert found["stepped"] is False  # refused before the optimizer step
+    # The dataset's own error, though its words ("timed out") read like a broken group's: it was a
+    # CollectiveError, replayed after a rebuild until max_failures ended the run
+    assert found["data_error"] == ("RuntimeError", "read timed out (test)")
     assert found["forward_by_name"] == (True, None)  # model.forward(x) goes through DDP as model(x) does
 
 

@@ -17,6 +17,7 @@ Two ways to synchronise gradients:
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import gc
 import inspect
 import itertools
@@ -651,7 +652,17 @@ class TrainWorker:
 
     # ---- training --------------------------------------------------------------------------
     def _batch(self, indices: list[int]):
-        return _to_device(torch_data.default_collate(fetch_samples(self.dataset, indices)), self.device)
+        try:
+            collated = torch_data.default_collate(fetch_samples(self.dataset, indices))
+        except Exception as exc:
+            # The dataset's own error (a network-backed dataset's "read timed out"): no collective
+            # runs while a batch is read, so it is never a broken group, whatever its words say
+            # (``_looks_collective`` reads a RuntimeError's text). Taken for one, it was replayed
+            # after a rebuild, failure after failure, until max_failures ended the run.
+            with contextlib.suppress(AttributeError, TypeError):  # an exception that takes no attribute
+                exc.elastic_data_error = True
+            raise
+        return _to_device(collated, self.device)
 
     def _forward_backward(self, model, batch, step: int, has_collective: bool,
                           t_step: float) -> tuple[torch.Tensor, float]:
@@ -735,7 +746,8 @@ class TrainWorker:
             # is the abort's doing: torch's group registry is gone, so the next dist call raises
             # a ValueError ("Default process group has not been initialized"), which read as the
             # user's error and ended the run instead of rebuilding the group.
-            collective = (isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)) \
+            collective = (isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
+                          and not getattr(exc, "elastic_data_error", False)) \
                 or self._aborted_generation == self.generation
             # DDP's error names its own constructor argument, which a user of elastic never calls.
             unused = self.ddp is not None and "find_unused_parameters" in str(exc)
