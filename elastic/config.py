@@ -387,6 +387,12 @@ class FailureConfig:
         for name in ("capacity_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
                      "step_timeout_s", "node_settle_s"):
             _require_seconds(f"FailureConfig.{name}", getattr(self, name))
+        for name in ("collective_timeout_s", "step_timeout_s"):
+            if getattr(self, name) < 0.001:
+                # The process group's timeout is a timedelta that torch counts in whole
+                # milliseconds: under one it is 0, which c10d reads as no timeout at all.
+                raise ConfigError(f"FailureConfig.{name} must be at least 0.001 s (torch counts a process "
+                                  f"group's timeout in whole milliseconds), {_got(getattr(self, name))}.")
         for name in ("on_failure", "when_no_spare"):
             if getattr(self, name) not in FAILURE_ACTIONS:
                 raise ConfigError(

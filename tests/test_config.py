@@ -86,6 +86,8 @@ def test_scaling_rejects(kwargs, field):
     ({"straggler_node_avoid_s": float("nan")}, "straggler_node_avoid_s"),
     ({"straggler_node_avoid_s": "1h"}, "straggler_node_avoid_s"),
     ({"straggler_node_avoid_s": 10**400}, r"straggler_node_avoid_s must be seconds >= 0 .*math.inf"),
+    ({"collective_timeout_s": 0.0005}, r"collective_timeout_s must be at least 0.001 s \(torch counts"),
+    ({"step_timeout_s": 1e-6}, r"step_timeout_s must be at least 0.001 s"),
     ({"straggler_factor": float("inf")}, r"straggler_factor must be finite.*set evict_stragglers=False instead"),
     ({"max_failures": True}, r"FailureConfig\.max_failures must be an integer >= 0, got True"),
     ({"min_workers": True}, r"FailureConfig\.min_workers must be an integer >= 1 or None"),
