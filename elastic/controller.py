@@ -2520,6 +2520,19 @@ class Controller:
         # A late replica's own error (its loss_fn raised in the window it was late with) is the
         # user's, as in a step or at the run's end: ignored here, the run went on without a word.
         self._raise_user_errors(self._wait_late(exclude=r))
+        # The pool again: the waits above can take seconds, and a spare that died meanwhile was
+        # promoted, its death then counted as the run's failure (and with no other spare, handed
+        # to when_no_spare) for an eviction that was optional. Held back instead, as when no
+        # spare was ready to begin with; the group is as it was, so training goes on in it.
+        self._refresh_spares(wait=True)
+        if not self.group.spares:
+            self._note_held_back(Continue(f"rank {r} is a persistent straggler, but its spare died while the "
+                                          "eviction waited for the ranks' windows; it is evicted once one is ready",
+                                          straggler=r))
+            if self.metrics is not None:
+                self.metrics.on_group([m.rank for m in self.group.members])  # the ring on_rebuild cleared
+            self.transition(State.RUNNING, f"eviction of rank {r} held back: no live spare")
+            return
         self._lagging.clear()
         victim = self.group.members[r]
         self._avoid_node(node)

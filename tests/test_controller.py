@@ -1154,6 +1154,37 @@ def test_an_eviction_waits_when_the_spare_died_since_the_pool_was_last_watched(r
     assert not any("evicting" in e.message for e in c.events if e.kind == "transition")
 
 
+def test_an_eviction_whose_spare_dies_while_it_waits_for_the_windows_is_held_back_not_a_failure(ray_cluster):
+    # The pool was looked at before the waits for the ranks' windows: a spare that died during
+    # them was promoted, and its death counted as a failure of the run (with no other spare,
+    # handed to when_no_spare) for an eviction that was optional.
+    c = controller("fake-evict-spare-dies-waiting", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
+    c.scaling.steps_per_dispatch = 1
+    wait_late, killed = c._wait_late, []
+
+    def spare_dies_meanwhile(exclude=None):
+        if not killed:
+            spare = c.group.spares[0].actor
+            killed.append(spare)
+            ray.kill(spare)
+            deadline = time.time() + 30
+            while time.time() < deadline:  # dead before the pool is looked at again
+                try:
+                    ray.get(spare.heartbeat.remote(), timeout=5)
+                except ray.exceptions.RayActorError:
+                    break
+                time.sleep(0.05)
+        return wait_late(exclude)
+
+    c._wait_late = spare_dies_meanwhile
+    run_evicting_rank_1_at(c, 13)
+    assert killed and c.state is State.FINISHED and c.step == 16 and c.failures == 0
+    held = [e for e in c.events if e.kind == "decision" and e.details.get("decision") == "Continue"]
+    assert held and "its spare died while the eviction waited" in held[0].message
+    assert not [e for e in c.events if e.kind == "replace"] and not c.recoveries
+    assert any("eviction of rank 1 held back" in e.message for e in c.events if e.kind == "transition")
+
+
 def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_healed_like_any(ray_cluster):
     c = controller("fake-evict-spare-dies", backups=2, failure=elastic.FailureConfig(evict_stragglers=True))
     c.scaling.steps_per_dispatch = 1
