@@ -131,6 +131,7 @@ def _restart_with_stand_ins(c, monkeypatch, begun, restored_step, group_cls=None
     c.group, c.store, c.committer, c.dataset_size = StandInGroup(), object(), None, 64
     monkeypatch.setattr(c, "_begun_by_survivors", lambda: begun)
     monkeypatch.setattr(c, "_configure_checkpoints", lambda members: None)
+    monkeypatch.setattr(c, "_check_storage_shared", lambda: None)  # storage is a stand-in here
     monkeypatch.setattr(controller_module.ray, "get", lambda x, **kw: x)  # the stand-ins' plain values
 
     def restore_latest(fast=None):  # every rank loads the newest committed step
