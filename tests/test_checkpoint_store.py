@@ -2294,10 +2294,14 @@ def test_a_delete_still_under_way_at_a_rewind_never_leaves_a_step_committed_with
     """A delete call the rewind's wait (FENCE_WAIT_S) did not see end may still remove the
     directory of a step the new timeline writes again. That step's commit waits for the
     delete and checks its files: with one gone it is not committed (an event says why),
-    and the next step commits, instead of a manifest that fails on resume."""
+    and the next step commits, instead of a manifest that fails on resume. A delete that
+    outlasts the commit's wait (SUSPECT_WAIT_S, 0.2 s here) is the commit's storage error,
+    retried: checked then, the files were still there, and the step committed over a delete
+    about to remove them."""
     store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
-    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0)
-    committer.FENCE_WAIT_S = 0.1
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0,
+                                    retry_min_s=0.05, retry_max_s=0.2)
+    committer.FENCE_WAIT_S, committer.SUSPECT_WAIT_S = 0.1, 0.2
     for step in range(1, 9):
         hand_over_and_wait(committer, store, step)
     assert committer.flush(timeout_s=10)
@@ -2318,8 +2322,8 @@ def test_a_delete_still_under_way_at_a_rewind_never_leaves_a_step_committed_with
         t0 = time.monotonic()
         committer.rewind(8)
         assert time.monotonic() - t0 < 10  # FENCE_WAIT_S (0.1 s), not the stalled delete (30 s)
-        hand_over(committer, store, 9, tiny_state(109))  # its commit waits for the delete
-        time.sleep(0.3)
+        hand_over(committer, store, 9, tiny_state(109))  # its commit waits for the delete, and again
+        time.sleep(1.0)
         assert committer.latest_committed == 8
         release.set()  # the old delete removes the new 9's shards
         assert committer.flush(timeout_s=10) and committer.latest_committed == 8

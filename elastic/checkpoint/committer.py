@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
 from elastic.checkpoint.persister import AsyncPersister
-from elastic.checkpoint.storage import StorageError
+from elastic.checkpoint.storage import StorageError, StorageUnavailable
 from elastic.checkpoint.store import CheckpointStore, CleanupReport, CorruptCheckpoint, FileEntry, is_milestone
 from elastic.config import CheckpointConfig
 
@@ -348,7 +348,13 @@ class CheckpointCommitter:
         reported is still on storage. A manifest naming a deleted file would be a committed step
         that fails its checks on resume; without it the next step commits instead. A storage
         error here is the commit's, retried by the persister."""
-        self.store.wait_deletes([step], timeout_s=self.SUSPECT_WAIT_S)
+        if not self.store.wait_deletes([step], timeout_s=self.SUSPECT_WAIT_S):
+            # Still deleting (an outage's retries, a hung mount): checked now, the files could be
+            # there and then go, under a manifest naming them, a committed step that is not on
+            # storage. Raised as the commit's storage error: the step stays suspect, and the
+            # persister tries it again (or a newer step supersedes it).
+            raise StorageUnavailable(f"step {step}: a delete from before training went back to an earlier step "
+                                     f"is still removing its directory after {self.SUSPECT_WAIT_S:g}s")
         missing = self.store.missing_file(step, entries)
         with self._lock:
             self._suspect.discard(step)
