@@ -66,6 +66,14 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILE_BYTES = 1 << 40
 
 
+class NewerCheckpoint(StorageError):
+    """A step whose manifest checks out but was written by a newer elastic (a manifest version
+    this code does not read). Not corrupt: never skipped as a corrupt step, nor swept as an
+    uncommitted one. As a ``StorageError`` (a manifest this process cannot use) it is what
+    ``committed_steps`` does with a refused manifest: raised on the newest step, so a downgraded
+    run does not resume from an older one and train over it; skipped with a warning below it."""
+
+
 class CorruptCheckpoint(RuntimeError):
     """A committed step whose manifest or files do not match what was recorded. Names the file."""
 
@@ -548,6 +556,12 @@ class CheckpointStore:
                                                  f"{shown(str(exc))})") from None
         if recorded != actual:
             raise CorruptCheckpoint(step, where, "manifest checksum mismatch (truncated or edited)")
+        version = manifest.get("version")
+        if _is_int(version) and version > VERSION and manifest.get("format") == FORMAT:
+            # Whole, and written by a newer elastic: taken for corrupt, resume skipped it (an older
+            # step resumed, training over the newer one) and the sweep deleted it as uncommitted.
+            raise NewerCheckpoint(f"checkpoint step {step} at {where} was written by a newer elastic (manifest "
+                                  f"version {version}; this one reads 1 to {VERSION}): upgrade elastic to use it")
         try:
             problem = _manifest_problem(manifest, step)  # e.g. a file record without its checksum vouches for nothing
             entries = [] if problem else [FileEntry.from_dict(record) for record in manifest["files"]]
@@ -586,7 +600,8 @@ class CheckpointStore:
         for step, exc in refused:
             if not out or step > out[-1]:
                 raise StorageError(f"{exc}; it is newer than every readable committed step, so the run cannot "
-                                   "tell where to resume: restore read access to it, or remove the step") from None
+                                   "tell where to resume: make it readable here (its read access, or the elastic "
+                                   "that wrote it), or remove the step") from None
             logger.warning("skipping checkpoint step %d: its manifest cannot be read (%s)", step, exc)
         return out
 
