@@ -2197,7 +2197,7 @@ def test_a_first_n_group_waits_a_whole_step_before_its_collectives_time_out(ray_
     assert controller("timeout-fn2", backups=1, aggregation="first_n", failure=longer)._group_timeout_s() == 200
 
 
-def test_a_first_n_rank_that_fails_alive_releases_the_survivors_waiting_on_the_agreement(ray_cluster):
+def test_a_first_n_rank_that_fails_alive_releases_the_survivors_waiting_on_the_agreement(ray_cluster, tmp_path):
     # Only a death released them: a live rank whose collective broke (or whose step raised the
     # user's error) left the group, the survivors waited on an agreement it would never join,
     # for collective_timeout_s, and one of them was then killed as hung.
@@ -2208,14 +2208,17 @@ def test_a_first_n_rank_that_fails_alive_releases_the_survivors_waiting_on_the_a
         raise CollectiveError("rank 1: connection reset by peer (test)")
 
     @ray.remote(num_cpus=0)
-    def waiting():  # a survivor's window, still running when it is released (cancelled below)
-        time.sleep(60)
+    def waiting(released):  # a survivor's window: it ends once released (a file), as a real one would
+        deadline = time.time() + 60
+        while not os.path.exists(released) and time.time() < deadline:
+            time.sleep(0.05)
 
     import threading
 
     with trained("fake-fn-release", workers=3, steps=1, failure=elastic.FailureConfig(collective_timeout_s=20.0)) as c:
         c.scaling = dataclasses.replace(c.scaling, aggregation="first_n", num_backups=1)
-        refs = [waiting.remote(), broken.remote(), waiting.remote()]
+        released = str(tmp_path / "released")
+        refs = [waiting.remote(released), broken.remote(), waiting.remote(released)]
         raised = []
 
         def gather():
@@ -2235,8 +2238,8 @@ def test_a_first_n_rank_that_fails_alive_releases_the_survivors_waiting_on_the_a
                    and ray.get([a.abandoned.remote() for a in survivors]) != [[c.generation]] * 2):
                 time.sleep(0.1)
             assert ray.get([a.abandoned.remote() for a in survivors]) == [[c.generation]] * 2
+            open(released, "w").close()  # released, the survivors' windows end
             thread.join(timeout=60)
             assert raised
         finally:
-            for ref in (refs[0], refs[2]):
-                ray.cancel(ref, force=True)
+            open(released, "w").close()
