@@ -612,9 +612,17 @@ class Controller:
         try:
             path = storage.full_path(marker)
             asked = [(m, m.actor.sees_file.remote(path)) for m in by_node.values()]
-            deadline = time.monotonic() + self.failure_config.collective_timeout_s
+            timeout = self.failure_config.collective_timeout_s
+            ready, _ = ray.wait([ref for _, ref in asked], num_returns=len(asked), timeout=timeout)
             for m, ref in asked:
-                if not self._answer(m, ref, deadline - time.monotonic(), "whether it sees the checkpoint directory"):
+                if ref not in ready:
+                    # Its control thread stuck in the filesystem call: a hung mount, most likely. Said
+                    # so, where killing it as hung started the run again with no word about storage.
+                    raise ConfigError(
+                        f"node {m.info.get('node_ip')} ({m.name}) did not answer within {timeout:g}s whether it "
+                        f"sees RunConfig.storage={storage.location!r} (a hung mount?): every node must reach "
+                        "the checkpoint directory. Check the mount there, or use an object store (s3://...).")
+                if not ray.get(ref):  # a dead actor raises here: a loss at the start, healed as one
                     raise ConfigError(
                         f"RunConfig.storage={storage.location!r} is a path on each node's own disk, and node "
                         f"{m.info.get('node_ip')} ({m.name}) does not see the file the run's controller (on node "

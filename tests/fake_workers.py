@@ -38,11 +38,14 @@ class FakeWorker:
 
     @ray.method(concurrency_group="control")
     def sees_file(self, path):
+        if getattr(self, "blind", None) == "hung":
+            time.sleep(60)
         return os.path.exists(path) and not getattr(self, "blind", False)
 
-    def blind_to_files(self):
-        """Test aid: ``sees_file`` answers False, as on a node whose disk is not the controller's."""
-        self.blind = True
+    def blind_to_files(self, how=True):
+        """Test aid: ``sees_file`` answers False, as on a node whose disk is not the controller's
+        (``how="hung"``: it answers nothing for a minute, as on a hung mount)."""
+        self.blind = how
 
     def fast_sets(self, first, last):
         return {}  # first-N fast sets: a fake rank records none

@@ -1846,6 +1846,13 @@ def test_local_storage_a_node_does_not_see_ends_the_run_before_any_step(ray_clus
     with trained("fake-shared", workers=2, steps=1) as c:  # every node sees it: nothing said
         c.store = CheckpointStore(f"file://{tmp_path}", "fake-shared")
         c._check_storage_shared()
+        # One that does not answer (a hung mount): said so, where it was killed as hung and the
+        # run started again with no word about storage
+        c.failure_config.collective_timeout_s = 1.0
+        ray.get(c.group.members[0].actor.blind_to_files.remote("hung"))
+        with pytest.raises(elastic.ConfigError, match=r"node 127\.0\.0\.1 \(rank-0\) did not answer within 1s whether "
+                                                      r"it sees RunConfig\.storage=.* \(a hung mount\?\)"):
+            c._check_storage_shared()
     assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.startswith(".elastic-shared-")]
 
 
