@@ -236,8 +236,11 @@ def _address_source(address: Optional[str]) -> str:
     return "--address" if _given(address) else "RAY_ADDRESS"
 
 
-def _probe(address: str, timeout_s: float, source: str = "--address") -> None:
-    """Fail in seconds when nothing listens at ``address`` (``source``: where it came from).
+def _probe(address: str, timeout_s: float, source: str = "--address",
+           not_an_address: str = "not HOST:PORT (e.g. 10.0.0.1:6379)", hint: str = "") -> None:
+    """Fail in seconds when nothing listens at ``address`` (``source``: where it came from;
+    ``not_an_address``: what an address without a port is said to be; ``hint``: added to the
+    message that nothing answers).
 
     Refused first, as the Trainer refuses it (``trainer_address_problem``): an address no Ray
     cluster has, above all one with a ``user:password@``. Why: ``admin:pw@head:6379`` parses as
@@ -245,13 +248,13 @@ def _probe(address: str, timeout_s: float, source: str = "--address") -> None:
     redaction of messages (``redact_urls_in``) only knows ``scheme://user:pw@``. Messages show
     an address through ``shown``, which takes a ``user:password@`` off with or without a scheme."""
     if address != "auto" and host_port(address) is None:
-        raise CliError(f"{source} {shown(address)!r} is not HOST:PORT (e.g. 10.0.0.1:6379)", code=2)
+        raise CliError(f"{source} {shown(address)!r} is {not_an_address}", code=2)
     problem = trainer_address_problem(address)
     if problem is not None:
         raise CliError(f"{source} {shown(address)!r} {problem}", code=2)
     reason = unreachable(address, timeout_s)
     if reason is not None:
-        raise CliError(f"cannot reach a Ray cluster at {address}: {reason}") from None
+        raise CliError(f"cannot reach a Ray cluster at {address}: {reason}{hint}") from None
 
 
 @contextlib.contextmanager
@@ -903,8 +906,8 @@ def _refuse_credentials_in(args: list[str]) -> None:
         if carries_credentials(arg):
             raise CliError(
                 f"the script's argument #{i} carries a credential (a URL's user:password@, a signed query, an "
-                "Authorization or Cookie header, Ray's auth token or an access key id), and Ray keeps the command line in its job table, shown "
-                "on the dashboard and by `ray job list`; give the job its credentials off the command line: the "
+                "Authorization or Cookie header, Ray's auth token or an access key id), and Ray keeps the command "
+                "line in its job table, shown on the dashboard and by `ray job list`; give the job its credentials off the command line: the "
                 "nodes' environment or role (AWS_* variables, ~/.aws, an instance profile) or a file the script reads",
                 code=2)
 
@@ -937,20 +940,12 @@ def submit(
     if target and "://" not in target and target != "auto":
         # A cluster's GCS address (HEAD:6379): Ray reads the dashboard's URL from the GCS, retrying
         # 20 times 2 s apart, and the retries' messages are quieted here, so nothing at that
-        # address was a silent wait of 40 s or more. A TCP connect says so in seconds. Refused
-        # first, as status refuses it: no HOST:PORT, or a user:password@ (no GCS address has one,
-        # and the probe would look the host up with the password in it).
-        source = "--address" if address else "RAY_API_SERVER_ADDRESS/RAY_ADDRESS"
-        if host_port(target) is None:
-            raise CliError(f"{source} {shown(target)!r} is neither the dashboard's URL (http://HEAD:8265) nor "
-                           "a cluster's HOST:PORT (HEAD:6379)", code=2)
-        problem = trainer_address_problem(target)
-        if problem is not None:
-            raise CliError(f"{source} {shown(target)!r} {problem}", code=2)
-        reason = unreachable(target, PROBE_TIMEOUT_S)
-        if reason is not None:
-            raise CliError(f"cannot reach a Ray cluster at {shown(target)}: {reason} (give the dashboard's URL, "
-                           "--address http://HEAD:8265, or the cluster's HEAD:6379)")
+        # address was a silent wait of 40 s or more. Probed as status probes its address: refused
+        # first without HOST:PORT or with a user:password@ (the probe would look the host up with
+        # the password in it), then a TCP connect says in seconds that nothing answers.
+        _probe(target, PROBE_TIMEOUT_S, "--address" if address else "RAY_API_SERVER_ADDRESS/RAY_ADDRESS",
+               not_an_address="neither the dashboard's URL (http://HEAD:8265) nor a cluster's HOST:PORT (HEAD:6379)",
+               hint=" (give the dashboard's URL, --address http://HEAD:8265, or the cluster's HEAD:6379)")
     try:
         with _env_without(*(_ADDRESS_VARS if address else ())):
             client = JobSubmissionClient(target)

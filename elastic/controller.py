@@ -2505,10 +2505,7 @@ class Controller:
         r = decision.rank
         # The pool is watched only every few steps while ranks train: a spare that died since
         # must not be the one the straggler is swapped for (the victim would be gone first).
-        self._refresh_spares(wait=True)
-        if not self.group.spares:
-            self._note_held_back(Continue(f"rank {r} is a persistent straggler, but no live spare is ready "
-                                          "(the pool lost one); it is evicted once one is", straggler=r))
+        if self._held_back_without_spare(r, "no live spare is ready (the pool lost one)"):
             return
         node = self.group.members[r].info.get("node_id")
         self.transition(State.RECOVERING, f"evicting straggler rank {r}: {decision.reason}")
@@ -2532,11 +2529,7 @@ class Controller:
         # promoted, its death then counted as the run's failure (and with no other spare, handed
         # to when_no_spare) for an eviction that was optional. Held back instead, as when no
         # spare was ready to begin with; the group is as it was, so training goes on in it.
-        self._refresh_spares(wait=True)
-        if not self.group.spares:
-            self._note_held_back(Continue(f"rank {r} is a persistent straggler, but its spare died while the "
-                                          "eviction waited for the ranks' windows; it is evicted once one is ready",
-                                          straggler=r))
+        if self._held_back_without_spare(r, "its spare died while the eviction waited for the ranks' windows"):
             if self.metrics is not None:
                 self.metrics.on_group([m.rank for m in self.group.members])  # the ring on_rebuild cleared
             self.transition(State.RUNNING, f"eviction of rank {r} held back: no live spare")
@@ -2588,6 +2581,16 @@ class Controller:
         self._snapshot_after_evict(r)
         self._refill_spares()
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
+
+    def _held_back_without_spare(self, r: int, why: str) -> bool:
+        """The spare pool looked at now (``_refresh_spares``); with no live spare, the eviction of
+        straggler ``r`` is held back (``_note_held_back``, saying ``why``) and True is returned."""
+        self._refresh_spares(wait=True)
+        if self.group.spares:
+            return False
+        self._note_held_back(Continue(f"rank {r} is a persistent straggler, but {why}; it is evicted once one is "
+                                      "ready", straggler=r))
+        return True
 
     def _snapshot_after_evict(self, r: int) -> None:
         """With ``every_n_steps`` > 1, have the new group checkpoint the step it starts from.

@@ -87,16 +87,14 @@ class BatchSchedule:
         ``drop_last``). With one size: ``epochs * (num_samples // size)``. For data parallel this
         is how ``ShardPlan`` cuts them; first-N draws M/N times the batch a step, so its
         sampler's epoch runs ahead of these nominal ones (with requeueing, by what was dropped)."""
-        if not self._steps:
-            return epochs * (num_samples // self._sizes[0])
-        step, last = 0, self._steps[-1]
+        step, last = 0, self._steps[-1] if self._steps else 1
         for epoch in range(epochs):
             left = num_samples
             while left >= self.size_at(step + 1):
                 if step + 1 >= last:
-                    # One size from here on: the rest is arithmetic. Why: stepping on one at a time
-                    # ran in the controller after the actors started, and fit(epochs=10**6) with a
-                    # schedule hung there.
+                    # One size from here on (from the start, with no schedule): the rest is
+                    # arithmetic. Why: stepping on one at a time ran in the controller after the
+                    # actors started, and fit(epochs=10**6) with a schedule hung there.
                     final = self._sizes[-1]
                     return step + left // final + (epochs - epoch - 1) * (num_samples // final)
                 step += 1

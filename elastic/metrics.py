@@ -292,7 +292,7 @@ class RunMetrics:
         self._set(m, "step", record.step, run)
         if record.dropped:
             m["dropped"].inc(record.dropped, tags=run)
-        if getattr(record, "update_skipped", False):
+        if record.update_skipped:
             m["skipped"].inc(1, tags=run)
 
     def on_failure(self, kind: str) -> None:

@@ -34,8 +34,8 @@ def controller(ranks):
 
 
 def record(step, world, **extra):
-    return SimpleNamespace(step=step, step_time_s=0.2, samples=64, world_size=world, grad_norm=None, dropped=0,
-                           **extra)
+    return SimpleNamespace(**{"step": step, "step_time_s": 0.2, "samples": 64, "world_size": world, "grad_norm": None,
+                              "dropped": 0, "update_skipped": False, **extra})
 
 
 def test_a_rank_gone_after_a_shrink_stops_showing_its_last_values():

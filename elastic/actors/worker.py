@@ -657,7 +657,7 @@ class TrainWorker:
         except Exception as exc:
             # The dataset's own error (a network-backed dataset's "read timed out"): no collective
             # runs while a batch is read, so it is never a broken group, whatever its words say
-            # (``_looks_collective`` reads a RuntimeError's text). Taken for one, it was replayed
+            # (``_looks_collective`` reads a RuntimeError's text, and this mark). Taken for one, it was replayed
             # after a rebuild, failure after failure, until max_failures ended the run.
             with contextlib.suppress(AttributeError, TypeError):  # an exception that takes no attribute
                 exc.elastic_data_error = True
@@ -746,8 +746,7 @@ class TrainWorker:
             # is the abort's doing: torch's group registry is gone, so the next dist call raises
             # a ValueError ("Default process group has not been initialized"), which read as the
             # user's error and ended the run instead of rebuilding the group.
-            collective = (isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)
-                          and not getattr(exc, "elastic_data_error", False)) \
+            collective = (isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)) \
                 or self._aborted_generation == self.generation
             # DDP's error names its own constructor argument, which a user of elastic never calls.
             unused = self.ddp is not None and "find_unused_parameters" in str(exc)
@@ -798,7 +797,7 @@ class TrainWorker:
                 self._buffers.restore()  # the failed step's forward leaves no trace in the replica
             if self.scaler is not None and self.completed_step < step:
                 try:
-                    self._renew_scaler()
+                    self._renew_scaler(self.scaler.state_dict())
                 except Exception:  # noqa: BLE001 - the step's own error is the one to report
                     # (its state_dict reads the scale from the GPU, which a sticky CUDA error
                     # fails too: raised here, it replaced the CollectiveError the step raised)
@@ -1091,16 +1090,16 @@ class TrainWorker:
             os.kill(os.getpid(), 9)
         return norm
 
-    def _renew_scaler(self, state: dict | None = None) -> None:
-        """A new GradScaler with ``state`` (default: this one's scale and growth count). Why: a
-        GradScaler remembers, per optimizer, that it unscaled (and found an overflow in) the step
-        under way, until its ``update()``; ``load_state_dict`` keeps that. A step that failed
-        between the two (a collective failure in the clipping or the optimizer's step), trained
-        again, raised "unscale_() has already been called", or, without clipping, stepped on the
-        still-scaled gradient, this replica alone."""
-        state = self.scaler.state_dict() if state is None else state
+    def _renew_scaler(self, state: dict | None) -> None:
+        """A new GradScaler with ``state`` (a scale and growth count; None: a fresh one's). Why
+        new: a GradScaler remembers, per optimizer, that it unscaled (and found an overflow in)
+        the step under way, until its ``update()``; ``load_state_dict`` keeps that. A step that
+        failed between the two (a collective failure in the clipping or the optimizer's step),
+        trained again, raised "unscale_() has already been called", or, without clipping, stepped
+        on the still-scaled gradient, this replica alone."""
         _, self.scaler = mixed_precision("fp16", self.device)
-        self.scaler.load_state_dict(state)
+        if state is not None:
+            self.scaler.load_state_dict(state)
 
     # ---- state -----------------------------------------------------------------------------
     def get_state(self) -> dict:
@@ -1130,10 +1129,8 @@ class TrainWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler") is not None:
-            self._renew_scaler(state["scaler"])
-        elif self.scaler is not None:  # a state of a run without fp16: a fresh scaler, as a new run's
-            _, self.scaler = mixed_precision("fp16", self.device)
+        if self.scaler is not None:  # a state of a run without fp16 has none: a fresh scaler, as a new run's
+            self._renew_scaler(state.get("scaler"))
         self.completed_step = self.started_step = int(state["completed_step"])
         # The fast sets of steps past the state taken (a restore or a rollback to an older step)
         # belong to a history that was given up. Kept, they answered the controller's fast_sets
@@ -1471,6 +1468,8 @@ def _group_failures_as_collective(what: str) -> Iterator[None]:
 
 
 def _looks_collective(exc: BaseException) -> bool:
+    if getattr(exc, "elastic_data_error", False):  # raised reading a batch (``_batch``): never a collective
+        return False
     if isinstance(exc, (dist.DistBackendError, FirstNAbandoned)):
         return True
     text = str(exc).lower()

@@ -211,10 +211,12 @@ def _param_order_mismatches(live: Any, saved: Any) -> list[str]:
     that) is not judged here."""
     if not isinstance(live, list) or not isinstance(saved, list) or len(live) != len(saved):
         return []
-    moved = [(i, theirs, mine) for i, (mine, theirs) in enumerate(zip(live, saved)) if mine and theirs and mine != theirs]
+    moved = [(i, theirs, mine) for i, (mine, theirs) in enumerate(zip(live, saved))
+             if mine and theirs and mine != theirs]
     if not moved:
         return []
-    pairs = "; ".join(f"position {i} is {shown(theirs)} in the checkpoint and {mine} here" for i, theirs, mine in moved[:3])
+    pairs = "; ".join(f"position {i} is {shown(theirs)} in the checkpoint and {mine} here"
+                      for i, theirs, mine in moved[:3])
     more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
     return [f"optimizer: its state goes to parameters by position, and {len(moved)} position(s) hold another "
             f"parameter than in the checkpoint ({pairs}{more}): were the model's layers declared, or the "
