@@ -1136,15 +1136,7 @@ def test_an_eviction_waits_when_the_spare_died_since_the_pool_was_last_watched(r
         if record.step == 12:
             spare = ctl.group.spares[0].actor
             ray.kill(spare)
-            deadline = time.time() + 30
-            while time.time() < deadline:  # dead before step 13's decision (ray.kill returns at once)
-                try:
-                    ray.get(spare.heartbeat.remote(), timeout=5)
-                except ray.exceptions.RayActorError:
-                    break
-                time.sleep(0.05)
-            else:
-                pytest.fail("the killed spare still answers")
+            assert_dies(spare)  # dead before step 13's decision (ray.kill returns at once)
     c.on_step = kill_spare
     run_evicting_rank_1_at(c, 13)
     assert c.state is State.FINISHED and c.failures == 0
@@ -1167,13 +1159,7 @@ def test_an_eviction_whose_spare_dies_while_it_waits_for_the_windows_is_held_bac
             spare = c.group.spares[0].actor
             killed.append(spare)
             ray.kill(spare)
-            deadline = time.time() + 30
-            while time.time() < deadline:  # dead before the pool is looked at again
-                try:
-                    ray.get(spare.heartbeat.remote(), timeout=5)
-                except ray.exceptions.RayActorError:
-                    break
-                time.sleep(0.05)
+            assert_dies(spare)  # dead before the pool is looked at again
         return wait_late(exclude)
 
     c._wait_late = spare_dies_meanwhile
