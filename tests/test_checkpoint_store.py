@@ -51,7 +51,7 @@ from elastic.checkpoint.codec import (
     writer_slot,
 )
 from elastic.checkpoint.storage import StorageUnavailable
-from elastic.checkpoint.store import FileEntry, meta_name, shard_name, step_dir
+from elastic.checkpoint.store import MANIFEST, FileEntry, meta_name, shard_name, step_dir
 from elastic.checkpoint.testing import BACKENDS, TEST_SECRET, MotoS3, backend_url, clear_memory
 from elastic.config import CheckpointConfig, ConfigError
 
@@ -2352,9 +2352,13 @@ def test_missing_file_finds_a_file_gone_or_of_another_size_in_the_step_or_below_
 def test_a_delete_that_keeps_failing_is_retried_with_backoff_and_warned_of_once(tmp_path, caplog, delete_clock):
     """A bucket whose policy forbids deletes: every retention pass (once a second while
     training runs) retried every step that had failed and logged each, so the requests and
-    log lines grew with the run. Each step is tried once, then after 1, 2, 4 ... s."""
+    log lines grew with the run. Then each step got its own backoff, which bounded one step's
+    retries but not their number: every step past keep_last joined the list. Now two refusals
+    in a row hold every delete for 1, 2, 4 ... s, and then one probe is tried; once one
+    succeeds, the pass deletes the rest."""
     store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
     calls = []
+    real_delete = store.storage.delete
 
     def refuse(rel):
         calls.append(rel)
@@ -2367,14 +2371,83 @@ def test_a_delete_that_keeps_failing_is_retried_with_backoff_and_warned_of_once(
             for step in range(1, 21):
                 hand_over_and_wait(committer, store, step)
                 assert committer.flush(timeout_s=10)
-        assert len(calls) == 17  # steps 1..17, each once
+        assert calls == [f"{step_dir(s)}/{MANIFEST}" for s in (1, 2)]  # then the hold: 17 steps, 2 requests
         assert len([r for r in caplog.records if "could not delete" in r.message]) == 1
         calls.clear()
         assert committer.flush(timeout_s=10) and calls == []
-        delete_clock.advance(1.05)
-        assert committer.flush(timeout_s=10) and len(calls) == 17  # their first backoff is over
+        delete_clock.advance(1.05)  # the hold (1 s after two refusals) is over: one probe, a step never tried
+        assert committer.flush(timeout_s=10) and calls == [f"{step_dir(3)}/{MANIFEST}"]
+        delete_clock.advance(1.05)  # refused again: the hold is now 2 s
+        assert committer.flush(timeout_s=10) and len(calls) == 1
+        delete_clock.advance(1.0)
+        assert committer.flush(timeout_s=10) and len(calls) == 2
+        store.storage.delete = real_delete  # deletes allowed again (the policy was fixed)
+        delete_clock.advance(4.05)  # hold and every step's own backoff over: the probe, then the rest
+        assert committer.flush(timeout_s=10)
+        assert store.committed_steps() == [18, 19, 20] and store.step_dirs() == [18, 19, 20]
+        deleted = [e["deleted"] for e in committer.drain_events() if e["event"] == "checkpoint_deleted"]
+        assert sorted(s for d in deleted for s in d) == list(range(1, 18))
     finally:
         committer.close()
+
+
+def test_one_step_that_storage_refuses_to_delete_holds_back_no_other(tmp_path, delete_clock):
+    """A refusal of one step's objects (a legal hold on them) is not the storage refusing deletes:
+    the steps after it are deleted as they pass keep_last, and the probes after a hold ask about
+    the step tried least often, not the locked one each time. The sweep of uncommitted
+    directories keeps to the same hold."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in range(1, 7):
+        write_step(store, trained_worker(steps=1), step=step)
+    real_delete, tried = store.storage.delete, []
+
+    def locked(rel):
+        tried.append(rel)
+        if rel.startswith(step_dir(1)):
+            raise StorageError(f"delete {rel}: PermissionError: AccessDenied (object lock)")
+        real_delete(rel)
+
+    store.storage.delete = locked
+    report = store.apply_retention(keep_last=2, committed=[1, 2, 3, 4, 5, 6])
+    assert list(report.failed) == [1] and report.deleted == [2, 3, 4]
+    assert store.committed_steps() == [1, 5, 6]
+    # Step 1 refused twice in a row (after its own backoffs, with nothing else to delete) puts
+    # a hold on deletes; the probe after it is step 5, which passed keep_last meanwhile and was
+    # never tried, not step 1 again.
+    delete_clock.advance(1.05)
+    assert list(store.apply_retention(keep_last=2, committed=[1, 5, 6]).failed) == [1]
+    delete_clock.advance(2.05)
+    assert list(store.apply_retention(keep_last=2, committed=[1, 5, 6]).failed) == [1]
+    write_step(store, trained_worker(steps=1), step=7)
+    tried.clear()
+    assert store.apply_retention(keep_last=2, committed=[1, 5, 6, 7]).deleted == [] and tried == []  # held
+    delete_clock.advance(4.05)  # the hold and step 1's own backoff (4 s after its third refusal) are over
+    report = store.apply_retention(keep_last=2, committed=[1, 5, 6, 7])
+    assert report.deleted == [5] and list(report.failed) == [1]
+    assert tried == [f"{step_dir(s)}/{MANIFEST}" for s in (5, 1)] and store.committed_steps() == [1, 6, 7]
+
+    # Storage that refuses every delete: the sweep stops at the second refusal, and tries nothing
+    # while the hold lasts.
+    store, tried = CheckpointStore(f"file://{tmp_path}/sweep", RUN, retry=FAST), []
+    for step in (8, 9, 10):
+        write_step(store, trained_worker(steps=1), step=step, commit=False)  # torn
+    write_step(store, trained_worker(steps=1), step=11)
+    real_tree = store.storage.delete_tree
+
+    def refuse_all(rel):
+        tried.append(rel)
+        raise StorageError(f"delete {rel}: PermissionError: AccessDenied")
+
+    store.storage.delete_tree = refuse_all
+    tried.clear()
+    swept = store.gc_uncommitted()
+    assert sorted(swept.failed) == [8, 9] and tried == [step_dir(8), step_dir(9)]
+    tried.clear()
+    assert not store.gc_uncommitted().failed and tried == []
+    store.storage.delete_tree = real_tree
+    delete_clock.advance(2.05)  # the hold and steps 8 and 9's own backoffs are over: step 10 (never tried) first
+    assert store.gc_uncommitted().deleted == [10, 8, 9]
+    assert store.step_dirs() == [11]
 
 
 def test_a_commit_that_failed_but_landed_is_counted_by_retention_once_superseded(tmp_path):

@@ -411,6 +411,10 @@ class CheckpointStore:
         self._epoch = 0
         self._deleting: frozenset[int] = frozenset()
         self._delete_warned_at = float("-inf")
+        # Deletes storage refused one after another (``_note_refusal``), and when the hold they
+        # put on every delete ends (monotonic).
+        self._refusals = 0
+        self._refused_until = 0.0
 
     def __getstate__(self) -> dict:
         # Sent to the controller actor: the delete fence's condition stays here (a new one there).
@@ -834,6 +838,7 @@ class CheckpointStore:
                 backoff = min(self.DELETE_BACKOFF_MAX_S, 2.0 ** min(failures - 1, 30))
                 self._retry_deletes[step] = (failures, now + backoff)
             report.failed.update({step: str(exc) for step in steps})
+            self._note_refusal(exc, now)
             # One warning a minute at most (the event log has every failure): a bucket that
             # forbids deletes fails every step's.
             if now - self._delete_warned_at >= 60.0:
@@ -850,7 +855,34 @@ class CheckpointStore:
                 self._delete_cv.notify_all()
         for step in steps:
             self._retry_deletes.pop(step, None)
+        self._refusals = 0
         report.deleted.extend(steps)
+
+    # Two deletes refused in a row (a StorageError that is not an outage: no delete permission, a
+    # bucket policy) say the storage refuses deletes, not one object. Then no
+    # delete is tried until a hold of 1, 2, 4 ... s (at most DELETE_BACKOFF_MAX_S) is over, and
+    # then one: the step tried least often (``_probe``). Why: each step's own backoff alone
+    # bounded the retries of one step, not their number; with every step refused, every step
+    # past keep_last joined the list, and a pass tried each whose backoff was over, so the
+    # requests (and the events) grew with the run: after 10 h at a step a second, ~120 deletes
+    # a second. Why two in a row, not one: a refusal of one object (a legal hold on one step's
+    # files) must not hold back the others: the next step's delete succeeds and ends the count,
+    # and a probe asks about the step tried least often, which is not that one.
+    def _note_refusal(self, exc: BaseException, now: float) -> None:
+        if isinstance(exc, StorageUnavailable) or not isinstance(exc, StorageError):
+            return  # an outage or a local error: each step's own backoff is enough
+        self._refusals += 1
+        if self._refusals >= 2:
+            self._refused_until = now + min(self.DELETE_BACKOFF_MAX_S, 2.0 ** min(self._refusals - 2, 30))
+
+    def _deletes_held(self, now: float) -> bool:
+        """Storage refused deletes (``_note_refusal``) and the hold is not over: try none."""
+        return self._refusals >= 2 and now < self._refused_until
+
+    def _probe(self, steps: Iterable[int]) -> int:
+        """Of ``steps``, the one to try after a hold: the one tried least often (then the oldest),
+        so a step refused for its own sake (a locked object) is not what every probe asks about."""
+        return min(steps, key=lambda s: (self._retry_deletes.get(s, (0, 0.0))[0], s))
 
     def schedule_deletes(self, steps: list[int]) -> None:
         """Delete ``steps`` at the next retention pass (below the newest committed step only, as
@@ -903,12 +935,20 @@ class CheckpointStore:
         doomed = (set(committed) - keep) | {s for s in self._retry_deletes if committed and s < committed[-1]}
         doomed = {s for s in doomed - keep if self._retry_deletes.get(s, (0, 0.0))[1] <= now}
         known = {s: (files or {}).get(s) for s in doomed}
+        if doomed and self._refusals >= 2:  # storage refused deletes: none in the hold, then one probe
+            if self._deletes_held(now):
+                return report
+            probe = self._probe(doomed)
+            self._delete_step(probe, report, known[probe], epoch=epoch)
+            if probe not in report.deleted:
+                return report
+            doomed.discard(probe)
         if self.storage.is_object_store and len(doomed) > 1 and all(known.values()):
             self._delete_steps_in_bulk(sorted(doomed), known, report, epoch)  # type: ignore[arg-type]
             return report
         for step in sorted(doomed):
             self._delete_step(step, report, known[step], epoch=epoch)
-            if report.fenced:
+            if report.fenced or self._deletes_held(time.monotonic()):
                 break
         return report
 
@@ -939,7 +979,11 @@ class CheckpointStore:
             if older_than is None:
                 return report
             now = time.monotonic()
+            if self._refusals >= 2:  # after a hold, the probe first (``_probe``'s order)
+                dirs = sorted(dirs, key=lambda s: (self._retry_deletes.get(s, (0, 0.0))[0], s))
             for step in dirs:
+                if self._deletes_held(time.monotonic()):
+                    break  # storage refuses deletes: nothing more until the hold is over
                 if step >= older_than or step in keep:
                     continue
                 if self._retry_deletes.get(step, (0, 0.0))[1] > now:
