@@ -91,6 +91,7 @@ def test_write_read_list_delete(backend):
     assert storage.read_bytes("step-000000002/a.bin", size=5000) == b"x" * 1000
     assert storage.read_bytes("step-000000001/b.bin", size=0) == b""
     assert storage.read_bytes("step-000000001/b.bin", size=3) == b""
+    assert storage.read_bytes("step-000000002/a.bin", size=0) == b"x"  # an empty record: not read whole
 
     storage.delete("step-000000001/b.bin")
     storage.delete("step-000000001/b.bin")  # missing is fine

@@ -530,11 +530,9 @@ class Storage:
 
         def read() -> bytes:
             if "max_concurrency" in kwargs or self.protocol not in _S3 or size is None:
-                # One ranged read. Not for an empty record: S3 refuses a range that starts at the
-                # end (416 InvalidRange, an EINVAL here), and an empty file is read whole; nor for
-                # an empty file with a record that is not (truncated): S3 refuses the range again.
-                if not bound:
-                    return fs.cat_file(path)
+                # One ranged read, an empty record's too (one byte: a file that is not empty
+                # shows without being read whole). S3 refuses a range that starts at the end
+                # of an empty object (416 InvalidRange, an EINVAL here): then its size says so.
                 try:
                     return fs.cat_file(path, start=0, end=bound + 1, **kwargs)
                 except OSError as exc:
