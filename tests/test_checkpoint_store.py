@@ -428,7 +428,7 @@ def test_torn_write_is_never_used_and_is_collected(backend):
 
 
 # ---- corruption --------------------------------------------------------------------------------
-def test_corrupt_and_truncated_files_are_skipped_with_a_warning(backend, caplog):
+def test_corrupt_and_truncated_files_are_skipped_with_a_warning(backend, caplog, monkeypatch):
     store = make_store(backend)
     for step in (2, 4, 6):
         write_step(store, trained_worker(steps=step), step=step)
@@ -453,8 +453,19 @@ def test_corrupt_and_truncated_files_are_skipped_with_a_warning(backend, caplog)
     again = pickle.loads(pickle.dumps(info.value))
     assert (again.step, again.path, again.reason, str(again)) == (6, info.value.path, info.value.reason,
                                                                   str(info.value))
-    state, _ = store.read_state()
+    reads, real_read = [], store.storage.read_bytes
+
+    def read(rel, *args, **kwargs):
+        reads.append(rel)
+        return real_read(rel, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(store.storage, "read_bytes", read)
+        state, _ = store.read_state()
     assert state["completed_step"] == 2
+    # Each of step 2's files read once: verified as it is read, not verified and then read again.
+    step2 = [r for r in reads if r.startswith(step_dir(2))]
+    assert step2 and len(step2) == len(set(step2)), step2
     statuses = {i.step: i.status for i in store.list_steps()}
     assert statuses == {2: "valid", 4: "corrupt", 6: "corrupt"}
 

@@ -689,9 +689,16 @@ class CheckpointStore:
         that it has each of ``meta_keys``; a step that fails is a CorruptCheckpoint.
         """
         if step is None:
-            step = self.latest_valid()
-            if step is None:
-                raise FileNotFoundError(f"no valid checkpoint in {self.location}")
+            # The newest step that reads, as ``latest_valid`` chooses it, but each file read once:
+            # verifying a step and then reading it fetched and hashed every file twice.
+            for candidate in reversed(self.step_dirs()):
+                try:
+                    return self.read_state(candidate, meta_keys)
+                except FileNotFoundError:
+                    logger.debug("step %d has no manifest (uncommitted); ignoring it", candidate)
+                except CorruptCheckpoint as exc:
+                    logger.warning("%s; falling back to an older step", exc)
+            raise FileNotFoundError(f"no valid checkpoint in {self.location}")
         try:
             manifest, entries = self._load_manifest(step)
         except FileNotFoundError:
