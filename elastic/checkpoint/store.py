@@ -682,7 +682,7 @@ class CheckpointStore:
         return None
 
     def read_state(self, step: int | None = None, meta_keys: Iterable[str] = ()) -> tuple[dict, dict]:
-        """``(state, meta)`` of a committed step (default: ``latest_valid()``), verifying checksums as it reads.
+        """``(state, meta)`` of a committed step (default: the newest that reads), verifying checksums as it reads.
 
         ``state`` has the shape of ``TrainWorker.get_state()`` whatever world size wrote it:
         checked (``_state_problem``), as is the meta's ``data_position`` when it has one, and
