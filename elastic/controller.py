@@ -1865,6 +1865,7 @@ class Controller:
                          "(dead, or killed as hung)", ranks=sorted(found))
                 lost = tuple(sorted(set(lost) | found))
             healed |= set(lost)
+            self._show_lost(lost)
             self._unhealed = lost  # until the decision is carried out: not in world_size
             try:
                 # Inside the try: a restart from the checkpoint builds and restores a whole new
@@ -1891,6 +1892,16 @@ class Controller:
             self.metrics.on_recovery(failure.kind, seconds)
         self._refill_spares()
         self.transition(State.RUNNING, f"rebuilt in {seconds:.2f}s; resuming at step {self.step + 1}")
+
+    def _show_lost(self, lost: tuple[int, ...]) -> None:
+        """The lost ranks' heartbeat ages on the dashboard, from their last answers, growing from
+        now on. Why: ``on_rebuild`` keeps the age only of a lost rank it still shows, so one found
+        lost later in the same recovery (as the survivors left the group, or while healing), or
+        lost in an eviction (which had already cleared the ring), left the endpoint instead of
+        raising the alert on it."""
+        if self.metrics is not None:
+            now = time.time()
+            self.metrics.on_heartbeats({r: now - self._last_beat.get(r, now) for r in lost})
 
     def _count_failure(self, kind: str) -> None:
         self.failures += 1

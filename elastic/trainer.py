@@ -151,10 +151,11 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
         _check_same_cluster(address)
         return False
     env_address = os.environ.get("RAY_ADDRESS", "").strip()
-    if address is None and env_address == "local":
+    if address in (None, "auto") and env_address == "local":
         # Ray's own name for a new local instance: the embedded Ray, as address="local" is. Passed
-        # on as "auto", Ray read it back from the environment and started a Ray that this
-        # function did not count as started, so fit() never shut it down.
+        # on as "auto", Ray read it back from the environment (ray.init replaces "auto" with
+        # RAY_ADDRESS) and started a Ray that this function did not count as started, so fit()
+        # never shut it down.
         address = "local"
     elif address is None and env_address:
         address = "auto"
@@ -519,14 +520,16 @@ class Trainer:
         RAY_ADDRESS (a cluster torn down since, a dashboard's http:// address left from ``ray
         job``) went to ``ray.init`` unchecked, which retried for a minute while Ray's core logged
         each try, and a ``user:password@`` in it was echoed by Ray's messages."""
-        if self.address is not None:
+        env = os.environ.get("RAY_ADDRESS", "").strip()
+        if self.address is not None and not (self.address == "auto" and env):
             address, source = self.address, "Trainer.address"
-        elif os.environ.get("RAY_ADDRESS", "").strip() and os.environ["RAY_ADDRESS"] != "local":
-            address, source = os.environ["RAY_ADDRESS"].strip(), "the environment variable RAY_ADDRESS"
+        elif env and env != "local":
+            # Trainer.address="auto" with RAY_ADDRESS set: ray.init reads that address instead.
+            address, source = env, "the environment variable RAY_ADDRESS"
         else:
             return
         # Trainer.address passed trainer_address_problem in _prepare (each fit() runs it); RAY_ADDRESS is read now.
-        problem = None if self.address is not None else trainer_address_problem(address)
+        problem = None if source == "Trainer.address" else trainer_address_problem(address)
         if problem is not None:
             raise ConfigError(f"{source}={shown(address)!r} {problem}: use HOST:PORT (the GCS, e.g. 10.0.0.1:6379), "
                               "ray://HOST:10001 or 'auto', or unset it for an embedded local Ray.")

@@ -432,16 +432,18 @@ def test_fits_in_two_threads_share_the_embedded_ray_and_the_last_shuts_it_down(m
 
 
 @pytest.mark.parametrize("env", ["local", " local "])
-def test_ray_address_local_is_the_embedded_ray_fit_shuts_down(monkeypatch, env):
+@pytest.mark.parametrize("address", [None, "auto"])
+def test_ray_address_local_is_the_embedded_ray_fit_shuts_down(monkeypatch, env, address):
     # Passed on as "auto", Ray read "local" back from the environment and started a Ray that
-    # connect() did not count as started: fit() never shut it down.
+    # connect() did not count as started: fit() never shut it down. Trainer.address="auto"
+    # is read the same way (ray.init replaces "auto" with RAY_ADDRESS).
     from elastic import trainer as trainer_module
 
     seen = []
     monkeypatch.setenv("RAY_ADDRESS", env)
     monkeypatch.setattr(trainer_module.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(trainer_module.ray, "init", lambda **kw: seen.append(kw["address"]))
-    assert trainer_module.connect(None) is True and seen == ["local"]
+    assert trainer_module.connect(address) is True and seen == ["local"]
 
 
 def test_an_embedded_ray_interrupted_while_it_starts_is_shut_down(monkeypatch):
@@ -733,9 +735,11 @@ def test_an_address_where_nothing_answers_is_refused_in_seconds(monkeypatch):
     ("admin:hunter22@127.0.0.1:6379", r"RAY_ADDRESS='\*\*\*@127.0.0.1:6379' holds a user:password@.*unset it"),
     ("CLOSED", r"RAY_ADDRESS='127.0.0.1:\d+': nothing answers there .*unset RAY_ADDRESS for an embedded"),
 ])
-def test_a_ray_address_from_the_environment_is_checked_as_trainer_address_is(monkeypatch, value, why):
+@pytest.mark.parametrize("address", [None, "auto"])
+def test_a_ray_address_from_the_environment_is_checked_as_trainer_address_is(monkeypatch, value, why, address):
     """Trainer.address=None joins RAY_ADDRESS: a stale or wrong one went to ray.init unchecked
-    (a minute of retries with Ray's core logging each, a password echoed by its messages)."""
+    (a minute of retries with Ray's core logging each, a password echoed by its messages).
+    So does Trainer.address="auto", which ray.init replaces with RAY_ADDRESS when it is set."""
     import socket
     import time
 
@@ -749,7 +753,7 @@ def test_a_ray_address_from_the_environment_is_checked_as_trainer_address_is(mon
     monkeypatch.setenv("RAY_ADDRESS", value)
     start = time.monotonic()
     with pytest.raises(ConfigError, match=why) as info:
-        _trainer(scaling=ScalingConfig(num_workers=2)).fit(steps=1)
+        _trainer(scaling=ScalingConfig(num_workers=2), address=address).fit(steps=1)
     assert time.monotonic() - start < 10 and "hunter22" not in str(info.value)
 
 

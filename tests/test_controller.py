@@ -123,11 +123,32 @@ def test_a_rank_found_dead_as_the_survivors_leave_is_healed_in_the_same_decision
         for r in (1, 2):
             ray.kill(c.group.members[r].actor, no_restart=True)
             assert_dies(c.group.members[r].actor)
+        c.metrics = calls = MetricsCalls()
         c._recover(Failure({1}, "actor_died"))
         train_on(c, to_step=4)
     assert c.state is State.RUNNING and c.step == 4
     decisions = [e for e in c.events if e.kind == "decision"]
     assert len(decisions) == 1 and decisions[0].details["lost"] == [1, 2]
+    # Rank 2's heartbeat age is on the dashboard too, growing from its last answer: on_rebuild
+    # kept only rank 1's, and rank 2's series had been cleared with the survivors'.
+    rebuild = calls.names().index("on_rebuild")
+    shown = [set(args[0]) for name, args in calls.calls[rebuild:] if name == "on_heartbeats"]
+    assert calls.calls[rebuild][1] == ({1},) and {1, 2} in shown, calls.calls
+
+
+class MetricsCalls:
+    """A stand-in for the controller's ``RunMetrics`` that records which of its methods were called, with what."""
+
+    def __init__(self):
+        self.calls = []
+
+    def names(self):
+        return [name for name, _ in self.calls]
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.calls.append((name, args or tuple(kwargs.values())))
     assert [r["ranks"] for r in c.recoveries] == [[1, 2]]
     assert [e.details["ranks"] for e in c.events if e.kind == "failure"] == [[2]]
 
