@@ -1680,7 +1680,14 @@ class Controller:
 
         A rank that never reached its collective (phase "compute") holds everyone else up; a
         rank that does not answer its heartbeat is stuck outright. If every pending rank waits
-        in a collective (a dead link, say), the one that entered it last is blamed.
+        on its peers (a dead link, say), the one that entered its collective last is blamed.
+
+        Waiting on peers: a collective ("allreduce", "backward+allreduce"), and with first-N a
+        step's arrival at the store ("arrive") and a late or resting replica's wait for the
+        fast set's update ("late"). Why the last two: taken for a rank's own code, a healthy
+        resting replica was killed as hung beside the fast rank that hung in its forward (two
+        ranks to heal for one hang: with one spare, a wait for capacity), or instead of a fast
+        rank stuck in its collective.
         """
         refs = {ref: r for ref, r in pending.items()}
         beats = {r: self.group.members[r].actor.heartbeat.remote() for r in refs.values()}
@@ -1696,10 +1703,13 @@ class Controller:
         silent = {ref: r for ref, r in refs.items() if r not in info}
         if silent:
             return silent
-        own = {ref: r for ref, r in refs.items() if "allreduce" not in info[r]["phase"]}
+        own = {ref: r for ref, r in refs.items() if not _waits_on_peers(info[r]["phase"])}
         if own:
             return own
-        last = max(info, key=lambda r: info[r]["phase_since"])
+        # A late replica waits on the fast set's leader, who waits in the collective: blamed
+        # only when no rank waits in one.
+        collective = [r for r in info if "allreduce" in info[r]["phase"]] or list(info)
+        last = max(collective, key=lambda r: info[r]["phase_since"])
         return {ref: r for ref, r in refs.items() if r == last}
 
     def _lost(self, r: int, dead: set[int]) -> None:
@@ -2863,6 +2873,12 @@ def _split_wall(wall: float, worker_times: list[float]) -> list[float]:
         return [t * wall / busy for t in worker_times]
     share = max(0.0, wall - busy) / len(worker_times)
     return [t + share for t in worker_times]
+
+
+def _waits_on_peers(phase: str) -> bool:
+    """A rank in ``phase`` (``TrainWorker._enter``) waits on other ranks, not on its own code:
+    in a collective, or (first-N) at the step's arrival count or for the fast set's update."""
+    return "allreduce" in phase or phase in ("arrive", "late")
 
 
 def _storage_unavailable(exc: BaseException) -> BaseException | None:

@@ -764,3 +764,32 @@ def test_a_restart_the_cluster_left_cannot_place_ends_as_a_training_failure_nami
                                              r"bundle.*latest committed checkpoint: step 6 at file:///ckpt"):
         c._restart_all()
     assert c._unhealed == ()
+
+
+class Beats:
+    """A stand-in rank's actor handle whose heartbeat says which phase its step is in, and since when."""
+
+    def __init__(self, phase, since):
+        self.heartbeat = SimpleNamespace(remote=lambda: {"phase": phase, "phase_since": since})
+
+
+@pytest.mark.parametrize("phases, blamed", [
+    # A fast rank hung in its forward; the other fast ones wait in the collective, the resting
+    # (or late) replica for the fast set's update: only the hung one is killed. The resting one
+    # was killed too, as stuck in its own code.
+    ({0: "allreduce", 1: "compute", 2: "allreduce", 3: "late"}, [1]),
+    ({0: "allreduce", 1: "compute", 2: "arrive", 3: "late"}, [1]),
+    # Every rank waits on a peer: the one that entered its collective last, not the late
+    # replica that entered its wait after it.
+    ({0: "allreduce", 1: "backward+allreduce", 2: "allreduce", 3: "late"}, [2]),
+    # Data parallel, as before: a rank that never reached its collective.
+    ({0: "backward+allreduce", 1: "compute"}, [1]),
+])
+def test_culprits_of_a_stalled_step_are_the_ranks_stuck_in_their_own_code(rayless_controller, plain_values,
+                                                                          phases, blamed):
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=len(phases) - 1, num_backups=1))
+    c.group = StandInGroup(ranks=len(phases))
+    for r, phase in phases.items():
+        c.group.members[r].actor = Beats(phase, since=100.0 + r + (10 if phase == "late" else 0))
+    pending = {f"ref-{r}": r for r in phases}
+    assert sorted(c._culprits(pending).values()) == blamed
