@@ -1339,13 +1339,17 @@ class Controller:
         for ref in refs:
             r = self._lagging[ref][0]
             if ref not in ready:
-                unfinished[r] = None
+                unfinished.setdefault(r, None)
                 continue
             del self._lagging[ref]
             try:
                 self._collect_late(r, ray.get(ref))
             except ray.exceptions.RayError as exc:
-                unfinished[r] = exc
+                # The rank's first failure: its windows run in the order of ``refs``, and one
+                # whose loss_fn raised leaves its group, so the next fails as stale (a
+                # CollectiveError). Kept last, that took the user's error's place, and the
+                # replica was let go as one that lost its group.
+                unfinished.setdefault(r, exc)
         return unfinished
 
     @staticmethod

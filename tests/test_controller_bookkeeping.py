@@ -793,3 +793,31 @@ def test_culprits_of_a_stalled_step_are_the_ranks_stuck_in_their_own_code(rayles
         c.group.members[r].actor = Beats(phase, since=100.0 + r + (10 if phase == "late" else 0))
     pending = {f"ref-{r}": r for r in phases}
     assert sorted(c._culprits(pending).values()) == blamed
+
+
+def test_a_late_replicas_user_error_is_not_hidden_by_its_next_window_failing_as_stale(rayless_controller,
+                                                                                      monkeypatch):
+    # Rank 2 is late with two windows; its loss_fn raised in the first, so it left its group and
+    # the second failed as StaleStep (a CollectiveError). The second outcome replaced the first:
+    # the end of the run let the replica go as one that lost its group, and finished.
+    import ray
+
+    from elastic.actors.protocol import StaleStep
+    from elastic.controller import WorkerError
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
+                           global_batch_size=8)
+    c.group = StandInGroup(ranks=3)
+    outcomes = {"w1": ray.exceptions.RayTaskError("train_steps", "Traceback ...", ValueError("a bad sample (test)")),
+                "w2": ray.exceptions.RayTaskError("train_steps", "Traceback ...", StaleStep("left its group (test)"))}
+    c._lagging = {"w1": (2, time.time(), 1), "w2": (2, time.time(), 1)}  # in the order they went late
+    monkeypatch.setattr(controller_module.ray, "wait", lambda refs, **kw: (list(refs), []))
+
+    def get(ref, **kw):
+        raise outcomes[ref]
+
+    monkeypatch.setattr(controller_module.ray, "get", get)
+    assert c._wait_late() == {2: outcomes["w1"]}
+    c._lagging = {"w1": (2, time.time(), 1), "w2": (2, time.time(), 1)}
+    with pytest.raises(WorkerError, match="worker rank 2 raised"):
+        c._finish_late()
