@@ -1414,3 +1414,42 @@ def test_a_state_no_checkpoint_can_store_ends_the_step_in_either_writer(tmp_path
             hook.close()
         agent.shutdown()
         committer.close()
+
+
+def test_a_step_keep_every_keeps_waits_for_room_in_the_agents_queue_and_is_told_when_dropped(node, monkeypatch):
+    # The agent's queue full (it is far behind): any other step drops at once, but a keep_every
+    # step was dropped at once too, and only counted in the once-a-minute drop event. It waits
+    # for room (bounded, as for a slot), and one dropped all the same is an event of its own.
+    from elastic.checkpoint import worker_hook
+
+    agent, controller, committer, store, _ = node
+    committer.keep_every = 2
+    monkeypatch.setattr(AgentCheckpointer, "MILESTONE_WAIT_S", 1.0)
+    real, full = worker_hook.send_message, {"refusals": 0}
+
+    def queue_full(sock, message, *args, **kwargs):
+        if message.get("op") == "snap" and full["refusals"]:
+            full["refusals"] -= 1
+            raise BlockingIOError
+        return real(sock, message, *args, **kwargs)
+
+    monkeypatch.setattr(worker_hook, "send_message", queue_full)
+    worker = FakeWorker(rank=0, world_size=1)
+    hook = AgentCheckpointer(agent.address(), 1, lambda: pytest.fail("fell back"), 0, keep_every=2)
+    try:
+        events = {}
+        for step, refusals in ((1, 1), (2, 3), (3, 0), (4, 10**6)):
+            full["refusals"] = refusals
+            (report,) = run_training([worker], [hook], committer, [step])
+            events[step] = report["ckpt_events"]
+        # Step 1 (no milestone) dropped at the first refusal; step 2 sent after three; step 4
+        # refused for longer than its wait: dropped, and said so.
+        assert hook.dropped == 2 and hook._dropped == 4
+        failed = [e for e in events[4] if e["event"] == "checkpoint_failed"]
+        assert [(e["step"], e["error"]) for e in failed] == [(4, "milestone dropped")]
+        assert not [e for e in events[1] if e["event"] == "checkpoint_failed"]
+        full["refusals"] = 0
+        finish([worker], [hook], committer)
+        assert 2 in store.committed_steps() and committer.latest_committed == 4  # the flush takes step 4 again
+    finally:
+        hook.close()

@@ -402,14 +402,17 @@ class AgentCheckpointer:
                 if not self._fill(message, layout, meta, snap.tensors, rng):
                     if not (message.get("keep") and self._slot_back(self.MILESTONE_WAIT_S)
                             and self._fill(message, layout, meta, snap.tensors, rng)):
-                        return self._drop(step)
+                        return self._drop(step, bool(message.get("keep")))
             else:
                 message["rng"] = rng.encode()
             try:
                 send_message(self.sock, message, block=False)
             except BlockingIOError:  # the agent's queue is full: it is far behind
-                self._give_back(message)
-                return self._drop(step)
+                # A milestone waits for room as it waits for a slot (bounded, and only for it):
+                # dropped, it was never written and never existed.
+                if not (message.get("keep") and self._sent_within(message, self.MILESTONE_WAIT_S)):
+                    self._give_back(message)
+                    return self._drop(step, bool(message.get("keep")))
         except UnsaveableValue as exc:
             raise UnsaveableState(str(exc), step) from None
         except _NoSharedMemory as exc:
@@ -460,15 +463,34 @@ class AgentCheckpointer:
         if "slot" in message:
             self._rings[message["ring"]][1].add(message["slot"])
 
-    def _drop(self, step: int) -> list[dict]:
-        """No slot for ``step``: counted, told now and then, and taken again by a flush."""
+    def _sent_within(self, message: dict, wait_s: float) -> bool:
+        """``message`` sent once the agent's queue has room, within ``wait_s``; False if it never did."""
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            select.select([], [self.sock], [], min(left, 0.05))
+            try:
+                send_message(self.sock, message, block=False)
+                return True
+            except BlockingIOError:
+                continue
+        return False
+
+    def _drop(self, step: int, milestone: bool = False) -> list[dict]:
+        """No slot for ``step``: counted, told now and then, and taken again by a flush. A
+        ``keep_every`` step (``milestone``) is told each time, as the in-process writer tells
+        one it drops: retention promised to keep it."""
         self.dropped += 1
         self._dropped = step
+        lost = [] if not milestone else [{
+            "event": "checkpoint_failed", "what": "checkpoint agent", "step": step, "time": time.time(),
+            "error": "milestone dropped",
+            "message": f"snapshot of milestone step {step} dropped after {self.MILESTONE_WAIT_S:g}s: the checkpoint "
+                       "agent had no room for it (keep_every asked to keep it)"}]
         told, when = self._drops_told
         if time.monotonic() - when < self.DROP_EVENT_EVERY_S:
-            return []
+            return lost
         self._drops_told = (self.dropped, time.monotonic())
-        return [{"event": "checkpoint_snapshots_dropped", "step": step, "time": time.time(),
+        return lost + [{"event": "checkpoint_snapshots_dropped", "step": step, "time": time.time(),
                  "dropped": self.dropped - told,
                  "message": f"{self.dropped - told} snapshot(s) dropped (the newest at step {step}): the "
                             "checkpoint agent had no free slot, it is behind; newer steps are written instead"}]
