@@ -1453,3 +1453,28 @@ def test_a_step_keep_every_keeps_waits_for_room_in_the_agents_queue_and_is_told_
         assert 2 in store.committed_steps() and committer.latest_committed == 4  # the flush takes step 4 again
     finally:
         hook.close()
+
+
+def test_a_final_flush_that_times_out_is_an_event_of_its_own():
+    # The rank's writes at the end did not finish within the flush's bound (slow storage): the
+    # flush's False was dropped, and the controller only saw that a part never came
+    # (checkpoint_incomplete), which points at the rank.
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    class SlowWrites:
+        close_timeout_s = 30.0
+
+        def flush(self, timeout_s=None, worker=None):
+            return False
+
+        def drain(self, events=None):
+            return {"ckpt_done": [], "ckpt_events": list(events or [])}
+
+    w = SimpleNamespace(_ckpt=SlowWrites(), completed_step=7, world_size=2)
+    w._ckpt_report = lambda report: TrainWorker._ckpt_report(w, report)
+    report = TrainWorker.flush_checkpoint(w)
+    (event,) = report["ckpt_events"]
+    assert event["event"] == "checkpoint_flush_timeout" and event["step"] == 7
+    assert "did not finish within 30s" in event["message"]

@@ -1247,7 +1247,15 @@ class TrainWorker:
         if self._ckpt is None:
             return {}
         events = self._ckpt.snapshot(self, final_step) if final_step == self.completed_step else []
-        self._ckpt.flush(worker=self)
+        if not self._ckpt.flush(worker=self):
+            # Said here: the controller only sees a step whose part never came
+            # (checkpoint_incomplete), which points at the rank, not at slow storage.
+            timeout = self._ckpt.close_timeout_s
+            events = events + [{"event": "checkpoint_flush_timeout", "step": self.completed_step,
+                                "time": time.time(),
+                                "message": f"this rank's checkpoint writes did not finish within {timeout:g}s of the "
+                                           "flush (slow or unavailable storage); the run ends on an older "
+                                           "committed step"}]
         return self._ckpt_report(self._ckpt.drain(events))
 
     def snapshot_checkpoint(self, step: int) -> dict:
