@@ -778,7 +778,8 @@ class Trainer:
             elif isinstance(exc, ray.exceptions.GetTimeoutError):
                 what = f"RunConfig.stop_timeout_s={self.run.stop_timeout_s:g}s ran out before the stop finished"
             else:
-                what = f"the controller failed while stopping: {type(exc).__name__}: {str(exc)[:300]}"
+                # Redacted as _controller_failure's text is: a storage error may name a URL.
+                what = f"the controller failed while stopping: {type(exc).__name__}: {redact_urls_in(str(exc))[:300]}"
             raise KeyboardInterrupt(
                 f"run {self.run.name!r} killed ({what}): steps not yet committed are lost, as in a crash; fit() "
                 f"again with RunConfig.name={self.run.name!r} and the same storage continues from the latest "

@@ -753,6 +753,26 @@ def test_a_controller_that_dies_while_stopping_is_not_reported_as_a_timeout(ray_
     assert isinstance(info.value.__cause__, ray.exceptions.RayActorError)
 
 
+def test_a_controller_error_while_stopping_is_told_redacted(ray_cluster):
+    # The kill's message quoted the controller's error as it was; a storage error names its URL.
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    @ray.remote(num_cpus=0)
+    class RaisesOnStop:
+        def run(self):
+            raise RuntimeError("write to https://user:hunter22@store.example/ckpt?X-Amz-Signature=abc123 failed")
+
+        def stop(self, reason):
+            pass
+
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
+                              run=elastic.RunConfig(name="raises-on-stop", stop_timeout_s=60))
+    trainer.controller = RaisesOnStop.remote()
+    with pytest.raises(KeyboardInterrupt, match="the controller failed while stopping: RayTaskError") as info:
+        trainer._stop(trainer.controller.run.remote(), "KeyboardInterrupt")
+    assert "hunter22" not in str(info.value) and "abc123" not in str(info.value)
+
+
 @pytest.mark.parametrize("how, said, cause", [("dies", "was lost", ray.exceptions.RayActorError),
                                               ("raises", "failed", ray.exceptions.RayTaskError)])
 def test_a_controller_lost_mid_run_fails_the_fit_and_frees_its_placement_groups(ray_cluster, how, said, cause):
