@@ -172,3 +172,45 @@ def test_freeing_a_name_kills_only_the_actor_that_held_it_first(monkeypatch):
     killed.clear()
     free_actor_name("controller", "ns", timeout_s=5, actor_id="aa")
     assert killed == []
+
+
+def test_a_spare_whose_spawn_fails_leaves_its_freed_bundle_free(monkeypatch):
+    # The bundle was recorded as the new spare's before the spawn: a spawn that raised (a name
+    # still taken) left it held by an actor that does not exist, and no later spare used it.
+    group, _ = _group_with_a_free_bundle(monkeypatch, {0: "A", 1: "B"}, reachable={"A", "B"})
+
+    def taken(*args, **kwargs):
+        raise ValueError("The name spare-0 (namespace=elastic-unit) is already taken")
+
+    monkeypatch.setattr(group, "_spawn", taken)
+    with pytest.raises(ValueError, match="already taken"):
+        group.request_spare()
+    assert group._free_bundles == [1] and group._bundle_holder == {0: "rank-0"}
+
+
+def test_ranks_spawned_before_one_whose_spawn_fails_are_killed(monkeypatch):
+    # The ranks were spawned in one expression outside the start's try: one that raised left
+    # those before it to the removal of their group, with their names still taken.
+    import ray
+    from types import SimpleNamespace
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    group = WorkerGroup(elastic.ScalingConfig(num_workers=3), spec, "elastic-unit")
+    monkeypatch.setattr(worker_group_module, "placement_group",
+                        lambda bundles, strategy, name: SimpleNamespace(bundle_specs=bundles))
+    monkeypatch.setattr(worker_group_module, "_wait_ready", lambda *args: None)
+    monkeypatch.setattr(ray.util, "placement_group_table", lambda pg: {"bundles_to_node_id": {0: "A", 1: "A", 2: "A"}})
+    spawned, killed = [], []
+
+    def spawn(pg, index, name, background=False):
+        if len(spawned) == 2:
+            raise ValueError(f"The name {name} (namespace=elastic-unit) is already taken")
+        spawned.append(name)
+        return name
+
+    monkeypatch.setattr(group, "_spawn", spawn)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
+    with pytest.raises(ValueError, match="rank-2 .* already taken"):
+        group.start(3)
+    assert killed == spawned == ["rank-0", "rank-1"]

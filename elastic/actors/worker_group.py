@@ -262,23 +262,28 @@ class WorkerGroup:
         for i in range(num_active):
             node_order.setdefault(bundle_nodes.get(i, ""), len(node_order))
         by_node = sorted(range(num_active), key=lambda i: node_order[bundle_nodes.get(i, "")])
-        pending = [Member(self._spawn(pg, b, f"rank-{r}"), f"rank-{r}", pg=pg, bundle_index=b)
-                   for r, b in enumerate(by_node)]
-        self._bundle_holder = {m.bundle_index: m.name for m in pending}
-        # The spares off the ranks' nodes where another node has room for one: a spare on a
-        # rank's node dies with it, and the node's loss then finds no spare (a wait for capacity
-        # or a restart from the checkpoint, not one step). Where no other node could host one
-        # (one node, or the others too small) they go anywhere (_avoidable), and one still
-        # unplaced after placement_timeout_s (AVOID_GRACE_S in a recovery) is asked for anywhere.
-        rank_nodes = sorted({node for node in bundle_nodes.values() if node})
-        for _ in range(self.scaling.num_hot_spares):
-            self.request_spare(avoid_nodes=rank_nodes)
-        # Every rank builds at once; each is taken as it is built, so a rank that fails to build
-        # is told at once, not after the slowest model_fn or dataset_fn. No time limit (a big
-        # model or dataset may take long to build), but a stop ends the wait: Ctrl-C during a
-        # stuck build (a download, a mount) stopped the run only once every rank was built.
-        waiting = {m.actor.info.remote(): rank for rank, m in enumerate(pending)}
+        pending: list[Member] = []
         try:
+            # Inside the try: a spawn that raises (a name still taken after free_actor_name's
+            # wait) left the ranks spawned before it to the removal of their group.
+            for r, b in enumerate(by_node):
+                pending.append(Member(self._spawn(pg, b, f"rank-{r}"), f"rank-{r}", pg=pg, bundle_index=b))
+            self._bundle_holder = {m.bundle_index: m.name for m in pending}
+            # The spares off the ranks' nodes where another node has room for one: a spare on a
+            # rank's node dies with it, and the node's loss then finds no spare (a wait for
+            # capacity or a restart from the checkpoint, not one step). Where no other node could
+            # host one (one node, or the others too small) they go anywhere (_avoidable), and one
+            # still unplaced after placement_timeout_s (AVOID_GRACE_S in a recovery) is asked
+            # for anywhere.
+            rank_nodes = sorted({node for node in bundle_nodes.values() if node})
+            for _ in range(self.scaling.num_hot_spares):
+                self.request_spare(avoid_nodes=rank_nodes)
+            # Every rank builds at once; each is taken as it is built, so a rank that fails to
+            # build is told at once, not after the slowest model_fn or dataset_fn. No time limit
+            # (a big model or dataset may take long to build), but a stop ends the wait: Ctrl-C
+            # during a stuck build (a download, a mount) stopped the run only once every rank
+            # was built.
+            waiting = {m.actor.info.remote(): rank for rank, m in enumerate(pending)}
             while waiting:
                 done, _ = ray.wait(list(waiting), num_returns=1, timeout=STOP_POLL_S)
                 for ref in done:
@@ -361,8 +366,13 @@ class WorkerGroup:
             pg, avoid = self._ranks_pg, []
         else:
             pg, index = self._spare_group(idx, avoid), 0
-        member = Member(self._spawn(pg, index, name, background and self.scaling.background_spare_start), name,
-                        pg=pg, bundle_index=index, spare=True)
+        try:
+            actor = self._spawn(pg, index, name, background and self.scaling.background_spare_start)
+        except BaseException:
+            if pg is self._ranks_pg and self._bundle_holder.get(index) == name:
+                del self._bundle_holder[index]  # held by no actor: free for the next spare
+            raise
+        member = Member(actor, name, pg=pg, bundle_index=index, spare=True)
         member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time(),
                        "_avoid": avoid, "_background": background}
         self._pending_spares.append(member)
