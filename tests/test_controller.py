@@ -134,6 +134,8 @@ def test_a_rank_found_dead_as_the_survivors_leave_is_healed_in_the_same_decision
     rebuild = calls.names().index("on_rebuild")
     shown = [set(args[0]) for name, args in calls.calls[rebuild:] if name == "on_heartbeats"]
     assert calls.calls[rebuild][1] == ({1},) and {1, 2} in shown, calls.calls
+    assert [r["ranks"] for r in c.recoveries] == [[1, 2]]
+    assert [e.details["ranks"] for e in c.events if e.kind == "failure"] == [[2]]
 
 
 class MetricsCalls:
@@ -149,8 +151,6 @@ class MetricsCalls:
         if name.startswith("__"):
             raise AttributeError(name)
         return lambda *args, **kwargs: self.calls.append((name, args or tuple(kwargs.values())))
-    assert [r["ranks"] for r in c.recoveries] == [[1, 2]]
-    assert [e.details["ranks"] for e in c.events if e.kind == "failure"] == [[2]]
 
 
 def test_a_survivor_late_since_the_start_is_rolled_back_to(ray_cluster):
