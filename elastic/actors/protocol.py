@@ -6,6 +6,8 @@ passes the user's training pieces on, packed, to the workers that unpack and run
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -115,8 +117,14 @@ def choose_device_and_backend(use_gpu: bool, gpu_ids: list, cuda_available: bool
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:
-    """RNG for (rank, step) is a pure function of the run seed, so replays and spares are exact."""
-    return (seed * 1_000_003 + rank * 10_007 + step) & 0x7FFF_FFFF
+    """RNG for (rank, step) is a pure function of the run seed, so replays and spares are exact.
+
+    A 64-bit hash of the three, not a linear mix: ``seed * 1_000_003 + rank * 10_007 + step``
+    (in 31 bits) gave rank r at step s the seed of rank r + 1 at step s - 10,007, so past
+    10,007 steps the ranks repeated each other's dropout and augmentation draws, and seed k at
+    step s + 1,000,003 repeated seed k + 1 at step s."""
+    digest = hashlib.blake2b(f"{seed}/{rank}/{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def _seed_everything(value: int, device: Any = None) -> None:
         # The calling thread's current device: every caller runs on a thread that bound this
         # rank's (TrainWorker._bind_device, in _build and train_steps).
         torch.cuda.manual_seed(value)
-    np.random.seed(value % (2**32))
+    np.random.seed([value & 0xFFFF_FFFF, value >> 32 & 0xFFFF_FFFF])  # all 64 bits: numpy's legacy seed takes 32 a word
     random.seed(value)
 
 
