@@ -73,6 +73,7 @@ import tempfile
 import time
 
 import elastic
+from elastic.controller import ROUTINE_EVENTS_KEPT
 from common import (add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain, elastic_trainer, emit,
                     events_of, fail, fit_polled, ratio, run_raytrain, running_since, span_throughput, start_ray,
                     step_throughput, workload_from_args)
@@ -167,9 +168,15 @@ def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options
     res, samples, t_call = fit_polled(trainer, steps, poll_s)
     # This process's CPU: the driver's own (alike in every run) and, in the s3 run, the moto
     # server's threads, on the cores training uses. A remote S3 endpoint costs the cluster none of it.
+    commits = len(events_of(res, "checkpoint_commit"))
+    if storage and commits >= ROUTINE_EVENTS_KEPT:
+        # The event log keeps the newest ROUTINE_EVENTS_KEPT commits (and up to a tenth more):
+        # with the early ones gone, their steps' lag would read as the step number.
+        fail(f"{name}: {commits} commit events, at the event log's cap of {ROUTINE_EVENTS_KEPT}: the lag and "
+             f"commit counts need every commit; run fewer than {ROUTINE_EVENTS_KEPT} steps")
     out = {"name": name, "fit_wall_s": time.time() - t_call,
            "driver_cpu_ms_per_step": (time.process_time() - cpu0) / steps * 1e3,
-           "commits": len(events_of(res, "checkpoint_commit")),
+           "commits": commits,
            "snapshots_dropped": res.metrics.get("checkpoint_snapshots_dropped"),
            **step_throughput(res, after_step=warmup),
            "span": span_throughput(res, warmup), "checkpoint": res.checkpoint}
@@ -250,7 +257,7 @@ def main(argv=None) -> None:
         none_after = run_ours(w, args.steps, args.warmup, "ckpt-none-after", None, {}, args.poll_s)
         theirs = None
         if not args.skip_raytrain:
-            theirs = run_raytrain(w, args.raytrain_steps, args.raytrain_warmup, ckpt_every=1,
+            theirs = run_raytrain(w, args.raytrain_steps, args.raytrain_warmup, ckpt_every=args.every_n_steps,
                                   storage_path=f"{tmp}/raytrain", name="ckpt-raytrain")
             logger.info("ray train: %s", theirs)
     finally:
@@ -289,6 +296,10 @@ def main(argv=None) -> None:
         emit("ckpt_step_throughput_ratio_vs_raytrain", ratio(file_["span"]["steps_per_s"], theirs["steps_per_s"]),
              "ratio", ours_steps_per_s=file_["span"]["steps_per_s"], raytrain_steps_per_s=theirs["steps_per_s"],
              raytrain_mean_report_s=theirs.get("mean_ckpt_report_s"), ours_storage="file://",
+             # How much of the checkpointing ours did (Ray Train saves and reports every due step):
+             # a snapshot dropped or a commit superseded is work ours skipped.
+             ours_commits=file_["commits"], ours_snapshots_dropped=file_["snapshots_dropped"],
+             raytrain_ckpt_every=args.every_n_steps,
              raytrain_storage="local path", raytrain_steps=args.raytrain_steps,
              raytrain_warmup=args.raytrain_warmup, **common)
     for label, run in (("file", file_), ("s3", s3)):

@@ -63,17 +63,25 @@ import logging
 import time
 
 import elastic
-from common import (add_workload_args, claim_stdout, elastic_trainer, emit, events_of, fail, finished_at, fit_polled,
+from common import (add_workload_args, claim_stdout, elastic_trainer, emit, fail, finished_at, fit_polled,
                     ratio, running_since, span_throughput, start_ray, step_throughput, workload_from_args)
 
 logger = logging.getLogger("bench.straggler")
 
 
 def eviction(res) -> dict | None:
-    """The EvictStraggler decision event (its step: the last step before the eviction)."""
-    for e in events_of(res, "decision"):
-        if e["details"].get("decision") == "EvictStraggler":
-            return e
+    """The EvictStraggler decision event of the first eviction carried out (its step: the last
+    step before the eviction). The controller logs the decision before it looks at the spare
+    pool a last time, and an eviction held back then (no live spare) leaves the straggler in:
+    its decision is skipped, else the steps after it would count as the evicted run's."""
+    decision = None
+    for e in res.events:
+        if e["kind"] == "decision" and e["details"].get("decision") == "EvictStraggler":
+            decision = e
+        elif decision is not None and e["kind"] == "transition" and e["details"].get("new") == "running":
+            if "held back" not in e["message"]:
+                return decision
+            decision = None
     return None
 
 

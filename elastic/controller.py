@@ -1018,7 +1018,7 @@ class Controller:
                 what = f"slowed {pace} from step {fault['from_step']}"
             elif fault["kind"] == "kill":
                 after = bool(fault.get("after_update"))
-                ray.get(m.actor.inject_kill.remote(fault["at_step"], after))
+                ray.get(m.actor.inject_kill.remote(fault["at_step"], after, fault.get("mark") or None))
                 what = f"SIGKILLs itself {'right after' if after else 'in'} step {fault['at_step']}"
             else:
                 ray.get(m.actor.inject_hang.remote(fault["at_step"]))

@@ -232,7 +232,8 @@ def _valid_fault(f: Any, replicas: int) -> bool:
         factor, delay = number("factor"), number("delay_s")
         return count("from_step", 0) and factor is not None and delay is not None and (factor >= 1 or delay > 0)
     if kind == "kill":
-        return count("at_step", 0) and isinstance(f.get("after_update", False), bool)
+        return count("at_step", 0) and isinstance(f.get("after_update", False), bool) \
+            and isinstance(f.get("mark", ""), str)
     if kind == "hang":
         return count("at_step", 0) and "after_update" not in f
     return kind == "kill_spare" and count("recovery", 1, default=1)
@@ -498,7 +499,8 @@ class Trainer:
             if not _valid_fault(f, self.scaling.num_replicas):
                 raise ConfigError(
                     f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1 or 'delay_s': d>0, 'from_step': s}} "
-                    "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} (a kill may add 'after_update': True) "
+                    "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} (a kill may add 'after_update': True and "
+                    "'mark': a file path for the time of the kill) "
                     "with 0 <= r < number of replicas, or {'kind': 'kill_spare', 'rank': r, 'recovery': n>=1} "
                     "(kills the spare that takes rank r in recovery n, while the ring is rebuilt).")
         # The storage is checked when it is named, not again by each fit(): a fit() while the

@@ -71,8 +71,8 @@ class FakeWorker:
         calls queued behind, leave() included, wait)."""
         time.sleep(seconds)
 
-    def inject_kill(self, at_step, after_update=False):
-        self.kill_at, self.kill_after_update = at_step, after_update
+    def inject_kill(self, at_step, after_update=False, mark=None):
+        self.kill_at, self.kill_after_update = at_step, after_update  # ``mark``: the real worker's bench aid
 
     def train_step(self, step, indices, generation):
         self.started = step

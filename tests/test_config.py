@@ -164,6 +164,9 @@ def test_bad_fault_plan():
     with pytest.raises(ConfigError, match="after_update"):
         _trainer(faults=[{"kind": "hang", "rank": 0, "at_step": 3, "after_update": True}])
     _trainer(faults=[{"kind": "kill", "rank": 0, "at_step": 3, "after_update": True}])  # accepted
+    with pytest.raises(ConfigError, match="'mark': a file path"):
+        _trainer(faults=[{"kind": "kill", "rank": 0, "at_step": 3, "mark": 5}])
+    _trainer(faults=[{"kind": "kill", "rank": 0, "at_step": 3, "mark": "/tmp/killed_at"}])  # accepted
 
 
 @pytest.mark.parametrize("faults", [

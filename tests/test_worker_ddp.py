@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 import zlib
 
 import pytest
@@ -69,8 +70,9 @@ def in_spawned_process(target, *args):
     return found
 
 
-def _leave_after_losing_the_peer(rank: int, box, out) -> None:
-    """A real TrainWorker (no Ray) in a two-rank DDP group; rank 1 SIGKILLs itself in step 2."""
+def _leave_after_losing_the_peer(rank: int, box, mark: str, out) -> None:
+    """A real TrainWorker (no Ray) in a two-rank DDP group; rank 1 SIGKILLs itself in step 2,
+    writing the time to ``mark`` first."""
     from helpers import loss_fn, make_dataset, make_model, make_sgd
 
     from elastic.actors.protocol import CollectiveError, TrainingSpec
@@ -80,7 +82,7 @@ def _leave_after_losing_the_peer(rank: int, box, out) -> None:
     worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, loss_fn))
     join_pair(worker, rank, 2, box, 1, 20.0)
     if rank == 1:
-        worker.inject_kill(at_step=2)
+        worker.inject_kill(at_step=2, mark=mark)
     try:
         worker.train_steps(1, [[0, 1], [2, 3]], 1)
         out.put(("no failure", None))
@@ -88,19 +90,20 @@ def _leave_after_losing_the_peer(rank: int, box, out) -> None:
         out.put((worker.teardown_leaks, dist.is_initialized()))
 
 
-def test_a_collective_failure_frees_the_ddp_wrapper_before_its_group():
+def test_a_collective_failure_frees_the_ddp_wrapper_before_its_group(tmp_path):
     # leave() must free the DDP wrapper while it still holds the group itself, so that the
     # reducer never drops the group's last reference with the GIL held (a deadlock with gloo's
     # worker threads, elastic/actors/worker.py: TrainWorker.leave). The failed step's frames
     # held the wrapper until Ray dropped the exception; now they are cleared first.
-    box = port_box()
-    with spawned(_leave_after_losing_the_peer, [(r, box) for r in range(2)]) as (procs, out):
+    box, mark, t0 = port_box(), str(tmp_path / "killed_at"), time.time()
+    with spawned(_leave_after_losing_the_peer, [(r, box, mark) for r in range(2)]) as (procs, out):
         leaks, still_in_group = out.get(timeout=120)
         for p in procs:
             p.join(timeout=60)
     assert procs[1].exitcode == -9  # rank 1 died in its step, as injected
     assert procs[0].exitcode == 0
     assert (leaks, still_in_group) == (0, False)
+    assert t0 < float(open(mark).read()) < time.time()  # the kill's time, for the recovery benchmark
 
 
 def _join_that_fails_after_the_group_formed(out) -> None:
@@ -1010,3 +1013,15 @@ def test_mixed_precision_autocasts_the_forward_and_fp16_scales_the_loss_as_torch
     assert found["idle_step"] <= 1e-6  # SGD's lr 0.1 times the unscaled gradient of ones
     assert found["failed_once"] and found["replayed_diff"] == 0.0
     assert found["bf16"] == (["torch.bfloat16"], None, False)
+
+
+def test_step_seeds_repeat_across_no_ranks_steps_or_run_seeds():
+    # The linear mix gave rank r at step s the seed of rank r+1 at step s-10,007 (past 10,007
+    # steps, ranks repeated each other's dropout draws), and seed k at step s+1,000,003 that of
+    # seed k+1 at step s.
+    from elastic.actors.protocol import step_seed
+
+    seeds = {step_seed(0, r, s) for r in range(8) for s in range(1, 20_001)}
+    assert len(seeds) == 8 * 20_000
+    assert step_seed(0, 0, 10_008) != step_seed(0, 1, 1) and step_seed(1, 0, 1) != step_seed(0, 0, 1_000_004)
+    assert step_seed(0, 3, 7) == step_seed(0, 3, 7) and 0 <= step_seed(2**70, 3, 7) < 2**64

@@ -274,6 +274,7 @@ class TrainWorker:
         self._hang_at: int | None = None
         self._kill_at: int | None = None
         self._kill_after_update = False
+        self._kill_mark: str | None = None
         self._healthy_times: deque = deque(maxlen=32)  # step wall times before an injected slowdown
         self._slow_base: float | None = None
         # A step_fn under DDP: (step, its start) while it runs, and when this rank first reached its
@@ -424,12 +425,21 @@ class TrainWorker:
         """Stop answering inside step ``at_step`` (sleeps far past every timeout). A test aid."""
         self._hang_at = int(at_step)
 
-    def inject_kill(self, at_step: int, after_update: bool = False) -> None:
+    def inject_kill(self, at_step: int, after_update: bool = False, mark: str | None = None) -> None:
         """SIGKILL this worker's own process in the middle of step ``at_step``, or with
         ``after_update`` once that step's update is applied and before its result goes back (a
-        node lost right after a step: its peers finished the step with it). A test and bench aid."""
+        node lost right after a step: its peers finished the step with it). ``mark``: a file the
+        time of the kill (``time.time()``) is written to just before it, for a benchmark's
+        time to detect. A test and bench aid."""
         self._kill_at = int(at_step)
         self._kill_after_update = bool(after_update)
+        self._kill_mark = mark
+
+    def _kill_now(self) -> None:
+        if self._kill_mark:
+            with open(self._kill_mark, "w") as f:
+                f.write(repr(time.time()))
+        os.kill(os.getpid(), 9)
 
     def _injected_delay(self, step: int, elapsed_s: float) -> float:
         """Sleep that makes this rank's step ``factor`` times as long as its healthy steps were.
@@ -459,7 +469,7 @@ class TrainWorker:
         """The mid-step kill of ``inject_kill``: where a computing rank first talks to its peers,
         or where a first-N replica that skips computing this step reads the fast set."""
         if self._kill_at is not None and step == self._kill_at and not self._kill_after_update:
-            os.kill(os.getpid(), 9)
+            self._kill_now()
 
     def _note_step_time(self, step: int, seconds: float) -> None:
         """Healthy step times, kept only while an injected slowdown is still to come."""
@@ -1087,7 +1097,7 @@ class TrainWorker:
         self.completed_step = step
         self.current_step = None
         if self._kill_after_update and step == self._kill_at:
-            os.kill(os.getpid(), 9)
+            self._kill_now()
         return norm
 
     def _renew_scaler(self, state: dict | None) -> None:
