@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import tempfile
 import time
 
@@ -102,6 +103,15 @@ def main(argv=None) -> None:
         fail(f"ours: the clean run had a failure of its own: {ours_clean}")
     if their_clean.get("start_step"):
         fail(f"ray train: the clean run resumed from a checkpoint (it failed on its own): {their_clean}")
+    try:
+        with open(mark) as f:
+            killed_at = float(f.read())
+    except (OSError, ValueError) as exc:
+        fail(f"ours: the killed worker left no readable time of its kill in {mark}: {exc}")
+    finally:
+        shutil.rmtree(os.path.dirname(mark), ignore_errors=True)
+    if ours_crash["detected_at"] is None:
+        fail("ours: no transition to recovering in the crash run's event log")
     # A pair's runs differ by noise too: a lost time at or below zero (the crash run no slower
     # than the clean one) makes no ratio, and says so.
     lost_note = {} if ours_lost > 0 and their_lost > 0 else \
@@ -121,13 +131,6 @@ def main(argv=None) -> None:
          raytrain_steps_recomputed=(args.kill_step - their_crash["start_step"]) if their_crash.get("start_step")
          else None, **common)
     recs = ours_crash["recoveries"]
-    try:
-        with open(mark) as f:
-            killed_at = float(f.read())
-    except (OSError, ValueError) as exc:
-        fail(f"ours: the killed worker left no readable time of its kill in {mark}: {exc}")
-    if ours_crash["detected_at"] is None:
-        fail("ours: no transition to recovering in the crash run's event log")
     emit("time_to_detect_seconds", ours_crash["detected_at"] - killed_at, "s",
          note="from the worker's SIGKILL (the time it wrote just before it) to the controller's transition to "
               "recovering", controller_detect_s=recs[0]["detect_s"] if recs else None,

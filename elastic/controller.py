@@ -1348,8 +1348,10 @@ class Controller:
                 # The rank's first failure: its windows run in the order of ``refs``, and one
                 # whose loss_fn raised leaves its group, so the next fails as stale (a
                 # CollectiveError). Kept last, that took the user's error's place, and the
-                # replica was let go as one that lost its group.
-                unfinished.setdefault(r, exc)
+                # replica was let go as one that lost its group. A window still running before
+                # it (None) gives way: the rank's death or error says more than "busy".
+                if unfinished.get(r) is None:
+                    unfinished[r] = exc
         return unfinished
 
     @staticmethod

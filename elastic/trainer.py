@@ -780,8 +780,15 @@ class Trainer:
             elif isinstance(exc, ray.exceptions.GetTimeoutError):
                 what = f"RunConfig.stop_timeout_s={self.run.stop_timeout_s:g}s ran out before the stop finished"
             else:
-                # Redacted as _controller_failure's text is: a storage error may name a URL.
-                what = f"the controller failed while stopping: {type(exc).__name__}: {redact_urls_in(str(exc))[:300]}"
+                # Its exception's own line (Ray's text of a failed call puts it last, after a
+                # header and the traceback), redacted as _controller_failure's text is: a
+                # storage error may name a URL.
+                from elastic.actors.worker_group import describe_worker_failure
+
+                failed = "the controller failed while stopping"
+                line = describe_worker_failure(exc, failed).splitlines()[0] \
+                    if isinstance(exc, ray.exceptions.RayTaskError) else f"{failed}: {type(exc).__name__}: {exc}"
+                what = redact_urls_in(line)[:400]
             raise KeyboardInterrupt(
                 f"run {self.run.name!r} killed ({what}): steps not yet committed are lost, as in a crash; fit() "
                 f"again with RunConfig.name={self.run.name!r} and the same storage continues from the latest "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import random
 import socket
@@ -1438,7 +1439,7 @@ def test_a_step_keep_every_keeps_waits_for_room_in_the_agents_queue_and_is_told_
     hook = AgentCheckpointer(agent.address(), 1, lambda: pytest.fail("fell back"), 0, keep_every=2)
     try:
         events = {}
-        for step, refusals in ((1, 1), (2, 3), (3, 0), (4, 10**6)):
+        for step, refusals in ((1, 1), (2, 3), (3, 0), (4, math.inf)):  # step 4: refused for good
             full["refusals"] = refusals
             (report,) = run_training([worker], [hook], committer, [step])
             events[step] = report["ckpt_events"]
@@ -1476,5 +1477,5 @@ def test_a_final_flush_that_times_out_is_an_event_of_its_own():
     w._ckpt_report = lambda report: TrainWorker._ckpt_report(w, report)
     report = TrainWorker.flush_checkpoint(w)
     (event,) = report["ckpt_events"]
-    assert event["event"] == "checkpoint_flush_timeout" and event["step"] == 7
+    assert event["event"] == "checkpoint_rank_flush_timeout" and event["step"] == 7
     assert "did not finish within 30s" in event["message"]

@@ -214,3 +214,27 @@ def test_ranks_spawned_before_one_whose_spawn_fails_are_killed(monkeypatch):
     with pytest.raises(ValueError, match="rank-2 .* already taken"):
         group.start(3)
     assert killed == spawned == ["rank-0", "rank-1"]
+
+
+def test_a_spare_whose_spawn_fails_in_a_group_of_its_own_removes_that_group(monkeypatch):
+    # No freed bundle: the spare gets a placement group of its own, which a spawn that raised
+    # left reserved (its CPUs or GPUs) until the run ended.
+    from types import SimpleNamespace
+
+    group, _ = _group_with_a_free_bundle(monkeypatch, {0: "A"}, reachable={"A"})
+    made, removed = [], []
+
+    def placement_group(bundles, strategy, name, bundle_label_selector=None):
+        made.append(SimpleNamespace(name=name))
+        return made[-1]
+
+    monkeypatch.setattr(worker_group_module, "placement_group", placement_group)
+    monkeypatch.setattr(worker_group_module, "remove_placement_group", removed.append)
+
+    def taken(*args, **kwargs):
+        raise ValueError("The name spare-0 (namespace=elastic-unit) is already taken")
+
+    monkeypatch.setattr(group, "_spawn", taken)
+    with pytest.raises(ValueError, match="already taken"):
+        group.request_spare()
+    assert [pg.name for pg in made] == ["elastic-unit/spare-0"] and removed == made and made[0] not in group._pgs

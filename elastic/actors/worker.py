@@ -437,8 +437,11 @@ class TrainWorker:
 
     def _kill_now(self) -> None:
         if self._kill_mark:
-            with open(self._kill_mark, "w") as f:
-                f.write(repr(time.time()))
+            try:
+                with open(self._kill_mark, "w") as f:
+                    f.write(repr(time.time()))
+            except OSError:  # a path on another node's disk, say: the kill still happens
+                logger.warning("could not write the injected kill's time to %s", self._kill_mark, exc_info=True)
         os.kill(os.getpid(), 9)
 
     def _injected_delay(self, step: int, elapsed_s: float) -> float:
@@ -1261,7 +1264,7 @@ class TrainWorker:
             # Said here: the controller only sees a step whose part never came
             # (checkpoint_incomplete), which points at the rank, not at slow storage.
             timeout = self._ckpt.close_timeout_s
-            events = events + [{"event": "checkpoint_flush_timeout", "step": self.completed_step,
+            events = events + [{"event": "checkpoint_rank_flush_timeout", "step": self.completed_step,
                                 "time": time.time(),
                                 "message": f"this rank's checkpoint writes did not finish within {timeout:g}s of the "
                                            "flush (slow or unavailable storage); the run ends on an older "

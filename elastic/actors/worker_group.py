@@ -8,6 +8,7 @@ the controller tells it which actor becomes which rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import socket
@@ -369,8 +370,13 @@ class WorkerGroup:
         try:
             actor = self._spawn(pg, index, name, background and self.scaling.background_spare_start)
         except BaseException:
-            if pg is self._ranks_pg and self._bundle_holder.get(index) == name:
-                del self._bundle_holder[index]  # held by no actor: free for the next spare
+            if pg is self._ranks_pg:
+                if self._bundle_holder.get(index) == name:
+                    del self._bundle_holder[index]  # held by no actor: free for the next spare
+            else:  # its own group, made for it: reserved for nothing
+                self._pgs.remove(pg)
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
             raise
         member = Member(actor, name, pg=pg, bundle_index=index, spare=True)
         member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time(),
