@@ -13,10 +13,12 @@ round's healthy plain run, and the figure is the mean of the rounds (each round 
 Throughput is samples/s over the controller's per-step wall times of the steps from ``slow-from`` on
 (for eviction: the steps after the eviction; the eviction run is longer, and its figure also gives
 the ratio over the steps after the replacement spare is ready: the spare that refills the pool
-builds on idle CPU, so it may come up late or not within the run). Two more runs
+builds on idle CPU, so it may come up late or not within the run). Three more runs
 on the digits example (same epochs) give the accuracy cost of dropping the late gradient: healthy
-plain minus first-N with the straggler. On digits the model is tiny, so the slowdown (a multiple of
-the rank's own compute time) is small; which gradient is dropped still follows arrival order.
+plain minus first-N with the straggler, and for its scale a healthy run with another seed
+(``seed_to_seed_delta``: one run a side is one draw of a noisy figure). On digits the model is
+tiny, so the slowdown (a multiple of the rank's own compute time) is small; which gradient is
+dropped still follows arrival order.
 
 The runs default to 300 steps (291 measured). At 50 steps (41 measured, about two seconds of
 training) the onset of the slowdown and the dispatch window still growing from one step dominate:
@@ -158,7 +160,7 @@ def evict_details(run: dict, base: float) -> dict:
     return out
 
 
-def digits_accuracy(mode: str, workers: int, epochs: int, slow: dict, backoff: int) -> float:
+def digits_accuracy(mode: str, workers: int, epochs: int, slow: dict, backoff: int, seed: int = 0) -> float:
     import digits
 
     if mode == "healthy":
@@ -168,7 +170,8 @@ def digits_accuracy(mode: str, workers: int, epochs: int, slow: dict, backoff: i
                                         resources_per_worker={"CPU": 1}, late_backoff_steps=backoff)
         faults = [slow]
     trainer = elastic.Trainer(digits.make_model, digits.make_optimizer, digits.train_dataset, digits.loss_fn,
-                              64, scaling=scaling, run=elastic.RunConfig(name=f"straggler-digits-{mode}", seed=0),
+                              64, scaling=scaling,
+                              run=elastic.RunConfig(name=f"straggler-digits-{mode}-{seed}", seed=seed),
                               faults=faults)
     res = trainer.fit(epochs=epochs)
     acc = digits.test_accuracy(res.model_state)
@@ -228,7 +231,10 @@ def main(argv=None) -> None:
     accuracy = None
     if not args.skip_accuracy:
         accuracy = (digits_accuracy("healthy", w.workers, args.digits_epochs, slow, 0),
-                    digits_accuracy("first_n", w.workers, args.digits_epochs, slow, args.late_backoff_steps))
+                    digits_accuracy("first_n", w.workers, args.digits_epochs, slow, args.late_backoff_steps),
+                    # The scale of the delta: two healthy runs whose seeds (initial weights,
+                    # data order) differ, with no straggler and no dropped gradient.
+                    digits_accuracy("healthy", w.workers, args.digits_epochs, slow, 0, seed=1))
 
     for mode in (m for m in ("plain", "first_n", "evict") if m in modes):
         value, per_round = mean_ratio(mode, "healthy")
@@ -260,9 +266,10 @@ def main(argv=None) -> None:
              **common)
 
     if accuracy is not None:
-        healthy, first_n = accuracy
+        healthy, first_n, healthy_other_seed = accuracy
         emit("first_n_accuracy_delta", healthy - first_n, "accuracy", healthy_plain_accuracy=healthy,
-             first_n_straggler_accuracy=first_n, epochs=args.digits_epochs, dataset="sklearn digits",
+             first_n_straggler_accuracy=first_n, healthy_plain_accuracy_seed_1=healthy_other_seed,
+             seed_to_seed_delta=healthy - healthy_other_seed, epochs=args.digits_epochs, dataset="sklearn digits",
              workers=w.workers, global_batch=64, slow=slow)
 
 
