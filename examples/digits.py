@@ -12,6 +12,12 @@ A straggler, and first-N-of-M aggregation that keeps it from setting the pace (f
 is a demo and test aid, not for production):
 
     python examples/digits.py --first-n 1 --slow-rank 1 --slow-factor 3 --slow-from-step 10
+
+A worker SIGKILLed in step 40: a hot spare takes its place and the run loses that one step
+(``failures`` and ``recomputed_steps`` are printed). With ``--storage`` every step is checkpointed,
+and the same command again (same ``--name`` and ``--storage``) continues from the newest commit:
+
+    python examples/digits.py --kill-rank 1 --kill-at-step 40 --storage file:///tmp/ckpt
 """
 
 from __future__ import annotations
@@ -69,12 +75,16 @@ def scaling(args) -> elastic.ScalingConfig:
 
 
 def faults(args) -> list[dict]:
-    """``Trainer(faults=...)`` from the --slow-* flags: none unless --slow-rank is given."""
-    if args.slow_rank is None:
-        return []
-    factor = 3.0 if args.slow_factor is None else args.slow_factor
-    pace = {"delay_s": args.slow_delay} if args.slow_delay is not None else {"factor": factor}
-    return [{"kind": "slow", "rank": args.slow_rank, "from_step": args.slow_from_step, **pace}]
+    """``Trainer(faults=...)`` from the --slow-* and --kill-* flags: none unless --slow-rank or
+    --kill-rank is given."""
+    out = []
+    if args.slow_rank is not None:
+        factor = 3.0 if args.slow_factor is None else args.slow_factor
+        pace = {"delay_s": args.slow_delay} if args.slow_delay is not None else {"factor": factor}
+        out.append({"kind": "slow", "rank": args.slow_rank, "from_step": args.slow_from_step, **pace})
+    if args.kill_rank is not None:
+        out.append({"kind": "kill", "rank": args.kill_rank, "at_step": args.kill_at_step})
+    return out
 
 
 def build_trainer(args) -> elastic.Trainer:
@@ -99,7 +109,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--spares", type=int, default=1)
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--batch", type=int, default=64, help="global batch size")
-    p.add_argument("--storage", default=None, help="checkpoint URL, e.g. file:///tmp/ckpt or s3://bucket/prefix")
+    p.add_argument("--storage", default=None,
+                   help="checkpoint URL, e.g. file:///tmp/ckpt (one directory every node sees) or s3://bucket/prefix "
+                        "(s3fs takes the endpoint and credentials from AWS_* variables, on every node of the cluster)")
     p.add_argument("--name", default="digits")
     p.add_argument("--address", default=None, help="Ray address; default: RAY_ADDRESS or an embedded local Ray")
     p.add_argument("--gpu", action="store_true",
@@ -115,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-delay", type=float, default=None, metavar="SECONDS",
                    help="instead of --slow-factor: each of its steps sleeps this long")
     p.add_argument("--slow-from-step", type=int, default=10)
+    p.add_argument("--kill-rank", type=int, default=None, metavar="R",
+                   help="fault injection (a demo and test aid): SIGKILL rank R in step --kill-at-step")
+    p.add_argument("--kill-at-step", type=int, default=40)
     p.add_argument("--evict-stragglers", action="store_true",
                    help="put a hot spare in the place of a rank that stays slower than its peers")
     p.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
@@ -130,11 +145,25 @@ def flags_named(message: str, args: argparse.Namespace) -> str:
              "ScalingConfig.num_backups": backups, "ScalingConfig.num_spares": "--spares",
              "ScalingConfig.use_gpu": "--gpu", "RunConfig.storage": "--storage", "RunConfig.name": "--name",
              "Trainer.address": "--address", "Trainer.fit's epochs": "--epochs",
-             "Trainer.faults": "--slow-rank/--slow-factor/--slow-delay/--slow-from-step",
+             "Trainer.faults": "--slow-rank/--slow-factor/--slow-delay/--slow-from-step/--kill-rank/--kill-at-step",
              "FailureConfig.evict_stragglers": "--evict-stragglers"}
     named = sorted((message.find(field), flag) for field, flag in flags.items() if field in message)
     shown = list(dict.fromkeys(flag for _, flag in named))
     return f"{', '.join(shown)}: {message}" if shown else message
+
+
+def evicted_ranks(events: list[dict]) -> list[int]:
+    """The ranks evicted as stragglers: an EvictStraggler decision followed by its rebuild, not
+    one held back after it (no live spare was left when the swap began)."""
+    out, pending = [], None
+    for e in events:
+        if e["kind"] == "decision" and e["details"].get("decision") == "EvictStraggler":
+            pending = e["details"]["rank"]
+        elif pending is not None and e["kind"] == "transition" and e["details"].get("new") == "running":
+            if "held back" not in e["message"]:
+                out.append(pending)
+            pending = None
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -164,11 +193,17 @@ def main(argv=None) -> float:
     loss = result.metrics["loss"]  # None when a resumed run had nothing left to train
     print(f"steps={result.metrics['steps']} loss={'-' if loss is None else format(loss, '.4f')} "
           f"samples/s={result.metrics['samples_per_s']:.0f} test_accuracy={acc:.4f}")
-    evicted = [e["details"]["rank"] for e in result.events
-               if e["kind"] == "decision" and e["details"]["decision"] == "EvictStraggler"]
+    evicted = evicted_ranks(result.events)
     if args.first_n or evicted:
         print(f"dropped_samples={result.metrics['dropped_samples']} late_gradients={result.metrics['late_gradients']} "
               f"evicted_ranks={evicted}")
+    if args.evict_stragglers and args.slow_rank is not None and args.slow_rank not in evicted:
+        print(f"note: rank {args.slow_rank} was slowed but not evicted: the policy evicts a rank that stays "
+              f"{elastic.FailureConfig().straggler_factor:g}x slower than its peers' median for a window of "
+              "steps; a longer run, or --slow-delay, shows it", flush=True)
+    if args.kill_rank is not None or result.metrics.get("failures"):
+        print(f"failures={result.metrics.get('failures')} recomputed_steps={result.metrics.get('recomputed_steps')} "
+              f"restored_from={result.metrics.get('restored_from')}")
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}")
     return acc

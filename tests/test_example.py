@@ -72,7 +72,8 @@ def test_the_mixed_precision_flag_asks_the_trainer_for_it():
 
 
 @pytest.mark.parametrize("args, field, flags", [
-    (["--slow-rank", "5"], "Trainer.faults", "--slow-rank/--slow-factor/--slow-delay/--slow-from-step: "),
+    (["--slow-rank", "5"], "Trainer.faults",
+     "--slow-rank/--slow-factor/--slow-delay/--slow-from-step/--kill-rank/--kill-at-step: "),
     (["--evict-stragglers", "--spares", "0"], "ScalingConfig.num_backups", "--evict-stragglers, --spares: "),
     (["--first-n", "-1"], "ScalingConfig.num_backups", "--first-n: "),
     (["--spares", "-1"], "ScalingConfig.num_backups", "--spares: "),  # plain: --spares are num_backups
@@ -91,3 +92,26 @@ def test_bad_demo_flags_exit_with_the_setting_to_change_before_any_actor_starts(
     assert exit_.value.code == 2  # argparse's usage error
     err = capsys.readouterr().err
     assert field in err and flags in err and "Traceback" not in err
+
+
+def test_the_kill_demo_loses_one_step_to_a_hot_spare(ray_cluster, capsys):
+    # The docstring's failure demo: a rank SIGKILLed mid-run, a hot spare in its place, the run
+    # goes on and says what it cost.
+    acc = digits.main(["--no-progress", "--kill-rank", "1", "--kill-at-step", "20", "--epochs", "3",
+                       "--name", "digits-kill"])
+    out = capsys.readouterr().out
+    assert "failures=1 " in out and "restored_from=None" in out, out
+    recomputed = int(out.split("recomputed_steps=")[1].split()[0])
+    assert recomputed <= 1 and acc > 0.5
+
+
+def test_an_eviction_held_back_after_its_decision_is_not_counted_as_one():
+    decision = {"kind": "decision", "message": "EvictStraggler: slow",
+                "details": {"decision": "EvictStraggler", "rank": 1}}
+
+    def running(why):
+        return {"kind": "transition", "message": f"recovering -> running: {why}", "details": {"new": "running"}}
+
+    assert digits.evicted_ranks([decision, running("eviction of rank 1 held back: no live spare")]) == []
+    assert digits.evicted_ranks([decision, running("eviction of rank 1 held back: no live spare"),
+                                 decision, running("rank 1 replaced by a spare in 0.30s")]) == [1]

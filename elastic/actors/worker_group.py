@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # Ray's default node label, the node's ID (``ray.util.placement_group.NODE_ID_LABEL_KEY``).
 # Placement groups honour ``bundle_label_selector`` from Ray 2.50 on (before, ray-project/ray
 # #55590: the selector was stored but not checked when bundles were placed; fixed by #55599),
-# which is one reason pyproject.toml asks for ray>=2.50.
+# one reason pyproject.toml asks for a recent Ray (ray>=2.52: token authentication came then).
 NODE_ID_LABEL = "ray.io/node-id"
 # How long a spare a recovery is waiting for may stay unplaced while it avoids a node, before
 # it is asked for on any node (see ``WorkerGroup.collect_spares``).
