@@ -14,8 +14,9 @@ is a demo and test aid, not for production):
     python examples/digits.py --first-n 1 --slow-rank 1 --slow-factor 3 --slow-from-step 10
 
 A worker SIGKILLed in step 40: a hot spare takes its place and the run loses that one step
-(``failures`` and ``recomputed_steps`` are printed). With ``--storage`` every step is checkpointed,
-and the same command again (same ``--name`` and ``--storage``) continues from the newest commit:
+(``failures`` and ``recomputed_steps`` are printed). With ``--storage`` every step is checkpointed:
+stopped (Ctrl-C) and started again with the same ``--name`` and ``--storage``, a run continues
+from the newest commit:
 
     python examples/digits.py --kill-rank 1 --kill-at-step 40 --storage file:///tmp/ckpt
 """
