@@ -65,6 +65,7 @@ import logging
 import time
 
 import elastic
+from elastic.controller import evictions_carried_out
 from common import (add_workload_args, claim_stdout, elastic_trainer, emit, fail, finished_at, fit_polled,
                     ratio, running_since, span_throughput, start_ray, step_throughput, workload_from_args)
 
@@ -73,18 +74,10 @@ logger = logging.getLogger("bench.straggler")
 
 def eviction(res) -> dict | None:
     """The EvictStraggler decision event of the first eviction carried out (its step: the last
-    step before the eviction). The controller logs the decision before it looks at the spare
-    pool a last time, and an eviction held back then (no live spare) leaves the straggler in:
-    its decision is skipped, else the steps after it would count as the evicted run's."""
-    decision = None
-    for e in res.events:
-        if e["kind"] == "decision" and e["details"].get("decision") == "EvictStraggler":
-            decision = e
-        elif decision is not None and e["kind"] == "transition" and e["details"].get("new") == "running":
-            if "held back" not in e["message"]:
-                return decision
-            decision = None
-    return None
+    step before the eviction); one held back after its decision left the straggler in, and the
+    steps after it would count as the evicted run's."""
+    done = evictions_carried_out(res.events)
+    return done[0] if done else None
 
 
 def spare_ready_step(samples: list[dict], evicted_at: float) -> int | None:

@@ -2559,7 +2559,7 @@ class Controller:
         if self._held_back_without_spare(r, "its spare died while the eviction waited for the ranks' windows"):
             if self.metrics is not None:
                 self.metrics.on_group([m.rank for m in self.group.members])  # the ring on_rebuild cleared
-            self.transition(State.RUNNING, f"eviction of rank {r} held back: no live spare")
+            self.transition(State.RUNNING, f"eviction of rank {r} {EVICTION_HELD_BACK}")
             return
         self._lagging.clear()
         victim = self.group.members[r]
@@ -2879,6 +2879,25 @@ def _split_wall(wall: float, worker_times: list[float]) -> list[float]:
         return [t * wall / busy for t in worker_times]
     share = max(0.0, wall - busy) / len(worker_times)
     return [t + share for t in worker_times]
+
+
+EVICTION_HELD_BACK = "held back: no live spare"
+
+
+def evictions_carried_out(events: list[dict]) -> list[dict]:
+    """The ``EvictStraggler`` decision events (``Result.events``) of the evictions carried out.
+    Why not every such decision: ``_evict`` logs it before it looks at the spare pool a last
+    time, and one held back then (its transition back to running says ``EVICTION_HELD_BACK``)
+    left the straggler in place."""
+    out, decision = [], None
+    for e in events:
+        if e["kind"] == "decision" and e["details"].get("decision") == "EvictStraggler":
+            decision = e
+        elif decision is not None and e["kind"] == "transition" and e["details"].get("new") == "running":
+            if EVICTION_HELD_BACK not in e["message"]:
+                out.append(decision)
+            decision = None
+    return out
 
 
 def _waits_on_peers(phase: str) -> bool:

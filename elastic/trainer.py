@@ -150,14 +150,13 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
     if ray.is_initialized():
         _check_same_cluster(address)
         return False
-    env_address = os.environ.get("RAY_ADDRESS", "").strip()
-    if address in (None, "auto") and env_address == "local":
+    env_address = _env_address(address)
+    if env_address == "local":
         # Ray's own name for a new local instance: the embedded Ray, as address="local" is. Passed
-        # on as "auto", Ray read it back from the environment (ray.init replaces "auto" with
-        # RAY_ADDRESS) and started a Ray that this function did not count as started, so fit()
-        # never shut it down.
+        # on as "auto", Ray read it back from the environment and started a Ray that this
+        # function did not count as started, so fit() never shut it down.
         address = "local"
-    elif address is None and env_address:
+    elif env_address:
         address = "auto"
     if address is None or address == "local":
         cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
@@ -183,6 +182,13 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
     with _users_sigterm_kept():
         ray.init(address=address, log_to_driver=True)
     return False
+
+
+def _env_address(address: str | None) -> str | None:
+    """The ``RAY_ADDRESS`` that ``address`` stands for: the variable's value when it is set and
+    ``address`` is None or "auto" (``ray.init`` replaces "auto" with it), else None."""
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    return env if env and address in (None, "auto") else None
 
 
 @contextmanager
@@ -522,11 +528,10 @@ class Trainer:
         RAY_ADDRESS (a cluster torn down since, a dashboard's http:// address left from ``ray
         job``) went to ``ray.init`` unchecked, which retried for a minute while Ray's core logged
         each try, and a ``user:password@`` in it was echoed by Ray's messages."""
-        env = os.environ.get("RAY_ADDRESS", "").strip()
-        if self.address is not None and not (self.address == "auto" and env):
+        env = _env_address(self.address)
+        if env is None and self.address is not None:
             address, source = self.address, "Trainer.address"
         elif env and env != "local":
-            # Trainer.address="auto" with RAY_ADDRESS set: ray.init reads that address instead.
             address, source = env, "the environment variable RAY_ADDRESS"
         else:
             return

@@ -154,17 +154,10 @@ def flags_named(message: str, args: argparse.Namespace) -> str:
 
 
 def evicted_ranks(events: list[dict]) -> list[int]:
-    """The ranks evicted as stragglers: an EvictStraggler decision followed by its rebuild, not
-    one held back after it (no live spare was left when the swap began)."""
-    out, pending = [], None
-    for e in events:
-        if e["kind"] == "decision" and e["details"].get("decision") == "EvictStraggler":
-            pending = e["details"]["rank"]
-        elif pending is not None and e["kind"] == "transition" and e["details"].get("new") == "running":
-            if "held back" not in e["message"]:
-                out.append(pending)
-            pending = None
-    return out
+    """The ranks evicted as stragglers (not those whose eviction was held back after its decision)."""
+    from elastic.controller import evictions_carried_out
+
+    return [e["details"]["rank"] for e in evictions_carried_out(events)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

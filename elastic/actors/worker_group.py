@@ -8,7 +8,6 @@ the controller tells it which actor becomes which rank.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import socket
@@ -367,18 +366,12 @@ class WorkerGroup:
             pg, avoid = self._ranks_pg, []
         else:
             pg, index = self._spare_group(idx, avoid), 0
+        member = Member(None, name, pg=pg, bundle_index=index, spare=True)
         try:
-            actor = self._spawn(pg, index, name, background and self.scaling.background_spare_start)
+            member.actor = self._spawn(pg, index, name, background and self.scaling.background_spare_start)
         except BaseException:
-            if pg is self._ranks_pg:
-                if self._bundle_holder.get(index) == name:
-                    del self._bundle_holder[index]  # held by no actor: free for the next spare
-            else:  # its own group, made for it: reserved for nothing
-                self._pgs.remove(pg)
-                with contextlib.suppress(Exception):
-                    remove_placement_group(pg)
+            self._free_placement(member)  # held by no actor: the bundle free again, a group of its own removed
             raise
-        member = Member(actor, name, pg=pg, bundle_index=index, spare=True)
         member.info = {"_ref": member.actor.info.remote(), "_pg_ready": pg.ready(), "_since": time.time(),
                        "_avoid": avoid, "_background": background}
         self._pending_spares.append(member)
@@ -672,6 +665,11 @@ class WorkerGroup:
             ray.kill(member.actor, no_restart=True)
         except Exception:
             logger.debug("kill of %s failed", member.name, exc_info=True)
+        self._free_placement(member)
+
+    def _free_placement(self, member: Member) -> None:
+        """``member``'s place given back: its bundle of the ranks' group free for another actor,
+        or the placement group made for it alone removed."""
         if member.pg is not None and member.pg is self._ranks_pg:
             if self._bundle_holder.get(member.bundle_index) == member.name:
                 del self._bundle_holder[member.bundle_index]

@@ -868,7 +868,7 @@ class CheckpointStore:
     # Two deletes refused in a row (a StorageError that is not an outage: no delete permission, a
     # bucket policy) say the storage refuses deletes, not one object. Then no
     # delete is tried until a hold of 1, 2, 4 ... s (at most DELETE_BACKOFF_MAX_S) is over, and
-    # then one: the step tried least often (``_probe``). Why: each step's own backoff alone
+    # then one: the step tried least often (``_probe_order``). Why: each step's own backoff alone
     # bounded the retries of one step, not their number; with every step refused, every step
     # past keep_last joined the list, and a pass tried each whose backoff was over, so the
     # requests (and the events) grew with the run: after 10 h at a step a second, ~120 deletes
@@ -886,10 +886,11 @@ class CheckpointStore:
         """Storage refused deletes (``_note_refusal``) and the hold is not over: try none."""
         return self._refusals >= 2 and now < self._refused_until
 
-    def _probe(self, steps: Iterable[int]) -> int:
-        """Of ``steps``, the one to try after a hold: the one tried least often (then the oldest),
-        so a step refused for its own sake (a locked object) is not what every probe asks about."""
-        return min(steps, key=lambda s: (self._retry_deletes.get(s, (0, 0.0))[0], s))
+    def _probe_order(self, step: int) -> tuple[int, int]:
+        """The order steps are tried in after a hold: the one tried least often first (then the
+        oldest), so a step refused for its own sake (a locked object) is not what every probe
+        asks about."""
+        return self._retry_deletes.get(step, (0, 0.0))[0], step
 
     def schedule_deletes(self, steps: list[int]) -> None:
         """Delete ``steps`` at the next retention pass (below the newest committed step only, as
@@ -945,7 +946,7 @@ class CheckpointStore:
         if doomed and self._refusals >= 2:  # storage refused deletes: none in the hold, then one probe
             if self._deletes_held(now):
                 return report
-            probe = self._probe(doomed)
+            probe = min(doomed, key=self._probe_order)
             self._delete_step(probe, report, known[probe], epoch=epoch)
             if probe not in report.deleted:
                 return report
@@ -986,8 +987,8 @@ class CheckpointStore:
             if older_than is None:
                 return report
             now = time.monotonic()
-            if self._refusals >= 2:  # after a hold, the probe first (``_probe``'s order)
-                dirs = sorted(dirs, key=lambda s: (self._retry_deletes.get(s, (0, 0.0))[0], s))
+            if self._refusals >= 2:  # after a hold, the probe first
+                dirs = sorted(dirs, key=self._probe_order)
             for step in dirs:
                 if self._deletes_held(time.monotonic()):
                     break  # storage refuses deletes: nothing more until the hold is over
