@@ -174,15 +174,17 @@ def test_freeing_a_name_kills_only_the_actor_that_held_it_first(monkeypatch):
     assert killed == []
 
 
+def _name_taken(*args, **kwargs):
+    """A spawn Ray refuses: the actor's name is still taken."""
+    raise ValueError("The name spare-0 (namespace=elastic-unit) is already taken")
+
+
 def test_a_spare_whose_spawn_fails_leaves_its_freed_bundle_free(monkeypatch):
     # The bundle was recorded as the new spare's before the spawn: a spawn that raised (a name
     # still taken) left it held by an actor that does not exist, and no later spare used it.
     group, _ = _group_with_a_free_bundle(monkeypatch, {0: "A", 1: "B"}, reachable={"A", "B"})
 
-    def taken(*args, **kwargs):
-        raise ValueError("The name spare-0 (namespace=elastic-unit) is already taken")
-
-    monkeypatch.setattr(group, "_spawn", taken)
+    monkeypatch.setattr(group, "_spawn", _name_taken)
     with pytest.raises(ValueError, match="already taken"):
         group.request_spare()
     assert group._free_bundles == [1] and group._bundle_holder == {0: "rank-0"}
@@ -231,10 +233,7 @@ def test_a_spare_whose_spawn_fails_in_a_group_of_its_own_removes_that_group(monk
     monkeypatch.setattr(worker_group_module, "placement_group", placement_group)
     monkeypatch.setattr(worker_group_module, "remove_placement_group", removed.append)
 
-    def taken(*args, **kwargs):
-        raise ValueError("The name spare-0 (namespace=elastic-unit) is already taken")
-
-    monkeypatch.setattr(group, "_spawn", taken)
+    monkeypatch.setattr(group, "_spawn", _name_taken)
     with pytest.raises(ValueError, match="already taken"):
         group.request_spare()
     assert [pg.name for pg in made] == ["elastic-unit/spare-0"] and removed == made and made[0] not in group._pgs
