@@ -213,6 +213,9 @@ class Controller:
         # The newest step each rank has returned (first-N: a late replica's trails the run's).
         self._rank_done: dict[int, int] = {}
         self._eviction_held: int | None = None  # a straggler waiting for a spare (see _note_held_back)
+        # An eviction decided while the next window was queued on the workers: carried out once
+        # that window's results are in (see _after_step).
+        self._evict_after_window: EvictStraggler | None = None
         self._spare_failures_in_row = 0  # spares that failed before they were ready (SPARE_START_ATTEMPTS)
         self._refill_stop_logged = False
         # Ranks lost after the last step (the final flush, the end's checksums): left out of the end.
@@ -353,6 +356,7 @@ class Controller:
                     # would run past the stop by every step the heal lost (every_n_steps=500: up
                     # to 499, past the driver's stop_timeout_s). End at what the heal restored.
                     self._stop_after_dispatched()
+            self._settle_deferred_eviction()  # the run's end came first: named, not carried out
             self._finish_late()
             self._finish_checkpoints()
             if stopping and self.step < total_steps:
@@ -440,10 +444,14 @@ class Controller:
         window queued on the workers runs anyway (their calls are in flight), so stopping short
         of it would only throw that work away; it is at most one dispatch window
         (``dispatch_target_s``) plus the look-ahead one."""
-        dispatched = [first + k - 1 for first, (_, _, _, k) in self._inflight.items()]
-        self.total_steps = min(self.total_steps, max([self.step] + dispatched))
+        self.total_steps = min(self.total_steps, self._last_dispatched())
         self.log("stop", f"stop requested ({self._stop_reason}): finishing the steps already dispatched, up to "
                  f"step {self.total_steps}, then committing its checkpoint", step=self.total_steps)
+
+    def _last_dispatched(self) -> int:
+        """The newest step sent to the workers: the last of the windows queued on them, else the
+        step the run is at."""
+        return max([self.step] + [first + k - 1 for first, (*_, k) in self._inflight.items()])
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -982,6 +990,12 @@ class Controller:
         self._lagging.clear()  # windows of the old generation
         self._checksums.clear()  # they may name actors that just left
         self.straggler_policy.reset()
+        if self._evict_after_window is not None:
+            # A failure's rebuild came first. The straggler's evidence is the old group's: it
+            # is watched afresh in the new one (the reset above), and evicted if still slow.
+            r, self._evict_after_window = self._evict_after_window.rank, None
+            self.log("decision", f"Continue: the eviction of straggler rank {r} is dropped: the group was "
+                     "rebuilt before it; its step times are watched afresh", decision="Continue", rank=r)
         if self.metrics is not None:
             self.metrics.on_group([m.rank for m in self.group.members])
         backend = "/".join(sorted({m.info.get("backend", "?") for m in self.group.members}))
@@ -1028,6 +1042,9 @@ class Controller:
 
     # ---- one step ---------------------------------------------------------------------------
     def _run_one_step(self) -> None:
+        if self._evict_after_window is not None and not self._inflight:
+            self._settle_deferred_eviction()  # the window it waited for is in: a step of its own
+            return
         step = self.step + 1
         t0, self._waited_s = time.perf_counter(), 0.0
         try:
@@ -1129,7 +1146,9 @@ class Controller:
         if first not in self._inflight:
             self._dispatch_all(first)
         refs, ranks, t_dispatch, k = self._inflight.pop(first)
-        if self._look_ahead and first + k <= self.total_steps and first + k not in self._inflight:
+        # Not while an eviction waits for this window: the next one is sent to the new group.
+        if self._look_ahead and self._evict_after_window is None and first + k <= self.total_steps \
+                and first + k not in self._inflight:
             self._dispatch_all(first + k)
         self._check_late_hung()
         lagging = self._lagging_ranks()
@@ -2462,23 +2481,27 @@ class Controller:
             self._set_meta_after_results(record.step)
         if self.metrics is not None:
             self.metrics.on_step(record, self, per_rank=bool(decide_steps))
+        # None while an eviction waits for the queued window: the group is about to change, and
+        # the policy starts over with the new one (_form_group).
         decision = self.straggler_policy.decide(len(self.group.spares), steps=decide_steps) \
-            if decide_steps else None
-        if isinstance(decision, EvictStraggler) and (self._stop_reason is not None or self.step >= self.total_steps):
-            # Nothing is left for the swap to speed up, and it would cost: a stop's rebuild (its
-            # waits bounded by step_timeout_s and collective_timeout_s, not the stop's) could
-            # outlast stop_timeout_s, and the driver's kill would take the last commit with it;
-            # a first-N victim evicted after the last step leaves that step's checkpoint without
-            # its part (the promoted spare never snapshots it). The end releases a late replica.
-            decision = Continue(f"rank {decision.rank} is a persistent straggler, but the run "
-                                f"{'is stopping' if self._stop_reason is not None else 'has taken its last step'}: "
-                                "not evicted", straggler=decision.rank)
+            if decide_steps and self._evict_after_window is None else None
         if isinstance(decision, EvictStraggler):
+            decision = self._too_late_to_evict(decision) or decision
+        if isinstance(decision, EvictStraggler) and self._inflight:
+            # The next window is queued on the workers (the look-ahead). Carried out once its
+            # results are in (_run_one_step), so its steps are booked as steps: their loss,
+            # timings, checksums and checkpoint parts. Why not wait for it here, as the rebuild
+            # did: its results were never read, and the steps the survivors finished in it were
+            # then kept by the state sync (_keep_completed_steps) as steps of a failure are, with
+            # a NaN loss, no timings, and their checksums compared only at the next checksum
+            # step. It costs nothing: the rebuild waited for that window anyway.
+            self._evict_after_window = decision
+        elif isinstance(decision, EvictStraggler):
             t_evict, waited = time.perf_counter(), self._waited_s
             self._evict(decision)
-            # Its waits (the queued and late windows, the leaves, the state's transfer, the
-            # rendezvous) are the workers', not controller time (StepRecord.controller_time_s).
-            # Set, not added to: the late windows' gathers inside it count their own waits.
+            # Its waits (the late windows, the leaves, the state's transfer, the rendezvous) are
+            # the workers', not controller time (StepRecord.controller_time_s). Set, not added
+            # to: the late windows' gathers inside it count their own waits.
             self._waited_s = waited + time.perf_counter() - t_evict
         elif decision is not None:
             self._note_held_back(decision)
@@ -2486,6 +2509,38 @@ class Controller:
             self.on_step(record, self)
         if self.step % SPARE_CHECK_EVERY == 0:
             self._tend_spares()
+
+    def _too_late_to_evict(self, decision: EvictStraggler) -> Continue | None:
+        """``Continue`` naming the straggler when nothing is left for the swap to speed up (the
+        run is stopping, or its last step is taken or already sent), else None.
+
+        Why not evict then: it would cost. A stop's rebuild (its waits bounded by step_timeout_s
+        and collective_timeout_s, not the stop's) could outlast stop_timeout_s, and the driver's
+        kill would take the last commit with it; a first-N victim evicted after the last step
+        leaves that step's checkpoint without its part (the promoted spare never snapshots it).
+        The end releases a late replica."""
+        if self._stop_reason is not None:
+            why = "the run is stopping"
+        elif self.step >= self.total_steps:
+            why = "the run has taken its last step"
+        elif self._last_dispatched() >= self.total_steps:
+            why = "the run's last step is already sent to the ranks"
+        else:
+            return None
+        return Continue(f"rank {decision.rank} is a persistent straggler, but {why}: not evicted",
+                        straggler=decision.rank)
+
+    def _settle_deferred_eviction(self) -> None:
+        """The eviction that waited for the queued window (``_after_step``), now that it is in:
+        carried out, or named with ``Continue`` if the run's end or a stop came meanwhile."""
+        decision, self._evict_after_window = self._evict_after_window, None
+        if decision is None:
+            return
+        late = self._too_late_to_evict(decision)
+        if late is not None:
+            self._note_held_back(late)
+        else:
+            self._evict(decision)
 
     def _note_held_back(self, decision: Continue) -> None:
         """A persistent straggler the policy would evict but no spare is ready for (the pool is
@@ -2540,15 +2595,9 @@ class Controller:
             self.metrics.on_rebuild(lost=set())
         self.log("decision", f"EvictStraggler: {decision.reason}", decision="EvictStraggler", rank=r, node_id=node)
         t0 = time.time()
-        # Let the survivors finish what they hold (the queued window, late windows) so they hold
-        # the newest state, then rebuild. First-N survivors never need the victim to finish.
-        queued = [ref for refs, ranks, *_ in self._inflight.values() for ref, rr in zip(refs, ranks) if rr != r]
-        if queued:
-            # step_timeout_s a step: a rank runs the queued windows one after another, so at a
-            # slow pace they may take that long each step and all be healthy (bounded by one
-            # step_timeout_s, a 16-step window at 10 s a step was cut short and recomputed).
-            steps = sum(k for *_, k in self._inflight.values())
-            ray.wait(queued, num_returns=len(queued), timeout=self.failure_config.step_timeout_s * max(1, steps))
+        # No window is queued (_after_step waits for it to be booked first). Let the late ranks
+        # but the victim finish theirs, so they hold the newest state, then rebuild. First-N
+        # survivors never need the victim to finish.
         # A late replica's own error (its loss_fn raised in the window it was late with) is the
         # user's, as in a step or at the run's end: ignored here, the run went on without a word.
         self._raise_user_errors(self._wait_late(exclude=r))
