@@ -1232,17 +1232,19 @@ def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_h
     assert decisions == ["EvictStraggler", "ReplaceWithSpares"]
 
 
-def test_no_eviction_after_the_last_step(ray_cluster):
+@pytest.mark.parametrize("decided_at, why", [(16, "has taken its last step"), (15, "last step is already sent")])
+def test_no_eviction_once_the_last_step_is_taken_or_sent(ray_cluster, decided_at, why):
     # Nothing is left for a spare to speed up; a first-N victim evicted there also left the last
-    # step's checkpoint without its part. The straggler is named instead.
-    c = controller("fake-evict-last-step", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
+    # step's checkpoint without its part. The straggler is named instead. Decided after step 15
+    # of 16, step 16 is queued on the ranks already (the look-ahead).
+    c = controller(f"fake-evict-at-{decided_at}", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
     c.scaling.steps_per_dispatch = 1
-    run_evicting_rank_1_at(c, 16)
+    run_evicting_rank_1_at(c, decided_at)
     assert c.state is State.FINISHED and c.step == 16
     assert not any("evicting" in e.message for e in c.events if e.kind == "transition")
-    held = [e for e in c.events if e.kind == "decision"]
-    assert [(e.details["decision"], e.details["rank"]) for e in held] == [("Continue", 1)]
-    assert "has taken its last step" in held[0].message
+    [held] = [e for e in c.events if e.kind == "decision"]
+    assert (held.details["decision"], held.details["rank"]) == ("Continue", 1)
+    assert why in held.message
 
 
 def test_no_eviction_once_a_stop_is_asked(ray_cluster):
@@ -1307,18 +1309,6 @@ def test_an_eviction_books_the_window_already_queued_before_it_rebuilds(ray_clus
     [decision] = [e for e in c.events if e.kind == "decision"]
     assert (decision.details["decision"], decision.step) == ("EvictStraggler", 6)  # after the queued step
     assert [e.details["rank"] for e in c.events if e.kind == "replace"] == [1]
-
-
-def test_no_eviction_once_the_last_step_is_sent(ray_cluster):
-    # Decided after step 15 of 16, with step 16 queued on the ranks: nothing is left to speed up.
-    c = controller("fake-evict-last-sent", backups=1, failure=elastic.FailureConfig(evict_stragglers=True))
-    c.scaling.steps_per_dispatch = 1
-    run_evicting_rank_1_at(c, 15)
-    assert c.state is State.FINISHED and c.step == 16
-    assert not any("evicting" in e.message for e in c.events if e.kind == "transition")
-    [held] = [e for e in c.events if e.kind == "decision"]
-    assert (held.details["decision"], held.details["rank"]) == ("Continue", 1)
-    assert "last step is already sent" in held.message
 
 
 def test_an_eviction_waiting_for_the_queued_window_is_dropped_when_a_failure_rebuilds_first(ray_cluster):
