@@ -212,7 +212,8 @@ class Controller:
         self._last_results: dict[int, Any] = {}
         # The newest step each rank has returned (first-N: a late replica's trails the run's).
         self._rank_done: dict[int, int] = {}
-        self._eviction_held: int | None = None  # a straggler waiting for a spare (see _note_held_back)
+        # The straggler whose eviction is held back, and why (see _note_held_back).
+        self._eviction_held: tuple[int, str] | None = None
         # An eviction decided while the next window was queued on the workers: carried out once
         # that window's results are in (see _after_step).
         self._evict_after_window: EvictStraggler | None = None
@@ -366,6 +367,7 @@ class Controller:
                 self.transition(State.FINISHED, f"completed {self.step} steps")
         except StopRequested as stop:
             try:
+                self._settle_deferred_eviction()  # named as the run's stopping, not carried out
                 self._stop_in_wait(str(stop))
             except BaseException as exc:  # the run must still end: ``elastic stop`` waits for it
                 self._errored(exc)
@@ -2485,9 +2487,10 @@ class Controller:
         # the policy starts over with the new one (_form_group).
         decision = self.straggler_policy.decide(len(self.group.spares), steps=decide_steps) \
             if decide_steps and self._evict_after_window is None else None
-        if isinstance(decision, EvictStraggler):
-            decision = self._too_late_to_evict(decision) or decision
-        if isinstance(decision, EvictStraggler) and self._inflight:
+        late = self._too_late_to_evict(decision) if isinstance(decision, EvictStraggler) else None
+        if late is not None:
+            self._note_held_back(late, why="too_late")
+        elif isinstance(decision, EvictStraggler) and self._inflight:
             # The next window is queued on the workers (the look-ahead). Carried out once its
             # results are in (_run_one_step), so its steps are booked as steps: their loss,
             # timings, checksums and checkpoint parts. Why not wait for it here, as the rebuild
@@ -2538,16 +2541,20 @@ class Controller:
             return
         late = self._too_late_to_evict(decision)
         if late is not None:
-            self._note_held_back(late)
+            self._note_held_back(late, why="too_late")
         else:
             self._evict(decision)
 
-    def _note_held_back(self, decision: Continue) -> None:
+    def _note_held_back(self, decision: Continue, why: str = "no_spare") -> None:
         """A persistent straggler the policy would evict but no spare is ready for (the pool is
-        refilling, or spares went to failures): logged when it starts, not every window."""
-        if decision.straggler is not None and self._eviction_held != decision.straggler:
+        refilling, or spares went to failures), or ``why="too_late"`` (``_too_late_to_evict``):
+        logged when it starts, not every window. Keyed by the reason too: a straggler held back
+        for want of a spare and then found too late to evict was left with the word that it
+        would be evicted once a spare was ready."""
+        held = None if decision.straggler is None else (decision.straggler, why)
+        if held is not None and self._eviction_held != held:
             self.log("decision", f"Continue: {decision.reason}", decision="Continue", rank=decision.straggler)
-        self._eviction_held = decision.straggler
+        self._eviction_held = held
 
     def _note_checksum(self, step: int, rank: int, checksum: int) -> None:
         """Every K steps each replica reports a parameter checksum with its step result (late
