@@ -630,8 +630,9 @@ class Trainer:
             # Another driver claimed the name between _claim_run_name and here.
             raise ConfigError(f"RunConfig.name={self.run.name!r} is in use: another run of that name started on "
                               "this cluster just now. Choose another RunConfig.name, or stop that run first.") from exc
-        _OUR_CONTROLLERS.add(self.controller._actor_id.hex())
         try:
+            # In the try: a Ctrl-C here, before the run is awaited, still kills the controller.
+            _OUR_CONTROLLERS.add(self.controller._actor_id.hex())
             out, stopped_by = self._await_controller(steps, epochs)
             # The final weights are owned by the controller: fetch them before it goes.
             state_ref = out.pop("model_state_ref", None)
