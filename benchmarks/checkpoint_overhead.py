@@ -75,20 +75,12 @@ import time
 import elastic
 from elastic.controller import ROUTINE_EVENTS_KEPT
 from common import (add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain, elastic_trainer, emit,
-                    events_of, fail, fit_polled, ratio, run_raytrain, running_since, span_throughput, start_ray,
-                    step_throughput, workload_from_args)
+                    events_of, fail, fit_polled, percentile, ratio, run_raytrain, running_since, span_throughput,
+                    start_ray, step_throughput, workload_from_args)
 
 logger = logging.getLogger("bench.checkpoint")
 
 BUCKET = "elastic-bench"
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))]
 
 
 def step_end_times(res) -> list[tuple[float, int]]:

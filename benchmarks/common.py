@@ -68,6 +68,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile: the smallest value with at least ``q`` percent of the values at
+    or below it (None for no values)."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))]
+
+
 def fail(message: str) -> None:
     """A run did not do what its figures measure (no failure injected, no eviction, a step left
     uncommitted): exit non-zero before printing them. A figure from such a run would read well
@@ -221,14 +230,20 @@ def first_step_done(res) -> float:
     return running_since(res) + res.history[0]["step_time_s"]
 
 
-def timed_steps(res, after_step: int = 0) -> list[dict]:
-    """Steps the controller timed (a step kept from before a failure has step_time_s 0)."""
-    return [h for h in res.history if h["step"] > after_step and h["step_time_s"] > 0]
+def timed_steps(history: list[dict], after_step: int = 0) -> list[dict]:
+    """Steps of ``history`` (``Result.history``) the controller timed (a step kept from before a
+    failure has step_time_s 0)."""
+    return [h for h in history if h["step"] > after_step and h["step_time_s"] > 0]
 
 
 def step_throughput(res, after_step: int = 0) -> dict:
     """Samples/s and steps/s over the steps after ``after_step``, from per-step controller wall times."""
-    hs = timed_steps(res, after_step)
+    return history_throughput(res.history, after_step)
+
+
+def history_throughput(history: list[dict], after_step: int = 0) -> dict:
+    """``step_throughput`` of a run's ``Result.history``."""
+    hs = timed_steps(history, after_step)
     total = sum(h["step_time_s"] for h in hs)
     return {
         "steps": len(hs),
@@ -343,7 +358,7 @@ def _raytrain_loop(cfg: dict) -> None:
     steps, warmup = cfg["steps"], cfg["warmup"]
     t_first = t_warm = None
     t_attempt = time.time()
-    ckpt_s = 0.0
+    ckpt_s, timed_reports = 0.0, 0  # the reports of the timed steps (after the warm-up)
     loss_v = float("nan")
     for step in range(start + 1, steps + 1):
         if cfg.get("kill_step") == step and rank == cfg.get("kill_rank") and not os.path.exists(cfg["marker"]):
@@ -368,7 +383,9 @@ def _raytrain_loop(cfg: dict) -> None:
                                 "first_step_time": t_run_first}, os.path.join(d, "state.pt"))
                     checkpoint = ray.train.Checkpoint.from_directory(d)
                 ray.train.report({"step": step, "loss": loss_v}, checkpoint=checkpoint)
-            ckpt_s += time.perf_counter() - t0
+            if step > warmup:  # a warm-up report (the first one sets up the storage) is not a step's cost
+                ckpt_s += time.perf_counter() - t0
+                timed_reports += 1
         # After the step's checkpoint: the timed steps (warmup, steps] carry exactly their own
         # reports, as ours do (step ``warmup``'s snapshot falls before our clock starts too).
         if step == warmup:
@@ -382,7 +399,7 @@ def _raytrain_loop(cfg: dict) -> None:
         "steady_steps": done, "steady_s": span,
         "samples_per_s": done * w.global_batch / span if span else None,
         "steps_per_s": done / span if span else None,
-        "mean_ckpt_report_s": ckpt_s / max(1, steps - start) if cfg.get("ckpt_every") else None,
+        "mean_ckpt_report_s": ckpt_s / timed_reports if timed_reports else None,
     }
     # Ray Train v2's Result.metrics are those attached to the newest checkpoint, so the one
     # report at the end carries a tiny checkpoint (after the timed loop; it costs every run alike).

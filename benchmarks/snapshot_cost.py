@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from common import add_workload_args, claim_stdout, emit, workload_from_args
+from common import add_workload_args, claim_stdout, emit, percentile, workload_from_args
 from elastic.checkpoint.agent import receive_message, send_message
 from elastic.checkpoint.codec import flatten_state, rank_share, tensor_nbytes
 from elastic.checkpoint.worker_hook import AgentCheckpointer, live_state
@@ -123,7 +123,7 @@ def main() -> None:
     median_snap, median_step = statistics.median(snap_cpu), statistics.median(step_cpu)
     details = {"rank": args.rank, "world_size": w.workers, "steps": args.steps, **share, **w.describe()}
     emit("ckpt_snapshot_cpu_us", median_snap * 1e6, "us",
-         p90_us=sorted(snap_cpu)[int(0.9 * len(snap_cpu))] * 1e6, wall_median_us=statistics.median(snap_wall) * 1e6,
+         p90_us=percentile(snap_cpu, 90) * 1e6, wall_median_us=statistics.median(snap_wall) * 1e6,
          **details)
     emit("ckpt_snapshot_share_of_step", median_snap / median_step, "ratio",
          train_step_cpu_us=median_step * 1e6, **details)

@@ -9,7 +9,8 @@ first-N-of-M (b=1, M=5) with the same slowdown; first-N plus eviction (one hot s
 alone costs when five processes share this machine's cores (``--no-first-n-healthy`` skips it).
 The five repeat ``--rounds`` times (default 2), the order reversed every other round, so load
 drift on a shared machine reaches every mode alike; each ratio is taken within a round over that
-round's healthy plain run, and the figure is the mean of the rounds (each round is listed).
+round's healthy plain run over the same steps, and the figure is the mean of the rounds (each
+round is listed).
 Throughput is samples/s over the controller's per-step wall times of the steps from ``slow-from`` on
 (for eviction: the steps after the eviction; the eviction run is longer, and its figure also gives
 the ratio over the steps after the replacement spare is ready: the spare that refills the pool
@@ -67,7 +68,8 @@ import time
 import elastic
 from elastic.controller import evictions_carried_out
 from common import (add_workload_args, claim_stdout, elastic_trainer, emit, fail, finished_at, fit_polled,
-                    ratio, running_since, span_throughput, start_ray, step_throughput, workload_from_args)
+                    history_throughput, ratio, running_since, span_throughput, start_ray, step_throughput,
+                    workload_from_args)
 
 logger = logging.getLogger("bench.straggler")
 
@@ -138,18 +140,27 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
            "agreed_steps": res.metrics["agreed_steps"],
            "wall_s": wall}
     logger.info("%s: %s", mode, out)
+    out["history"] = res.history  # for the ratios over the same steps (main's base_over); not logged
     return out
 
 
-def evict_details(run: dict, base: float) -> dict:
+def base_over(run: dict, after_step: int) -> float | None:
+    """``run``'s samples/s over its steps after ``after_step``: a ratio's base over the steps its
+    figure measures. Why not the base run's own figure (from the slowdown on): the eviction is
+    measured from its decision (step ~40-70), and the base's steps before that hold the dispatch
+    window's ramp (windows grow from one step), a slower base that flattered the ratio."""
+    return history_throughput(run["history"], after_step)["samples_per_s"]
+
+
+def evict_details(run: dict, healthy: dict) -> dict:
     """For the eviction run: who was evicted and why, its length, and the ratio over the steps
-    after the replacement spare was ready."""
+    after the replacement spare was ready (against the healthy run over those steps)."""
     out = {"run_steps": run["run_steps"], "evicted_after_step": run["evicted_after_step"],
            "evicted_rank": run.get("evicted_rank"), "evict_reason": run.get("evict_reason")}
     if "after_spare_ready" in run:
         later = run["after_spare_ready"]
         out.update(spare_ready_step=run["spare_ready_step"], steps_after_spare_ready=later["steps"],
-                   ratio_after_spare_ready=ratio(later["samples_per_s"], base))
+                   ratio_after_spare_ready=ratio(later["samples_per_s"], base_over(healthy, run["spare_ready_step"])))
     return out
 
 
@@ -215,7 +226,8 @@ def main(argv=None) -> None:
               "rounds": args.rounds, "late_backoff_steps": args.late_backoff_steps}
 
     def mean_ratio(mode: str, over: str) -> tuple[float | None, list]:
-        per_round = [ratio(r[mode]["samples_per_s"], r[over]["samples_per_s"]) for r in rounds]
+        per_round = [ratio(r[mode]["samples_per_s"], base_over(r[over], r[mode]["measured_after_step"]))
+                     for r in rounds]
         known = [x for x in per_round if x is not None]
         return (sum(known) / len(known) if known else None), per_round
 
@@ -234,6 +246,9 @@ def main(argv=None) -> None:
         details: dict = {"per_round": per_round,
                          "samples_per_s": [r[mode]["samples_per_s"] for r in rounds],
                          "healthy_samples_per_s": [r["healthy"]["samples_per_s"] for r in rounds],
+                         # The base of each round's ratio: the healthy run over the same steps.
+                         "healthy_samples_per_s_same_steps": [base_over(r["healthy"], r[mode]["measured_after_step"])
+                                                              for r in rounds],
                          "measured_after_step": [r[mode]["measured_after_step"] for r in rounds],
                          "measured_steps": [r[mode]["steps"] for r in rounds],
                          # Wall clock from the slowdown to the end, against the healthy run's
@@ -246,7 +261,7 @@ def main(argv=None) -> None:
             details["ratio_vs_first_n_healthy"], details["per_round_vs_first_n_healthy"] = \
                 mean_ratio(mode, "first_n_healthy")
         if mode == "evict":
-            details["rounds_detail"] = [evict_details(r["evict"], r["healthy"]["samples_per_s"]) for r in rounds]
+            details["rounds_detail"] = [evict_details(r["evict"], r["healthy"]) for r in rounds]
         emit(f"straggler_throughput_ratio_{mode}", value, "ratio", **details, **common)
     for mode in modes:
         runs = [r[mode] for r in rounds]
