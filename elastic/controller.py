@@ -2374,8 +2374,8 @@ class Controller:
             self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "
                      f"{[m.rank for m in behind]} through the object store", source=source.rank)
         self._stateless -= {m.name for m in self.group.members}
-        # A step that finished on a survivor before the failure (or a queued step that finished
-        # before an eviction) stands: it is accounted, not replayed.
+        # A step that finished on a survivor before the failure stands: it is accounted, not
+        # replayed. (An eviction leaves none: its queued window is booked first, _after_step.)
         self._keep_steps_held_by(source, newest, "completed on a survivor before the rebuild")
         self._held_through = 0
         self._inflight.clear()
