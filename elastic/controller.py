@@ -243,6 +243,7 @@ class Controller:
         # run's step and not kept yet: if that holder is lost before the pass keeps them, a later
         # pass that restores an older state counts them as recomputed (_sync_state, _restart_all).
         self._held_through = 0
+        self._state_sent_to: set[int] = set()  # the ranks the last state sync brought up to date
         self._snapshot_last = False  # late replicas were released at the end: snapshot the last step again
         self._ended = threading.Event()  # set on the transition into a terminal state
         # Names of the actors the controller killed as hung. Names, not ranks: a spare takes the
@@ -2301,6 +2302,7 @@ class Controller:
         queued behind step t, a failure can land after a survivor finished step t (kept) but
         began t+1 (lost), or before the queued step began at all (nothing lost).
         """
+        self._state_sent_to = set()  # set once every member holds the run's state (below)
         # Each rank that answers forgets its begun-and-lost step as it answers; the work is counted
         # here even if another rank fails this call, so a failure while healing (this runs again)
         # counts it once. (Counting twice happened when a spare died after this call succeeded.)
@@ -2379,6 +2381,7 @@ class Controller:
         self._keep_steps_held_by(source, newest, "completed on a survivor before the rebuild")
         self._held_through = 0
         self._inflight.clear()
+        self._state_sent_to = {m.rank for m in behind}
 
     def _keep_steps_held_by(self, holder: Member, newest: int, how: str) -> None:
         """``holder`` finished the steps after the run's up to ``newest`` (their results never
@@ -2682,8 +2685,10 @@ class Controller:
         fast N never wrote its part of the due steps it had not reached, and the spare in its
         place got the state after them, so those steps never commit and the newest checkpoint
         stays up to ``every_n_steps`` behind until the next due step (a DDP victim's writer was
-        killed mid-persist the same way). A step that was due (the others wrote theirs) needs
-        the spare's part alone; another one, every rank's. The snapshots persist in the
+        killed mid-persist the same way). A step that was due needs the parts of the members
+        that took the state in the rebuild (``_state_sent_to``: the spare, and a first-N replica
+        still late when the survivors left, which never trained it either); the others wrote
+        theirs as they trained it. Another step needs every rank's. The snapshots persist in the
         background as any step's, and their parts come back with later results. With
         ``every_n_steps`` = 1 the next step commits anyway."""
         every = self.run_config.checkpoint.every_n_steps
@@ -2691,7 +2696,8 @@ class Controller:
             return
         step = self.step
         self._force_meta(step)
-        members = [self.group.members[r]] if step % every == 0 else list(self.group.members)
+        due = step % every == 0
+        members = [m for m in self.group.members if not due or m.rank in self._state_sent_to | {r}]
         refs = [(m.rank, m.actor.snapshot_checkpoint.remote(step)) for m in members]
         for rank, ref in refs:
             try:

@@ -1354,6 +1354,25 @@ def test_an_eviction_books_the_window_already_queued_before_it_rebuilds(ray_clus
     assert [e.details["rank"] for e in c.events if e.kind == "replace"] == [1]
 
 
+@pytest.mark.parametrize("step, asked", [(8, [0, 2]), (7, [0, 1, 2])], ids=["due", "not_due"])
+def test_after_an_eviction_the_members_that_took_the_state_snapshot_a_due_step(ray_cluster, step, asked):
+    # Rank 2 evicted, with every_n_steps=4. At a due step the survivors wrote their parts as they
+    # trained it; the spare in rank 2's place and a first-N replica still late when the
+    # survivors left (rank 0 here, brought up to date by the state sync) never trained it.
+    # Asked of the spare alone, the late replica's part never came and the step never committed.
+    # A step that was not due needs every rank's part.
+    with trained(f"fake-snap-after-evict-{step}", workers=3, steps=8) as c:
+        c.run_config.checkpoint.every_n_steps = 4
+        c.committer = CommittedAt(0)
+        c.step = step
+        c._state_sent_to = {0, 2}
+        forced, merged = [], []
+        c._force_meta = forced.append
+        c._merge_ckpt = lambda rank, report: merged.append(rank)
+        c._snapshot_after_evict(2)
+    assert forced == [step] and sorted(merged) == asked
+
+
 def test_an_eviction_waiting_for_the_queued_window_is_dropped_when_a_failure_rebuilds_first(ray_cluster):
     # Rank 0 dies in step 6, the window the eviction decided after step 5 waits for. The
     # recovery rebuilds the group and the policy starts over; the old group's eviction is
