@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint.pool import PartPool
+from elastic.checkpoint.pool import PartPool, PoolRetired
 from elastic.checkpoint.store import shard_name
 from elastic.checkpoint.worker_hook import WorkerCheckpointer
 from helpers import free_port
@@ -116,3 +116,54 @@ def test_a_pool_of_a_group_left_never_connects_and_one_of_a_live_group_tries_aga
         with pytest.raises(ConnectionError, match="of a group this rank left"):
             pool.add(step, 0, {"r": 0})
     assert len(tries) == 2
+
+
+def test_a_retired_pool_takes_no_part_even_when_connected(master):
+    # A connected pool kept taking parts after its rank left the group: the step waited there for
+    # ranks that would never add theirs (an evicted straggler), and never committed.
+    p = pools(master, 2)
+    assert p[0].add(1, 0, {"r": 0}) is None  # connected now
+    p[0].retire()
+    with pytest.raises(PoolRetired, match="of a group this rank left"):
+        p[0].add(2, 0, {"r": 0})
+
+
+def pooled_rank(tmp_path, master, sent):
+    """Rank 1 of 2 writing in process (blocking, so a part is pushed within after_step), pooling
+    its parts in ``master``'s store; rank 0 never adds any."""
+    ckpt = WorkerCheckpointer(f"file://{tmp_path}/ck", None, "pool", 1, blocking=True,
+                              notify=lambda step, world, parts: sent.append((step, world, sorted(parts))))
+    model = torch.nn.Linear(4, 2)
+    worker = types.SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                   scheduler=None, completed_step=1, rank=1, world_size=2,
+                                   part_pool=PartPool("127.0.0.1", master.port, 2))
+    return ckpt, worker
+
+
+def test_a_part_left_waiting_in_the_pool_is_reported_when_the_rank_leaves_the_group(tmp_path, master):
+    # Rank 0 (an evicted straggler) never adds its part of step 1: rank 1's waited in the pool,
+    # and once rank 1 left the group nothing would ever report it.
+    sent = []
+    ckpt, worker = pooled_rank(tmp_path, master, sent)
+    ckpt.after_step(worker, 1)
+    assert sent == []  # pooled, waiting for rank 0's
+    worker.part_pool.retire()  # as TrainWorker.leave does, then:
+    ckpt.left_group()
+    assert sent == [(1, 2, [1])]
+    ckpt.left_group()  # reported once
+    worker.completed_step = 2
+    ckpt.after_step(worker, 2)  # a part written after the leave: its own report, no pool
+    assert sent == [(1, 2, [1]), (2, 2, [1])]
+    ckpt.close()
+
+
+def test_a_snapshot_off_the_pool_is_reported_on_its_own(tmp_path, master):
+    # The snapshot a new group takes after an eviction (TrainWorker.snapshot_checkpoint): the
+    # group's other ranks never add that step to its pool.
+    sent = []
+    ckpt, worker = pooled_rank(tmp_path, master, sent)
+    ckpt.snapshot(worker, 1, pooled=False)
+    assert sent == [(1, 2, [1])]
+    ckpt.left_group()
+    assert sent == [(1, 2, [1])]  # nothing was left waiting
+    ckpt.close()

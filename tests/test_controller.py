@@ -2276,13 +2276,15 @@ def test_a_late_window_collected_without_a_timing_leaves_no_stale_late_stretch(r
 def test_a_wait_for_capacity_whose_spare_dies_building_asks_again_until_capacity_timeout_s(ray_cluster):
     # The spare asked for died in its constructor: the wait ended at once, and the run failed
     # saying no capacity came within capacity_timeout_s, seconds into a 30 s wait.
-    c = controller("fake-cap-spare-dies", failure=elastic.FailureConfig(when_no_spare="wait", capacity_timeout_s=4),
+    # 8 s: under a loaded suite a spare took over a second to start and fail, and a 4 s wait
+    # saw only one of them.
+    c = controller("fake-cap-spare-dies", failure=elastic.FailureConfig(when_no_spare="wait", capacity_timeout_s=8),
                    faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
     c.worker_group_cls = SparesThatFailToBuild
-    run_expecting_failure(c, 6, "no capacity came within capacity_timeout_s=4s")
+    run_expecting_failure(c, 6, "no capacity came within capacity_timeout_s=8s")
     waits = [e for e in c.events if e.kind == "decision" and e.details["decision"] == "WaitForCapacity"]
     fail = next(e for e in c.events if e.kind == "decision" and e.details["decision"] == "Fail")
-    assert fail.time - waits[0].time >= 4  # the whole wait, not until the first spare died
+    assert fail.time - waits[0].time >= 8  # the whole wait, not until the first spare died
     assert len(waits) >= 2 and len([e for e in c.events if e.kind == "spare_lost"]) >= 2  # asked again
 
 

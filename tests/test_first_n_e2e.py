@@ -299,6 +299,26 @@ def test_the_step_an_eviction_leaves_at_is_checkpointed_off_schedule(ray_cluster
     assert committed == {replaced["step"], 40}, (replaced["step"], sorted(committed))
 
 
+def test_the_step_an_eviction_leaves_at_commits_when_ranks_pool_their_parts_in_process(ray_cluster, tmp_path):
+    # blocking=True: the ranks write in their own processes and pool their parts in the group's
+    # store (no node agent, whose pool gives up waiting after a while). A step due when the
+    # eviction comes (every_n_steps=2; the decision's step is odd or even as the timing falls)
+    # has the survivors' parts waiting in the old group's pool for the victim's, which never
+    # comes: they are reported on their own as the survivors leave. A step that was not due is
+    # snapshotted by every rank of the new group, each part reported on its own. Either way the
+    # step commits; before, a due one's parts stayed in the old pool and it never did.
+    failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=3.0, straggler_window=2,
+                                    checksum_every_n_steps=1)
+    paced = [{"kind": "slow", "rank": r, "delay_s": 0.1, "from_step": 2} for r in (0, 2)]
+    result = make("evict-ckpt-pooled", faults=[{"kind": "slow", "rank": 1, "delay_s": 1.0, "from_step": 2}, *paced],
+                  spares=1, failure=failure, steps_per_dispatch=1, storage=f"file://{tmp_path}",
+                  checkpoint=elastic.CheckpointConfig(every_n_steps=2, keep_last=100, blocking=True)).fit(steps=30)
+    [replaced] = [e for e in result.events_of("transition") if "replaced by a spare" in e["message"]]
+    committed = {e["details"]["step"] for e in result.events_of("checkpoint_commit")}
+    assert replaced["step"] in committed, (replaced["step"], sorted(committed))
+    assert 30 in committed
+
+
 # Ranks 1 and 2 slowed by 0.2 s from the start: rank 0 is surely in the fast set until a test
 # slows it more.
 RANKS_1_2_SLOWED = [{"kind": "slow", "rank": r, "delay_s": 0.2, "from_step": 1} for r in (1, 2)]

@@ -643,6 +643,8 @@ class TrainWorker:
         if self.part_pool is not None:
             self.part_pool.retire()  # snapshots taken in the old group keep theirs, which now fails fast
         self.part_pool = None
+        if self._ckpt is not None:
+            self._ckpt.left_group()  # a part left waiting in the old pool goes on its own
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         with self._group_lock:  # no abort_collectives in the middle (see there)
             if dist.is_initialized():
@@ -1277,7 +1279,9 @@ class TrainWorker:
         results (``_after_step``). The controller asks after an eviction (``_snapshot_after_evict``)."""
         if self._ckpt is None or step != self.completed_step:
             return {}
-        return self._ckpt_report(self._ckpt.drain(self._ckpt.snapshot(self, step)))
+        # Not through the new group's pool: its other ranks wrote this step in the old group, or
+        # snapshot it here too, and none of them adds it to the new pool alongside this part.
+        return self._ckpt_report(self._ckpt.drain(self._ckpt.snapshot(self, step, pooled=False)))
 
     def _ckpt_report(self, report: dict) -> dict:
         """The checkpointer's report as it goes to the controller: the finished parts with their

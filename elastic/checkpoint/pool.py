@@ -43,6 +43,10 @@ SLOTS = 128
 _PREFIX = "elastic-ckpt"
 
 
+class PoolRetired(ConnectionError):
+    """A part offered to the pool of a group its rank left (``PartPool.retire``)."""
+
+
 class PartPool:
     """One process group's meeting point for written checkpoint parts. Connects on first use."""
 
@@ -54,20 +58,23 @@ class PartPool:
         self._lock = threading.Lock()
 
     def retire(self) -> None:
-        """The rank left this pool's group. A pool not connected by then never connects: the
-        group's store may be gone, and torch's client retries a connect for about twice
-        ``timeout_s``. The pool rides in the payloads of the old group's snapshots, so each of
+        """The rank left this pool's group: from now on ``add`` raises, connected or not, and
+        the writer reports the part on its own (``WorkerCheckpointer._push``). Why, unconnected:
+        the group's store may be gone, and torch's client retries a connect for about twice
+        ``timeout_s``; the pool rides in the payloads of the old group's snapshots, so each of
         them paid that wait on the writer thread, the new group's writes queued behind them.
-        While the group lives, a failed connect is tried again at the next part: a pool given up
-        on in a live group would leave the other ranks' parts waiting for this rank's, and no
-        later step would complete."""
+        Connected: the group's other ranks may never add their parts of the step (an evicted
+        straggler, a dead rank, ranks whose writes were done before they left), so a part added
+        there waited for them forever and its step never committed. While the group lives, a
+        failed connect is tried again at the next part: a pool given up on in a live group would
+        leave the other ranks' parts waiting for this rank's, and no later step would complete."""
         self._retired = True
 
     def _connect(self) -> Any:
         with self._lock:
+            if self._retired:
+                raise PoolRetired(f"the part pool at {self.host}:{self.port} is of a group this rank left")
             if self._store is None:
-                if self._retired:
-                    raise ConnectionError(f"the part pool at {self.host}:{self.port} is of a group this rank left")
                 client = dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=self.timeout_s),
                                        wait_for_workers=False)
                 self._store = dist.PrefixStore(_PREFIX, client)

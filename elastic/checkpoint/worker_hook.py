@@ -24,6 +24,7 @@ from elastic.checkpoint.codec import (RawRng, SkeletonJson, UnsaveableValue, can
                                       host_copy, json_object_plus, shard_layout)
 from elastic.checkpoint.compat import PARAM_NAMES_KEY, UnsaveableState
 from elastic.checkpoint.persister import AsyncPersister
+from elastic.checkpoint.pool import PoolRetired
 from elastic.checkpoint.shm import SlotRing, memfd_with
 from elastic.checkpoint.staging import StagingBuffers
 from elastic.checkpoint.storage import RetryPolicy
@@ -158,6 +159,9 @@ class WorkerCheckpointer:
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
         self._last_pushed: tuple[int, dict] | None = None
+        # The newest part added to the group's pool that did not complete its step there:
+        # (step, world size, {rank: part}), reported on its own if the rank leaves the group first.
+        self._pooled_waiting: tuple[int, int, dict] | None = None
         self._pool_error: str | None = None
         # The payload is (snapshot, the group's PartPool at snapshot time or None, the group
         # generation then). Its host copies go back to ``staging`` once the persister lets go of it.
@@ -182,9 +186,11 @@ class WorkerCheckpointer:
         """Snapshot and submit when the step is due; always report what finished since the last call."""
         return self._report(self.snapshot(worker, step) if self.due(step) else [])
 
-    def snapshot(self, worker: Any, step: int) -> list[dict]:
+    def snapshot(self, worker: Any, step: int, pooled: bool = True) -> list[dict]:
         """Snapshot ``step`` and hand it to the writer; the events of a snapshot that failed.
-        Raises ``UnsaveableState`` for a state no checkpoint can store."""
+        Raises ``UnsaveableState`` for a state no checkpoint can store. ``pooled=False``: its
+        part goes to the controller on its own, not through the group's pool (a snapshot off
+        the schedule, whose step the group's other ranks never add there)."""
         t0 = time.perf_counter()
         try:
             snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging)
@@ -193,7 +199,7 @@ class WorkerCheckpointer:
         except Exception as exc:  # noqa: BLE001 - a snapshot that failed must not stop training
             return self._snapshot_failed(worker, step, exc)
         self.last_snapshot_s = time.perf_counter() - t0
-        pool = getattr(worker, "part_pool", None) if self.pool_parts else None
+        pool = getattr(worker, "part_pool", None) if self.pool_parts and pooled else None
         self.persister.submit(step, (snapshot, pool, group_generation(worker)),
                               light=not snapshot.writes_file, keep=is_milestone(self.keep_every, step))
         return []
@@ -215,8 +221,13 @@ class WorkerCheckpointer:
         part = {**written, "progress": self._progress() if self._progress is not None else step}
         parts: dict[int, dict] | None = {snapshot.rank: part}
         if pool is not None:  # a group of more than one rank
+            # Set before the add: a leave() in between reports it (left_group), and the part
+            # may then reach the controller twice, which the committer ignores.
+            self._pooled_waiting = (step, snapshot.world_size, {snapshot.rank: part})
             try:
                 parts = pool.add(step, snapshot.rank, part)
+            except PoolRetired:
+                pass  # the rank left that group since the snapshot: its part goes on its own
             except Exception as exc:  # noqa: BLE001 - the group is gone or its store is down: report directly
                 text = f"{type(exc).__name__}: {exc}"
                 if text != self._pool_error:
@@ -225,7 +236,19 @@ class WorkerCheckpointer:
                     self._pool_error = text
             if parts is None:
                 return  # another rank's part completes the step; that rank reports it
+            self._pooled_waiting = None  # reported now, or superseded by this newer step
         self._notify(step, snapshot.world_size, parts)
+
+    def left_group(self) -> None:
+        """The rank left its group (``TrainWorker.leave``): its newest part still waiting in the
+        group's pool for the other ranks' goes to the controller on its own. Why: some of them
+        will never add theirs (an evicted straggler, a dead rank), and the others' are there
+        already or come on their own too, so the step commits from the direct reports; left in
+        the pool, it never did. A part whose step the pool completed meanwhile reaches the
+        controller twice, which the committer ignores."""
+        waiting, self._pooled_waiting = self._pooled_waiting, None
+        if waiting is not None and self._notify is not None:
+            self._notify(*waiting)
 
     def _report(self, extra_events: list[dict] | None = None) -> dict:
         # Events carry no rank: the controller knows which rank it asked, and a rank field would
@@ -372,6 +395,13 @@ class AgentCheckpointer:
     def due(self, step: int) -> bool:
         return is_due(self.every_n_steps, step)
 
+    def left_group(self) -> None:
+        """See ``WorkerCheckpointer.left_group``. Nothing waits here: the agent reports a part
+        it pooled once its wait for the others' is over, and a fall-back writer reports its own
+        (it does not pool: ``pool_parts``)."""
+        if self.fallback is not None:
+            self.fallback.left_group()
+
     def warm_up(self) -> None:
         """The agent opens the storage client (``CheckpointAgent.warm_up``)."""
 
@@ -380,11 +410,13 @@ class AgentCheckpointer:
             return self.fallback.after_step(worker, step)
         return self._report(self.snapshot(worker, step) if self.due(step) else [])
 
-    def snapshot(self, worker: Any, step: int) -> list[dict]:
+    def snapshot(self, worker: Any, step: int, pooled: bool = True) -> list[dict]:
         """Snapshot ``step`` into a slot and hand it to the agent; the events of a failure.
-        Raises ``UnsaveableState`` for a state no checkpoint can store."""
+        Raises ``UnsaveableState`` for a state no checkpoint can store. ``pooled``: for
+        ``WorkerCheckpointer``'s signature; a node agent pools the parts it writes with a wait of
+        its own, and reports what it holds after it."""
         if self.fallback is not None:
-            return self.fallback.snapshot(worker, step)
+            return self.fallback.snapshot(worker, step, pooled)
         try:
             self._poll()
             rng = RawRng.take()
