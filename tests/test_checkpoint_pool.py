@@ -113,19 +113,22 @@ def test_a_pool_of_a_group_left_never_connects_and_one_of_a_live_group_tries_aga
     assert len(tries) == 2  # tried again while the group may live
     pool.retire()
     for step in (3, 4):
-        with pytest.raises(ConnectionError, match="of a group this rank left"):
+        with pytest.raises(PoolRetired, match="of a group this rank left"):
             pool.add(step, 0, {"r": 0})
     assert len(tries) == 2
 
 
-def test_a_retired_pool_takes_no_part_even_when_connected(master):
-    # A connected pool kept taking parts after its rank left the group: the step waited there for
-    # ranks that would never add theirs (an evicted straggler), and never committed.
+def test_a_retired_pool_that_is_connected_still_completes_a_step(master):
+    # A part written after its rank left the group: where the group's other parts of its step
+    # are in the pool (a rank that died after adding its own), the step completes there, and
+    # only that pool holds the dead rank's part. (One that does not complete goes on its own:
+    # WorkerCheckpointer._push.)
     p = pools(master, 2)
     assert p[0].add(1, 0, {"r": 0}) is None  # connected now
+    assert p[1].add(2, 1, {"r": 1}) is None
     p[0].retire()
-    with pytest.raises(PoolRetired, match="of a group this rank left"):
-        p[0].add(2, 0, {"r": 0})
+    assert p[0].retired
+    assert p[0].add(2, 0, {"r": 0}) == {0: {"r": 0}, 1: {"r": 1}}
 
 
 def pooled_rank(tmp_path, master, sent):
@@ -151,9 +154,15 @@ def test_a_part_left_waiting_in_the_pool_is_reported_when_the_rank_leaves_the_gr
     ckpt.left_group()
     assert sent == [(1, 2, [1])]
     ckpt.left_group()  # reported once
+    # Parts of snapshots taken before the leave (their payloads hold the retired pool): one
+    # that completes its step in the pool goes with the others' parts (rank 0 added its part of
+    # step 3), one that does not goes on its own.
     worker.completed_step = 2
-    ckpt.after_step(worker, 2)  # a part written after the leave: its own report, no pool
-    assert sent == [(1, 2, [1]), (2, 2, [1])]
+    ckpt.after_step(worker, 2)
+    PartPool("127.0.0.1", master.port, 2).add(3, 0, {"entries": []})
+    worker.completed_step = 3
+    ckpt.after_step(worker, 3)
+    assert sent == [(1, 2, [1]), (2, 2, [1]), (3, 2, [0, 1])]
     ckpt.close()
 
 

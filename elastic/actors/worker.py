@@ -644,7 +644,11 @@ class TrainWorker:
             self.part_pool.retire()  # snapshots taken in the old group keep theirs, which now fails fast
         self.part_pool = None
         if self._ckpt is not None:
-            self._ckpt.left_group()  # a part left waiting in the old pool goes on its own
+            try:
+                self._ckpt.left_group()  # a part left waiting in the old pool goes on its own
+            except Exception:  # noqa: BLE001 - the teardown below must run (peers wait on it)
+                logger.debug("rank %s: could not report its pooled checkpoint part on leaving", self.rank,
+                             exc_info=True)
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         with self._group_lock:  # no abort_collectives in the middle (see there)
             if dist.is_initialized():

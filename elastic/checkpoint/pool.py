@@ -58,23 +58,27 @@ class PartPool:
         self._lock = threading.Lock()
 
     def retire(self) -> None:
-        """The rank left this pool's group: from now on ``add`` raises, connected or not, and
-        the writer reports the part on its own (``WorkerCheckpointer._push``). Why, unconnected:
-        the group's store may be gone, and torch's client retries a connect for about twice
-        ``timeout_s``; the pool rides in the payloads of the old group's snapshots, so each of
-        them paid that wait on the writer thread, the new group's writes queued behind them.
-        Connected: the group's other ranks may never add their parts of the step (an evicted
-        straggler, a dead rank, ranks whose writes were done before they left), so a part added
-        there waited for them forever and its step never committed. While the group lives, a
-        failed connect is tried again at the next part: a pool given up on in a live group would
-        leave the other ranks' parts waiting for this rank's, and no later step would complete."""
+        """The rank left this pool's group. A pool not connected by then never connects
+        (``add`` raises ``PoolRetired``): the group's store may be gone, and torch's client
+        retries a connect for about twice ``timeout_s``. The pool rides in the payloads of the
+        old group's snapshots, so each of them paid that wait on the writer thread, the new
+        group's writes queued behind them. A connected one still takes parts, so a step whose
+        other parts are there completes, but the writer reports a part that does not complete
+        its step on its own (``WorkerCheckpointer._push``): the group's other ranks may never
+        add theirs (an evicted straggler, a dead rank). While the group lives, a failed connect
+        is tried again at the next part: a pool given up on in a live group would leave the
+        other ranks' parts waiting for this rank's, and no later step would complete."""
         self._retired = True
+
+    @property
+    def retired(self) -> bool:
+        return self._retired
 
     def _connect(self) -> Any:
         with self._lock:
-            if self._retired:
-                raise PoolRetired(f"the part pool at {self.host}:{self.port} is of a group this rank left")
             if self._store is None:
+                if self._retired:
+                    raise PoolRetired(f"the part pool at {self.host}:{self.port} is of a group this rank left")
                 client = dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=self.timeout_s),
                                        wait_for_workers=False)
                 self._store = dist.PrefixStore(_PREFIX, client)

@@ -227,13 +227,18 @@ class WorkerCheckpointer:
             try:
                 parts = pool.add(step, snapshot.rank, part)
             except PoolRetired:
-                pass  # the rank left that group since the snapshot: its part goes on its own
+                pass  # never connected, and the rank left that group since: the part goes on its own
             except Exception as exc:  # noqa: BLE001 - the group is gone or its store is down: report directly
                 text = f"{type(exc).__name__}: {exc}"
                 if text != self._pool_error:
                     logger.warning("rank %s: cannot pool checkpoint part of step %d (%s); reporting it directly",
                                    snapshot.rank, step, text[:300])
                     self._pool_error = text
+            if parts is None and pool.retired:
+                # The rank left that group since the snapshot: the others may never add their
+                # parts of the step (an evicted straggler), so this one goes on its own, as a
+                # part left waiting does when the rank leaves (left_group).
+                parts = {snapshot.rank: part}
             if parts is None:
                 return  # another rank's part completes the step; that rank reports it
             self._pooled_waiting = None  # reported now, or superseded by this newer step
