@@ -2490,10 +2490,7 @@ class Controller:
         # the policy starts over with the new one (_form_group).
         decision = self.straggler_policy.decide(len(self.group.spares), steps=decide_steps) \
             if decide_steps and self._evict_after_window is None else None
-        late = self._too_late_to_evict(decision) if isinstance(decision, EvictStraggler) else None
-        if late is not None:
-            self._note_held_back(late, why="too_late")
-        elif isinstance(decision, EvictStraggler) and self._inflight:
+        if isinstance(decision, EvictStraggler) and self._inflight and self._too_late_to_evict(decision) is None:
             # The next window is queued on the workers (the look-ahead). Carried out once its
             # results are in (_run_one_step), so its steps are booked as steps: their loss,
             # timings, checksums and checkpoint parts. Why not wait for it here, as the rebuild
@@ -2504,7 +2501,7 @@ class Controller:
             self._evict_after_window = decision
         elif isinstance(decision, EvictStraggler):
             t_evict, waited = time.perf_counter(), self._waited_s
-            self._evict(decision)
+            self._evict_unless_too_late(decision)
             # Its waits (the late windows, the leaves, the state's transfer, the rendezvous) are
             # the workers', not controller time (StepRecord.controller_time_s). Set, not added
             # to: the late windows' gathers inside it count their own waits.
@@ -2540,8 +2537,12 @@ class Controller:
         """The eviction that waited for the queued window (``_after_step``), now that it is in:
         carried out, or named with ``Continue`` if the run's end or a stop came meanwhile."""
         decision, self._evict_after_window = self._evict_after_window, None
-        if decision is None:
-            return
+        if decision is not None:
+            self._evict_unless_too_late(decision)
+
+    def _evict_unless_too_late(self, decision: EvictStraggler) -> None:
+        """Evict ``decision``'s straggler, or name it with ``Continue`` when nothing is left for
+        the swap to speed up (``_too_late_to_evict``)."""
         late = self._too_late_to_evict(decision)
         if late is not None:
             self._note_held_back(late, why="too_late")
