@@ -2,8 +2,8 @@
 
 Every check here runs before any actor starts, and every message names the field to change.
 Checks that need the cluster (GPUs present, enough resources) are
-``elastic.actors.worker_group.check_cluster_fits``, which the controller runs before any worker
-actor starts.
+``elastic.actors.cluster_fit.check_cluster_fits``, which ``fit()`` and the controller run before
+any worker actor starts.
 """
 
 from __future__ import annotations
@@ -178,6 +178,15 @@ class ScalingConfig:
     process may restore its priority afterwards), so its start-up does not slow ranks sharing
     its node. Spares that training waits for always start at normal priority.
 
+    ``wait_for_nodes``: the cluster adds nodes on demand (Ray's autoscaler, KubeRay with
+    autoscaling) and its nodes for this run may not be up yet. Before any actor starts, a run is
+    checked against the cluster: where its autoscaler reports its node groups to Ray, against the
+    most they can grow to; otherwise against the live nodes, and a run they cannot hold is
+    refused. With ``wait_for_nodes=True`` that check is skipped (Ray's autoscaler on VMs and
+    KubeRay report nothing it could be made against), and the placement group waits for the
+    autoscaler up to ``placement_timeout_s``: raise that to cover a node's start (minutes for a
+    cloud GPU node).
+
     ``late_backoff_steps`` (first-N only): a replica whose gradient came late (or was skipped)
     ``k`` times in a row sits out the next ``min(4 * 2**(k-1), late_backoff_steps)`` steps. It
     still receives and applies every update, so it stays identical, but it computes no gradient
@@ -206,6 +215,7 @@ class ScalingConfig:
     find_unused_parameters: bool = False
     background_spare_start: bool = True
     late_backoff_steps: int = 8
+    wait_for_nodes: bool = False
 
     def __post_init__(self) -> None:
         # Types first: the checks below do arithmetic with these (math.comb, sums, comparisons).
@@ -220,7 +230,7 @@ class ScalingConfig:
                 "eviction waits for the call; 0 picks it from the step time.")
         _require_int("ScalingConfig.late_backoff_steps", self.late_backoff_steps, 0,
                      "(0 = a late first-N replica never sits out)")
-        for name in ("use_gpu", "background_spare_start", "find_unused_parameters"):
+        for name in ("use_gpu", "background_spare_start", "find_unused_parameters", "wait_for_nodes"):
             _require_flag(f"ScalingConfig.{name}", getattr(self, name))
         _require_seconds("ScalingConfig.placement_timeout_s", self.placement_timeout_s)
         _require_seconds("ScalingConfig.dispatch_target_s", self.dispatch_target_s)

@@ -20,10 +20,11 @@ from typing import Any, Callable, Iterable
 
 import ray
 
+from elastic.actors.cluster_fit import check_cluster_fits
 from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, StopRequested, TrainingSpec, WorkerError
 from elastic.actors.sends import max_trail
-from elastic.actors.worker_group import (Member, PlacementTimeout, WorkerGroup, check_cluster_fits,
-                                         describe_worker_failure, unreachable_nodes)
+from elastic.actors.worker_group import (Member, PlacementTimeout, WorkerGroup, describe_worker_failure,
+                                         unreachable_nodes)
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents, refused_on_node
 from elastic.checkpoint.compat import UnsaveableState

@@ -21,10 +21,10 @@ from typing import Any, Callable
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic.actors.cluster_fit import check_cluster_fits
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.names import free_actor_name
 from elastic.actors.protocol import PackedSpec, TrainingSpec
-from elastic.actors.worker_group import check_cluster_fits
 from elastic.address import shown, trainer_address_problem, unreachable
 from elastic.checkpoint.compat import UnsaveableState
 from elastic.config import (CheckpointConfig, ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real,

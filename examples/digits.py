@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import elastic
+from elastic.config import env_number
 
 
 def load_digits_split(train: bool):
@@ -69,10 +70,14 @@ def test_accuracy(model_state) -> float:
 
 
 def scaling(args) -> elastic.ScalingConfig:
+    # --wait-for-nodes: a node an autoscaler starts can take longer than the default placement
+    # wait (a cloud GPU node takes minutes): 15 minutes, unless ELASTIC_PLACEMENT_TIMEOUT_S says.
+    placement = dict(wait_for_nodes=True, placement_timeout_s=env_number("ELASTIC_PLACEMENT_TIMEOUT_S", 900.0)) \
+        if args.wait_for_nodes else {}
     if args.first_n:
         return elastic.ScalingConfig(num_workers=args.workers, num_backups=args.first_n, aggregation="first_n",
-                                     num_spares=args.spares, use_gpu=args.gpu)
-    return elastic.ScalingConfig(num_workers=args.workers, num_backups=args.spares, use_gpu=args.gpu)
+                                     num_spares=args.spares, use_gpu=args.gpu, **placement)
+    return elastic.ScalingConfig(num_workers=args.workers, num_backups=args.spares, use_gpu=args.gpu, **placement)
 
 
 def faults(args) -> list[dict]:
@@ -117,6 +122,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray address; default: RAY_ADDRESS or an embedded local Ray")
     p.add_argument("--gpu", action="store_true",
                    help="one GPU per replica (NCCL): each worker, --first-n backup and spare needs one")
+    p.add_argument("--wait-for-nodes", action="store_true",
+                   help="the cluster autoscales: wait (up to 15 minutes) for the nodes the run needs instead of "
+                        "refusing a run the live nodes cannot hold (ScalingConfig.wait_for_nodes)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--first-n", type=int, default=0, metavar="B",
                    help="first-N-of-M: B backup replicas compute every step too, and each update is the mean of the "

@@ -115,3 +115,12 @@ def test_an_eviction_held_back_after_its_decision_is_not_counted_as_one():
     assert digits.evicted_ranks([decision, running("eviction of rank 1 held back: no live spare")]) == []
     assert digits.evicted_ranks([decision, running("eviction of rank 1 held back: no live spare"),
                                  decision, running("rank 1 replaced by a spare in 0.30s")]) == [1]
+
+
+def test_the_wait_for_nodes_flag_waits_for_an_autoscaler_up_to_fifteen_minutes(monkeypatch):
+    monkeypatch.delenv("ELASTIC_PLACEMENT_TIMEOUT_S", raising=False)
+    s = digits.build_trainer(digits.parse_args(["--wait-for-nodes", "--gpu"])).scaling
+    assert s.wait_for_nodes and s.placement_timeout_s == 900.0 and s.use_gpu
+    s = digits.build_trainer(digits.parse_args(["--wait-for-nodes", "--first-n", "1"])).scaling
+    assert s.wait_for_nodes and s.aggregation == "first_n"
+    assert not digits.build_trainer(digits.parse_args([])).scaling.wait_for_nodes

@@ -230,3 +230,74 @@ def test_a_run_the_nodes_cannot_place_fails_at_fit_before_the_controller_starts(
     assert time.monotonic() - started < 15
     with pytest.raises(ValueError):
         ray.get_actor("controller", namespace="elastic-noplace")  # never started
+
+
+def test_a_run_checked_against_the_autoscaling_config_reported_to_ray(two_nodes):
+    # The GCS keeps an autoscaler's reported cluster config (ReportClusterConfig) under this key
+    # of its KV store, where Ray Train reads its maximum; put there as that handler stores it. A
+    # node group with "accel" nodes, none of them up: a run within its maximum is not refused,
+    # one beyond it is refused at fit(), before the controller starts.
+    from ray._raylet import GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, GCS_AUTOSCALER_STATE_NAMESPACE
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    from elastic.actors.cluster_fit import check_cluster_fits
+
+    config = autoscaler_pb2.ClusterConfig()
+    config.node_group_configs.add(name="head", min_count=1, max_count=1).resources.update({"CPU": 3})
+    config.node_group_configs.add(name="accel", min_count=0, max_count=2).resources.update({"CPU": 2, "accel": 1})
+    _internal_kv_put(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, config.SerializeToString(),
+                     namespace=GCS_AUTOSCALER_STATE_NAMESPACE)
+    try:
+        fits = elastic.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, "accel": 1})
+        check_cluster_fits(fits, fits.num_replicas)  # no node has "accel" now; two may
+        t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 6,
+                            scaling=elastic.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1, "accel": 1}),
+                            run=elastic.RunConfig(name="beyond-autoscaler"))
+        with pytest.raises(elastic.ConfigError, match="needs 3 accel .* the cluster's autoscaler can grow it to 2"):
+            t.fit(steps=1)
+        with pytest.raises(ValueError):
+            ray.get_actor("controller", namespace="elastic-beyond-autoscaler")  # never started
+    finally:
+        _internal_kv_del(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, namespace=GCS_AUTOSCALER_STATE_NAMESPACE)
+
+
+def test_with_wait_for_nodes_a_run_waits_for_the_node_it_needs_and_trains_on_it(two_nodes):
+    # An autoscaling cluster that reports nothing to Ray (Ray's autoscaler on VMs, KubeRay) with
+    # its "accel" group at zero nodes. Refused up front unless wait_for_nodes; with it, the
+    # placement waits, and the node the autoscaler starts (here the test adds a real raylet)
+    # takes the ranks.
+    import threading
+
+    def trainer(**scaling):
+        return elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 8,
+                               scaling=elastic.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, "accel": 1},
+                                                             **scaling),
+                               run=elastic.RunConfig(name="wait-for-nodes"))
+
+    with pytest.raises(elastic.ConfigError, match="needs 2 accel .* the cluster has 0.*wait_for_nodes=True"):
+        trainer().fit(steps=1)
+    out: dict = {}
+    fit = threading.Thread(target=lambda: out.update(result=trainer(wait_for_nodes=True, placement_timeout_s=120)
+                                                     .fit(steps=3)), daemon=True)
+    fit.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the controller is up and waiting to place the ranks
+        try:
+            ray.get_actor("controller", namespace="elastic-wait-for-nodes")
+            break
+        except ValueError:
+            time.sleep(0.2)
+    else:
+        pytest.fail("the run's controller never started")
+    time.sleep(1.0)
+    assert fit.is_alive()
+    node = two_nodes.add_node(num_cpus=2, resources={"accel": 2})
+    try:
+        fit.join(timeout=180)
+        assert not fit.is_alive() and "result" in out
+        result = out["result"]
+        assert result.metrics["steps"] == 3
+        assert [e["details"]["node_id"] for e in result.events_of("placed")] == [node.node_id] * 2
+    finally:
+        two_nodes.remove_node(node)

@@ -93,10 +93,11 @@ def test_a_cluster_too_small_for_the_replicas_names_the_settings_that_count_them
     import pytest
     import ray
 
-    from elastic.actors.worker_group import check_cluster_fits
+    from elastic.actors.cluster_fit import check_cluster_fits
     from elastic.config import ConfigError
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
     plain = elastic.ScalingConfig(num_workers=3, num_backups=1)
     with pytest.raises(ConfigError) as err:
         check_cluster_fits(plain, plain.num_replicas)
@@ -130,7 +131,7 @@ def test_a_cluster_whose_nodes_cannot_place_the_run_is_refused_before_it_starts(
     # a traceback naming no setting.
     import ray
 
-    from elastic.actors.worker_group import check_cluster_fits
+    from elastic.actors.cluster_fit import check_cluster_fits
     from elastic.config import ConfigError
 
     config = elastic.ScalingConfig(**scaling)
@@ -141,6 +142,105 @@ def test_a_cluster_whose_nodes_cannot_place_the_run_is_refused_before_it_starts(
     monkeypatch.setattr(ray, "nodes", lambda: _nodes(*[sum(nodes) * 4] * (len(nodes) + 3)))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(sum(nodes) * 4 * (len(nodes) + 3))})
     check_cluster_fits(config, config.num_replicas)  # larger nodes, and more of them: it fits
+
+
+def _reported(*groups, max_resources=None):
+    """A cluster config as an autoscaler reports it to the GCS: ``groups`` of (resources,
+    min_count, max_count)."""
+    from ray.core.generated import autoscaler_pb2
+
+    config = autoscaler_pb2.ClusterConfig()
+    for resources, lo, hi in groups:
+        group = config.node_group_configs.add(min_count=lo, max_count=hi)
+        group.resources.update(resources)
+    config.max_resources.update(max_resources or {})
+    return config
+
+
+def _cluster(monkeypatch, live_nodes, config=None):
+    """Ray's view for check_cluster_fits: ``live_nodes`` (CPU, GPU) pairs up now, and the
+    autoscaler's reported config (None: nothing reported)."""
+    import ray
+    from ray._private import state as ray_state
+
+    nodes = [{"Alive": True, "Resources": {"CPU": float(c), "GPU": float(g)}} for c, g in live_nodes]
+    totals = {"CPU": float(sum(c for c, _ in live_nodes)), "GPU": float(sum(g for _, g in live_nodes))}
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: totals)
+    monkeypatch.setattr(ray_state.state, "get_cluster_config", lambda: config)
+
+
+def test_a_run_the_live_nodes_cannot_hold_is_refused_naming_wait_for_nodes_and_waits_with_it(monkeypatch):
+    # An autoscaling cluster that reports nothing to Ray (the VM autoscaler, KubeRay) with its
+    # GPU group at zero nodes: the run was refused for want of GPUs the autoscaler would add.
+    from elastic.actors.cluster_fit import check_cluster_fits
+    from elastic.config import ConfigError
+
+    _cluster(monkeypatch, [(4, 0)])
+    config = elastic.ScalingConfig(num_workers=2, use_gpu=True)
+    with pytest.raises(ConfigError, match="the cluster has no GPUs.*set ScalingConfig.wait_for_nodes=True"):
+        check_cluster_fits(config, config.num_replicas)
+    config = elastic.ScalingConfig(num_workers=8)
+    with pytest.raises(ConfigError, match="needs 8 CPU .* but the cluster has 4.*wait_for_nodes=True"):
+        check_cluster_fits(config, config.num_replicas)
+    waits = elastic.ScalingConfig(num_workers=2, use_gpu=True, wait_for_nodes=True)
+    check_cluster_fits(waits, waits.num_replicas)  # not refused: the placement waits for the nodes
+    with pytest.raises(ConfigError, match="ScalingConfig.wait_for_nodes must be"):
+        elastic.ScalingConfig(wait_for_nodes="yes")
+
+
+@pytest.mark.parametrize("scaling, groups, why", [
+    # One GPU group of up to 4 nodes of 1 GPU, none of them up.
+    (dict(num_workers=5, use_gpu=True), [({"CPU": 8, "GPU": 1}, 0, 4)],
+     r"needs 5 GPU \(5 actors x 1\) but the cluster's autoscaler can grow it to 4; lower ScalingConfig.num_workers"),
+    (dict(num_workers=2, use_gpu=True), [({"CPU": 8}, 0, 10)], "no node type of the cluster's autoscaler has GPUs"),
+    (dict(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 2}), [({"CPU": 8, "GPU": 1}, 0, 8)],
+     r"No node type the cluster's autoscaler starts has room for one worker \(GPU=2, CPU=1\)"),
+    # The head's group (one node, fixed) counts with the others: 1 + 2 nodes.
+    (dict(num_workers=4, placement_strategy="STRICT_SPREAD"), [({"CPU": 8}, 1, 2)],
+     r"each of the 4 actors on a node of its own, and 3 node\(s\) at most can have room for one"),
+    (dict(num_workers=3, resources_per_worker={"CPU": 3}), [({"CPU": 4}, 0, 2)],
+     r"The nodes the cluster's autoscaler can start hold 2 workers of CPU=3"),
+    # The cluster-wide cap of the autoscaler's config, under what its groups add up to.
+    (dict(num_workers=6), [({"CPU": 4}, 0, -1)], r"needs 6 CPU .* can grow it to 5"),
+])
+def test_a_reported_autoscaling_config_is_what_the_run_is_checked_against(monkeypatch, scaling, groups, why):
+    # Where the autoscaler reports its node groups (min, max count) to Ray, the run is checked
+    # against the most they can grow to, as Ray Train checks it: not refused for want of nodes
+    # not up yet, and refused, with no wait, when it can never fit. No wait_for_nodes hint then.
+    from elastic.actors.cluster_fit import check_cluster_fits
+    from elastic.config import ConfigError
+
+    cap = {"CPU": 5} if groups[0][2] == -1 else None
+    _cluster(monkeypatch, [(2, 0)], _reported(({"CPU": 2}, 1, 1), *groups, max_resources=cap))
+    config = elastic.ScalingConfig(**scaling)
+    with pytest.raises(ConfigError, match=why) as err:
+        check_cluster_fits(config, config.num_replicas)
+    assert "wait_for_nodes" not in str(err.value)
+    fewer = elastic.ScalingConfig(**{**scaling, "num_workers": 1})
+    if "GPUs" not in why and "room for one" not in why:
+        check_cluster_fits(fewer, fewer.num_replicas)  # within the groups' maximum: not refused
+
+
+def test_a_run_within_the_autoscalers_maximum_is_not_refused_and_a_config_that_cannot_grow_is_not_read(monkeypatch):
+    from elastic.actors.cluster_fit import autoscaler_capacity, check_cluster_fits
+    from elastic.config import ConfigError
+
+    # 4 GPU nodes at most, none up: a 4-GPU run waits for them; so does an unlimited group.
+    for groups in ([({"CPU": 8, "GPU": 1}, 0, 4)], [({"CPU": 8, "GPU": 1}, 0, -1)]):
+        _cluster(monkeypatch, [(2, 0)], _reported(({"CPU": 2}, 1, 1), *groups))
+        config = elastic.ScalingConfig(num_workers=4, use_gpu=True, placement_strategy="STRICT_SPREAD")
+        check_cluster_fits(config, config.num_replicas)
+    # Every group at its fixed size: the live nodes are what there is, and they are checked.
+    _cluster(monkeypatch, [(2, 0)], _reported(({"CPU": 2}, 1, 1), ({"CPU": 8, "GPU": 1}, 2, 2)))
+    assert autoscaler_capacity() is None
+    with pytest.raises(ConfigError, match="the cluster has no GPUs"):
+        check_cluster_fits(config, config.num_replicas)
+    # A Ray whose private state API fails (moved, renamed): the live nodes are checked.
+    from ray._private import state as ray_state
+
+    monkeypatch.setattr(ray_state.state, "get_cluster_config", lambda: 1 / 0)
+    assert autoscaler_capacity() is None
 
 
 def test_freeing_a_name_kills_only_the_actor_that_held_it_first(monkeypatch):

@@ -9,7 +9,6 @@ the controller tells it which actor becomes which rank.
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from elastic.actors.cluster_fit import bundles_on
 from elastic.actors.names import free_actor_name
 from elastic.actors.protocol import PackedSpec, StopRequested, TrainingSpec, WorkerError
 from elastic.actors.worker import TrainWorker
@@ -80,65 +80,6 @@ class Member:
     local_rank: int = 0
     node_rank: int = 0
     spare: bool = False
-
-
-def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
-    """Fail fast, before any actor starts, when the cluster can never host the run."""
-    resources = ray.cluster_resources()
-    bundle = scaling.bundle()
-    if scaling.use_gpu and resources.get("GPU", 0) <= 0:
-        raise ConfigError(
-            "ScalingConfig.use_gpu=True but the cluster has no GPUs; set use_gpu=False or add GPU nodes. "
-            "If its nodes do have GPUs, Ray did not count them (its count goes through NVML): start them "
-            "with `ray start --num-gpus=N`."
-        )
-    # The settings that make up ``total_bundles`` (the replicas; spares wait for room, uncounted).
-    if scaling.aggregation == "first_n":
-        count, spares = "ScalingConfig.num_workers or num_backups (first-N replicas)", "num_spares"
-    else:
-        count, spares = "ScalingConfig.num_workers", "num_backups"
-    for key, per in bundle.items():
-        have = resources.get(key, 0.0)
-        need = per * total_bundles
-        if need > have + 1e-9:
-            raise ConfigError(
-                f"The run needs {need:g} {key} ({total_bundles} actors x {per:g}) but the cluster has {have:g}; "
-                f"lower {count} or resources_per_worker, or add nodes. Hot spares ({spares}) are not counted "
-                "here: they wait for room."
-            )
-    _check_nodes_fit(scaling, total_bundles, bundle, count)
-
-
-def _bundles_on(node_resources: dict, bundle: dict) -> int:
-    """How many of ``bundle`` one node holds: a bundle never spans nodes."""
-    return int(min(math.floor(node_resources.get(key, 0.0) / per + 1e-9) for key, per in bundle.items() if per > 0))
-
-
-def _check_nodes_fit(scaling: ScalingConfig, total_bundles: int, bundle: dict, count: str) -> None:
-    """The cluster's nodes, one by one: a bundle is placed on one node, so totals that suffice
-    can still leave a run that Ray never places (4 CPUs a worker on nodes of 2 each; more ranks
-    than nodes with STRICT_SPREAD; more than one node holds with STRICT_PACK). Ray waits for
-    such a placement group until ``placement_timeout_s``, and the run then failed with a
-    traceback naming no setting."""
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    fits = [_bundles_on(r, bundle) for r in nodes]
-    shown = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
-    if not any(fits):
-        raise ConfigError(f"No node of the cluster has room for one worker ({shown}): a worker's resources are "
-                          "placed on one node. Lower ScalingConfig.resources_per_worker, or add larger nodes.")
-    strategy = scaling.placement_strategy
-    roomy = sum(f > 0 for f in fits)  # nodes with room for one worker
-    if strategy == "STRICT_SPREAD" and roomy < total_bundles:
-        raise ConfigError(f"ScalingConfig.placement_strategy='STRICT_SPREAD' puts each of the {total_bundles} actors "
-                          f"on a node of its own, and {roomy} node(s) have room for one; use "
-                          f"'SPREAD', lower {count}, or add nodes.")
-    if strategy == "STRICT_PACK" and max(fits) < total_bundles:
-        raise ConfigError(f"ScalingConfig.placement_strategy='STRICT_PACK' puts all {total_bundles} actors on one "
-                          f"node, and the largest holds {max(fits)}; use 'PACK', lower {count}, or add a larger node.")
-    if sum(fits) < total_bundles:
-        raise ConfigError(f"The cluster's nodes hold {sum(fits)} workers of {shown} (a worker's resources are placed "
-                          f"on one node), and the run needs {total_bundles}; lower {count} or "
-                          "resources_per_worker, or add nodes.")
 
 
 def unreachable_nodes(node_ids: set, timeout_s: float = 1.0) -> set:
@@ -466,7 +407,7 @@ class WorkerGroup:
             return []
         bundle = self.scaling.bundle()
         for node in ray.nodes():
-            if node.get("Alive") and node.get("NodeID") not in avoid and _bundles_on(node.get("Resources", {}), bundle):
+            if node.get("Alive") and node.get("NodeID") not in avoid and bundles_on(node.get("Resources", {}), bundle):
                 return avoid
         return []
 

@@ -1,0 +1,167 @@
+"""Whether the cluster can ever place a run: checked before any actor starts.
+
+A run the cluster can never place would otherwise wait ``placement_timeout_s`` for its placement
+group, then fail with Ray's traceback, which names no setting. The check answers for one of
+three clusters:
+
+- one whose autoscaler reports its node groups to Ray (the cluster config in the GCS, which
+  autoscaler v2 platforms report and which Ray Train reads for the same check): against the most
+  those groups can grow to;
+- one that adds nodes on demand but reports nothing (Ray's autoscaler on VMs, KubeRay), which the
+  user says with ``ScalingConfig.wait_for_nodes``: not checked, and the placement waits for the
+  autoscaler up to ``placement_timeout_s``;
+- any other: against the live nodes. The error then names ``wait_for_nodes``, for the user
+  whose autoscaler has not started the nodes yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import ray
+
+from elastic.config import ConfigError, ScalingConfig
+
+logger = logging.getLogger(__name__)
+
+_WAIT_HINT = (" If the cluster adds nodes on demand (an autoscaler whose nodes are not up yet), set "
+              "ScalingConfig.wait_for_nodes=True to wait for them instead (up to placement_timeout_s).")
+
+
+@dataclass
+class Capacity:
+    """What the check counts: ``totals`` of each resource, and ``nodes``, each a node's resources
+    with how many such nodes there may be (``math.inf``: no limit). ``live``: these are the
+    nodes up now, not what an autoscaler may add."""
+
+    totals: dict[str, float]
+    nodes: list[tuple[dict, float]]
+    live: bool
+
+    @property
+    def has(self) -> str:
+        return "the cluster has" if self.live else "the cluster's autoscaler can grow it to"
+
+    @property
+    def nodes_are(self) -> str:
+        return "node of the cluster" if self.live else "node type the cluster's autoscaler starts"
+
+
+def bundles_on(node_resources: dict, bundle: dict) -> int:
+    """How many of ``bundle`` one node holds: a bundle never spans nodes."""
+    return int(min(math.floor(node_resources.get(key, 0.0) / per + 1e-9) for key, per in bundle.items() if per > 0))
+
+
+def autoscaler_capacity() -> Capacity | None:
+    """The most the cluster can grow to, from the node groups its autoscaler reported to Ray;
+    None when none did (no autoscaler, or one that does not report), or none of the groups can
+    grow (a fixed cluster described by its autoscaler: the live nodes say the same).
+
+    Read through ``ray._private.state`` as Ray Train and Ray Data read it (no public API has it);
+    an error reading it (an older or newer Ray without it) counts as no report."""
+    try:
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+    except Exception:  # noqa: BLE001 - a private API: without it, the live nodes are checked
+        logger.debug("could not read the cluster's autoscaling config", exc_info=True)
+        return None
+    groups = list(config.node_group_configs) if config is not None else []
+    if not any(g.max_count == -1 or g.max_count > g.min_count for g in groups if g.resources and g.max_count):
+        return None
+    nodes = [({k: float(v) for k, v in g.resources.items()}, math.inf if g.max_count == -1 else float(g.max_count))
+             for g in groups if g.resources and g.max_count]
+    totals: dict[str, float] = {}
+    for resources, count in nodes:
+        for key, amount in resources.items():
+            totals[key] = totals.get(key, 0.0) + (amount * count if amount else 0.0)
+    for key, cap in config.max_resources.items():  # the cluster-wide cap, where one is set
+        if key in totals:
+            totals[key] = min(totals[key], float(cap))
+    return Capacity(totals, nodes, live=False)
+
+
+def live_capacity() -> Capacity:
+    nodes = [(n.get("Resources", {}), 1.0) for n in ray.nodes() if n.get("Alive")]
+    return Capacity(dict(ray.cluster_resources()), nodes, live=True)
+
+
+def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
+    """Fail fast, before any actor starts, when the cluster can never host the run: against
+    what its autoscaler reports it can grow to, else (unless ``wait_for_nodes``) its live nodes."""
+    capacity = autoscaler_capacity()
+    if capacity is None:
+        if scaling.wait_for_nodes:
+            return
+        capacity = live_capacity()
+    _check_totals(scaling, total_bundles, capacity)
+    _check_nodes_fit(scaling, total_bundles, capacity)
+
+
+def _refuse(capacity: Capacity, message: str) -> ConfigError:
+    return ConfigError(message + (_WAIT_HINT if capacity.live else ""))
+
+
+def _replica_settings(scaling: ScalingConfig) -> tuple[str, str]:
+    """The settings that make up the bundles counted (the replicas), and the spares' setting
+    (spares wait for room, uncounted)."""
+    if scaling.aggregation == "first_n":
+        return "ScalingConfig.num_workers or num_backups (first-N replicas)", "num_spares"
+    return "ScalingConfig.num_workers", "num_backups"
+
+
+def _check_totals(scaling: ScalingConfig, total_bundles: int, capacity: Capacity) -> None:
+    resources = capacity.totals
+    bundle = scaling.bundle()
+    if scaling.use_gpu and resources.get("GPU", 0) <= 0:
+        where = "the cluster has no GPUs" if capacity.live else "no node type of the cluster's autoscaler has GPUs"
+        raise _refuse(capacity,
+            f"ScalingConfig.use_gpu=True but {where}; set use_gpu=False or add GPU nodes. "
+            "If its nodes do have GPUs, Ray did not count them (its count goes through NVML): start them "
+            "with `ray start --num-gpus=N`."
+        )
+    count, spares = _replica_settings(scaling)
+    for key, per in bundle.items():
+        have = resources.get(key, 0.0)
+        need = per * total_bundles
+        if need > have + 1e-9:
+            raise _refuse(capacity,
+                f"The run needs {need:g} {key} ({total_bundles} actors x {per:g}) but {capacity.has} {have:g}; "
+                f"lower {count} or resources_per_worker, or add nodes. Hot spares ({spares}) are not counted "
+                "here: they wait for room."
+            )
+
+
+def _check_nodes_fit(scaling: ScalingConfig, total_bundles: int, capacity: Capacity) -> None:
+    """Node by node: a bundle is placed on one node, so totals that suffice can still leave a
+    run that Ray never places (4 CPUs a worker on nodes of 2 each; more ranks than nodes with
+    STRICT_SPREAD; more than one node holds with STRICT_PACK). Ray waits for such a placement
+    group until ``placement_timeout_s``, and the run then failed with a traceback naming no
+    setting."""
+    bundle = scaling.bundle()
+    count, _ = _replica_settings(scaling)
+    fits = [(bundles_on(resources, bundle), n) for resources, n in capacity.nodes]
+    shown = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
+    if not any(f for f, _ in fits):
+        raise _refuse(capacity, f"No {capacity.nodes_are} has room for one worker ({shown}): a worker's resources "
+                                "are placed on one node. Lower ScalingConfig.resources_per_worker, or add larger nodes.")
+    strategy = scaling.placement_strategy
+    roomy = sum(n for f, n in fits if f > 0)  # nodes with room for one worker
+    held = sum(f * n for f, n in fits)
+    largest = max(f for f, _ in fits)
+    nodes = "node(s) have" if capacity.live else "node(s) at most can have"
+    if strategy == "STRICT_SPREAD" and roomy < total_bundles:
+        raise _refuse(capacity, f"ScalingConfig.placement_strategy='STRICT_SPREAD' puts each of the {total_bundles} "
+                                f"actors on a node of its own, and {roomy:g} {nodes} room for one; use "
+                                f"'SPREAD', lower {count}, or add nodes.")
+    if strategy == "STRICT_PACK" and largest < total_bundles:
+        raise _refuse(capacity, f"ScalingConfig.placement_strategy='STRICT_PACK' puts all {total_bundles} actors on "
+                                f"one node, and the largest holds {largest}; use 'PACK', lower {count}, or add a "
+                                "larger node.")
+    if held < total_bundles:
+        whose = "The cluster's nodes hold" if capacity.live else "The nodes the cluster's autoscaler can start hold"
+        raise _refuse(capacity, f"{whose} {held:g} workers of {shown} (a worker's resources are placed on one "
+                                f"node), and the run needs {total_bundles}; lower {count} or resources_per_worker, "
+                                "or add nodes.")
