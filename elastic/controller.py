@@ -110,6 +110,12 @@ class Failure(Exception):
     dead: set[int]
     kind: str
     detect_s: float = 0.0
+    # The broken window's results from the ranks that returned it before the failure was seen
+    # (rank -> its results): a first-N fast rank, or a rank whose call ended before a peer died.
+    results: dict = field(default_factory=dict)
+    # The refs of the windows queued behind it (the look-ahead): fast first-N replicas may
+    # finish one without the lost rank.
+    queued: list = field(default_factory=list)
 
     def __str__(self) -> str:
         return f"{self.kind}: ranks {sorted(self.dead)}"
@@ -245,6 +251,9 @@ class Controller:
         # pass that restores an older state counts them as recomputed (_sync_state, _restart_all).
         self._held_through = 0
         self._state_sent_to: set[int] = set()  # the ranks the last state sync brought up to date
+        # The failure being healed: its broken window's results and its queued windows, read for
+        # the steps the state sync keeps (_results_of), once.
+        self._arrived: Failure | None = None
         self._snapshot_last = False  # late replicas were released at the end: snapshot the last step again
         self._ended = threading.Event()  # set on the transition into a terminal state
         # Names of the actors the controller killed as hung. Names, not ranks: a spare takes the
@@ -1159,8 +1168,11 @@ class Controller:
         need = self.scaling.num_workers if self._first_n else None
         try:
             got = self._gather(refs, ranks, need=need, lagging=lagging)
-        except Failure:
-            self._inflight.clear()  # queued steps of the broken generation fail on their own
+        except Failure as failure:
+            # Queued steps of the broken generation fail on their own, or finish (first-N
+            # replicas that need no lost rank): their results are read if the steps are kept.
+            failure.queued = [ref for refs, *_ in self._inflight.values() for ref in refs]
+            self._inflight.clear()
             raise
         now = time.perf_counter()
         per_rank = {r: got[ref] for ref, r in zip(refs, ranks) if ref in got}
@@ -1198,16 +1210,25 @@ class Controller:
 
     def _record_step(self, step: int, results: dict, step_time_s: float) -> StepRecord:
         """Ledger, straggler timings and the step's record, from the results in hand."""
+        for r, res in results.items():
+            self._observe(r, res)
+        return self._record_from(step, results, step_time_s)
+
+    def _record_from(self, step: int, results: dict, step_time_s: float) -> StepRecord:
+        """Ledger and the step's record from the results of the ranks that returned them (rank
+        -> result): every rank's from a gather; a kept step's from those that still had theirs.
+
+        First-N: every returned rank names the same fast set (they read it from the same store
+        key) and holds the same averaged loss, so any one gives the step's. Plain sync: every
+        rank's gradient made the step (DDP's all-reduce has every rank or none), and the loss is
+        the mean of the ranks' own losses: of every rank's from a gather, of those returned for
+        a kept step."""
         if self._first_n:
-            # Every returned rank names the same fast set (they read it from the same store key)
-            # and holds the same averaged loss.
             some = next(iter(results.values()))
             used, loss = some.extra["fast"], some.loss
             self.agreed_steps += bool(some.extra.get("agreed"))
         else:
-            used, loss = list(results), statistics.fmean(res.loss for res in results.values())
-        for r, res in results.items():
-            self._observe(r, res)
+            used, loss = range(len(self._planned[step][1])), statistics.fmean(res.loss for res in results.values())
         record = self._book_step(step, used, loss, step_time_s)
         # Every replica clipped the same averaged gradient, so any one's norm is the step's.
         record.grad_norm = next((res.extra["grad_norm"] for res in results.values() if "grad_norm" in res.extra), None)
@@ -1637,7 +1658,8 @@ class Controller:
             kind = "node_lost"
         else:
             kind = "actor_died"
-        raise Failure(dead, kind, detect_s=(first_problem or time.time()) - dispatched)
+        raise Failure(dead, kind, detect_s=(first_problem or time.time()) - dispatched,
+                      results={rank_of[ref]: res for ref, res in results.items() if ref in required})
 
     def _group_timeout_s(self) -> float:
         """The process group's (and its store's) timeout: ``collective_timeout_s``, or with
@@ -1893,6 +1915,7 @@ class Controller:
         lost = tuple(sorted(failure.dead))
         healed = set(lost)
         kind = failure.kind
+        self._arrived = failure  # its results and queued windows, for the steps the state sync keeps (_results_of)
         self.transition(State.RECOVERING, f"{kind} of rank(s) {list(lost)} in step {self.step + 1}")
         if self.metrics is not None:
             self.metrics.on_rebuild(lost=set(lost))
@@ -1924,6 +1947,7 @@ class Controller:
                          ranks=list(lost))
         seconds = time.time() - t0
         self._held_through = 0
+        self._arrived = None
         self.recoveries.append({"kind": failure.kind, "ranks": sorted(healed), "detect_s": failure.detect_s,
                                 "rebuild_s": seconds, "step": self.step + 1,
                                 "recomputed": self.recomputed - recomputed_before})
@@ -2389,8 +2413,61 @@ class Controller:
         came back): book them as done, with the ranks whose gradients made each (first-N, the
         holder's record), and make ``newest`` the run's step."""
         fast = self._fast_sets(holder, newest) if self._first_n else {}
-        self._keep_completed_steps(list(range(self.step + 1, newest + 1)), how, fast)
+        first = self.step + 1
+        self._keep_completed_steps(list(range(first, newest + 1)), how, fast, self._results_of(first, newest))
         self.step = newest
+
+    def _results_of(self, first: int, last: int) -> dict[int, dict[int, StepResult]]:
+        """The results of steps ``first``..``last`` that never came back through a gather (step
+        -> rank -> result): the broken window's from the ranks that returned it before the failure
+        was seen (``Failure.results``), those of the windows queued behind it that finished
+        (``Failure.queued``), and those each member finished in a call that then failed
+        (``TrainWorker.unreported_results``). Best effort: a member that does not answer within
+        ``heartbeat_timeout_s`` is left out, and its steps are kept without its results."""
+        failure, self._arrived = self._arrived, None
+        if last < first:
+            return {}
+        # The spares too: a survivor a shrink stood by left the members before this runs. The
+        # generation is the broken group's: the rebuild's rendezvous comes after this.
+        generation = self.generation
+        lists = self._answers(self.group.members + self.group.spares,
+                              lambda actor: actor.unreported_results.remote(first, last, generation),
+                              self.failure_config.heartbeat_timeout_s)
+        if failure is not None:
+            lists += failure.results.values()
+            # Done by now, if ever: a member runs its calls in order (one thread for the
+            # default group), and its unreported_results above came after them.
+            for ref in ray.wait(failure.queued, num_returns=len(failure.queued), timeout=0)[0] if failure.queued else []:
+                try:
+                    lists.append(ray.get(ref))
+                except ray.exceptions.RayError:
+                    continue
+        out: dict[int, dict[int, StepResult]] = {}
+        for results in lists:
+            for res in results:
+                if first <= res.step <= last:
+                    out.setdefault(res.step, {})[res.rank] = res
+        return out
+
+    @staticmethod
+    def _answers(members: list[Member], call: Callable[[Any], Any], timeout_s: float) -> list:
+        """What each of ``members`` answers to ``call(actor)`` (one remote call each), all waited
+        for together up to ``timeout_s``; one that is dead, gone with its node or slower is left out."""
+        refs = []
+        for m in members:
+            try:
+                refs.append(call(m.actor))
+            except ray.exceptions.RayError:
+                continue
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+        out = []
+        for ref in refs:
+            if ref in ready:
+                try:
+                    out.append(ray.get(ref))
+                except ray.exceptions.RayError:
+                    continue
+        return out
 
     def _fast_sets(self, holder: Member, newest: int) -> dict[int, list[int]]:
         """First-N: which ranks made each step after the run's up to ``newest``. The holder's
@@ -2413,28 +2490,33 @@ class Controller:
         fast: dict[int, list[int]] = {}
         if last < first:
             return fast
-        refs = []
-        for m in members:
-            try:
-                refs.append(m.actor.fast_sets.remote(first, last))
-            except ray.exceptions.RayError:
-                continue
-        for ref in refs:
-            try:
-                for step, ranks in ray.get(ref, timeout=self.failure_config.collective_timeout_s).items():
-                    fast.setdefault(step, ranks)
-            except ray.exceptions.RayError:
-                continue
+        for answer in self._answers(members, lambda actor: actor.fast_sets.remote(first, last),
+                                    self.failure_config.collective_timeout_s):
+            for step, ranks in answer.items():
+                fast.setdefault(step, ranks)
         return fast
 
-    def _keep_completed_steps(self, steps: list[int], how: str, fast: dict[int, list[int]] | None = None) -> None:
-        """Account ``steps`` (finished, their results never came back) as done, with one event
-        for all of them: a rebuild in the middle of a dispatch window keeps up to a window of
-        steps. ``fast``: first-N, the ranks whose gradients made each step (the survivor's
-        record)."""
-        unknown = []
+    def _keep_completed_steps(self, steps: list[int], how: str, fast: dict[int, list[int]] | None = None,
+                              results: dict[int, dict[int, StepResult]] | None = None) -> None:
+        """Account ``steps`` (finished, their results never came back through a gather) as
+        done, with one event for all of them: a rebuild in the middle of a dispatch window keeps
+        up to a window of steps. ``fast``: first-N, the ranks whose gradients made each step
+        (the survivor's record). ``results``: those of the steps' results that some rank still
+        had (``_results_of``); a step with any is booked from them (its loss, as
+        ``_record_from`` takes it, and time), one with none with a NaN loss and no time."""
+        unknown, with_results, booked = [], [], []
         for step in steps:
-            if step in self._planned:
+            if step not in self._planned:
+                continue
+            booked.append(step)
+            got = (results or {}).get(step)
+            if got:
+                # The time of a rank that computed the step: a first-N replica that sat it out
+                # or was late spent its time waiting for the update.
+                computed = [res.step_time_s for res in got.values() if res.extra.get("computed", True)]
+                record = self._record_from(step, got, max(computed or [res.step_time_s for res in got.values()]))
+                with_results.append(step)
+            else:
                 ranks = (fast or {}).get(step)
                 if ranks is None and self._first_n:
                     # No replica left knows which N gradients made it (the holder a spare that
@@ -2443,15 +2525,18 @@ class Controller:
                 elif ranks is None:
                     ranks = range(len(self._planned[step][1]))  # plain sync: every rank's gradient
                 record = self._book_step(step, ranks, float("nan"), 0.0)
-                # Without this, with requeueing a kept step never had meta, so it could not
-                # commit: a stop in a wait ended on the step before, and a resume replayed it.
-                self._set_meta_after_results(step)
-                self._add_history(record)
-                if self.metrics is not None:
-                    self.metrics.on_kept_step(record)
-                del self._planned[step]
+            # Without this, with requeueing a kept step never had meta, so it could not
+            # commit: a stop in a wait ended on the step before, and a resume replayed it.
+            self._set_meta_after_results(step)
+            self._add_history(record)
+            if self.metrics is not None:
+                self.metrics.on_kept_step(record)
+            del self._planned[step]
         if steps:
-            self.log("step_kept", f"{_steps_text(steps)} {how}; not replayed", kept=steps)
+            which = "booked" if with_results == booked else f"{len(with_results)} of them booked"
+            booked = f"; {which} with the results that the ranks that finished them still had" if with_results else ""
+            self.log("step_kept", f"{_steps_text(steps)} {how}; not replayed{booked}", kept=steps,
+                     with_results=with_results)
         if unknown:
             which = _steps_text(unknown)
             lost = "not requeued: which of them to requeue is not known" if self.requeue_dropped else "counted"

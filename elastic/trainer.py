@@ -376,8 +376,8 @@ def _resolve(host_port: str) -> tuple[str, str]:
 
 
 def last_loss(history: list[dict]) -> float | None:
-    """The newest known loss: a step kept after a failure (its survivors finished it, its results
-    were lost) is booked with a NaN loss, and may be the run's last."""
+    """The newest known loss: a step kept after a failure (its survivors finished it) for which
+    no rank still had its result is booked with a NaN loss, and may be the run's last."""
     return next((h["loss"] for h in reversed(history) if h["loss"] is not None and math.isfinite(h["loss"])), None)
 
 

@@ -95,7 +95,20 @@ class FakeWorker:
         return {}
 
     def train_steps(self, first, shards, generation):
-        return [self.train_step(first + i, indices, generation) for i, indices in enumerate(shards)]
+        results = []
+        try:
+            for i, indices in enumerate(shards):
+                results.append(self.train_step(first + i, indices, generation))
+        except BaseException:
+            if results:  # as TrainWorker.train_steps: kept for the recovery's unreported_results
+                self.unreported = (generation, results)
+            raise
+        return results
+
+    def unreported_results(self, first, last, generation):
+        stashed, results = getattr(self, "unreported", (-1, []))
+        self.unreported = (-1, [])
+        return [r for r in results if first <= r.step <= last] if stashed == generation else []
 
     def get_state(self):
         return {"completed_step": self.done}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import time
@@ -975,6 +976,46 @@ def test_steps_kept_in_a_rebuild_are_one_event(ray_cluster):  # the Controller a
     kept = [e for e in c.events if e.kind == "step_kept"]
     assert [(e.message, e.details["kept"]) for e in kept] == [
         ("steps 45-47 completed on a survivor before the rebuild; not replayed", [45, 46, 47])]
+
+
+def test_steps_kept_in_a_recovery_are_booked_with_the_results_that_came_back(ray_cluster):  # the Controller asks Ray for its runtime context
+    # Fake ranks have no collective: rank 0 returns the whole window (steps 1-4), then the one
+    # queued behind it (5-8, the look-ahead), while rank 1 dies in step 3; as first-N's fast
+    # replicas go on without a lost late one. The first window's results came back in the gather
+    # that saw the death, and were dropped with the failure; the second's were never read. The
+    # state sync kept all eight steps with a NaN loss and no time.
+    c = controller("fake-kept-results", backups=1, steps_per_dispatch=4, faults=[{"kind": "kill", "rank": 1, "at_step": 3}])
+    try:
+        c.run_for(steps=12)
+    finally:
+        c.shutdown()
+    [kept] = [e for e in c.events if e.kind == "step_kept"]
+    assert kept.details["kept"] == kept.details["with_results"] == list(range(1, 9))
+    assert "booked with the results that the ranks that finished them still had" in kept.message
+    assert [(h.step, h.loss, h.step_time_s) for h in c.history[:8]] == [(s, 1.0 / s, 0.001) for s in range(1, 9)]
+    assert [h.step for h in c.history] == list(range(1, 13)) and c.recomputed == 0
+
+
+def test_a_step_kept_without_any_result_is_booked_with_a_nan_loss_and_one_with_some_from_them(ray_cluster):  # the Controller asks Ray for its runtime context
+    from types import SimpleNamespace
+
+    from elastic.actors.protocol import StepResult
+    from elastic.data import ShardPlan
+
+    c = controller("fake-kept-some", workers=3, global_batch_size=12)
+    c.plan, c._split = ShardPlan(64, seed=0), 1
+    for step in (1, 2):
+        c._shards_for(step, 3)
+    c.group = SimpleNamespace(members=[])
+    # Step 1: ranks 0 and 2 had theirs (rank 1's went with it); step 2: none.
+    results = {1: {r: StepResult(r, 1, loss, 0.01 * (r + 1), 0.0, 4, 1, {"grad_norm": 2.0})
+                   for r, loss in ((0, 0.5), (2, 0.25))}}
+    c._keep_completed_steps([1, 2], "completed on a survivor before the rebuild", results=results)
+    one, two = c.history
+    assert (one.loss, one.step_time_s, one.grad_norm, one.ranks) == (0.375, 0.03, 2.0, [0, 1, 2])
+    assert math.isnan(two.loss) and two.step_time_s == 0.0 and two.ranks == [0, 1, 2]
+    [kept] = [e for e in c.events if e.kind == "step_kept"]
+    assert kept.details["with_results"] == [1] and "1 of them booked with the results" in kept.message
 
 
 def test_a_straggler_held_back_for_want_of_a_spare_is_logged_once_per_episode(ray_cluster):  # the Controller asks Ray for its runtime context

@@ -8,6 +8,7 @@ process costs seconds of torch import on a 2-core machine.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -108,6 +109,12 @@ def test_kill_inside_a_window_keeps_the_steps_before_it(ray_cluster, clean_weigh
     assert [e["details"]["kept"] for e in result.events_of("step_kept")] == [[5]]
     assert recomputed(result) == 1  # step 6 only
     assert [h["step"] for h in result.history] == list(range(1, STEPS + 1))
+    # Rank 0's call raised at step 6, after step 5's result was made: the worker kept it, and the
+    # step is booked with it (its loss and time), not with a NaN loss. The loss is rank 0's own;
+    # rank 1's half went with it.
+    assert [e["details"]["with_results"] for e in result.events_of("step_kept")] == [[5]]
+    kept = result.history[4]
+    assert math.isfinite(kept["loss"]) and kept["loss"] > 0 and kept["step_time_s"] > 0
     assert_weights_close(result.model_state, clean_weights, atol=1e-5)
 
 

@@ -1025,3 +1025,30 @@ def test_step_seeds_repeat_across_no_ranks_steps_or_run_seeds():
     assert len(seeds) == 8 * 20_000
     assert step_seed(0, 0, 10_008) != step_seed(0, 1, 1) and step_seed(1, 0, 1) != step_seed(0, 0, 1_000_004)
     assert step_seed(0, 3, 7) == step_seed(0, 3, 7) and 0 <= step_seed(2**70, 3, 7) < 2**64
+
+
+def test_a_calls_finished_steps_are_kept_for_its_generations_recovery_only():
+    # A window's call that fails at its third step keeps the first two results for the recovery
+    # of that group; a queued call of the broken generation that fails at once leaves them be; a
+    # reader naming another generation (a survivor a shrink stood by, read after a rollback
+    # replayed those step numbers) gets none.
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import StepResult, TrainWorker
+
+    def step(s, indices, generation):
+        if s == 3:
+            raise RuntimeError("the group broke (test)")
+        return StepResult(0, s, 0.5, 0.01, 0.01, len(indices), s, {})
+
+    worker = SimpleNamespace(_unreported=(-1, []), _fn_store=None, _bind_device=lambda: None,
+                             _first_n_step=None, _train_step=None, _guarded_step=lambda run, s, i, g: step(s, i, g))
+    with pytest.raises(RuntimeError):
+        TrainWorker.train_steps(worker, 1, [[1], [2], [3], [4]], 7)
+    with pytest.raises(RuntimeError):
+        TrainWorker.train_steps(worker, 3, [[3]], 7)  # the queued call behind it
+    assert [r.step for r in TrainWorker.unreported_results(worker, 2, 9, 7)] == [2]
+    assert TrainWorker.unreported_results(worker, 1, 9, 7) == []  # read once
+    with pytest.raises(RuntimeError):
+        TrainWorker.train_steps(worker, 1, [[1], [2], [3]], 7)
+    assert TrainWorker.unreported_results(worker, 1, 9, 8) == []  # another generation's recovery

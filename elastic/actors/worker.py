@@ -264,6 +264,10 @@ class TrainWorker:
         self._buffers: ReplicaBuffers | None = None  # agreed after every step (elastic/actors/buffers.py)
         self._fn_abandoned = False  # first-N: the controller gave this group's agreements up
         self._fast_log: dict[int, tuple[int, ...]] = {}
+        # The results of a call's steps that completed before one of its steps failed (the call
+        # raised, so they never reached the controller), with the call's group generation; see
+        # ``unreported_results``.
+        self._unreported: tuple[int, list[StepResult]] = (-1, [])
         self._checksum_every = 0
         # NCCL: the group generation whose communicators abort_collectives aborted (see there),
         # and the lock that keeps an abort from landing on a group being left or joined.
@@ -486,6 +490,7 @@ class TrainWorker:
         """Leave any old group and form the new one. Survivors keep their model and optimizer."""
         hosted, self._hosted_store = self._hosted_store, None  # this join's, or none: never kept past it
         self.leave()
+        self._unreported = (-1, [])  # the recovery that could book them has read them, or never will
         t0 = time.time()
         with self._group_lock:  # an abort checked against the old generation cannot land on this one
             self.rank, self.world_size, self.generation = rank, world_size, generation
@@ -791,11 +796,35 @@ class TrainWorker:
         step. What one call saves is Ray's per-call cost (task submission, a thread hand-off,
         result serialisation: 1-3 ms of CPU per rank per call on a loaded 2-core machine) when
         steps are only tens of milliseconds long. If a step fails, the steps before it stand:
-        this rank's ``progress()`` says how far it got, and the controller keeps them.
+        this rank's ``progress()`` says how far it got, the controller keeps them, and books them
+        with their results from ``unreported_results``.
         """
         run = self._first_n_step if self._fn_store is not None else self._train_step
         self._bind_device()
-        return [self._guarded_step(run, first_step + i, indices, generation) for i, indices in enumerate(shards)]
+        results: list[StepResult] = []
+        try:
+            for i, indices in enumerate(shards):
+                results.append(self._guarded_step(run, first_step + i, indices, generation))
+        except BaseException:
+            # Kept for the controller's recovery, which books those steps with them (their loss,
+            # timings, fast sets) instead of as steps with no result. A call that failed at its
+            # first step (a queued one of a broken generation) leaves the last failure's be.
+            if results:
+                self._unreported = (generation, results)
+            raise
+        return results
+
+    def unreported_results(self, first: int, last: int, generation: int) -> list[StepResult]:
+        """The results of steps ``first``..``last`` that this rank completed in a call of group
+        ``generation`` that then failed at a later step, and forgets them. The controller asks
+        when it keeps the steps a survivor finished before that group broke
+        (``Controller._keep_steps_held_by``). Why the generation: a rank that left the group
+        before the recovery read them (a survivor a shrink stood by as a spare) joins no group
+        and may take no state until it is promoted, maybe after a rollback that replays those
+        step numbers; its results then belong to a history given up."""
+        stashed, results = self._unreported
+        self._unreported = (-1, [])
+        return [r for r in results if first <= r.step <= last] if stashed == generation else []
 
     def _guarded_step(self, run: Callable[[int, list[int]], StepResult], step: int, indices: list[int],
                       generation: int) -> StepResult:
@@ -1157,6 +1186,7 @@ class TrainWorker:
         # double failure in a recovery whose holder computed none of them), and booked the
         # steps' samples to the wrong ranks.
         self._fast_log = {s: f for s, f in self._fast_log.items() if s <= self.completed_step}
+        self._unreported = (self._unreported[0], [r for r in self._unreported[1] if r.step <= self.completed_step])
         return self.completed_step
 
     def progress(self, discard_begun: bool = False) -> tuple[int, int]:
