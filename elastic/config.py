@@ -181,11 +181,12 @@ class ScalingConfig:
     ``wait_for_nodes``: the cluster adds nodes on demand (Ray's autoscaler, KubeRay with
     autoscaling) and its nodes for this run may not be up yet. Before any actor starts, a run is
     checked against the cluster: where its autoscaler reports its node groups to Ray, against the
-    most they can grow to; otherwise against the live nodes, and a run they cannot hold is
-    refused. With ``wait_for_nodes=True`` that check is skipped (Ray's autoscaler on VMs and
-    KubeRay report nothing it could be made against), and the placement group waits for the
-    autoscaler up to ``placement_timeout_s``: raise that to cover a node's start (minutes for a
-    cloud GPU node).
+    most they can grow to (and the live nodes); otherwise against the live nodes, and a run they
+    cannot hold is refused. With ``wait_for_nodes=True`` that last check is skipped (Ray's
+    autoscaler on VMs and KubeRay report nothing it could be made against), and the placement
+    group waits for the autoscaler up to ``placement_timeout_s``: raise that to cover a node's
+    start (minutes for a cloud GPU node), and ``FailureConfig.capacity_timeout_s`` for a lost
+    node's replacement when no spare is left.
 
     ``late_backoff_steps`` (first-N only): a replica whose gradient came late (or was skipped)
     ``k`` times in a row sits out the next ``min(4 * 2**(k-1), late_backoff_steps)`` steps. It

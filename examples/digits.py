@@ -123,8 +123,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", action="store_true",
                    help="one GPU per replica (NCCL): each worker, --first-n backup and spare needs one")
     p.add_argument("--wait-for-nodes", action="store_true",
-                   help="the cluster autoscales: wait (up to 15 minutes) for the nodes the run needs instead of "
-                        "refusing a run the live nodes cannot hold (ScalingConfig.wait_for_nodes)")
+                   help="the cluster autoscales: wait for the nodes the run needs (up to 15 minutes, or "
+                        "ELASTIC_PLACEMENT_TIMEOUT_S) instead of refusing a run the live nodes cannot hold "
+                        "(ScalingConfig.wait_for_nodes)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--first-n", type=int, default=0, metavar="B",
                    help="first-N-of-M: B backup replicas compute every step too, and each update is the mean of the "

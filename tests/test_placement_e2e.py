@@ -254,7 +254,7 @@ def test_a_run_checked_against_the_autoscaling_config_reported_to_ray(two_nodes)
         t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 6,
                             scaling=elastic.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1, "accel": 1}),
                             run=elastic.RunConfig(name="beyond-autoscaler"))
-        with pytest.raises(elastic.ConfigError, match="needs 3 accel .* the cluster's autoscaler can grow it to 2"):
+        with pytest.raises(elastic.ConfigError, match="needs 3 accel .* the cluster's node groups can grow to 2"):
             t.fit(steps=1)
         with pytest.raises(ValueError):
             ray.get_actor("controller", namespace="elastic-beyond-autoscaler")  # never started
@@ -278,8 +278,14 @@ def test_with_wait_for_nodes_a_run_waits_for_the_node_it_needs_and_trains_on_it(
     with pytest.raises(elastic.ConfigError, match="needs 2 accel .* the cluster has 0.*wait_for_nodes=True"):
         trainer().fit(steps=1)
     out: dict = {}
-    fit = threading.Thread(target=lambda: out.update(result=trainer(wait_for_nodes=True, placement_timeout_s=120)
-                                                     .fit(steps=3)), daemon=True)
+
+    def fit_waiting():
+        try:
+            out["result"] = trainer(wait_for_nodes=True, placement_timeout_s=120).fit(steps=3)
+        except BaseException as exc:  # noqa: BLE001 - shown by the assert below
+            out["error"] = exc
+
+    fit = threading.Thread(target=fit_waiting, daemon=True)
     fit.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the controller is up and waiting to place the ranks
@@ -295,7 +301,7 @@ def test_with_wait_for_nodes_a_run_waits_for_the_node_it_needs_and_trains_on_it(
     node = two_nodes.add_node(num_cpus=2, resources={"accel": 2})
     try:
         fit.join(timeout=180)
-        assert not fit.is_alive() and "result" in out
+        assert not fit.is_alive() and "result" in out, out.get("error")
         result = out["result"]
         assert result.metrics["steps"] == 3
         assert [e["details"]["node_id"] for e in result.events_of("placed")] == [node.node_id] * 2

@@ -3,6 +3,7 @@ test_node_loss_e2e.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -96,8 +97,7 @@ def test_a_cluster_too_small_for_the_replicas_names_the_settings_that_count_them
     from elastic.actors.cluster_fit import check_cluster_fits
     from elastic.config import ConfigError
 
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
-    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
+    _cluster(monkeypatch, [(2, 0)])
     plain = elastic.ScalingConfig(num_workers=3, num_backups=1)
     with pytest.raises(ConfigError) as err:
         check_cluster_fits(plain, plain.num_replicas)
@@ -135,6 +135,7 @@ def test_a_cluster_whose_nodes_cannot_place_the_run_is_refused_before_it_starts(
     from elastic.config import ConfigError
 
     config = elastic.ScalingConfig(**scaling)
+    _cluster(monkeypatch, [])  # no autoscaling config reported
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(sum(nodes))})
     monkeypatch.setattr(ray, "nodes", lambda: _nodes(*nodes))
     with pytest.raises(ConfigError, match=why):
@@ -192,17 +193,24 @@ def test_a_run_the_live_nodes_cannot_hold_is_refused_naming_wait_for_nodes_and_w
 @pytest.mark.parametrize("scaling, groups, why", [
     # One GPU group of up to 4 nodes of 1 GPU, none of them up.
     (dict(num_workers=5, use_gpu=True), [({"CPU": 8, "GPU": 1}, 0, 4)],
-     r"needs 5 GPU \(5 actors x 1\) but the cluster's autoscaler can grow it to 4; lower ScalingConfig.num_workers"),
-    (dict(num_workers=2, use_gpu=True), [({"CPU": 8}, 0, 10)], "no node type of the cluster's autoscaler has GPUs"),
+     r"needs 5 GPU \(5 actors x 1\) but the cluster's node groups can grow to 4; lower ScalingConfig.num_workers "
+     r"or resources_per_worker, or raise the autoscaler's node group max counts"),
+    (dict(num_workers=2, use_gpu=True), [({"CPU": 8}, 0, 10)],
+     "the node groups of the cluster's autoscaler add no GPUs; set use_gpu=False, or give the autoscaler a GPU node group"),
     (dict(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 2}), [({"CPU": 8, "GPU": 1}, 0, 8)],
-     r"No node type the cluster's autoscaler starts has room for one worker \(GPU=2, CPU=1\)"),
+     r"No node group of the cluster's autoscaler has room for one worker \(GPU=2, CPU=1\).*give the autoscaler a "
+     "node group with larger nodes"),
     # The head's group (one node, fixed) counts with the others: 1 + 2 nodes.
     (dict(num_workers=4, placement_strategy="STRICT_SPREAD"), [({"CPU": 8}, 1, 2)],
-     r"each of the 4 actors on a node of its own, and 3 node\(s\) at most can have room for one"),
+     r"each of the 4 actors on a node of its own, and 3 node\(s\) at most have room for one"),
     (dict(num_workers=3, resources_per_worker={"CPU": 3}), [({"CPU": 4}, 0, 2)],
-     r"The nodes the cluster's autoscaler can start hold 2 workers of CPU=3"),
+     r"The cluster's node groups at their max count hold 2 workers of CPU=3"),
+    # An unlimited group of nodes too small for a worker, and one node that holds one: 0 x inf
+    # made the count NaN, and a NaN is never below the run's size.
+    (dict(num_workers=2, resources_per_worker={"CPU": 16}), [({"CPU": 8}, 0, -1), ({"CPU": 16}, 0, 1)],
+     r"node groups at their max count hold 1 workers of CPU=16"),
     # The cluster-wide cap of the autoscaler's config, under what its groups add up to.
-    (dict(num_workers=6), [({"CPU": 4}, 0, -1)], r"needs 6 CPU .* can grow it to 5"),
+    (dict(num_workers=6), [({"CPU": 4}, 0, -1)], r"needs 6 CPU .* can grow to 5"),
 ])
 def test_a_reported_autoscaling_config_is_what_the_run_is_checked_against(monkeypatch, scaling, groups, why):
     # Where the autoscaler reports its node groups (min, max count) to Ray, the run is checked
@@ -211,7 +219,7 @@ def test_a_reported_autoscaling_config_is_what_the_run_is_checked_against(monkey
     from elastic.actors.cluster_fit import check_cluster_fits
     from elastic.config import ConfigError
 
-    cap = {"CPU": 5} if groups[0][2] == -1 else None
+    cap = {"CPU": 5} if groups == [({"CPU": 4}, 0, -1)] else None
     _cluster(monkeypatch, [(2, 0)], _reported(({"CPU": 2}, 1, 1), *groups, max_resources=cap))
     config = elastic.ScalingConfig(**scaling)
     with pytest.raises(ConfigError, match=why) as err:
@@ -222,20 +230,30 @@ def test_a_reported_autoscaling_config_is_what_the_run_is_checked_against(monkey
         check_cluster_fits(fewer, fewer.num_replicas)  # within the groups' maximum: not refused
 
 
-def test_a_run_within_the_autoscalers_maximum_is_not_refused_and_a_config_that_cannot_grow_is_not_read(monkeypatch):
+def test_a_run_within_the_autoscalers_maximum_or_the_live_nodes_is_not_refused(monkeypatch):
     from elastic.actors.cluster_fit import autoscaler_capacity, check_cluster_fits
     from elastic.config import ConfigError
 
     # 4 GPU nodes at most, none up: a 4-GPU run waits for them; so does an unlimited group.
+    config = elastic.ScalingConfig(num_workers=4, use_gpu=True, placement_strategy="STRICT_SPREAD")
     for groups in ([({"CPU": 8, "GPU": 1}, 0, 4)], [({"CPU": 8, "GPU": 1}, 0, -1)]):
         _cluster(monkeypatch, [(2, 0)], _reported(({"CPU": 2}, 1, 1), *groups))
-        config = elastic.ScalingConfig(num_workers=4, use_gpu=True, placement_strategy="STRICT_SPREAD")
         check_cluster_fits(config, config.num_replicas)
-    # Every group at its fixed size: the live nodes are what there is, and they are checked.
+    # Groups that do not grow: what they hold is what the cluster will have (nodes still starting
+    # counted), so a run beyond it is refused, wait_for_nodes or not.
     _cluster(monkeypatch, [(2, 0)], _reported(({"CPU": 2}, 1, 1), ({"CPU": 8, "GPU": 1}, 2, 2)))
-    assert autoscaler_capacity() is None
-    with pytest.raises(ConfigError, match="the cluster has no GPUs"):
-        check_cluster_fits(config, config.num_replicas)
+    for scaling in (config, dataclasses.replace(config, wait_for_nodes=True)):
+        with pytest.raises(ConfigError, match="needs 4 GPU .* the cluster's node groups can grow to 2"):
+            check_cluster_fits(scaling, scaling.num_replicas)
+    # A node outside the groups (started by hand) holds the run: not refused for what the
+    # groups lack. Beyond it too, the error is the groups'.
+    _cluster(monkeypatch, [(2, 0), (8, 0)], _reported(({"CPU": 2}, 1, 1)))
+    fits_live = elastic.ScalingConfig(num_workers=6)
+    check_cluster_fits(fits_live, fits_live.num_replicas)
+    beyond = elastic.ScalingConfig(num_workers=12)
+    with pytest.raises(ConfigError, match="needs 12 CPU .* the cluster's node groups can grow to 2") as err:
+        check_cluster_fits(beyond, beyond.num_replicas)
+    assert "wait_for_nodes" not in str(err.value)
     # A Ray whose private state API fails (moved, renamed): the live nodes are checked.
     from ray._private import state as ray_state
 

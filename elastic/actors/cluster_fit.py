@@ -5,8 +5,9 @@ group, then fail with Ray's traceback, which names no setting. The check answers
 three clusters:
 
 - one whose autoscaler reports its node groups to Ray (the cluster config in the GCS, which
-  autoscaler v2 platforms report and which Ray Train reads for the same check): against the most
-  those groups can grow to;
+  autoscaler v2 platforms report and which Ray Train reads for the same check): refused only if
+  neither the most those groups can grow to nor the live nodes can hold the run (a node started
+  by hand, outside the groups, counts);
 - one that adds nodes on demand but reports nothing (Ray's autoscaler on VMs, KubeRay), which the
   user says with ``ScalingConfig.wait_for_nodes``: not checked, and the placement waits for the
   autoscaler up to ``placement_timeout_s``;
@@ -30,23 +31,38 @@ _WAIT_HINT = (" If the cluster adds nodes on demand (an autoscaler whose nodes a
               "ScalingConfig.wait_for_nodes=True to wait for them instead (up to placement_timeout_s).")
 
 
+@dataclass(frozen=True)
+class Wording:
+    """The words of an error that differ between the live nodes and the autoscaler's groups."""
+
+    has: str
+    nodes_are: str
+    hold: str
+    more: str
+    larger: str
+
+
+LIVE = Wording(has="the cluster has", nodes_are="node of the cluster", hold="The cluster's nodes hold",
+               more="add nodes", larger="add larger nodes")
+GROUPS = Wording(has="the cluster's node groups can grow to", nodes_are="node group of the cluster's autoscaler",
+                 hold="The cluster's node groups at their max count hold",
+                 more="raise the autoscaler's node group max counts (or its max_resources)",
+                 larger="give the autoscaler a node group with larger nodes")
+
+
 @dataclass
 class Capacity:
     """What the check counts: ``totals`` of each resource, and ``nodes``, each a node's resources
     with how many such nodes there may be (``math.inf``: no limit). ``live``: these are the
-    nodes up now, not what an autoscaler may add."""
+    nodes up now, not what the autoscaler's node groups can grow to."""
 
     totals: dict[str, float]
     nodes: list[tuple[dict, float]]
     live: bool
 
     @property
-    def has(self) -> str:
-        return "the cluster has" if self.live else "the cluster's autoscaler can grow it to"
-
-    @property
-    def nodes_are(self) -> str:
-        return "node of the cluster" if self.live else "node type the cluster's autoscaler starts"
+    def words(self) -> Wording:
+        return LIVE if self.live else GROUPS
 
 
 def bundles_on(node_resources: dict, bundle: dict) -> int:
@@ -56,8 +72,7 @@ def bundles_on(node_resources: dict, bundle: dict) -> int:
 
 def autoscaler_capacity() -> Capacity | None:
     """The most the cluster can grow to, from the node groups its autoscaler reported to Ray;
-    None when none did (no autoscaler, or one that does not report), or none of the groups can
-    grow (a fixed cluster described by its autoscaler: the live nodes say the same).
+    None when none did (no autoscaler, or one that does not report).
 
     Read through ``ray._private.state`` as Ray Train and Ray Data read it (no public API has it);
     an error reading it (an older or newer Ray without it) counts as no report."""
@@ -68,11 +83,10 @@ def autoscaler_capacity() -> Capacity | None:
     except Exception:  # noqa: BLE001 - a private API: without it, the live nodes are checked
         logger.debug("could not read the cluster's autoscaling config", exc_info=True)
         return None
-    groups = list(config.node_group_configs) if config is not None else []
-    if not any(g.max_count == -1 or g.max_count > g.min_count for g in groups if g.resources and g.max_count):
+    if config is None or not config.node_group_configs:
         return None
     nodes = [({k: float(v) for k, v in g.resources.items()}, math.inf if g.max_count == -1 else float(g.max_count))
-             for g in groups if g.resources and g.max_count]
+             for g in config.node_group_configs if g.resources and g.max_count]
     totals: dict[str, float] = {}
     for resources, count in nodes:
         for key, amount in resources.items():
@@ -89,13 +103,25 @@ def live_capacity() -> Capacity:
 
 
 def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
-    """Fail fast, before any actor starts, when the cluster can never host the run: against
-    what its autoscaler reports it can grow to, else (unless ``wait_for_nodes``) its live nodes."""
-    capacity = autoscaler_capacity()
-    if capacity is None:
-        if scaling.wait_for_nodes:
-            return
-        capacity = live_capacity()
+    """Fail fast, before any actor starts, when the cluster can never host the run (see the
+    module's docstring for which cluster is checked against what)."""
+    reported = autoscaler_capacity()
+    if reported is None:
+        if not scaling.wait_for_nodes:
+            _check(scaling, total_bundles, live_capacity())
+        return
+    try:
+        _check(scaling, total_bundles, reported)
+    except ConfigError as beyond_groups:
+        # The groups need not describe every node (one started by hand): a run the nodes up
+        # now hold is not refused. Refused, the error is the groups' (what the cluster can grow to).
+        try:
+            _check(scaling, total_bundles, live_capacity())
+        except ConfigError:
+            raise beyond_groups from None
+
+
+def _check(scaling: ScalingConfig, total_bundles: int, capacity: Capacity) -> None:
     _check_totals(scaling, total_bundles, capacity)
     _check_nodes_fit(scaling, total_bundles, capacity)
 
@@ -115,12 +141,16 @@ def _replica_settings(scaling: ScalingConfig) -> tuple[str, str]:
 def _check_totals(scaling: ScalingConfig, total_bundles: int, capacity: Capacity) -> None:
     resources = capacity.totals
     bundle = scaling.bundle()
-    if scaling.use_gpu and resources.get("GPU", 0) <= 0:
-        where = "the cluster has no GPUs" if capacity.live else "no node type of the cluster's autoscaler has GPUs"
+    if scaling.use_gpu and resources.get("GPU", 0) <= 0 and capacity.live:
         raise _refuse(capacity,
-            f"ScalingConfig.use_gpu=True but {where}; set use_gpu=False or add GPU nodes. "
+            "ScalingConfig.use_gpu=True but the cluster has no GPUs; set use_gpu=False or add GPU nodes. "
             "If its nodes do have GPUs, Ray did not count them (its count goes through NVML): start them "
             "with `ray start --num-gpus=N`."
+        )
+    if scaling.use_gpu and resources.get("GPU", 0) <= 0:
+        raise _refuse(capacity,
+            "ScalingConfig.use_gpu=True but the node groups of the cluster's autoscaler add no GPUs; set "
+            "use_gpu=False, or give the autoscaler a GPU node group (or raise its max count or max_resources)."
         )
     count, spares = _replica_settings(scaling)
     for key, per in bundle.items():
@@ -128,9 +158,9 @@ def _check_totals(scaling: ScalingConfig, total_bundles: int, capacity: Capacity
         need = per * total_bundles
         if need > have + 1e-9:
             raise _refuse(capacity,
-                f"The run needs {need:g} {key} ({total_bundles} actors x {per:g}) but {capacity.has} {have:g}; "
-                f"lower {count} or resources_per_worker, or add nodes. Hot spares ({spares}) are not counted "
-                "here: they wait for room."
+                f"The run needs {need:g} {key} ({total_bundles} actors x {per:g}) but {capacity.words.has} {have:g}; "
+                f"lower {count} or resources_per_worker, or {capacity.words.more}. Hot spares ({spares}) are not "
+                "counted here: they wait for room."
             )
 
 
@@ -145,23 +175,22 @@ def _check_nodes_fit(scaling: ScalingConfig, total_bundles: int, capacity: Capac
     fits = [(bundles_on(resources, bundle), n) for resources, n in capacity.nodes]
     shown = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
     if not any(f for f, _ in fits):
-        raise _refuse(capacity, f"No {capacity.nodes_are} has room for one worker ({shown}): a worker's resources "
-                                "are placed on one node. Lower ScalingConfig.resources_per_worker, or add larger nodes.")
+        raise _refuse(capacity, f"No {capacity.words.nodes_are} has room for one worker ({shown}): a worker's resources "
+                                f"are placed on one node. Lower ScalingConfig.resources_per_worker, or {capacity.words.larger}.")
     strategy = scaling.placement_strategy
     roomy = sum(n for f, n in fits if f > 0)  # nodes with room for one worker
-    held = sum(f * n for f, n in fits)
+    held = sum(f * n for f, n in fits if f)  # not 0 x inf (nan): an unlimited group of nodes too small
     largest = max(f for f, _ in fits)
-    nodes = "node(s) have" if capacity.live else "node(s) at most can have"
+    nodes = "node(s) have" if capacity.live else "node(s) at most have"
     if strategy == "STRICT_SPREAD" and roomy < total_bundles:
         raise _refuse(capacity, f"ScalingConfig.placement_strategy='STRICT_SPREAD' puts each of the {total_bundles} "
                                 f"actors on a node of its own, and {roomy:g} {nodes} room for one; use "
-                                f"'SPREAD', lower {count}, or add nodes.")
+                                f"'SPREAD', lower {count}, or {capacity.words.more}.")
     if strategy == "STRICT_PACK" and largest < total_bundles:
         raise _refuse(capacity, f"ScalingConfig.placement_strategy='STRICT_PACK' puts all {total_bundles} actors on "
-                                f"one node, and the largest holds {largest}; use 'PACK', lower {count}, or add a "
-                                "larger node.")
+                                f"one node, and the largest holds {largest}; use 'PACK', lower {count}, or "
+                                f"{capacity.words.larger}.")
     if held < total_bundles:
-        whose = "The cluster's nodes hold" if capacity.live else "The nodes the cluster's autoscaler can start hold"
-        raise _refuse(capacity, f"{whose} {held:g} workers of {shown} (a worker's resources are placed on one "
+        raise _refuse(capacity, f"{capacity.words.hold} {held:g} workers of {shown} (a worker's resources are placed on one "
                                 f"node), and the run needs {total_bundles}; lower {count} or resources_per_worker, "
-                                "or add nodes.")
+                                f"or {capacity.words.more}.")
