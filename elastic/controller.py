@@ -2459,14 +2459,13 @@ class Controller:
                 refs.append(call(m.actor))
             except ray.exceptions.RayError:
                 continue
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
         out = []
-        for ref in refs:
-            if ref in ready:
-                try:
-                    out.append(ray.get(ref))
-                except ray.exceptions.RayError:
-                    continue
+        # In the members' order: ray.wait keeps its input's order.
+        for ref in ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0] if refs else []:
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayError:
+                continue
         return out
 
     def _fast_sets(self, holder: Member, newest: int) -> dict[int, list[int]]:

@@ -133,6 +133,7 @@ def _restart_with_stand_ins(c, monkeypatch, begun, restored_step, group_cls=None
     monkeypatch.setattr(c, "_configure_checkpoints", lambda members: None)
     monkeypatch.setattr(c, "_check_storage_shared", lambda: None)  # storage is a stand-in here
     monkeypatch.setattr(controller_module.ray, "get", lambda x, **kw: x)  # the stand-ins' plain values
+    monkeypatch.setattr(controller_module.ray, "wait", lambda refs, **kw: (list(refs), []))
 
     def restore_latest(fast=None):  # every rank loads the newest committed step
         c.step = restored_step
@@ -340,11 +341,16 @@ class FastSets:
     def __init__(self, record=None, dead=False):
         self.record, self.dead = record or {}, dead
         self.fast_sets = self
+        # No step results kept from a broken call (TrainWorker.unreported_results).
+        self.unreported_results = SimpleNamespace(remote=lambda first, last, generation: self._answer([]))
 
-    def remote(self, first, last):
+    def _answer(self, value):
         if self.dead:
             raise controller_module.ray.exceptions.RayActorError()
-        return {s: r for s, r in self.record.items() if first <= s <= last}
+        return value
+
+    def remote(self, first, last):
+        return self._answer({s: r for s, r in self.record.items() if first <= s <= last})
 
 
 def test_steps_kept_from_a_holder_that_computed_none_of_them_take_their_fast_sets_from_the_other_members(

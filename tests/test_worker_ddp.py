@@ -597,7 +597,7 @@ def test_set_state_leaves_adams_step_counters_where_torch_keeps_them():
     fresh = torch.optim.Adam(model.parameters())
     fresh.load_state_dict = lambda sd: calls.append(sd)
     TrainWorker.set_state(SimpleNamespace(model=model, optimizer=fresh, scheduler=None, scaler=None,
-                                          device=torch.device("meta"), _fast_log={}), state)
+                                          device=torch.device("meta"), _fast_log={}, _unreported=(-1, [])), state)
     assert all(s["step"].device.type == "cpu" for s in calls[0]["state"].values())
 
 
@@ -708,13 +708,19 @@ def test_a_rank_that_takes_an_older_state_forgets_the_fast_sets_of_the_history_g
 
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    from elastic.actors.worker import StepResult
+
+    finished = [StepResult(0, s, 0.5, 0.01, 0.01, 4, s, {}) for s in (7, 8)]  # a broken call's, kept
     rank = SimpleNamespace(model=model, optimizer=optimizer, scheduler=None, scaler=None, completed_step=8,
-                           started_step=8, _fast_log={s: (0, 1) for s in range(1, 9)})
+                           started_step=8, _fast_log={s: (0, 1) for s in range(1, 9)}, _unreported=(3, finished))
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": None, "completed_step": 5}
     assert TrainWorker.set_state(rank, state) == 5
     assert TrainWorker.fast_sets(rank, 1, 8) == {s: [0, 1] for s in range(1, 6)}
+    assert rank._unreported == (3, [])  # its finished steps' results went with that history too
     state["completed_step"] = 7  # forward (a rank behind catching up): what it knows stays
     assert TrainWorker.set_state(rank, state) == 7 and sorted(rank._fast_log) == [1, 2, 3, 4, 5]
+    rank._unreported = (3, finished[:1])
+    assert TrainWorker.set_state(rank, state) == 7 and rank._unreported == (3, finished[:1])
 
 
 class _FrozenBackbone(torch.nn.Module):
