@@ -883,8 +883,10 @@ class Controller:
         # checkpoint proves those steps finished, so they are kept, not replayed.
         # First-N: ``fast`` is what the old members recorded of those steps (asked before the
         # restore by _restart_all, _restore_members_from_checkpoint); the ranks that restored know none.
-        self._keep_completed_steps([done for done in range(self.step + 1, step + 1) if done in self._planned],
-                                   "committed before its results came back", fast)
+        # Their results, where a rank still had them (the failure's, a survivor's), are booked too.
+        kept = [done for done in range(self.step + 1, step + 1) if done in self._planned]
+        self._keep_completed_steps(kept, "committed before its results came back", fast,
+                                   self._results_of(kept[0], kept[-1]) if kept else None)
         self.step = step
         self.restored_from = step
         self.log("resume", f"resumed from committed step {step} at {self.store.location} (read by rank "

@@ -3,6 +3,7 @@ groups and ranks (``rayless_controller``), for the counts and sets that decide w
 
 from __future__ import annotations
 
+import math
 import time
 from types import SimpleNamespace
 
@@ -10,7 +11,9 @@ import pytest
 
 import elastic
 from elastic import controller as controller_module
+from elastic.actors.protocol import StepResult
 from elastic.actors.worker_group import Member
+from elastic.controller import Failure
 from elastic.data import DataPosition
 
 
@@ -461,16 +464,21 @@ def test_first_n_steps_a_checkpoint_proves_take_their_fast_sets_from_the_members
     record = {11: [1, 2], 12: [0, 2]}
 
     def rank(i, knows=True):
+        fast_sets = FastSets(record if knows else None, dead=(i == 1))
         return Member(SimpleNamespace(
-            fast_sets=FastSets(record if knows else None, dead=(i == 1)),
+            fast_sets=fast_sets, unreported_results=fast_sets.unreported_results,
             restore_checkpoint=Call(lambda url, options, name, step: meta),
             get_state=Call(lambda: "state"), set_state=Call(lambda state: 12)), f"rank-{i}", rank=i)
     c.group = StandInGroup(ranks=3)
     c.group.members = [rank(0, knows=False), rank(1), rank(2)]
     c.store = SimpleNamespace(committed_steps=lambda: [12], url="memory://x", storage_options={}, location="memory://x")
+    # The failure being healed carried rank 2's result of step 11 (it returned it before the
+    # failure was seen): step 11 is booked with its loss; no rank had step 12's.
+    c._arrived = Failure({1}, "actor_died", results={2: [StepResult(2, 11, 0.25, 0.02, 0.02, 8, 11, {"fast": [1, 2]})]})
     c._restore_members_from_checkpoint()
     assert c.step == 12 and c.restored_from == 12
     assert [(h.step, h.ranks, h.dropped) for h in c.history] == [(11, [1, 2], 8), (12, [0, 2], 8)]
+    assert c.history[0].loss == 0.25 and c.history[0].step_time_s == 0.02 and math.isnan(c.history[1].loss)
 
 
 class Configures:
