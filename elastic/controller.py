@@ -2535,8 +2535,8 @@ class Controller:
             del self._planned[step]
         if steps:
             which = "booked" if with_results == booked else f"{len(with_results)} of them booked"
-            booked = f"; {which} with the results that the ranks that finished them still had" if with_results else ""
-            self.log("step_kept", f"{_steps_text(steps)} {how}; not replayed{booked}", kept=steps,
+            also = f"; {which} with the results that the ranks that finished them still had" if with_results else ""
+            self.log("step_kept", f"{_steps_text(steps)} {how}; not replayed{also}", kept=steps,
                      with_results=with_results)
         if unknown:
             which = _steps_text(unknown)
@@ -2752,7 +2752,7 @@ class Controller:
             return
         if self.metrics is not None:
             self.metrics.on_recovery("straggler", time.time() - t0)
-        self._snapshot_after_evict(r)
+        self._snapshot_after_evict()
         self._refill_spares()
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
 
@@ -2766,7 +2766,7 @@ class Controller:
                                       "ready", straggler=r))
         return True
 
-    def _snapshot_after_evict(self, r: int) -> None:
+    def _snapshot_after_evict(self) -> None:
         """With ``every_n_steps`` > 1, have the new group checkpoint the step it starts from.
 
         Why: a step commits once every rank's part of it is in. A first-N victim trailing the
@@ -2785,7 +2785,8 @@ class Controller:
         step = self.step
         self._force_meta(step)
         due = step % every == 0
-        members = [m for m in self.group.members if not due or m.rank in self._state_sent_to | {r}]
+        # The spare is among them: it starts with no state, so the sync always sends it the state.
+        members = [m for m in self.group.members if not due or m.rank in self._state_sent_to]
         refs = [(m.rank, m.actor.snapshot_checkpoint.remote(step)) for m in members]
         for rank, ref in refs:
             try:

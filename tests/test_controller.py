@@ -1410,7 +1410,7 @@ def test_after_an_eviction_the_members_that_took_the_state_snapshot_a_due_step(r
         forced, merged = [], []
         c._force_meta = forced.append
         c._merge_ckpt = lambda rank, report: merged.append(rank)
-        c._snapshot_after_evict(2)
+        c._snapshot_after_evict()
     assert forced == [step] and sorted(merged) == asked
 
 

@@ -87,6 +87,9 @@ def autoscaler_capacity() -> Capacity | None:
         return None
     nodes = [({k: float(v) for k, v in g.resources.items()}, math.inf if g.max_count == -1 else float(g.max_count))
              for g in config.node_group_configs if g.resources and g.max_count]
+    # Summed here, not by Ray's get_max_resources_from_cluster_config (Ray Train's): that one
+    # returns sys.maxsize for a resource an unlimited group has before it applies the config's
+    # max_resources cap, so a cap on an unlimited group was never checked against.
     totals: dict[str, float] = {}
     for resources, count in nodes:
         for key, amount in resources.items():
