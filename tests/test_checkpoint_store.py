@@ -1037,6 +1037,46 @@ def test_a_bug_in_the_write_is_reported_not_raised():
     persister.close(1)
 
 
+def test_a_writer_thread_that_cannot_start_writes_inline_and_never_raises(monkeypatch):
+    """At the process's thread limit ``Thread.start`` raises ``RuntimeError``. The submit inside a
+    training step then writes inline, as blocking mode does, says so once, and the next submit
+    gets its background writer back once a thread can start."""
+    import elastic.checkpoint.persister as persister_module
+
+    limit = {"at": True}
+
+    class LimitedThread(threading.Thread):
+        def start(self):
+            if limit["at"]:
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(persister_module, "threading",
+                        SimpleNamespace(Thread=LimitedThread, Condition=threading.Condition))
+    written, released = [], []
+
+    def write(payload):
+        written.append((payload, threading.current_thread().name))
+        return [payload]
+
+    persister = AsyncPersister(write, on_release=released.append)
+    persister.submit(1, "a")  # does not raise
+    persister.submit(2, "b", light=True)
+    here = threading.current_thread().name
+    assert written == [("a", here), ("b", here)]  # written before submit returned, on the caller's thread
+    assert released == ["a", "b"] and persister.drain() == [(1, ["a"]), (2, ["b"])]
+    events = persister.drain_events()
+    assert [e["event"] for e in events] == ["checkpoint_writer_inline"]  # once for the spell, not per submit
+    assert events[0]["step"] == 1 and "can't start new thread" in events[0]["message"]
+    assert persister._thread is None and persister.flush(1)
+    limit["at"] = False
+    persister.submit(3, "c")
+    assert persister.flush(5) and persister.drain() == [(3, ["c"])]
+    assert written[-1] == ("c", "elastic-checkpoint write")  # the background writer again
+    assert persister.drain_events() == [] and released == ["a", "b", "c"]
+    assert persister.close(5)
+
+
 def failing_persister(error: StorageError) -> tuple[AsyncPersister, dict]:
     """A persister whose writes raise ``error`` while ``state["failing"]``, returned once its
     first snapshot (step 1) has failed three times (or 5 s passed)."""

@@ -157,6 +157,7 @@ class AsyncPersister:
         self._events: deque = deque(maxlen=max_events)
         self._outage = OutageTracker(self._events, name)
         self._thread: threading.Thread | None = None
+        self._inline_since = 0.0  # when the writer thread could not start (0: it could; see _start_thread)
         self._closing = False
         self._abort = False
         self.superseded = 0  # snapshots replaced before they were written
@@ -202,10 +203,45 @@ class AsyncPersister:
                 self.superseded += 1
                 logger.debug("step %d dropped: %d reports wait", dropped[0], self.max_light)
                 self._release(dropped[1])
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"elastic-{self.name}", daemon=True)
-                self._thread.start()
+            inline: list = []
+            if self._thread is None and not self._start_thread():
+                inline, self._queue = list(self._queue), deque()  # written below, outside the lock
             self._cond.notify_all()
+        for step, payload, _ in inline:
+            try:
+                self._write_inline(step, payload)
+            finally:
+                self._release(payload)
+
+    def _start_thread(self) -> bool:
+        """Start the writer thread (under the lock); False if the process cannot start one.
+
+        Why this is caught: ``Thread.start`` raises ``RuntimeError("can't start new thread")`` when
+        the process is at its thread limit (``RLIMIT_NPROC``, a container's ``pids.max``), and the
+        first submit is inside a training step, which storage must never stop. The caller then
+        writes what waits inline, one try each, as ``blocking`` mode does, and the next submit
+        tries to start the thread again: a limit that eases gives the background writer back.
+        One event per such spell says training now waits on storage."""
+        thread = threading.Thread(target=self._run, name=f"elastic-{self.name}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            if not self._inline_since:
+                self._inline_since = time.time()
+                logger.warning("%s: could not start the writer thread (%s); writing inline, so training "
+                               "waits on storage, until a thread can start", self.name, _short(exc))
+                self._events.append({
+                    "event": "checkpoint_writer_inline", "what": self.name, "time": self._inline_since,
+                    "step": self._queue[-1][0] if self._queue else None, "error": _short(exc),
+                    "message": f"{self.name}: could not start the writer thread ({_short(exc)}); checkpoints "
+                               f"are written inside the step (training waits on storage) until one can start"})
+            return False
+        if self._inline_since:
+            logger.warning("%s: writer thread started after %.1fs of inline writes", self.name,
+                           time.time() - self._inline_since)
+            self._inline_since = 0.0
+        self._thread = thread
+        return True
 
     def drain(self) -> list[tuple[int, list]]:
         with self._cond:
