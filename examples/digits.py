@@ -186,7 +186,10 @@ def main(argv=None) -> float:
         trainer = build_trainer(args)
         result = trainer.fit(epochs=args.epochs)
     except elastic.ConfigError as exc:  # the message names the setting (most before any actor starts)
-        p.error(flags_named(str(exc), args))
+        message = flags_named(str(exc), args)
+        if message == str(exc):  # no flag behind it (ranks that see different data): not a usage error
+            p.exit(2, f"{p.prog}: error: {message}\n")
+        p.error(message)
     except elastic.TrainingStopped as stopped:  # Ctrl-C or `ray job stop`: the run stopped cleanly
         print(stopped, flush=True)  # first: `ray job stop` sends SIGKILL a few seconds after SIGTERM
         if stopped.result.model_state is not None:  # None: stopped before any rank had started

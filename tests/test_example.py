@@ -94,6 +94,22 @@ def test_bad_demo_flags_exit_with_the_setting_to_change_before_any_actor_starts(
     assert field in err and flags in err and "Traceback" not in err
 
 
+def test_a_config_error_that_no_flag_causes_exits_2_without_the_usage_line(monkeypatch, capsys):
+    # A ConfigError from fit() after the ranks started (here: the workers built different
+    # datasets) names no flag, so the usage line would send the user to the flags for nothing.
+    import elastic
+
+    def fit(self, epochs=None, steps=None):
+        raise elastic.ConfigError("dataset_fn built datasets of different sizes on the workers (1797 rows on "
+                                  "ranks [0], 1796 on ranks [1])")
+    monkeypatch.setattr(elastic.Trainer, "fit", fit)
+    with pytest.raises(SystemExit) as exit_:
+        digits.main(["--no-progress", "--name", "digits-differs"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert ": error: dataset_fn built datasets of different sizes" in err and "usage:" not in err
+
+
 def test_the_kill_demo_loses_one_step_to_a_hot_spare(ray_cluster, capsys):
     # The docstring's failure demo: a rank SIGKILLed mid-run, a hot spare in its place, the run
     # goes on and says what it cost.
