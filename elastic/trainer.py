@@ -112,6 +112,39 @@ def _sigterm_stops_the_run():
             signal.signal(signal.SIGTERM, previous)
 
 
+class _CtrlCHeld:
+    """Holds a Ctrl-C (SIGINT) from its creation until ``release``, which raises it then.
+
+    Why: the controller must be in ``Trainer.controller`` before an interrupt can end fit(), or
+    nothing kills it. A KeyboardInterrupt inside ``.remote()`` (after the actor was created) or
+    at the assignment left it training on the user's cluster for as long as its handle lived:
+    Ray's reference counting ends an actor whose handles are gone, but a notebook keeps the last
+    traceback, whose frames hold the handle. Python runs signal handlers in the main thread between
+    bytecodes, so only swapping the handler holds one; ``release`` is called inside the ``try``
+    that kills the controller, so a held Ctrl-C ends there like one a moment later. Swapped only
+    in the main thread (no other gets a KeyboardInterrupt) and only from Python's default
+    handler: a handler of the user's stays in charge."""
+
+    def __init__(self):
+        self.held = False
+        self._swapped = (threading.current_thread() is threading.main_thread()
+                         and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if self._swapped:
+            signal.signal(signal.SIGINT, self._hold)
+
+    def _hold(self, signum, frame) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        """Put the default handler back, and raise the Ctrl-C held meanwhile, if any."""
+        if self._swapped:
+            self._swapped = False
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.held:
+            self.held = False
+            raise KeyboardInterrupt
+
+
 def _default_or_rays(handler) -> bool:
     """Whether a SIGTERM handler is the default or the one ``ray.init`` installs: no user's."""
     return handler in (signal.SIG_DFL, None) or getattr(handler, "__module__", "").startswith("ray.")
@@ -624,15 +657,21 @@ class Trainer:
                         memory_host: str | None = None) -> Result:
         # The controller lives beside the driver: a worker node that dies must not take the
         # controller (and with it the run) along.
+        ctrl_c = _CtrlCHeld()  # until the controller is ours to kill
         try:
             self.controller = actor_cls.options(**self._controller_options(memory_host)).remote(kwargs)
-        except ray.exceptions.ActorAlreadyExistsError as exc:
-            # Another driver claimed the name between _claim_run_name and here.
-            raise ConfigError(f"RunConfig.name={self.run.name!r} is in use: another run of that name started on "
-                              "this cluster just now. Choose another RunConfig.name, or stop that run first.") from exc
+        except BaseException as exc:
+            ctrl_c.release()
+            if isinstance(exc, ray.exceptions.ActorAlreadyExistsError):
+                # Another driver claimed the name between _claim_run_name and here.
+                raise ConfigError(f"RunConfig.name={self.run.name!r} is in use: another run of that name started "
+                                  "on this cluster just now. Choose another RunConfig.name, or stop that run "
+                                  "first.") from exc
+            raise
         try:
             # In the try: a Ctrl-C here, before the run is awaited, still kills the controller.
             _OUR_CONTROLLERS.add(self.controller._actor_id.hex())
+            ctrl_c.release()
             out, stopped_by = self._await_controller(steps, epochs)
             # The final weights are owned by the controller: fetch them before it goes.
             state_ref = out.pop("model_state_ref", None)

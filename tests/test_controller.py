@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -624,6 +625,17 @@ def test_a_run_name_another_process_of_this_job_is_using_is_refused_and_its_run_
         ray.kill(owner)
 
 
+def assert_controller_gone(namespace: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor("controller", namespace=namespace)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the controller outlived its fit()")
+
+
 def test_a_fit_that_leaves_by_an_unexpected_error_kills_its_controller(ray_cluster, monkeypatch):
     # Only a Ray error of the wait killed the controller: an error of the progress display (a
     # closed stdout, a broken pipe) left it training on the cluster until the driver exited.
@@ -646,15 +658,51 @@ def test_a_fit_that_leaves_by_an_unexpected_error_kills_its_controller(ray_clust
     with pytest.raises(BrokenPipeError):
         trainer._run_controller(Trains, {}, 1000, None)
     assert trainer.controller is None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor("controller", namespace="elastic-display-broke")
-        except ValueError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the controller outlived its fit()")
+    assert_controller_gone("elastic-display-broke")
+
+def test_a_ctrl_c_while_the_controller_is_created_still_kills_it(ray_cluster):
+    # A KeyboardInterrupt that landed inside .remote() (the actor made, its handle not yet
+    # returned) or at the assignment left the controller training on the cluster for as long as
+    # its handle lived (see below). Now the Ctrl-C is held until the handle is stored, then
+    # raised where it kills the controller.
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("needs the main thread and Python's own SIGINT handler")
+
+    @ray.remote(num_cpus=0)
+    class Trains:  # a controller whose run goes on
+        def __init__(self, kwargs):
+            pass
+
+        def run(self, steps, epochs):
+            time.sleep(3600)
+
+    class InterruptedAtCreation:  # actor_cls: Ctrl-C pressed just after the actor is created
+        @staticmethod
+        def options(**options):
+            made = Trains.options(**options)
+
+            class Remote:
+                @staticmethod
+                def remote(kwargs):
+                    handle = made.remote(kwargs)
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.5)  # where a default handler raises (the code before: the handle lost)
+                    return handle
+            return Remote
+
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8, run=elastic.RunConfig(name="ctrl-c-made"))
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        trainer._run_controller(InterruptedAtCreation, {}, 1000, None)
+    assert trainer.controller is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    # The traceback stays alive, as a notebook keeps the last one (sys.last_traceback): with it
+    # the frames' handle, so Ray's reference counting does not end the actor; only a kill does.
+    assert_controller_gone("elastic-ctrl-c-made")
+    del interrupted
+
 
 
 def test_a_controller_that_could_not_start_is_reported_with_its_error(ray_cluster):
