@@ -280,6 +280,9 @@ class Controller:
         # The newest group generation a rollback left behind: a part taken in it is dropped (_add_part).
         self._rolled_back_through = 0
         self._parts_lock = threading.Lock()  # parts come in on the checkpoint thread, rollbacks on the step thread
+        # (step, rank) -> the generation whose snapshot of that step writes the rank's file again
+        # after an eviction (_snapshot_after_evict): an older actor's part of it is dropped.
+        self._written_again: dict[tuple[int, int], int] = {}
         try:  # inside the controller actor: ranks report checkpoint parts straight to it
             self._self_handle = ray.get_runtime_context().current_actor
         except Exception:  # a driver-side controller (tests): reports ride on step results
@@ -742,6 +745,12 @@ class Controller:
             if generation is not None and int(generation) <= self._rolled_back_through:
                 logger.info("rank %d's checkpoint part of step %d was taken in generation %s, before a rollback; "
                             "dropped", rank, step, generation)
+                return
+            again = self._written_again.get((step, rank))
+            if generation is not None and again is not None and int(generation) < again:
+                logger.info("rank %d's checkpoint part of step %d was taken in generation %s; the rank's new actor "
+                            "writes that file again (generation %d), so its part stands instead", rank, step,
+                            generation, again)
                 return
             if "progress" in part:
                 self._worker_progress = max(self._worker_progress, int(part["progress"]))
@@ -2787,6 +2796,19 @@ class Controller:
         due = step % every == 0
         # The spare is among them: it starts with no state, so the sync always sends it the state.
         members = [m for m in self.group.members if not due or m.rank in self._state_sent_to]
+        if due:
+            with self._parts_lock:
+                # Not a rank whose part is in already (a DDP victim wrote it before it left): the
+                # step's manifest names that file, with its checksum, and a snapshot would write
+                # it again (same name) with other bytes (the new actor's RNG state), so a step
+                # that committed would fail its checksum on resume. The ranks asked write their
+                # file anew, and a part of it that the rank's old actor sends later is dropped
+                # (_add_part): the committer keeps a rank's newest report, which would name the
+                # old bytes. (A write of the old actor still under way in a node agent when the
+                # new one lands can still replace the file: resume then finds the step's
+                # checksum wrong and takes the previous commit.)
+                members = [m for m in members if not self.committer.holds(step, m.rank)]
+                self._written_again = {(step, m.rank): self.generation for m in members}
         refs = [(m.rank, m.actor.snapshot_checkpoint.remote(step)) for m in members]
         for rank, ref in refs:
             try:

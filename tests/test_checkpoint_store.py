@@ -1380,8 +1380,10 @@ def test_committer_waits_for_every_rank_and_the_meta(tmp_path):
     committer.add(3, 0, 2, e0)
     committer.set_meta(3, {"cursor": 3})
     assert committer.flush(5) and committer.latest_committed is None  # rank 1 missing
+    assert committer.holds(3, 0) and not committer.holds(3, 1) and not committer.holds(4, 0)
     committer.add(3, 1, 2, [e.to_dict() for e in e1])
     assert committer.flush(5) and committer.latest_committed == 3
+    assert committer.holds(3, 1) and committer.holds(2, 1)  # committed, or past needing parts
     committer.add(3, 1, 2, e1)  # a late duplicate is ignored
     assert committer.lag(10) == 7
     committer.close()

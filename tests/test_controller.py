@@ -288,8 +288,15 @@ def committed_at(c, step):
 class CommittedAt:
     """A committer stand-in that has committed ``step``."""
 
-    def __init__(self, step):
+    def __init__(self, step, parts=()):
         self.latest_committed = step
+        self.parts = set(parts)  # (step, rank) of the parts in
+
+    def holds(self, step, rank):
+        return step <= (self.latest_committed or 0) or (step, rank) in self.parts
+
+    def add(self, step, rank, world_size, entries, taken_at=None, rng=None):
+        self.parts.add((step, rank))
 
     def flush(self, timeout_s=None):
         return True
@@ -1460,6 +1467,31 @@ def test_after_an_eviction_the_members_that_took_the_state_snapshot_a_due_step(r
         c._merge_ckpt = lambda rank, report: merged.append(rank)
         c._snapshot_after_evict()
     assert forced == [step] and sorted(merged) == asked
+
+
+def test_after_an_eviction_a_part_already_in_is_not_written_again(ray_cluster):
+    # DDP, every_n_steps=4: step 8 was due, and the victim (rank 2) wrote and reported its part
+    # before it left. The spare in its place wrote the same file again, with other bytes (its
+    # RNG state), under the manifest that names the victim's checksum: step 8 failed its checksum
+    # on resume. Now a rank whose part is in is not asked; the others' file is written anew, and
+    # a part of it their old actor sends later is dropped (the committer keeps a rank's newest).
+    with trained("fake-snap-after-evict-in", workers=3, steps=8) as c:
+        c.run_config.checkpoint.every_n_steps = 4
+        c.committer = CommittedAt(4, parts={(8, 2)})
+        c.step = 8
+        c._state_sent_to = {0, 2}
+        c.generation += 1  # the eviction's rebuild
+        merged = []
+        c._force_meta = lambda step: None
+        c._merge_ckpt = lambda rank, report: merged.append(rank)
+        c._snapshot_after_evict()
+        assert merged == [0]
+        old, new = c.generation - 1, c.generation
+        c._add_part(8, 0, 3, {"entries": [], "generation": old})  # rank 0's old actor: its write is replaced
+        assert (8, 0) not in c.committer.parts
+        c._add_part(8, 0, 3, {"entries": [], "generation": new})
+        c._add_part(8, 1, 3, {"entries": [], "generation": old})  # not written again: stands
+        assert {(8, 0), (8, 1)} <= c.committer.parts
 
 
 def test_an_eviction_waiting_for_the_queued_window_is_dropped_when_a_failure_rebuilds_first(ray_cluster):

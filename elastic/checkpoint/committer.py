@@ -574,6 +574,15 @@ class CheckpointCommitter:
         return self.store.gc_uncommitted(older_than=older_than, keep=pending, epoch=epoch)
 
     # ---- status -----------------------------------------------------------------------------
+    def holds(self, step: int, rank: int) -> bool:
+        """Whether ``rank``'s part of ``step`` is in, or ``step`` needs no more parts (it was
+        handed to the commit, or a newer step was)."""
+        with self._lock:
+            if self._is_stale(step):
+                return True
+            record = self._reports.get(step)
+            return record is not None and rank in record["ranks"]
+
     @property
     def latest_committed(self) -> int | None:
         with self._lock:
