@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from datetime import datetime
 from typing import Any, Callable, Optional
 
@@ -32,7 +33,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from elastic.config import ConfigError
+from elastic.config import ConfigError, RunConfig
 from elastic.address import host_port, shown, trainer_address_problem, unreachable
 from elastic.redact import carries_credentials, configure_logging, redact_url, redact_urls_in
 
@@ -48,6 +49,17 @@ EXIT_NO_USABLE_STEP = 4  # `checkpoints --run`: nothing to resume from (no step,
 # Entries of the working directory that never belong in a job package (Ray's own defaults cover
 # .git and .venv in recent versions; listing them keeps older clusters fast too).
 SUBMIT_EXCLUDES = [".git", ".venv", "venv", "__pycache__", ".pytest_cache", "*.egg-info"]
+# `submit`: the dashboard's answers. Ray's Jobs client sends its HTTP requests without a timeout,
+# so a dashboard that takes the connection and never answers (a stale port-forward, a hung head)
+# held the command forever. ANSWER_TIMEOUT_S bounds each small request (the client's version
+# check, a status); SUBMIT_TIMEOUT_S the whole submission, upload included (--timeout, for a
+# large working directory on a slow link). With --follow, a log stream quiet for FOLLOW_QUIET_S
+# has the job's status asked, and FOLLOW_LOST_ASKS unanswered asks in a row end the command (the
+# job itself goes on): a websocket through a network partition waits forever otherwise.
+ANSWER_TIMEOUT_S = 30.0
+SUBMIT_TIMEOUT_S = 300.0
+FOLLOW_QUIET_S = 30.0
+FOLLOW_LOST_ASKS = 3
 
 app = typer.Typer(
     name="elastic",
@@ -121,7 +133,11 @@ def _friendly(fn: Callable) -> Callable:
             _fail("interrupted", 130)
         except Exception as exc:  # noqa: BLE001 - the CLI contract is one line, whatever broke
             if _verbose:
-                raise
+                # The traceback, redacted as every message is: raised as it was, Ray's own
+                # messages printed an address's user:password@ (a dashboard behind basic auth).
+                err_console.print(redact_urls_in("".join(traceback.format_exception(exc))).rstrip(), markup=False,
+                                  highlight=False, soft_wrap=True)
+                raise typer.Exit(1) from None
             logger.debug("unexpected error", exc_info=True)
             # Redacted before it is cut: a cut inside user:password@ leaves no '@' to find.
             _fail(f"{type(exc).__name__}: {_one_line(redact_urls_in(str(exc)))} (run with -v for the traceback)", 1)
@@ -462,10 +478,32 @@ def _timeout_seconds(value: float) -> float:
     return value
 
 
+def _run_name(value: Optional[str]) -> Optional[str]:
+    """The RUN of ``status`` and ``stop``: RunConfig's rule, as a usage error (a name no run can
+    have was looked for on the cluster all the same, and "no run" said)."""
+    if value is not None:
+        try:
+            RunConfig(name=value)
+        except ConfigError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def _run_dir(value: Optional[str]) -> Optional[str]:
+    """``checkpoints --run``: one directory under the URL, whatever its name (storage may hold a
+    run written by other means, and the listing shows it), but never a path: ``--run ../other``
+    read a directory outside the URL given, and an empty one listed every run instead."""
+    if value is not None and (value in ("", ".", "..") or "/" in value):
+        raise typer.BadParameter(f"{value!r} is not the name of a run's directory under the URL (one path "
+                                 "component, not '', '.' or '..')")
+    return value
+
+
 @app.command()
 @_friendly
 def status(
-    run: Optional[str] = typer.Argument(None, help="Run name (RunConfig.name); default: the only live run."),
+    run: Optional[str] = typer.Argument(None, callback=_run_name,
+                                        help="Run name (RunConfig.name); default: the only live run."),
     address: Optional[str] = typer.Option(
         None, "--address", help="Cluster address HOST:PORT or ray://HOST:10001; default: RAY_ADDRESS or the local "
                                 "cluster."),
@@ -517,7 +555,7 @@ def status(
 @app.command()
 @_friendly
 def stop(
-    run: str = typer.Argument(..., help="Run name (RunConfig.name)."),
+    run: str = typer.Argument(..., callback=_run_name, help="Run name (RunConfig.name)."),
     address: Optional[str] = typer.Option(
         None, "--address", help="Cluster address HOST:PORT or ray://HOST:10001; default: RAY_ADDRESS or the local "
                                 "cluster."),
@@ -768,7 +806,8 @@ def _list_runs(url: str, options: dict, as_json: bool, retry, verify: bool = Tru
 def checkpoints(
     url: str = typer.Argument(..., help="Checkpoint root, as RunConfig.storage: /path, file:///path, "
                                         "s3://bucket/prefix."),
-    run: Optional[str] = typer.Option(None, "--run", "-r", help="Run name; default: list the runs under URL."),
+    run: Optional[str] = typer.Option(None, "--run", "-r", callback=_run_dir,
+                                      help="Run name; default: list the runs under URL."),
     storage_option: list[str] = typer.Option(
         [], "--storage-option", "-o", help="KEY=VALUE for fsspec (repeatable); dotted keys nest "
                                            "(client_kwargs.region_name=eu-west-1); values parse as JSON if they can."),
@@ -895,21 +934,72 @@ def _script_in(working_dir: str, script: str) -> str:
     return rel
 
 
+def _within(call: Callable[[], Any], timeout_s: float, who: str, hint: str = "", limit_s: float | None = None) -> Any:
+    """``call()``'s result, or its exception, if it returns within ``timeout_s``; else a CliError
+    that ends the process (``hard_exit``: the call still blocks a thread). Why a thread: Ray's
+    Jobs client sends its requests without a timeout, and takes none. ``limit_s``: the limit the
+    message names, when ``timeout_s`` is what is left of it."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="elastic-cli-request", daemon=True)
+    thread.start()
+    thread.join(max(0.0, timeout_s))
+    if thread.is_alive():
+        raise CliError(f"no answer from {who} within {timeout_s if limit_s is None else limit_s:g} s{hint}",
+                       hard_exit=True)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+# What carries a secret on a command line besides ``carries_credentials``' forms, by name: a
+# query parameter (``?token=``, ``&api_key=``: a webhook's, an API's), an option (``--password X``,
+# ``--token=X``) and an environment-style assignment (``AWS_SECRET_ACCESS_KEY=...``, ``HF_TOKEN=``).
+# Exact names, not substrings: ``--max-tokens``, ``--tokenizer``, ``?page_token=`` and
+# ``--sort-key`` are no credentials, and refusing them would stop jobs for nothing.
+_SECRET_NAMES = r"(?:access|auth|id|refresh|private|bearer)?[_-]?token|api[_-]?key|apikey|passw(?:or)?d|pwd|" \
+                r"(?:client|aws)?[_-]?secret(?:[_-]access[_-]key)?|secret[_-]key|access[_-]key[_-]secret"
+_SECRET_QUERY = re.compile(rf"(?i)[?&](?:{_SECRET_NAMES})=")
+_SECRET_OPTION = re.compile(rf"(?i)--(?:{_SECRET_NAMES})(?P<value>=.*)?")
+_SECRET_ASSIGNMENT = re.compile(r"[A-Z][A-Z0-9_]*(?:PASSWORD|PASSWD|SECRET|TOKEN|API_KEY|SECRET_ACCESS_KEY)=.")
+
+
+def _argument_with_a_secret(args: list[str]) -> int | None:
+    """The number (from 1) of the first script argument that carries a credential, or None."""
+    for i, arg in enumerate(args, 1):
+        option = _SECRET_OPTION.fullmatch(arg)
+        if option is not None and option.group("value") is None and i < len(args):
+            return i + 1  # --password VALUE: the value is the secret
+        if (carries_credentials(arg) or _SECRET_QUERY.search(arg) or _SECRET_ASSIGNMENT.match(arg)
+                or (option is not None and option.group("value") not in (None, "="))):
+            return i
+    return None
+
+
 def _refuse_credentials_in(args: list[str]) -> None:
-    """Refuse a script argument that carries a credential (``carries_credentials``): a URL's
-    user:password@, a presigned URL's signature, an Authorization header, an access key id.
+    """Refuse a script argument that carries a credential: the forms ``carries_credentials``
+    knows (a URL's user:password@, a presigned URL's signature, an Authorization header, an
+    access key id), and secrets by name (``_SECRET_NAMES``).
 
     Why refused, not redacted: the entrypoint goes to Ray as it is, which keeps it in its job
     table and shows it to everyone who can see the dashboard's Jobs page or run ``ray job list``.
     The argument is not shown (by its number only): it holds the secret."""
-    for i, arg in enumerate(args, 1):
-        if carries_credentials(arg):
-            raise CliError(
-                f"the script's argument #{i} carries a credential (a URL's user:password@, a signed query, an "
-                "Authorization or Cookie header, Ray's auth token or an access key id), and Ray keeps the command "
-                "line in its job table, shown on the dashboard and by `ray job list`; give the job its credentials off the command line: the "
-                "nodes' environment or role (AWS_* variables, ~/.aws, an instance profile) or a file the script reads",
-                code=2)
+    i = _argument_with_a_secret(args)
+    if i is not None:
+        raise CliError(
+            f"the script's argument #{i} carries a credential (a URL's user:password@, a signed query or a "
+            "token, key or password parameter, an Authorization or Cookie header, Ray's auth token, an access key "
+            "id, a --password/--token/--secret option, a *_TOKEN=/*_SECRET=/*_PASSWORD= assignment), and Ray "
+            "keeps the command line in its job table, shown on the dashboard and by `ray job list`; give the job "
+            "its credentials off the command line: the nodes' environment or role (AWS_* variables, ~/.aws, an "
+            "instance profile) or a file the script reads",
+            code=2)
 
 
 # Not ``ignore_unknown_options``: with it a mistyped option (``--adress http://prod:8265``) went
@@ -926,6 +1016,9 @@ def submit(
     working_dir: str = typer.Option(".", "--working-dir", help="Directory uploaded as the job's working_dir."),
     submission_id: Optional[str] = typer.Option(None, "--submission-id", help="Job id to use (default: generated)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream the job's logs and exit with its outcome."),
+    timeout: float = typer.Option(SUBMIT_TIMEOUT_S, "--timeout", callback=_timeout_seconds,
+                                  help="Seconds the dashboard has to take the job, upload included (raise it for a "
+                                       "large working directory on a slow link)."),
 ) -> None:
     """Submit SCRIPT as a Ray job, uploading the working directory (runtime_env working_dir)."""
     from ray.job_submission import JobSubmissionClient
@@ -946,48 +1039,96 @@ def submit(
         _probe(target, PROBE_TIMEOUT_S, "--address" if address else "RAY_API_SERVER_ADDRESS/RAY_ADDRESS",
                not_an_address="neither the dashboard's URL (http://HEAD:8265) nor a cluster's HOST:PORT (HEAD:6379)",
                hint=" (give the dashboard's URL, --address http://HEAD:8265, or the cluster's HEAD:6379)")
-    try:
+    where = shown(target) if target else "the local cluster"
+    runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}
+
+    deadline = time.monotonic() + timeout
+    late = "; raise --timeout for a large working directory on a slow link"
+
+    def connect():
         with _env_without(*(_ADDRESS_VARS if address else ())):
-            client = JobSubmissionClient(target)
+            return JobSubmissionClient(target)
+
+    try:
+        client = _within(connect, min(timeout, ANSWER_TIMEOUT_S), f"the Ray dashboard at {where}")
+    except CliError:
+        raise
     except Exception as exc:  # noqa: BLE001 - ConnectionError, auth or version errors: one line each
         # Shown without a user:password@ also when the address has no scheme (Ray adds http://
         # to admin:pw@head:8265; redact_urls_in knows only scheme://user:pw@), nor the variables'.
-        where = shown(target) if target else "the local cluster"
         text = redact_urls_in(str(exc)).replace(target or "\0", where)
         # An HTTP 401/403 as a status of its own, not digits of the address (http://node401:8265).
         if _AUTH_FAILURE.search(text) or re.search(r"(?<![\w.:/@-])40[13](?![\w-]|\.\w)", text.replace(where, "")):
             raise CliError(_auth_hint(where)) from None
         raise CliError(f"cannot reach the Ray dashboard at {where}: {_one_line(text)}") from None
-    runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id)
+    job_id = _within(lambda: client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                               submission_id=submission_id),
+                     deadline - time.monotonic(), f"the Ray dashboard at {where}", late, limit_s=timeout)
     # Printed, so without credentials: Ray keeps an address's user:password@ (basic auth in front
     # of the dashboard), and the logs command below then needs it given again.
     dashboard = redact_url(client.get_address().rstrip("/"))
-    # Redacted all the same, though no argument carries a credential (``_refuse_credentials_in``).
-    for line in (f"job: {job_id}", f"entrypoint: {redact_urls_in(entrypoint)}",
+    # The entrypoint as Ray keeps it (no argument carries a credential: _refuse_credentials_in).
+    # Redacted here, it hid what the dashboard's Jobs page shows anyone (a URL's query).
+    for line in (f"job: {job_id}", f"entrypoint: {entrypoint}",
                  f"dashboard: {dashboard}/#/jobs/{job_id}"):
         _plain(line)
+    logs = f"ray job logs --follow --address {dashboard} {job_id}"
     if not follow:
-        _plain(f"logs: ray job logs --follow --address {dashboard} {job_id}")
+        _plain(f"logs: {logs}")
         return
-    _follow(client, job_id)
+    _follow(client, job_id, f": {logs}")
 
 
-def _follow(client, job_id: str) -> None:
+def _follow(client, job_id: str, logs_hint: str = "") -> None:
+    """Stream the job's logs, then exit with its outcome. Bounded: a stream quiet for
+    FOLLOW_QUIET_S has the job's status asked (a quiet job is not a lost dashboard), and
+    FOLLOW_LOST_ASKS unanswered asks in a row end the command with how to follow it again."""
     import asyncio
 
     from ray.job_submission import JobStatus
 
-    async def tail() -> None:
-        async for chunk in client.tail_job_logs(job_id):
+    unanswered = 0
+
+    def status():
+        """The job's status, or None when the dashboard did not answer (counted)."""
+        nonlocal unanswered
+        try:
+            answer = _within(lambda: client.get_job_status(job_id), ANSWER_TIMEOUT_S, "the Ray dashboard")
+        except (CliError, Exception) as exc:  # noqa: BLE001 - counted; the last one is reported
+            unanswered += 1
+            if unanswered >= FOLLOW_LOST_ASKS:
+                raise CliError(f"lost the Ray dashboard while following job {job_id} ({_one_line(redact_urls_in(str(exc)))}"
+                               f"); the job goes on{logs_hint}", hard_exit=True) from None
+            return None
+        unanswered = 0
+        return answer
+
+    async def tail():
+        """Until the stream ends (None), or the job's status, asked in a quiet spell, is final (it)."""
+        chunks = client.tail_job_logs(job_id).__aiter__()
+        pending = None
+        while True:
+            # One read stays pending across quiet spells: cancelling it would close the stream.
+            pending = pending or asyncio.ensure_future(chunks.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=FOLLOW_QUIET_S)
+            if not done:
+                now = status()
+                if now is not None and now.is_terminal():
+                    pending.cancel()
+                    return now
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return None
+            pending = None
             sys.stdout.write(chunk)
             sys.stdout.flush()
 
-    asyncio.run(tail())
-    final = client.get_job_status(job_id)
-    while not final.is_terminal():  # the log stream can end a moment before the status flips
+    final = asyncio.run(tail()) or status()
+    while final is None or not final.is_terminal():  # the log stream can end a moment before the status flips
         time.sleep(0.5)
-        final = client.get_job_status(job_id)
+        final = status()
     _plain(f"job {job_id}: {final.value}")
     if final != JobStatus.SUCCEEDED:
         raise typer.Exit(1)

@@ -148,6 +148,106 @@ def test_submit_to_a_cluster_address_nothing_listens_on_says_so_without_asking_r
     assert f"cannot reach a Ray cluster at 127.0.0.1:{port}" in line and "http://HEAD:8265" in line
 
 
+def test_submit_to_a_dashboard_that_never_answers_fails_within_its_bound(monkeypatch, tmp_path):
+    # A port that takes the connection (the kernel's backlog) and never answers, as a stale
+    # port-forward or a hung head does: Ray's Jobs client has no timeout and waited forever.
+    import socket
+
+    import elastic.cli as cli
+
+    monkeypatch.setattr(cli, "ANSWER_TIMEOUT_S", 1.0)
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as silent:
+        port = silent.getsockname()[1]
+        t0 = time.monotonic()
+        result = runner.invoke(app, ["submit", "--address", f"http://127.0.0.1:{port}", "--working-dir",
+                                     str(tmp_path), "job.py"])
+        took = time.monotonic() - t0
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 1 and took < 30, (took, line)
+    assert f"no answer from the Ray dashboard at http://127.0.0.1:{port} within 1 s" in line
+
+
+def test_submit_bounds_the_upload_by_its_timeout(monkeypatch, tmp_path):
+    import threading
+
+    import ray.job_submission
+
+    never = threading.Event()
+
+    class Client:  # takes the connection, then never finishes the submission (the upload)
+        def __init__(self, address):
+            self.address = address
+
+        def submit_job(self, **kw):
+            never.wait(60)
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    try:
+        result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), "--address",
+                                     "http://head:8265", "--timeout", "1"])
+    finally:
+        never.set()
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 1
+    assert "no answer from the Ray dashboard at http://head:8265 within 1 s; raise --timeout" in line
+
+
+class FollowedJob:
+    """A Jobs client of one job for ``_follow``: its log stream sends ``chunks``, then stays quiet
+    (a quiet job, or a partition); each status ask takes the next of ``statuses`` (an exception
+    instance is raised, the last one repeats)."""
+
+    def __init__(self, chunks, statuses):
+        self.chunks, self.statuses, self.asks = chunks, list(statuses), 0
+
+    async def tail_job_logs(self, job_id):
+        import asyncio
+
+        for chunk in self.chunks:
+            yield chunk
+        await asyncio.Event().wait()  # quiet for good
+
+    def get_job_status(self, job_id):
+        self.asks += 1
+        answer = self.statuses[0] if len(self.statuses) == 1 else self.statuses.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_follow_asks_the_status_when_the_log_stream_is_quiet(monkeypatch, capsys):
+    # The stream of a finished job that never closed (a partition, a proxy) held --follow forever.
+    from ray.job_submission import JobStatus
+
+    import elastic.cli as cli
+
+    monkeypatch.setattr(cli, "FOLLOW_QUIET_S", 0.2)
+    job = FollowedJob(["step 1\n"], [JobStatus.RUNNING, ConnectionError("reset"), JobStatus.SUCCEEDED])
+    cli._follow(job, "raysubmit_1")  # returns: the job succeeded
+    assert capsys.readouterr().out.splitlines() == ["step 1", "job raysubmit_1: SUCCEEDED"]
+    assert job.asks == 3  # one unanswered ask in between is no loss
+    job = FollowedJob([], [JobStatus.RUNNING, JobStatus.FAILED])
+    with pytest.raises(cli.typer.Exit) as exit_:
+        cli._follow(job, "raysubmit_2")
+    assert exit_.value.exit_code == 1 and "job raysubmit_2: FAILED" in capsys.readouterr().out
+
+
+def test_follow_ends_when_the_dashboard_stops_answering(monkeypatch):
+    import elastic.cli as cli
+
+    monkeypatch.setattr(cli, "FOLLOW_QUIET_S", 0.05)
+    job = FollowedJob(["step 1\n"], [ConnectionError("Failed to connect to http://admin:pw@head:8265/api")])
+    with pytest.raises(CliError) as lost:
+        cli._follow(job, "raysubmit_3", ": ray job logs --follow --address http://head:8265 raysubmit_3")
+    message = str(lost.value)
+    assert job.asks == cli.FOLLOW_LOST_ASKS and lost.value.hard_exit
+    assert message.startswith("lost the Ray dashboard while following job raysubmit_3 (Failed to connect to "
+                              "http://***@head:8265/api); the job goes on: ray job logs --follow")
+    assert "pw" not in message
+
+
 def test_submit_missing_script(tmp_path):
     result = runner.invoke(app, ["submit", "--working-dir", str(tmp_path), "nope.py"])
     assert result.exit_code == 2
@@ -237,14 +337,14 @@ def test_checkpoints_never_prints_credentials_from_the_url_and_takes_brackets_li
         write_run(url, "a[red]b", {1: "committed"})
         listing = runner.invoke(app, ["checkpoints", url])
         one = runner.invoke(app, ["checkpoints", url, "--run", "a[red]b"])
-        empty = runner.invoke(app, ["checkpoints", url, "--run", "x[/y]"])
+        empty = runner.invoke(app, ["checkpoints", url, "--run", "x[bold]y"])
     finally:
         clear_memory(url)
     for result in (listing, one, empty):
         assert result.exit_code == (4 if result is empty else 0), result.stdout + result.stderr
         assert "hunter2secret" not in result.stdout + result.stderr
     assert "a[red]b" in listing.stdout and "a[red]b: 1 step(s)" in one.stdout
-    assert "no checkpoints for run 'x[/y]'" in one_line_error(empty.exit_code, empty.stdout, empty.stderr)
+    assert "no checkpoints for run 'x[bold]y'" in one_line_error(empty.exit_code, empty.stdout, empty.stderr)
 
 
 def test_checkpoints_names_the_url_and_options_it_was_given_and_refuses_memory(tmp_path):
@@ -433,7 +533,7 @@ def test_json_output_escapes_control_characters_from_storage(monkeypatch, tmp_pa
     monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
     monkeypatch.setattr(cli, "_controller_status", lambda run, addr, timeout_s: st)
     monkeypatch.setattr("ray.shutdown", lambda: None)
-    result = runner.invoke(app, ["status", run, "--json"])
+    result = runner.invoke(app, ["status", "r2J", "--json"])  # a run's name on the cluster is RunConfig's
     assert result.exit_code == 0, result.stdout + result.stderr
     assert csi not in result.stdout and json.loads(result.stdout) == st
 
@@ -482,6 +582,36 @@ def test_debug_logging_keeps_the_s3_request_signing_out_of_it():
     assert "DEBUG elastic" in result.stderr  # still elastic's own debug log
     for secret in ("AKIAFAKEKEYID0123", "cli-debug-secret-0123", "SESSIONTOKENFAKE999"):
         assert secret not in result.stdout + result.stderr
+
+
+def test_verbose_prints_the_traceback_without_credentials(monkeypatch, capsys):
+    # -v re-raised an unexpected error: its traceback went out past the redaction every other
+    # message has, with Ray's text of the address (a dashboard behind basic auth) in it.
+    import typer
+
+    import elastic.cli as cli
+
+    @cli._friendly
+    def command():
+        raise RuntimeError("Request to http://admin:Pw0rdSecret@head:8265/api/jobs/ failed")
+
+    monkeypatch.setattr(cli, "_verbose", True)
+    with pytest.raises(typer.Exit) as exit_:
+        command()
+    err = capsys.readouterr().err
+    assert exit_.value.exit_code == 1 and "Pw0rdSecret" not in err
+    assert "Traceback" in err and "RuntimeError: Request to http://***@head:8265/api/jobs/ failed" in err
+
+
+@pytest.mark.parametrize("command, said", [
+    (["status", "my run"], "must be 1-100 characters of letters, digits"),  # looked for all the same
+    (["stop", ""], "must be 1-100 characters of letters, digits"),
+    (["checkpoints", "/tmp", "--run", "../other"], "is not the name of a run's directory"),  # read outside the URL
+    (["checkpoints", "/tmp", "--run", ""], "is not the name of a run's directory"),  # listed every run
+])
+def test_a_run_name_no_run_can_have_is_a_usage_error(command, said):
+    result = runner.invoke(app, command)
+    assert result.exit_code == 2 and said in result.stdout + result.stderr
 
 
 def test_checkpoints_bad_storage_option():
@@ -766,6 +896,13 @@ def test_submit_tells_an_auth_refusal_from_an_address_with_its_digits(error, aut
     "Authorization: Bearer ArgPassw0rd",
     "X-Ray-Authorization: Bearer ArgPassw0rd",
     "AKIAIOSFODNN7EXAMPLE",
+    # By name: the entrypoint line printed these without the query, while Ray's job table kept them.
+    "https://hooks.example/x?token=ArgPassw0rd",
+    "s3://bkt/p?versionId=3&api_key=ArgPassw0rd",
+    "--password=ArgPassw0rd",
+    "--client-secret=ArgPassw0rd",
+    "AWS_SECRET_ACCESS_KEY=ArgPassw0rd",
+    "HF_TOKEN=ArgPassw0rd",
 ])
 def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, tmp_path):
     # The terminal's entrypoint line was redacted, but Ray got the command line as it was: kept in
@@ -793,11 +930,27 @@ def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, t
     assert result.exit_code == 2 and submitted == [], line
     assert "argument #3 carries a credential" in line and "ray job list" in line
     assert "ArgPassw0rd" not in result.stdout + result.stderr and "EXAMPLE" not in line
-    # What only looks like one goes: a query that signs nothing, an '@' in a path, the words.
-    harmless = ["s3://bkt/p?versionId=3", "s3://bkt/key@v1/x", "--note=authorization failed", "signature"]
+    # What only looks like one goes: a query that signs nothing, an '@' in a path, the words, and
+    # names that only hold a secret's name (--max-tokens, a page token, a sort key).
+    harmless = ["s3://bkt/p?versionId=3", "s3://bkt/key@v1/x", "--note=authorization failed", "signature",
+                "--max-tokens=512", "--tokenizer", "gpt2", "https://api.example/v1?page_token=3", "--sort-key", "id",
+                "MAX_TOKENS=5", "--passes=3"]
     result = runner.invoke(app, [*base, *harmless])
     assert result.exit_code == 0, result.stdout + result.stderr
     assert submitted == [shlex.join(["python", "job.py", "--lr", "0.1", *harmless])]
+    # The entrypoint printed as Ray keeps it: a query redacted from it was still on the Jobs page.
+    assert f"entrypoint: {submitted[0]}" in result.stdout
+
+
+def test_submit_refuses_the_value_of_a_password_option(monkeypatch, tmp_path):
+    import ray.job_submission
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", lambda address: pytest.fail("submitted"))
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), "--address", "http://head:8265",
+                                 "--", "--lr", "0.1", "--password", "ArgPassw0rd"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 2 and "argument #4 carries a credential" in line and "ArgPassw0rd" not in line
 
 
 def test_submit_refuses_a_mistyped_option_and_passes_the_scripts_arguments_after_the_double_dash(
