@@ -2532,6 +2532,41 @@ def test_a_commit_that_failed_but_landed_is_counted_by_retention_once_superseded
         committer.close()
 
 
+def test_a_failed_commit_is_not_confirmed_by_another_timelines_manifest(tmp_path):
+    """Step 2's manifest on storage is an earlier timeline's (it checks out by itself); this run
+    writes step 2's files again and its commit fails without landing. Taken for this commit's,
+    step 2 (its files no longer those its manifest names: corrupt on resume) took a keep_last
+    place, and retention deleted step 1, a good one. Now only a manifest naming this commit's
+    files confirms it; the other goes with what a rewind leaves on storage."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    # The earlier timeline's step 2 (rank 1 has no share of so small a state: its RNG goes in the manifest).
+    entries = [e for rank in range(2) for e in store.write_rank_files(2, rank, 2, tiny_state(99))]
+    store.commit(2, entries, 2, {"cursor": 2}, rng={1: None})
+    committer = CheckpointCommitter(store, keep_last=2, gc_interval_s=0, retention_interval_s=0,
+                                    retry_min_s=1.0, retry_max_s=1.0)
+    real_commit, failed = store.commit, threading.Event()
+
+    def commit(step, *args, **kwargs):
+        if step == 2:
+            failed.set()
+            raise StorageUnavailable("down (test)")  # did not land
+        return real_commit(step, *args, **kwargs)
+
+    store.commit = commit
+    try:
+        hand_over_and_wait(committer, store, 1)
+        hand_over(committer, store, 2, tiny_state(2))  # rewrites step 2's files
+        assert failed.wait(10)
+        hand_over_and_wait(committer, store, 3)
+        deadline = time.monotonic() + 10
+        while store.committed_steps() != [1, 3] and time.monotonic() < deadline:
+            assert committer.flush(timeout_s=10)
+            time.sleep(0.05)
+        assert store.committed_steps() == [1, 3]
+    finally:
+        committer.close()
+
+
 def test_no_step_is_deleted_while_a_restore_holds_the_steps(tmp_path):
     # A restore lists the committed steps, then reads the newest for seconds, while later steps
     # still commit: with keep_last=1 retention deleted the one being read, the read found a

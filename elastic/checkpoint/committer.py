@@ -31,6 +31,11 @@ from elastic.config import CheckpointConfig
 logger = logging.getLogger(__name__)
 
 
+def _named(entries: Iterable) -> frozenset:
+    """The (path, sha256) of the files a commit names (FileEntry records or their dicts)."""
+    return frozenset((f.path, f.sha256) for f in map(FileEntry.from_dict, entries))
+
+
 class CheckpointCommitter:
     """Turns per-rank write reports into committed steps.
 
@@ -94,7 +99,9 @@ class CheckpointCommitter:
         # Steps whose manifest write failed: it may still have landed (an S3 PUT whose reply was
         # lost), and once a newer commit supersedes the step this committer cannot know whether
         # it is on storage. The cleanup thread reads the manifests of those below _latest (_confirm).
-        self._unconfirmed: set[int] = set()
+        # Each with the files that commit named, (path, sha256): a manifest of that step found
+        # then is this commit's only if it names the same files (see _confirm).
+        self._unconfirmed: dict[int, frozenset] = {}
         # Later steps a delete from before a rewind was still removing when the rewind returned
         # (see rewind): their commits wait for it and check their files first.
         self._suspect: set[int] = set()
@@ -189,7 +196,7 @@ class CheckpointCommitter:
             # so did failed ones (they may have landed) of later steps.
             abandoned = [s for s, _ in self._done if later(s)] + [s for s in self._unconfirmed if later(s)]
             self._done = [(s, files) for s, files in self._done if not later(s)]
-            self._unconfirmed = {s for s in self._unconfirmed if not later(s)}
+            self._unconfirmed = {s: f for s, f in self._unconfirmed.items() if not later(s)}
             self._pending_rewinds.append((step, abandoned))
         # No delete of a pass that began before this rewind starts after it (its picture of
         # storage is the old timeline's), and one under way is given FENCE_WAIT_S to finish.
@@ -306,7 +313,7 @@ class CheckpointCommitter:
                 if self._left_behind(step, timeline):
                     self._left_on_storage.append(step)
                 else:
-                    self._unconfirmed.add(step)
+                    self._unconfirmed[step] = _named(entries)
             raise
         commit_s = time.perf_counter() - t0
         committed_at = time.time()
@@ -329,7 +336,7 @@ class CheckpointCommitter:
             if self._latest is None or step > self._latest:
                 self._latest = step
             self._done.append((step, [e.path for e in entries]))
-            self._unconfirmed.discard(step)  # failed before, landed now (earlier ones: _confirm)
+            self._unconfirmed.pop(step, None)  # failed before, landed now (earlier ones: _confirm)
             self._events.append({
                 "event": "checkpoint_committed", "step": step, "time": committed_at, "files": len(entries),
                 "lag": lag, **({"persist_s": round(committed_at - taken_at, 4)} if taken_at is not None else {}),
@@ -539,27 +546,40 @@ class CheckpointCommitter:
         manifest landed all the same is committed, and retention counts it like any other;
         without this it stayed on storage until the next run's first listing, past
         ``keep_last``. One that did not land is left to the sweep. A read that fails is tried
-        again on the next pass."""
+        again on the next pass.
+
+        A manifest found is this commit's only if it names the files this commit named. Why: after
+        a rewind, the step's manifest of the timeline left behind still checks out; taken for
+        this commit's, a step whose files the new timeline rewrote (so resume finds it corrupt)
+        took a ``keep_last`` place, and retention deleted a good older step for it. Such a step
+        goes with the steps a rewind left on storage (deleted once passed)."""
         with self._lock:
-            steps = [s for s in self._unconfirmed if self._latest is not None and s < self._latest]
-            self._unconfirmed.difference_update(steps)
-        retry = []
-        for s in steps:
+            steps = {s: f for s, f in self._unconfirmed.items() if self._latest is not None and s < self._latest}
+            for s in steps:
+                del self._unconfirmed[s]
+        retry, foreign = {}, []
+        for s, named in steps.items():
             try:
-                self.store.load_manifest(s)
+                manifest = self.store.load_manifest(s)
             except (FileNotFoundError, CorruptCheckpoint):
                 continue
             except (StorageError, OSError) as exc:
                 logger.warning("could not read checkpoint step %d's manifest to see whether its failed commit "
                                "landed (will retry): %s", s, exc)
-                retry.append(s)
+                retry[s] = named
+                continue
+            if _named(manifest.get("files", [])) != named:
+                logger.info("checkpoint step %d's commit had failed, and the manifest on storage names other files "
+                            "(an earlier timeline's): not this run's commit", s)
+                foreign.append(s)
                 continue
             logger.info("checkpoint step %d's commit had failed, but its manifest is on storage and checks out", s)
             if s not in self._committed:
                 self._committed.append(s)
-        if retry:
+        if retry or foreign:
             with self._lock:
                 self._unconfirmed.update(retry)
+                self._left_on_storage.extend(foreign)
 
     def _sweep(self, older_than: int, pending: set, epoch: int, force: bool = False) -> CleanupReport:
         """Remove uncommitted directories older than ``older_than`` (a committed step), at most
