@@ -2585,6 +2585,35 @@ def test_no_step_is_deleted_while_a_restore_holds_the_steps(tmp_path):
     committer.close()
 
 
+def test_a_milestone_whose_parts_come_after_a_newer_steps_is_still_committed(tmp_path):
+    """Ranks that pool their parts report each step from whichever rank finished it last, and Ray
+    does not order two senders' calls: step 3's parts came before milestone 2's. Step 3's report
+    pruned step 2's meta, its commit made step 2 stale, and milestone 2 never existed (its files
+    swept as uncommitted). A milestone that never completes goes once a newer one is handed over."""
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=1, keep_every=2, gc_interval_s=0, retention_interval_s=0)
+    written = {step: [store.write_rank_files(step, rank, 2, tiny_state(step)) for rank in range(2)]
+               for step in (2, 3, 4, 5, 6)}
+    try:
+        for step in (2, 3):
+            committer.set_meta(step, {"cursor": step})
+        for step in (3, 2):  # step 3's parts first
+            for rank in range(2):
+                committer.add(step, rank, 2, written[step][rank])
+        assert committer.flush(10) and store.committed_steps() == [2, 3]
+        # Milestone 4 never completes (rank 1's part never comes); milestone 6 is handed over.
+        for step in (4, 5, 6):
+            committer.set_meta(step, {"cursor": step})
+            for rank in range(2 if step != 4 else 1):
+                committer.add(step, rank, 2, written[step][rank])
+        assert committer.flush(10)
+        assert store.committed_steps() == [2, 6]  # 3 and 5 replaced in turn (keep_last=1)
+        assert 4 not in store.step_dirs()  # swept as any incomplete step
+        assert committer.holds(4, 0) and committer.holds(4, 1)  # past needing its parts
+    finally:
+        committer.close()
+
+
 def test_a_step_kept_by_keep_every_is_never_replaced_before_its_commit(tmp_path, monkeypatch):
     # Complete steps waiting for their manifest are replaced by newer ones; a milestone replaced
     # stayed on storage without a manifest, the sweep deleted it, and it never existed.

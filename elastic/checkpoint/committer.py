@@ -81,6 +81,17 @@ class CheckpointCommitter:
         # it at the moment of the commit.
         self._progress = progress or (lambda: 0)
         self._submitted: int | None = None  # newest step handed to the commit thread
+        # keep_every milestones. A milestone's parts may come in after a newer step's (the ranks
+        # that pool their parts report each step from whichever rank finished it last, and Ray
+        # does not order two senders' calls), and a newer step does not supersede a milestone:
+        # retention promised it. So a milestone newer than the newest one handed to the commit
+        # thread (_milestone_floor) is neither pruned nor stale, and its directory is no sweep's,
+        # until a newer milestone is handed over (a milestone that never completes, a rank lost
+        # before it wrote its part, then goes as any incomplete step does). Those handed over and
+        # not yet on storage (_milestones_in_flight) are no sweep's either.
+        self._milestone_floor = -1 if not latest_committed or self.keep_every <= 0 else \
+            latest_committed // self.keep_every * self.keep_every
+        self._milestones_in_flight: set[int] = set()
         # The step the commit thread is writing the manifest of: on storage, a listing may see it
         # before it is in ``_done`` (see _cleanup).
         self._committing: int | None = None
@@ -186,6 +197,10 @@ class CheckpointCommitter:
             for table in (self._reports, self._metas):
                 for s in [s for s in table if later(s)]:
                     del table[s]
+            if later(self._milestone_floor):  # the milestones up to the step gone back to were handed over
+                self._milestone_floor = -1 if step is None or self.keep_every <= 0 else \
+                    step // self.keep_every * self.keep_every
+            self._milestones_in_flight = {s for s in self._milestones_in_flight if not later(s)}
             if self._submitted is not None and later(self._submitted):
                 self._submitted = step
             if self._latest is not None and later(self._latest):
@@ -249,15 +264,22 @@ class CheckpointCommitter:
         timeline's. Call under the lock."""
         return any(r is None or step > r for r in self._rewinds[timeline:])
 
+    def _awaited(self, step: int) -> bool:
+        """A milestone no newer one has superseded yet: its parts may still come (see __init__)."""
+        return step > self._milestone_floor and is_milestone(self.keep_every, step)
+
     def _is_stale(self, step: int) -> bool:
+        if self._awaited(step):
+            return False
         return (self._submitted is not None and step <= self._submitted) or (
             self._latest is not None and step <= self._latest)
 
     def _prune_skipped(self, step: int, rank: int) -> None:
         """A rank writes its steps in order and skips superseded ones, so once it reports ``step``, every
-        older pending step it has not reported can never complete."""
+        older pending step it has not reported can never complete. Not a milestone: a rank never
+        skips one, and with pooled parts its report can come after a newer step's."""
         for table in (self._reports, self._metas):
-            for s in [s for s in table if s < step]:
+            for s in [s for s in table if s < step and not self._awaited(s)]:
                 record = self._reports.get(s)
                 if record is None or rank not in record["ranks"]:
                     table.pop(s, None)
@@ -277,11 +299,15 @@ class CheckpointCommitter:
             return
         entries = [e for rank in sorted(record["ranks"]) for e in record["ranks"][rank]]
         meta = self._metas[step]
-        # Every rank writes in step order, so an older step that is still incomplete now never will be.
+        if is_milestone(self.keep_every, step):
+            self._milestone_floor = max(self._milestone_floor, step)
+            self._milestones_in_flight.add(step)
+        # Every rank writes in step order, so an older step that is still incomplete now never will be
+        # (but for a milestone no newer one superseded, whose parts may yet come: see __init__).
         for table in (self._reports, self._metas):
-            for s in [s for s in table if s <= step]:
+            for s in [s for s in table if s == step or (s < step and not self._awaited(s))]:
                 del table[s]
-        self._submitted = step
+        self._submitted = step if self._submitted is None else max(self._submitted, step)
         # A step retention is to keep (keep_every) is never replaced by a newer one while its
         # manifest waits: replaced, it stayed on storage without one, the sweep deleted it as
         # uncommitted, and the milestone never existed. Blocking mode replaces nothing.
@@ -296,19 +322,24 @@ class CheckpointCommitter:
         with self._lock:
             suspect = step in self._suspect
         if suspect and not self._files_survived(step, entries):
+            with self._lock:
+                self._milestones_in_flight.discard(step)
             return []
         with self._lock:
             if self._left_behind(step, timeline):
                 # Handed over before a rewind to an earlier step (waiting, or retried through an
                 # outage): its state is gone from training, and its shards are being written again.
                 logger.info("checkpoint step %d not committed: training went back to an earlier step", step)
+                self._milestones_in_flight.discard(step)
                 return []
             self._committing = step
         try:
             self.store.commit(step, entries, world_size, meta, rng=rng)  # StorageError -> the persister retries
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._committing = None
+                if not isinstance(exc, StorageError):  # the persister gives up on it (not retried)
+                    self._milestones_in_flight.discard(step)
                 # The manifest may have landed all the same (a reply lost): see _unconfirmed.
                 if self._left_behind(step, timeline):
                     self._left_on_storage.append(step)
@@ -321,6 +352,7 @@ class CheckpointCommitter:
         nbytes = sum(e.size for e in entries)
         with self._lock:
             self._committing = None  # in the same hold of the lock as the append below (see _cleanup)
+            self._milestones_in_flight.discard(step)  # its manifest is on storage: no sweep's now
             if self._left_behind(step, timeline):
                 # A rewind came while this manifest was being written. The step is on storage but
                 # not this timeline's: counted by retention (or as _latest) it could take the place
@@ -491,7 +523,10 @@ class CheckpointCommitter:
                 # _latest is below it, and it is not "passed" below before the next pass takes it).
                 with self._lock:
                     done, self._done = self._done, []
-                    step, pending = self._latest, set(self._reports)  # pending: steps still being written
+                    # pending: steps still being written, and milestones until their manifest lands
+                    # (their parts may come after a newer step's: see __init__)
+                    step = self._latest
+                    pending = set(self._reports) | self._milestones_in_flight | {s for s in self._metas if self._awaited(s)}
                     committing = self._committing
                     # Rewinds since this pass began, with the commits: they go first. Why: a
                     # rewind removes the later commits waiting in _done (its abandoned ones), so
