@@ -25,7 +25,7 @@ from elastic.actors.cluster_fit import check_cluster_fits
 from elastic.actors.controller_actor import ControllerActor
 from elastic.actors.names import free_actor_name
 from elastic.actors.protocol import PackedSpec, TrainingSpec
-from elastic.address import shown, trainer_address_problem, unreachable
+from elastic.address import host_port, shown, trainer_address_problem, unreachable
 from elastic.checkpoint.compat import UnsaveableState
 from elastic.config import (CheckpointConfig, ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real,
                             _require_flag, _require_int, _require_positive, check_environment,
@@ -358,15 +358,24 @@ def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureCo
 def _check_same_cluster(address: str | None) -> None:
     """This process already joined Ray, and ``ray.init`` joins one cluster per process: refuse an
     ``address`` that names another one, instead of training on the wrong cluster in silence.
-    Only a ``host:port`` GCS address can be compared (``ray://`` names a client server, not the
-    GCS; ``auto`` and ``local`` name no one cluster), and hosts are compared by resolved IP, so
-    ``localhost`` and ``127.0.0.1`` are the same."""
+    A ``host:port`` GCS address is compared with the GCS joined, a ``ray://`` address with the
+    Ray Client server joined (where Ray says which: ``_client_server``; ``auto`` and ``local``
+    name no one cluster), and hosts are compared by resolved IP, so ``localhost`` and
+    ``127.0.0.1`` are the same."""
     if address is not None and address.startswith("ray://") and not _client_connected():
         # Connected straight to a GCS, not through Ray Client: a ray:// address is another
         # connection, and training ran on the cluster this process had joined, logged at INFO.
         raise ConfigError(f"Trainer.address={shown(address)!r} is a Ray Client address, but this process is already "
                           f"connected to the Ray cluster at {ray.get_runtime_context().gcs_address} directly: call "
                           "ray.shutdown() first, or pass address=None to train on the cluster it is connected to.")
+    if address is not None and address.startswith("ray://") and _client_connected():
+        joined, asked = _client_server(), host_port(address)
+        if joined is not None and asked is not None and _resolve(joined) != _resolve(f"{asked[0]}:{asked[1]}"):
+            # Both through Ray Client: training ran on the cluster joined first, logged at INFO,
+            # and its checkpoints went under this run's name there.
+            raise ConfigError(f"Trainer.address={shown(address)!r}, but this process is already connected through "
+                              f"Ray Client to ray://{shown(joined)}: call ray.shutdown() first, or pass address=None "
+                              "to train on the cluster it is connected to.")
     if address is None or address in ("auto", "local") or "://" in address:
         if address == "local":
             # Asked for a new local Ray, which this process cannot start while it is connected.
@@ -389,6 +398,18 @@ def _client_connected() -> bool:
     from ray.util.client import ray as client
 
     return client.is_connected()
+
+
+def _client_server() -> str | None:
+    """HOST:PORT of the Ray Client server this process is connected to; None where Ray does not
+    say (read from the client worker's connection string, a private attribute of Ray 2.60)."""
+    try:
+        from ray.util.client import ray as client
+
+        joined = client.get_context().client_worker._conn_str
+    except Exception:  # noqa: BLE001 - a private attribute: without it the address is not compared
+        return None
+    return joined if isinstance(joined, str) and joined else None
 
 
 def _resolve(host_port: str) -> tuple[str, str]:

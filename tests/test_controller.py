@@ -744,6 +744,21 @@ def test_a_ray_client_address_while_connected_directly_is_refused(ray_cluster):
     _check_same_cluster("auto")  # names no one cluster: the connection is used
 
 
+def test_a_ray_client_address_of_another_server_while_on_ray_client_is_refused(monkeypatch):
+    # Connected through Ray Client to one cluster, Trainer.address="ray://" another: training ran
+    # on the first, logged at INFO, its checkpoints under this run's name there.
+    import elastic.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "_client_connected", lambda: True)
+    monkeypatch.setattr(trainer_module, "_client_server", lambda: "127.0.0.1:10001")
+    with pytest.raises(elastic.ConfigError, match=r"Trainer.address='ray://127.0.0.2:10001', but this process is "
+                                                  r"already connected through Ray Client to ray://127.0.0.1:10001"):
+        trainer_module._check_same_cluster("ray://127.0.0.2:10001")
+    trainer_module._check_same_cluster("ray://localhost:10001")  # the same server: its connection is used
+    monkeypatch.setattr(trainer_module, "_client_server", lambda: None)  # Ray does not say: not compared
+    trainer_module._check_same_cluster("ray://127.0.0.2:10001")
+
+
 def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     """The driver's side of a stop: when the run does not finish within RunConfig.stop_timeout_s
     (or a second interrupt comes), its controller is killed, and with it the run."""
