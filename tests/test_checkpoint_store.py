@@ -1037,7 +1037,7 @@ def test_a_bug_in_the_write_is_reported_not_raised():
     persister.close(1)
 
 
-def test_a_writer_thread_that_cannot_start_writes_inline_and_never_raises(monkeypatch):
+def test_a_writer_thread_that_cannot_start_writes_inline_and_never_raises(monkeypatch, tmp_path):
     """At the process's thread limit ``Thread.start`` raises ``RuntimeError``. The submit inside a
     training step then writes inline, as blocking mode does, says so once, and the next submit
     gets its background writer back once a thread can start."""
@@ -1075,6 +1075,16 @@ def test_a_writer_thread_that_cannot_start_writes_inline_and_never_raises(monkey
     assert written[-1] == ("c", "elastic-checkpoint write")  # the background writer again
     assert persister.drain_events() == [] and released == ["a", "b", "c"]
     assert persister.close(5)
+    # The committer hands steps over under the lock its commit takes: written inline there, the
+    # first commit waited on that lock forever. Its thread starts when it is made, so no submit
+    # of its writes inline, and a process at its limit fails at set-up.
+    limit["at"] = True
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        AsyncPersister(write).start()
+    limit["at"] = False
+    committer = CheckpointCommitter(CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST))
+    assert committer._persister._thread is not None
+    committer.close()
 
 
 def failing_persister(error: StorageError) -> tuple[AsyncPersister, dict]:
@@ -2611,6 +2621,83 @@ def test_a_milestone_whose_parts_come_after_a_newer_steps_is_still_committed(tmp
         assert 4 not in store.step_dirs()  # swept as any incomplete step
         assert committer.holds(4, 0) and committer.holds(4, 1)  # past needing its parts
     finally:
+        committer.close()
+
+
+def test_a_late_milestone_over_a_step_an_earlier_timeline_left_is_not_deleted_as_passed(tmp_path):
+    """Step 2 on storage is a timeline's this run left (above the step it started from, 1). This
+    run writes milestone 2 again, and its parts come in after step 3's: the cleanup after step 3's
+    commit deleted step 2's directory as passed, with this run's new shards in it, and milestone
+    2's manifest then named files that were gone."""
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    for step, state in ((1, tiny_state(1)), (2, tiny_state(99))):  # the earlier timeline's 2
+        entries = [e for rank in range(2) for e in store.write_rank_files(step, rank, 2, state)]
+        store.commit(step, entries, 2, {"cursor": step}, rng={1: None})
+    committer = CheckpointCommitter(store, keep_last=1, keep_every=2, latest_committed=1, gc_interval_s=0,
+                                    retention_interval_s=0)
+    try:
+        written = {step: [store.write_rank_files(step, rank, 2, tiny_state(step)) for rank in range(2)]
+                   for step in (2, 3)}
+        for step in (2, 3):
+            committer.set_meta(step, {"cursor": step})
+        for rank in range(2):
+            committer.add(3, rank, 2, written[3][rank])
+        assert committer.flush(10) and committer.latest_committed == 3  # a cleanup pass ran after it
+        for rank in range(2):
+            committer.add(2, rank, 2, written[2][rank])
+        assert committer.flush(10)
+        state, _ = store.read_state(2)  # whole, and this run's
+        assert torch.equal(state["model"]["w"], torch.full((2,), 2.0))
+        assert store.committed_steps() == [2, 3]
+    finally:
+        committer.close()
+
+
+def test_a_late_milestone_whose_commit_is_retried_is_not_taken_for_an_earlier_timelines(tmp_path, caplog):
+    """As above, and milestone 2's first commit fails (storage down) while step 3 is committed:
+    a cleanup pass then found the earlier timeline's manifest of step 2 and took the step for one
+    a rewind left (another timeline's files), to be deleted once passed, while its commit was
+    still being retried. (The sweep's pending set keeps it until that commit lands, which then
+    makes it this run's: what shows is the log's false word.)"""
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    for step, state in ((1, tiny_state(1)), (2, tiny_state(99))):
+        entries = [e for rank in range(2) for e in store.write_rank_files(step, rank, 2, state)]
+        store.commit(step, entries, 2, {"cursor": step}, rng={1: None})
+    committer = CheckpointCommitter(store, keep_last=1, keep_every=2, latest_committed=1, gc_interval_s=0,
+                                    retention_interval_s=0, retry_min_s=0.05, retry_max_s=0.05)
+    real_commit, failed, looked = store.commit, threading.Event(), threading.Event()
+
+    def commit(step, *args, **kwargs):
+        if step == 2 and not failed.is_set():
+            failed.set()
+            raise StorageUnavailable("down (test)")
+        if step == 2:
+            assert looked.wait(10)  # the retry waits for the test's cleanup pass
+        return real_commit(step, *args, **kwargs)
+
+    store.commit = commit
+    try:
+        written = {step: [store.write_rank_files(step, rank, 2, tiny_state(step)) for rank in range(2)]
+                   for step in (2, 3)}
+        for step in (2, 3):
+            committer.set_meta(step, {"cursor": step})
+        for step in (3, 2):
+            for rank in range(2):
+                committer.add(step, rank, 2, written[step][rank])
+            if step == 3:
+                assert committer.flush(10) and committer.latest_committed == 3
+        assert failed.wait(10)
+        with caplog.at_level(logging.INFO, logger="elastic.checkpoint.committer"):
+            committer._cleanup(force=True)  # while the milestone's commit is retried
+        assert "names other files" not in caplog.text
+        looked.set()
+        for _ in range(3):
+            assert committer.flush(10)
+        state, _ = store.read_state(2)
+        assert torch.equal(state["model"]["w"], torch.full((2,), 2.0))
+        assert store.committed_steps() == [2, 3]
+    finally:
+        looked.set()
         committer.close()
 
 

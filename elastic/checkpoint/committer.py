@@ -89,9 +89,12 @@ class CheckpointCommitter:
         # until a newer milestone is handed over (a milestone that never completes, a rank lost
         # before it wrote its part, then goes as any incomplete step does). Those handed over and
         # not yet on storage (_milestones_in_flight) are no sweep's either.
-        self._milestone_floor = -1 if not latest_committed or self.keep_every <= 0 else \
+        self._milestone_floor = -1 if latest_committed is None or self.keep_every <= 0 else \
             latest_committed // self.keep_every * self.keep_every
         self._milestones_in_flight: set[int] = set()
+        # Its own lock, taken last (never holding it while taking another): the persister lets go
+        # of a payload (_let_go) also inside submit, which add() calls under self._lock.
+        self._flight_lock = threading.Lock()
         # The step the commit thread is writing the manifest of: on storage, a listing may see it
         # before it is in ``_done`` (see _cleanup).
         self._committing: int | None = None
@@ -137,7 +140,12 @@ class CheckpointCommitter:
         # made; taken as a success, it ended an outage ("storage is back") with storage still down.
         self._persister = AsyncPersister(self._commit, name="checkpoint commit",
                                          retry_min_s=retry_min_s, retry_max_s=retry_max_s, max_events=max_events,
-                                         keep_done=False, reached_storage=bool)
+                                         keep_done=False, reached_storage=bool, on_release=self._let_go)
+        # Now, not at the first step's commit: add() hands a step over under self._lock, which
+        # _commit takes too, so the persister's fallback for a thread that cannot start (writing
+        # inline, in the caller's thread) would wait on that lock forever. A process at its thread
+        # limit fails here, at set-up, as the cleanup thread below does.
+        self._persister.start()
         self._cleanup_thread = threading.Thread(target=self._cleanup_loop, name="elastic-checkpoint cleanup",
                                                 daemon=True)
         self._cleanup_thread.start()
@@ -200,7 +208,8 @@ class CheckpointCommitter:
             if later(self._milestone_floor):  # the milestones up to the step gone back to were handed over
                 self._milestone_floor = -1 if step is None or self.keep_every <= 0 else \
                     step // self.keep_every * self.keep_every
-            self._milestones_in_flight = {s for s in self._milestones_in_flight if not later(s)}
+            with self._flight_lock:
+                self._milestones_in_flight = {s for s in self._milestones_in_flight if not later(s)}
             if self._submitted is not None and later(self._submitted):
                 self._submitted = step
             if self._latest is not None and later(self._latest):
@@ -301,7 +310,8 @@ class CheckpointCommitter:
         meta = self._metas[step]
         if is_milestone(self.keep_every, step):
             self._milestone_floor = max(self._milestone_floor, step)
-            self._milestones_in_flight.add(step)
+            with self._flight_lock:
+                self._milestones_in_flight.add(step)
         # Every rank writes in step order, so an older step that is still incomplete now never will be
         # (but for a milestone no newer one superseded, whose parts may yet come: see __init__).
         for table in (self._reports, self._metas):
@@ -315,6 +325,13 @@ class CheckpointCommitter:
                                       len(self._rewinds)), light=self.blocking, keep=is_milestone(self.keep_every, step))
 
     # ---- the commit thread ------------------------------------------------------------------
+    def _let_go(self, payload: tuple) -> None:
+        """The persister is done with a step's commit (on_release): committed, given up on
+        (not this timeline's, its files gone, a bug), or dropped (close, abort). A milestone's
+        directory is then no longer kept from the sweep for it (see __init__)."""
+        with self._flight_lock:
+            self._milestones_in_flight.discard(payload[0])
+
     def _commit(self, payload: tuple[int, list[FileEntry], int, dict, float | None, dict | None, int]
                 ) -> list[FileEntry]:
         step, entries, world_size, meta, taken_at, rng, timeline = payload
@@ -322,24 +339,19 @@ class CheckpointCommitter:
         with self._lock:
             suspect = step in self._suspect
         if suspect and not self._files_survived(step, entries):
-            with self._lock:
-                self._milestones_in_flight.discard(step)
             return []
         with self._lock:
             if self._left_behind(step, timeline):
                 # Handed over before a rewind to an earlier step (waiting, or retried through an
                 # outage): its state is gone from training, and its shards are being written again.
                 logger.info("checkpoint step %d not committed: training went back to an earlier step", step)
-                self._milestones_in_flight.discard(step)
                 return []
             self._committing = step
         try:
             self.store.commit(step, entries, world_size, meta, rng=rng)  # StorageError -> the persister retries
-        except BaseException as exc:
+        except BaseException:
             with self._lock:
                 self._committing = None
-                if not isinstance(exc, StorageError):  # the persister gives up on it (not retried)
-                    self._milestones_in_flight.discard(step)
                 # The manifest may have landed all the same (a reply lost): see _unconfirmed.
                 if self._left_behind(step, timeline):
                     self._left_on_storage.append(step)
@@ -352,7 +364,6 @@ class CheckpointCommitter:
         nbytes = sum(e.size for e in entries)
         with self._lock:
             self._committing = None  # in the same hold of the lock as the append below (see _cleanup)
-            self._milestones_in_flight.discard(step)  # its manifest is on storage: no sweep's now
             if self._left_behind(step, timeline):
                 # A rewind came while this manifest was being written. The step is on storage but
                 # not this timeline's: counted by retention (or as _latest) it could take the place
@@ -526,7 +537,9 @@ class CheckpointCommitter:
                     # pending: steps still being written, and milestones until their manifest lands
                     # (their parts may come after a newer step's: see __init__)
                     step = self._latest
-                    pending = set(self._reports) | self._milestones_in_flight | {s for s in self._metas if self._awaited(s)}
+                    with self._flight_lock:
+                        pending = set(self._reports) | self._milestones_in_flight
+                    pending |= {s for s in self._metas if self._awaited(s)}
                     committing = self._committing
                     # Rewinds since this pass began, with the commits: they go first. Why: a
                     # rewind removes the later commits waiting in _done (its abandoned ones), so
@@ -562,7 +575,8 @@ class CheckpointCommitter:
                 # newer one supersedes them (and resume had skipped them, or rolled back past
                 # them), so they go with the next retention pass. Without this a run that never
                 # commits their exact numbers again (another every_n_steps) left them for good.
-                passed = [s for s in self._above_base if s < step]
+                # Not one being written again now (a milestone this run commits late: pending).
+                passed = [s for s in self._above_base if s < step and s not in pending]
                 if passed:
                     self._above_base = [s for s in self._above_base if s >= step]
                     self.store.schedule_deletes(passed)
@@ -588,8 +602,10 @@ class CheckpointCommitter:
         this commit's, a step whose files the new timeline rewrote (so resume finds it corrupt)
         took a ``keep_last`` place, and retention deleted a good older step for it. Such a step
         goes with the steps a rewind left on storage (deleted once passed)."""
-        with self._lock:
-            steps = {s: f for s, f in self._unconfirmed.items() if self._latest is not None and s < self._latest}
+        with self._lock, self._flight_lock:
+            # Not a milestone the persister still retries: a newer step does not settle it (see __init__).
+            steps = {s: f for s, f in self._unconfirmed.items() if self._latest is not None and s < self._latest
+                     and s not in self._milestones_in_flight}
             for s in steps:
                 del self._unconfirmed[s]
         retry, foreign = {}, []

@@ -213,6 +213,20 @@ class AsyncPersister:
             finally:
                 self._release(payload)
 
+    def start(self) -> None:
+        """Start the writer thread now rather than at the first submit; raises RuntimeError where the
+        process cannot start one. For an owner that submits under a lock its write function takes
+        (the committer, whose commit reads its own tables): an inline write (``_start_thread``)
+        there would wait on that lock forever. Started here, no submit ever writes inline."""
+        with self._cond:
+            if self._thread is None and not self.blocking:
+                self._thread = self._started_thread()
+
+    def _started_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name=f"elastic-{self.name}", daemon=True)
+        thread.start()
+        return thread
+
     def _start_thread(self) -> bool:
         """Start the writer thread (under the lock); False if the process cannot start one.
 
@@ -221,10 +235,10 @@ class AsyncPersister:
         first submit is inside a training step, which storage must never stop. The caller then
         writes what waits inline, one try each, as ``blocking`` mode does, and the next submit
         tries to start the thread again: a limit that eases gives the background writer back.
-        One event per such spell says training now waits on storage."""
-        thread = threading.Thread(target=self._run, name=f"elastic-{self.name}", daemon=True)
+        One event per such spell says training now waits on storage. (Never for an owner that
+        called ``start``.)"""
         try:
-            thread.start()
+            thread = self._started_thread()
         except RuntimeError as exc:
             if not self._inline_since:
                 self._inline_since = time.time()
