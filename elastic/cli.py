@@ -18,8 +18,10 @@ import logging
 import math
 import os
 import re
+import secrets
 import shlex
 import socket
+import string
 import sys
 import tempfile
 import threading
@@ -52,12 +54,12 @@ SUBMIT_EXCLUDES = [".git", ".venv", "venv", "__pycache__", ".pytest_cache", "*.e
 # `submit`: the dashboard's answers. Ray's Jobs client sends its HTTP requests without a timeout,
 # so a dashboard that takes the connection and never answers (a stale port-forward, a hung head)
 # held the command forever. ANSWER_TIMEOUT_S bounds each small request (the client's version
-# check, a status); SUBMIT_TIMEOUT_S the whole submission, upload included (--timeout, for a
-# large working directory on a slow link). With --follow, a log stream quiet for FOLLOW_QUIET_S
-# has the job's status asked, and FOLLOW_LOST_ASKS unanswered asks in a row end the command (the
-# job itself goes on): a websocket through a network partition waits forever otherwise.
+# check, which a hung dashboard does not answer either, and a status); --timeout, if given, the
+# submission itself (its upload has no limit by default: a large working directory on a slow
+# link takes what it takes). With --follow, a log stream quiet for FOLLOW_QUIET_S has the job's
+# status asked, and FOLLOW_LOST_ASKS unanswered asks in a row end the command (the job itself
+# goes on): a websocket through a network partition waits forever otherwise.
 ANSWER_TIMEOUT_S = 30.0
-SUBMIT_TIMEOUT_S = 300.0
 FOLLOW_QUIET_S = 30.0
 FOLLOW_LOST_ASKS = 3
 
@@ -934,11 +936,17 @@ def _script_in(working_dir: str, script: str) -> str:
     return rel
 
 
-def _within(call: Callable[[], Any], timeout_s: float, who: str, hint: str = "", limit_s: float | None = None) -> Any:
+def _new_submission_id() -> str:
+    """A job id as Ray's Jobs server makes one (``raysubmit_`` and 16 characters without the
+    confusable ``IlOo0``), made here; Ray's own generator lives in its dashboard's job manager."""
+    alphabet = sorted(set(string.ascii_letters + string.digits) - set("IlOo0"))
+    return "raysubmit_" + "".join(secrets.choice(alphabet) for _ in range(16))
+
+
+def _within(call: Callable[[], Any], timeout_s: float, who: str, hint: str = "") -> Any:
     """``call()``'s result, or its exception, if it returns within ``timeout_s``; else a CliError
     that ends the process (``hard_exit``: the call still blocks a thread). Why a thread: Ray's
-    Jobs client sends its requests without a timeout, and takes none. ``limit_s``: the limit the
-    message names, when ``timeout_s`` is what is left of it."""
+    Jobs client sends its requests without a timeout, and takes none."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -951,8 +959,7 @@ def _within(call: Callable[[], Any], timeout_s: float, who: str, hint: str = "",
     thread.start()
     thread.join(max(0.0, timeout_s))
     if thread.is_alive():
-        raise CliError(f"no answer from {who} within {timeout_s if limit_s is None else limit_s:g} s{hint}",
-                       hard_exit=True)
+        raise CliError(f"no answer from {who} within {timeout_s:g} s{hint}", hard_exit=True)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
@@ -960,24 +967,30 @@ def _within(call: Callable[[], Any], timeout_s: float, who: str, hint: str = "",
 
 # What carries a secret on a command line besides ``carries_credentials``' forms, by name: a
 # query parameter (``?token=``, ``&api_key=``: a webhook's, an API's), an option (``--password X``,
-# ``--token=X``) and an environment-style assignment (``AWS_SECRET_ACCESS_KEY=...``, ``HF_TOKEN=``).
-# Exact names, not substrings: ``--max-tokens``, ``--tokenizer``, ``?page_token=`` and
-# ``--sort-key`` are no credentials, and refusing them would stop jobs for nothing.
-_SECRET_NAMES = r"(?:access|auth|id|refresh|private|bearer)?[_-]?token|api[_-]?key|apikey|passw(?:or)?d|pwd|" \
-                r"(?:client|aws)?[_-]?secret(?:[_-]access[_-]key)?|secret[_-]key|access[_-]key[_-]secret"
-_SECRET_QUERY = re.compile(rf"(?i)[?&](?:{_SECRET_NAMES})=")
-_SECRET_OPTION = re.compile(rf"(?i)--(?:{_SECRET_NAMES})(?P<value>=.*)?")
-_SECRET_ASSIGNMENT = re.compile(r"[A-Z][A-Z0-9_]*(?:PASSWORD|PASSWD|SECRET|TOKEN|API_KEY|SECRET_ACCESS_KEY)=.")
+# ``--hf-token=X``) and a setting (``AWS_SECRET_ACCESS_KEY=...``, ``HF_TOKEN=``, Hydra's
+# ``wandb.api_key=``). A name is a secret's when it ends in a password, secret or API key word, or
+# is a token of a known kind (or a bare ``token``). Not any name with "token" in it: ``--max-tokens``,
+# ``--pad-token``, ``EOS_TOKEN=``, ``?page_token=`` and ``--tokenizer`` are no credentials, and
+# refusing them would stop jobs for nothing; nor ``--use-auth-token`` (a flag of Hugging Face's).
+_SECRET_WORD = r"passw(?:or)?d|secret|secret[_-]?(?:access[_-]?)?key|api[_-]?key|apikey|private[_-]?key"
+_TOKEN_KIND = r"hf|hub|huggingface|github|gh|gitlab|wandb|auth|access|api|bearer|refresh|id|private|session|bot|" \
+              r"slack|discord|openai|npm|pypi|oauth|jwt|ray"
+_SECRET_NAME = rf"(?!use[_-])(?:[\w.-]*[_.-])?(?:{_SECRET_WORD}|(?:{_TOKEN_KIND})[_-]?token)|token"
+_SECRET_QUERY = re.compile(rf"(?i)[?&](?:{_SECRET_NAME})=")
+_SECRET_OPTION = re.compile(rf"(?i)--(?:{_SECRET_NAME})(?P<value>=.*)?")
+_SECRET_SETTING = re.compile(rf"(?i)(?:{_SECRET_NAME})=.")
 
 
 def _argument_with_a_secret(args: list[str]) -> int | None:
     """The number (from 1) of the first script argument that carries a credential, or None."""
     for i, arg in enumerate(args, 1):
         option = _SECRET_OPTION.fullmatch(arg)
-        if option is not None and option.group("value") is None and i < len(args):
-            return i + 1  # --password VALUE: the value is the secret
-        if (carries_credentials(arg) or _SECRET_QUERY.search(arg) or _SECRET_ASSIGNMENT.match(arg)
-                or (option is not None and option.group("value") not in (None, "="))):
+        if option is not None and option.group("value") is None:
+            if i < len(args) and not args[i].startswith("--"):
+                return i + 1  # --password VALUE: the value is the secret
+            continue
+        if (carries_credentials(arg) or _SECRET_QUERY.search(arg) or _SECRET_SETTING.match(arg)
+                or (option is not None and option.group("value") != "=")):
             return i
     return None
 
@@ -995,7 +1008,7 @@ def _refuse_credentials_in(args: list[str]) -> None:
         raise CliError(
             f"the script's argument #{i} carries a credential (a URL's user:password@, a signed query or a "
             "token, key or password parameter, an Authorization or Cookie header, Ray's auth token, an access key "
-            "id, a --password/--token/--secret option, a *_TOKEN=/*_SECRET=/*_PASSWORD= assignment), and Ray "
+            "id, an option or NAME=value setting named as a password, secret, API key or token), and Ray "
             "keeps the command line in its job table, shown on the dashboard and by `ray job list`; give the job "
             "its credentials off the command line: the nodes' environment or role (AWS_* variables, ~/.aws, an "
             "instance profile) or a file the script reads",
@@ -1016,9 +1029,10 @@ def submit(
     working_dir: str = typer.Option(".", "--working-dir", help="Directory uploaded as the job's working_dir."),
     submission_id: Optional[str] = typer.Option(None, "--submission-id", help="Job id to use (default: generated)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream the job's logs and exit with its outcome."),
-    timeout: float = typer.Option(SUBMIT_TIMEOUT_S, "--timeout", callback=_timeout_seconds,
-                                  help="Seconds the dashboard has to take the job, upload included (raise it for a "
-                                       "large working directory on a slow link)."),
+    timeout: Optional[float] = typer.Option(
+        None, "--timeout", callback=lambda v: None if v is None else _timeout_seconds(v),
+        help="Seconds the submission may take, upload included (default: no limit; the dashboard must answer "
+             "within 30 s either way)."),
 ) -> None:
     """Submit SCRIPT as a Ray job, uploading the working directory (runtime_env working_dir)."""
     from ray.job_submission import JobSubmissionClient
@@ -1042,15 +1056,13 @@ def submit(
     where = shown(target) if target else "the local cluster"
     runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}
 
-    deadline = time.monotonic() + timeout
-    late = "; raise --timeout for a large working directory on a slow link"
-
     def connect():
         with _env_without(*(_ADDRESS_VARS if address else ())):
             return JobSubmissionClient(target)
 
     try:
-        client = _within(connect, min(timeout, ANSWER_TIMEOUT_S), f"the Ray dashboard at {where}")
+        client = _within(connect, ANSWER_TIMEOUT_S if timeout is None else min(timeout, ANSWER_TIMEOUT_S),
+                         f"the Ray dashboard at {where}")
     except CliError:
         raise
     except Exception as exc:  # noqa: BLE001 - ConnectionError, auth or version errors: one line each
@@ -1061,9 +1073,17 @@ def submit(
         if _AUTH_FAILURE.search(text) or re.search(r"(?<![\w.:/@-])40[13](?![\w-]|\.\w)", text.replace(where, "")):
             raise CliError(_auth_hint(where)) from None
         raise CliError(f"cannot reach the Ray dashboard at {where}: {_one_line(text)}") from None
-    job_id = _within(lambda: client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                                               submission_id=submission_id),
-                     deadline - time.monotonic(), f"the Ray dashboard at {where}", late, limit_s=timeout)
+    if timeout is None:
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id)
+    else:
+        # Named here, so that a submission cut off at --timeout can say which job it may have
+        # become: the dashboard may have taken it after all, and a retry would train twice.
+        submission_id = submission_id or _new_submission_id()
+        job_id = _within(lambda: client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                                   submission_id=submission_id),
+                         timeout, f"the Ray dashboard at {where}",
+                         f" (--timeout); the job may have been submitted all the same: `ray job status {submission_id}` "
+                         "says, and `ray job stop` stops it")
     # Printed, so without credentials: Ray keeps an address's user:password@ (basic auth in front
     # of the dashboard), and the logs command below then needs it given again.
     dashboard = redact_url(client.get_address().rstrip("/"))

@@ -123,7 +123,9 @@ class _CtrlCHeld:
     bytecodes, so only swapping the handler holds one; ``release`` is called inside the ``try``
     that kills the controller, so a held Ctrl-C ends there like one a moment later. Swapped only
     in the main thread (no other gets a KeyboardInterrupt) and only from Python's default
-    handler: a handler of the user's stays in charge."""
+    handler: a handler of the user's stays in charge. Only the first is held: it puts the default
+    handler back, so a second Ctrl-C interrupts at once (``.remote()`` of a named actor asks the
+    GCS, which may not answer for a minute), at the cost of what the hold is for."""
 
     def __init__(self):
         self.held = False
@@ -134,6 +136,8 @@ class _CtrlCHeld:
 
     def _hold(self, signum, frame) -> None:
         self.held = True
+        self._swapped = False
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def release(self) -> None:
         """Put the default handler back, and raise the Ctrl-C held meanwhile, if any."""

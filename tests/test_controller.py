@@ -667,6 +667,26 @@ def test_a_fit_that_leaves_by_an_unexpected_error_kills_its_controller(ray_clust
     assert trainer.controller is None
     assert_controller_gone("elastic-display-broke")
 
+def test_only_the_first_ctrl_c_is_held_while_the_controller_is_created():
+    # .remote() of a named actor asks the GCS, which may not answer for a minute: every Ctrl-C
+    # held meanwhile left the user no way out. The first is held; a second interrupts at once.
+    from elastic.trainer import _CtrlCHeld
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("needs the main thread and Python's own SIGINT handler")
+    ctrl_c = _CtrlCHeld()
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)  # held: no KeyboardInterrupt here
+    assert ctrl_c.held and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    with pytest.raises(KeyboardInterrupt):
+        ctrl_c.release()  # the held one, raised where the controller would be killed
+    ctrl_c.release()  # once
+
+
 def test_a_ctrl_c_while_the_controller_is_created_still_kills_it(ray_cluster):
     # A KeyboardInterrupt that landed inside .remote() (the actor made, its handle not yet
     # returned) or at the assignment left the controller training on the cluster for as long as
