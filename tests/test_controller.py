@@ -632,6 +632,23 @@ def test_a_run_name_another_process_of_this_job_is_using_is_refused_and_its_run_
         ray.kill(owner)
 
 
+@ray.remote(num_cpus=0)
+class TrainsOn:
+    """A controller stand-in whose run goes on (for an hour)."""
+
+    def __init__(self, kwargs):
+        pass
+
+    def run(self, steps, epochs):
+        time.sleep(3600)
+
+
+def skip_unless_ctrl_c_raises_here() -> None:
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("needs the main thread and Python's own SIGINT handler")
+
+
 def assert_controller_gone(namespace: str) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -648,14 +665,6 @@ def test_a_fit_that_leaves_by_an_unexpected_error_kills_its_controller(ray_clust
     # closed stdout, a broken pipe) left it training on the cluster until the driver exited.
     from helpers import loss_fn, make_adam, make_dataset, make_model
 
-    @ray.remote(num_cpus=0)
-    class Trains:  # a controller whose run goes on
-        def __init__(self, kwargs):
-            pass
-
-        def run(self, steps, epochs):
-            time.sleep(3600)
-
     trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8, run=elastic.RunConfig(name="display-broke"))
 
     def broken_pipe(ref):
@@ -663,18 +672,17 @@ def test_a_fit_that_leaves_by_an_unexpected_error_kills_its_controller(ray_clust
 
     monkeypatch.setattr(trainer, "_wait_with_progress", broken_pipe)
     with pytest.raises(BrokenPipeError):
-        trainer._run_controller(Trains, {}, 1000, None)
+        trainer._run_controller(TrainsOn, {}, 1000, None)
     assert trainer.controller is None
     assert_controller_gone("elastic-display-broke")
+
 
 def test_only_the_first_ctrl_c_is_held_while_the_controller_is_created():
     # .remote() of a named actor asks the GCS, which may not answer for a minute: every Ctrl-C
     # held meanwhile left the user no way out. The first is held; a second interrupts at once.
     from elastic.trainer import _CtrlCHeld
 
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("needs the main thread and Python's own SIGINT handler")
+    skip_unless_ctrl_c_raises_here()
     ctrl_c = _CtrlCHeld()
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.2)  # held: no KeyboardInterrupt here
@@ -694,22 +702,12 @@ def test_a_ctrl_c_while_the_controller_is_created_still_kills_it(ray_cluster):
     # raised where it kills the controller.
     from helpers import loss_fn, make_adam, make_dataset, make_model
 
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("needs the main thread and Python's own SIGINT handler")
-
-    @ray.remote(num_cpus=0)
-    class Trains:  # a controller whose run goes on
-        def __init__(self, kwargs):
-            pass
-
-        def run(self, steps, epochs):
-            time.sleep(3600)
+    skip_unless_ctrl_c_raises_here()
 
     class InterruptedAtCreation:  # actor_cls: Ctrl-C pressed just after the actor is created
         @staticmethod
         def options(**options):
-            made = Trains.options(**options)
+            made = TrainsOn.options(**options)
 
             class Remote:
                 @staticmethod

@@ -34,19 +34,25 @@ def test_a_rerun_with_nothing_left_to_train_prints_its_result(monkeypatch, capsy
     assert "steps=315 loss=- " in capsys.readouterr().out
 
 
+def demo_exit_code(monkeypatch, fit, name: str) -> int:
+    """The demo's exit code with ``Trainer.fit`` replaced by ``fit`` (which raises)."""
+    import elastic
+
+    monkeypatch.setattr(elastic.Trainer, "fit", fit)
+    with pytest.raises(SystemExit) as exit_:
+        digits.main(["--no-progress", "--name", name])
+    return exit_.value.code
+
+
 def test_a_run_stopped_before_any_rank_started_exits_130_without_a_traceback(monkeypatch, capsys):
     # Ctrl-C (or `ray job stop`) while the run still waits for placement: no rank, no model state.
-    import elastic
     from elastic.trainer import Result, TrainingStopped
 
     def fit(self, epochs=None, steps=None):
         raise TrainingStopped("run 'digits-early' stopped before any step", Result(
             metrics={"steps": 0, "loss": None, "samples_per_s": 0.0}, history=[], events=[], checkpoint=None,
             recoveries=[], ledger=[], model_state=None, replica_checksums=[]))
-    monkeypatch.setattr(elastic.Trainer, "fit", fit)
-    with pytest.raises(SystemExit) as exit_:
-        digits.main(["--no-progress", "--name", "digits-early"])
-    assert exit_.value.code == 130
+    assert demo_exit_code(monkeypatch, fit, "digits-early") == 130
     out = capsys.readouterr().out
     assert "stopped before any step" in out and "test_accuracy" not in out
 
@@ -102,10 +108,7 @@ def test_a_config_error_that_no_flag_causes_exits_2_without_the_usage_line(monke
     def fit(self, epochs=None, steps=None):
         raise elastic.ConfigError("dataset_fn built datasets of different sizes on the workers (1797 rows on "
                                   "ranks [0], 1796 on ranks [1])")
-    monkeypatch.setattr(elastic.Trainer, "fit", fit)
-    with pytest.raises(SystemExit) as exit_:
-        digits.main(["--no-progress", "--name", "digits-differs"])
-    assert exit_.value.code == 2
+    assert demo_exit_code(monkeypatch, fit, "digits-differs") == 2
     err = capsys.readouterr().err
     assert ": error: dataset_fn built datasets of different sizes" in err and "usage:" not in err
 
