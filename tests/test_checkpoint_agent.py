@@ -1479,3 +1479,61 @@ def test_a_final_flush_that_times_out_is_an_event_of_its_own():
     (event,) = report["ckpt_events"]
     assert event["event"] == "checkpoint_rank_flush_timeout" and event["step"] == 7
     assert "did not finish within 30s" in event["message"]
+
+
+def test_a_rank_waits_on_its_agent_link_whatever_the_descriptor_number():
+    # select() refuses a descriptor of 1024 or more (ValueError), and a rank links to its agent
+    # after its process group, CUDA and data loaders opened theirs: a flush then raised past its
+    # handlers, and a milestone waiting for room lost its slot for the rest of the run.
+    import resource
+
+    from elastic.checkpoint.worker_hook import _ready
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1100:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        high = socket.socket(fileno=os.dup2(a.fileno(), 1050))
+        assert high.fileno() >= 1024
+        assert _ready(high, True, 0.1)  # room to send
+        assert not _ready(high, False, 0.05)  # nothing to read yet
+        b.send(b"x")
+        assert _ready(high, False, 1.0)
+        high.close()
+    finally:
+        a.close()
+        b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_message_whose_descriptors_this_process_cannot_take_is_told_apart_from_a_malformed_one():
+    # At its open-files limit the agent gets a rank's ring message whole, its memfd dropped by
+    # the kernel (MSG_CTRUNC). Taken for a malformed stream, the link ended without a word and
+    # the rank said "the checkpoint agent is gone"; now the agent refuses the link in order.
+    import resource
+
+    from elastic.checkpoint.agent import DescriptorsCut, receive_message, send_message
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    r, w = os.pipe()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers = []
+    try:
+        send_message(a, {"op": "ring", "ring": 1}, [r])
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        with contextlib.suppress(OSError):
+            while True:  # every descriptor this process may have, taken
+                fillers.append(os.open(os.devnull, os.O_RDONLY))
+        with pytest.raises(DescriptorsCut) as cut:
+            receive_message(b)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
+    assert cut.value.message == {"op": "ring", "ring": 1} and "open-files limit" in str(cut.value)

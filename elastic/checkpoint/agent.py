@@ -89,13 +89,25 @@ def send_message(sock: socket.socket, message: dict, fds: list[int] | None = Non
     sock.sendmsg([data], ancillary, 0 if block else socket.MSG_DONTWAIT)
 
 
+class DescriptorsCut(ValueError):
+    """A whole message whose file descriptors the kernel dropped (``MSG_CTRUNC``): the receiving
+    process is at its open-files limit. ``message`` is the message, parsed."""
+
+    def __init__(self, message: dict):
+        super().__init__(f"the descriptors of a checkpoint agent message ({message.get('op')!r}) were dropped: the "
+                         f"agent's process is at its open-files limit (or they were over {MAX_FDS})")
+        self.message = message
+
+
 def receive_message(sock: socket.socket, block: bool = True,
                     buffer: bytearray | None = None) -> tuple[dict | None, list[int]]:
     """``(message, fds)``; ``(None, [])`` when the peer closed. ``block=False`` raises
     ``BlockingIOError`` when nothing is waiting. ``buffer`` (``MAX_MESSAGE`` bytes, one per
     thread that receives): received into instead of a fresh 1 MiB allocation per message (an
     mmap and its page faults: ~46 against ~8 us on the rank's side, inside the step). A message
-    that does not fit, or is no JSON, raises ``ValueError`` with its descriptors closed."""
+    that does not fit, or is no JSON, raises ``ValueError`` with its descriptors closed; a whole
+    one whose descriptors did not fit in this process (``MSG_CTRUNC`` alone: its open-files
+    limit), ``DescriptorsCut``."""
     fds = array.array("i")
     buffer = bytearray(MAX_MESSAGE) if buffer is None else buffer
     n, ancillary, flags, _ = sock.recvmsg_into([buffer], socket.CMSG_LEN(MAX_FDS * fds.itemsize),
@@ -104,12 +116,15 @@ def receive_message(sock: socket.socket, block: bool = True,
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
     try:
-        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-            raise ValueError(f"a checkpoint agent message was cut short (over {len(buffer)} bytes "
-                             f"or {MAX_FDS} descriptors)")
+        if flags & socket.MSG_TRUNC:
+            raise ValueError(f"a checkpoint agent message was cut short (over {len(buffer)} bytes)")
         message = json.loads(bytes(buffer[:n])) if n else None
         if message is not None and not isinstance(message, dict):
             raise ValueError("a checkpoint agent message is not a JSON object")
+        if flags & socket.MSG_CTRUNC:
+            if message is None:
+                raise ValueError(f"a checkpoint agent message carried over {MAX_FDS} descriptors")
+            raise DescriptorsCut(message)
     except ValueError:
         for fd in fds:
             os.close(fd)
@@ -387,6 +402,12 @@ class _RankLink:
                     message, fds = receive_message(self.conn, buffer=buffer)
                 except OSError:
                     break
+                except DescriptorsCut as cut:
+                    # The message is whole, its ring or layout lost: the link ends in order (the
+                    # rank is told why and writes on its own), not as a malformed stream would,
+                    # which the rank took for a lost agent while this one was at its fd limit.
+                    self.refuse(str(cut))
+                    continue
                 except ValueError:
                     logger.exception("checkpoint agent: a malformed message from rank %s ends its link", self.rank)
                     break

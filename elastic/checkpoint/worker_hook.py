@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -31,6 +32,16 @@ from elastic.checkpoint.storage import RetryPolicy
 from elastic.checkpoint.store import CheckpointStore, Snapshot, is_milestone, rank_meta
 
 logger = logging.getLogger(__name__)
+
+
+def _ready(sock: socket.socket, write: bool, timeout_s: float) -> bool:
+    """Whether ``sock`` can be written (``write``) or read within ``timeout_s``, or has failed (the
+    next call on it says how). poll, not select: select refuses a descriptor of 1024 or more
+    (ValueError), and a rank links to its agent after its process group, CUDA and data loaders
+    have opened theirs."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT if write else select.POLLIN)
+    return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
 
 
 def live_state(worker: Any) -> dict:
@@ -422,13 +433,14 @@ class AgentCheckpointer:
         its own, and reports what it holds after it."""
         if self.fallback is not None:
             return self.fallback.snapshot(worker, step, pooled)
+        message: dict[str, Any] = {}
         try:
             self._poll()
             rng = RawRng.take()
             snap = Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size),
                                      rng, self.min_shard_bytes)  # live tensors: copied into the slot
-            message: dict[str, Any] = {"op": "snap", "step": step, "rank": snap.rank, "world_size": snap.world_size,
-                                       "taken_at": snap.taken_at, "generation": group_generation(worker)}
+            message = {"op": "snap", "step": step, "rank": snap.rank, "world_size": snap.world_size,
+                       "taken_at": snap.taken_at, "generation": group_generation(worker)}
             if is_milestone(self.keep_every, step):
                 message["keep"] = True
             if snap.writes_file:
@@ -458,6 +470,9 @@ class AgentCheckpointer:
             why, event = self._link_lost(exc)
             return self._fall_back(worker, step, why, event=event)
         except Exception as exc:  # noqa: BLE001 - a snapshot that failed must not stop training
+            # Its slot, if it had one, is not the agent's: no send reached it (else no exception).
+            with contextlib.suppress(KeyError):  # its ring is gone already
+                self._give_back(message)
             return self._snapshot_failed(worker, step, exc)
         self._handed, self._dropped = step, None
         return []
@@ -504,7 +519,7 @@ class AgentCheckpointer:
         """``message`` sent once the agent's queue has room, within ``wait_s``; False if it never did."""
         deadline = time.monotonic() + wait_s
         while (left := deadline - time.monotonic()) > 0:
-            select.select([], [self.sock], [], min(left, 0.05))
+            _ready(self.sock, True, min(left, 0.05))
             try:
                 send_message(self.sock, message, block=False)
                 return True
@@ -589,7 +604,7 @@ class AgentCheckpointer:
     def _wait(self, deadline: float, write: bool = False) -> None:
         """Until the socket can be read (or written), or ``TimeoutError`` at ``deadline``.
 
-        Why select and not ``sock.settimeout``: a Python socket with a timeout polls before
+        Why poll and not ``sock.settimeout``: a Python socket with a timeout polls before
         every call, ``MSG_DONTWAIT`` or not, so the step's non-blocking sends and receives
         would wait out the flush's timeout. The socket stays blocking without a timeout, and
         only the flush waits, here."""
@@ -597,8 +612,7 @@ class AgentCheckpointer:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the checkpoint agent did not answer in time")
-            ready = select.select([], [self.sock], [], left)[1] if write else select.select([self.sock], [], [], left)[0]
-            if ready:
+            if _ready(self.sock, write, left):
                 return
 
     def _poll(self, deadline: float | None = None) -> None:
