@@ -206,6 +206,26 @@ def test_first_n_replicas_start_from_rank_0s_parameters_and_buffers():
     assert after0 == after1 == before0
 
 
+def _caches_after_a_join(rank: int, use_ddp: bool, box, out) -> None:
+    """Two real TrainWorkers join (DDP, or first-N with N = 1 of 2), each holding a non-persistent
+    cache of its own length (a survivor's grown one on rank 0, a fresh spare's on rank 1)."""
+    worker = local_worker(PerProcessInitModel)
+    worker.model.register_buffer("cache", torch.full((64 if rank == 0 else 16,), float(rank + 1)), persistent=False)
+    join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=use_ddp, subgroup_size=0 if use_ddp else 1)
+    out.put((rank, (worker.model.cache.tolist(), [t.tolist() for t in worker.model.state_dict().values()])))
+    worker.leave()
+
+
+@pytest.mark.parametrize("use_ddp", [True, False], ids=["ddp", "first_n"])
+def test_a_join_leaves_each_ranks_non_persistent_caches_alone(use_ddp):
+    # Rank 0's module state is broadcast at a join, buffers and all: caches of other lengths on
+    # the two sides aborted the receiving process in gloo, or overwrote part of the survivors'.
+    states = run_pair(_caches_after_a_join, use_ddp, port_box())
+    (cache0, state0), (cache1, state1) = states[0], states[1]
+    assert cache0 == [1.0] * 64 and cache1 == [2.0] * 16  # each its own
+    assert state0 == state1  # the model's state is rank 0's on both
+
+
 def test_a_join_that_fails_after_the_group_formed_leaves_it():
     # The group stayed up after a failed join: its sockets and rank 0's store open, so peers
     # blocked on this rank waited out collective_timeout_s instead of failing at once.

@@ -84,3 +84,15 @@ def persistent_buffers(model) -> list:
     """The buffers ``model.state_dict()`` holds, in its order."""
     names = set(model.state_dict(keep_vars=True))
     return [b for name, b in model.named_buffers() if name in names]
+
+
+def cache_buffer_names(model) -> set[str]:
+    """The names of ``model``'s non-persistent buffers (those ``state_dict`` does not hold): caches
+    a module may size by what its forward saw (rotary tables, a causal mask), so they may differ
+    between ranks in content and in size. Left out of the broadcast of rank 0's module state at a
+    join (first-N's, and DDP's constructor, told through its ignore list): a survivor whose cache
+    had grown sent more bytes than a fresh spare's shorter one expected (gloo aborts the process),
+    or a fresh rank 0 sent fewer, overwriting the head of the survivors' cache and the next buffer's
+    with bytes of another layout, where no checksum looks."""
+    names = set(model.state_dict(keep_vars=True))
+    return {name for name, _ in model.named_buffers() if name not in names}

@@ -53,7 +53,7 @@ from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's 
     step_seed,
     unpack_spec,
 )
-from elastic.actors.buffers import ReplicaBuffers
+from elastic.actors.buffers import ReplicaBuffers, cache_buffer_names
 from elastic.actors.grads import FlatGrads, sparse_embeddings
 from elastic.actors.sends import UpdateSends, in_flight_limit, max_trail
 from elastic.actors.sitout import SitOutSchedule
@@ -554,7 +554,8 @@ class TrainWorker:
                 # under the run's seed (a torch.empty parameter, an init by time or pid, a
                 # nondeterministic init kernel) gave each replica other weights from step 0: the
                 # replica checksum then ended the run, or with it off they trained apart.
-                torch_dist_utils._sync_module_states(self.model, self._world_pg, DDP_BROADCAST_BUCKET_BYTES, 0, set())
+                torch_dist_utils._sync_module_states(self.model, self._world_pg, DDP_BROADCAST_BUCKET_BYTES, 0,
+                                                     cache_buffer_names(self.model))
             buffers = ReplicaBuffers(self.model, self.device)
             self._buffers = buffers if buffers and world_size > 1 else None
             if use_ddp:
@@ -566,6 +567,11 @@ class TrainWorker:
                 # No buffer broadcast at every forward: rank 0's buffers go out at the end of each
                 # step instead (_train_step), so every rank holds them between steps.
                 ddp = torch_parallel.DistributedDataParallel
+                # Its constructor broadcasts rank 0's buffers (torch 2.13 does even with
+                # forward_sync_buffers=False): not the caches, which may differ in size between
+                # ranks (cache_buffer_names). Added to what the user's model asks DDP to ignore.
+                ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
+                ddp._set_params_and_buffers_to_ignore_for_model(self.model, sorted(ignored | cache_buffer_names(self.model)))
                 self.ddp = ddp(
                     self.model, device_ids=device_ids, gradient_as_bucket_view=True,
                     find_unused_parameters=self.spec.find_unused_parameters,
@@ -952,7 +958,9 @@ class TrainWorker:
             self._fn_grads.before_backward()
             if early:
                 self._fn_grads.begin_early_reduce(self._fn_group(eligible), n)
+            frozen = self._fn_grads.frozen_versions(self.model)
             loss, local = self._forward_backward(self.model, batch, step, False, t0)
+            self._fn_grads.check_frozen(frozen)
             self._fn_grads.after_backward(loss)
             if self._buffers is not None:
                 self._buffers.pack()
