@@ -883,11 +883,9 @@ class Controller:
             self.log("checkpoint", f"no committed checkpoint under {self.store.location}; starting fresh")
             return None
         if rest:
-            state_ref = reader.actor.get_state.remote()
-            sets = [(m, m.actor.set_state.remote(state_ref)) for m in rest]
-            deadline = time.monotonic() + self._state_send_s()
-            for m, ref in sets:
-                self._answer(m, ref, deadline - time.monotonic(), "the checkpoint's state")
+            failed = self._send_state(reader, rest, "the checkpoint's state")
+            if failed is not None:
+                raise failed
         # Committed before their results reached us (ranks report written parts directly): the
         # checkpoint proves those steps finished, so they are kept, not replayed.
         # First-N: ``fast`` is what the old members recorded of those steps (asked before the
@@ -1810,6 +1808,37 @@ class Controller:
                 ray.kill(m.actor, no_restart=True)
             raise
 
+    def _send_state(self, source: Member, receivers: list[Member], what: str) -> BaseException | None:
+        """``source``'s state to ``receivers`` through the object store; the first error (each
+        receiver is waited for), or None. A receiver that took it is no longer stateless.
+
+        The source is waited for first, bounded on its own (``_state_send_s``): no receiver can
+        begin before its ``get_state`` has made the state, and with one deadline for the whole
+        sync a source slow to copy a large state used up the receivers' time, and they were
+        killed as hung while it was the one behind. A source that makes no state in time is
+        killed as hung. The receivers' deadline starts once the state exists (``fetch_local=
+        False``: the controller never pulls the state itself)."""
+        state_ref = source.actor.get_state.remote()
+        sets = [(m, m.actor.set_state.remote(state_ref)) for m in receivers]
+        bound = self._state_send_s()
+        made, _ = ray.wait([state_ref], timeout=bound, fetch_local=False)
+        if not made:
+            if source in self.group.members:
+                self._kill_hung({state_ref: source.rank}, f"did not make its state for {what} within {bound:g}s")
+            return ray.exceptions.GetTimeoutError(f"rank {source.rank} did not make its state for {what} within "
+                                                  f"{bound:g}s")
+        failed = None
+        deadline = time.monotonic() + bound
+        for m, ref in sets:
+            try:
+                self._answer(m, ref, deadline - time.monotonic(), what)
+                # Holds the state now, whatever another member does: a spare that took it
+                # must count as a holder if the next pass (a loss while healing) finds no one else.
+                self._stateless.discard(m.name)
+            except ray.exceptions.RayError as exc:
+                failed = failed or exc
+        return failed
+
     def _state_send_s(self) -> float:
         """How long members may take to receive a state (of any size) in a recovery: as long as
         a step may take, at least a collective's timeout."""
@@ -2395,18 +2424,7 @@ class Controller:
         source = current[0] if current else self.group.members[0]
         behind = [m for m in self.group.members if m is not source and m not in current]
         if behind:
-            state_ref = source.actor.get_state.remote()
-            sets = [(m, m.actor.set_state.remote(state_ref)) for m in behind]
-            failed = None
-            deadline = time.monotonic() + self._state_send_s()
-            for m, ref in sets:
-                try:
-                    self._answer(m, ref, deadline - time.monotonic(), "the state sync")
-                    # Holds the state now, whatever another member does: a spare that took it
-                    # must count as a holder if the next pass (a loss while healing) finds no one else.
-                    self._stateless.discard(m.name)
-                except ray.exceptions.RayError as exc:
-                    failed = failed or exc
+            failed = self._send_state(source, behind, "the state sync")
             if failed is not None:
                 raise failed
             self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "

@@ -111,7 +111,12 @@ class FakeWorker:
         return [r for r in results if first <= r.step <= last] if stashed == generation else []
 
     def get_state(self):
+        time.sleep(getattr(self, "state_delay_s", 0.0))
         return {"completed_step": self.done}
+
+    def delay_state(self, seconds):
+        """Test aid: every get_state takes ``seconds`` first (a large state slow to copy)."""
+        self.state_delay_s = seconds
 
     def refuse_state(self):
         """Test aid: the next set_state fails (as when the state's fetch fails)."""

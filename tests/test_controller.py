@@ -187,6 +187,22 @@ def test_a_survivor_that_stops_answering_in_a_recovery_does_not_hold_it_for_good
         assert [e.details["rank"] for e in c.events if e.kind == "hang"] == [1]
 
 
+def test_a_state_source_slow_to_make_its_state_is_the_one_killed_as_hung(ray_cluster):
+    # The state sync had one deadline for all: receivers cannot begin before the source's
+    # get_state has made the state, so a source slow to copy a large state used their time up,
+    # and they were killed as hung (the spares, one pass after another) while it was behind.
+    failure = elastic.FailureConfig(collective_timeout_s=1.0, step_timeout_s=1.0)
+    with trained("fake-slow-source", workers=2, steps=2, failure=failure) as c:
+        source, receiver = c.group.members
+        c._stateless.add(receiver.name)  # holds no state (a spare): the sync sends it rank 0's
+        ray.get(source.actor.delay_state.remote(60), timeout=30)
+        with pytest.raises(ray.exceptions.GetTimeoutError, match="rank 0 did not make its state for the state sync"):
+            c._sync_state()
+        assert_dies(source.actor)
+        assert [e.details["rank"] for e in c.events if e.kind == "hang"] == [0]
+        assert ray.get(receiver.actor.get_state.remote(), timeout=30) is not None  # not killed
+
+
 def test_a_recovery_heals_a_survivor_that_stops_answering_in_it(ray_cluster):
     # The whole loop: rank 1 dies at step 3; the survivor (rank 0) is stuck when the rendezvous
     # asks it for a port; it is killed as hung, found lost, and the second spare takes it over.
