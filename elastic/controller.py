@@ -1786,7 +1786,9 @@ class Controller:
         """Kill the ranks in ``pending`` (ref -> rank) as hung. ``gone``: ranks known dead or
         evicted, which must not be asked to reap them."""
         avoid = {self.group.members[g].name for g in gone}
-        for ref, r in pending.items():
+        # Once a rank: a late first-N replica has several windows pending, each a ref, and one
+        # hung rank made as many "hang" events, kills and reaps.
+        for r in dict.fromkeys(pending.values()):
             self.log("hang", f"rank {r} {why}; killing it so its peers unblock", rank=r)
             self._hung.add(self.group.members[r].name)
             ray.kill(self.group.members[r].actor, no_restart=True)

@@ -203,6 +203,16 @@ def test_a_state_source_slow_to_make_its_state_is_the_one_killed_as_hung(ray_clu
         assert ray.get(receiver.actor.get_state.remote(), timeout=30) is not None  # not killed
 
 
+def test_a_hung_rank_with_several_windows_pending_is_killed_once(ray_cluster):
+    # A late first-N replica has several windows pending, each a ref: one hung rank made as many
+    # "hang" events, kills and reaps.
+    with trained("fake-hung-once", workers=2, steps=2) as c:
+        hung = c.group.members[1]
+        c._kill_hung({"window-3": 1, "window-4": 1, "window-5": 1}, "did not finish its steps (test)")
+        assert_dies(hung.actor)
+    assert [e.details["rank"] for e in c.events if e.kind == "hang"] == [1]
+
+
 def test_a_recovery_heals_a_survivor_that_stops_answering_in_it(ray_cluster):
     # The whole loop: rank 1 dies at step 3; the survivor (rank 0) is stuck when the rendezvous
     # asks it for a port; it is killed as hung, found lost, and the second spare takes it over.
