@@ -35,6 +35,7 @@ from elastic.data import BatchSchedule, DataPosition, SampleLedger, ShardPlan, e
 from elastic.policies import (
     Continue,
     EvictStraggler,
+    Fail,
     FailurePolicy,
     FailureView,
     ReplaceWithSpares,
@@ -246,6 +247,12 @@ class Controller:
         # model) and survivors a shrink stood by as spares (the state from before that). The
         # state sync gives them the state and never takes it, nor a rollback point, from them.
         self._stateless: set[str] = set()
+        # A restart from the checkpoint under way (_restart_all): what it saw of the old group (the
+        # steps begun, the fast sets) until it is done. A rank of its new group lost before then
+        # (its storage check, its restore) restarts it again (_decide_and_apply): the new ranks
+        # hold no state, and the state sync's rule for survivors would end the run when nothing
+        # is committed yet (no holder, no checkpoint), where the restart goes back to step 0.
+        self._restarting: tuple[int, Any] | None = None
         # The newest step a holder of the state reported finished in a recovery pass, past the
         # run's step and not kept yet: if that holder is lost before the pass keeps them, a later
         # pass that restores an older state counts them as recomputed (_sync_state, _restart_all).
@@ -2021,6 +2028,9 @@ class Controller:
             view = FailureView(lost, kind, len(self.group.members), len(self.group.spares),
                                self.group.pending_spares, self.failures, waited)
             decision = self.failure_policy.decide(view)
+            if self._restarting is not None and not isinstance(decision, Fail):
+                decision = RestartFromCheckpoint(f"rank(s) {list(lost)} lost while every rank restarted from the "
+                                                 "checkpoint; the restart starts again")
             self.log("decision", f"{type(decision).__name__}: {decision.reason}", decision=type(decision).__name__,
                      lost=list(lost))
             if isinstance(decision, ReplaceWithSpares):
@@ -2224,9 +2234,13 @@ class Controller:
             raise TrainingFailed(self._fail_message("restart asked for but RunConfig.storage is not set"))
         if self.committer is not None:
             self.committer.flush(timeout_s=30)
-        lost_up_to = max(self._begun_by_survivors(), self.step, self._held_through)
-        # Asked before the survivors go: a checkpoint newer than our step keeps the steps it proves.
-        fast = self._members_fast_sets(self.group.members, self.step + 1, lost_up_to) if self._first_n else None
+        if self._restarting is None:
+            lost_up_to = max(self._begun_by_survivors(), self.step, self._held_through)
+            # Asked before the survivors go: a checkpoint newer than our step keeps the steps it proves.
+            fast = self._members_fast_sets(self.group.members, self.step + 1, lost_up_to) if self._first_n else None
+            self._restarting = (lost_up_to, fast)
+        else:  # again, after a rank of the new group was lost: the old group's members are gone
+            lost_up_to, fast = self._restarting
         while True:
             self._unhealed = ()  # the lost ranks go with the old group (before it empties: world_size)
             self.group.shutdown()
@@ -2260,6 +2274,7 @@ class Controller:
         # Steps after the restored one will be trained (and committed) again.
         self._rewind(self.step if position is not None else None)
         self._truncate_history(self.step)
+        self._restarting = None
         self.log("restart", f"every rank restarted from step {self.step}")
 
     def _check_dataset_unchanged(self) -> None:

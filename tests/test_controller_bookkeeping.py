@@ -129,16 +129,19 @@ def test_spares_of_the_start_and_ranks_standing_by_are_no_newly_ready_spares(ray
     assert c._spare_failures_in_row == 2 and not [e for e in c.events if e.kind == "spares"]
 
 
-def _restart_with_stand_ins(c, monkeypatch, begun, restored_step, group_cls=None):
+def _restart_with_stand_ins(c, monkeypatch, begun, restored_step, group_cls=None, configure=None):
+    """``c._restart_all()`` with stand-in groups; ``restored_step`` None: nothing committed."""
     c.worker_group_cls = group_cls or (lambda scaling, spec, namespace: StandInGroup(ranks=2, ready_spares=1))
     c.group, c.store, c.committer, c.dataset_size = StandInGroup(), object(), None, 64
     monkeypatch.setattr(c, "_begun_by_survivors", lambda: begun)
-    monkeypatch.setattr(c, "_configure_checkpoints", lambda members: None)
+    monkeypatch.setattr(c, "_configure_checkpoints", configure or (lambda members: None))
     monkeypatch.setattr(c, "_check_storage_shared", lambda: None)  # storage is a stand-in here
     monkeypatch.setattr(controller_module.ray, "get", lambda x, **kw: x)  # the stand-ins' plain values
     monkeypatch.setattr(controller_module.ray, "wait", lambda refs, **kw: (list(refs), []))
 
     def restore_latest(fast=None):  # every rank loads the newest committed step
+        if restored_step is None:
+            return None
         c.step = restored_step
         return DataPosition(cursor=restored_step * 8)
     monkeypatch.setattr(c, "_restore_latest", restore_latest)
@@ -308,6 +311,33 @@ def test_a_rank_lost_while_every_rank_restarts_starts_them_all_again(rayless_con
                             group_cls=lambda scaling, spec, namespace: FlakyStart(ranks=2))
     assert starts == [2, 2] and c.failures == 2 and c.step == 3
     assert any(e.kind == "failure" and "starting them all again" in e.message for e in c.events)
+
+
+def test_a_rank_lost_before_a_restart_is_done_restarts_it_again_whatever_the_policy_says(rayless_controller,
+                                                                                         monkeypatch):
+    # A rank of the restart's new group died in its storage check or restore (the flapping node
+    # that chose the restart). The next pass's decision (a spare for it) went to the state sync,
+    # which found no holder (the new ranks hold nothing) and, with nothing committed, ended the
+    # run, where the restart goes back to step 0.
+    import ray
+
+    from elastic.policies import ReplaceWithSpares
+
+    c = rayless_controller(failure=elastic.FailureConfig(on_failure="restart", max_failures=3))
+    c.step = 9
+    configured = []
+
+    def configure(members):
+        configured.append(len(configured))
+        if len(configured) == 1:
+            raise ray.exceptions.RayActorError()
+    with pytest.raises(ray.exceptions.RayActorError):
+        _restart_with_stand_ins(c, monkeypatch, begun=10, restored_step=None, configure=configure)
+    monkeypatch.setattr(c.failure_policy, "decide", lambda view: ReplaceWithSpares("a spare for it (test)"))
+    c._decide_and_apply((1,), "failure_during_recovery")
+    assert len(configured) == 2 and c.step == 0 and c.recomputed == 10 and c._restarting is None
+    decision = [e.message for e in c.events if e.kind == "decision"][-1]
+    assert decision.startswith("RestartFromCheckpoint: rank(s) [1] lost while every rank restarted")
 
 
 class Reaper:
