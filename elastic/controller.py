@@ -66,8 +66,9 @@ class TrainingFailed(RuntimeError):
     """The run stopped. The message says why and names the latest committed checkpoint, if any."""
 
 
-class ReplicaDivergence(RuntimeError):
-    """Replicas that must be identical are not. Never ignored."""
+class ReplicaDivergence(TrainingFailed):
+    """Replicas that must be identical are not. Never ignored. A TrainingFailed too, so that
+    ``except TrainingFailed`` around ``fit()`` still catches every way a run fails."""
 
 
 # Event kinds logged every step or every few steps: the log keeps the newest ROUTINE_EVENTS_KEPT

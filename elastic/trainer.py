@@ -30,7 +30,7 @@ from elastic.checkpoint.compat import UnsaveableState
 from elastic.config import (CheckpointConfig, ConfigError, FailureConfig, RunConfig, ScalingConfig, _finite_real,
                             _require_flag, _require_int, _require_positive, check_environment,
                             elastic_environment)
-from elastic.controller import TrainingFailed, WorkerError
+from elastic.controller import ReplicaDivergence, TrainingFailed, WorkerError
 from elastic.policies import FailurePolicy
 from elastic.redact import redact_urls_in
 
@@ -471,6 +471,7 @@ class Trainer:
         self._store_for = None  # (storage, name, options' hash) the store was built and checked for
         self._prepare()
         self.controller = None  # the actor handle while fit() runs
+        self._fitting = False  # a fit() of this Trainer is running (in some thread)
 
     def _prepare(self) -> None:
         """Every check of the Trainer's settings, and what is built from them (the workers' spec,
@@ -614,26 +615,42 @@ class Trainer:
         for name, v in (("steps", steps), ("epochs", epochs)):
             if v is not None:
                 _require_int(f"Trainer.fit's {name}", v, 1)
+        with _FITTING_LOCK:
+            # A fit() keeps its run's state on its Trainer (the run, the store, the controller's
+            # handle) and reads it as it goes: a second fit() of the same Trainer in another
+            # thread, under another run name, replaced them under the first, whose controller
+            # then started in the second's namespace and was killed by it as a leftover.
+            if getattr(self, "_fitting", False):
+                raise ConfigError("this Trainer is in fit() already (another thread): a fit() keeps its run's state on "
+                                  "its Trainer, so runs at the same time need a Trainer each.")
+            self._fitting = True
+        try:
+            return self._fit_once(steps, epochs)
+        finally:
+            self._fitting = False
+
+    def _fit_once(self, steps: int | None, epochs: int | None) -> Result:
         self._prepare()  # again: a setting may have changed since the Trainer was made
         packed = _packed_spec(self.spec, self.run)  # before Ray: a factory that cannot travel is a ConfigError
         total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
             self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
         if not ray.is_initialized():
             self._check_cluster_address()
+        namespace = self.namespace  # as taken: released as taken, whatever the run is renamed to meanwhile
         with _FITTING_LOCK:
-            if self.namespace in _FITTING:
+            if namespace in _FITTING:
                 # Another fit() of this run name is live in this process (a thread, a notebook
                 # cell): _claim_run_name would take its controller for a leftover of this
                 # driver's and kill it, and the two would write one checkpoint directory.
                 raise ConfigError(f"RunConfig.name={self.run.name!r} is in use: another fit() of that run is training "
                                   "in this process. Choose another RunConfig.name, or wait for that fit() to return.")
-            _FITTING.add(self.namespace)
+            _FITTING.add(namespace)
         try:
             with _ray_for_fit(self.address, total_cpu, self.scaling.use_gpu):
                 return self._fit(steps, epochs, packed)
         finally:
             with _FITTING_LOCK:
-                _FITTING.discard(self.namespace)
+                _FITTING.discard(namespace)
 
     def _fit(self, steps: int | None, epochs: int | None, packed: PackedSpec) -> Result:
         from elastic.metrics import RunMetrics
@@ -980,13 +997,16 @@ def _packed_spec(spec: TrainingSpec, run: RunConfig) -> PackedSpec:
 def _raise_run_error(err: dict) -> None:
     """Raise the error the controller's run ended with (``ControllerActor.run``'s ``error``) as
     the user catches it: the rank's WorkerError, the ConfigError (an ``UnsaveableState`` as
-    that class), anything else a TrainingFailed with the controller's traceback."""
+    that class), a ReplicaDivergence, anything else a TrainingFailed with the controller's
+    traceback."""
     if err["type"] == "WorkerError":
         raise WorkerError(-1, err["message"]) if "rank" not in err["message"] else _worker_error(err["message"])
     if err["type"] == "UnsaveableState":
         raise UnsaveableState(*err["args"])
     if err["type"] == "ConfigError":
         raise ConfigError(err["message"])
+    if err["type"] == "ReplicaDivergence":  # exported as elastic.ReplicaDivergence: fit() raises it as that
+        raise ReplicaDivergence(err["message"])
     raise TrainingFailed(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 
 import pytest
@@ -403,6 +405,44 @@ def test_a_second_fit_of_a_run_live_in_this_process_is_refused_before_anything_s
     with pytest.raises(ConfigError, match=r"RunConfig\.name='.*' is in use: another fit\(\) of that run"):
         t.fit(steps=1)
     assert trainer_module._FITTING == {t.namespace}  # the live one's claim stays
+
+
+def test_a_second_fit_of_the_same_trainer_in_another_thread_is_refused_and_a_claim_is_released_as_taken(
+        monkeypatch):
+    # A fit() keeps its run's state on its Trainer: a second fit() of it in another thread under
+    # another run name replaced them under the first (its controller started in the second's
+    # namespace, which killed it as a leftover), and a name changed mid-fit kept the old claim.
+    import threading
+
+    from elastic import trainer as trainer_module
+
+    t = _trainer()
+    entered, release = threading.Event(), threading.Event()
+    claims = []
+
+    def fit_inside(steps, epochs, packed):
+        claims.append(set(trainer_module._FITTING))
+        entered.set()
+        assert release.wait(30)
+        return "done"
+    monkeypatch.setattr(trainer_module, "_ray_for_fit", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(t, "_check_cluster_address", lambda: None)
+    monkeypatch.setattr(t, "_fit", fit_inside)
+    first = {}
+    thread = threading.Thread(target=lambda: first.setdefault("out", t.fit(steps=1)))
+    thread.start()
+    try:
+        assert entered.wait(30)
+        first_name = t.namespace
+        t.run = dataclasses.replace(t.run, name="another-run")  # renamed while the first trains
+        with pytest.raises(ConfigError, match=r"this Trainer is in fit\(\) already"):
+            t.fit(steps=1)
+    finally:
+        release.set()
+        thread.join(30)
+    assert first["out"] == "done" and claims == [{first_name}]
+    assert first_name not in trainer_module._FITTING  # released as it was taken
+    assert t.fit(steps=1) == "done"  # once the first returned
 
 
 def test_fits_in_two_threads_share_the_embedded_ray_and_the_last_shuts_it_down(monkeypatch):

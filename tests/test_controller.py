@@ -564,6 +564,17 @@ def test_a_heal_that_goes_back_after_a_stop_ends_the_run_there_instead_of_traini
     assert [e.details["step"] for e in c.events if e.kind == "stop"][-1] == 1
 
 
+def test_fit_raises_a_replica_divergence_as_the_class_it_exports():
+    # The controller's ReplicaDivergence reached the driver as a TrainingFailed: the exported
+    # elastic.ReplicaDivergence could never be caught around fit().
+    from elastic.trainer import _raise_run_error
+
+    with pytest.raises(elastic.ReplicaDivergence, match=r"^replicas differ after step 10: checksums") as info:
+        _raise_run_error({"type": "ReplicaDivergence", "message": "replicas differ after step 10: checksums by rank "
+                          "{0: 1, 1: 2}", "traceback": "Traceback ..."})
+    assert isinstance(info.value, elastic.TrainingFailed)  # `except TrainingFailed` still catches every failure
+
+
 def test_a_stop_whose_ending_fails_still_ends_the_run_errored(ray_cluster):
     # A stop in a wait, then _stop_in_wait itself raised: the run stayed STARTING (or RUNNING,
     # RECOVERING), never ended, and ``elastic stop`` waited out its whole timeout.
