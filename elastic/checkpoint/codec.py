@@ -312,6 +312,29 @@ def decode_tensors(data: bytes) -> dict[str, torch.Tensor]:
     return safetensors_torch.load(data)
 
 
+def check_storable_dtypes(tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ``UnsaveableValue`` naming a tensor whose dtype no checkpoint can hold: one element of
+    each dtype in ``tensors`` is written and read back as a shard is. Why: the state check before
+    the first step (``flatten_state``) reads the state's structure, not its dtypes, and the
+    safetensors library has holes (0.8: complex128 has no size, so every write failed and no
+    step ever committed; float8_e8m0fnu is written but has no name on the way back, so every
+    committed step read as corrupt, and a resume started over from step 0)."""
+    first: dict[torch.dtype, str] = {}
+    for name, t in tensors.items():
+        first.setdefault(t.dtype, name)
+    for dtype, name in first.items():
+        try:
+            back = decode_tensors(encode_tensors({"probe": torch.zeros(1, dtype=dtype)}))["probe"]
+            problem = None if back.dtype == dtype and tuple(back.shape) == (1,) else f"it reads back as {back.dtype}"
+        except Exception as exc:  # noqa: BLE001 - the library's own words, whatever they are
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            from importlib.metadata import version
+
+            raise UnsaveableValue(f"{name} is a {dtype} tensor, which a checkpoint (safetensors {version('safetensors')}) "
+                                  f"cannot store and read back ({problem})")
+
+
 def decode_metadata(data: bytes) -> dict[str, str]:
     """The ``__metadata__`` of safetensors bytes, without decoding a tensor.
 
