@@ -5,6 +5,7 @@ and a storage outage against a real S3 endpoint that goes away and comes back.""
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import logging
 import multiprocessing
@@ -13,6 +14,7 @@ import pickle
 import random
 import signal
 import socket
+import stat
 import threading
 import time
 from types import SimpleNamespace
@@ -626,6 +628,24 @@ def test_a_new_step_directory_is_made_durable_in_its_parent(tmp_path, monkeypatc
     synced.clear()
     commit_tiny(store, 2)
     assert synced.count(run) == 1 and str(tmp_path) not in synced and step1 not in synced
+
+
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.ENOTSUP])
+def test_a_filesystem_whose_directories_take_no_fsync_still_commits(tmp_path, monkeypatch, refusal):
+    # Some SMB/CIFS and FUSE mounts answer a directory's fsync with EINVAL: taken for a refusal,
+    # every shard and manifest write failed, though each file was whole under its final name.
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(refusal, os.strerror(refusal))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    commit_tiny(store, 1)
+    assert store.committed_steps() == [1]
+    state, _ = store.read_state(1)
+    assert torch.equal(state["model"]["w"], torch.full((2,), 1.0))
 
 
 def write_version_1_step(store: CheckpointStore, worker: FakeWorker, step: int, world_size: int = 2) -> dict:
