@@ -570,8 +570,12 @@ class TrainWorker:
                 # Its constructor broadcasts rank 0's buffers (torch 2.13 does even with
                 # forward_sync_buffers=False): not the caches, which may differ in size between
                 # ranks (cache_buffer_names). Added to what the user's model asks DDP to ignore.
-                ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
-                ddp._set_params_and_buffers_to_ignore_for_model(self.model, sorted(ignored | cache_buffer_names(self.model)))
+                # (A private hook, which torch says it will replace: where it is gone, nothing is
+                # told, as before.)
+                ignore = getattr(ddp, "_set_params_and_buffers_to_ignore_for_model", None)
+                if ignore is not None:
+                    ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
+                    ignore(self.model, sorted(ignored | cache_buffer_names(self.model)))
                 self.ddp = ddp(
                     self.model, device_ids=device_ids, gradient_as_bucket_view=True,
                     find_unused_parameters=self.spec.find_unused_parameters,
