@@ -1006,7 +1006,7 @@ def _raise_run_error(err: dict) -> None:
     if err["type"] == "ConfigError":
         raise ConfigError(err["message"])
     if err["type"] == "ReplicaDivergence":  # exported as elastic.ReplicaDivergence: fit() raises it as that
-        raise ReplicaDivergence(err["message"])
+        raise ReplicaDivergence(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
     raise TrainingFailed(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
 
 

@@ -82,7 +82,6 @@ class FlatGrads:
         self._viewed = [i for i, p in enumerate(self.params) if p.dtype == self.dtype]
         self._reached = [False] * len(self.params)
         self._sparse_checked = False  # check_model
-        self._frozen_checked = False  # frozen_versions: once per group (bind)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._mark(i))
         self.flat = None
@@ -102,34 +101,6 @@ class FlatGrads:
         self._n = 1  # members of the group reduced over: each divides by it first (reduce)
         self._waiting: list[int] = []  # per bucket: its parameters whose gradients are not in yet
         self._next = 0  # the next bucket to go out
-
-    def frozen_versions(self, model) -> list | None:
-        """Before a group's first computed step: each frozen parameter with its version counter,
-        for ``check_frozen`` after the step's forward and backward (None once that was done).
-
-        Why: first-N agrees on the trainable parameters' gradients, the persistent buffers and
-        the update. A frozen parameter the forward changes in place (a momentum encoder, MoCo's
-        or BYOL's, updated under no_grad in the forward) is none of these: it moves only on the
-        replicas that compute a step, so one that rests or skips a late gradient falls behind,
-        and the checksum ends the run without naming why (or, with it off, nothing does). Once a
-        group: the pattern runs every step, and each check reads every frozen parameter."""
-        if self._frozen_checked:
-            return None
-        return [(name, p, p._version) for name, p in model.named_parameters() if not p.requires_grad]
-
-    def check_frozen(self, versions: list | None) -> None:
-        """Raise, naming them, if the step changed frozen parameters in place (``frozen_versions``)."""
-        if versions is None:
-            return
-        self._frozen_checked = True
-        changed = [name for name, p, version in versions if p._version != version]
-        if changed:
-            raise RuntimeError(
-                f"first-N aggregation: the step changed frozen parameters in place: {', '.join(changed[:5])}"
-                f"{' ...' if len(changed) > 5 else ''}. First-N keeps replicas identical through the gradients, "
-                "the persistent buffers and the update, and a replica that rests a step does not run its forward: "
-                "make such a tensor a persistent buffer (register_buffer; first-N agrees on those), or use data "
-                "parallel (aggregation='all').")
 
     def check_model(self, model) -> None:
         """Raise, before a first-N step, when the model is not one this buffer can average alike
@@ -187,7 +158,6 @@ class FlatGrads:
         """A new zeroed buffer on ``device``, every ``.grad`` of the buffer's dtype a view into
         it; returns it."""
         sizes = [p.numel() for p in self.params]
-        self._frozen_checked = False
         self.flat = torch.zeros(1 + len(self.params) + sum(sizes), device=device, dtype=self.dtype)
         self._presence = self.flat[1: 1 + len(self.params)]
         self._slots, self._offsets, offset = [], [], 1 + len(self.params)

@@ -962,9 +962,7 @@ class TrainWorker:
             self._fn_grads.before_backward()
             if early:
                 self._fn_grads.begin_early_reduce(self._fn_group(eligible), n)
-            frozen = self._fn_grads.frozen_versions(self.model)
             loss, local = self._forward_backward(self.model, batch, step, False, t0)
-            self._fn_grads.check_frozen(frozen)
             self._fn_grads.after_backward(loss)
             if self._buffers is not None:
                 self._buffers.pack()
