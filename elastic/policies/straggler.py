@@ -39,10 +39,6 @@ class StragglerPolicy:
         # until it has one, its late stretch counts as a pause (``decide``). None with no warm-up.
         self._cold_steps = 1 if warmup_steps > 0 else 0
         self._seen: dict[int, int] = defaultdict(int)  # timings each rank reported since the reset
-        # The timings left out (the warm-up's, a rank's cold first step): no score is made of
-        # them, but they are what a rank with no counted timing has to show that its steps are
-        # healthy, when it is late (``decide``).
-        self._early: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
 
     def reset(self) -> None:
         """The group was rebuilt: old timings describe another ring. Start a new warm-up."""
@@ -51,14 +47,12 @@ class StragglerPolicy:
         self._busy_for.clear()
         self._fresh.clear()
         self._seen.clear()
-        self._early.clear()
         self._steps = 0
 
     def observe(self, rank: int, local_time_s: float) -> None:
         self._seen[rank] += 1
         self._busy_for.pop(rank, None)  # it finished: no longer late
         if self._steps < self.warmup_steps or self._seen[rank] <= self._cold_steps:
-            self._early[rank].append(local_time_s)
             return
         self._times[rank].append(local_time_s)
         self._fresh[rank] += 1
@@ -77,7 +71,6 @@ class StragglerPolicy:
         self._busy_for.pop(rank, None)
         self._fresh.pop(rank, None)
         self._seen.pop(rank, None)
-        self._early.pop(rank, None)
 
     def scores(self) -> dict[int, float]:
         """Each rank's median step time over the median of the other ranks' medians.
@@ -97,27 +90,23 @@ class StragglerPolicy:
         # lower median needs more than half of the window slow, as an odd window's does.
         return self._scores()[0]
 
-    def _scores(self) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-        """``scores()``; each timed rank's score from its own step times alone (its late stretch
-        left out): what ``decide`` tells a pause from a slow rank by; and, for a rank with no
-        counted timing, the same from the timings left out (``_early``)."""
+    def _scores(self) -> tuple[dict[int, float], dict[int, float]]:
+        """``scores()``, and each timed rank's score from its own step times alone (its late
+        stretch left out): what ``decide`` tells a pause from a slow rank by."""
         timed = {r: statistics.median_low(t) for r, t in list(self._times.items()) if t}
-        early = {r: statistics.median_low(t) for r, t in list(self._early.items()) if t and r not in timed}
         medians = dict(timed)
         for r, busy in list(self._busy_for.items()):
             medians[r] = max(medians.get(r, 0.0), busy)
         if len(medians) < 2:
-            return {r: 1.0 for r in medians}, {r: 1.0 for r in timed}, {r: 1.0 for r in early}
+            return {r: 1.0 for r in medians}, {r: 1.0 for r in timed}
         ordered = sorted(medians.values())
-        out, own, own_early = {}, {}, {}
+        out, own = {}, {}
         for r, m in medians.items():
             others = _median_without(ordered, bisect.bisect_left(ordered, m))
             out[r] = m / others if others > 0 else 1.0
             if r in timed:
                 own[r] = timed[r] / others if others > 0 else 1.0
-            elif r in early:
-                own_early[r] = early[r] / others if others > 0 else 1.0
-        return out, own, own_early
+        return out, own
 
     def decide(self, spares_ready: int, steps: int = 1) -> Decision:
         """Decide after ``steps`` more steps (the controller asks once per dispatch window).
@@ -142,14 +131,12 @@ class StragglerPolicy:
         median over the window). A rank still in its first, cold step since the reset (a
         promoted spare: see ``_cold_steps``) is held the same way: a healthy spare's slow start
         evicted it, and kept spares off its node for ``straggler_node_avoid_s``. One that has
-        finished it with no step time counted since is judged by the timings left out (its cold
-        step, the warm-up's): a replica that computed only healthy warm-up steps and then sat out
-        under the late backoff is held on its first pause, and one 200x slow from the start is
-        counted in full and evicted at its next late stretch after its first step (a rank that
-        never finishes one is ``step_timeout_s``'s). Slow counted step times count in full.
+        finished it, with no step time counted since or slow ones, is counted in full, so a
+        replica 200x slow from the start is evicted at its next late stretch after its first
+        step (a rank that never finishes one is ``step_timeout_s``'s).
         """
         self._steps += steps
-        scores, own, own_early = self._scores()
+        scores, own = self._scores()
         counted = min(steps, max(1, (self.window + 1) // 2))
         for rank, score in scores.items():
             if not self._fresh.get(rank) and rank not in self._busy_for:
@@ -158,10 +145,9 @@ class StragglerPolicy:
                 self._over[rank] = 0
                 continue
             over = self._over[rank] + counted
-            if rank in self._busy_for and (own.get(rank, own_early.get(rank, math.inf)) <= self.factor
+            if rank in self._busy_for and (own.get(rank, math.inf) <= self.factor
                                            or self._seen.get(rank, 0) < max(1, self._cold_steps)):
-                # Late, with healthy steps of its own (counted ones, or with none counted, those
-                # of the warm-up and its cold step), with none yet since the reset, or in its
+                # Late, with healthy steps of its own, with none yet since the reset, or in its
                 # cold first step: a pause so far. (With no warm-up, a rank late before its first
                 # step since a rebuild was counted in full: nothing of its own said it was slow.)
                 over = min(over, self.window - 1)
