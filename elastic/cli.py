@@ -472,10 +472,10 @@ def _runs_table(rows: list[tuple[str, Optional[dict]]]) -> Table:
     return table
 
 
-def _timeout_seconds(value: float) -> float:
+def _timeout_seconds(value: float | None) -> float | None:
     """``--timeout``: a finite number of seconds > 0 (0 failed as if the cluster did not answer,
-    -1 in the socket module, nan after the probe, inf in int())."""
-    if not (math.isfinite(value) and 0 < value <= 1e9):
+    -1 in the socket module, nan after the probe, inf in int()); None where it is optional."""
+    if value is not None and not (math.isfinite(value) and 0 < value <= 1e9):
         raise typer.BadParameter(f"must be a number of seconds > 0 and <= 1e9, got {value!r}")
     return value
 
@@ -998,7 +998,7 @@ def _argument_with_a_secret(args: list[str]) -> int | None:
 def _refuse_credentials_in(args: list[str]) -> None:
     """Refuse a script argument that carries a credential: the forms ``carries_credentials``
     knows (a URL's user:password@, a presigned URL's signature, an Authorization header, an
-    access key id), and secrets by name (``_SECRET_NAMES``).
+    access key id), and secrets by name (``_SECRET_NAME``).
 
     Why refused, not redacted: the entrypoint goes to Ray as it is, which keeps it in its job
     table and shows it to everyone who can see the dashboard's Jobs page or run ``ray job list``.
@@ -1030,7 +1030,7 @@ def submit(
     submission_id: Optional[str] = typer.Option(None, "--submission-id", help="Job id to use (default: generated)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream the job's logs and exit with its outcome."),
     timeout: Optional[float] = typer.Option(
-        None, "--timeout", callback=lambda v: None if v is None else _timeout_seconds(v),
+        None, "--timeout", callback=_timeout_seconds,
         help="Seconds the submission may take, upload included (default: no limit; the dashboard must answer "
              "within 30 s either way)."),
 ) -> None:
@@ -1114,7 +1114,7 @@ def _follow(client, job_id: str, logs_hint: str = "") -> None:
         nonlocal unanswered
         try:
             answer = _within(lambda: client.get_job_status(job_id), ANSWER_TIMEOUT_S, "the Ray dashboard")
-        except (CliError, Exception) as exc:  # noqa: BLE001 - counted; the last one is reported
+        except Exception as exc:  # noqa: BLE001 - a CliError (no answer) or the client's error: counted
             unanswered += 1
             if unanswered >= FOLLOW_LOST_ASKS:
                 raise CliError(f"lost the Ray dashboard while following job {job_id} ({_one_line(redact_urls_in(str(exc)))}"

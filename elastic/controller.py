@@ -891,9 +891,7 @@ class Controller:
             self.log("checkpoint", f"no committed checkpoint under {self.store.location}; starting fresh")
             return None
         if rest:
-            failed = self._send_state(reader, rest, "the checkpoint's state")
-            if failed is not None:
-                raise failed
+            self._send_state(reader, rest, "the checkpoint's state")
         # Committed before their results reached us (ranks report written parts directly): the
         # checkpoint proves those steps finished, so they are kept, not replayed.
         # First-N: ``fast`` is what the old members recorded of those steps (asked before the
@@ -1818,9 +1816,9 @@ class Controller:
                 ray.kill(m.actor, no_restart=True)
             raise
 
-    def _send_state(self, source: Member, receivers: list[Member], what: str) -> BaseException | None:
-        """``source``'s state to ``receivers`` through the object store; the first error (each
-        receiver is waited for), or None. A receiver that took it is no longer stateless.
+    def _send_state(self, source: Member, receivers: list[Member], what: str) -> None:
+        """``source``'s state to ``receivers`` through the object store; raises the first error,
+        once each receiver was waited for. A receiver that took it is no longer stateless.
 
         The source is waited for first, bounded on its own (``_state_send_s``): no receiver can
         begin before its ``get_state`` has made the state, and with one deadline for the whole
@@ -1835,8 +1833,8 @@ class Controller:
         if not made:
             if source in self.group.members:
                 self._kill_hung({state_ref: source.rank}, f"did not make its state for {what} within {bound:g}s")
-            return ray.exceptions.GetTimeoutError(f"rank {source.rank} did not make its state for {what} within "
-                                                  f"{bound:g}s")
+            raise ray.exceptions.GetTimeoutError(f"rank {source.rank} did not make its state for {what} within "
+                                                 f"{bound:g}s")
         failed = None
         deadline = time.monotonic() + bound
         for m, ref in sets:
@@ -1847,7 +1845,8 @@ class Controller:
                 self._stateless.discard(m.name)
             except ray.exceptions.RayError as exc:
                 failed = failed or exc
-        return failed
+        if failed is not None:
+            raise failed
 
     def _state_send_s(self) -> float:
         """How long members may take to receive a state (of any size) in a recovery: as long as
@@ -2442,9 +2441,7 @@ class Controller:
         source = current[0] if current else self.group.members[0]
         behind = [m for m in self.group.members if m is not source and m not in current]
         if behind:
-            failed = self._send_state(source, behind, "the state sync")
-            if failed is not None:
-                raise failed
+            self._send_state(source, behind, "the state sync")
             self.log("state_sync", f"rank {source.rank} sent step-{newest} state to rank(s) "
                      f"{[m.rank for m in behind]} through the object store", source=source.rank)
         self._stateless -= {m.name for m in self.group.members}

@@ -620,7 +620,7 @@ class Trainer:
             # handle) and reads it as it goes: a second fit() of the same Trainer in another
             # thread, under another run name, replaced them under the first, whose controller
             # then started in the second's namespace and was killed by it as a leftover.
-            if getattr(self, "_fitting", False):
+            if self._fitting:
                 raise ConfigError("this Trainer is in fit() already (another thread): a fit() keeps its run's state on "
                                   "its Trainer, so runs at the same time need a Trainer each.")
             self._fitting = True
@@ -1005,9 +1005,9 @@ def _raise_run_error(err: dict) -> None:
         raise UnsaveableState(*err["args"])
     if err["type"] == "ConfigError":
         raise ConfigError(err["message"])
-    if err["type"] == "ReplicaDivergence":  # exported as elastic.ReplicaDivergence: fit() raises it as that
-        raise ReplicaDivergence(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
-    raise TrainingFailed(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
+    # A ReplicaDivergence as that class (exported as elastic.ReplicaDivergence, a TrainingFailed too).
+    failed = ReplicaDivergence if err["type"] == "ReplicaDivergence" else TrainingFailed
+    raise failed(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")
 
 
 def _worker_error(message: str) -> WorkerError:

@@ -89,8 +89,7 @@ class CheckpointCommitter:
         # until a newer milestone is handed over (a milestone that never completes, a rank lost
         # before it wrote its part, then goes as any incomplete step does). Those handed over and
         # not yet on storage (_milestones_in_flight) are no sweep's either.
-        self._milestone_floor = -1 if latest_committed is None or self.keep_every <= 0 else \
-            latest_committed // self.keep_every * self.keep_every
+        self._milestone_floor = self._milestone_at_or_below(latest_committed)
         self._milestones_in_flight: set[int] = set()
         # Its own lock, taken last (never holding it while taking another): the persister lets go
         # of a payload (_let_go) also inside submit, which add() calls under self._lock.
@@ -206,8 +205,7 @@ class CheckpointCommitter:
                 for s in [s for s in table if later(s)]:
                     del table[s]
             if later(self._milestone_floor):  # the milestones up to the step gone back to were handed over
-                self._milestone_floor = -1 if step is None or self.keep_every <= 0 else \
-                    step // self.keep_every * self.keep_every
+                self._milestone_floor = self._milestone_at_or_below(step)
             with self._flight_lock:
                 self._milestones_in_flight = {s for s in self._milestones_in_flight if not later(s)}
             if self._submitted is not None and later(self._submitted):
@@ -272,6 +270,10 @@ class CheckpointCommitter:
         """Whether a rewind since ``timeline`` went back before ``step``: its state is not this
         timeline's. Call under the lock."""
         return any(r is None or step > r for r in self._rewinds[timeline:])
+
+    def _milestone_at_or_below(self, step: int | None) -> int:
+        """The newest milestone at or below ``step`` (-1: none, or no milestones)."""
+        return -1 if step is None or self.keep_every <= 0 else step // self.keep_every * self.keep_every
 
     def _awaited(self, step: int) -> bool:
         """A milestone no newer one has superseded yet: its parts may still come (see __init__)."""
