@@ -39,6 +39,12 @@ class StragglerPolicy:
         # until it has one, its late stretch counts as a pause (``decide``). None with no warm-up.
         self._cold_steps = 1 if warmup_steps > 0 else 0
         self._seen: dict[int, int] = defaultdict(int)  # timings each rank reported since the reset
+        # A rank's warm-up step times after its cold first step: no score is made of them, but
+        # they are what a late rank with no counted step time has to show that its steps are
+        # healthy (``decide``). Its cold step is not among them: a replica slow from its second
+        # step had its fast cold step there, and their median called it healthy (a first try,
+        # reverted in fc98c46, kept it and the lower median; it was never evicted).
+        self._early: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
 
     def reset(self) -> None:
         """The group was rebuilt: old timings describe another ring. Start a new warm-up."""
@@ -47,12 +53,16 @@ class StragglerPolicy:
         self._busy_for.clear()
         self._fresh.clear()
         self._seen.clear()
+        self._early.clear()
         self._steps = 0
 
     def observe(self, rank: int, local_time_s: float) -> None:
         self._seen[rank] += 1
         self._busy_for.pop(rank, None)  # it finished: no longer late
-        if self._steps < self.warmup_steps or self._seen[rank] <= self._cold_steps:
+        if self._seen[rank] <= self._cold_steps:
+            return
+        if self._steps < self.warmup_steps:
+            self._early[rank].append(local_time_s)
             return
         self._times[rank].append(local_time_s)
         self._fresh[rank] += 1
@@ -71,6 +81,7 @@ class StragglerPolicy:
         self._busy_for.pop(rank, None)
         self._fresh.pop(rank, None)
         self._seen.pop(rank, None)
+        self._early.pop(rank, None)
 
     def scores(self) -> dict[int, float]:
         """Each rank's median step time over the median of the other ranks' medians.
@@ -91,9 +102,12 @@ class StragglerPolicy:
         return self._scores()[0]
 
     def _scores(self) -> tuple[dict[int, float], dict[int, float]]:
-        """``scores()``, and each timed rank's score from its own step times alone (its late
-        stretch left out): what ``decide`` tells a pause from a slow rank by."""
+        """``scores()``, and each late rank's score from its own step times alone (its late
+        stretch left out): what ``decide`` tells a pause from a slow rank by. A rank with no
+        counted step time is judged there by its warm-up step times (``_early``), by their upper
+        median: one slow step among them is enough to be counted in full."""
         timed = {r: statistics.median_low(t) for r, t in list(self._times.items()) if t}
+        early = {r: statistics.median_high(t) for r, t in list(self._early.items()) if t and r not in timed}
         medians = dict(timed)
         for r, busy in list(self._busy_for.items()):
             medians[r] = max(medians.get(r, 0.0), busy)
@@ -104,8 +118,8 @@ class StragglerPolicy:
         for r, m in medians.items():
             others = _median_without(ordered, bisect.bisect_left(ordered, m))
             out[r] = m / others if others > 0 else 1.0
-            if r in timed:
-                own[r] = timed[r] / others if others > 0 else 1.0
+            if r in timed or r in early:
+                own[r] = timed.get(r, early.get(r)) / others if others > 0 else 1.0
         return out, own
 
     def decide(self, spares_ready: int, steps: int = 1) -> Decision:
@@ -130,10 +144,13 @@ class StragglerPolicy:
         evicted it, where the same pause as a step time in data parallel never can (the lower
         median over the window). A rank still in its first, cold step since the reset (a
         promoted spare: see ``_cold_steps``) is held the same way: a healthy spare's slow start
-        evicted it, and kept spares off its node for ``straggler_node_avoid_s``. One that has
-        finished it, with no step time counted since or slow ones, is counted in full, so a
-        replica 200x slow from the start is evicted at its next late stretch after its first
-        step (a rank that never finishes one is ``step_timeout_s``'s).
+        evicted it, and kept spares off its node for ``straggler_node_avoid_s``. One with no step
+        time counted yet is judged by its warm-up step times after the cold one: a first-N
+        replica that computed healthy warm-up steps and then sat out under the late backoff is
+        held on its first pause after the warm-up (it was evicted ~0.2 s into a GC pause). One
+        with none of those either, or slow ones, is counted in full, so a replica 200x slow from
+        the start is evicted at its next late stretch after its first step (a rank that never
+        finishes one is ``step_timeout_s``'s).
         """
         self._steps += steps
         scores, own = self._scores()
@@ -165,7 +182,7 @@ class StragglerPolicy:
         if spares_ready < 1:
             return Continue(f"rank {worst} is a persistent straggler (score {scores[worst]:.2f}) but no spare is "
                             "ready; it is evicted once one is", straggler=worst)
-        if worst in self._busy_for and worst not in own:
+        if worst in self._busy_for and worst not in self._times:
             # Scored by its late stretch alone: it has no step time counted to compare.
             evidence = f"late for {self._busy_for[worst]:.2f}s, {scores[worst]:.2f}x the other ranks' median step time"
         else:
