@@ -221,6 +221,11 @@ class Controller:
         self._last_results: dict[int, Any] = {}
         # The newest step each rank has returned (first-N: a late replica's trails the run's).
         self._rank_done: dict[int, int] = {}
+        # Each rank's newest computed step time since the group formed, from whichever window
+        # brought it (``_note_rank_done``): what the per-rank gauge and `elastic status` show.
+        # Why not the last window's results alone: a first-N replica late every window is never
+        # among them, so the rank the panel is for showed no step time for the whole run.
+        self._step_time_of: dict[int, float] = {}
         # The straggler whose eviction is held back, and why (see _note_held_back).
         self._eviction_held: tuple[int, str] | None = None
         # An eviction decided while the next window was queued on the workers: carried out once
@@ -972,6 +977,7 @@ class Controller:
         # its answer.
         self._last_beat = {m.rank: time.time() for m in self.group.members}
         self._last_results = {}
+        self._step_time_of = {}
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
         head = self.group.members[0]  # hosts the fresh TCP store: its node IP and the port it bound
         # The group's timeout, as every other rank's store has (``join``): rank 0 waits on its
@@ -1287,6 +1293,10 @@ class Controller:
     def _note_rank_done(self, rank: int, results: list[StepResult]) -> None:
         if results:
             self._rank_done[rank] = max(self._rank_done.get(rank, 0), results[-1].step)
+        # A step a late first-N replica sat out took no compute: its time says nothing of its speed.
+        computed = [res for res in results if res.extra.get("computed", True)]
+        if computed:
+            self._step_time_of[rank] = computed[-1].step_time_s
 
     def _collect_late(self, rank: int, results: list[StepResult]) -> None:
         """A window a late rank finished after the others: its timings, checksums, checkpoint parts."""
@@ -3020,7 +3030,6 @@ class Controller:
         if self.group is None:
             return rows
         for m in self.group.members:
-            res = self._last_results.get(m.rank)
             done = min(self._rank_done.get(m.rank, self.step), self.step)
             rows.append({
                 "rank": m.rank, "name": m.name, "node_ip": m.info.get("node_ip"), "node_id": m.info.get("node_id"),
@@ -3028,9 +3037,10 @@ class Controller:
                 "local_rank": m.local_rank, "pid": m.info.get("pid"), "role": "active",
                 "state": "late" if m.rank in late else self.state.value,
                 "step": done, "behind_steps": self.step - done,
-                "step_time_s": getattr(res, "step_time_s", None),
+                "step_time_s": self._step_time_of.get(m.rank),
                 "heartbeat_age_s": now - self._last_beat.get(m.rank, now),
-                "straggler_score": scores.get(m.rank, 1.0),
+                # None with no score yet (the warm-up, a rank's cold first step): not "typical".
+                "straggler_score": scores.get(m.rank),
             })
         if not spares:
             return rows

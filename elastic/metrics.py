@@ -183,7 +183,10 @@ class RunMetrics:
                 for row in rows:
                     tags = {"run": self.run, "rank": str(row["rank"])}
                     self._set(m, "heartbeat_age", row["heartbeat_age_s"], tags)
-                    self._set(m, "straggler", row["straggler_score"], tags)
+                    # No score yet (the warm-up, the rank's cold first step): NaN, "no value",
+                    # not 1.0, which said "typical" of a spare three times slower.
+                    score = row["straggler_score"]
+                    self._set(m, "straggler", float("nan") if score is None else score, tags)
                     self._set(m, "rank_behind", row["behind_steps"], tags)
                     # No result this window (a late first-N replica, one sitting out): NaN, "no
                     # value". Left unset, the gauge kept the rank's last fast step time, so a

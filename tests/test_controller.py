@@ -394,6 +394,25 @@ def test_a_rebuilt_group_starts_every_ranks_heartbeat_age_and_step_time_afresh(r
         assert rows[1]["heartbeat_age_s"] < 30 and rows[1]["step_time_s"] is None
 
 
+def test_a_late_replicas_own_step_time_is_shown_and_a_rank_with_no_score_has_none(ray_cluster):
+    # A first-N replica late every window is never among a window's results, and the per-rank
+    # step-time gauge (and `elastic status`) showed none for it for the whole run: the rank the
+    # panel is for. And in the warm-up every rank's score read 1.0, "typical", even for a spare
+    # three times slower.
+    from elastic.actors.protocol import StepResult
+
+    with trained("fake-late-rows", workers=2, steps=2) as c:
+        rows = {row["rank"]: row for row in c.rank_rows(spares=False)}
+        assert [rows[r]["straggler_score"] for r in (0, 1)] == [None, None]  # 2 steps: in the 5-step warm-up
+        c._last_results = {0: c._last_results[0]}  # rank 1 late: not among the window's results
+        c._note_rank_done(1, [StepResult(1, 3, 0.1, 0.9, 0.9, 8, 3, {"computed": True}),
+                              StepResult(1, 4, 0.1, 0.01, 0.0, 0, 4, {"computed": False})])  # sat out step 4
+        rows = {row["rank"]: row for row in c.rank_rows(spares=False)}
+        assert rows[1]["step_time_s"] == 0.9 and rows[0]["step_time_s"] is not None
+        c._form_group("rebuilt by the test")
+        assert [row["step_time_s"] for row in c.rank_rows(spares=False)] == [None, None]
+
+
 def holder_past_the_run_and_rank_1_replaced(c):
     """Rank 0 finished steps 3 and 4 past the controller's 2 and began 5; rank 1 was lost and a
     spare took its place. Returns rank 0."""

@@ -165,3 +165,22 @@ def test_grafana_dashboard_queries_only_declared_metrics_and_all_of_them():
     assert declared, "no metrics found in elastic/metrics.py"
     assert used <= declared, f"panels query undeclared metrics: {sorted(used - declared)}"
     assert declared <= used, f"metrics without a panel: {sorted(declared - used)}"
+
+
+def test_grafana_counter_panels_count_a_series_first_increments():
+    # A Ray counter's series first appears at its first value (Counter.inc refuses 0, so it
+    # cannot start at 0), and PromQL's increase() and rate() see no rise before a series' first
+    # sample: a run's only failure, its only recovery, the first burst of fp16 skips never
+    # showed, and every resume (a new controller process, a new series) lost its first again.
+    # Each counter panel takes a series new within its window whole.
+    import json
+
+    with open(os.path.join(DEPLOY, "grafana-elastic.json")) as f:
+        dashboard = json.load(f)
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"] if "_total" in t["expr"]]
+    assert len(exprs) == 4, exprs
+    for expr in exprs:
+        counter = re.search(r"ray_elastic_\w+_total", expr).group(0)
+        selector = counter + '{run=~"$run"}'
+        assert f"({selector} unless {selector} offset 5m) or increase({selector}[5m])" in expr, expr
+        assert "rate(" not in expr, expr

@@ -75,6 +75,16 @@ def test_a_rank_with_no_result_in_the_window_shows_no_step_time_not_its_last_fas
     assert m._m["rank_step_time"].values["1"] == [0.2, 0.2]
 
 
+def test_a_rank_with_no_straggler_score_yet_shows_none_not_a_typical_one():
+    # The warm-up, a rank's cold first step: no score. Gauge.set(None) sets nothing, and 1.0
+    # said "typical" of a spare three times slower.
+    m = metrics()
+    c = controller(range(2))
+    c.rank_rows(False)[1].update(straggler_score=None)
+    m.on_step(record(1, 2), c)
+    assert math.isnan(m._m["straggler"].values["1"][-1]) and m._m["straggler"].values["0"] == [1.0]
+
+
 def test_the_group_and_pool_gauges_follow_a_recovery_before_any_step():
     # A failure promotes the only spare and waits for capacity: no step completes meanwhile, and
     # the gauges showed the pool from before the failure (one spare available).
