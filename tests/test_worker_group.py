@@ -22,7 +22,7 @@ def test_a_blocking_wait_for_spares_looks_for_freed_bundles_again_as_it_waits(mo
     group = WorkerGroup(elastic.ScalingConfig(num_workers=1, num_backups=1), spec, "elastic-unit")
     group._pending_spares = [Member(None, "spare-0", spare=True, info={"_ref": "built?", "_pg_ready": "placed?"})]
     looked = []
-    monkeypatch.setattr(group, "_move_to_placed_free_bundles", lambda: looked.append(time.monotonic()))
+    monkeypatch.setattr(group, "_move_to_placed_free_bundles", lambda urgent: looked.append(time.monotonic()))
     monkeypatch.setattr(group, "_take_built_spares", lambda: None)  # the spare never builds
     monkeypatch.setattr(group, "_place_anywhere_if_stuck", lambda grace_s, wait: None)
     monkeypatch.setattr(worker_group_module, "wait_refs", lambda refs, timeout_s, interrupted=None: time.sleep(timeout_s) or [])
@@ -86,6 +86,30 @@ def test_a_waiting_spare_moved_into_a_freed_bundle_keeps_off_nodes_avoided_since
     group.nodes_to_avoid = lambda: set()  # X's time is up
     group._move_to_placed_free_bundles()
     assert asked == [[]] and group._pending_spares == []
+
+
+def test_a_background_spare_asked_for_again_while_a_recovery_waits_starts_at_normal_priority(monkeypatch):
+    # A refill spare (idle CPU) moved into a freed bundle, or re-asked anywhere after its grace,
+    # while a recovery waits for it (collect_spares(block=True)) kept its idle priority: on a
+    # node with other work it starved, and the wait for capacity ran out.
+    group, _ = _group_with_a_free_bundle(monkeypatch, {0: "A", 1: "B"}, reachable={"A", "B"})
+    asked = []
+    monkeypatch.setattr(group, "_placed", lambda m: False)
+    monkeypatch.setattr(group, "_release", lambda m: None)
+    monkeypatch.setattr(group, "request_spare", lambda background, avoid_nodes=(): asked.append(background))
+    monkeypatch.setattr(worker_group_module, "wait_refs", lambda refs, timeout_s, interrupted=None: [])
+    group.nodes_to_avoid = lambda: set()
+
+    def waiting(avoid):
+        return Member(None, "spare-0", pg=object(), spare=True,
+                      info={"_avoid": avoid, "_background": True, "_since": 0.0, "_pg_ready": None})
+
+    for urgent in (False, True):
+        group._pending_spares = [waiting([])]
+        group._move_to_placed_free_bundles(urgent=urgent)
+        group._pending_spares = [waiting(["X"])]
+        group._place_anywhere_if_stuck(grace_s=1.0, wait=urgent)
+    assert asked == [True, True, False, False]
 
 
 def test_a_cluster_too_small_for_the_replicas_names_the_settings_that_count_them(monkeypatch):

@@ -371,9 +371,11 @@ class WorkerGroup:
             return i
         return None
 
-    def _move_to_placed_free_bundles(self) -> None:
+    def _move_to_placed_free_bundles(self, urgent: bool = False) -> None:
         """Spares still waiting for room in a placement group of their own, asked for again in a
         free bundle of the ranks' group once Ray has placed one (``request_spare`` takes it).
+        ``urgent``: a recovery waits for them (``collect_spares(block=True)``), so the new one
+        starts at normal priority (see ``_again_in_background``).
 
         Why: after a node loss, the lost rank's bundle waits for Ray to place it again, so its
         refill spare asks for a group of its own. When a node joins (the cluster's autoscaler or
@@ -398,7 +400,16 @@ class WorkerGroup:
             self._release(m)
             self._note_spare("spares", f"{m.name} was still waiting for room, and a bundle of the ranks' group "
                              "freed by a lost rank is placed now: asking for the spare there")
-            self.request_spare(background=m.info["_background"], avoid_nodes=avoid)
+            self.request_spare(background=self._again_in_background(m, urgent), avoid_nodes=avoid)
+
+    @staticmethod
+    def _again_in_background(m: Member, urgent: bool) -> bool:
+        """Whether a spare asked for again in ``m``'s place builds on idle CPU: as ``m`` did,
+        unless a wait needs it now. Why: a background refill re-asked during a recovery's wait
+        for capacity kept its idle priority, and the ranks' idle CPU is all it gets only while
+        nothing else on the node runs (a checkpoint agent, another job's tasks); starved, the
+        wait ran out and the run fell back to ``when_no_spare``."""
+        return m.info["_background"] and not urgent
 
     def _avoidable(self, avoid_nodes: Iterable[str]) -> list[str]:
         """``avoid_nodes`` (sorted) if some other live node has the resources of a bundle, else []."""
@@ -426,7 +437,7 @@ class WorkerGroup:
             self._release(m)
             self._note_spare("spares", f"{m.name} found no room off node(s) {', '.join(n[:12] for n in m.info['_avoid'])} "
                              f"within {grace_s:g}s; asking for a spare on any node")
-            self.request_spare(background=m.info["_background"])
+            self.request_spare(background=self._again_in_background(m, urgent=wait))
 
     def _note_spare(self, kind: str, message: str) -> None:
         logger.warning("%s", message)
@@ -461,7 +472,7 @@ class WorkerGroup:
         while True:
             # Again every slice of a blocking wait: a node joining during a wait for capacity is
             # when a lost rank's bundle is placed again (_move_to_placed_free_bundles).
-            self._move_to_placed_free_bundles()
+            self._move_to_placed_free_bundles(urgent=block)
             self._take_built_spares()
             left = deadline - time.time()
             waiting = [m for m in self._pending_spares if not placed_only or self._placed(m)]
