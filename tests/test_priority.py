@@ -76,6 +76,43 @@ def test_build_runs_idle_and_every_thread_is_restored():
     assert inside == child["inside"] == os.SCHED_IDLE and idle_inside >= 2
 
 
+def test_a_thread_started_while_the_threads_are_restored_is_restored_too(monkeypatch):
+    # One scan of the threads restored those it listed; a thread that an idle-class one started
+    # meanwhile (a loader pool) inherited SCHED_IDLE, was not listed, and kept it: a promoted
+    # spare then trained with a helper served from idle CPU.
+    from elastic.actors import priority as priority_module
+
+    listed, started, release, policy = priority_module._thread_ids, [], threading.Event(), {}
+
+    def child():
+        policy["inside"] = os.sched_getscheduler(0)
+        release.wait(10)
+        policy["after"] = os.sched_getscheduler(0)
+
+    def thread_ids():
+        ids = listed()
+        if not started:  # the first scan's list; then a thread it does not name, started idle-class
+            started.append(threading.Thread(target=child))
+            started[0].start()
+        return ids
+
+    monkeypatch.setattr(priority_module, "_thread_ids", thread_ids)
+
+    def body():
+        with idle_priority(True) as idle:
+            pass
+        release.set()
+        started[0].join(10)
+        return idle
+
+    idle = in_thread(body)
+    assert policy["after"] == os.SCHED_OTHER
+    if not can_restore_priority():
+        assert idle is False
+        pytest.skip(NO_PRIVILEGE)
+    assert idle is True and policy["inside"] == os.SCHED_IDLE
+
+
 def test_disabled_changes_nothing():
     def body():
         with idle_priority(False) as idle:

@@ -115,14 +115,35 @@ def _thread_ids_of(pid: int | str) -> list[int]:
         return []
 
 
-def _restore(tid: int) -> None:
-    """Move thread ``tid`` from SCHED_IDLE back to SCHED_OTHER (others are left as they are)."""
+def _restore(tid: int) -> bool:
+    """Move thread ``tid`` from SCHED_IDLE back to SCHED_OTHER (others are left as they are);
+    whether it found it in SCHED_IDLE."""
     try:
         if os.sched_getscheduler(tid) == os.SCHED_IDLE:
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            return True
     except OSError as exc:  # ended meanwhile; or, against the check above, not allowed
         if not isinstance(exc, ProcessLookupError):
             logger.warning("thread %d: could not leave SCHED_IDLE: %s", tid, exc)
+    return False
+
+
+# Scans of the threads and processes at the end of an idle-priority build, at most: each one after
+# a scan that found a thread still idle-class. Why more than one: a thread not yet restored can
+# start another (a loader or tokenizer pool) during the scan, which then inherits SCHED_IDLE and
+# is not among the ids the scan listed; a promoted spare trained with it served from idle CPU.
+RESTORE_SCANS = 5
+
+
+def _restore_all() -> int:
+    """One scan: this process's threads, then its descendants'; how many were found idle-class.
+    This process's threads first: a process they start from then on inherits the normal policy.
+    Threads are addressed by id (the policy is per thread), a child's as this process's own; a
+    child is ours to raise again: same user, and it inherited the rlimit checked before."""
+    found = sum(_restore(tid) for tid in _thread_ids())
+    for pid in _descendants(os.getpid()):
+        found += sum(_restore(tid) for tid in _thread_ids_of(pid))
+    return found
 
 
 def idle_threads() -> int:
@@ -153,13 +174,6 @@ def idle_priority(enabled: bool = True) -> Iterator[bool]:
     try:
         yield True
     finally:
-        # This process's threads first: a process they start from now on inherits the normal
-        # policy, so the scan of the processes already started misses none still idle-class
-        # (bar one that an idle-class child starts during the scan). Threads are addressed by id
-        # (the policy is per thread), a child's as this process's own; a child is ours to raise
-        # again: same user, and it inherited the rlimit checked above.
-        for tid in _thread_ids():
-            _restore(tid)
-        for pid in _descendants(os.getpid()):
-            for tid in _thread_ids_of(pid):
-                _restore(tid)
+        for _ in range(RESTORE_SCANS):
+            if not _restore_all():
+                break
