@@ -254,6 +254,23 @@ def test_a_reported_autoscaling_config_is_what_the_run_is_checked_against(monkey
         check_cluster_fits(fewer, fewer.num_replicas)  # within the groups' maximum: not refused
 
 
+def test_the_autoscalers_resource_cap_limits_how_many_nodes_of_each_group_count(monkeypatch):
+    # 3 workers of 3 CPUs under a 10-CPU cap on an unlimited group of 4-CPU nodes passed both
+    # checks (9 <= 10 in the totals; unlimited nodes) and waited out placement_timeout_s: the cap
+    # starts two such nodes, which hold two workers. The head's group (min 1) counts whatever the cap.
+    from elastic.actors.cluster_fit import autoscaler_capacity, check_cluster_fits
+    from elastic.config import ConfigError
+
+    _cluster(monkeypatch, [(2, 0)], _reported(({"CPU": 2}, 1, 1), ({"CPU": 4}, 0, -1), max_resources={"CPU": 10}))
+    config = elastic.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 3})
+    with pytest.raises(ConfigError, match="node groups at their max count hold 2 workers of CPU=3"):
+        check_cluster_fits(config, config.num_replicas)
+    two = elastic.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 3})
+    check_cluster_fits(two, two.num_replicas)
+    _cluster(monkeypatch, [(4, 0)], _reported(({"CPU": 4}, 1, 1), max_resources={"CPU": 2}))
+    assert [n for _, n in autoscaler_capacity().nodes] == [1.0]
+
+
 def test_a_run_within_the_autoscalers_maximum_or_the_live_nodes_is_not_refused(monkeypatch):
     from elastic.actors.cluster_fit import autoscaler_capacity, check_cluster_fits
     from elastic.config import ConfigError

@@ -85,7 +85,9 @@ def autoscaler_capacity() -> Capacity | None:
         return None
     if config is None or not config.node_group_configs:
         return None
-    nodes = [({k: float(v) for k, v in g.resources.items()}, math.inf if g.max_count == -1 else float(g.max_count))
+    caps = {k: float(v) for k, v in config.max_resources.items()}
+    nodes = [({k: float(v) for k, v in g.resources.items()},
+              _capped_count(math.inf if g.max_count == -1 else float(g.max_count), g.min_count, g.resources, caps))
              for g in config.node_group_configs if g.resources and g.max_count]
     # Summed here, not by Ray's get_max_resources_from_cluster_config (Ray Train's): that one
     # returns sys.maxsize for a resource an unlimited group has before it applies the config's
@@ -98,6 +100,22 @@ def autoscaler_capacity() -> Capacity | None:
         if key in totals:
             totals[key] = min(totals[key], float(cap))
     return Capacity(totals, nodes, live=False)
+
+
+def _capped_count(count: float, min_count: int, resources, caps: dict[str, float]) -> float:
+    """How many nodes of a group the cluster-wide ``max_resources`` cap lets the autoscaler start,
+    at most: no more than the cap holds of each capped resource the node has, whatever the
+    other groups take (so it never refuses what can be placed). Why per group and not only in
+    the totals: 3 workers of 3 CPUs under a 10-CPU cap on an unlimited group of 4-CPU nodes
+    passed the totals (9 <= 10) and the node check (unlimited nodes), and then waited out
+    ``placement_timeout_s``: the cap starts two such nodes, which hold two workers. Never
+    fewer than the group's ``min_count``, which are there whatever the cap (the head's group)."""
+    capped = count
+    for key, cap in caps.items():
+        amount = float(resources.get(key, 0.0))
+        if amount > 0:
+            capped = min(capped, float(math.floor(cap / amount + 1e-9)))
+    return min(count, max(capped, float(min_count)))
 
 
 def live_capacity() -> Capacity:
