@@ -10,7 +10,8 @@ alone costs when five processes share this machine's cores (``--no-first-n-healt
 The five repeat ``--rounds`` times (default 2), the order reversed every other round, so load
 drift on a shared machine reaches every mode alike; each ratio is taken within a round over that
 round's healthy plain run over the same steps, and the figure is the mean of the rounds (each
-round is listed).
+round is listed). The healthy run lasts as long as the eviction run, so every ratio's base covers
+the very steps its mode measured; a round whose ratio cannot be taken fails the benchmark.
 Throughput is samples/s over the controller's per-step wall times of the steps from ``slow-from`` on
 (for eviction: the steps after the eviction; the eviction run is longer, and its figure also gives
 the ratio over the steps after the replacement spare is ready: the spare that refills the pool
@@ -144,12 +145,29 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
     return out
 
 
-def base_over(run: dict, after_step: int) -> float | None:
-    """``run``'s samples/s over its steps after ``after_step``: a ratio's base over the steps its
-    figure measures. Why not the base run's own figure (from the slowdown on): the eviction is
-    measured from its decision (step ~40-70), and the base's steps before that hold the dispatch
-    window's ramp (windows grow from one step), a slower base that flattered the ratio."""
-    return history_throughput(run["history"], after_step)["samples_per_s"]
+def base_over(run: dict, after_step: int, upto_step: int) -> float | None:
+    """``run``'s samples/s over its steps ``after_step``+1..``upto_step``: a ratio's base over the
+    steps its figure measures. Why not the base run's own figure (from the slowdown on): the
+    eviction is measured from its decision (step ~40-70), and the base's steps before that hold
+    the dispatch window's ramp (windows grow from one step), a slower base that flattered the
+    ratio. Why the upper end: the eviction run is longer (``--evict-steps``), and its figure
+    covered steps up to 400 against the healthy run's up to 300; the healthy run now lasts as
+    long as the longest mode, and each base stops where its mode's run stopped."""
+    return history_throughput(run["history"], after_step, upto_step)["samples_per_s"]
+
+
+def ratio_over_healthy(run: dict, healthy: dict, after_step: int | None = None) -> float:
+    """``run``'s samples/s (or, with ``after_step``, over its steps after that one) over the
+    healthy run's over the same steps. A round whose ratio cannot be taken (no timed step on
+    either side) fails the benchmark: the mean of the other rounds was printed as the figure."""
+    if after_step is None:
+        after_step, mine = run["measured_after_step"], run["samples_per_s"]
+    else:
+        mine = history_throughput(run["history"], after_step)["samples_per_s"]
+    value = ratio(mine, base_over(healthy, after_step, run["run_steps"]))
+    if value is None:
+        fail(f"{run['mode']}: no ratio over the healthy run after step {after_step} (no timed steps on one side)")
+    return value
 
 
 def evict_details(run: dict, healthy: dict) -> dict:
@@ -160,7 +178,7 @@ def evict_details(run: dict, healthy: dict) -> dict:
     if "after_spare_ready" in run:
         later = run["after_spare_ready"]
         out.update(spare_ready_step=run["spare_ready_step"], steps_after_spare_ready=later["steps"],
-                   ratio_after_spare_ready=ratio(later["samples_per_s"], base_over(healthy, run["spare_ready_step"])))
+                   ratio_after_spare_ready=ratio_over_healthy(run, healthy, after_step=run["spare_ready_step"]))
     return out
 
 
@@ -216,20 +234,20 @@ def main(argv=None) -> None:
         modes = ("healthy",) + tuple(m for m in modes if m != "healthy" and m in args.modes.split(","))
     # Rounds alternate the order (forward, then backward, ...), so load drift on a shared machine
     # reaches every mode alike; each ratio is taken within a round and the figure is their mean.
+    # The healthy run, every ratio's base, lasts as long as the longest mode (the eviction's).
+    longest = args.evict_steps if "evict" in modes else args.steps
     rounds = []
     for i in range(args.rounds):
         order = modes if i % 2 == 0 else tuple(reversed(modes))
-        rounds.append({m: run_mode(w, m, args.evict_steps if m == "evict" else args.steps, slow, args.evict_window,
-                                   args.poll_s, args.late_backoff_steps) for m in order})
+        rounds.append({m: run_mode(w, m, longest if m in ("evict", "healthy") else args.steps, slow,
+                                   args.evict_window, args.poll_s, args.late_backoff_steps) for m in order})
     common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
               "steps": args.steps, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from,
               "rounds": args.rounds, "late_backoff_steps": args.late_backoff_steps}
 
-    def mean_ratio(mode: str, over: str) -> tuple[float | None, list]:
-        per_round = [ratio(r[mode]["samples_per_s"], base_over(r[over], r[mode]["measured_after_step"]))
-                     for r in rounds]
-        known = [x for x in per_round if x is not None]
-        return (sum(known) / len(known) if known else None), per_round
+    def mean_ratio(mode: str, over: str) -> tuple[float, list]:
+        per_round = [ratio_over_healthy(r[mode], r[over]) for r in rounds]
+        return sum(per_round) / len(per_round), per_round
 
     # The accuracy runs before any figure is printed: a failure there must not leave part of
     # the figures on stdout.
@@ -247,12 +265,14 @@ def main(argv=None) -> None:
                          "samples_per_s": [r[mode]["samples_per_s"] for r in rounds],
                          "healthy_samples_per_s": [r["healthy"]["samples_per_s"] for r in rounds],
                          # The base of each round's ratio: the healthy run over the same steps.
-                         "healthy_samples_per_s_same_steps": [base_over(r["healthy"], r[mode]["measured_after_step"])
-                                                              for r in rounds],
+                         "healthy_samples_per_s_same_steps": [
+                             base_over(r["healthy"], r[mode]["measured_after_step"], r[mode]["run_steps"])
+                             for r in rounds],
                          "measured_after_step": [r[mode]["measured_after_step"] for r in rounds],
                          "measured_steps": [r[mode]["steps"] for r in rounds],
                          # Wall clock from the slowdown to the end, against the healthy run's
-                         # from the same step (the eviction run is longer: see --evict-steps).
+                         # from the same step (the healthy run lasts as long as the eviction run;
+                         # the plain and first-N runs are shorter: see --evict-steps).
                          "wall_ratio_from_slowdown_per_round": [
                              ratio(r[mode]["from_slowdown"]["samples_per_s"],
                                    r["healthy"]["from_slowdown"]["samples_per_s"]) for r in rounds]}
