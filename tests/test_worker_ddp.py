@@ -208,21 +208,30 @@ def test_first_n_replicas_start_from_rank_0s_parameters_and_buffers():
 
 def _caches_after_a_join(rank: int, use_ddp: bool, box, out) -> None:
     """Two real TrainWorkers join (DDP, or first-N with N = 1 of 2), each holding a non-persistent
-    cache of its own length (a survivor's grown one on rank 0, a fresh spare's on rank 1)."""
+    cache of its own length (a survivor's grown one on rank 0, a fresh spare's on rank 1), a
+    non-persistent table of the same layout on both but other values, and (rank 0 only) a cache
+    registered by an earlier forward, which the fresh rank 1 does not have."""
     worker = local_worker(PerProcessInitModel)
     worker.model.register_buffer("cache", torch.full((64 if rank == 0 else 16,), float(rank + 1)), persistent=False)
+    worker.model.register_buffer("table", torch.full((8,), float(rank + 1)), persistent=False)
+    if rank == 0:
+        worker.model.register_buffer("mask", torch.ones(4), persistent=False)
     join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=use_ddp, subgroup_size=0 if use_ddp else 1)
-    out.put((rank, (worker.model.cache.tolist(), [t.tolist() for t in worker.model.state_dict().values()])))
+    out.put((rank, (worker.model.cache.tolist(), worker.model.table.tolist(),
+                    [t.tolist() for t in worker.model.state_dict().values()])))
     worker.leave()
 
 
 @pytest.mark.parametrize("use_ddp", [True, False], ids=["ddp", "first_n"])
-def test_a_join_leaves_each_ranks_non_persistent_caches_alone(use_ddp):
+def test_a_join_leaves_only_the_non_persistent_buffers_of_other_layouts_alone(use_ddp):
     # Rank 0's module state is broadcast at a join, buffers and all: caches of other lengths on
     # the two sides aborted the receiving process in gloo, or overwrote part of the survivors'.
+    # A non-persistent buffer of one layout everywhere (random features drawn at build) is made
+    # rank 0's, as DDP makes it; a first fix left every non-persistent buffer out.
     states = run_pair(_caches_after_a_join, use_ddp, port_box())
-    (cache0, state0), (cache1, state1) = states[0], states[1]
+    (cache0, table0, state0), (cache1, table1, state1) = states[0], states[1]
     assert cache0 == [1.0] * 64 and cache1 == [2.0] * 16  # each its own
+    assert table0 == table1 == [1.0] * 8  # rank 0's
     assert state0 == state1  # the model's state is rank 0's on both
 
 

@@ -89,10 +89,28 @@ def persistent_buffers(model) -> list:
 def cache_buffer_names(model) -> set[str]:
     """The names of ``model``'s non-persistent buffers (those ``state_dict`` does not hold): caches
     a module may size by what its forward saw (rotary tables, a causal mask), so they may differ
-    between ranks in content and in size. Left out of the broadcast of rank 0's module state at a
-    join (first-N's, and DDP's constructor, told through its ignore list): a survivor whose cache
-    had grown sent more bytes than a fresh spare's shorter one expected (gloo aborts the process),
-    or a fresh rank 0 sent fewer, overwriting the head of the survivors' cache and the next buffer's
-    with bytes of another layout, where no checksum looks."""
+    between ranks in content and in size (``uneven_buffer_names``)."""
     names = set(model.state_dict(keep_vars=True))
     return {name for name, _ in model.named_buffers() if name not in names}
+
+
+def uneven_buffer_names(model, group) -> list[str]:
+    """The non-persistent buffers whose shape or dtype is not the same on every rank of
+    ``group``, the same sorted list on every rank: those left out of the broadcast of rank 0's
+    module state at a join (first-N's, and DDP's constructor, told through its ignore list).
+
+    Why: a survivor whose cache had grown (rotary tables, a causal mask) sent more bytes than a
+    fresh spare's shorter one expected (gloo aborts the process), or a fresh rank 0 sent fewer,
+    overwriting the head of the survivors' cache and the next buffer's with bytes of another
+    layout, where no checksum looks. Why not every non-persistent buffer (as a first fix did):
+    one of the same layout everywhere that holds state (random features drawn at build) is made
+    rank 0's, as DDP makes it. One small collective at every join, whatever the model holds: a
+    module that registers its cache in its first forward has it on the survivors and not on a
+    fresh spare, and a call made only where there were such buffers would have paired with the
+    join's next collective on the others. A buffer some ranks lack is uneven."""
+    names = cache_buffer_names(model)
+    dist = torch.distributed
+    mine = {name: (tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers() if name in names}
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return sorted({name for layout in every for name in layout if len({str(e.get(name)) for e in every}) > 1})

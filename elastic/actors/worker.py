@@ -53,7 +53,7 @@ from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's 
     step_seed,
     unpack_spec,
 )
-from elastic.actors.buffers import ReplicaBuffers, cache_buffer_names
+from elastic.actors.buffers import ReplicaBuffers, uneven_buffer_names
 from elastic.actors.grads import FlatGrads, sparse_embeddings
 from elastic.actors.sends import UpdateSends, in_flight_limit, max_trail
 from elastic.actors.sitout import SitOutSchedule
@@ -257,6 +257,7 @@ class TrainWorker:
         self.part_pool = None  # where this group's ranks pool written checkpoint parts (world > 1)
         self._fn_n = 0  # first-N: how many gradients make a step
         self._fn_grads: FlatGrads | None = None  # first-N: every gradient, in one buffer (elastic/actors/grads.py)
+        self._ddp_user_ignored: set[str] | None = None  # what the model asked DDP to ignore before the first join
         self._fn_schedule: SitOutSchedule | None = None  # first-N: who rests which step (elastic/actors/sitout.py)
         self._fn_agreed: deque = deque()  # first-N: steps agreed on the store whose keys are not yet forgotten
         self._fn_sends: UpdateSends | None = None  # first-N leader: the update's sends to late ranks
@@ -546,6 +547,7 @@ class TrainWorker:
                 device_id=self.device if self.backend == "nccl" else None,
             )
             self._world_pg = dist.group.WORLD
+            uneven = uneven_buffer_names(self.model, self._world_pg) if world_size > 1 else []
             if subgroup_size and world_size > 1:
                 # First-N replicas start from rank 0's parameters and buffers, as DDP's constructor
                 # makes its replicas do (with the same torch function and bucket size). Why: nothing
@@ -555,7 +557,7 @@ class TrainWorker:
                 # nondeterministic init kernel) gave each replica other weights from step 0: the
                 # replica checksum then ended the run, or with it off they trained apart.
                 torch_dist_utils._sync_module_states(self.model, self._world_pg, DDP_BROADCAST_BUCKET_BYTES, 0,
-                                                     cache_buffer_names(self.model))
+                                                     set(uneven))
             buffers = ReplicaBuffers(self.model, self.device)
             self._buffers = buffers if buffers and world_size > 1 else None
             if use_ddp:
@@ -568,14 +570,16 @@ class TrainWorker:
                 # step instead (_train_step), so every rank holds them between steps.
                 ddp = torch_parallel.DistributedDataParallel
                 # Its constructor broadcasts rank 0's buffers (torch 2.13 does even with
-                # forward_sync_buffers=False): not the caches, which may differ in size between
-                # ranks (cache_buffer_names). Added to what the user's model asks DDP to ignore.
-                # (A private hook, which torch says it will replace: where it is gone, nothing is
-                # told, as before.)
+                # forward_sync_buffers=False): not the caches whose size differs between ranks
+                # (uneven_buffer_names). Added to what the user's model asks DDP to ignore, as the
+                # model had it before the first join (each join sets the list again: last join's
+                # uneven caches may be even now). (A private hook, which torch says it will
+                # replace: where it is gone, nothing is told, as before.)
                 ignore = getattr(ddp, "_set_params_and_buffers_to_ignore_for_model", None)
                 if ignore is not None:
-                    ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
-                    ignore(self.model, sorted(ignored | cache_buffer_names(self.model)))
+                    if self._ddp_user_ignored is None:
+                        self._ddp_user_ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ()))
+                    ignore(self.model, sorted(self._ddp_user_ignored | set(uneven)))
                 self.ddp = ddp(
                     self.model, device_ids=device_ids, gradient_as_bucket_view=True,
                     find_unused_parameters=self.spec.find_unused_parameters,
