@@ -277,6 +277,21 @@ def test_missing_credentials_are_a_refusal_not_an_outage(no_aws_env, moto_s3):
     assert not isinstance(err.value, StorageUnavailable)
 
 
+
+def test_credentials_that_appear_after_a_failed_lookup_are_used_by_the_next_call(no_aws_env, moto_s3, monkeypatch):
+    """botocore looks credentials up once, when s3fs makes its client, and fsspec keeps that
+    filesystem for the process: a rank whose first lookup failed (instance metadata throttled
+    at start) refused every write for the rest of the run, and no step committed again."""
+    bucket = moto_s3.create_bucket()
+    storage = Storage(f"s3://{bucket}/run", {"endpoint_url": moto_s3.endpoint_url}, retry=FAST)
+    with pytest.raises(StorageError, match="NoCredentialsError"):
+        storage.write_bytes("a.bin", b"alpha")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # moto takes any key
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    storage.write_bytes("a.bin", b"alpha")
+    assert storage.read_bytes("a.bin") == b"alpha"
+
+
 # ---- redaction ---------------------------------------------------------------------------------
 def test_location_and_messages_never_carry_credentials(moto_s3):
     options = moto_s3.storage_options()

@@ -62,6 +62,9 @@ _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Permissi
 # controller or node without credentials was an "outage", and a resume waited resume_timeout_s
 # for storage that answered the driver.
 _PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ProfileNotFound"})
+# Of those, the ones a later lookup can cure: the process's filesystem is dropped and the next call
+# makes another, whose client looks its credentials up again (``Storage._forget_filesystem``).
+_CREDENTIALS_LOST = frozenset({"NoCredentialsError", "PartialCredentialsError"})
 _PERMANENT_ERRNOS = frozenset({errno.EINVAL, errno.ENAMETOOLONG, errno.EMSGSIZE, errno.EROFS, errno.ENOSPC,
                                errno.EDQUOT})
 
@@ -362,6 +365,7 @@ class Storage:
         self.location = self.redact(redact_url(url))
         self._fs: Any = None
         self._root: str | None = None
+        self._fresh_fs = False  # the next filesystem is made anew, not taken from fsspec's cache
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -384,7 +388,8 @@ class Storage:
                 # agents' may differ from the driver's, where this Storage was made).
                 self.redact.hide(*(os.environ.get(name, "") for name in Redactor.AWS_ENVIRONMENT))
             try:
-                fs, root = fsspec.core.url_to_fs(self.url, **options)
+                fresh = {"skip_instance_cache": True} if self._fresh_fs else {}
+                fs, root = fsspec.core.url_to_fs(self.url, **options, **fresh)
                 # Here, not before: importing the filesystem made its libraries' loggers, and each
                 # takes its filter now. Every process that talks to storage comes through here,
                 # whatever logging it was given (elastic/redact.py).
@@ -401,6 +406,16 @@ class Storage:
                 ) from None
             self._fs, self._root = fs, root.rstrip("/") if root not in ("/", "") else root
         return self._fs, self._root  # type: ignore[return-value]
+
+    def _forget_filesystem(self) -> None:
+        """The next call makes a filesystem of its own. Why: botocore looks credentials up once,
+        when s3fs makes its client, and fsspec keeps the filesystem (and so the client) for the
+        process. A rank whose first lookup failed (the instance-metadata endpoint throttling a
+        node's many processes at start, a credentials file mounted a moment late) wrote no part
+        for the rest of the run, and no step committed again: each try is a refusal, with no
+        lookup after the first."""
+        self._fs = self._root = None
+        self._fresh_fs = True
 
     def _check_scheme(self) -> None:
         if self.protocol in _S3 and USERINFO.match(self.url):
@@ -460,6 +475,8 @@ class Storage:
             except Exception as exc:  # noqa: BLE001 - transient by elimination; retried, then wrapped
                 if isinstance(exc, _PERMANENT) or type(exc).__name__ in _PERMANENT_NAMES \
                         or (isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS):
+                    if type(exc).__name__ in _CREDENTIALS_LOST:
+                        self._forget_filesystem()
                     raise StorageError(
                         f"{op} {self.describe(rel)} failed: {type(exc).__name__}: {self.redact(str(exc))}"
                     ) from None
