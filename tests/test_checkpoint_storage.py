@@ -278,6 +278,36 @@ def test_missing_credentials_are_a_refusal_not_an_outage(no_aws_env, moto_s3):
 
 
 
+@pytest.mark.parametrize("code, transient", [
+    ("IncompleteBody", True), ("BadDigest", True), ("TokenRefreshRequired", True),  # EINVAL in s3fs's table
+    ("PermanentRedirect", False), ("NotImplemented", False),  # EREMCHG, ENOSYS: no refusal by errno
+    ("InvalidArgument", False), ("SlowDown", True),  # as their errno says
+])
+def test_an_s3_error_is_retried_or_refused_by_its_code_not_only_its_errno(code, transient):
+    """s3fs turns S3's error codes into errnos: a body cut short on the way (EINVAL) was a
+    refusal that dropped a step's part for a blip, and a bucket in another region (EREMCHG) an
+    outage retried for storage that will never take the write. The error as s3fs raises it, from
+    botocore's own ClientError."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    storage = Storage("memory://classify", retry=FAST)
+    calls = []
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise translate_boto_error(ClientError({"Error": {"Code": code, "Message": "test"}}, "PutObject"))
+        return "written"
+
+    if transient:
+        assert storage._call("write", "a.bin", fails_once) == "written" and len(calls) == 2
+    else:
+        with pytest.raises(StorageError) as err:
+            storage._call("write", "a.bin", fails_once)
+        assert not isinstance(err.value, StorageUnavailable) and len(calls) == 1
+
+
 def test_credentials_that_appear_after_a_failed_lookup_are_used_by_the_next_call(no_aws_env, moto_s3, monkeypatch):
     """botocore looks credentials up once, when s3fs makes its client, and fsspec keeps that
     filesystem for the process: a rank whose first lookup failed (instance metadata throttled

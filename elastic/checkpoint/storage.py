@@ -67,6 +67,37 @@ _PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "
 _CREDENTIALS_LOST = frozenset({"NoCredentialsError", "PartialCredentialsError"})
 _PERMANENT_ERRNOS = frozenset({errno.EINVAL, errno.ENAMETOOLONG, errno.EMSGSIZE, errno.EROFS, errno.ENOSPC,
                                errno.EDQUOT})
+# S3 error codes whose errno says otherwise than the error (s3fs maps codes to errnos: its table,
+# s3fs/errors.py, keeps the ClientError as the OSError's cause). Transient under EINVAL: a body cut
+# short or garbled on the way (IncompleteBody, BadDigest: the next try sends it whole) and
+# temporary credentials to refresh (TokenRefreshRequired: botocore refreshes them on the next
+# request). Taken for refusals, one dropped a step's part for a blip. Permanent though their
+# errno is no refusal: a bucket in another region or behind another endpoint (PermanentRedirect,
+# 301) and an operation the endpoint lacks (NotImplemented, 501). Retried as an outage, each cost
+# a write its retries, and the event said to wait for storage that will never take it.
+_S3_TRANSIENT_CODES = frozenset({"IncompleteBody", "BadDigest", "TokenRefreshRequired"})
+_S3_PERMANENT_CODES = frozenset({"PermanentRedirect", "301", "NotImplemented", "501"})
+
+
+def _s3_error_code(exc: BaseException) -> str | None:
+    """The S3 error code of an error s3fs translated from botocore's ClientError (its cause)."""
+    cause = exc.__cause__
+    response = getattr(cause, "response", None)
+    if isinstance(response, dict):
+        code = (response.get("Error") or {}).get("Code")
+        return str(code) if code is not None else None
+    return None
+
+
+def _permanent(exc: BaseException) -> bool:
+    """Whether retrying cannot fix ``exc`` (a refusal), as opposed to a transient error."""
+    code = _s3_error_code(exc)
+    if code in _S3_TRANSIENT_CODES:
+        return False
+    if code in _S3_PERMANENT_CODES:
+        return True
+    return (isinstance(exc, _PERMANENT) or type(exc).__name__ in _PERMANENT_NAMES
+            or (isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS))
 
 
 def _write_local(path: str, parts: list) -> None:
@@ -473,8 +504,7 @@ class Storage:
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"{op}: not found: {self.describe(rel)} ({self.redact(str(exc))})") from None
             except Exception as exc:  # noqa: BLE001 - transient by elimination; retried, then wrapped
-                if isinstance(exc, _PERMANENT) or type(exc).__name__ in _PERMANENT_NAMES \
-                        or (isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS):
+                if _permanent(exc):
                     if type(exc).__name__ in _CREDENTIALS_LOST:
                         self._forget_filesystem()
                     raise StorageError(
