@@ -1764,18 +1764,30 @@ class Controller:
         resting replica was killed as hung beside the fast rank that hung in its forward (two
         ranks to heal for one hang: with one spare, a wait for capacity), or instead of a fast
         rank stuck in its collective.
+
+        A rank whose heartbeat says it is gone (``actor_lost``) is no culprit: it is dead, not
+        hung, and its pending calls fail on their own, as a death (killed as hung, the failure's
+        kind read "hang" and the event said it did not leave the collective). It is killed all
+        the same, as ``_lost`` kills one: an ``ActorUnavailableError`` may report an actor that
+        lives, whose calls would then never fail.
         """
         refs = {ref: r for ref, r in pending.items()}
         beats = {r: self.group.members[r].actor.heartbeat.remote() for r in refs.values()}
         ready, _ = ray.wait(list(beats.values()), num_returns=len(beats),
                             timeout=self.failure_config.heartbeat_timeout_s)
-        info = {}
+        info, gone = {}, set()
         for r, b in beats.items():
             if b in ready:
                 try:
                     info[r] = ray.get(b)
-                except ray.exceptions.RayError:
-                    pass
+                except ray.exceptions.RayError as exc:
+                    if actor_lost(exc):
+                        gone.add(r)
+                        with contextlib.suppress(Exception):
+                            ray.kill(self.group.members[r].actor, no_restart=True)
+        refs = {ref: r for ref, r in refs.items() if r not in gone}
+        if not refs:
+            return {}
         silent = {ref: r for ref, r in refs.items() if r not in info}
         if silent:
             return silent

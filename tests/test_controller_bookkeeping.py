@@ -839,6 +839,33 @@ def test_culprits_of_a_stalled_step_are_the_ranks_stuck_in_their_own_code(rayles
     assert sorted(c._culprits(pending).values()) == blamed
 
 
+def test_a_rank_whose_heartbeat_says_it_died_is_no_hung_culprit(rayless_controller, monkeypatch):
+    # Its heartbeat raised ActorDiedError: it was taken for silent, killed as hung, and the
+    # failure's kind read "hang". Dead, its pending calls fail on their own as a death.
+    import ray
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3))
+    c.group = StandInGroup(ranks=3)
+    phases = {0: "allreduce", 1: "dead", 2: "allreduce"}
+    for r, phase in phases.items():
+        c.group.members[r].actor = Beats(phase, since=100.0 + r)
+
+    def get(x, **kw):
+        if x["phase"] == "dead":
+            raise ray.exceptions.ActorDiedError()
+        return x
+
+    killed = []
+    monkeypatch.setattr(controller_module.ray, "get", get)
+    monkeypatch.setattr(controller_module.ray, "wait", lambda refs, **kw: (list(refs), []))
+    monkeypatch.setattr(controller_module.ray, "kill", lambda actor, no_restart: killed.append(actor))
+    pending = {f"ref-{r}": r for r in phases}
+    assert c._culprits(pending) == {"ref-2": 2}  # the one that entered its collective last, as before
+    assert c._culprits({"ref-1": 1}) == {}
+    # Killed all the same (an unavailable actor may live, and its calls would never fail), not as hung.
+    assert killed == [c.group.members[1].actor] * 2 and not c._hung
+
+
 def test_a_late_replicas_user_error_is_not_hidden_by_its_next_window_failing_as_stale(rayless_controller,
                                                                                       monkeypatch):
     # Rank 2 is late with two windows; its loss_fn raised in the first, so it left its group and
