@@ -1769,7 +1769,8 @@ class Controller:
         hung, and its pending calls fail on their own, as a death (killed as hung, the failure's
         kind read "hang" and the event said it did not leave the collective). It is killed all
         the same, as ``_lost`` kills one: an ``ActorUnavailableError`` may report an actor that
-        lives, whose calls would then never fail.
+        lives, whose calls would then never fail. Nobody else is blamed then: its peers wait in
+        their collective for it, and the one that entered last would be killed as hung beside it.
         """
         refs = {ref: r for ref, r in pending.items()}
         beats = {r: self.group.members[r].actor.heartbeat.remote() for r in refs.values()}
@@ -1785,8 +1786,7 @@ class Controller:
                         gone.add(r)
                         with contextlib.suppress(Exception):
                             ray.kill(self.group.members[r].actor, no_restart=True)
-        refs = {ref: r for ref, r in refs.items() if r not in gone}
-        if not refs:
+        if gone:
             return {}
         silent = {ref: r for ref, r in refs.items() if r not in info}
         if silent:
@@ -3038,7 +3038,9 @@ class Controller:
         scores = self.straggler_policy.scores()
         now = time.time()
         rows = []
-        late = {r for r, *_ in list(self._lagging.values())}  # a copy: the training thread changes it (see scores())
+        late: dict[int, float] = {}  # rank -> since when its oldest window still out is late
+        for r, since, _ in list(self._lagging.values()):  # a copy: the training thread changes it (see scores())
+            late[r] = min(late.get(r, since), since)
         if self.group is None:
             return rows
         for m in self.group.members:
@@ -3049,7 +3051,7 @@ class Controller:
                 "local_rank": m.local_rank, "pid": m.info.get("pid"), "role": "active",
                 "state": "late" if m.rank in late else self.state.value,
                 "step": done, "behind_steps": self.step - done,
-                "step_time_s": self._step_time_of.get(m.rank),
+                "step_time_s": self._shown_step_time(m.rank, late.get(m.rank), now),
                 "heartbeat_age_s": now - self._last_beat.get(m.rank, now),
                 # None with no score yet (the warm-up, a rank's cold first step): not "typical".
                 "straggler_score": scores.get(m.rank),
@@ -3064,6 +3066,16 @@ class Controller:
                          "step": None, "behind_steps": None, "step_time_s": None, "heartbeat_age_s": None,
                          "straggler_score": None})
         return rows
+
+    def _shown_step_time(self, rank: int, late_since: float | None, now: float) -> float | None:
+        """A rank's step time for the gauge and `elastic status`: the newest it computed, or, while
+        it is late, at least how long it has been late. Why: a replica fast so far and now stuck in
+        one long step showed its last fast time (a fix before showed nothing then, which left a
+        replica late every window with no step time at all)."""
+        last = self._step_time_of.get(rank)
+        if late_since is None:
+            return last
+        return max(last or 0.0, now - late_since)
 
     def status(self) -> dict:
         history = self.history  # read once: the step thread may put another list there (_truncate_history)

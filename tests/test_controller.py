@@ -409,6 +409,12 @@ def test_a_late_replicas_own_step_time_is_shown_and_a_rank_with_no_score_has_non
                               StepResult(1, 4, 0.1, 0.01, 0.0, 0, 4, {"computed": False})])  # sat out step 4
         rows = {row["rank"]: row for row in c.rank_rows(spares=False)}
         assert rows[1]["step_time_s"] == 0.9 and rows[0]["step_time_s"] is not None
+        # Late now, for longer than its last step took: at least that long (its last fast time
+        # said it was healthy while it was stuck).
+        c._lagging["ref"] = (1, time.time() - 5.0, 1)
+        rows = {row["rank"]: row for row in c.rank_rows(spares=False)}
+        assert rows[1]["step_time_s"] >= 5.0 and rows[1]["state"] == "late"
+        c._lagging.clear()
         c._form_group("rebuilt by the test")
         assert [row["step_time_s"] for row in c.rank_rows(spares=False)] == [None, None]
 
