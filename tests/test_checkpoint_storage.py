@@ -311,15 +311,23 @@ def test_an_s3_error_is_retried_or_refused_by_its_code_not_only_its_errno(code, 
 def test_credentials_that_appear_after_a_failed_lookup_are_used_by_the_next_call(no_aws_env, moto_s3, monkeypatch):
     """botocore looks credentials up once, when s3fs makes its client, and fsspec keeps that
     filesystem for the process: a rank whose first lookup failed (instance metadata throttled
-    at start) refused every write for the rest of the run, and no step committed again."""
+    at start) refused every write for the rest of the run, and no step committed again. A
+    Storage made later in the process (a rank makes one at every join and restore) took the
+    same cached filesystem."""
+    from elastic.checkpoint import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "_credentials_forgotten_at", -float("inf"))
     bucket = moto_s3.create_bucket()
-    storage = Storage(f"s3://{bucket}/run", {"endpoint_url": moto_s3.endpoint_url}, retry=FAST)
+    url, options = f"s3://{bucket}/run", {"endpoint_url": moto_s3.endpoint_url}
+    storage = Storage(url, options, retry=FAST)
     with pytest.raises(StorageError, match="NoCredentialsError"):
         storage.write_bytes("a.bin", b"alpha")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # moto takes any key
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    later = Storage(url, options, retry=FAST)
+    later.write_bytes("b.bin", b"beta")
     storage.write_bytes("a.bin", b"alpha")
-    assert storage.read_bytes("a.bin") == b"alpha"
+    assert storage.read_bytes("b.bin") == b"beta" and later.read_bytes("a.bin") == b"alpha"
 
 
 # ---- redaction ---------------------------------------------------------------------------------

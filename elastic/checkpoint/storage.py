@@ -11,6 +11,7 @@ import errno
 import functools
 import inspect
 import logging
+import math
 import os
 import random
 import re
@@ -62,9 +63,13 @@ _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Permissi
 # controller or node without credentials was an "outage", and a resume waited resume_timeout_s
 # for storage that answered the driver.
 _PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ProfileNotFound"})
-# Of those, the ones a later lookup can cure: the process's filesystem is dropped and the next call
-# makes another, whose client looks its credentials up again (``Storage._forget_filesystem``).
+# Of those, the ones a later lookup can cure: the process's filesystems are dropped and the next
+# call makes another, whose client looks its credentials up again (``Storage._forget_filesystem``),
+# at most once per CREDENTIALS_LOOKUP_S: with none to be found, each lookup runs botocore's whole
+# chain (the instance-metadata endpoint's timeouts included).
 _CREDENTIALS_LOST = frozenset({"NoCredentialsError", "PartialCredentialsError"})
+CREDENTIALS_LOOKUP_S = 10.0
+_credentials_forgotten_at = -math.inf  # time.monotonic() of the last drop, in this process
 _PERMANENT_ERRNOS = frozenset({errno.EINVAL, errno.ENAMETOOLONG, errno.EMSGSIZE, errno.EROFS, errno.ENOSPC,
                                errno.EDQUOT})
 # S3 error codes whose errno says otherwise than the error (s3fs maps codes to errnos: its table,
@@ -396,7 +401,6 @@ class Storage:
         self.location = self.redact(redact_url(url))
         self._fs: Any = None
         self._root: str | None = None
-        self._fresh_fs = False  # the next filesystem is made anew, not taken from fsspec's cache
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -409,7 +413,10 @@ class Storage:
 
     # ---- filesystem -------------------------------------------------------------------------
     def _filesystem(self) -> tuple[Any, str]:
-        if self._fs is None:
+        # Read once, into locals: another thread (the committer's cleanup, an agent's flush) may
+        # drop it meanwhile (``_forget_filesystem``), and this call must not return None.
+        fs, root = self._fs, self._root
+        if fs is None:
             from elastic.redact import quiet_credential_loggers
 
             self._check_scheme()
@@ -419,8 +426,7 @@ class Storage:
                 # agents' may differ from the driver's, where this Storage was made).
                 self.redact.hide(*(os.environ.get(name, "") for name in Redactor.AWS_ENVIRONMENT))
             try:
-                fresh = {"skip_instance_cache": True} if self._fresh_fs else {}
-                fs, root = fsspec.core.url_to_fs(self.url, **options, **fresh)
+                fs, root = fsspec.core.url_to_fs(self.url, **options)
                 # Here, not before: importing the filesystem made its libraries' loggers, and each
                 # takes its filter now. Every process that talks to storage comes through here,
                 # whatever logging it was given (elastic/redact.py).
@@ -435,18 +441,27 @@ class Storage:
                     f"RunConfig.storage_options are not accepted by the {self.protocol}:// filesystem "
                     f"for {self.location!r}: {self.redact(str(exc))}"
                 ) from None
-            self._fs, self._root = fs, root.rstrip("/") if root not in ("/", "") else root
-        return self._fs, self._root  # type: ignore[return-value]
+            root = root.rstrip("/") if root not in ("/", "") else root
+            self._fs, self._root = fs, root
+        return fs, root  # type: ignore[return-value]
 
     def _forget_filesystem(self) -> None:
-        """The next call makes a filesystem of its own. Why: botocore looks credentials up once,
-        when s3fs makes its client, and fsspec keeps the filesystem (and so the client) for the
-        process. A rank whose first lookup failed (the instance-metadata endpoint throttling a
-        node's many processes at start, a credentials file mounted a moment late) wrote no part
-        for the rest of the run, and no step committed again: each try is a refusal, with no
-        lookup after the first."""
-        self._fs = self._root = None
-        self._fresh_fs = True
+        """Drop this process's filesystems of this kind, so the next call (of this ``Storage`` or
+        of any made later) makes a new one, whose client looks its credentials up again. Why:
+        botocore looks credentials up once, when s3fs makes its client, and fsspec keeps the
+        filesystem (and so the client) for the process. A rank whose first lookup failed (the
+        instance-metadata endpoint throttling a node's many processes at start, a credentials
+        file mounted a moment late) wrote no part for the rest of the run, and no step committed
+        again. fsspec's cache is dropped as a whole (``clear_instance_cache``, its public call):
+        each rank builds a new ``Storage`` at every group it joins and every restore, and those
+        took the cached filesystem. Other storages in the process just make theirs again. The
+        cache goes at most once per ``CREDENTIALS_LOOKUP_S``; this storage's own reference
+        always, so it takes whatever the cache holds next (one made after the last drop)."""
+        global _credentials_forgotten_at
+        fs, self._fs = self._fs, None
+        if fs is not None and time.monotonic() - _credentials_forgotten_at >= CREDENTIALS_LOOKUP_S:
+            _credentials_forgotten_at = time.monotonic()
+            type(fs).clear_instance_cache()
 
     def _check_scheme(self) -> None:
         if self.protocol in _S3 and USERINFO.match(self.url):
