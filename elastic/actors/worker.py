@@ -489,6 +489,9 @@ class TrainWorker:
              timeout_s: float, use_ddp: bool = True, subgroup_size: int = 0, checksum_every: int = 0,
              late_backoff_steps: int = 0) -> dict:
         """Leave any old group and form the new one. Survivors keep their model and optimizer."""
+        # This call's thread on the rank's GPU: the join's object gather (uneven_buffer_names)
+        # stages its bytes on the current device, and Ray runs calls on threads of its own.
+        self._bind_device()
         hosted, self._hosted_store = self._hosted_store, None  # this join's, or none: never kept past it
         self.leave()
         self._unreported = (-1, [])  # the recovery that could book them has read them, or never will

@@ -105,7 +105,7 @@ class StragglerPolicy:
         """``scores()``, and each late rank's score from its own step times alone (its late
         stretch left out): what ``decide`` tells a pause from a slow rank by. A rank with no
         counted step time is judged there by its warm-up step times (``_early``), by their upper
-        median: one slow step among them is enough to be counted in full."""
+        median: half of them slow (of two, one) is enough to be counted in full."""
         timed = {r: statistics.median_low(t) for r, t in list(self._times.items()) if t}
         early = {r: statistics.median_high(t) for r, t in list(self._early.items()) if t and r not in timed}
         medians = dict(timed)
