@@ -10,8 +10,9 @@ alone costs when five processes share this machine's cores (``--no-first-n-healt
 The five repeat ``--rounds`` times (default 2), the order reversed every other round, so load
 drift on a shared machine reaches every mode alike; each ratio is taken within a round over that
 round's healthy plain run over the same steps, and the figure is the mean of the rounds (each
-round is listed). The healthy run lasts as long as the eviction run, so every ratio's base covers
-the very steps its mode measured; a round whose ratio cannot be taken fails the benchmark.
+round is listed). Every mode runs as many steps as the eviction run, so every ratio's base, per
+step or by the wall clock, covers the very steps its mode measured; a round whose ratio cannot be
+taken fails the benchmark.
 Throughput is samples/s over the controller's per-step wall times of the steps from ``slow-from`` on
 (for eviction: the steps after the eviction; the eviction run is longer, and its figure also gives
 the ratio over the steps after the replacement spare is ready: the spare that refills the pool
@@ -22,7 +23,8 @@ plain minus first-N with the straggler, and for its scale a healthy run with ano
 tiny, so the slowdown (a multiple of the rank's own compute time) is small; which gradient is
 dropped still follows arrival order.
 
-The runs default to 300 steps (291 measured). At 50 steps (41 measured, about two seconds of
+The runs default to 400 steps, the eviction run's (``--evict-steps``; ``--steps``, 300, without
+the eviction mode). At 50 steps (41 measured, about two seconds of
 training) the onset of the slowdown and the dispatch window still growing from one step dominate:
 first-N read 0.597 at 50 steps and 0.956 at 300 steps on the same code, and over 1,200 steps
 first-N with the straggler ran as fast as first-N without it (19.2-21.5 against 19.9 steps/s).
@@ -150,9 +152,9 @@ def base_over(run: dict, after_step: int, upto_step: int) -> float | None:
     steps its figure measures. Why not the base run's own figure (from the slowdown on): the
     eviction is measured from its decision (step ~40-70), and the base's steps before that hold
     the dispatch window's ramp (windows grow from one step), a slower base that flattered the
-    ratio. Why the upper end: the eviction run is longer (``--evict-steps``), and its figure
-    covered steps up to 400 against the healthy run's up to 300; the healthy run now lasts as
-    long as the longest mode, and each base stops where its mode's run stopped."""
+    ratio. Why the upper end: the eviction run was longer (``--evict-steps``), and its figure
+    covered steps up to 400 against the healthy run's up to 300. Every mode now runs as many
+    steps; the base still stops where its mode's run stopped, whatever the lengths."""
     return history_throughput(run["history"], after_step, upto_step)["samples_per_s"]
 
 
@@ -234,13 +236,14 @@ def main(argv=None) -> None:
         modes = ("healthy",) + tuple(m for m in modes if m != "healthy" and m in args.modes.split(","))
     # Rounds alternate the order (forward, then backward, ...), so load drift on a shared machine
     # reaches every mode alike; each ratio is taken within a round and the figure is their mean.
-    # The healthy run, every ratio's base, lasts as long as the longest mode (the eviction's).
+    # Every mode as long as the longest (the eviction's, which needs the steps for its refill
+    # spare): each ratio then compares the same steps, per step and by the wall clock alike.
     longest = args.evict_steps if "evict" in modes else args.steps
     rounds = []
     for i in range(args.rounds):
         order = modes if i % 2 == 0 else tuple(reversed(modes))
-        rounds.append({m: run_mode(w, m, longest if m in ("evict", "healthy") else args.steps, slow,
-                                   args.evict_window, args.poll_s, args.late_backoff_steps) for m in order})
+        rounds.append({m: run_mode(w, m, longest, slow, args.evict_window, args.poll_s, args.late_backoff_steps)
+                       for m in order})
     common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
               "steps": args.steps, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from,
               "rounds": args.rounds, "late_backoff_steps": args.late_backoff_steps}
@@ -271,8 +274,7 @@ def main(argv=None) -> None:
                          "measured_after_step": [r[mode]["measured_after_step"] for r in rounds],
                          "measured_steps": [r[mode]["steps"] for r in rounds],
                          # Wall clock from the slowdown to the end, against the healthy run's
-                         # from the same step (the healthy run lasts as long as the eviction run;
-                         # the plain and first-N runs are shorter: see --evict-steps).
+                         # over the same steps (every mode runs as many).
                          "wall_ratio_from_slowdown_per_round": [
                              ratio(r[mode]["from_slowdown"]["samples_per_s"],
                                    r["healthy"]["from_slowdown"]["samples_per_s"]) for r in rounds]}
