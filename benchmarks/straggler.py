@@ -245,7 +245,7 @@ def main(argv=None) -> None:
         rounds.append({m: run_mode(w, m, longest, slow, args.evict_window, args.poll_s, args.late_backoff_steps)
                        for m in order})
     common = {"workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
-              "steps": args.steps, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from,
+              "steps": longest, "slow_rank": args.slow_rank, "factor": args.factor, "slow_from": args.slow_from,
               "rounds": args.rounds, "late_backoff_steps": args.late_backoff_steps}
 
     def mean_ratio(mode: str, over: str) -> tuple[float, list]:
