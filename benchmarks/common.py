@@ -230,11 +230,10 @@ def first_step_done(res) -> float:
     return running_since(res) + res.history[0]["step_time_s"]
 
 
-def timed_steps(history: list[dict], after_step: int = 0, upto_step: int | None = None) -> list[dict]:
-    """Steps ``after_step``+1..``upto_step`` (None: to the end) of ``history`` (``Result.history``)
-    the controller timed (a step kept from before a failure has step_time_s 0)."""
-    return [h for h in history if h["step"] > after_step and h["step_time_s"] > 0
-            and (upto_step is None or h["step"] <= upto_step)]
+def timed_steps(history: list[dict], after_step: int = 0) -> list[dict]:
+    """Steps of ``history`` (``Result.history``) the controller timed (a step kept from before a
+    failure has step_time_s 0)."""
+    return [h for h in history if h["step"] > after_step and h["step_time_s"] > 0]
 
 
 def step_throughput(res, after_step: int = 0) -> dict:
@@ -242,9 +241,9 @@ def step_throughput(res, after_step: int = 0) -> dict:
     return history_throughput(res.history, after_step)
 
 
-def history_throughput(history: list[dict], after_step: int = 0, upto_step: int | None = None) -> dict:
-    """``step_throughput`` of a run's ``Result.history`` (up to ``upto_step``, where given)."""
-    hs = timed_steps(history, after_step, upto_step)
+def history_throughput(history: list[dict], after_step: int = 0) -> dict:
+    """``step_throughput`` of a run's ``Result.history``."""
+    hs = timed_steps(history, after_step)
     total = sum(h["step_time_s"] for h in hs)
     return {
         "steps": len(hs),

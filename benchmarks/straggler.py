@@ -14,7 +14,7 @@ round is listed). Every mode runs as many steps as the eviction run, so every ra
 step or by the wall clock, covers the very steps its mode measured; a round whose ratio cannot be
 taken fails the benchmark.
 Throughput is samples/s over the controller's per-step wall times of the steps from ``slow-from`` on
-(for eviction: the steps after the eviction; the eviction run is longer, and its figure also gives
+(for eviction: the steps after the eviction; its figure also gives
 the ratio over the steps after the replacement spare is ready: the spare that refills the pool
 builds on idle CPU, so it may come up late or not within the run). Three more runs
 on the digits example (same epochs) give the accuracy cost of dropping the late gradient: healthy
@@ -147,15 +147,13 @@ def run_mode(w, mode: str, steps: int, slow: dict, evict_window: int, poll_s: fl
     return out
 
 
-def base_over(run: dict, after_step: int, upto_step: int) -> float | None:
-    """``run``'s samples/s over its steps ``after_step``+1..``upto_step``: a ratio's base over the
-    steps its figure measures. Why not the base run's own figure (from the slowdown on): the
-    eviction is measured from its decision (step ~40-70), and the base's steps before that hold
-    the dispatch window's ramp (windows grow from one step), a slower base that flattered the
-    ratio. Why the upper end: the eviction run was longer (``--evict-steps``), and its figure
-    covered steps up to 400 against the healthy run's up to 300. Every mode now runs as many
-    steps; the base still stops where its mode's run stopped, whatever the lengths."""
-    return history_throughput(run["history"], after_step, upto_step)["samples_per_s"]
+def base_over(run: dict, after_step: int) -> float | None:
+    """``run``'s samples/s over its steps after ``after_step``: a ratio's base over the steps its
+    figure measures (every mode runs as many steps). Why not the base run's own figure (from the
+    slowdown on): the eviction is measured from its decision (step ~40-70), and the base's steps
+    before that hold the dispatch window's ramp (windows grow from one step), a slower base that
+    flattered the ratio."""
+    return history_throughput(run["history"], after_step)["samples_per_s"]
 
 
 def ratio_over_healthy(run: dict, healthy: dict, after_step: int | None = None) -> float:
@@ -166,7 +164,7 @@ def ratio_over_healthy(run: dict, healthy: dict, after_step: int | None = None) 
         after_step, mine = run["measured_after_step"], run["samples_per_s"]
     else:
         mine = history_throughput(run["history"], after_step)["samples_per_s"]
-    value = ratio(mine, base_over(healthy, after_step, run["run_steps"]))
+    value = ratio(mine, base_over(healthy, after_step))
     if value is None:
         fail(f"{run['mode']}: no ratio over the healthy run after step {after_step} (no timed steps on one side)")
     return value
@@ -212,7 +210,7 @@ def main(argv=None) -> None:
     p.add_argument("--slow-from", type=int, default=10)
     p.add_argument("--evict-window", type=int, default=5, help="FailureConfig.straggler_window for the evict run")
     p.add_argument("--evict-steps", type=int, default=400,
-                   help="steps of the eviction run: long enough for the replacement spare (started after the eviction, ~10 s on a loaded 2-core machine) to be ready, and to measure well after it")
+                   help="steps of every run when the eviction mode runs (--steps otherwise): long enough for the replacement spare (started after the eviction, ~10 s on a loaded 2-core machine) to be ready, and to measure well after it")
     p.add_argument("--poll-s", type=float, default=0.2, help="controller status() poll interval")
     p.add_argument("--digits-epochs", type=int, default=6)
     p.add_argument("--no-first-n-healthy", dest="first_n_healthy", action="store_false",
@@ -268,9 +266,8 @@ def main(argv=None) -> None:
                          "samples_per_s": [r[mode]["samples_per_s"] for r in rounds],
                          "healthy_samples_per_s": [r["healthy"]["samples_per_s"] for r in rounds],
                          # The base of each round's ratio: the healthy run over the same steps.
-                         "healthy_samples_per_s_same_steps": [
-                             base_over(r["healthy"], r[mode]["measured_after_step"], r[mode]["run_steps"])
-                             for r in rounds],
+                         "healthy_samples_per_s_same_steps": [base_over(r["healthy"], r[mode]["measured_after_step"])
+                                                              for r in rounds],
                          "measured_after_step": [r[mode]["measured_after_step"] for r in rounds],
                          "measured_steps": [r[mode]["steps"] for r in rounds],
                          # Wall clock from the slowdown to the end, against the healthy run's

@@ -1294,9 +1294,10 @@ class Controller:
         if results:
             self._rank_done[rank] = max(self._rank_done.get(rank, 0), results[-1].step)
         # A step a late first-N replica sat out took no compute: its time says nothing of its speed.
-        computed = [res for res in results if res.extra.get("computed", True)]
-        if computed:
-            self._step_time_of[rank] = computed[-1].step_time_s
+        for res in reversed(results):
+            if res.extra.get("computed", True):
+                self._step_time_of[rank] = res.step_time_s
+                break
 
     def _collect_late(self, rank: int, results: list[StepResult]) -> None:
         """A window a late rank finished after the others: its timings, checksums, checkpoint parts."""
@@ -1768,8 +1769,8 @@ class Controller:
         A rank whose heartbeat says it is gone (``actor_lost``) is no culprit: it is dead, not
         hung, and its pending calls fail on their own, as a death (killed as hung, the failure's
         kind read "hang" and the event said it did not leave the collective). It is killed all
-        the same, as ``_lost`` kills one: an ``ActorUnavailableError`` may report an actor that
-        lives, whose calls would then never fail. Nobody else is blamed then: its peers wait in
+        the same (``_lost``): an ``ActorUnavailableError`` may report an actor that lives, whose
+        calls would then never fail. Nobody else is blamed then: its peers wait in
         their collective for it, and the one that entered last would be killed as hung beside it.
         """
         refs = {ref: r for ref, r in pending.items()}
@@ -1783,9 +1784,7 @@ class Controller:
                     info[r] = ray.get(b)
                 except ray.exceptions.RayError as exc:
                     if actor_lost(exc):
-                        gone.add(r)
-                        with contextlib.suppress(Exception):
-                            ray.kill(self.group.members[r].actor, no_restart=True)
+                        self._lost(r, gone)
         if gone:
             return {}
         silent = {ref: r for ref, r in refs.items() if r not in info}

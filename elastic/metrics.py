@@ -188,9 +188,8 @@ class RunMetrics:
                     score = row["straggler_score"]
                     self._set(m, "straggler", float("nan") if score is None else score, tags)
                     self._set(m, "rank_behind", row["behind_steps"], tags)
-                    # No result this window (a late first-N replica, one sitting out): NaN, "no
-                    # value". Left unset, the gauge kept the rank's last fast step time, so a
-                    # straggler looked healthy on the very panel meant to show it.
+                    # No step time yet (none computed since the group formed): NaN, "no value".
+                    # Left unset, the gauge kept a predecessor's or the last group's value.
                     step_time = row["step_time_s"]
                     self._set(m, "rank_step_time", float("nan") if step_time is None else step_time, tags)
                 self._forget_ranks(m, {str(row["rank"]) for row in rows})

@@ -113,4 +113,4 @@ def uneven_buffer_names(model, group) -> list[str]:
     mine = {name: (tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers() if name in names}
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
-    return sorted({name for layout in every for name in layout if len({str(e.get(name)) for e in every}) > 1})
+    return sorted(name for name in set().union(*every) if len({str(e.get(name)) for e in every}) > 1)

@@ -107,7 +107,8 @@ class StragglerPolicy:
         counted step time is judged there by its warm-up step times (``_early``), by their upper
         median: half of them slow (of two, one) is enough to be counted in full."""
         timed = {r: statistics.median_low(t) for r, t in list(self._times.items()) if t}
-        early = {r: statistics.median_high(t) for r, t in list(self._early.items()) if t and r not in timed}
+        # What each rank's own steps say: its counted times, else its warm-up's.
+        judged = {**{r: statistics.median_high(t) for r, t in list(self._early.items()) if t}, **timed}
         medians = dict(timed)
         for r, busy in list(self._busy_for.items()):
             medians[r] = max(medians.get(r, 0.0), busy)
@@ -118,8 +119,8 @@ class StragglerPolicy:
         for r, m in medians.items():
             others = _median_without(ordered, bisect.bisect_left(ordered, m))
             out[r] = m / others if others > 0 else 1.0
-            if r in timed or r in early:
-                own[r] = timed.get(r, early.get(r)) / others if others > 0 else 1.0
+            if r in judged:
+                own[r] = judged[r] / others if others > 0 else 1.0
         return out, own
 
     def decide(self, spares_ready: int, steps: int = 1) -> Decision:
