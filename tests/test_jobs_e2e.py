@@ -291,10 +291,17 @@ def test_digits_job_named_actors_status_and_metrics(ray_head):
                                    "--timeout", "60", "digits"], env=dict(ray_head.env(), COLUMNS="200"), cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+        def ranks_of(found, name):
+            return {m.group(1) for ln in found.get(name, []) if (m := re.search(r'rank="(\d+)"', ln))}
+
+        # A rank's straggler score is NaN ("no value", not exported) until the policy's warm-up
+        # ends, so the scrape is awaited until both ranks have one, not just a heartbeat.
         def rank_metrics():
             found = elastic_metrics(scrape(ray_head.metrics_url), "digits")
-            ranked = [ln for ln in found.get("ray_elastic_heartbeat_age_s", []) if 'rank="' in ln]
-            return found if len(ranked) >= 2 and "ray_elastic_step_time_s_count" in found else None
+            ready = (ranks_of(found, "ray_elastic_heartbeat_age_s") >= {"0", "1"}
+                     and ranks_of(found, "ray_elastic_straggler_score") >= {"0", "1"}
+                     and "ray_elastic_step_time_s_count" in found)
+            return found if ready else None
 
         metrics = wait_for(rank_metrics, 90, interval_s=1, what="ray_elastic_* metrics with run and rank tags")
         for name in ("ray_elastic_straggler_score", "ray_elastic_rank_step_time_s", "ray_elastic_rank_behind_steps",
