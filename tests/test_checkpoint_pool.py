@@ -77,13 +77,14 @@ def test_one_rank_sends_a_step_that_two_see_complete(master):
 
 def test_a_part_is_reported_directly_when_the_store_is_gone(tmp_path):
     sent = []
-    ckpt = WorkerCheckpointer(f"file://{tmp_path}/ck", None, "pool", 1, blocking=True,
+    ckpt = WorkerCheckpointer(f"file://{tmp_path}/ck", None, "pool", 1,
                               notify=lambda step, world, parts: sent.append((step, world, parts)))
     model = torch.nn.Linear(4, 2)
     worker = types.SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                    scheduler=None, completed_step=1, rank=1, world_size=2,
                                    part_pool=PartPool("127.0.0.1", free_port(), 2, timeout_s=0.5))
     ckpt.after_step(worker, 1)
+    assert ckpt.flush(10)
     assert [(s, w, sorted(parts)) for s, w, parts in sent] == [(1, 2, [1])]
     assert [e["path"] for e in sent[0][2][1]["entries"]] == [shard_name(1, 1, 2)]
     # The end-of-training drain reports the pushed part again, with its snapshot time, so a step
@@ -131,16 +132,35 @@ def test_a_retired_pool_that_is_connected_still_completes_a_step(master):
     assert p[0].add(2, 0, {"r": 0}) == {0: {"r": 0}, 1: {"r": 1}}
 
 
-def pooled_rank(tmp_path, master, sent):
-    """Rank 1 of 2 writing in process (blocking, so a part is pushed within after_step), pooling
-    its parts in ``master``'s store; rank 0 never adds any."""
-    ckpt = WorkerCheckpointer(f"file://{tmp_path}/ck", None, "pool", 1, blocking=True,
+class Written:
+    """A WorkerCheckpointer whose snapshots are written and pushed before the call returns (each
+    call flushes the writer thread), so no snapshot supersedes another waiting for it."""
+
+    def __init__(self, ckpt: WorkerCheckpointer):
+        self.ckpt = ckpt
+
+    def after_step(self, worker, step):
+        self.ckpt.after_step(worker, step)
+        assert self.ckpt.flush(10)
+
+    def snapshot(self, worker, step, pooled=True):
+        self.ckpt.snapshot(worker, step, pooled=pooled)
+        assert self.ckpt.flush(10)
+
+    def __getattr__(self, name):
+        return getattr(self.ckpt, name)
+
+
+def pooled_rank(tmp_path, master, sent, blocking=False):
+    """Rank 1 of 2 writing in process, pooling its parts in ``master``'s store (not when
+    ``blocking``: see the test below); rank 0 never adds any."""
+    ckpt = WorkerCheckpointer(f"file://{tmp_path}/ck", None, "pool", 1, blocking=blocking,
                               notify=lambda step, world, parts: sent.append((step, world, sorted(parts))))
     model = torch.nn.Linear(4, 2)
     worker = types.SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                    scheduler=None, completed_step=1, rank=1, world_size=2,
                                    part_pool=PartPool("127.0.0.1", master.port, 2))
-    return ckpt, worker
+    return Written(ckpt), worker
 
 
 def test_a_part_left_waiting_in_the_pool_is_reported_when_the_rank_leaves_the_group(tmp_path, master):
@@ -175,4 +195,21 @@ def test_a_snapshot_off_the_pool_is_reported_on_its_own(tmp_path, master):
     assert sent == [(1, 2, [1])]
     ckpt.left_group()
     assert sent == [(1, 2, [1])]  # nothing was left waiting
+    ckpt.close()
+
+
+def test_blocking_mode_reports_each_ranks_own_parts_even_with_a_pool(tmp_path, master):
+    """Blocking mode promises every step on storage, in order. A pooled step goes from the rank
+    that completed it, and Ray orders one submitter's calls only: step 6 sent by rank 0 could
+    reach the controller before step 5 sent by rank 1, and the committer took 5 for superseded
+    and never committed it. In blocking mode each rank reports its own parts, in its own order."""
+    sent = []
+    ckpt, worker = pooled_rank(tmp_path, master, sent, blocking=True)
+    PartPool("127.0.0.1", master.port, 2).add(1, 0, {"entries": []})  # rank 0's part is in the pool
+    for step in (1, 2):
+        worker.completed_step = step
+        ckpt.after_step(worker, step)
+    assert sent == [(1, 2, [1]), (2, 2, [1])]  # rank 1's own, one a step (pooled: step 1 with rank 0's)
+    ckpt.left_group()
+    assert len(sent) == 2  # nothing was left waiting in the pool
     ckpt.close()

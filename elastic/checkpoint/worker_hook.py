@@ -154,11 +154,11 @@ class WorkerCheckpointer:
         a step sends all of them; without a pool a rank sends its own part. Without ``notify``,
         finished writes ride on the step results (``after_step``'s report).
 
-        ``pool_parts=False``: send this rank's own part, whatever the group's pool. For a rank
-        writing in its own process beside ranks whose node agents write theirs (its agent died,
-        or never started): those ranks report through their agents and never add to the group's
-        pool, so a pooled part of this rank would wait there for them forever, and no step would
-        commit again.
+        ``pool_parts=False``: send this rank's own part, whatever the group's pool (always so
+        with ``blocking``: see below). For a rank writing in its own process beside ranks whose
+        node agents write theirs (its agent died, or never started): those ranks report through
+        their agents and never add to the group's pool, so a pooled part of this rank would wait
+        there for them forever, and no step would commit again.
 
         ``keep_every``: ``CheckpointConfig.keep_every``; such a step's snapshot is never replaced
         by a newer one while it waits for the writer (``is_milestone``)."""
@@ -166,7 +166,16 @@ class WorkerCheckpointer:
         self.keep_every = keep_every
         self.store = CheckpointStore(url, run_name, storage_options, retry=retry)
         self.min_shard_bytes = min_shard_bytes
-        self.pool_parts = pool_parts
+        # Blocking mode never pools: each rank reports its own parts. Why: a pooled step goes
+        # to the controller from whichever rank completed it last, and Ray orders only one
+        # submitter's calls, so step s+1 sent by rank 0 could overtake step s sent by rank 1. The
+        # committer then took s for superseded (every rank's part of s+1 was in, and a rank
+        # that reports a newer step without an older one skipped it) and never committed it,
+        # though this mode promises every step on storage, in order. One rank's own reports
+        # come in the order it wrote them, so an older step still incomplete when a newer one
+        # completes was skipped by a rank (a failed write) and can be let go. The cost, a message
+        # per rank a step instead of one, is small beside the write each step waits for here.
+        self.pool_parts = pool_parts and not blocking
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
         self._last_pushed: tuple[int, dict] | None = None
