@@ -175,6 +175,9 @@ class Controller:
     # How long a rollback waits for the nodes' checkpoint agents to finish writes of the state
     # it gives up (_rewind): one storage call each, normally milliseconds.
     SETTLE_TIMEOUT_S = 30.0
+    # How long, in blocking mode, a flush's second report of a part the rank pushed waits for the
+    # push to be taken in first (_await_push): the checkpoint thread's backlog, normally none.
+    PUSH_WAIT_S = 5.0
     FORM_ATTEMPTS = 3  # rendezvous a group gets while every rank is alive (_form_group)
     JOIN_GRACE_S = 30.0  # a join's wait beyond the group's own timeout, which the worker's join has too
 
@@ -1507,9 +1510,25 @@ class Controller:
         if self.committer is None or not extra:
             return
         for step, part in extra.get("ckpt_done", []):
+            if part.get("again") and self.run_config.checkpoint.blocking:
+                self._await_push(step, rank)
             self._add_part(step, rank, extra.get("world_size", len(self.group.members)), part)
         for ev in extra.get("ckpt_events", []):
             self._log_storage_event(ev, rank)
+
+    def _await_push(self, step: int, rank: int) -> None:
+        """Blocking mode: wait, at most ``PUSH_WAIT_S``, until the committer holds ``rank``'s part
+        of ``step`` from the rank's own push (``checkpoint_written``), before a flush's second
+        report of it (``WorkerCheckpointer.drain``) is added. Why: the pushes are taken in on the
+        checkpoint thread and the flush's report on this one. Added first, the rank's part of
+        step s made its push of step s-1, still queued behind, look skipped (a rank that reports
+        a newer step without an older one skipped it), and once s completed, s-1 was stale: it
+        never committed, though this mode promises every step. A rank's own pushes are taken
+        in the order it sent them (one submitter, an actor without max_concurrency), so once
+        this one is in, every earlier one is."""
+        deadline = time.monotonic() + self.PUSH_WAIT_S
+        while not self.committer.holds(step, rank) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def _actor_key(self, rank: int) -> str:
         """The actor that holds ``rank`` now, as a key that outlives it (its Ray actor ID): a

@@ -151,10 +151,10 @@ class Written:
         return getattr(self.ckpt, name)
 
 
-def pooled_rank(tmp_path, master, sent, blocking=False):
+def pooled_rank(tmp_path, master, sent, blocking=False, keep_every=0):
     """Rank 1 of 2 writing in process, pooling its parts in ``master``'s store (not when
-    ``blocking``: see the test below); rank 0 never adds any."""
-    ckpt = WorkerCheckpointer(f"file://{tmp_path}/ck", None, "pool", 1, blocking=blocking,
+    ``blocking``, nor its milestones: see the tests below); rank 0 never adds any."""
+    ckpt = WorkerCheckpointer(f"file://{tmp_path}/ck", None, "pool", 1, blocking=blocking, keep_every=keep_every,
                               notify=lambda step, world, parts: sent.append((step, world, sorted(parts))))
     model = torch.nn.Linear(4, 2)
     worker = types.SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -212,4 +212,17 @@ def test_blocking_mode_reports_each_ranks_own_parts_even_with_a_pool(tmp_path, m
     assert sent == [(1, 2, [1]), (2, 2, [1])]  # rank 1's own, one a step (pooled: step 1 with rank 0's)
     ckpt.left_group()
     assert len(sent) == 2  # nothing was left waiting in the pool
+    ckpt.close()
+
+
+def test_a_milestones_part_is_reported_on_its_own(tmp_path, master):
+    """The committer lets an older keep_every milestone go once a newer one is handed over,
+    which holds only if every rank's part of the older one came first. Pooled, milestone 2 sent
+    by one rank could come after milestone 4 sent by another, and milestone 2 was dropped."""
+    sent = []
+    ckpt, worker = pooled_rank(tmp_path, master, sent, keep_every=2)
+    for step in (1, 2, 3):
+        worker.completed_step = step
+        ckpt.after_step(worker, step)
+    assert sent == [(2, 2, [1])]  # steps 1 and 3 wait in the pool for rank 0's parts
     ckpt.close()

@@ -101,3 +101,59 @@ def test_a_part_taken_before_a_rollback_and_reported_after_it_does_not_complete_
     assert_same(c.committer.store.read_state(5)[0], workers[1].get_state())
     for hook in hooks:
         hook.close()
+
+
+
+def test_blocking_mode_a_flushed_part_waits_for_the_ranks_earlier_pushes(controller, tmp_path):
+    """Blocking mode promises every step on storage. At the end of a run the flush reports each
+    rank's newest part again (on the training thread), while its pushes are taken in on the
+    checkpoint thread. Rank 1's pushes of steps 1 and 2 are still queued there when its flushed
+    part of step 2 comes: taken in first, it made step 1 look skipped by rank 1, step 2 then
+    completed, and rank 1's push of step 1 came too late to commit it."""
+    import dataclasses
+    import threading
+    from types import SimpleNamespace
+
+    c = controller
+    config = CheckpointConfig(every_n_steps=1, blocking=True)
+    c.run_config = dataclasses.replace(c.run_config, checkpoint=config)
+    c.committer.close()
+    c.committer = CheckpointCommitter(c.committer.store, config)
+    c.group = SimpleNamespace(members=[None, None])
+    queued: list = []  # rank 1's pushes, behind other work on the controller's checkpoint thread
+
+    def notify(step, world_size, parts):
+        if 1 in parts:
+            queued.append((step, world_size, parts))
+        else:
+            c.checkpoint_written(step, world_size, parts)
+
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = [WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, blocking=True,
+                                notify=notify) for _ in workers]
+    try:
+        for step in (1, 2):
+            for worker, hook in zip(workers, hooks):
+                worker.train(step)
+                worker.completed_step = step
+                hook.after_step(worker, step)
+            c.committer.set_meta(step, {"data": {"cursor": step}})
+        assert [s for s, _, _ in queued] == [1, 2]
+
+        def checkpoint_thread():
+            time.sleep(0.3)
+            for push in queued:
+                c.checkpoint_written(*push)
+
+        pushes = threading.Thread(target=checkpoint_thread)
+        pushes.start()
+        report = hooks[1].drain()  # the flush's report: rank 1's newest part again
+        assert [s for s, _ in report["ckpt_done"]] == [2]
+        c._merge_ckpt(1, {**report, "world_size": 2})
+        pushes.join()
+        assert c.committer.flush(10) and c.committer.latest_committed == 2
+        committed = [e["step"] for e in c.committer.drain_events() if e["event"] == "checkpoint_committed"]
+        assert committed == [1, 2]
+    finally:
+        for hook in hooks:
+            hook.close()

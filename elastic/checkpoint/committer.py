@@ -87,7 +87,9 @@ class CheckpointCommitter:
         # retention promised it. So a milestone newer than the newest one handed to the commit
         # thread (_milestone_floor) is neither pruned nor stale, and its directory is no sweep's,
         # until a newer milestone is handed over (a milestone that never completes, a rank lost
-        # before it wrote its part, then goes as any incomplete step does). Those handed over and
+        # before it wrote its part, then goes as any incomplete step does; each rank reports its
+        # own part of a milestone, never pooled, so by then its parts of older ones are in: see
+        # WorkerCheckpointer.snapshot). Those handed over and
         # not yet on storage (_milestones_in_flight) are no sweep's either.
         self._milestone_floor = self._milestone_at_or_below(latest_committed)
         self._milestones_in_flight: set[int] = set()

@@ -219,9 +219,17 @@ class WorkerCheckpointer:
         except Exception as exc:  # noqa: BLE001 - a snapshot that failed must not stop training
             return self._snapshot_failed(worker, step, exc)
         self.last_snapshot_s = time.perf_counter() - t0
-        pool = getattr(worker, "part_pool", None) if self.pool_parts and pooled else None
+        # A keep_every milestone goes on its own too. Why: the committer takes an older milestone
+        # still incomplete when a newer one completes as one that never will (a rank lost before
+        # it wrote its part), which holds only if each rank's part of the older one came first.
+        # Pooled, a milestone goes from whichever rank completed it, and Ray orders one sender's
+        # calls only: milestone m sent by one rank could come after milestone m + keep_every
+        # sent by another, and m was dropped, its directory swept. Milestones are few, so the
+        # messages they add are too.
+        milestone = is_milestone(self.keep_every, step)
+        pool = getattr(worker, "part_pool", None) if self.pool_parts and pooled and not milestone else None
         self.persister.submit(step, (snapshot, pool, group_generation(worker)),
-                              light=not snapshot.writes_file, keep=is_milestone(self.keep_every, step))
+                              light=not snapshot.writes_file, keep=milestone)
         return []
 
     def _write(self, payload: tuple) -> dict:
@@ -288,12 +296,15 @@ class WorkerCheckpointer:
 
         When parts are pushed to the controller, the newest one is reported again here: the push
         is a message that may still be on its way when the controller makes its final commit, and
-        a second report of a part is harmless (the committer ignores steps it has already taken).
-        The part carries the snapshot's time, so a step committed from it still says how long it
+        a second report of a part is harmless (the committer ignores steps it has already taken;
+        in blocking mode the controller waits for the push before it takes this one, so that it
+        never comes before the rank's push of an earlier step: ``again``). The part carries the snapshot's time, so a step committed from it still says how long it
         took to persist."""
         out = self._report(extra_events)
         if self._last_pushed is not None:
-            out["ckpt_done"].append(self._last_pushed)
+            # Marked: in blocking mode the controller first waits for the push (_await_push).
+            step, part = self._last_pushed
+            out["ckpt_done"].append((step, {**part, "again": True}))
         out["snapshots_dropped"] = 0  # never: a snapshot here waits for the writer (see AgentCheckpointer.drain)
         return out
 
