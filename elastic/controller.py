@@ -28,7 +28,7 @@ from elastic.actors.worker_group import (Member, PlacementTimeout, WorkerGroup, 
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents, refused_on_node
 from elastic.checkpoint.compat import UnsaveableState
-from elastic.checkpoint.store import taken_at_here
+from elastic.checkpoint.store import is_milestone, taken_at_here
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.redact import redact_urls_in
 from elastic.data import BatchSchedule, DataPosition, SampleLedger, ShardPlan, epoch_order_digest
@@ -299,6 +299,10 @@ class Controller:
         # (step, rank) -> the generation whose snapshot of that step writes the rank's file again
         # after an eviction (_snapshot_after_evict): an older actor's part of it is dropped.
         self._written_again: dict[tuple[int, int], int] = {}
+        # rank -> (group generation, step) of the newest part the rank pushed that the
+        # checkpoint thread took in (checkpoint_written), for _await_push; its condition.
+        self._pushed: dict[int, tuple[int, int]] = {}
+        self._pushed_cv = threading.Condition()
         try:  # inside the controller actor: ranks report checkpoint parts straight to it
             self._self_handle = ray.get_runtime_context().current_actor
         except Exception:  # a driver-side controller (tests): reports ride on step results
@@ -744,6 +748,11 @@ class Controller:
             return
         for rank, part in parts.items():
             self._add_part(step, int(rank), world_size, part)
+        with self._pushed_cv:
+            for rank, part in parts.items():
+                key = (int(part.get("generation") or 0), step)
+                self._pushed[int(rank)] = max(self._pushed.get(int(rank), key), key)
+            self._pushed_cv.notify_all()
 
     def _add_part(self, step: int, rank: int, world_size: int, part: dict) -> None:
         """A rank's written part to the committer, unless the rank took its snapshot in a group
@@ -1509,26 +1518,42 @@ class Controller:
         extra = result.extra if hasattr(result, "extra") else (result or {})
         if self.committer is None or not extra:
             return
+        ckpt = self.run_config.checkpoint
         for step, part in extra.get("ckpt_done", []):
-            if part.get("again") and self.run_config.checkpoint.blocking:
-                self._await_push(step, rank)
+            if part.get("again") and (ckpt.blocking or is_milestone(ckpt.keep_every, step)):
+                self._await_push(step, rank, part.get("generation"))
             self._add_part(step, rank, extra.get("world_size", len(self.group.members)), part)
         for ev in extra.get("ckpt_events", []):
             self._log_storage_event(ev, rank)
 
-    def _await_push(self, step: int, rank: int) -> None:
-        """Blocking mode: wait, at most ``PUSH_WAIT_S``, until the committer holds ``rank``'s part
-        of ``step`` from the rank's own push (``checkpoint_written``), before a flush's second
-        report of it (``WorkerCheckpointer.drain``) is added. Why: the pushes are taken in on the
-        checkpoint thread and the flush's report on this one. Added first, the rank's part of
-        step s made its push of step s-1, still queued behind, look skipped (a rank that reports
-        a newer step without an older one skipped it), and once s completed, s-1 was stale: it
-        never committed, though this mode promises every step. A rank's own pushes are taken
-        in the order it sent them (one submitter, an actor without max_concurrency), so once
-        this one is in, every earlier one is."""
-        deadline = time.monotonic() + self.PUSH_WAIT_S
-        while not self.committer.holds(step, rank) and time.monotonic() < deadline:
-            time.sleep(0.005)
+    def _await_push(self, step: int, rank: int, generation: int | None) -> None:
+        """Wait, at most ``PUSH_WAIT_S``, until the checkpoint thread has taken in ``rank``'s own
+        push of its part of ``step`` (``checkpoint_written``), before a flush's second report of
+        that part (``WorkerCheckpointer.drain``) is added. For the parts every rank reports on
+        its own: every part in blocking mode, a keep_every milestone's in any mode.
+
+        Why: the pushes are taken in on the checkpoint thread, the flush's report on this one.
+        In blocking mode, taken in first, the rank's part of step s made its push of step s-1,
+        still queued there, look skipped (a rank that reports a newer step without an older one
+        skipped it), and once s completed, s-1 was stale and never committed, though this mode
+        promises every step. A milestone taken in first moved the milestone floor past the
+        rank's push of the one before, which was then dropped.
+
+        Why waiting for the push itself holds: a rank's pushes come from one submitter to an
+        actor without max_concurrency, which Ray runs in the order sent, so once this one is in
+        (or a newer one, or one of a newer group generation: the rank moved on), every earlier
+        one is. Not the committer's state: a step another rank's failed write left incomplete
+        is never held, and the wait ran out for every rank. A part of a generation a rollback
+        left behind is dropped anyway (``_add_part``): no wait."""
+        if generation is not None and int(generation) <= self._rolled_back_through:
+            return
+        want = (int(generation or 0), step)
+        with self._pushed_cv:
+            came = self._pushed_cv.wait_for(lambda: self._pushed.get(rank, (-1, -1)) >= want,
+                                            timeout=self.PUSH_WAIT_S)
+        if not came:
+            logger.warning("rank %d's checkpoint push of step %d did not come within %gs; taking the part from "
+                           "its final report", rank, step, self.PUSH_WAIT_S)
 
     def _actor_key(self, rank: int) -> str:
         """The actor that holds ``rank`` now, as a key that outlives it (its Ray actor ID): a

@@ -2644,6 +2644,29 @@ def test_a_milestone_whose_parts_come_after_a_newer_steps_is_still_committed(tmp
         committer.close()
 
 
+def test_a_milestones_own_report_does_not_let_go_of_older_steps_still_in_the_pool(tmp_path):
+    """Each rank reports its part of a milestone on its own (never pooled), while its parts of
+    the steps before it may still wait in the group's pool for a slower rank's. Rank 1's report
+    of milestone 4 came first: taken for a sign that rank 1 skipped steps 2 and 3, it let go of
+    their metas, and their pooled parts, when they came, committed nothing."""
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, keep_every=4, gc_interval_s=0, retention_interval_s=0)
+    written = {step: [store.write_rank_files(step, rank, 2, tiny_state(step)) for rank in range(2)]
+               for step in (2, 3, 4)}
+    try:
+        for step in (2, 3, 4):
+            committer.set_meta(step, {"cursor": step})
+        committer.add(4, 1, 2, written[4][1])  # rank 1's milestone, on its own
+        for step in (2, 3):  # the pool's reports, each with both ranks' parts
+            for rank in range(2):
+                committer.add(step, rank, 2, written[step][rank])
+        assert committer.flush(10) and committer.latest_committed == 3
+        committer.add(4, 0, 2, written[4][0])
+        assert committer.flush(10) and committer.latest_committed == 4
+    finally:
+        committer.close()
+
+
 def test_a_late_milestone_over_a_step_an_earlier_timeline_left_is_not_deleted_as_passed(tmp_path):
     """Step 2 on storage is a timeline's this run left (above the step it started from, 1). This
     run writes milestone 2 again, and its parts come in after step 3's: the cleanup after step 3's

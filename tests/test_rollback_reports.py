@@ -4,7 +4,10 @@ context is a stand-in; nothing here starts or joins a cluster)."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -103,17 +106,12 @@ def test_a_part_taken_before_a_rollback_and_reported_after_it_does_not_complete_
         hook.close()
 
 
-
 def test_blocking_mode_a_flushed_part_waits_for_the_ranks_earlier_pushes(controller, tmp_path):
     """Blocking mode promises every step on storage. At the end of a run the flush reports each
     rank's newest part again (on the training thread), while its pushes are taken in on the
     checkpoint thread. Rank 1's pushes of steps 1 and 2 are still queued there when its flushed
     part of step 2 comes: taken in first, it made step 1 look skipped by rank 1, step 2 then
     completed, and rank 1's push of step 1 came too late to commit it."""
-    import dataclasses
-    import threading
-    from types import SimpleNamespace
-
     c = controller
     config = CheckpointConfig(every_n_steps=1, blocking=True)
     c.run_config = dataclasses.replace(c.run_config, checkpoint=config)
@@ -157,3 +155,78 @@ def test_blocking_mode_a_flushed_part_waits_for_the_ranks_earlier_pushes(control
     finally:
         for hook in hooks:
             hook.close()
+
+
+def test_a_flushed_part_waits_for_the_ranks_push_not_for_its_step_to_complete(controller, tmp_path, monkeypatch,
+                                                                             caplog):
+    """Blocking mode: rank 0's write of step 2 failed (storage down), so step 2 never completes,
+    and the committer holds no part of it once rank 0 reports step 3. The flush's report of rank
+    1's step 2 waits for rank 1's push of it, which came long ago: not for the committer to hold
+    the part, which it never does (the whole wait, for every rank, at the run's end)."""
+    c = controller
+    config = CheckpointConfig(every_n_steps=1, blocking=True)
+    c.run_config = dataclasses.replace(c.run_config, checkpoint=config)
+    c.committer.close()
+    c.committer = CheckpointCommitter(c.committer.store, config)
+    c.group = SimpleNamespace(members=[None, None])
+    monkeypatch.setattr(c, "PUSH_WAIT_S", 60.0)
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = [WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, blocking=True,
+                                notify=c.checkpoint_written) for _ in workers]
+    try:
+        for step in (1, 2, 3):
+            for worker, hook in zip(workers, hooks):
+                worker.train(step)
+                worker.completed_step = step
+                if (step, worker.rank) in ((2, 0),):
+                    continue  # its write failed: no part, no push
+                if (step, worker.rank) == (3, 1):
+                    continue  # rank 1 stops after step 2 (its last push)
+                hook.after_step(worker, step)
+            c.committer.set_meta(step, {"data": {"cursor": step}})
+        assert not c.committer.holds(2, 1)  # let go: rank 0 skipped step 2
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="elastic.controller"):
+            c._merge_ckpt(1, {**hooks[1].drain(), "world_size": 2})
+        assert time.monotonic() - started < 30
+        assert "did not come within" not in caplog.text
+    finally:
+        for hook in hooks:
+            hook.close()
+
+
+def test_a_flushed_milestone_waits_for_the_ranks_push_of_the_milestone_before(controller, tmp_path):
+    """Background writes, keep_every=2: a rank's pushes of milestones 2 and 4 are still queued on
+    the checkpoint thread when the flush reports milestone 4 again. Taken in first, it moved the
+    milestone floor to 4, and milestone 2, when its push came, was dropped for good."""
+    c = controller
+    config = CheckpointConfig(every_n_steps=1, keep_last=1, keep_every=2)
+    c.run_config = dataclasses.replace(c.run_config, checkpoint=config)
+    c.committer.close()
+    c.committer = CheckpointCommitter(c.committer.store, config, gc_interval_s=0, retention_interval_s=0)
+    c.group = SimpleNamespace(members=[None])
+    queued: list = []
+    worker = FakeWorker(rank=0, world_size=1)
+    hook = WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, keep_every=2,
+                              notify=lambda *push: queued.append(push))
+    try:
+        for step in (1, 2, 3, 4):
+            worker.train(step)
+            worker.completed_step = step
+            hook.after_step(worker, step)
+            assert hook.flush(10)
+            c.committer.set_meta(step, {"data": {"cursor": step}})
+
+        def checkpoint_thread():
+            time.sleep(0.3)
+            for push in queued:
+                c.checkpoint_written(*push)
+
+        pushes = threading.Thread(target=checkpoint_thread)
+        pushes.start()
+        c._merge_ckpt(0, {**hook.drain(), "world_size": 1})
+        pushes.join()
+        assert c.committer.flush(10) and c.committer.latest_committed == 4
+        assert c.committer.store.committed_steps() == [2, 4]
+    finally:
+        hook.close()

@@ -214,8 +214,8 @@ class WorkerGroup:
             # rank's node dies with it, and the node's loss then finds no spare (a wait for
             # capacity or a restart from the checkpoint, not one step). Where no other node could
             # host one (one node, or the others too small) they go anywhere (_avoidable), and one
-            # still unplaced after AVOID_GRACE_S (the start's wait below and a recovery's block;
-            # placement_timeout_s in the background) is asked for anywhere.
+            # still unplaced after AVOID_GRACE_S (at most placement_timeout_s: the start's wait
+            # below and a recovery's; placement_timeout_s in the background) is asked for anywhere.
             rank_nodes = sorted({node for node in bundle_nodes.values() if node})
             for _ in range(self.scaling.num_hot_spares):
                 self.request_spare(avoid_nodes=rank_nodes)

@@ -87,9 +87,10 @@ class CheckpointCommitter:
         # retention promised it. So a milestone newer than the newest one handed to the commit
         # thread (_milestone_floor) is neither pruned nor stale, and its directory is no sweep's,
         # until a newer milestone is handed over (a milestone that never completes, a rank lost
-        # before it wrote its part, then goes as any incomplete step does; each rank reports its
-        # own part of a milestone, never pooled, so by then its parts of older ones are in: see
-        # WorkerCheckpointer.snapshot). Those handed over and
+        # before it wrote its part, then goes as any incomplete step does. That holds because a
+        # rank's parts of milestones come from one sender, in order: the rank itself, never
+        # through the group's pool (WorkerCheckpointer.snapshot), or its node's agent; so by then
+        # its parts of older ones are in). Those handed over and
         # not yet on storage (_milestones_in_flight) are no sweep's either.
         self._milestone_floor = self._milestone_at_or_below(latest_committed)
         self._milestones_in_flight: set[int] = set()
@@ -175,7 +176,11 @@ class CheckpointCommitter:
                 record.setdefault("rng", {})[rank] = rng
             if taken_at is not None:
                 record["taken_at"] = min(taken_at, record.get("taken_at", taken_at))
-            self._prune_skipped(step, rank)
+            if not is_milestone(self.keep_every, step):
+                # A milestone's report says nothing of the steps before it: a rank never skips a
+                # milestone, and reports it on its own while its parts of older steps may still
+                # wait in the group's pool for a slower rank's (WorkerCheckpointer.snapshot).
+                self._prune_skipped(step, rank)
             self._bound(self._reports)
             self._maybe_submit(step)
 
@@ -290,7 +295,7 @@ class CheckpointCommitter:
     def _prune_skipped(self, step: int, rank: int) -> None:
         """A rank writes its steps in order and skips superseded ones, so once it reports ``step``, every
         older pending step it has not reported can never complete. Not a milestone: a rank never
-        skips one, and with pooled parts its report can come after a newer step's."""
+        skips one, and its report (each rank's own) can come after a newer step's pooled one."""
         for table in (self._reports, self._metas):
             for s in [s for s in table if s < step and not self._awaited(s)]:
                 record = self._reports.get(s)

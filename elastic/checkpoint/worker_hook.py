@@ -297,12 +297,13 @@ class WorkerCheckpointer:
         When parts are pushed to the controller, the newest one is reported again here: the push
         is a message that may still be on its way when the controller makes its final commit, and
         a second report of a part is harmless (the committer ignores steps it has already taken;
-        in blocking mode the controller waits for the push before it takes this one, so that it
-        never comes before the rank's push of an earlier step: ``again``). The part carries the snapshot's time, so a step committed from it still says how long it
-        took to persist."""
+        where each rank reports its own parts, blocking mode and milestones, the controller
+        waits for the push before it takes this one, so that it never comes before the rank's
+        push of an earlier step: ``again``). The part carries the snapshot's time, so a step
+        committed from it still says how long it took to persist."""
         out = self._report(extra_events)
         if self._last_pushed is not None:
-            # Marked: in blocking mode the controller first waits for the push (_await_push).
+            # Marked: the controller may first wait for the push (Controller._await_push).
             step, part = self._last_pushed
             out["ckpt_done"].append((step, {**part, "again": True}))
         out["snapshots_dropped"] = 0  # never: a snapshot here waits for the writer (see AgentCheckpointer.drain)
