@@ -1520,9 +1520,14 @@ class Controller:
             return
         ckpt = self.run_config.checkpoint
         for step, part in extra.get("ckpt_done", []):
-            if part.get("again") and (ckpt.blocking or is_milestone(ckpt.keep_every, step)):
-                self._await_push(step, rank, part.get("generation"))
-            self._add_part(step, rank, extra.get("world_size", len(self.group.members)), part)
+            r, world_size = rank, extra.get("world_size", len(self.group.members))
+            if part.get("again"):
+                # A second report of a part the rank pushed: as the push named it, by the rank and
+                # world size of its snapshot (the rank asked, after a shrink, may be another one).
+                r, world_size = int(part.get("rank", r)), int(part.get("world_size", world_size))
+                if ckpt.blocking or is_milestone(ckpt.keep_every, step):
+                    self._await_push(step, r, part.get("generation"))
+            self._add_part(step, r, world_size, part)
         for ev in extra.get("ckpt_events", []):
             self._log_storage_event(ev, rank)
 

@@ -230,3 +230,15 @@ def test_a_flushed_milestone_waits_for_the_ranks_push_of_the_milestone_before(co
         assert c.committer.store.committed_steps() == [2, 4]
     finally:
         hook.close()
+
+
+def test_a_flushed_part_of_an_old_group_counts_as_its_snapshots_rank(controller):
+    """A shrink renumbered the ranks: the rank asked at the run's end is rank 0 of 2, and its
+    newest pushed part is still the one it wrote as rank 1 of 3. The second report of it went
+    in as rank 0's of world size 2, which replaced the step's parts of the old world."""
+    c = controller
+    c.group = SimpleNamespace(members=[None, None])
+    c.checkpoint_written(5, 3, {0: part(5), 2: part(5)})
+    again = {**part(5), "again": True, "rank": 1, "world_size": 3}
+    c._merge_ckpt(0, {"ckpt_done": [(5, again)], "ckpt_events": [], "world_size": 2})
+    assert all(c.committer.holds(5, r) for r in range(3))

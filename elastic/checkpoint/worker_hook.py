@@ -178,7 +178,7 @@ class WorkerCheckpointer:
         self.pool_parts = pool_parts and not blocking
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
-        self._last_pushed: tuple[int, dict] | None = None
+        self._last_pushed: tuple[int, dict, int, int] | None = None  # step, part, rank, world size
         # The newest part added to the group's pool that did not complete its step there:
         # (step, world size, {rank: part}), reported on its own if the rank leaves the group first.
         self._pooled_waiting: tuple[int, int, dict] | None = None
@@ -245,7 +245,7 @@ class WorkerCheckpointer:
 
     def _push(self, step: int, payload: tuple, written: dict) -> None:
         snapshot, pool, _ = payload
-        self._last_pushed = (step, written)
+        self._last_pushed = (step, written, snapshot.rank, snapshot.world_size)
         part = {**written, "progress": self._progress() if self._progress is not None else step}
         parts: dict[int, dict] | None = {snapshot.rank: part}
         if pool is not None:  # a group of more than one rank
@@ -303,9 +303,11 @@ class WorkerCheckpointer:
         committed from it still says how long it took to persist."""
         out = self._report(extra_events)
         if self._last_pushed is not None:
-            # Marked: the controller may first wait for the push (Controller._await_push).
-            step, part = self._last_pushed
-            out["ckpt_done"].append((step, {**part, "again": True}))
+            # Marked: the controller may first wait for the push (Controller._await_push). With
+            # the snapshot's rank and world size: after a shrink renumbered the ranks, a part of
+            # the old group's is another rank's, of another world size, than the rank asked.
+            step, part, rank, world_size = self._last_pushed
+            out["ckpt_done"].append((step, {**part, "again": True, "rank": rank, "world_size": world_size}))
         out["snapshots_dropped"] = 0  # never: a snapshot here waits for the writer (see AgentCheckpointer.drain)
         return out
 
