@@ -32,6 +32,30 @@ def part(progress: int, **extra) -> dict:
     return {"entries": [], "taken_at": time.time(), "progress": progress, "rng": {"python": progress}, **extra}
 
 
+def committing(c, config: CheckpointConfig, world_size: int, **kwargs) -> None:
+    """``c`` as set up for ``config``: its committer, and a group of ``world_size`` stand-ins."""
+    c.run_config = dataclasses.replace(c.run_config, checkpoint=config)
+    c.committer.close()
+    c.committer = CheckpointCommitter(c.committer.store, config, **kwargs)
+    c.group = SimpleNamespace(members=[None] * world_size)
+
+
+def merge_while_pushes_come(c, rank: int, report: dict, queued: list) -> None:
+    """The flush's ``report`` of ``rank`` merged on this thread while the rank's ``queued``
+    pushes reach the checkpoint thread, 0.3 s later."""
+    def checkpoint_thread():
+        time.sleep(0.3)
+        for push in queued:
+            c.checkpoint_written(*push)
+
+    pushes = threading.Thread(target=checkpoint_thread)
+    pushes.start()
+    try:
+        c._merge_ckpt(rank, report)
+    finally:
+        pushes.join()
+
+
 def test_a_rollback_takes_the_ranks_progress_back_to_the_step_it_went_back_to(controller, monkeypatch):
     """Every rank loads committed step 3 (no survivor held the state) after a rank reported
     step 10: the commit lag counts from step 3 again, and a rank's step 4 is its progress."""
@@ -113,11 +137,7 @@ def test_blocking_mode_a_flushed_part_waits_for_the_ranks_earlier_pushes(control
     part of step 2 comes: taken in first, it made step 1 look skipped by rank 1, step 2 then
     completed, and rank 1's push of step 1 came too late to commit it."""
     c = controller
-    config = CheckpointConfig(every_n_steps=1, blocking=True)
-    c.run_config = dataclasses.replace(c.run_config, checkpoint=config)
-    c.committer.close()
-    c.committer = CheckpointCommitter(c.committer.store, config)
-    c.group = SimpleNamespace(members=[None, None])
+    committing(c, CheckpointConfig(every_n_steps=1, blocking=True), 2)
     queued: list = []  # rank 1's pushes, behind other work on the controller's checkpoint thread
 
     def notify(step, world_size, parts):
@@ -137,18 +157,9 @@ def test_blocking_mode_a_flushed_part_waits_for_the_ranks_earlier_pushes(control
                 hook.after_step(worker, step)
             c.committer.set_meta(step, {"data": {"cursor": step}})
         assert [s for s, _, _ in queued] == [1, 2]
-
-        def checkpoint_thread():
-            time.sleep(0.3)
-            for push in queued:
-                c.checkpoint_written(*push)
-
-        pushes = threading.Thread(target=checkpoint_thread)
-        pushes.start()
         report = hooks[1].drain()  # the flush's report: rank 1's newest part again
         assert [s for s, _ in report["ckpt_done"]] == [2]
-        c._merge_ckpt(1, {**report, "world_size": 2})
-        pushes.join()
+        merge_while_pushes_come(c, 1, {**report, "world_size": 2}, queued)
         assert c.committer.flush(10) and c.committer.latest_committed == 2
         committed = [e["step"] for e in c.committer.drain_events() if e["event"] == "checkpoint_committed"]
         assert committed == [1, 2]
@@ -164,11 +175,7 @@ def test_a_flushed_part_waits_for_the_ranks_push_not_for_its_step_to_complete(co
     1's step 2 waits for rank 1's push of it, which came long ago: not for the committer to hold
     the part, which it never does (the whole wait, for every rank, at the run's end)."""
     c = controller
-    config = CheckpointConfig(every_n_steps=1, blocking=True)
-    c.run_config = dataclasses.replace(c.run_config, checkpoint=config)
-    c.committer.close()
-    c.committer = CheckpointCommitter(c.committer.store, config)
-    c.group = SimpleNamespace(members=[None, None])
+    committing(c, CheckpointConfig(every_n_steps=1, blocking=True), 2)
     monkeypatch.setattr(c, "PUSH_WAIT_S", 60.0)
     workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
     hooks = [WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, blocking=True,
@@ -178,7 +185,7 @@ def test_a_flushed_part_waits_for_the_ranks_push_not_for_its_step_to_complete(co
             for worker, hook in zip(workers, hooks):
                 worker.train(step)
                 worker.completed_step = step
-                if (step, worker.rank) in ((2, 0),):
+                if (step, worker.rank) == (2, 0):
                     continue  # its write failed: no part, no push
                 if (step, worker.rank) == (3, 1):
                     continue  # rank 1 stops after step 2 (its last push)
@@ -200,11 +207,8 @@ def test_a_flushed_milestone_waits_for_the_ranks_push_of_the_milestone_before(co
     the checkpoint thread when the flush reports milestone 4 again. Taken in first, it moved the
     milestone floor to 4, and milestone 2, when its push came, was dropped for good."""
     c = controller
-    config = CheckpointConfig(every_n_steps=1, keep_last=1, keep_every=2)
-    c.run_config = dataclasses.replace(c.run_config, checkpoint=config)
-    c.committer.close()
-    c.committer = CheckpointCommitter(c.committer.store, config, gc_interval_s=0, retention_interval_s=0)
-    c.group = SimpleNamespace(members=[None])
+    committing(c, CheckpointConfig(every_n_steps=1, keep_last=1, keep_every=2), 1, gc_interval_s=0,
+               retention_interval_s=0)
     queued: list = []
     worker = FakeWorker(rank=0, world_size=1)
     hook = WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, keep_every=2,
@@ -216,16 +220,7 @@ def test_a_flushed_milestone_waits_for_the_ranks_push_of_the_milestone_before(co
             hook.after_step(worker, step)
             assert hook.flush(10)
             c.committer.set_meta(step, {"data": {"cursor": step}})
-
-        def checkpoint_thread():
-            time.sleep(0.3)
-            for push in queued:
-                c.checkpoint_written(*push)
-
-        pushes = threading.Thread(target=checkpoint_thread)
-        pushes.start()
-        c._merge_ckpt(0, {**hook.drain(), "world_size": 1})
-        pushes.join()
+        merge_while_pushes_come(c, 0, {**hook.drain(), "world_size": 1}, queued)
         assert c.committer.flush(10) and c.committer.latest_committed == 4
         assert c.committer.store.committed_steps() == [2, 4]
     finally:
