@@ -175,8 +175,9 @@ class Controller:
     # How long a rollback waits for the nodes' checkpoint agents to finish writes of the state
     # it gives up (_rewind): one storage call each, normally milliseconds.
     SETTLE_TIMEOUT_S = 30.0
-    # How long, in blocking mode, a flush's second report of a part the rank pushed waits for the
-    # push to be taken in first (_await_push): the checkpoint thread's backlog, normally none.
+    # How long a flush's second report of a part the rank pushed itself (blocking mode, keep_every
+    # milestones) waits for the push to be taken in first (_await_push): the checkpoint thread's
+    # backlog, normally none.
     PUSH_WAIT_S = 5.0
     FORM_ATTEMPTS = 3  # rendezvous a group gets while every rank is alive (_form_group)
     JOIN_GRACE_S = 30.0  # a join's wait beyond the group's own timeout, which the worker's join has too
