@@ -28,7 +28,7 @@ from elastic.actors.worker_group import (Member, PlacementTimeout, WorkerGroup, 
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents, refused_on_node
 from elastic.checkpoint.compat import UnsaveableState
-from elastic.checkpoint.store import is_milestone, taken_at_here
+from elastic.checkpoint.store import taken_at_here
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
 from elastic.redact import redact_urls_in
 from elastic.data import BatchSchedule, DataPosition, SampleLedger, ShardPlan, epoch_order_digest
@@ -175,9 +175,8 @@ class Controller:
     # How long a rollback waits for the nodes' checkpoint agents to finish writes of the state
     # it gives up (_rewind): one storage call each, normally milliseconds.
     SETTLE_TIMEOUT_S = 30.0
-    # How long a flush's second report of a part the rank pushed itself (blocking mode, keep_every
-    # milestones) waits for the push to be taken in first (_await_push): the checkpoint thread's
-    # backlog, normally none.
+    # How long a flush's second report of a part the rank sent itself waits for that message to be
+    # taken in first (_await_push): the checkpoint thread's backlog, normally none.
     PUSH_WAIT_S = 5.0
     FORM_ATTEMPTS = 3  # rendezvous a group gets while every rank is alive (_form_group)
     JOIN_GRACE_S = 30.0  # a join's wait beyond the group's own timeout, which the worker's join has too
@@ -1519,14 +1518,13 @@ class Controller:
         extra = result.extra if hasattr(result, "extra") else (result or {})
         if self.committer is None or not extra:
             return
-        ckpt = self.run_config.checkpoint
         for step, part in extra.get("ckpt_done", []):
             r, world_size = rank, extra.get("world_size", len(self.group.members))
             if part.get("again"):
                 # A second report of a part the rank pushed: as the push named it, by the rank and
                 # world size of its snapshot (the rank asked, after a shrink, may be another one).
                 r, world_size = int(part.get("rank", r)), int(part.get("world_size", world_size))
-                if ckpt.blocking or is_milestone(ckpt.keep_every, step):
+                if part.get("sent"):
                     self._await_push(step, r, part.get("generation"))
             self._add_part(step, r, world_size, part)
         for ev in extra.get("ckpt_events", []):
@@ -1535,8 +1533,9 @@ class Controller:
     def _await_push(self, step: int, rank: int, generation: int | None) -> None:
         """Wait, at most ``PUSH_WAIT_S``, until the checkpoint thread has taken in ``rank``'s own
         push of its part of ``step`` (``checkpoint_written``), before a flush's second report of
-        that part (``WorkerCheckpointer.drain``) is added. For the parts every rank reports on
-        its own: every part in blocking mode, a keep_every milestone's in any mode.
+        that part (``WorkerCheckpointer.drain``) is added. For a part the rank sent itself
+        (``sent``): every part in blocking mode, a keep_every milestone's in any mode, a pooled
+        step the rank completed. Not one another rank was to send: that one may never come.
 
         Why: the pushes are taken in on the checkpoint thread, the flush's report on this one.
         In blocking mode, taken in first, the rank's part of step s made its push of step s-1,

@@ -178,7 +178,8 @@ class WorkerCheckpointer:
         self.pool_parts = pool_parts and not blocking
         self.close_timeout_s = close_timeout_s
         self._notify, self._progress = notify, progress
-        self._last_pushed: tuple[int, dict, int, int] | None = None  # step, part, rank, world size
+        # The newest part written, as the flush reports it again (drain): (step, part).
+        self._last_pushed: tuple[int, dict] | None = None
         # The newest part added to the group's pool that did not complete its step there:
         # (step, world size, {rank: part}), reported on its own if the rank leaves the group first.
         self._pooled_waiting: tuple[int, int, dict] | None = None
@@ -245,7 +246,10 @@ class WorkerCheckpointer:
 
     def _push(self, step: int, payload: tuple, written: dict) -> None:
         snapshot, pool, _ = payload
-        self._last_pushed = (step, written, snapshot.rank, snapshot.world_size)
+        # With the snapshot's rank and world size: after a shrink renumbered the ranks, a part of
+        # the old group's is another rank's, of another world size, than the rank the flush asks.
+        again = {**written, "again": True, "rank": snapshot.rank, "world_size": snapshot.world_size}
+        self._last_pushed = (step, again)
         part = {**written, "progress": self._progress() if self._progress is not None else step}
         parts: dict[int, dict] | None = {snapshot.rank: part}
         if pool is not None:  # a group of more than one rank
@@ -270,6 +274,7 @@ class WorkerCheckpointer:
             if parts is None:
                 return  # another rank's part completes the step; that rank reports it
             self._pooled_waiting = None  # reported now, or superseded by this newer step
+        again["sent"] = True  # by this rank: the controller may wait for it (Controller._await_push)
         self._notify(step, snapshot.world_size, parts)
 
     def left_group(self) -> None:
@@ -281,6 +286,8 @@ class WorkerCheckpointer:
         controller twice, which the committer ignores."""
         waiting, self._pooled_waiting = self._pooled_waiting, None
         if waiting is not None and self._notify is not None:
+            if self._last_pushed is not None and self._last_pushed[0] == waiting[0]:
+                self._last_pushed[1]["sent"] = True
             self._notify(*waiting)
 
     def _report(self, extra_events: list[dict] | None = None) -> dict:
@@ -297,17 +304,14 @@ class WorkerCheckpointer:
         When parts are pushed to the controller, the newest one is reported again here: the push
         is a message that may still be on its way when the controller makes its final commit, and
         a second report of a part is harmless (the committer ignores steps it has already taken;
-        where each rank reports its own parts, blocking mode and milestones, the controller
-        waits for the push before it takes this one, so that it never comes before the rank's
-        push of an earlier step: ``again``). The part carries the snapshot's time, so a step
+        where this rank sent the part itself, ``sent``, the controller waits for that message
+        before it takes this one, so that it never comes before the rank's message of an earlier
+        step: ``Controller._await_push``). The part carries the snapshot's time, so a step
         committed from it still says how long it took to persist."""
         out = self._report(extra_events)
         if self._last_pushed is not None:
-            # Marked: the controller may first wait for the push (Controller._await_push). With
-            # the snapshot's rank and world size: after a shrink renumbered the ranks, a part of
-            # the old group's is another rank's, of another world size, than the rank asked.
-            step, part, rank, world_size = self._last_pushed
-            out["ckpt_done"].append((step, {**part, "again": True, "rank": rank, "world_size": world_size}))
+            step, again = self._last_pushed
+            out["ckpt_done"].append((step, dict(again)))
         out["snapshots_dropped"] = 0  # never: a snapshot here waits for the writer (see AgentCheckpointer.drain)
         return out
 
