@@ -2911,7 +2911,14 @@ class Controller:
                 # new one lands can still replace the file: resume then finds the step's
                 # checksum wrong and takes the previous commit.)
                 members = [m for m in members if not self.committer.holds(step, m.rank)]
-                self._written_again = {(step, m.rank): self.generation for m in members}
+                # Added to, not replaced: an earlier eviction's step may not have committed yet,
+                # and its old actor's part may still wait in a node agent's pool. A step that
+                # committed takes no more parts (the committer judges them stale), so its
+                # entries go, which keeps the table as small as the steps in flight.
+                latest = self.committer.latest_committed
+                self._written_again = {key: gen for key, gen in self._written_again.items()
+                                       if latest is None or key[0] > latest}
+                self._written_again.update({(step, m.rank): self.generation for m in members})
         refs = [(m.rank, m.actor.snapshot_checkpoint.remote(step)) for m in members]
         for rank, ref in refs:
             try:

@@ -1590,6 +1590,34 @@ def test_after_an_eviction_a_part_already_in_is_not_written_again(ray_cluster):
         assert {(8, 0), (8, 1)} <= c.committer.parts
 
 
+def test_a_second_eviction_keeps_the_firsts_written_again_parts_until_their_step_commits(ray_cluster):
+    # every_n_steps=4: an eviction at step 8 asks rank 0 to write its part of step 8 again, and
+    # a second one at step 12 (step 8 not committed yet) asks rank 0 for step 12. The second
+    # replaced the first's table, so rank 0's old actor's part of step 8, still in a node
+    # agent's pool, went in again: step 8's manifest named the old bytes the rewrite replaced.
+    # Once step 8 commits its entry goes (the committer takes no more parts of it).
+    with trained("fake-snap-after-evict-twice", workers=3, steps=8) as c:
+        c.run_config.checkpoint.every_n_steps = 4
+        c.committer = CommittedAt(4)
+        c._state_sent_to = {0, 2}
+        c._force_meta = lambda step: None
+        c._merge_ckpt = lambda rank, report: None
+        first = c.generation = c.generation + 1
+        c.step = 8
+        c._snapshot_after_evict()
+        second = c.generation = c.generation + 1
+        c.step = 12
+        c._snapshot_after_evict()
+        assert c._written_again == {(8, 0): first, (8, 2): first, (12, 0): second, (12, 2): second}
+        c._add_part(8, 0, 3, {"entries": [], "generation": first - 1})  # the first victim's era: dropped
+        assert (8, 0) not in c.committer.parts
+        c.committer.latest_committed = 8
+        third = c.generation = c.generation + 1
+        c.step = 16
+        c._snapshot_after_evict()
+        assert c._written_again == {(12, 0): second, (12, 2): second, (16, 0): third, (16, 2): third}
+
+
 def test_an_eviction_waiting_for_the_queued_window_is_dropped_when_a_failure_rebuilds_first(ray_cluster):
     # Rank 0 dies in step 6, the window the eviction decided after step 5 waits for. The
     # recovery rebuilds the group and the policy starts over; the old group's eviction is
