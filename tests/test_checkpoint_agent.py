@@ -326,6 +326,44 @@ def test_the_agent_sends_a_steps_parts_of_the_nodes_ranks_in_one_message(node, m
             hook.close()
 
 
+def test_the_steps_a_gone_rank_leaves_waiting_are_sent_by_the_report_thread_in_order(node, monkeypatch):
+    """Rank 1's link closes while rank 0's parts of steps 2 and 3 wait in the pool for it. The
+    link's own thread sent them (every waiting step at once) while the report thread sent
+    others, so two of the node's reports could reach the controller in the other order, and
+    the committer, taking a rank's newer step as proof it skipped the older one, lost a step
+    blocking mode promises. Every report now leaves from the one report thread."""
+    agent, controller, _, _, _ = node
+    sweep = agent.pool.sweep
+    monkeypatch.setattr(agent.pool, "sweep", lambda older_than_s=60.0: sweep(older_than_s))
+    senders = []
+    written = controller.checkpoint_written.fn
+    controller.checkpoint_written.fn = lambda *a: (senders.append(threading.current_thread().name), written(*a))
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = [link(agent) for _ in workers]
+    agent.expect(2, [0, 1])
+    calls = controller.checkpoint_written.calls
+    try:
+        for worker, hook in zip(workers, hooks):  # both linked and heard from: rank 1 is waited for
+            worker.train(1)
+            hook.after_step(worker, 1)
+            assert hook.flush(10, worker=worker)
+        for step in (2, 3):  # each written (a busy writer keeps only the newest snapshot)
+            workers[0].train(step)
+            hooks[0].after_step(workers[0], step)
+            assert hooks[0].flush(10, worker=workers[0])
+        time.sleep(0.3)  # the report thread has pooled them
+        assert not [s for s, _, _ in calls if s > 1]
+        hooks[1]._close_link()  # rank 1's end closes, as in its death
+        deadline = time.monotonic() + 10
+        while sorted(s for s, _, _ in calls if s > 1) != [2, 3] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [s for s, _, _ in calls if s > 1] == [2, 3]
+        assert set(senders) == {"elastic-checkpoint agent reports"}, senders
+    finally:
+        for hook in hooks:
+            hook.close()
+
+
 def test_the_failure_of_a_write_under_way_when_its_rank_goes_is_reported(node, monkeypatch):
     """The rank's link closes (its process died) while the agent writes its snapshot, and the
     write then fails. The link was dropped from the pool, its events drained, before the write

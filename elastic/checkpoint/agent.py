@@ -432,7 +432,7 @@ class _RankLink:
         closed. Returns the steps whose snapshots it dropped."""
         self.gone = True
         # Abort first: a write under way finishes inside it, and its events (a failure, an
-        # outage starting or ending) are drained by forget. The other way round they landed
+        # outage starting or ending) are drained once forgotten. The other way round they landed
         # in a persister no one polled any more, and a failed last write went unsaid.
         dropped = self.persister.abort(timeout_s)
         self.agent.forget(self)
@@ -716,6 +716,19 @@ class CheckpointAgent:
                     conn.close()
 
     def forget(self, link: _RankLink) -> None:
+        """``link`` ended: its waiting steps go to the controller, with its last events. On the
+        report thread, behind what the link put there before. Why not here, on the link's own
+        thread: this sends every waiting step at once (``_NodePool.drop``), and it raced the
+        report thread sending others, so two of this node's reports could reach the controller
+        in the other order. The committer reads a rank's report of a step as proof that the
+        rank skipped its older pending steps (it writes them in order), so an older step
+        arriving second never committed: harmless in background mode, where the newer step
+        supersedes it, but blocking mode promises every step (a rank goes on once its write is
+        done, so two of its steps can wait here for the node's other ranks). One thread sends
+        them in the order they were taken."""
+        self.reports.put(("forget", link))
+
+    def _forget(self, link: _RankLink) -> None:
         self.pool.drop(link)
         self._send_events([(link.rank, ev) for ev in link.persister.drain_events()])
 
@@ -751,6 +764,8 @@ class CheckpointAgent:
                     item.end()
                 elif kind == "part":
                     self.pool.add(*item)
+                elif kind == "forget":
+                    self._forget(item)
                 if time.monotonic() - last >= every_s:
                     last = time.monotonic()
                     self.pool.sweep()
