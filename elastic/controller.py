@@ -178,6 +178,8 @@ class Controller:
     # How long a flush's second report of a part the rank sent itself waits for that message to be
     # taken in first (_await_push): the checkpoint thread's backlog, normally none.
     PUSH_WAIT_S = 5.0
+    # How often a wait for capacity takes in what the storage said meanwhile (_wait_for_spares).
+    CAPACITY_LOOK_UP_S = 5.0
     FORM_ATTEMPTS = 3  # rendezvous a group gets while every rank is alive (_form_group)
     JOIN_GRACE_S = 30.0  # a join's wait beyond the group's own timeout, which the worker's join has too
 
@@ -2113,7 +2115,7 @@ class Controller:
                 for _ in range(max(0, missing)):
                     self.group.request_spare(avoid_nodes=self._nodes_to_avoid())
                 self._publish_membership()  # the lost ranks out, the spares asked for building
-                self.group.collect_spares(block=True, timeout_s=max(0.0, deadline - time.time()), enough=len(lost))
+                self._wait_for_spares(len(lost), deadline)
                 self._log_spare_problems()
                 self._note_ready_spares()
                 self._check_stop(f"waiting for capacity to replace rank(s) {list(lost)}")
@@ -2134,6 +2136,28 @@ class Controller:
                 self._restart_all()
                 return
             raise TrainingFailed(self._fail_message(decision.reason))
+
+    def _wait_for_spares(self, needed: int, deadline: float) -> None:
+        """Wait until ``needed`` spares are ready, none is pending any more, a stop comes or
+        ``deadline`` passes; every ``CAPACITY_LOOK_UP_S`` take in what the storage said meanwhile.
+        Why: a wait for capacity can last minutes, and the survivors' last parts still commit
+        during it. Their commits (and outages) were read only after the wait, so the event log
+        said nothing of them until then, and the checkpoint-lag gauge held the lag from before
+        the failure for the whole wait."""
+        while True:
+            left = deadline - time.time()
+            self.group.collect_spares(block=True, timeout_s=max(0.0, min(left, self.CAPACITY_LOOK_UP_S)),
+                                      enough=needed)
+            self._drain_storage_events()
+            if (len(self.group.spares) >= needed or not self.group.pending_spares
+                    or time.time() >= deadline or self._interrupted()):
+                return
+
+    def _drain_storage_events(self) -> None:
+        """The committer's events (commits, deletions, outages) into the run's log and metrics."""
+        if self.committer is not None:
+            for ev in self.committer.drain_events():
+                self._log_storage_event(ev)
 
     def _maybe_kill_spare_during_recovery(self) -> None:
         """Fault injection: a promoted spare dies while healing (a double-fault test aid)."""
@@ -2680,8 +2704,7 @@ class Controller:
         if self.committer is not None:
             for r, res in self._last_results.items():
                 self._merge_ckpt(r, res)
-            for ev in self.committer.drain_events():
-                self._log_storage_event(ev)
+            self._drain_storage_events()
             self._set_meta_after_results(record.step)
         if self.metrics is not None:
             self.metrics.on_step(record, self, per_rank=bool(decide_steps))
@@ -3018,8 +3041,7 @@ class Controller:
         committed = self.committer.flush(timeout_s=timeout_s)
         if not committed:
             self.log("checkpoint_flush_timeout", f"{what} not committed within {timeout_s:g}s; storage may be down")
-        for ev in self.committer.drain_events():
-            self._log_storage_event(ev)
+        self._drain_storage_events()
         if unsaveable is not None:
             raise unsaveable
         return committed

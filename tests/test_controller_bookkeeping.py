@@ -119,6 +119,64 @@ def test_a_spare_built_by_a_wait_for_capacity_ends_the_streak_of_failed_spare_st
     assert c.group.pending_spares == 1  # the pool refills
 
 
+class CapacityOnTheSecondLook(StandInGroup):
+    """What a wait for capacity asked for is built during its second slice of waiting."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits: list[float] = []  # the timeout of each blocking wait
+
+    def collect_spares(self, block=False, timeout_s=None, enough=None, placed_only=False):
+        if block:
+            self.waits.append(timeout_s)
+            if len(self.waits) == 1:
+                return len(self.spares)  # the slice ran out with the spare still building
+        return super().collect_spares(block, timeout_s, enough, placed_only)
+
+
+class CommitDuringTheWait:
+    """A committer whose step 7 commits once the wait for capacity has begun."""
+
+    def __init__(self, group):
+        self.group, self.told = group, False
+
+    def drain_events(self):
+        if not self.group.waits or self.told:
+            return []
+        self.told = True
+        return [{"event": "checkpoint_committed", "step": 7, "persist_s": 0.5, "message": "step 7 committed"}]
+
+    def lag(self, step):
+        return 0
+
+
+class Recorded:
+    """A metrics stand-in that records the calls it gets."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+
+def test_a_wait_for_capacity_takes_in_the_commits_that_come_while_it_waits(rayless_controller):
+    # The survivors' last parts commit while the recovery waits (minutes) for a spare. The commit
+    # was read only after the wait: the event log said nothing of it, and the checkpoint-lag
+    # gauge held the lag from before the failure, for the whole wait.
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1),
+                           failure=elastic.FailureConfig(capacity_timeout_s=600))
+    c.group = CapacityOnTheSecondLook()
+    c.committer, c.metrics = CommitDuringTheWait(c.group), Recorded()
+    c._spare_failures_in_row = controller_module.SPARE_START_ATTEMPTS  # no spare: the policy waits
+    c.failures = 1
+    c._decide_and_apply((1,), "actor_died")
+    kinds = [e.details.get("decision", e.kind) for e in c.events if e.kind in ("decision", "checkpoint_commit")]
+    assert kinds == ["WaitForCapacity", "checkpoint_commit", "ReplaceWithSpares"]  # decided once, told at once
+    assert len(c.group.waits) == 2 and max(c.group.waits) <= c.CAPACITY_LOOK_UP_S
+    assert ("on_checkpoint", (0.5,), {"lag": 0}) in c.metrics.calls
+
+
 def test_spares_of_the_start_and_ranks_standing_by_are_no_newly_ready_spares(rayless_controller):
     c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1))
     c.group = StandInGroup(ready_spares=1)
