@@ -570,15 +570,20 @@ class Trainer:
                     "(kills the spare that takes rank r in recovery n, while the ring is rebuilt).")
         # The storage is checked when it is named, not again by each fit(): a fit() while the
         # endpoint is down waits for it (a resume in an outage), where a fresh check would refuse.
+        # The store and the key it was checked for change together, and only once the check
+        # passed: a failed check left the old key with a cleared or unchecked store, so putting
+        # the config back found the key unchanged, and the run trained with no checkpoints (its
+        # resume skipped) or into the location of the config that had failed.
         where = (self.run.storage, self.run.name, hash(repr(self.run.storage_options)))  # no secrets kept
         if where != self._store_for:
-            self._store = None
+            self._store = self._store_for = None
+            store = None
             if self.run.storage is not None:
                 from elastic.checkpoint import CheckpointStore
 
-                self._store = CheckpointStore(self.run.storage, self.run.name, self.run.storage_options)
-                self._store.validate()
-            self._store_for = where
+                store = CheckpointStore(self.run.storage, self.run.name, self.run.storage_options)
+                store.validate()
+            self._store, self._store_for = store, where
 
     def _check_cluster_address(self) -> None:
         """The address ``connect`` will join, checked as ``Trainer.address`` is when it is set

@@ -700,6 +700,33 @@ def test_a_numpy_straggler_factor_is_a_number():
     assert FailureConfig(straggler_factor=np.float32(2.5)).straggler_factor == np.float32(2.5)
 
 
+def test_a_storage_check_that_failed_is_made_again_once_the_config_is_put_back(tmp_path, monkeypatch):
+    # The store was cleared or replaced before its check, and the key it stands for kept until the
+    # check passed: after a failed check, putting the config back found the key unchanged. The
+    # run then trained with no checkpoints (no resume), or into the name that had failed.
+    from elastic.checkpoint import CheckpointStore
+
+    t = _trainer(run=elastic.RunConfig(name="a", storage=str(tmp_path)))
+    t.run.storage = "s3://"
+    with pytest.raises(ConfigError, match="bucket"):
+        t._prepare()
+    t.run.storage = str(tmp_path)
+    t._prepare()
+    assert t._store is not None and t._store.run_name == "a"
+
+    def down(self):
+        raise ConfigError("storage down (test)")
+    checked = CheckpointStore.validate
+    monkeypatch.setattr(CheckpointStore, "validate", down)
+    t.run.name = "b"
+    with pytest.raises(ConfigError, match="down"):
+        t._prepare()
+    monkeypatch.setattr(CheckpointStore, "validate", checked)
+    t.run.name = "a"
+    t._prepare()
+    assert t._store.run_name == "a"
+
+
 def test_a_stop_in_a_wait_says_what_the_run_waited_for_and_where_it_will_resume(tmp_path):
     t = _trainer(run=elastic.RunConfig(name="stops", storage=f"file://{tmp_path}/ckpt"))
     waited = "stopped while waiting for checkpoint storage file:///x to answer"
