@@ -846,12 +846,29 @@ def checkpoints(
             raise CliError(f"{local} does not exist or is not a directory")
     retry = RetryPolicy(attempts=2, base_s=0.2, max_s=1.0)
     try:
+        if protocol in ("s3", "s3a"):
+            _check_bucket(url, options, retry)
         if run:
             _list_run(url, run, options, verify, as_json, retry)
         else:
             _list_runs(url, options, as_json, retry, verify)
     except ConfigError as exc:  # the storage refused the URL or the options: an unknown scheme, say
         raise _usage_error(exc) from None
+
+
+def _check_bucket(url: str, options: dict, retry) -> None:
+    """An s3:// URL's bucket exists, as a local path's directory must: s3fs lists a missing
+    bucket as empty, and the listing said "no checkpoints" (with --run, "no checkpoints for run
+    R", sending the user after the run's name) of a misspelt bucket, and exited 0."""
+    from elastic.checkpoint import Storage, StorageError
+
+    storage = Storage(url, options, retry=retry)
+    try:
+        bucket, found = storage.bucket_exists()
+    except (StorageError, OSError) as exc:
+        raise _storage_error(exc, storage.location) from None
+    if not found:
+        raise CliError(f"{storage.location}: bucket {bucket!r} does not exist (or these credentials cannot see it)")
 
 
 def _in_this_process(url: str) -> bool:

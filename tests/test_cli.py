@@ -560,6 +560,23 @@ def test_checkpoints_missing_local_dir(tmp_path):
     assert "does not exist" in one_line_error(result.exit_code, result.stdout, result.stderr)
 
 
+def test_checkpoints_in_a_bucket_that_does_not_exist_is_an_error_not_an_empty_listing(moto_s3):
+    # s3fs lists a missing bucket as empty: a misspelt bucket said "no checkpoints" and exited 0
+    # (with --run, "no checkpoints for run 'r'", sending the user after the run's name).
+    from elastic.checkpoint.testing import TEST_SECRET
+
+    bucket = moto_s3.create_bucket()
+    options = ["-o", f"key={moto_s3.storage_options()['key']}", "-o", f"secret={TEST_SECRET}",
+               "-o", f"endpoint_url={moto_s3.endpoint_url}", "-o", "client_kwargs.region_name=us-east-1"]
+    empty = runner.invoke(app, ["checkpoints", f"s3://{bucket}/prefix", *options])
+    assert empty.exit_code == 0 and "no checkpoints in" in empty.stdout, empty.stdout + empty.stderr
+    for extra in ([], ["--run", "r"]):
+        result = runner.invoke(app, ["checkpoints", f"s3://{bucket}-typo/prefix", *options, *extra])
+        line = one_line_error(result.exit_code, result.stdout, result.stderr)
+        assert result.exit_code == 1 and f"bucket '{bucket}-typo' does not exist" in line, line
+        assert TEST_SECRET not in result.stdout + result.stderr
+
+
 def test_checkpoints_unreachable_s3_fails_fast():
     port = free_ports(1)[0]
     secret = "cli-test-secret-0123456789"

@@ -791,11 +791,9 @@ class Storage:
         fs, root = self._open_checked()
         quick = self._quick_retry()
         if self.protocol in _S3:
-            bucket = root.split("/", 1)[0]
-            if not bucket:
-                raise ConfigError(f"RunConfig.storage={self.location!r} names no bucket; use s3://BUCKET/prefix.")
+            bucket = self._named_bucket(root)
             try:
-                found = self._call("check bucket", "", lambda: self._bucket_exists(fs, bucket), retry=quick)
+                found = self._bucket_found(fs, bucket)
             except StorageError as exc:
                 raise ConfigError(self.redact(
                     f"RunConfig.storage={self.location!r}: cannot reach bucket {bucket!r}: {exc}. "
@@ -814,6 +812,26 @@ class Storage:
                 f"RunConfig.storage={self.location!r} is not writable: {self.redact(str(exc))}. "
                 "Check the path, permissions and RunConfig.storage_options."
             ) from None
+
+    def bucket_exists(self) -> tuple[str, bool]:
+        """For an s3:// URL: its bucket, and whether it exists. Raises ConfigError for a URL that
+        names no bucket (or the checks of ``_open_checked``), StorageError when the endpoint does
+        not answer. Why a listing asks too: s3fs lists a missing bucket as empty (NoSuchBucket is
+        its FileNotFoundError), so ``elastic checkpoints`` on a misspelt bucket said "no
+        checkpoints" and succeeded."""
+        fs, root = self._open_checked()
+        bucket = self._named_bucket(root)
+        return bucket, self._bucket_found(fs, bucket)
+
+    def _named_bucket(self, root: str) -> str:
+        bucket = root.split("/", 1)[0]
+        if not bucket:
+            raise ConfigError(f"RunConfig.storage={self.location!r} names no bucket; use s3://BUCKET/prefix.")
+        return bucket
+
+    def _bucket_found(self, fs: Any, bucket: str) -> bool:
+        """A HEAD of the bucket, with a check's quick retries (``_bucket_exists``)."""
+        return self._call("check bucket", "", lambda: self._bucket_exists(fs, bucket), retry=self._quick_retry())
 
     def check_here(self) -> None:
         """Whether this process can write the storage, for a run about to train: raise
