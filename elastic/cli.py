@@ -996,6 +996,12 @@ _SECRET_NAME = rf"(?!use[_-])(?:[\w.-]*[_.-])?(?:{_SECRET_WORD}|(?:{_TOKEN_KIND}
 _SECRET_QUERY = re.compile(rf"(?i)[?&](?:{_SECRET_NAME})=")
 _SECRET_OPTION = re.compile(rf"(?i)--(?:{_SECRET_NAME})(?P<value>=.*)?")
 _SECRET_SETTING = re.compile(rf"(?i)(?:{_SECRET_NAME})=.")
+# A secret by name as an entry of a JSON object or a Python dict inside an argument, with a value:
+# fsspec's storage options handed to a script (``--storage-options '{"key": "K", "secret": "S"}'``)
+# passed every form above, and went to the job table as they were. The name starts the argument or
+# follows a brace, comma, space or quote (so ``"pad_token": 0`` is no ``token``); an empty or null
+# value carries nothing.
+_SECRET_ENTRY = re.compile(rf"""(?i)(?:^|[{{,\s"'])(?:{_SECRET_NAME})["']?\s*:\s*(?!""|''|null\b|none\b|["']?\s*[,}}])\S""")
 
 
 def _argument_with_a_secret(args: list[str]) -> int | None:
@@ -1007,6 +1013,7 @@ def _argument_with_a_secret(args: list[str]) -> int | None:
                 return i + 1  # --password VALUE: the value is the secret
             continue
         if (carries_credentials(arg) or _SECRET_QUERY.search(arg) or _SECRET_SETTING.match(arg)
+                or _SECRET_ENTRY.search(arg)
                 or (option is not None and option.group("value") != "=")):
             return i
     return None
@@ -1015,7 +1022,7 @@ def _argument_with_a_secret(args: list[str]) -> int | None:
 def _refuse_credentials_in(args: list[str]) -> None:
     """Refuse a script argument that carries a credential: the forms ``carries_credentials``
     knows (a URL's user:password@, a presigned URL's signature, an Authorization header, an
-    access key id), and secrets by name (``_SECRET_NAME``).
+    access key id), and secrets by name (``_SECRET_NAME``), as an option, a setting or an entry.
 
     Why refused, not redacted: the entrypoint goes to Ray as it is, which keeps it in its job
     table and shows it to everyone who can see the dashboard's Jobs page or run ``ray job list``.
@@ -1025,8 +1032,8 @@ def _refuse_credentials_in(args: list[str]) -> None:
         raise CliError(
             f"the script's argument #{i} carries a credential (a URL's user:password@, a signed query or a "
             "token, key or password parameter, an Authorization or Cookie header, Ray's auth token, an access key "
-            "id, an option or NAME=value setting named as a password, secret, API key or token), and Ray "
-            "keeps the command line in its job table, shown on the dashboard and by `ray job list`; give the job "
+            "id, an option, NAME=value setting or JSON or dict entry named as a password, secret, API key or "
+            "token), and Ray keeps the command line in its job table, shown on the dashboard and by `ray job list`; give the job "
             "its credentials off the command line: the nodes' environment or role (AWS_* variables, ~/.aws, an "
             "instance profile) or a file the script reads",
             code=2)

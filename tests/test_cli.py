@@ -926,6 +926,9 @@ def test_submit_tells_an_auth_refusal_from_an_address_with_its_digits(error, aut
     "HF_TOKEN=ArgPassw0rd",
     "PASSWORD=ArgPassw0rd",
     "wandb.api_key=ArgPassw0rd",
+    # As an entry of a JSON object or a dict: fsspec's storage options handed to the script.
+    '{"key": "minio", "secret": "ArgPassw0rd"}',
+    "--storage-options={'token': 'ArgPassw0rd'}",
 ])
 def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, tmp_path):
     # The terminal's entrypoint line was redacted, but Ray got the command line as it was: kept in
@@ -957,7 +960,8 @@ def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, t
     # names that only hold a secret's name (--max-tokens, a page token, a sort key).
     harmless = ["s3://bkt/p?versionId=3", "s3://bkt/key@v1/x", "--note=authorization failed", "signature",
                 "--max-tokens=512", "--tokenizer", "gpt2", "https://api.example/v1?page_token=3", "--sort-key", "id",
-                "MAX_TOKENS=5", "--passes=3", "EOS_TOKEN=</s>", "--pad-token=0", "--use-auth-token", "--pwd", "/tmp"]
+                "MAX_TOKENS=5", "--passes=3", "EOS_TOKEN=</s>", "--pad-token=0", "--use-auth-token", "--pwd", "/tmp",
+                '{"pad_token": 0, "max_tokens": 512, "key": "id", "token": null}', "--tok={'secret': ''}"]
     result = runner.invoke(app, [*base, *harmless])
     assert result.exit_code == 0, result.stdout + result.stderr
     assert submitted == [shlex.join(["python", "job.py", "--lr", "0.1", *harmless])]
