@@ -784,17 +784,18 @@ class Controller:
             self.committer.add(step, rank, world_size, part["entries"], taken_at=taken_at_here(part),
                                rng=part.get("rng"))
 
-    def _rewind(self, step: int | None) -> None:
+    def _rewind(self, step: int | None, restored: bool = False) -> None:
         """Training goes back to ``step`` (None: to before any checkpoint): the committer forgets
         the later steps, and the ranks' progress is that step again. Why reset it: a rank that
         survives the rollback reports its new steps from there, and the commit lag measured from
-        the old maximum stayed inflated until training passed it again."""
+        the old maximum stayed inflated until training passed it again. ``restored``: ``step``
+        is a committed step a restore loaded (``CheckpointCommitter.rewind``)."""
         if self.committer is None:
             return
         with self._parts_lock:
             self._rolled_back_through = self.generation  # the generation of the state gone back from
             self._worker_progress = step or 0
-            self.committer.rewind(step)
+            self.committer.rewind(step, restored=restored)
         if self._agents is not None:
             # The later steps are written again, to the same file names: a write of the old
             # state still under way in an agent (a killed rank's) must land first, and no waiting
@@ -872,6 +873,11 @@ class Controller:
             ev = events.popleft()
             self.log(ev["event"], ev["message"], **{k: v for k, v in ev.items() if k not in ("event", "message")})
 
+    def _steps_held(self):
+        """The committer's ``holding_steps`` (no committed step deleted while held), or nothing
+        without checkpoints."""
+        return self.committer.holding_steps() if self.committer is not None else contextlib.nullcontext()
+
     def _restore_latest_once(self, fast: dict[int, list[int]] | None = None) -> DataPosition | None:
         """Load the newest committed step that checks out into every rank; its data position.
 
@@ -889,7 +895,7 @@ class Controller:
         reader, rest = self.group.members[0], self.group.members[1:]
         meta = None
         # Retention deletes nothing while the step is listed and read (holding_steps).
-        with self.committer.holding_steps() if self.committer is not None else contextlib.nullcontext():
+        with self._steps_held():
             for step in reversed(self.store.committed_steps()):
                 ref = reader.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options,
                                                              self.run_config.name, step)
@@ -2358,15 +2364,16 @@ class Controller:
         self._check_storage_shared()  # the new group may stand on nodes the run had not used
         self._split = self.scaling.num_workers
         self._configure_checkpoints(self._all_actors())
-        position = self._restore_latest(fast)
-        if position is None:
-            self.step = 0
-        self._replan(position, self.step)
-        # Not below 0: the restored step can be past the controller's (parts reported mid-window).
-        self.recomputed += max(0, lost_up_to - self.step)
-        self._held_through = 0
-        # Steps after the restored one will be trained (and committed) again.
-        self._rewind(self.step if position is not None else None)
+        with self._steps_held():  # until the rewind: see _restore_members_from_checkpoint
+            position = self._restore_latest(fast)
+            if position is None:
+                self.step = 0
+            self._replan(position, self.step)
+            # Not below 0: the restored step can be past the controller's (parts reported mid-window).
+            self.recomputed += max(0, lost_up_to - self.step)
+            self._held_through = 0
+            # Steps after the restored one will be trained (and committed) again.
+            self._rewind(self.step if position is not None else None, restored=position is not None)
         self._truncate_history(self.step)
         self._restarting = None
         self.log("restart", f"every rank restarted from step {self.step}")
@@ -2420,12 +2427,18 @@ class Controller:
             self.committer.flush(timeout_s=30)
         fast = self._members_fast_sets(self.group.members, self.step + 1, max(self._planned, default=self.step)) \
             if self._first_n else None  # the ranks that load the checkpoint know none (_restore_latest_once)
-        position = self._restore_latest(fast)
-        if position is None:
-            raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
-                                                    "no checkpoint is committed"))
-        self._replan(position, self.step)
-        self._rewind(self.step)
+        # Held from the listing until the committer has rewound. Why: the old group's parts of
+        # later steps still land while the step is read (a flush that timed out, agents
+        # finishing writes), and a step they commit made the first pass after the read (still
+        # the old timeline's picture) delete the step just restored, with keep_last=1: the newest
+        # committed step of the timeline training goes on from.
+        with self._steps_held():
+            position = self._restore_latest(fast)
+            if position is None:
+                raise TrainingFailed(self._fail_message("no surviving rank holds the training state and "
+                                                        "no checkpoint is committed"))
+            self._replan(position, self.step)
+            self._rewind(self.step, restored=True)
         self._truncate_history(self.step)
         self.log("state_sync", f"no peer held the state: every rank loaded committed step {self.step}")
 
@@ -2517,8 +2530,10 @@ class Controller:
                          f"the newest a survivor holds", step=newest)
                 self._replan(DataPosition.from_dict(self._positions[newest]), newest)
                 self._rewind(newest or None)  # 0: the start, no checkpoint of it
-                self._truncate_history(newest)
+                # Before the history's rewind, which sets the lag gauge against the step training
+                # is at (_progress_step): with the old step it read the steps given up as lag.
                 self.step = newest
+                self._truncate_history(newest)
                 begun = lost_up_to
             elif newest < self.step or newer_checkpoint:
                 # No member holds a state training can go on from: fall back to the newest

@@ -2108,6 +2108,37 @@ def test_a_manifest_that_lands_after_a_rewind_past_it_never_costs_the_step_train
         committer.close()
 
 
+def test_a_restore_of_a_step_a_rewind_left_behind_counts_it_as_the_newest_committed(tmp_path):
+    """Step 6's manifest lands after a recovery went back to 5 (left behind); a second recovery
+    restores 6, which checks out, before any cleanup pass took it in. The rewind to 6 looked for
+    it among the steps passes had taken in only: it went above the base, and was deleted as
+    passed once the run committed 7 (keep_last=2 kept one step). And the newest committed step
+    stayed 5 (the lag, the failure message) until the next commit."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=2, gc_interval_s=0, retention_interval_s=0)
+    try:
+        for step in range(1, 6):
+            hand_over_and_wait(committer, store, step)
+        entered, release = stall(store, "commit")
+        hand_over(committer, store, 6, tiny_state(6))
+        assert entered.wait(10)
+        assert not committer.flush(timeout_s=0.2)  # the first recovery's flush gives up on step 6
+        committer.rewind(5)
+        release.set()  # step 6's manifest lands, left behind
+        deadline = time.monotonic() + 10
+        while "checkpoint_left_behind" not in [e["event"] for e in committer.drain_events()]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        committer.rewind(6, restored=True)  # the second recovery restored it
+        assert committer.latest_committed == 6
+        hand_over_and_wait(committer, store, 7)
+        assert committer.flush(timeout_s=10)
+        assert store.committed_steps() == [6, 7]
+    finally:
+        release.set()
+        committer.close()
+
+
 def test_a_commit_handed_over_before_a_rewind_past_it_is_not_written():
     store = CheckpointStore("memory://rewind-drop/ckpt", RUN, retry=FAST)
     committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0)
@@ -2593,6 +2624,57 @@ def test_a_failed_commit_is_not_confirmed_by_another_timelines_manifest(tmp_path
             assert committer.flush(timeout_s=10)
             time.sleep(0.05)
         assert store.committed_steps() == [1, 3]
+    finally:
+        committer.close()
+
+
+def test_a_failed_commit_a_rewind_goes_back_past_while_its_manifest_is_read_takes_no_keep_last_place(tmp_path):
+    """Step 2's commit landed but failed (its reply lost), and step 3 superseded it. A cleanup
+    pass reads 2's manifest to see whether it landed; a recovery goes back to step 1 meanwhile,
+    and the read fails. Put back for another read, step 2 escaped the rewind. The new timeline
+    wrote step 2's files again and went on to 3 and 4 (its step 2 superseded, as in background
+    mode): the read then found the old manifest naming the files it had named, and counted step
+    2 as committed, though its files were no longer those (corrupt on resume). It took a
+    keep_last place, and retention deleted step 1, a good one."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0,
+                                    retry_min_s=1.0, retry_max_s=1.0)
+    real_commit, real_read, failed, rewound = store.commit, store.load_manifest, threading.Event(), []
+    step_3_in = threading.Event()
+
+    def commit(step, *args, **kwargs):
+        out = real_commit(step, *args, **kwargs)
+        if step == 2 and not failed.is_set():
+            failed.set()
+            raise StorageUnavailable("the reply was lost")
+        return out
+
+    def load_manifest(step, *args, **kwargs):
+        if step == 2 and not rewound:  # the pass's read of the failed commit
+            assert step_3_in.wait(10)
+            recovery = threading.Thread(target=committer.rewind, args=(1,))
+            recovery.start()
+            recovery.join(10)
+            rewound.append(not recovery.is_alive())
+            raise StorageUnavailable("read failed (test)")
+        return real_read(step, *args, **kwargs)
+
+    store.commit, store.load_manifest = commit, load_manifest
+    try:
+        hand_over_and_wait(committer, store, 1)
+        hand_over(committer, store, 2, tiny_state(2))
+        assert failed.wait(10)
+        hand_over_and_wait(committer, store, 3)
+        step_3_in.set()
+        assert committer.flush(timeout_s=10) and rewound == [True]
+        for rank in range(2):  # the new timeline's step 2, superseded before its commit
+            store.write_rank_files(2, rank, 2, tiny_state(20))
+        for step in (3, 4):
+            hand_over_and_wait(committer, store, step)
+            assert committer.flush(timeout_s=10)
+        assert committer.flush(timeout_s=10)
+        assert store.committed_steps() == [1, 3, 4]
+        assert [store.read_state(s)[0]["model"]["w"][0].item() for s in (1, 3, 4)] == [1.0, 3.0, 4.0]
     finally:
         committer.close()
 

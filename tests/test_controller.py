@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -330,8 +331,14 @@ class CommittedAt:
     def close(self, timeout_s=30.0):
         return True
 
-    def rewind(self, step):
+    def rewind(self, step, restored=False):
         self.latest_committed = step
+
+    def lag(self, current_step):
+        return current_step - (self.latest_committed or 0)
+
+    def holding_steps(self):
+        return contextlib.nullcontext()
 
     def drain_events(self):
         return []
@@ -470,8 +477,12 @@ def test_a_newer_committed_checkpoint_wins_over_a_rollback(ray_cluster):
         c._sync_state()
         assert restored and not any("rolling back" in e.message for e in c.events)
         c.committer = CommittedAt(1)  # as old as the survivors' state: theirs is used
+        told = []
+        c.metrics = SimpleNamespace(on_rewind=lambda step, lag: told.append((step, lag)))
         c._sync_state()
         assert len(restored) == 1 and any("rolling back to step 1" in e.message for e in c.events)
+        # The lag gauge against the step gone back to: with the old step it read 2 (step 3, given up).
+        assert told == [(1, 0)]
 
 
 def test_on_failure_wait_heals_with_a_spare_that_is_ready(ray_cluster):

@@ -3,6 +3,7 @@ groups and ranks (``rayless_controller``), for the counts and sets that decide w
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from types import SimpleNamespace
@@ -206,6 +207,43 @@ def _restart_with_stand_ins(c, monkeypatch, begun, restored_step, group_cls=None
     c._restart_all()
 
 
+def test_a_restore_holds_retention_until_the_committer_has_rewound(rayless_controller, monkeypatch, tmp_path):
+    # keep_last=1: step 5 is committed, and a restore reads it while the old group's parts of
+    # step 6 land and commit it. The hold ended with the read, so the first cleanup pass after
+    # it, still with the old timeline's picture (6 the newest), deleted step 5, the step the
+    # run goes on from, before the rewind moved 6 above it.
+    from elastic.checkpoint import CheckpointCommitter, CheckpointStore
+    from elastic.config import CheckpointConfig
+    from test_checkpoint_store import FAST, FakeWorker, write_step
+
+    store = CheckpointStore(f"file://{tmp_path}", "held", retry=FAST)
+    committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=1, keep_last=1))
+    worker = FakeWorker(rank=0, world_size=1)
+
+    def commit(step):
+        committer.set_meta(step, {"data": {"epoch": 0, "cursor": step * 8}})
+        committer.add(step, 0, 1, write_step(store, worker, step, world_size=1, commit=False))
+        assert committer.flush(10) and committer.latest_committed == step
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=1))
+    c.group, c.store, c.committer, c.dataset_size = StandInGroup(ranks=1), store, committer, 64
+    try:
+        commit(5)
+
+        def restore_latest(fast=None):
+            with committer.holding_steps():  # as _restore_latest_once lists and reads step 5
+                commit(6)
+            committer.flush(10)  # a pass after the read, before the rewind
+            c.step = 5
+            return DataPosition(cursor=40)
+        monkeypatch.setattr(c, "_restore_latest", restore_latest)
+        c._restore_members_from_checkpoint()
+        assert committer.flush(10)
+        assert 5 in store.committed_steps() and committer.latest_committed == 5
+    finally:
+        committer.close()
+
+
 def test_a_restart_forgets_the_ranks_killed_as_hung_so_the_new_ones_of_those_names_are_watched(
         rayless_controller, monkeypatch):
     # _hung is kept by actor name, and a restart's new group names its ranks rank-0, rank-1, ...
@@ -277,8 +315,11 @@ def test_a_sync_from_a_checkpoint_past_the_controllers_step_recomputes_nothing(r
         def flush(self, timeout_s=None):
             return True
 
-        def rewind(self, step):
+        def rewind(self, step, restored=False):
             pass
+
+        def holding_steps(self):
+            return contextlib.nullcontext()
     c.group, c.committer, c.store, c.dataset_size = StandInGroup(ranks=1), Committed(), object(), 64
     c._stateless = {"rank-0"}
     c.step = 10

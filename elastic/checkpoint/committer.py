@@ -196,10 +196,14 @@ class CheckpointCommitter:
             self._bound(self._metas)
             self._maybe_submit(step)
 
-    def rewind(self, step: int | None) -> None:
+    def rewind(self, step: int | None, restored: bool = False) -> None:
         """Training restarted from ``step``: forget reports and metas of later steps (their state
         is gone). A commit of a later step that is waiting is dropped, and one being written when
-        this is called does not count as committed when it lands (``_commit``).
+        this is called does not count as committed when it lands (``_commit``). ``restored``:
+        ``step`` is a committed step a restore loaded, so the newest committed step is at least
+        ``step``. Why: a restore can load a step whose manifest landed after an earlier rewind
+        went back past it (left behind), and the newest committed step (the lag, the failure
+        message's "latest committed checkpoint") stayed the older one until the next commit.
 
         Returns without waiting for a cleanup pass under way: a recovery rewinds right after a
         flush whose timeout let such a pass go on (a listing of storage that does not answer,
@@ -220,6 +224,8 @@ class CheckpointCommitter:
             if self._latest is not None and later(self._latest):
                 # Later steps will be written again and committed over the old ones.
                 self._latest = step
+            elif restored and step is not None and self._latest is not None and step > self._latest:
+                self._latest = step  # not before this run's first commit: flush() cleans up after one
             self._rewinds.append(step)
             # Commits the cleanup thread has not taken in: later ones left this timeline too, and
             # so did failed ones (they may have landed) of later steps.
@@ -253,8 +259,13 @@ class CheckpointCommitter:
             self._base = step
             # A step above the base that training went back to (a restore took it: its manifest
             # checked out) is this timeline's from now on: counted, retention deletes it in its
-            # turn. Left out of both lists, it stayed on storage for the rest of the run.
-            taken = step is not None and step in self._above_base
+            # turn. Left out of both lists, it stayed on storage for the rest of the run. Among
+            # them a step left behind since the last pass (its manifest landed after a rewind
+            # past it, and a restore took it): looked for in the other list only, it went above
+            # the base after the loop, and was deleted as passed once the run committed past it.
+            taken = step is not None and (step in self._above_base or step in left)
+            if taken:
+                left = [s for s in left if s != step]
             later = lambda s: step is None or s > step  # noqa: E731
             self._above_base = sorted({s for s in (self._committed or []) + self._above_base + abandoned
                                        if later(s)})
@@ -617,6 +628,7 @@ class CheckpointCommitter:
                      and s not in self._milestones_in_flight}
             for s in steps:
                 del self._unconfirmed[s]
+            timeline = len(self._rewinds)
         retry, foreign = {}, []
         for s, named in steps.items():
             try:
@@ -638,8 +650,13 @@ class CheckpointCommitter:
                 self._committed.append(s)
         if retry or foreign:
             with self._lock:
-                self._unconfirmed.update(retry)
-                self._left_on_storage.extend(foreign)
+                # A step a rewind since went back past is that timeline's: put back for another
+                # read, it escaped the rewind (which forgets the later unconfirmed steps), and a
+                # later read would find its old manifest naming the same files, though the new
+                # timeline may have written them again, and count it for a keep_last place.
+                gone = [s for s in retry if self._left_behind(s, timeline)]
+                self._unconfirmed.update({s: f for s, f in retry.items() if s not in gone})
+                self._left_on_storage.extend(foreign + gone)
 
     def _sweep(self, older_than: int, pending: set, epoch: int, force: bool = False) -> CleanupReport:
         """Remove uncommitted directories older than ``older_than`` (a committed step), at most
