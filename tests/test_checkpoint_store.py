@@ -2076,6 +2076,19 @@ def test_flush_waits_for_a_stuck_cleanup_pass_no_longer_than_its_timeout(tmp_pat
         committer.close()
 
 
+def commit_6_after_a_rewind_to_5(committer: CheckpointCommitter, store: CheckpointStore) -> None:
+    """Steps 1-5 commit; step 6's commit is under way when a recovery's flush gives up on it and
+    the run goes back to 5; then step 6's manifest lands (left behind)."""
+    for step in range(1, 6):
+        hand_over_and_wait(committer, store, step)
+    entered, release = stall(store, "commit")
+    hand_over(committer, store, 6, tiny_state(6))
+    assert entered.wait(10)
+    assert not committer.flush(timeout_s=0.2)  # the recovery's flush gives up on step 6
+    committer.rewind(5)
+    release.set()  # and now step 6's manifest lands
+
+
 def test_a_manifest_that_lands_after_a_rewind_past_it_never_costs_the_step_training_went_back_to(backend):
     """A recovery flushes with a timeout, restores the newest committed step and rewinds to it,
     while the commit of a later step may still be on its way to storage. When that manifest
@@ -2085,14 +2098,7 @@ def test_a_manifest_that_lands_after_a_rewind_past_it_never_costs_the_step_train
     store = make_store(backend)
     committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0, retention_interval_s=0)
     try:
-        for step in range(1, 6):
-            hand_over_and_wait(committer, store, step)
-        entered, release = stall(store, "commit")
-        hand_over(committer, store, 6, tiny_state(6))
-        assert entered.wait(10)
-        assert not committer.flush(timeout_s=0.2)  # the recovery's flush gives up on step 6
-        committer.rewind(5)
-        release.set()  # and now step 6's manifest lands
+        commit_6_after_a_rewind_to_5(committer, store)
         assert committer.flush(timeout_s=10)
         assert committer.latest_committed == 5
         assert 5 in store.committed_steps() and store.latest_valid() in (5, 6)
@@ -2117,14 +2123,7 @@ def test_a_restore_of_a_step_a_rewind_left_behind_counts_it_as_the_newest_commit
     store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
     committer = CheckpointCommitter(store, keep_last=2, gc_interval_s=0, retention_interval_s=0)
     try:
-        for step in range(1, 6):
-            hand_over_and_wait(committer, store, step)
-        entered, release = stall(store, "commit")
-        hand_over(committer, store, 6, tiny_state(6))
-        assert entered.wait(10)
-        assert not committer.flush(timeout_s=0.2)  # the first recovery's flush gives up on step 6
-        committer.rewind(5)
-        release.set()  # step 6's manifest lands, left behind
+        commit_6_after_a_rewind_to_5(committer, store)  # the first recovery's
         deadline = time.monotonic() + 10
         while "checkpoint_left_behind" not in [e["event"] for e in committer.drain_events()]:
             assert time.monotonic() < deadline
@@ -2135,7 +2134,6 @@ def test_a_restore_of_a_step_a_rewind_left_behind_counts_it_as_the_newest_commit
         assert committer.flush(timeout_s=10)
         assert store.committed_steps() == [6, 7]
     finally:
-        release.set()
         committer.close()
 
 
