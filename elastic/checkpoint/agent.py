@@ -725,8 +725,12 @@ class CheckpointAgent:
         arriving second never committed: harmless in background mode, where the newer step
         supersedes it, but blocking mode promises every step (a rank goes on once its write is
         done, so two of its steps can wait here for the node's other ranks). One thread sends
-        them in the order they were taken."""
-        self.reports.put(("forget", link))
+        them in the order they were taken. After ``shutdown`` (a test aid) the report thread has
+        stopped, and this runs here, the only sender left."""
+        if self._closed:
+            self._forget(link)
+        else:
+            self.reports.put(("forget", link))
 
     def _forget(self, link: _RankLink) -> None:
         self.pool.drop(link)
