@@ -715,6 +715,8 @@ def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, re
     except (StorageError, OSError) as exc:
         raise _storage_error(exc, store.location) from None
     good = [s.step for s in steps if s.status in ("valid", "committed")]
+    if not steps:
+        _check_bucket(url, options, retry)
     if as_json:
         _print_json([s.to_dict() for s in steps])
     elif steps:
@@ -764,6 +766,8 @@ def _list_runs(url: str, options: dict, as_json: bool, retry, verify: bool = Tru
             raise _storage_error(exc, store.location) from None
         if steps:
             rows.append((entry["name"], steps))
+    if not rows:
+        _check_bucket(url, options, retry)
     if as_json:
         # A run that could not be listed maps to {"error": ...} instead of its list of steps.
         _print_json({name: {"error": steps} if isinstance(steps, str) else [s.to_dict() for s in steps]
@@ -846,8 +850,6 @@ def checkpoints(
             raise CliError(f"{local} does not exist or is not a directory")
     retry = RetryPolicy(attempts=2, base_s=0.2, max_s=1.0)
     try:
-        if protocol in ("s3", "s3a"):
-            _check_bucket(url, options, retry)
         if run:
             _list_run(url, run, options, verify, as_json, retry)
         else:
@@ -857,16 +859,22 @@ def checkpoints(
 
 
 def _check_bucket(url: str, options: dict, retry) -> None:
-    """An s3:// URL's bucket exists, as a local path's directory must: s3fs lists a missing
-    bucket as empty, and the listing said "no checkpoints" (with --run, "no checkpoints for run
-    R", sending the user after the run's name) of a misspelt bucket, and exited 0."""
+    """For a listing that found nothing: an s3:// URL's bucket must exist, as a local path's
+    directory must. s3fs lists a missing bucket as empty, and the listing said "no checkpoints"
+    (with --run, "no checkpoints for run R", sending the user after the run's name) of a misspelt
+    bucket, and exited 0. Asked only then, and a HEAD that fails (a role allowed to list a prefix
+    but not the bucket: 403) leaves the listing's answer: the listing needs no more than that."""
+    import fsspec.core
+
     from elastic.checkpoint import Storage, StorageError
 
+    if fsspec.core.split_protocol(url)[0] not in ("s3", "s3a"):
+        return
     storage = Storage(url, options, retry=retry)
     try:
         bucket, found = storage.bucket_exists()
-    except (StorageError, OSError) as exc:
-        raise _storage_error(exc, storage.location) from None
+    except (StorageError, OSError):
+        return
     if not found:
         raise CliError(f"{storage.location}: bucket {bucket!r} does not exist (or these credentials cannot see it)")
 
@@ -999,9 +1007,9 @@ _SECRET_SETTING = re.compile(rf"(?i)(?:{_SECRET_NAME})=.")
 # A secret by name as an entry of a JSON object or a Python dict inside an argument, with a value:
 # fsspec's storage options handed to a script (``--storage-options '{"key": "K", "secret": "S"}'``)
 # passed every form above, and went to the job table as they were. The name starts the argument or
-# follows a brace, comma, space or quote (so ``"pad_token": 0`` is no ``token``); an empty or null
-# value carries nothing.
-_SECRET_ENTRY = re.compile(rf"""(?i)(?:^|[{{,\s"'])(?:{_SECRET_NAME})["']?\s*:\s*(?!""|''|null\b|none\b|["']?\s*[,}}])\S""")
+# follows a brace, comma, space or quote (so ``"pad_token": 0`` is no ``token``); an empty, null
+# or boolean value carries nothing (``"token": true``: Hugging Face's "use the token cached").
+_SECRET_ENTRY = re.compile(rf"""(?i)(?:^|[{{,\s"'])(?:{_SECRET_NAME})["']?\s*:\s*(?!""|''|null\b|none\b|true\b|false\b|["']?\s*[,}}])\S""")
 
 
 def _argument_with_a_secret(args: list[str]) -> int | None:

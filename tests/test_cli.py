@@ -961,7 +961,7 @@ def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, t
     harmless = ["s3://bkt/p?versionId=3", "s3://bkt/key@v1/x", "--note=authorization failed", "signature",
                 "--max-tokens=512", "--tokenizer", "gpt2", "https://api.example/v1?page_token=3", "--sort-key", "id",
                 "MAX_TOKENS=5", "--passes=3", "EOS_TOKEN=</s>", "--pad-token=0", "--use-auth-token", "--pwd", "/tmp",
-                '{"pad_token": 0, "max_tokens": 512, "key": "id", "token": null}', "--tok={'secret': ''}"]
+                '{"pad_token": 0, "max_tokens": 512, "key": "id", "token": null}', '{"token": true}', "--tok={'secret': ''}"]
     result = runner.invoke(app, [*base, *harmless])
     assert result.exit_code == 0, result.stdout + result.stderr
     assert submitted == [shlex.join(["python", "job.py", "--lr", "0.1", *harmless])]
