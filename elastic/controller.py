@@ -2950,12 +2950,11 @@ class Controller:
                 # checksum wrong and takes the previous commit.)
                 members = [m for m in members if not self.committer.holds(step, m.rank)]
                 # Added to, not replaced: an earlier eviction's step may not have committed yet,
-                # and its old actor's part may still wait in a node agent's pool. A step that
-                # committed takes no more parts (the committer judges them stale), so its
-                # entries go, which keeps the table as small as the steps in flight.
-                latest = self.committer.latest_committed
+                # and its old actor's part may still wait in a node agent's pool. A step the
+                # committer takes no more parts of (a newer step committed; not a milestone still
+                # awaited) goes, which keeps the table as small as the steps in flight.
                 self._written_again = {key: gen for key, gen in self._written_again.items()
-                                       if latest is None or key[0] > latest}
+                                       if self.committer.takes_parts(key[0])}
                 self._written_again.update({(step, m.rank): self.generation for m in members})
         refs = [(m.rank, m.actor.snapshot_checkpoint.remote(step)) for m in members]
         for rank, ref in refs:

@@ -2137,6 +2137,66 @@ def test_a_restore_of_a_step_a_rewind_left_behind_counts_it_as_the_newest_commit
         committer.close()
 
 
+def test_a_rollback_to_a_step_a_rewind_left_behind_does_not_take_its_old_manifest(tmp_path):
+    """As above, but the run goes back to step 6 by a rollback (a first-N replica's state), not
+    a restore: it goes on from state step 6's manifest on storage does not hold, whose files the
+    new timeline has written again. Taken as the new timeline's committed step, it kept the one
+    place keep_last=1 gives, and retention deleted step 5, the last good one."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0, retention_interval_s=0)
+    try:
+        commit_6_after_a_rewind_to_5(committer, store)
+        deadline = time.monotonic() + 10
+        while "checkpoint_left_behind" not in [e["event"] for e in committer.drain_events()]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for rank in range(2):  # the new timeline writes step 6's files again; its commit is to come
+            store.write_rank_files(6, rank, 2, tiny_state(60))
+        committer.rewind(6)  # a rollback to a replica that holds the new timeline's step 6
+        assert committer.flush(timeout_s=10) and committer.latest_committed == 5
+        assert 5 in store.committed_steps() and store.latest_valid() == 5
+    finally:
+        committer.close()
+
+
+def test_a_restore_past_a_commit_still_on_its_way_leaves_the_newest_committed_step_below_it(tmp_path):
+    """A restore loads step 7 (an earlier timeline's, on storage) while this run's commit of step
+    6 is still on its way (a flush that timed out). Raised to 7 at once, the newest committed
+    step let the sweep take step 6's directory, whose manifest was not there yet, for a torn
+    write and delete it; the manifest then landed naming deleted files."""
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0)
+    entered, release = None, threading.Event()
+    try:
+        for step in range(1, 6):
+            hand_over_and_wait(committer, store, step)
+        entered, release = stall(store, "commit")
+        hand_over(committer, store, 6, tiny_state(6))
+        assert entered.wait(10)
+        committer.rewind(7, restored=True)
+        assert committer.latest_committed == 5
+        committer._cleanup_pass(force=True)  # a sweep while step 6's manifest is on its way
+        release.set()
+        assert committer.flush(timeout_s=10) and committer.latest_committed == 6
+        assert store.latest_valid() == 6
+    finally:
+        release.set()
+        committer.close()
+
+
+def test_the_committer_takes_parts_of_steps_not_committed_past_and_of_awaited_milestones(tmp_path):
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, CheckpointConfig(every_n_steps=1, keep_last=2, keep_every=8))
+    try:
+        committer.set_meta(8, {"cursor": 8})
+        committer.add(8, 0, 2, store.write_rank_files(8, 0, 2, tiny_state(8)))  # rank 1's part still to come
+        for step in range(9, 13):
+            hand_over_and_wait(committer, store, step)
+        assert [committer.takes_parts(s) for s in (8, 11, 12, 13)] == [True, False, False, True]
+    finally:
+        committer.close()
+
+
 def test_a_commit_handed_over_before_a_rewind_past_it_is_not_written():
     store = CheckpointStore("memory://rewind-drop/ckpt", RUN, retry=FAST)
     committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0)
@@ -2642,7 +2702,7 @@ def test_a_failed_commit_a_rewind_goes_back_past_while_its_manifest_is_read_take
 
     def commit(step, *args, **kwargs):
         out = real_commit(step, *args, **kwargs)
-        if step == 2 and not failed.is_set():
+        if step == 2:  # every try: its retries until step 3 supersedes it, however late that comes
             failed.set()
             raise StorageUnavailable("the reply was lost")
         return out
@@ -2902,7 +2962,7 @@ def test_a_step_above_the_base_that_training_went_back_to_is_counted_by_retentio
     committer = CheckpointCommitter(store, keep_last=1, latest_committed=3, gc_interval_s=3600)
     hand_over_and_wait(committer, store, 4)
     assert committer.flush(5) and store.committed_steps() == [4, 5]  # 5: above the base, left for now
-    committer.rewind(5)  # training went back to step 5 (a restore took it)
+    committer.rewind(5, restored=True)  # training went back to step 5 (a restore took it)
     hand_over_and_wait(committer, store, 6)
     assert committer.flush(5) and store.committed_steps() == [6]
     committer.close()

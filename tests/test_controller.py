@@ -322,6 +322,9 @@ class CommittedAt:
     def holds(self, step, rank):
         return step <= (self.latest_committed or 0) or (step, rank) in self.parts
 
+    def takes_parts(self, step):
+        return step > (self.latest_committed or 0)
+
     def add(self, step, rank, world_size, entries, taken_at=None, rng=None):
         self.parts.add((step, rank))
 

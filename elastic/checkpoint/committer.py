@@ -107,7 +107,7 @@ class CheckpointCommitter:
         self._rewinds: list[int | None] = []
         # rewind()s the cleanup thread has not applied yet, with the commits they left behind
         # (see rewind: it does not wait for a pass that holds the cleanup lock).
-        self._pending_rewinds: list[tuple[int | None, list[int]]] = []
+        self._pending_rewinds: list[tuple[int | None, list[int], bool]] = []  # (step, abandoned, restored)
         # Steps whose manifest a rewind left behind on storage, or may have: a commit that
         # landed after the rewind, or one that failed and so may or may not have landed. The
         # cleanup thread puts them with the steps above the base.
@@ -224,15 +224,19 @@ class CheckpointCommitter:
             if self._latest is not None and later(self._latest):
                 # Later steps will be written again and committed over the old ones.
                 self._latest = step
-            elif restored and step is not None and self._latest is not None and step > self._latest:
-                self._latest = step  # not before this run's first commit: flush() cleans up after one
+            elif (restored and step is not None and self._latest is not None and step > self._latest
+                  and (self._submitted is None or self._submitted <= self._latest)):
+                # Not before this run's first commit (flush() cleans up after one), nor while a
+                # commit of a step between the two is on its way: the sweep takes every step
+                # below the newest committed one for done, and would delete that one's files.
+                self._latest = step
             self._rewinds.append(step)
             # Commits the cleanup thread has not taken in: later ones left this timeline too, and
             # so did failed ones (they may have landed) of later steps.
             abandoned = [s for s, _ in self._done if later(s)] + [s for s in self._unconfirmed if later(s)]
             self._done = [(s, files) for s, files in self._done if not later(s)]
             self._unconfirmed = {s: f for s, f in self._unconfirmed.items() if not later(s)}
-            self._pending_rewinds.append((step, abandoned))
+            self._pending_rewinds.append((step, abandoned, restored))
         # No delete of a pass that began before this rewind starts after it (its picture of
         # storage is the old timeline's), and one under way is given FENCE_WAIT_S to finish.
         # One still running after that is a suspect: it may yet remove the directory of a later
@@ -255,15 +259,17 @@ class CheckpointCommitter:
             with self._lock:
                 taken = self._take_rewinds()
         pending, left = taken
-        for step, abandoned in pending:
+        for step, abandoned, restored in pending:
             self._base = step
-            # A step above the base that training went back to (a restore took it: its manifest
-            # checked out) is this timeline's from now on: counted, retention deletes it in its
-            # turn. Left out of both lists, it stayed on storage for the rest of the run. Among
-            # them a step left behind since the last pass (its manifest landed after a rewind
-            # past it, and a restore took it): looked for in the other list only, it went above
-            # the base after the loop, and was deleted as passed once the run committed past it.
-            taken = step is not None and (step in self._above_base or step in left)
+            # A step above the base that a restore took (its manifest checked out) is this
+            # timeline's from now on: counted, retention deletes it in its turn. Left out of both
+            # lists, it stayed on storage for the rest of the run. Among them a step left behind
+            # since the last pass (its manifest landed after a rewind past it): looked for in the
+            # other list only, it went above the base after the loop, and was deleted as passed
+            # once the run committed past it. Only a restore's: a rollback to a step (a first-N
+            # replica's state) whose old timeline's manifest is on storage goes on from state that
+            # manifest does not hold, and the files it names may have been written again since.
+            taken = restored and step is not None and (step in self._above_base or step in left)
             if taken:
                 left = [s for s in left if s != step]
             later = lambda s: step is None or s > step  # noqa: E731
@@ -671,6 +677,12 @@ class CheckpointCommitter:
         return self.store.gc_uncommitted(older_than=older_than, keep=pending, epoch=epoch)
 
     # ---- status -----------------------------------------------------------------------------
+    def takes_parts(self, step: int) -> bool:
+        """Whether a part of ``step`` handed over now would count (not stale: a newer step has
+        not committed, or it is a milestone still awaited)."""
+        with self._lock:
+            return not self._is_stale(step)
+
     def holds(self, step: int, rank: int) -> bool:
         """Whether ``rank``'s part of ``step`` is in, or ``step`` needs no more parts (it was
         handed to the commit, or a newer step was)."""
