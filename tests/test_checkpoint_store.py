@@ -2137,11 +2137,14 @@ def test_a_restore_of_a_step_a_rewind_left_behind_counts_it_as_the_newest_commit
         committer.close()
 
 
-def test_a_rollback_to_a_step_a_rewind_left_behind_does_not_take_its_old_manifest(tmp_path):
+@pytest.mark.parametrize("pass_between", [False, True], ids=["left_behind", "taken_in_by_a_pass"])
+def test_a_rollback_to_a_step_a_rewind_left_behind_does_not_take_its_old_manifest(tmp_path, pass_between):
     """As above, but the run goes back to step 6 by a rollback (a first-N replica's state), not
     a restore: it goes on from state step 6's manifest on storage does not hold, whose files the
     new timeline has written again. Taken as the new timeline's committed step, it kept the one
-    place keep_last=1 gives, and retention deleted step 5, the last good one."""
+    place keep_last=1 gives, and retention deleted step 5, the last good one. It stays above the
+    base, and goes once the run commits past it; after a pass had taken it in (above the base)
+    it used to fall out of both lists, and stayed for the rest of the run."""
     store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
     committer = CheckpointCommitter(store, keep_last=1, gc_interval_s=0, retention_interval_s=0)
     try:
@@ -2150,11 +2153,15 @@ def test_a_rollback_to_a_step_a_rewind_left_behind_does_not_take_its_old_manifes
         while "checkpoint_left_behind" not in [e["event"] for e in committer.drain_events()]:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        if pass_between:
+            assert committer.flush(timeout_s=10)
         for rank in range(2):  # the new timeline writes step 6's files again; its commit is to come
             store.write_rank_files(6, rank, 2, tiny_state(60))
         committer.rewind(6)  # a rollback to a replica that holds the new timeline's step 6
         assert committer.flush(timeout_s=10) and committer.latest_committed == 5
         assert 5 in store.committed_steps() and store.latest_valid() == 5
+        hand_over_and_wait(committer, store, 7)
+        assert committer.flush(timeout_s=10) and store.committed_steps() == [7]
     finally:
         committer.close()
 

@@ -269,12 +269,15 @@ class CheckpointCommitter:
             # once the run committed past it. Only a restore's: a rollback to a step (a first-N
             # replica's state) whose old timeline's manifest is on storage goes on from state that
             # manifest does not hold, and the files it names may have been written again since.
-            taken = restored and step is not None and (step in self._above_base or step in left)
+            # That step stays above the base (deleted once passed): dropped from both lists, it
+            # was neither counted nor deleted, for the rest of the run.
+            above = step is not None and (step in self._above_base or step in left)
+            taken = restored and above
             if taken:
                 left = [s for s in left if s != step]
             later = lambda s: step is None or s > step  # noqa: E731
             self._above_base = sorted({s for s in (self._committed or []) + self._above_base + abandoned
-                                       if later(s)})
+                                       if later(s)} | ({step} if above and not restored else set()))
             if self._committed is not None:
                 self._committed = [s for s in self._committed if not later(s)]
                 self._files = {s: f for s, f in self._files.items() if not later(s)}
