@@ -873,7 +873,7 @@ def _check_bucket(url: str, options: dict, retry) -> None:
     storage = Storage(url, options, retry=retry)
     try:
         bucket, found = storage.bucket_exists()
-    except (StorageError, OSError):
+    except (StorageError, OSError, ConfigError):  # ConfigError: botocore's own credential check here
         return
     if not found:
         raise CliError(f"{storage.location}: bucket {bucket!r} does not exist (or these credentials cannot see it)")

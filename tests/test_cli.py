@@ -570,7 +570,7 @@ def test_checkpoints_in_a_bucket_that_does_not_exist_is_an_error_not_an_empty_li
                "-o", f"endpoint_url={moto_s3.endpoint_url}", "-o", "client_kwargs.region_name=us-east-1"]
     empty = runner.invoke(app, ["checkpoints", f"s3://{bucket}/prefix", *options])
     assert empty.exit_code == 0 and "no checkpoints in" in empty.stdout, empty.stdout + empty.stderr
-    for extra in ([], ["--run", "r"]):
+    for extra in ([], ["--run", "r"], ["--json"], ["--json", "--run", "r"]):
         result = runner.invoke(app, ["checkpoints", f"s3://{bucket}-typo/prefix", *options, *extra])
         line = one_line_error(result.exit_code, result.stdout, result.stderr)
         assert result.exit_code == 1 and f"bucket '{bucket}-typo' does not exist" in line, line

@@ -725,9 +725,10 @@ class CheckpointAgent:
         arriving second never committed: harmless in background mode, where the newer step
         supersedes it, but blocking mode promises every step (a rank goes on once its write is
         done, so two of its steps can wait here for the node's other ranks). One thread sends
-        them in the order they were taken. After ``shutdown`` (a test aid) the report thread has
-        stopped, and this runs here, the only sender left."""
-        if self._closed:
+        them in the order they were taken. After ``shutdown`` (a test aid) the report thread
+        forgets what waits when it stops, and once it has stopped this runs here, the only
+        sender left."""
+        if self._closed and not self._threads["reports"].is_alive():
             self._forget(link)
         else:
             self.reports.put(("forget", link))
@@ -777,6 +778,14 @@ class CheckpointAgent:
                                        for ev in link.persister.drain_events()])
             except Exception:  # noqa: BLE001 - see the docstring
                 logger.exception("checkpoint agent: reporting failed; going on")
+        # Shut down (a test aid): the links forgotten before it still leave the pool (forget).
+        while True:
+            try:
+                kind, item = self.reports.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "forget":
+                self._forget(item)
 
 
 def _same_user(conn: socket.socket) -> bool:
