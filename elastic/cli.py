@@ -1041,8 +1041,8 @@ def _refuse_credentials_in(args: list[str]) -> None:
             f"the script's argument #{i} carries a credential (a URL's user:password@, a signed query or a "
             "token, key or password parameter, an Authorization or Cookie header, Ray's auth token, an access key "
             "id, an option, NAME=value setting or JSON or dict entry named as a password, secret, API key or "
-            "token), and Ray keeps the command line in its job table, shown on the dashboard and by `ray job list`; give the job "
-            "its credentials off the command line: the nodes' environment or role (AWS_* variables, ~/.aws, an "
+            "token), and Ray keeps the command line in its job table, shown on the dashboard and by "
+            "`ray job list`; give the job its credentials off the command line: the nodes' environment or role (AWS_* variables, ~/.aws, an "
             "instance profile) or a file the script reads",
             code=2)
 

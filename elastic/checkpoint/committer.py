@@ -261,19 +261,16 @@ class CheckpointCommitter:
         pending, left = taken
         for step, abandoned, restored in pending:
             self._base = step
-            # A step above the base that a restore took (its manifest checked out) is this
-            # timeline's from now on: counted, retention deletes it in its turn. Left out of both
-            # lists, it stayed on storage for the rest of the run. Among them a step left behind
-            # since the last pass (its manifest landed after a rewind past it): looked for in the
-            # other list only, it went above the base after the loop, and was deleted as passed
-            # once the run committed past it. Only a restore's: a rollback to a step (a first-N
-            # replica's state) whose old timeline's manifest is on storage goes on from state that
-            # manifest does not hold, and the files it names may have been written again since.
-            # That step stays above the base (deleted once passed): dropped from both lists, it
-            # was neither counted nor deleted, for the rest of the run.
+            # The step gone back to, when another timeline's manifest of it is on storage (above
+            # the base, or left behind since the last pass): a restore took that manifest (it
+            # checked out), so it is this timeline's from now on, counted, and retention deletes
+            # it in its turn. A rollback (a first-N replica's state) goes on from state that
+            # manifest does not hold, whose files may have been written again since: it stays
+            # above the base, deleted once passed. Left out of both lists, either stayed on
+            # storage for the rest of the run.
             above = step is not None and (step in self._above_base or step in left)
-            taken = restored and above
-            if taken:
+            adopted = restored and above
+            if adopted:
                 left = [s for s in left if s != step]
             later = lambda s: step is None or s > step  # noqa: E731
             self._above_base = sorted({s for s in (self._committed or []) + self._above_base + abandoned
@@ -281,7 +278,7 @@ class CheckpointCommitter:
             if self._committed is not None:
                 self._committed = [s for s in self._committed if not later(s)]
                 self._files = {s: f for s, f in self._files.items() if not later(s)}
-                if taken and step not in self._committed:
+                if adopted and step not in self._committed:
                     self._committed = sorted(self._committed + [step])
             self.store.forget_deletes_above(step)
         # After the rewinds: these landed above the step the newest one went back to.
