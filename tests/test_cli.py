@@ -929,6 +929,10 @@ def test_submit_tells_an_auth_refusal_from_an_address_with_its_digits(error, aut
     # As an entry of a JSON object or a dict: fsspec's storage options handed to the script.
     '{"key": "minio", "secret": "ArgPassw0rd"}',
     "--storage-options={'token': 'ArgPassw0rd'}",
+    # camelCase names, as JavaScript, Java and the AWS SDKs spell them.
+    "--awsSecretAccessKey=ArgPassw0rd",
+    '{"accessKeyId": "minio", "awsSecretAccessKey": "ArgPassw0rd"}',
+    "dbPassword=ArgPassw0rd",
 ])
 def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, tmp_path):
     # The terminal's entrypoint line was redacted, but Ray got the command line as it was: kept in
@@ -961,7 +965,8 @@ def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, t
     harmless = ["s3://bkt/p?versionId=3", "s3://bkt/key@v1/x", "--note=authorization failed", "signature",
                 "--max-tokens=512", "--tokenizer", "gpt2", "https://api.example/v1?page_token=3", "--sort-key", "id",
                 "MAX_TOKENS=5", "--passes=3", "EOS_TOKEN=</s>", "--pad-token=0", "--use-auth-token", "--pwd", "/tmp",
-                '{"pad_token": 0, "max_tokens": 512, "key": "id", "token": null}', '{"token": true}', "--tok={'secret': ''}"]
+                '{"pad_token": 0, "max_tokens": 512, "key": "id", "token": null}', '{"token": true}', "--tok={'secret': ''}",
+                "--padToken=0", "--maxTokens=512", "--useAuthToken", "pageToken=3", '{"sortKey": "id"}']
     result = runner.invoke(app, [*base, *harmless])
     assert result.exit_code == 0, result.stdout + result.stderr
     assert submitted == [shlex.join(["python", "job.py", "--lr", "0.1", *harmless])]
