@@ -321,6 +321,12 @@ class Controller:
         storage = getattr(getattr(self, "store", None), "storage", None)
         return storage.redact(text) if storage is not None else redact_urls_in(text)
 
+    def redacted(self, text: Any, limit: int) -> str:
+        """``str(text)`` redacted, then cut to ``limit`` characters: in that order, since a URL
+        cut inside its user:password@, or a secret cut short, is no longer found, and would
+        show the secret's first characters."""
+        return self.redact(str(text))[:limit]
+
     def log(self, kind: str, message: str, **details) -> None:
         message = self.redact(message)
         details = {k: self.redact(v) if isinstance(v, str) else v for k, v in details.items()}
@@ -431,7 +437,7 @@ class Controller:
                                           lost_ok=True)
         except Exception as failed:  # noqa: BLE001 - the user's error is what the run ends with
             self.log("checkpoint_failed", f"the steps before the {type(exc).__name__} could not be committed: "
-                     f"{type(failed).__name__}: {str(failed)[:300]}")
+                     f"{type(failed).__name__}: {self.redacted(failed, 300)}")
 
     def _errored(self, exc: BaseException) -> None:
         if not self.state.is_terminal:
@@ -442,7 +448,7 @@ class Controller:
         to the workers complete, the last one's checkpoint commits, and ``run_for`` returns with
         the state STOPPED. A later ``fit()`` of the same run continues right after that step."""
         if self._stop_reason is None:
-            self._stop_reason = str(reason)[:200]
+            self._stop_reason = self.redacted(reason, 200)
         self._stop_asked.set()
 
     def _interrupted(self) -> bool:
@@ -562,7 +568,7 @@ class Controller:
         ``max_failures``, with the error (a crash that repeats on every start ends there)."""
         self._count_failure(kind)
         who = f"rank(s) {lost}" if isinstance(lost, list) else lost
-        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        error = f"{type(exc).__name__}: {self.redacted((str(exc).splitlines() or [''])[0], 300)}"
         if self.failures > self.failure_config.max_failures:
             raise TrainingFailed(self._fail_message(
                 f"{who} lost while {while_} ({error}), and failure {self.failures} exceeds "
@@ -1037,7 +1043,7 @@ class Controller:
                 raise
             cause = getattr(exc, "cause", exc)
             self.log("rendezvous", f"generation {self.generation} did not form with every rank alive "
-                     f"({type(cause).__name__}: {str(cause)[:200]}); a fresh rendezvous, attempt {attempt + 1} of "
+                     f"({type(cause).__name__}: {self.redacted(cause, 200)}); a fresh rendezvous, attempt {attempt + 1} of "
                      f"{self.FORM_ATTEMPTS}", generation=self.generation, retry=attempt + 1)
             self._form_group(reason, attempt + 1)
             return

@@ -791,7 +791,9 @@ class Trainer:
             told = describe_worker_failure(exc, f"run {self.run.name!r}: its controller "
                                                 f"{'could not start' if init_failed else 'failed'}")
         else:  # lost: Ray's account of the process's end, no traceback; its first line
-            line = (str(exc).strip().splitlines() or [""])[0]
+            # Redacted before it is cut: a URL cut inside its user:password@ no longer reads as
+            # one, and would show the secret's first characters.
+            line = redact_urls_in((str(exc).strip().splitlines() or [""])[0])
             told = f"run {self.run.name!r}: its controller was lost ({type(exc).__name__}: {line[:400]})"
         told = redact_urls_in(told)
         if self._store is not None:

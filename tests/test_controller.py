@@ -554,6 +554,21 @@ def test_max_failures_zero_fails_even_with_spare(ray_cluster):
     run_expecting_failure(c, 4, "max_failures=0")
 
 
+def test_a_failure_message_is_redacted_before_it_is_cut():
+    # Cut at 300 characters first, a URL cut inside its user:password@ no longer read as one, and
+    # the secret's first characters went into the failure message and the event log.
+    c = controller("fake-cut", failure=elastic.FailureConfig(max_failures=0))
+    lost = RuntimeError("x" * 280 + " s3://AKIAEXAMPLE:SeCrEtPassw0rd@bucket/run/step-3 and more\nthe traceback")
+    try:
+        with pytest.raises(TrainingFailed) as info:
+            c._count_start_loss(lost, "crash", [1], "starting", "a fresh start")
+    finally:
+        c.shutdown()
+    assert "rank(s) [1] lost while starting (RuntimeError: xxx" in str(info.value)
+    assert "SeCrEt" not in str(info.value) and "AKIAEXAMPLE" not in str(info.value)
+    assert c.redacted(lost, 300) == c.redact(str(lost))[:300] and "SeCrEt" not in c.redacted(lost, 300)
+
+
 def test_raylet_probe_tells_a_live_node_from_an_unknown_one(ray_cluster):
     from elastic.controller import _raylet_reachable
 
@@ -827,6 +842,18 @@ def test_a_controller_that_could_not_start_is_reported_with_its_error(ray_cluste
     told = trainer._controller_failure(info.value)
     assert told.startswith("run 'nostart': its controller could not start: RuntimeError: boom while starting xxx")
     assert "no RunConfig.storage, so a new fit() starts from the beginning" in told
+
+
+def test_a_lost_controllers_line_is_redacted_before_it_is_cut():
+    # Cut at 400 characters first, a URL cut inside its user:password@ no longer read as one, and
+    # the secret's first characters were shown.
+    from helpers import loss_fn, make_adam, make_dataset, make_model
+
+    trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8, run=elastic.RunConfig(name="cut"))
+    lost = RuntimeError("x" * 380 + " s3://AKIAEXAMPLE:SeCrEtPassw0rd@bucket/run/step-3 and more")
+    told = trainer._controller_failure(lost)
+    assert told.startswith("run 'cut': its controller was lost (RuntimeError: xxx")
+    assert "SeCrEt" not in told and "AKIAEXAMPLE" not in told
 
 
 def test_a_ray_client_address_while_connected_directly_is_refused(ray_cluster):
