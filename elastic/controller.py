@@ -983,6 +983,30 @@ class Controller:
                  step=step, changed={k: list(v) for k, v in changed.items()})
         return DataPosition(epoch=position.epoch + 1)
 
+    def _fresh_rank_views(self, ranks: Iterable[int] | None = None) -> None:
+        """What the dashboard and `elastic status` show of rank numbers that now name another
+        actor: ``ranks`` (a promoted spare's), or every rank (None: survivors renumbered by a
+        shrink, a new rendezvous), stale numbers dropped. Each is heard from now, at the run's
+        step, with no step time yet.
+
+        Why: ranks are numbers. A promoted spare, or a survivor renumbered by a shrink, took over
+        its predecessor's heartbeat time, step and step time: a fresh spare looked hung, and an
+        evicted straggler's step time stood against its replacement. Done when the number changes
+        hands (``_replace``, ``_shrink``), not only at the rendezvous after the state sync: the
+        sync can take minutes, and a second failure during it showed the dead predecessor's age."""
+        now = time.time()
+        if ranks is None:
+            members = [m.rank for m in self.group.members]
+            # New dicts, not cleared ones: the status thread reads them without a lock.
+            self._rank_done = {r: self.step for r in members}
+            self._last_beat = {r: now for r in members}
+            self._step_time_of = {}
+            return
+        for r in ranks:
+            self._rank_done[r] = self.step
+            self._last_beat[r] = now
+            self._step_time_of.pop(r, None)
+
     def _all_actors(self) -> list[Member]:
         return list(self.group.members) + list(self.group.spares)
 
@@ -996,14 +1020,8 @@ class Controller:
         failure ended the run (at its start, in a recovery, in an eviction), where the same error
         in a step was healed."""
         self.generation += 1
-        self._rank_done = {m.rank: self.step for m in self.group.members}  # every rank joins at the run's step
-        # Ranks are numbers: a promoted spare, or a survivor renumbered by a shrink, took over its
-        # predecessor's heartbeat time and last result (a fresh spare looked hung for the whole
-        # rebuild, an evicted straggler's step time stood against its replacement). Its join is
-        # its answer.
-        self._last_beat = {m.rank: time.time() for m in self.group.members}
+        self._fresh_rank_views()  # every rank joins at the run's step; its join is its answer
         self._last_results = {}
-        self._step_time_of = {}
         self._configure_checkpoints(self.group.members)  # a promoted spare started after the run began
         head = self.group.members[0]  # hosts the fresh TCP store: its node IP and the port it bound
         # The group's timeout, as every other rank's store has (``join``): rank 0 waits on its
@@ -2062,6 +2080,10 @@ class Controller:
             healed |= set(lost)
             self._show_lost(lost)
             self._unhealed = lost  # until the decision is carried out: not in world_size
+            # The lost ranks out of the group on the dashboard now: published before only at
+            # the transition, with them still in, and not again until the run went on, so for
+            # the whole rebuild the dashboard showed the group whole and the spare not yet taken.
+            self._publish_membership()
             try:
                 # Inside the try: a restart from the checkpoint builds and restores a whole new
                 # group, and a rank of it lost meanwhile is healed by this loop like any other.
@@ -2306,8 +2328,10 @@ class Controller:
             spare = self.group.promote_spare(r, avoid_nodes=self._nodes_to_avoid())
             self._stateless.add(spare.name)
             self.straggler_policy.forget(r)
+            self._fresh_rank_views([r])
             self.log("replace", f"spare {spare.name} takes rank {r} on node {spare.info.get('node_ip')}",
                      rank=r, spare=spare.name)
+        self._publish_membership()  # the spares taken out of the pool (an eviction's too)
 
     def _shrink(self, lost: tuple[int, ...], size: int) -> None:
         """Go on with ``size`` ranks: the lost ones are dropped, and survivors beyond ``size`` (the
@@ -2327,6 +2351,8 @@ class Controller:
         names = [self.group.members[r].name for r in standby]
         self.group.remove_ranks(list(lost), stand_by=standby)
         self._unhealed = ()  # gone with remove_ranks: counted again, world_size read by status() went below 0
+        self._fresh_rank_views()
+        self._publish_membership()  # the group shrunk, the survivors standing by counted as spares
         self._stateless.update(names)
         self._split = size
         for r in (*lost, *standby):

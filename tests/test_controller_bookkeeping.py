@@ -392,6 +392,61 @@ def test_the_dashboard_sees_the_group_and_pool_change_during_a_recovery(rayless_
     assert c.metrics.membership[-1] == (2, 0, 0)
 
 
+class Published:
+    """A stand-in for RunMetrics that keeps what the group and pool were published as."""
+
+    def __init__(self):
+        self.membership = []
+
+    def on_membership(self, world_size, spares, building):
+        self.membership.append((world_size, spares, building))
+
+    def __getattr__(self, name):  # the other gauges: not looked at here
+        return lambda *args, **kwargs: None
+
+
+def test_a_recovery_publishes_the_lost_rank_out_and_the_spare_taken_before_the_state_sync(
+        rayless_controller, monkeypatch):
+    # Published only at the transitions: the lost rank still in at RECOVERING (_unhealed was set
+    # after it), and nothing again until RUNNING, so for the whole rebuild (the state sync, the
+    # rendezvous: seconds to minutes) the dashboard showed the group whole and the spare ready.
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1))
+    c.metrics, c.group = Published(), StandInGroup(ready_spares=1)
+    at_sync = []
+    monkeypatch.setattr(c, "_settle_survivors", lambda dead: set())
+    monkeypatch.setattr(c, "_sync_state", lambda: at_sync.append(c.metrics.membership[-1]))
+    monkeypatch.setattr(c, "_form_group", lambda why: None)
+    monkeypatch.setattr(c, "_refill_spares", lambda: None)
+    c._recover(Failure({1}, "actor_died"))
+    assert (1, 1, 0) in c.metrics.membership  # rank 1 out, its spare still in the pool
+    assert at_sync == [(2, 0, 0)]  # the spare took rank 1 and left the pool
+
+
+def test_a_promoted_spare_and_renumbered_survivors_do_not_show_their_predecessors_heartbeat_or_step_time(
+        rayless_controller):
+    # Reset only at the rendezvous after the state sync: until then `elastic status` showed the
+    # spare with the dead rank's growing heartbeat age ("looks hung") and its step time, and a
+    # second failure during the sync published the predecessor's age for the spare.
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3, num_backups=1), global_batch_size=12,
+                           failure=elastic.FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=1))
+    c.group = StandInGroup(ranks=3, ready_spares=1)
+    c.step, c.failures = 7, 1
+    long_ago = time.time() - 100
+    c._last_beat = {0: time.time(), 1: long_ago, 2: long_ago}
+    c._step_time_of = {0: 0.1, 1: 9.0, 2: 9.0}
+    c._rank_done = {0: 7, 1: 3, 2: 3}
+    c._decide_and_apply((1,), "actor_died")
+    spare = c.rank_rows(spares=False)[1]
+    assert spare["name"] == "spare-0" and spare["heartbeat_age_s"] < 5
+    assert spare["step_time_s"] is None and spare["step"] == 7
+    # Rank 2 lost too, and no spare left: the group shrinks to 2, and ranks are renumbered.
+    c._decide_and_apply((0,), "actor_died")
+    rows = c.rank_rows(spares=False)
+    assert [r["name"] for r in rows] == ["spare-0", "rank-2"]
+    assert all(r["heartbeat_age_s"] < 5 and r["step_time_s"] is None and r["step"] == 7 for r in rows)
+    assert set(c._last_beat) == {0, 1}
+
+
 def test_a_rank_lost_while_every_rank_restarts_starts_them_all_again(rayless_controller, monkeypatch):
     # WorkerGroup.start names its members only once all are built: a rank lost meanwhile left a
     # group with no members, and the recovery loop could not name a lost rank.
