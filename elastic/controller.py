@@ -142,6 +142,9 @@ class StepRecord:
     ranks: list[int] = field(default_factory=list)
     grad_norm: float | None = None  # the averaged gradient's 2-norm before clipping (with max_grad_norm)
     update_skipped: bool = False  # fp16: the gradient overflowed, so no replica stepped (the loss scale backed off)
+    # False for a step kept after a failure whose result no rank still had: its loss is NaN for
+    # "unknown", where a True one's NaN is the model's (a diverged run).
+    loss_known: bool = True
 
 
 @dataclass
@@ -2331,6 +2334,7 @@ class Controller:
             self._fresh_rank_views([r])
             self.log("replace", f"spare {spare.name} takes rank {r} on node {spare.info.get('node_ip')}",
                      rank=r, spare=spare.name)
+        self._unhealed = tuple(r for r in self._unhealed if r not in lost)  # their spares hold them: counted
         self._publish_membership()  # the spares taken out of the pool (an eviction's too)
 
     def _shrink(self, lost: tuple[int, ...], size: int) -> None:
@@ -2709,6 +2713,7 @@ class Controller:
                 elif ranks is None:
                     ranks = range(len(self._planned[step][1]))  # plain sync: every rank's gradient
                 record = self._book_step(step, ranks, float("nan"), 0.0)
+                record.loss_known = False
             # Without this, with requeueing a kept step never had meta, so it could not
             # commit: a stop in a wait ended on the step before, and a resume replayed it.
             self._set_meta_after_results(step)

@@ -8,7 +8,6 @@ progress while it drives the workers, and returns a ``Result``.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import socket
@@ -434,9 +433,12 @@ def _resolve(host_port: str) -> tuple[str, str]:
 
 
 def last_loss(history: list[dict]) -> float | None:
-    """The newest known loss: a step kept after a failure (its survivors finished it) for which
-    no rank still had its result is booked with a NaN loss, and may be the run's last."""
-    return next((h["loss"] for h in reversed(history) if h["loss"] is not None and math.isfinite(h["loss"])), None)
+    """The newest known loss. A step kept after a failure (its survivors finished it) for which
+    no rank still had its result is booked with a NaN loss for "unknown" (``loss_known`` False),
+    and may be the run's last: passed over. A NaN or infinite loss the model computed is the
+    answer: skipping every non-finite loss reported a diverged run with its last finite loss."""
+    return next((h["loss"] for h in reversed(history) if h["loss"] is not None and h.get("loss_known", True)),
+                None)
 
 
 class Trainer:

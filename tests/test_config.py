@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import re
 
 import pytest
@@ -690,8 +691,12 @@ def test_a_worker_bundle_of_no_resource_is_refused():
 def test_the_runs_loss_is_the_newest_known_one():
     from elastic.trainer import last_loss
 
-    assert last_loss([{"loss": 0.5}, {"loss": 0.4}, {"loss": float("nan")}]) == 0.4  # the last step was kept
-    assert last_loss([]) is None and last_loss([{"loss": float("nan")}]) is None
+    kept = {"loss": float("nan"), "loss_known": False}  # kept after a failure, its result gone with the ranks
+    assert last_loss([{"loss": 0.5}, {"loss": 0.4}, kept]) == 0.4
+    assert last_loss([]) is None and last_loss([kept]) is None
+    # A loss the model computed is the run's, finite or not: a diverged run reads as one.
+    assert math.isnan(last_loss([{"loss": 0.5}, {"loss": float("nan"), "loss_known": True}, kept]))
+    assert last_loss([{"loss": 0.5}, {"loss": float("inf"), "loss_known": True}]) == float("inf")
 
 
 def test_a_numpy_straggler_factor_is_a_number():

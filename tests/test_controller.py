@@ -1205,7 +1205,7 @@ def test_a_step_kept_without_any_result_is_booked_with_a_nan_loss_and_one_with_s
     c._keep_completed_steps([1, 2], "completed on a survivor before the rebuild", results=results)
     one, two = c.history
     assert (one.loss, one.step_time_s, one.grad_norm, one.ranks) == (0.375, 0.03, 2.0, [0, 1, 2])
-    assert math.isnan(two.loss) and two.step_time_s == 0.0 and two.ranks == [0, 1, 2]
+    assert math.isnan(two.loss) and not two.loss_known and two.step_time_s == 0.0 and two.ranks == [0, 1, 2]
     [kept] = [e for e in c.events if e.kind == "step_kept"]
     assert kept.details["with_results"] == [1] and "1 of them booked with the results" in kept.message
 
