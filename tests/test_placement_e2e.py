@@ -159,6 +159,29 @@ def test_a_spare_kept_off_a_node_is_asked_for_anywhere_when_the_other_nodes_stay
         remove_placement_group(filler)
 
 
+def test_a_fit_removes_the_placement_groups_a_killed_controller_of_its_run_left(two_nodes):
+    # Ray frees a killed controller's groups only when its job ends too. The driver's sweep right
+    # after the kill can miss one (a group asked for as the controller died, a sweep interrupted,
+    # a GCS call that failed), and a next fit() of the run waited placement_timeout_s for CPUs its
+    # own dead run held, then failed saying the cluster had no room.
+    from ray.util.placement_group import placement_group_table
+
+    # Half a CPU left on each node: no room for a rank's bundle of 1 CPU.
+    leftover = placement_group([{"CPU": 2.5}] * 2, strategy="STRICT_SPREAD", name="elastic-leftover-pg/ranks")
+    ray.get(leftover.ready(), timeout=60)
+    try:
+        t = elastic.Trainer(make_model, make_sgd, make_dataset, loss_fn, 8,
+                            scaling=elastic.ScalingConfig(num_workers=2, placement_timeout_s=20),
+                            run=elastic.RunConfig(name="leftover-pg", progress=False))
+        result = t.fit(steps=2)
+        assert result.metrics["steps"] == 2
+        [removed] = result.events_of("placement")
+        assert removed["details"]["removed"] == ["elastic-leftover-pg/ranks"]
+        assert placement_group_table(leftover)["state"] == "REMOVED"
+    finally:
+        remove_placement_group(leftover)
+
+
 def test_the_refill_after_evicting_a_straggler_is_asked_for_off_the_stragglers_node(two_nodes):
     failure = elastic.FailureConfig(evict_stragglers=True, straggler_factor=3.0, straggler_window=2,
                                     straggler_warmup_steps=1)

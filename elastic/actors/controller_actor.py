@@ -31,6 +31,36 @@ def _log_level() -> str:
         return "WARNING"
 
 
+def _remove_leftover_placement(c: Controller) -> None:
+    """Remove the placement groups an earlier controller of this run left, before this one
+    places its own: their CPUs and GPUs are reserved for nothing.
+
+    Why they can be there: Ray frees a group when its creator actor and its creator's job are
+    both dead, so the groups of a controller that was killed (a second interrupt, the stop
+    timeout, the controller lost) stay while its driver lives. The driver removes them right
+    after the kill (``Trainer._release_placement``), but that sweep can miss a group: a group
+    the dying controller asked for after the sweep read the table (``ray.kill`` returns before
+    the process is gone), a sweep cut short by a third interrupt, or a GCS call that failed. A
+    next fit() of the run then waited ``placement_timeout_s`` for resources its own dead run held,
+    and failed saying the cluster had no room.
+
+    Why it cannot remove a live run's: this actor holds the name "controller" in the run's
+    namespace (Ray keeps actor names unique, and ``Trainer._claim_run_name`` refuses a live
+    holder), and only the actor holding that name creates groups named ``elastic-<run>/...``.
+    So every group of that prefix now is a dead controller's."""
+    from elastic.actors.worker_group import remove_run_placement_groups
+
+    try:
+        removed = remove_run_placement_groups(f"elastic-{c.run_config.name}")
+    except Exception:  # noqa: BLE001 - the run can still place where there is room
+        logger.warning("could not look for placement groups an earlier controller of run %r left",
+                       c.run_config.name, exc_info=True)
+        return
+    if removed:
+        c.log("placement", f"removed the placement groups an earlier controller of this run left: "
+              f"{', '.join(removed)}", removed=removed)
+
+
 class ControllerActor:
     def __init__(self, kwargs: dict):
         from elastic.checkpoint import memory
@@ -43,6 +73,7 @@ class ControllerActor:
     def run(self, total_steps: int | None, epochs: int | None) -> dict:
         c = self.controller
         try:
+            _remove_leftover_placement(c)
             c.run_for(total_steps, epochs)
             return c.result(include_state=True)
         except BaseException as exc:
