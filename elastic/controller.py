@@ -571,7 +571,12 @@ class Controller:
         ``max_failures``, with the error (a crash that repeats on every start ends there)."""
         self._count_failure(kind)
         who = f"rank(s) {lost}" if isinstance(lost, list) else lost
-        error = f"{type(exc).__name__}: {self.redacted((str(exc).splitlines() or [''])[0], 300)}"
+        # Its first line and its last: Ray's text of a start that failed says what failed first
+        # ("Failed to set up runtime environment.") and why last (pip's error), with a
+        # traceback between them. The first line alone sent the user to the controller's traceback.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+        said = lines[0] if len(lines) == 1 else f"{self.redacted(lines[0], 200)} ... {lines[-1]}"
+        error = f"{type(exc).__name__}: {self.redacted(said, 400)}"
         if self.failures > self.failure_config.max_failures:
             raise TrainingFailed(self._fail_message(
                 f"{who} lost while {while_} ({error}), and failure {self.failures} exceeds "

@@ -569,6 +569,21 @@ def test_a_failure_message_is_redacted_before_it_is_cut():
     assert c.redacted(lost, 300) == c.redact(str(lost))[:300] and "SeCrEt" not in c.redacted(lost, 300)
 
 
+def test_a_start_that_failed_is_told_by_its_first_line_and_its_last():
+    # Ray's text says what failed first and why last, with a traceback between: the first line
+    # alone ("Failed to set up runtime environment.") left out why.
+    c = controller("fake-lines", failure=elastic.FailureConfig(max_failures=0))
+    failed = ray.exceptions.RaySystemError("Failed to set up runtime environment.\nTraceback (most recent call last):\n"
+                                           "  File 'pip.py', line 1\n\nERROR: No matching distribution for nosuchpkg\n")
+    try:
+        with pytest.raises(TrainingFailed, match=r"a rank lost while the run started \(RaySystemError: System error: "
+                                                 r"Failed to set up runtime environment\. \.\.\. ERROR: No matching "
+                                                 r"distribution for nosuchpkg\)"):
+            c._count_start_loss(failed, "failure_during_start", "a rank", "the run started", "starting it again")
+    finally:
+        c.shutdown()
+
+
 def test_raylet_probe_tells_a_live_node_from_an_unknown_one(ray_cluster):
     from elastic.controller import _raylet_reachable
 

@@ -349,6 +349,28 @@ def test_a_spare_whose_spawn_fails_leaves_its_freed_bundle_free(monkeypatch):
     assert group._free_bundles == [1] and group._bundle_holder == {0: "rank-0"}
 
 
+def test_a_ranks_group_ray_refuses_is_no_rank_lost(monkeypatch):
+    # Ray's RaySystemError read as a rank lost: the start ran again max_failures times on a
+    # refusal that came back each time (a group of that name left by a killed controller).
+    import ray
+
+    from elastic.actors.worker_group import PlacementRefused
+    from elastic.controller import actor_lost
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    group = WorkerGroup(elastic.ScalingConfig(num_workers=2), spec, "elastic-unit")
+
+    def refused(bundles, strategy, name):
+        raise ray.exceptions.RaySystemError(f"Failed to create placement group because name '{name}' already exists.")
+
+    monkeypatch.setattr(worker_group_module, "placement_group", refused)
+    with pytest.raises(PlacementRefused, match="the ranks' placement group 'elastic-unit/ranks': .*already exists") \
+            as info:
+        group.start(2)
+    assert not actor_lost(info.value) and group._pgs == []
+
+
 def test_ranks_spawned_before_one_whose_spawn_fails_are_killed(monkeypatch):
     # The ranks were spawned in one expression outside the start's try: one that raised left
     # those before it to the removal of their group, with their names still taken.

@@ -43,6 +43,12 @@ class PlacementTimeout(RuntimeError):
     """The cluster could not host the requested bundles within the configured wait."""
 
 
+class PlacementRefused(RuntimeError):
+    """Ray refused to create the ranks' placement group (a name still taken, the GCS's error).
+    Not a Ray error on purpose: the start reads every Ray error as a rank lost, and started
+    again ``max_failures`` times on a refusal that came back each time."""
+
+
 _IMPORT_HINT = ("The workers unpickle model_fn, optimizer_fn, dataset_fn and loss_fn, so they import the "
                 "modules those come from. Ray gives workers the driver script's directory; anything else "
                 "must be installed on every node or shipped with the job: `ray job submit --working-dir .`, "
@@ -192,8 +198,12 @@ class WorkerGroup:
     def start(self, num_active: int) -> None:
         """Place and start the active ranks plus the hot spares, then order ranks by node."""
         bundle = self.scaling.bundle()
-        pg = placement_group([dict(bundle) for _ in range(num_active)], strategy=self.scaling.placement_strategy,
-                             name=f"{self.namespace}/ranks")
+        name = f"{self.namespace}/ranks"
+        try:
+            pg = placement_group([dict(bundle) for _ in range(num_active)], strategy=self.scaling.placement_strategy,
+                                 name=name)
+        except ray.exceptions.RaySystemError as exc:
+            raise PlacementRefused(f"Ray refused to create the ranks' placement group {name!r}: {exc}") from exc
         self._pgs.append(pg)
         self._ranks_pg = pg
         _wait_ready(pg, self.scaling.placement_timeout_s, f"{num_active} worker bundles {bundle}", self.interrupted)
