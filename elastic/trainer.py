@@ -149,8 +149,11 @@ class _CtrlCHeld:
 
 
 def _default_or_rays(handler) -> bool:
-    """Whether a SIGTERM handler is the default or the one ``ray.init`` installs: no user's."""
-    return handler in (signal.SIG_DFL, None) or getattr(handler, "__module__", "").startswith("ray.")
+    """Whether a SIGTERM handler is the default or the one ``ray.init`` installs: no user's.
+    Not None, Python's answer for a handler installed from C (an embedded interpreter, a host
+    application): it cannot be put back (``signal.signal`` takes no None), so it stays in
+    charge. Taken over, the first SIGTERM raised a TypeError where it should stop the run."""
+    return handler is signal.SIG_DFL or getattr(handler, "__module__", "").startswith("ray.")
 
 
 @contextmanager
@@ -164,7 +167,7 @@ def _users_sigterm_kept():
         yield
     finally:
         if (threading.current_thread() is threading.main_thread() and not _default_or_rays(previous)
-                and signal.getsignal(signal.SIGTERM) is not previous):
+                and previous is not None and signal.getsignal(signal.SIGTERM) is not previous):
             signal.signal(signal.SIGTERM, previous)
 
 

@@ -48,6 +48,21 @@ def test_a_handler_of_the_users_stays_in_charge(default_sigterm):
     assert got == [signal.SIGTERM] and signals == set()
 
 
+def test_a_handler_installed_from_c_stays_in_charge(default_sigterm, monkeypatch):
+    # Python reads a handler installed from C as None, which signal.signal does not take back:
+    # taken over, the first SIGTERM raised a TypeError where it should have stopped the run.
+    from elastic import trainer as trainer_module
+
+    swapped = []
+    monkeypatch.setattr(trainer_module.signal, "getsignal", lambda signum: None)
+    monkeypatch.setattr(trainer_module.signal, "signal", lambda signum, handler: swapped.append(handler))
+    with _sigterm_stops_the_run() as signals:
+        pass
+    with trainer_module._users_sigterm_kept():
+        pass
+    assert swapped == [] and signals == set()
+
+
 USERS_HANDLER_THROUGH_CONNECT = """
 import signal, sys
 import ray
