@@ -13,7 +13,7 @@ import signal
 import socket
 import sys
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -236,12 +236,23 @@ def _ray_for_fit(address: str | None, min_cpus: float, use_gpu: bool):
     of this process that trains on it is done (a fit in another thread may still be training
     there)."""
     global _embedded_fits
-    with _EMBEDDED_LOCK:
-        # connect() joins the Ray already up (checking it is the one asked for) and says False;
-        # while fits of this process train on it, that Ray is the embedded one, and ours too.
-        ours = connect(address, min_cpus, use_gpu) or _embedded_fits > 0
-        _embedded_fits += ours
+    # A Ctrl-C is held from before connect() to inside the try (``_CtrlCHeld``): one that came
+    # after ray.init returned and before the count, left the embedded Ray up and uncounted, and
+    # the next fit() took it for the user's and never shut it down. Only the first is held: a
+    # second interrupts ray.init, which connect() handles.
+    held = _CtrlCHeld()
     try:
+        with _EMBEDDED_LOCK:
+            # connect() joins the Ray already up (checking it is the one asked for) and says False;
+            # while fits of this process train on it, that Ray is the embedded one, and ours too.
+            ours = connect(address, min_cpus, use_gpu) or _embedded_fits > 0
+            _embedded_fits += ours
+    except BaseException:
+        with suppress(KeyboardInterrupt):  # the error connect() raised is what is told
+            held.release()
+        raise
+    try:
+        held.release()
         yield
     finally:
         if ours:

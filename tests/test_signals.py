@@ -63,6 +63,40 @@ def test_a_handler_installed_from_c_stays_in_charge(default_sigterm, monkeypatch
     assert swapped == [] and signals == set()
 
 
+def test_a_ctrl_c_as_the_embedded_ray_comes_up_shuts_it_down(monkeypatch):
+    # A Ctrl-C after ray.init returned and before the fit counted the Ray as its own left it up,
+    # uncounted: the next fit() took it for the user's and never shut it down.
+    from elastic import trainer as trainer_module
+
+    shut = []
+
+    def connect(address, min_cpus, use_gpu):
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, as ray.init returns
+        return True
+
+    monkeypatch.setattr(trainer_module, "connect", connect)
+    monkeypatch.setattr(trainer_module.ray, "shutdown", lambda: shut.append(True))
+    with pytest.raises(KeyboardInterrupt):
+        with trainer_module._ray_for_fit(None, 1, False):
+            pytest.fail("trained on after the Ctrl-C")
+    assert shut == [True] and trainer_module._embedded_fits == 0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_connects_error_is_told_and_the_interrupt_handler_is_back(monkeypatch):
+    from elastic import trainer as trainer_module
+    from elastic.config import ConfigError
+
+    def connect(address, min_cpus, use_gpu):
+        raise ConfigError("Trainer.address='x:1': nothing answers there")
+
+    monkeypatch.setattr(trainer_module, "connect", connect)
+    with pytest.raises(ConfigError, match="nothing answers"):
+        with trainer_module._ray_for_fit("x:1", 1, False):
+            pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and trainer_module._embedded_fits == 0
+
+
 USERS_HANDLER_THROUGH_CONNECT = """
 import signal, sys
 import ray
