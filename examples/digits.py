@@ -173,7 +173,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
-def main(argv=None) -> float:
+def main(argv=None) -> float | None:
     p = parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -195,10 +195,13 @@ def main(argv=None) -> float:
         if stopped.result.model_state is not None:  # None: stopped before any rank had started
             print(f"test_accuracy so far={test_accuracy(stopped.result.model_state):.4f}")
         raise SystemExit(130) from None
-    acc = test_accuracy(result.model_state)
+    # None when the run ended but its final weights could not be fetched (their holder's node
+    # lost right after): fit() says so in a warning, and the checkpoint has them.
+    acc = test_accuracy(result.model_state) if result.model_state is not None else None
     loss = result.metrics["loss"]  # None when a resumed run had nothing left to train
     print(f"steps={result.metrics['steps']} loss={'-' if loss is None else format(loss, '.4f')} "
-          f"samples/s={result.metrics['samples_per_s']:.0f} test_accuracy={acc:.4f}")
+          f"samples/s={result.metrics['samples_per_s']:.0f} "
+          f"test_accuracy={'- (no final weights)' if acc is None else format(acc, '.4f')}")
     evicted = evicted_ranks(result.events)
     if args.first_n or evicted:
         print(f"dropped_samples={result.metrics['dropped_samples']} late_gradients={result.metrics['late_gradients']} "

@@ -34,6 +34,20 @@ def test_a_rerun_with_nothing_left_to_train_prints_its_result(monkeypatch, capsy
     assert "steps=315 loss=- " in capsys.readouterr().out
 
 
+def test_a_run_whose_final_weights_could_not_be_fetched_prints_its_result(monkeypatch, capsys):
+    # fit() returns model_state=None when the weights' holder was lost right after the run
+    # ended (it warns; the checkpoint has them): the demo then failed with a TypeError.
+    import elastic
+    from elastic.trainer import Result
+
+    def fit(self, epochs=None, steps=None):
+        return Result(metrics={"steps": 315, "loss": 0.09, "samples_per_s": 900.0}, history=[], events=[],
+                      checkpoint=None, recoveries=[], ledger=[], model_state=None, replica_checksums=[])
+    monkeypatch.setattr(elastic.Trainer, "fit", fit)
+    assert digits.main(["--no-progress", "--name", "digits-no-weights"]) is None
+    assert "steps=315 loss=0.0900 samples/s=900 test_accuracy=- (no final weights)" in capsys.readouterr().out
+
+
 def demo_exit_code(monkeypatch, fit, name: str) -> int:
     """The demo's exit code with ``Trainer.fit`` replaced by ``fit`` (which raises)."""
     import elastic
