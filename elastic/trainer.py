@@ -7,6 +7,7 @@ progress while it drives the workers, and returns a ``Result``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -488,6 +489,7 @@ class Trainer:
         self._prepare()
         self.controller = None  # the actor handle while fit() runs
         self._fitting = False  # a fit() of this Trainer is running (in some thread)
+        self._fit_run: RunConfig | None = None  # that fit()'s run, as it started (_running)
 
     def _prepare(self) -> None:
         """Every check of the Trainer's settings, and what is built from them (the workers' spec,
@@ -627,8 +629,18 @@ class Trainer:
                               f"cluster (`ray start --head`) or {fix}.")
 
     @property
+    def _running(self) -> RunConfig:
+        """The RunConfig of the fit() in progress, as it was when it started; else ``run``.
+        Why: a fit() reads its run again as it goes (the namespace of the controller it kills
+        and the placement groups it removes, the name its messages tell to fit() again with),
+        and ``run`` set meanwhile (another thread, a notebook cell) made it act on another run:
+        the killed run's groups left reserved, a live run of the new name's groups removed, and
+        a resume advised under a name that starts a new run."""
+        return self._fit_run or self.run
+
+    @property
     def namespace(self) -> str:
-        return f"elastic-{self.run.name}"
+        return f"elastic-{self._running.name}"
 
     def fit(self, steps: int | None = None, epochs: int | None = None) -> Result:
         if (steps is None) == (epochs is None):
@@ -652,7 +664,14 @@ class Trainer:
 
     def _fit_once(self, steps: int | None, epochs: int | None) -> Result:
         self._prepare()  # again: a setting may have changed since the Trainer was made
-        packed = _packed_spec(self.spec, self.run)  # before Ray: a factory that cannot travel is a ConfigError
+        self._fit_run = copy.copy(self.run)  # what this fit() reads from now on (_running): a copy, as set in place too
+        try:
+            return self._fit_as_prepared(steps, epochs)
+        finally:
+            self._fit_run = None
+
+    def _fit_as_prepared(self, steps: int | None, epochs: int | None) -> Result:
+        packed = _packed_spec(self.spec, self._running)  # before Ray: a factory that cannot travel is a ConfigError
         total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
             self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
         if not ray.is_initialized():
@@ -663,7 +682,7 @@ class Trainer:
                 # Another fit() of this run name is live in this process (a thread, a notebook
                 # cell): _claim_run_name would take its controller for a leftover of this
                 # driver's and kill it, and the two would write one checkpoint directory.
-                raise ConfigError(f"RunConfig.name={self.run.name!r} is in use: another fit() of that run is training "
+                raise ConfigError(f"RunConfig.name={self._running.name!r} is in use: another fit() of that run is training "
                                   "in this process. Choose another RunConfig.name, or wait for that fit() to return.")
             _FITTING.add(namespace)
         try:
@@ -677,9 +696,9 @@ class Trainer:
         from elastic.metrics import RunMetrics
 
         # Packed: the controller hands the spec on without unpickling the user's modules (torch).
-        kwargs = dict(spec=packed, scaling=self.scaling, run=self.run, failure=self.failure,
+        kwargs = dict(spec=packed, scaling=self.scaling, run=self._running, failure=self.failure,
                       global_batch_size=self.global_batch_size, checkpoint_store=self._store,
-                      metrics=RunMetrics(self.run.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped,
+                      metrics=RunMetrics(self._running.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped,
                       batch_schedule=dict(self.batch_schedule or {}))
         actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
         # Here, before the controller starts, as well as in it (Controller._schedule): a run the
@@ -727,7 +746,7 @@ class Trainer:
             ctrl_c.release()
             if isinstance(exc, ray.exceptions.ActorAlreadyExistsError):
                 # Another driver claimed the name between _claim_run_name and here.
-                raise ConfigError(f"RunConfig.name={self.run.name!r} is in use: another run of that name started "
+                raise ConfigError(f"RunConfig.name={self._running.name!r} is in use: another run of that name started "
                                   "on this cluster just now. Choose another RunConfig.name, or stop that run "
                                   "first.") from exc
             raise
@@ -744,7 +763,7 @@ class Trainer:
                 except ray.exceptions.RayError as exc:  # their holder died after the run ended
                     logger.warning("run %r: the final weights could not be fetched (%s); the result has no "
                                    "model_state (the latest committed checkpoint has them, if storage was set)",
-                                   self.run.name, type(exc).__name__)
+                                   self._running.name, type(exc).__name__)
         except BaseException:
             # Any way out but the run's own end: an error of the progress display (a closed
             # stdout, a broken pipe), a Ctrl-C while the final weights come. The controller
@@ -804,16 +823,16 @@ class Trainer:
         if init_failed or isinstance(exc, ray.exceptions.RayTaskError):
             # Ray's text puts the exception's own line last: described as a worker's failure is,
             # not cut at its first 500 characters (the header and traceback, the cause cut off).
-            told = describe_worker_failure(exc, f"run {self.run.name!r}: its controller "
+            told = describe_worker_failure(exc, f"run {self._running.name!r}: its controller "
                                                 f"{'could not start' if init_failed else 'failed'}")
         else:  # lost: Ray's account of the process's end, no traceback; its first line
             # Redacted before it is cut: a URL cut inside its user:password@ no longer reads as
             # one, and would show the secret's first characters.
             line = redact_urls_in((str(exc).strip().splitlines() or [""])[0])
-            told = f"run {self.run.name!r}: its controller was lost ({type(exc).__name__}: {line[:400]})"
+            told = f"run {self._running.name!r}: its controller was lost ({type(exc).__name__}: {line[:400]})"
         told = redact_urls_in(told)
         if self._store is not None:
-            return (f"{told}\nfit() again with RunConfig.name={self.run.name!r} and the same storage continues from "
+            return (f"{told}\nfit() again with RunConfig.name={self._running.name!r} and the same storage continues from "
                     "the latest committed checkpoint")
         return f"{told}\nThis run had no RunConfig.storage, so a new fit() starts from the beginning"
 
@@ -840,7 +859,7 @@ class Trainer:
             where = ("another process of this job (a Ray task or actor)"
                      if owner == ray.get_runtime_context().get_job_id() else f"job {owner}")
             raise ConfigError(
-                f"RunConfig.name={self.run.name!r} is in use: a run of that name is training on this cluster "
+                f"RunConfig.name={self._running.name!r} is in use: a run of that name is training on this cluster "
                 f"({where}; its controller is the actor 'controller' in namespace {self.namespace!r}). "
                 f"Choose another RunConfig.name, or stop that run first (Ctrl-C in its driver, or ray job stop).")
         # Killed (that actor only), and the name free for the new one.
@@ -875,10 +894,10 @@ class Trainer:
         ``RunConfig.stop_timeout_s``, for it to commit their checkpoint. Another interrupt, or
         the timeout, kills the run at once (steps not yet committed are then lost, as in a crash)."""
         logger.warning("%s: stopping run %r after the steps already dispatched and committing their checkpoint "
-                       "(up to %gs; interrupt again to kill it now)", why, self.run.name, self.run.stop_timeout_s)
+                       "(up to %gs; interrupt again to kill it now)", why, self._running.name, self._running.stop_timeout_s)
         try:
             self.controller.stop.remote(why)
-            return ray.get(ref, timeout=self.run.stop_timeout_s)
+            return ray.get(ref, timeout=self._running.stop_timeout_s)
         except BaseException as exc:
             self._kill_controller()
             # A KeyboardInterrupt, as a clean stop's TrainingStopped is: Ray's GetTimeoutError is
@@ -888,7 +907,7 @@ class Trainer:
             if isinstance(exc, KeyboardInterrupt):
                 what = "a second interrupt"
             elif isinstance(exc, ray.exceptions.GetTimeoutError):
-                what = f"RunConfig.stop_timeout_s={self.run.stop_timeout_s:g}s ran out before the stop finished"
+                what = f"RunConfig.stop_timeout_s={self._running.stop_timeout_s:g}s ran out before the stop finished"
             else:
                 # Its exception's own line (Ray's text of a failed call puts it last, after a
                 # header and the traceback), redacted as _controller_failure's text is: a
@@ -900,29 +919,29 @@ class Trainer:
                     if isinstance(exc, ray.exceptions.RayTaskError) else f"{failed}: {type(exc).__name__}: {exc}"
                 what = redact_urls_in(line)[:400]
             raise KeyboardInterrupt(
-                f"run {self.run.name!r} killed ({what}): steps not yet committed are lost, as in a crash; fit() "
-                f"again with RunConfig.name={self.run.name!r} and the same storage continues from the latest "
+                f"run {self._running.name!r} killed ({what}): steps not yet committed are lost, as in a crash; fit() "
+                f"again with RunConfig.name={self._running.name!r} and the same storage continues from the latest "
                 "committed checkpoint") from exc
 
     def _stopped_message(self, why: str, out: dict) -> str:
         ckpt = out.get("checkpoint") or {}
         if ckpt.get("latest_step") is not None:
             resume = (f"latest committed checkpoint: step {ckpt['latest_step']} at {ckpt['location']}; fit() again "
-                      f"with RunConfig.name={self.run.name!r} and the same storage continues from there")
-        elif self.run.storage is not None and out.get("stopped_while") and out.get("restored_from") is None:
-            resume = (f"the checkpoints on storage were not read; fit() again with RunConfig.name={self.run.name!r} "
+                      f"with RunConfig.name={self._running.name!r} and the same storage continues from there")
+        elif self._running.storage is not None and out.get("stopped_while") and out.get("restored_from") is None:
+            resume = (f"the checkpoints on storage were not read; fit() again with RunConfig.name={self._running.name!r} "
                       "and the same storage continues from the newest committed one, if any")
-        elif self.run.storage is not None:
+        elif self._running.storage is not None:
             resume = "no checkpoint was committed"
         elif out.get("model_state") is None:
             resume = "no checkpoint storage was set (RunConfig.storage), and no rank handed its weights back"
         else:
             resume = "no checkpoint storage was set (RunConfig.storage); the weights are in .result.model_state"
         where = f" ({out['stopped_while']})" if out.get("stopped_while") else ""
-        return f"{why}: run {self.run.name!r} stopped after step {out['steps']}{where}; {resume}"
+        return f"{why}: run {self._running.name!r} stopped after step {out['steps']}{where}; {resume}"
 
     def _wait_with_progress(self, ref) -> dict:
-        if not self.run.progress:
+        if not self._running.progress:
             return ray.get(ref)
         from tqdm import tqdm
 

@@ -446,6 +446,34 @@ def test_a_second_fit_of_the_same_trainer_in_another_thread_is_refused_and_a_cla
     assert t.fit(steps=1) == "done"  # once the first returned
 
 
+def test_a_run_renamed_during_its_fit_is_acted_on_and_told_by_the_name_it_started_with(monkeypatch):
+    # The fit read trainer.run again as it went: renamed meanwhile (another thread, a notebook
+    # cell), the placement groups of the other name were removed after a kill (a live run's), the
+    # killed run's left reserved, and the message advised fit() again under a name that starts anew.
+    from elastic import trainer as trainer_module
+    from elastic.actors import worker_group
+
+    t = _trainer()
+    swept, told = [], []
+    monkeypatch.setattr(worker_group, "remove_run_placement_groups", lambda ns: swept.append(ns) or [])
+    monkeypatch.setattr(trainer_module, "_ray_for_fit", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(t, "_check_cluster_address", lambda: None)
+
+    def fit_inside(steps, epochs, packed):
+        started = t.namespace
+        t.run = dataclasses.replace(t.run, name="another-run")  # renamed while it trains
+        t._release_placement()  # as after a kill of its controller
+        told.append(t._controller_failure(RuntimeError("lost")))
+        t.run.name = "set-in-place"
+        return started
+    monkeypatch.setattr(t, "_fit", fit_inside)
+    started = t.fit(steps=1)
+    assert swept == [started] and "another-run" not in started
+    assert told[0].startswith(f"run '{started[len('elastic-'):]}': its controller was lost")
+    assert "another-run" not in told[0]
+    assert t.namespace == "elastic-set-in-place"  # the fit over: the run as set now
+
+
 def test_fits_in_two_threads_share_the_embedded_ray_and_the_last_shuts_it_down(monkeypatch):
     # The first fit to finish shut the embedded Ray down under the other, still training.
     from elastic import trainer as trainer_module
