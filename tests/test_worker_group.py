@@ -3,6 +3,7 @@ test_node_loss_e2e.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -35,9 +36,10 @@ def test_a_blocking_wait_for_spares_looks_for_freed_bundles_again_as_it_waits(mo
     assert len(looked) == 1
 
 
-def _group_with_a_free_bundle(monkeypatch, placed: dict, reachable: set):
+def _group_with_a_free_bundle(monkeypatch, placed: dict, reachable: set, slow: set = frozenset()):
     """A group whose ranks' placement group has bundle 0 held (on node A) and ``placed``'s other
-    bundles free; Ray lists every node of ``placed`` alive, and those in ``reachable`` answer."""
+    bundles free; Ray lists every node of ``placed`` alive, those in ``reachable`` answer, and
+    those in ``slow`` time out (not down for certain); the others refuse."""
     import ray
     from types import SimpleNamespace
 
@@ -48,8 +50,10 @@ def _group_with_a_free_bundle(monkeypatch, placed: dict, reachable: set):
     group._bundle_holder = {0: "rank-0"}
     probed = []
 
-    def unreachable(nodes, timeout_s=1.0):
+    def unreachable(nodes, timeout_s=1.0, certain=None):
         probed.extend(nodes)
+        if certain is not None:
+            certain |= set(nodes) - reachable - slow
         return set(nodes) - reachable
 
     monkeypatch.setattr(ray.util, "placement_group_table", lambda pg: {"bundles_to_node_id": placed})
@@ -68,6 +72,35 @@ def test_a_freed_bundle_on_a_node_whose_raylet_is_gone_is_not_used_while_ray_sti
     probed.clear()
     assert group._placed_free_bundle([]) == 2 and probed == ["B"]  # a node found down is not probed again
     assert group._placed_free_bundle(["B"]) is None
+
+
+def test_a_node_whose_raylet_only_timed_out_is_probed_again_at_the_next_look(monkeypatch):
+    # One connect that timed out (a SYN lost to a healthy raylet) kept the node's freed bundles
+    # unused for the rest of the run.
+    group, probed = _group_with_a_free_bundle(monkeypatch, {0: "A", 1: "SLOW"}, reachable={"A"}, slow={"SLOW"})
+    assert group._placed_free_bundle([]) is None and group._down_nodes == set()
+    probed.clear()
+    assert group._placed_free_bundle([]) is None and probed == ["SLOW"]
+
+
+def test_unreachable_nodes_tells_a_refusal_from_a_timeout(monkeypatch):
+    import socket
+
+    import ray
+
+    answers = {"refuses": ConnectionRefusedError(), "times-out": socket.timeout("timed out"), "answers": None}
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": n, "Alive": True, "NodeManagerAddress": n,
+                                                "NodeManagerPort": 1} for n in answers])
+
+    def connect(address, timeout):
+        if answers[address[0]] is not None:
+            raise answers[address[0]]
+        return contextlib.nullcontext()
+    monkeypatch.setattr(socket, "create_connection", connect)
+    certain: set = set()
+    assert worker_group_module.unreachable_nodes({"refuses", "times-out", "answers", "unknown"}, certain=certain) \
+        == {"refuses", "times-out", "unknown"}
+    assert certain == {"refuses", "unknown"}
 
 
 def test_a_waiting_spare_moved_into_a_freed_bundle_keeps_off_nodes_avoided_since_it_was_asked_for(monkeypatch):

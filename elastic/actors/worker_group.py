@@ -88,17 +88,25 @@ class Member:
     spare: bool = False
 
 
-def unreachable_nodes(node_ids: set, timeout_s: float = 1.0) -> set:
-    """Those of ``node_ids`` whose raylet is marked dead, unknown, or refuses a TCP connection."""
+def unreachable_nodes(node_ids: set, timeout_s: float = 1.0, certain: set | None = None) -> set:
+    """Those of ``node_ids`` whose raylet is marked dead, unknown, or does not take a TCP
+    connection within ``timeout_s``. ``certain``, if given, gets those of them that are down
+    for good: marked dead, unknown, or refusing. A timeout is not: one SYN lost to a healthy
+    raylet (Linux sends the first again after 1 s) fails a 1 s connect."""
     down = set(node_ids)
+    timed_out = set()
     for node in ray.nodes():
         if node.get("NodeID") in down and node.get("Alive"):
             try:
                 with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])),
                                               timeout=timeout_s):
                     down.discard(node["NodeID"])
+            except TimeoutError:  # socket.timeout is TimeoutError since Python 3.10
+                timed_out.add(node["NodeID"])
             except OSError:
                 pass
+    if certain is not None:
+        certain |= down - timed_out
     return down
 
 
@@ -159,7 +167,8 @@ class WorkerGroup:
         # spare moved into a freed bundle keeps off them too, not only off those of its request.
         self.nodes_to_avoid: Any = lambda: ()
         # Nodes whose raylet refused a connection while Ray still listed them alive: never used
-        # again (a node ID is not reused; a node that comes back is a new one).
+        # again (a node ID is not reused; a node that comes back is a new one). Not one that
+        # only timed out (``unreachable_nodes``' ``certain``): skipped for that look only.
         self._down_nodes: set[str] = set()
 
     # ---- creation --------------------------------------------------------------------------
@@ -374,8 +383,12 @@ class WorkerGroup:
             node = nodes.get(i)
             if node not in alive or node in avoid:
                 continue
-            if unreachable_nodes({node}):
-                self._down_nodes.add(node)
+            certain: set = set()
+            if unreachable_nodes({node}, certain=certain):
+                # Kept out for good only when down for certain: one connect that timed out
+                # (a SYN lost) kept a healthy node's freed bundles unused for the rest of the
+                # run, and the refill spares waited for room that never came.
+                self._down_nodes |= certain
                 alive.discard(node)
                 continue
             return i
