@@ -14,12 +14,19 @@ NAMED_ADDRESSES = ("auto", "local")  # Ray's own names: the recorded cluster (or
 
 
 def host_port(address: str) -> tuple[str, int] | None:
-    """``(host, port)`` of ``HOST:PORT``, ``ray://HOST:PORT`` or ``[IPv6]:PORT``; None when it is neither."""
-    hostport = address.split("://", 1)[-1].rstrip("/")
+    """``(host, port)`` of ``HOST:PORT``, ``ray://HOST:PORT`` or ``[IPv6]:PORT``; None when it is neither.
+    A host with a colon outside brackets is none: a bare IPv6 address (``::1``, whose last group
+    read as a port) or a scheme mistyped (``ray:/head:6379``), which went on to "nothing answers
+    there" instead of "not a Ray address"."""
+    hostport = address.split("://", 1)[-1].rstrip("/").rpartition("@")[2]  # a user:password@ is no host's
     host, _, port = hostport.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         return None
-    return host.strip("[]"), int(port)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif any(c in host for c in ":[]/"):
+        return None
+    return host, int(port)
 
 
 def shown(address: str) -> str:

@@ -791,7 +791,8 @@ def test_a_run_configs_repr_shows_no_credentials():
     assert "storage='/data/ckpt'" in repr(elastic.RunConfig(storage="/data/ckpt"))
 
 
-@pytest.mark.parametrize("address", [5, "bogus", "10.0.0.1:99999", "ray://head"])
+@pytest.mark.parametrize("address", [5, "bogus", "10.0.0.1:99999", "ray://head", "2001:db8::1", "::1",
+                                     "ray:/head:6379", "[::1:6379"])
 def test_an_address_that_is_no_ray_address_is_refused_before_start(address):
     # "bogus" was a bare ValueError out of ray.init, 5 was taken as given.
     with pytest.raises(ConfigError, match="Trainer.address=.* is not a Ray address"):
@@ -811,6 +812,14 @@ def test_an_address_with_credentials_or_another_scheme_is_refused_without_echoin
     with pytest.raises(ConfigError, match=why) as info:
         _trainer(address=address)
     assert "hunter22" not in str(info.value)
+
+
+def test_host_port_reads_ipv6_only_in_brackets():
+    from elastic.address import host_port
+
+    assert host_port("[::1]:6379") == ("::1", 6379) and host_port("ray://[2001:db8::1]:10001") == ("2001:db8::1", 10001)
+    assert host_port("head:6379") == ("head", 6379) and host_port("ray://10.0.0.1:10001/") == ("10.0.0.1", 10001)
+    assert host_port("2001:db8::1") is None and host_port("::1") is None and host_port("ray:/h:1") is None
 
 
 def test_an_address_where_nothing_answers_is_refused_in_seconds(monkeypatch):
