@@ -728,6 +728,64 @@ def test_an_nccl_step_whose_collective_never_ends_fails_at_the_groups_timeout(mo
     assert wait_for_stream(SimpleNamespace(query=lambda: True), 0.0) is True
 
 
+def test_a_gpu_ranks_local_time_is_the_devices_not_the_hosts_kernel_launches():
+    # The host only queues a GPU's kernels: its time to the first contact was the data fetch and
+    # the launches, the same on a throttled GPU as on a healthy one, so a slow GPU scored like the
+    # others and was never evicted. On a GPU the span comes from CUDA events (stand-ins here).
+    import time
+
+    from elastic.actors.worker import LocalClock
+
+    made = []
+
+    class Event:  # torch.cuda.Event(enable_timing=True)'s surface
+        def __init__(self):
+            self.recorded, self.done = False, iter([False, False, True])
+            made.append(self)
+
+        def record(self):
+            self.recorded = True
+
+        def query(self):  # the device reaches it after two polls
+            return next(self.done)
+
+        def elapsed_time(self, end):  # milliseconds, as CUDA's
+            assert self is made[0] and end is made[1] and self.recorded and end.recorded
+            return 900.0
+
+    clock = LocalClock(torch.device("cuda"), event=Event)
+    t_step = time.perf_counter() - 0.05  # the batch fetched on the host: its 50 ms count too
+    clock.begin(t_step)
+    clock.contact()
+    clock.contact()  # only the first contact counts
+    assert len(made) == 2 and 0.95 <= clock.seconds() < 1.0
+    # On CPU the host's clock, as before; a GPU clock asks for CUDA events only when used.
+    cpu = LocalClock(torch.device("cpu"))
+    cpu.begin(time.perf_counter() - 0.2)
+    cpu.contact()
+    assert 0.2 <= cpu.seconds() < 1.0 and cpu._event is None
+    assert LocalClock(torch.device("cuda"))._event is not None
+
+
+def test_a_gpu_clock_whose_contact_never_completes_falls_back_to_the_hosts_time():
+    import time
+
+    from elastic.actors.worker import LocalClock
+
+    class Hung:
+        def record(self):
+            pass
+
+        def query(self):
+            return False
+
+    clock = LocalClock(torch.device("cuda"), timeout_s=lambda: 0.05, event=Hung)
+    clock.begin(time.perf_counter())
+    clock.contact()
+    t0 = time.perf_counter()
+    assert clock.seconds() >= 0.05 and time.perf_counter() - t0 < 5.0
+
+
 def test_a_rank_that_takes_an_older_state_forgets_the_fast_sets_of_the_history_given_up():
     # A restore or a rollback to step 5: the fast sets this rank logged for 6-8 are of the old
     # history, and the controller must not read them for the new one's steps 6-8.

@@ -113,6 +113,64 @@ def wait_for_stream(stream: Any, timeout_s: float) -> bool:
     return True
 
 
+class LocalClock:
+    """The local seconds of a step (``TrainWorker._forward_backward``): from the step's start to
+    the rank's first contact with its peers, or to the end of its own work.
+
+    On CPU that is the host's clock. On a GPU the host only queues kernels: the host's time to
+    the contact was the data fetch and the kernel launches, the same on a throttled or shared
+    GPU as on a healthy one. Every rank then scored about 1.0, so a slow GPU was never found,
+    and with DDP the ring ran at its pace for the whole run. So on a GPU the time from where the
+    forward is queued (``begin``) to the contact is read from CUDA events on the device's
+    stream, plus the host's time before it; the GPU is idle at ``begin`` (the step before ended
+    on reading its loss), so the events' span is the forward's (and backward's) device time, or
+    the host's launches where those are slower.
+
+    ``seconds`` waits for the contact event (bounded by ``timeout_s``, as ``wait_for_stream``
+    waits): after the step's backward is queued, so the device stays busy while the host waits.
+    Waited for after the backward of a first-N replica, it also makes the replica's arrival
+    (``TrainWorker._first_n_step``'s count) mean its gradient is computed, not only queued: a
+    slow GPU arrived first by its host's speed, and the fast N waited for it in the reduce."""
+
+    def __init__(self, device: Any, timeout_s: Callable[[], float] = lambda: 60.0,
+                 event: Callable[[], Any] | None = None):
+        if event is None and device.type == "cuda":
+            event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731 - made on the GPU's thread
+        self._event, self._timeout_s = event, timeout_s
+        self._t_step = 0.0
+        self._start: Any = None
+        self._before = 0.0
+        self._mark: Any = None
+
+    def begin(self, t_step: float) -> None:
+        """The step started at ``t_step`` (``perf_counter``); its forward is queued next."""
+        self._t_step, self._mark = t_step, None
+        if self._event is not None:
+            self._before = time.perf_counter() - t_step
+            self._start = self._event()
+            self._start.record()
+
+    def contact(self) -> None:
+        """The rank reaches its peers now (or its own work ends); the first call counts."""
+        if self._mark is not None:
+            return
+        if self._event is None:
+            self._mark = time.perf_counter() - self._t_step
+        else:
+            self._mark = self._event()
+            self._mark.record()
+
+    def seconds(self) -> float:
+        """The local seconds up to ``contact`` (called first). On a GPU whose contact event
+        does not complete within the timeout (a kernel hung), the host's time so far: the
+        step's own wait for the stream reports the hang."""
+        if self._event is None:
+            return self._mark
+        if not wait_for_stream(self._mark, self._timeout_s()):
+            return time.perf_counter() - self._t_step
+        return self._before + self._start.elapsed_time(self._mark) / 1000.0
+
+
 def ddp_bucket_kwargs(backend: str, bucket_cap_mb: float | None) -> dict:
     """DDP's bucket arguments: the user's size, else torch's defaults on NCCL and one 25 MiB cap
     (torch's own bucket size) for every bucket on gloo.
@@ -282,10 +340,11 @@ class TrainWorker:
         self._kill_mark: str | None = None
         self._healthy_times: deque = deque(maxlen=32)  # step wall times before an injected slowdown
         self._slow_base: float | None = None
-        # A step_fn under DDP: (step, its start) while it runs, and when this rank first reached its
-        # peers in it (_first_contact_hook)
+        # A step_fn under DDP: (step, its start) while it runs, and whether this rank has reached
+        # its peers in it yet (_first_contact_hook)
         self._step_clock: tuple[int, float] | None = None
-        self._contact: float | None = None
+        self._contact = False
+        self._local_clock: LocalClock | None = None  # made with the device (_forward_backward)
         self.phase, self.phase_since = "idle", time.time()
         self._ckpt = None
 
@@ -718,27 +777,32 @@ class TrainWorker:
         first contact with its peers, and counts as local.
         """
         self._enter("compute")
+        if self._local_clock is None:
+            self._local_clock = LocalClock(self.device, lambda: self._collective_timeout_s or 60.0)
+        clock = self._local_clock
+        clock.begin(t_step)
         if self.spec.step_fn is not None:
-            self._step_clock, self._contact = (step, t_step), None
+            self._step_clock, self._contact = (step, t_step), False
             try:
                 loss = self.spec.step_fn(model, batch)
             finally:
                 self._step_clock = None
-            if self._contact is None:  # no bucket went out: no collective, or no backward in it
+            if not self._contact:  # no bucket went out: no collective, or no backward in it
                 self._injected_delay(step, time.perf_counter() - t_step)
-                return loss, time.perf_counter() - t_step
-            return loss, self._contact - t_step
+                clock.contact()
+            return loss, clock.seconds()
         with self._autocast():
             loss = self.spec.loss_fn(model, batch)
         if has_collective:
             self._injected_delay(step, time.perf_counter() - t_step)
-        fwd = time.perf_counter() - t_step
+            clock.contact()
         self._enter("backward+allreduce" if has_collective else "backward")
         # fp16: the loss scaled, so small gradients do not flush to zero; _apply_update unscales.
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         if not has_collective:
             self._injected_delay(step, time.perf_counter() - t_step)
-        return loss, fwd if has_collective else time.perf_counter() - t_step
+            clock.contact()
+        return loss, clock.seconds()
 
     def _autocast(self):
         """``Trainer.mixed_precision``'s autocast for the forward (the backward runs outside it, as
@@ -759,10 +823,11 @@ class TrainWorker:
         rank, and a straggler scored like the others and was never found. An injected slowdown
         (or mid-step kill) lands here too, before the peers are reached, as without a step_fn.
         Buckets of a backward under ``no_sync`` never come here; the last backward's do."""
-        if self._step_clock is not None and self._contact is None:
+        if self._step_clock is not None and not self._contact:
             step, t_step = self._step_clock
             self._injected_delay(step, time.perf_counter() - t_step)
-            self._contact = time.perf_counter()
+            self._contact = True
+            self._local_clock.contact()
             self._enter("backward+allreduce")
         return ddp_hooks.allreduce_hook(state, bucket)
 
