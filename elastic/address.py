@@ -59,15 +59,47 @@ def trainer_address_problem(address: str) -> str | None:
 
 
 def unreachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why nothing answers at ``address`` (a TCP connect), or None when something does. Ray's
-    named addresses are left to ``ray.init``, which resolves them quickly by itself."""
-    if address in NAMED_ADDRESSES:
+    """Why nothing answers at ``address`` (a TCP connect), or None when something does. "auto"
+    is probed where Ray resolves it (``recorded_cluster``); "local" names no cluster."""
+    if address == "local":
         return None
+    if address == "auto":
+        return _recorded_cluster_problem(timeout_s)
     hp = host_port(address)
     if hp is None:
         return "not HOST:PORT"
+    return _connect_problem(hp, timeout_s)
+
+
+def _connect_problem(hp: tuple[str, int], timeout_s: float) -> str | None:
     try:
         with socket.create_connection(hp, timeout=timeout_s):
             return None
     except OSError as exc:
         return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _recorded_cluster_problem(timeout_s: float) -> str | None:
+    """Why nothing answers at the cluster "auto" names, or None. Resolved as ``ray.init`` does
+    (RAY_ADDRESS; else the address ``ray start`` recorded in Ray's temp dir, else a GCS process
+    running here). Why: a cluster stopped uncleanly (killed, its machine or container restarted
+    with /tmp kept) leaves its address recorded, and ``ray.init("auto")`` retried it for a minute
+    while Ray's core logged each try; with none found it raised a bare ConnectionError."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:  # a private helper: if it moves, ray.init resolves "auto" unchecked
+        return None
+    try:
+        resolved = canonicalize_bootstrap_address("auto")
+    except ConnectionError:
+        return "no running Ray cluster was found: none recorded by `ray start`, and no Ray process on this machine"
+    except Exception:  # noqa: BLE001 - Ray's resolution failed in a way it will report itself
+        return None
+    hp = host_port(resolved) if resolved else None
+    if hp is None:
+        return None
+    reason = _connect_problem(hp, timeout_s)
+    if reason is None:
+        return None
+    return (f"{reason} at {resolved}, the cluster Ray recorded as the last one started here (a cluster stopped "
+            "uncleanly leaves its address in Ray's temp dir)")

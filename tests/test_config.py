@@ -837,9 +837,37 @@ def test_an_address_where_nothing_answers_is_refused_in_seconds(monkeypatch):
     with pytest.raises(ConfigError, match=rf"Trainer.address='127.0.0.1:{port}': nothing answers there"):
         _trainer(address=f"127.0.0.1:{port}", scaling=ScalingConfig(num_workers=2)).fit(steps=1)
     assert time.monotonic() - start < 10
-    # Ray's named address and a Ray Client address are taken as given: no probe, no error.
+    # Ray's named address and a Ray Client address are taken as given when made: no probe, no error.
     for address in ("auto", "ray://head:10001"):
         _trainer(address=address)
+
+
+@pytest.mark.parametrize("recorded", ["CLOSED", None])
+def test_auto_where_ray_recorded_a_cluster_gone_since_is_refused_in_seconds(monkeypatch, recorded):
+    # A cluster stopped uncleanly leaves its address in Ray's temp dir: ray.init("auto") retried
+    # it for a minute, Ray's core logging each try; with none recorded, a bare ConnectionError.
+    import socket
+    import time
+
+    import ray
+    from ray._private import services
+
+    if recorded == "CLOSED":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            recorded = f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])  # no Ray process here
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: recorded)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh driver process
+    start = time.monotonic()
+    # Ray's resolution gives this machine's IP for 127.0.0.1.
+    why = (rf"Trainer.address='auto': nothing answers there \(.* at [\d.]+:{recorded.rpartition(':')[2]}, the "
+           r"cluster Ray recorded"
+           if recorded else r"Trainer.address='auto': nothing answers there \(no running Ray cluster was found")
+    with pytest.raises(ConfigError, match=why):
+        _trainer(address="auto", scaling=ScalingConfig(num_workers=2)).fit(steps=1)
+    assert time.monotonic() - start < 10
 
 
 @pytest.mark.parametrize("value, why", [
