@@ -2373,6 +2373,13 @@ class Controller:
     def _restart_all(self) -> None:
         if self.store is None:
             raise TrainingFailed(self._fail_message("restart asked for but RunConfig.storage is not set"))
+        if self._restarting is None:
+            # A stop asked for before the restart (or while the survivors left the group, which
+            # can take the group's timeout): the run ends here, with the survivors' weights and
+            # steps (_stop_in_wait). Seen only inside the new group's start, it came after the
+            # survivors were killed: every step past the last commit lost, no weights handed
+            # back, and a whole group built while the driver's stop_timeout_s ran.
+            self._check_stop("deciding to restart every rank from the checkpoint")
         if self.committer is not None:
             self.committer.flush(timeout_s=30)
         if self._restarting is None:

@@ -12,7 +12,7 @@ import pytest
 
 import elastic
 from elastic import controller as controller_module
-from elastic.actors.protocol import StepResult
+from elastic.actors.protocol import StepResult, StopRequested
 from elastic.actors.worker_group import Member
 from elastic.controller import Failure
 from elastic.data import DataPosition
@@ -445,6 +445,21 @@ def test_a_promoted_spare_and_renumbered_survivors_do_not_show_their_predecessor
     assert [r["name"] for r in rows] == ["spare-0", "rank-2"]
     assert all(r["heartbeat_age_s"] < 5 and r["step_time_s"] is None and r["step"] == 7 for r in rows)
     assert set(c._last_beat) == {0, 1}
+
+
+def test_a_stop_asked_for_before_a_restart_ends_the_run_with_the_survivors(rayless_controller):
+    # Seen only inside the new group's start: the survivors, holding every step past the last
+    # commit, were killed first, and the run handed back no weights.
+    c = rayless_controller(failure=elastic.FailureConfig(on_failure="restart"))
+    shut = []
+    c.group = StandInGroup()
+    c.group.shutdown = lambda: shut.append(True)
+    c.store, c.committer = SimpleNamespace(), SimpleNamespace(flush=lambda timeout_s: shut.append("flush"))
+    c.request_stop("ray job stop (test)")
+    with pytest.raises(StopRequested, match="deciding to restart every rank from the checkpoint"):
+        c._restart_all()
+    assert shut == [] and c._restarting is None
+    c.committer = None
 
 
 def test_a_rank_lost_while_every_rank_restarts_starts_them_all_again(rayless_controller, monkeypatch):
