@@ -564,6 +564,20 @@ def test_torch_distributed_errors_are_told_from_the_users_by_class():
     assert raised(user) is user
 
 
+def test_a_step_blocked_on_a_store_that_closed_is_a_collective_failure():
+    # A first-N rank blocked in the store's get when rank 0 left the group (its store closed with
+    # it): torch's words named no marker, the step's failure read as the user's, and the run ended.
+    from elastic.actors.worker import _looks_collective
+
+    for words in ("failed to recv, got 0 bytes", "Failed to recv, got 0 bytes. Connection was likely closed."):
+        assert _looks_collective(dist.DistNetworkError(words))
+    assert _looks_collective(dist.DistStoreError("wait timeout after 5000ms"))
+    assert not _looks_collective(RuntimeError("Modules with uninitialized parameters"))
+    batch = dist.DistNetworkError("failed to recv")
+    batch.elastic_data_error = True  # raised reading a batch: the user's dataset, never the group
+    assert not _looks_collective(batch)
+
+
 def test_a_batch_keeps_its_container_types_on_the_way_to_the_device():
     import collections
     from collections import UserDict, namedtuple

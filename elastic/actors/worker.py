@@ -1611,7 +1611,12 @@ def _group_failures_as_collective(what: str) -> Iterator[None]:
 def _looks_collective(exc: BaseException) -> bool:
     if getattr(exc, "elastic_data_error", False):  # raised reading a batch (``_batch``): never a collective
         return False
-    if isinstance(exc, (dist.DistBackendError, FirstNAbandoned)):
+    # Every torch.distributed error (backend, network, store) by its class, as a join's are
+    # (``_group_failures_as_collective``). Why not the words: a first-N rank blocked in the
+    # rendezvous store's get when rank 0 left the group (its store closed with it) raised
+    # DistNetworkError("failed to recv, got 0 bytes"), which named no marker; read as the user's
+    # error, it ended the run where the group was to be rebuilt.
+    if isinstance(exc, (dist.DistError, FirstNAbandoned)):
         return True
     text = str(exc).lower()
     return any(m in text for m in _COLLECTIVE_MARKERS)
