@@ -564,6 +564,21 @@ def test_torch_distributed_errors_are_told_from_the_users_by_class():
     assert raised(user) is user
 
 
+def test_a_first_n_step_abandoned_before_it_began_is_no_work_thrown_away():
+    # It was marked begun before the abandon flag was checked: the controller counted it as a
+    # step recomputed, one too many per recovery.
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import FirstNAbandoned, TrainWorker
+
+    rank = SimpleNamespace(_fn_abandoned=True, rank=1, generation=3, completed_step=7, started_step=7,
+                           current_step=None)
+    rank._check_abandoned = lambda step: TrainWorker._check_abandoned(rank, step)
+    with pytest.raises(FirstNAbandoned, match="step 8 abandoned"):
+        TrainWorker._first_n_step(rank, 8, [0, 1])
+    assert TrainWorker.progress(rank) == (7, 7) and rank.current_step == 8  # marked for abandon_first_n
+
+
 def test_a_step_blocked_on_a_store_that_closed_is_a_collective_failure():
     # A first-N rank blocked in the store's get when rank 0 left the group (its store closed with
     # it): torch's words named no marker, the step's failure read as the user's, and the run ended.

@@ -1010,7 +1010,12 @@ class TrainWorker:
         boundary still makes the step wait for their partial gradient.
         """
         t0 = time.perf_counter()
-        self.current_step = self.started_step = step
+        # current_step before the flag is checked (abandon_first_n reads it after setting the
+        # flag); started_step after: a step abandoned before it began was no work thrown away,
+        # and counted as begun, each recovery counted one step recomputed too many.
+        self.current_step = step
+        self._check_abandoned(step)
+        self.started_step = step
         store, n, schedule = self._fn_store, self._fn_n, self._fn_schedule
         eligible = schedule.eligible(step)
         # Exactly N may compute: they are the fast set, known to every rank without asking (and
@@ -1024,7 +1029,6 @@ class TrainWorker:
         local = 0.0
         computed = False
         self._fn_grads.check_model(self.model)
-        self._check_abandoned(step)
         if self.rank not in eligible:
             pass  # resting (elastic/actors/sitout.py): no gradient, the update all the same
         elif known or schedule.streak[self.rank] == 0 or (store.add(_count_key(step), 0) & 0xFF) < n:
