@@ -33,6 +33,20 @@ def test_pack_and_unpack_round_trip_every_dtype():
         assert torch.equal(after[k], v) and after[k].dtype == v.dtype, k
 
 
+def test_an_integer_constant_beyond_float64s_exact_range_is_left_as_it_is():
+    # Through float64, 2**61 - 1 (a hash modulus) came back as 2**61: on every rank but rank 0 in
+    # data parallel (a ReplicaDivergence), on every replica in first-N (a constant changed).
+    model = bn_model()
+    model.register_buffer("modulus", torch.tensor([2**61 - 1, 7]))
+    model.register_buffer("edge", torch.tensor([-(2**53), 2**53]))  # still exact: kept
+    bufs = ReplicaBuffers(model, "cpu")
+    assert bufs.flat.numel() == 3 + 3 + 1 + 2 and all(b is not model.modulus for b in bufs.tensors)
+    bufs.pack()
+    bufs.flat.zero_()
+    bufs.unpack()
+    assert model.modulus.tolist() == [2**61 - 1, 7] and model.edge.tolist() == [0, 0]
+
+
 def test_a_mean_of_integer_buffers_is_rounded_back():
     model = bn_model()
     bufs = ReplicaBuffers(model, "cpu")

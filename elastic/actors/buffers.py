@@ -21,7 +21,12 @@ And each step saves the buffers first, so a step that fails before its update pu
 
 The vector is float64 whatever the buffers' dtypes: integer counters (``num_batches_tracked``)
 stay exact up to 2**53, and floating statistics lose nothing to a lower-precision model dtype.
-Integer and bool buffers are rounded back.
+Integer and bool buffers are rounded back. An integer buffer that holds a value beyond 2**53 when
+the group forms is left out (``fits_float64``): such a value is a constant (a hash modulus like
+2**61 - 1, a seed), which the join made the same on every replica, and through float64 it came
+back rounded, on every rank but rank 0 in data parallel (a ReplicaDivergence), on every replica
+in first-N (a constant silently changed). It is decided on values every rank holds alike: after
+the join's broadcast of rank 0's module state.
 
 Only persistent buffers (those in ``state_dict``) are agreed on: they are the model's state, the
 ones a checkpoint holds. A non-persistent buffer is a constant or a cache the module can rebuild,
@@ -43,7 +48,8 @@ class ReplicaBuffers:
     """The buffers of ``model`` packed into ``flat`` (float64) and back."""
 
     def __init__(self, model, device):
-        self.tensors = [b for b in persistent_buffers(model) if not b.is_complex()]  # float64 cannot hold those
+        # float64 cannot hold complex ones, nor integers beyond 2**53 (fits_float64)
+        self.tensors = [b for b in persistent_buffers(model) if not b.is_complex() and fits_float64(b)]
         total = sum(b.numel() for b in self.tensors)
         self.flat = torch.zeros(total, dtype=torch.float64, device=device) if total else None
         self._saved = torch.zeros_like(self.flat) if total else None
@@ -78,6 +84,16 @@ class ReplicaBuffers:
     def restore(self) -> None:
         """Put back what ``save`` remembered: the failed step leaves no trace."""
         self.unpack(self._saved)
+
+
+FLOAT64_EXACT = 2 ** 53  # every integer up to this magnitude is exact in float64
+
+
+def fits_float64(b) -> bool:
+    """Whether float64 holds every value of buffer ``b`` exactly (an integer one up to 2**53)."""
+    if b.is_floating_point() or b.dtype == torch.bool or b.numel() == 0:
+        return True
+    return bool(b.min() >= -FLOAT64_EXACT) and bool(b.max() <= FLOAT64_EXACT)
 
 
 def persistent_buffers(model) -> list:

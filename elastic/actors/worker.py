@@ -620,8 +620,6 @@ class TrainWorker:
                 # replica checksum then ended the run, or with it off they trained apart.
                 torch_dist_utils._sync_module_states(self.model, self._world_pg, DDP_BROADCAST_BUCKET_BYTES, 0,
                                                      set(uneven))
-            buffers = ReplicaBuffers(self.model, self.device)
-            self._buffers = buffers if buffers and world_size > 1 else None
             if use_ddp:
                 device_ids = [self.device.index] if self.backend == "nccl" else None
                 # Gradients as views into DDP's communication buckets: no per-step allocation of fresh
@@ -649,6 +647,11 @@ class TrainWorker:
                 if self.spec.step_fn is not None:
                     self.ddp.register_comm_hook(None, self._first_contact_hook)
                 self.ddp.forward = _noting_forward(self.ddp, self._note_ddp_forward)
+            # After the broadcast of rank 0's module state (DDP's constructor, or first-N's above):
+            # which buffers the vector holds is decided on their values (fits_float64), the same on
+            # every rank only once every rank holds rank 0's.
+            buffers = ReplicaBuffers(self.model, self.device)
+            self._buffers = buffers if buffers and world_size > 1 else None
             if subgroup_size and subgroup_size < world_size:
                 # Every rank must create every subgroup, in the same order: gloo's new_group is a
                 # collective over the world (the use_local_synchronization variant hung in our probe).
