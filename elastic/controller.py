@@ -298,8 +298,9 @@ class Controller:
         self._last_done_generation = -1  # ... in that group generation
         self._configured: set[str] = set()  # actors with a checkpoint writer
         self._worker_progress = 0  # newest step a rank reported finished with a checkpoint part
-        # The newest group generation a rollback left behind: a part taken in it is dropped (_add_part).
-        self._rolled_back_through = 0
+        # (generation, through step or None: every step) of each rollback or restore: a part taken
+        # in that generation or an older one, of a later step, is dropped (_given_up, _add_part).
+        self._given_up_parts: list[tuple[int, int | None]] = []
         self._parts_lock = threading.Lock()  # parts come in on the checkpoint thread, rollbacks on the step thread
         # (step, rank) -> the generation whose snapshot of that step writes the rank's file again
         # after an eviction (_snapshot_after_evict): an older actor's part of it is dropped.
@@ -783,7 +784,7 @@ class Controller:
         with the later ones) or judged against it."""
         with self._parts_lock:
             generation = part.get("generation")
-            if generation is not None and int(generation) <= self._rolled_back_through:
+            if self._given_up(generation, step):
                 logger.info("rank %d's checkpoint part of step %d was taken in generation %s, before a rollback; "
                             "dropped", rank, step, generation)
                 return
@@ -806,19 +807,34 @@ class Controller:
         is a committed step a restore loaded (``CheckpointCommitter.rewind``)."""
         if self.committer is None:
             return
+        # A rollback (not a restore) goes back on the history the old generations trained: their
+        # parts of the step gone back to and earlier ones are of it, and nothing writes those
+        # steps again. Dropped too (every step of those generations, as after a restore), a late
+        # first-N replica's part of the step it held, still on its way when the fast replicas
+        # were lost, never came again, and that step and older ones waiting for it never
+        # committed: the next failure or resume went back further.
+        through = None if restored else step
         with self._parts_lock:
-            self._rolled_back_through = self.generation  # the generation of the state gone back from
+            self._given_up_parts.append((self.generation, through))  # the state gone back from
             self._worker_progress = step or 0
             self.committer.rewind(step, restored=restored)
         if self._agents is not None:
             # The later steps are written again, to the same file names: a write of the old
             # state still under way in an agent (a killed rank's) must land first, and no waiting
             # one may start (CheckpointAgent.settle).
-            stuck = self._agents.settle(self.generation, self.SETTLE_TIMEOUT_S)
+            stuck = self._agents.settle(self.generation, self.SETTLE_TIMEOUT_S, through)
             if stuck:
                 self.log("checkpoint_writes_unsettled", f"checkpoint writes of the state gone back from still under way "
                          f"after {self.SETTLE_TIMEOUT_S:g}s (rank, step): {stuck}; a step they overwrite fails "
                          "its checksum and resume skips it", stuck=[list(x) for x in stuck])
+
+    def _given_up(self, generation: Any, step: int) -> bool:
+        """Whether a part of ``step`` snapshotted in group ``generation`` is of a state a
+        rollback or restore gave up (``_rewind``): of a generation it left behind, and of a step
+        it goes past (a rollback's) or any step (a restore's). A part without a generation (a
+        rank outside a group) never is."""
+        return generation is not None and any(int(generation) <= g and (through is None or step > through)
+                                              for g, through in self._given_up_parts)
 
     def _progress_step(self) -> int:
         """The newest step training is known to have finished: ours, or a rank's newer report."""
@@ -1590,7 +1606,7 @@ class Controller:
         one is. Not the committer's state: a step another rank's failed write left incomplete
         is never held, and the wait ran out for every rank. A part of a generation a rollback
         left behind is dropped anyway (``_add_part``): no wait."""
-        if generation is not None and int(generation) <= self._rolled_back_through:
+        if self._given_up(generation, step):
             return
         want = (int(generation or 0), step)
         with self._pushed_cv:

@@ -1017,6 +1017,22 @@ def test_a_killed_ranks_write_under_way_lands_before_the_restarted_group_writes_
         other.close()
 
 
+def test_a_rollbacks_fence_stops_only_the_steps_training_writes_again():
+    """A rollback to step 5 (a late first-N replica's) keeps generation 3's snapshots of step 5
+    and earlier: they are the history training goes on from, and nothing writes them again
+    (fenced, a late replica's part of step 5 waiting in the pool was never written, and step 5
+    never committed). A restore's fence stops every step of its generations."""
+    from elastic.checkpoint.agent import _before_fence
+
+    at = lambda generation, step: SimpleNamespace(generation=generation, step=step)  # noqa: E731
+    rollback = [(3, 5)]
+    assert not _before_fence(at(3, 5), rollback) and not _before_fence(at(2, 1), rollback)
+    assert _before_fence(at(3, 6), rollback) and _before_fence(at(1, 9), rollback)
+    assert not _before_fence(at(4, 9), rollback) and not _before_fence(at(None, 9), rollback)
+    restore = rollback + [(4, None)]
+    assert _before_fence(at(4, 1), restore) and _before_fence(at(3, 5), restore) and not _before_fence(at(5, 9), restore)
+
+
 def test_a_snapshot_fenced_in_an_outage_does_not_say_the_storage_is_back(node, monkeypatch):
     """An outage, then a rewind fences the snapshot being retried: the writer's next try returns
     without a request. It used to end the outage with a false ``storage_recovered`` event that

@@ -931,8 +931,8 @@ def test_a_rollback_whose_old_checkpoint_writes_do_not_settle_says_so_and_goes_o
     asked = []
 
     class StuckAgents:
-        def settle(self, generation, timeout_s):
-            asked.append((generation, timeout_s))
+        def settle(self, generation, timeout_s, through=None):
+            asked.append((generation, timeout_s, through))
             return [(1, 7), (0, 8)]
 
     c._agents, c.generation, c._worker_progress = StuckAgents(), 3, 9
@@ -940,13 +940,13 @@ def test_a_rollback_whose_old_checkpoint_writes_do_not_settle_says_so_and_goes_o
         c._rewind(5)
     finally:
         c.committer.close()
-    assert asked == [(3, c.SETTLE_TIMEOUT_S)]
-    assert c._rolled_back_through == 3 and c._worker_progress == 5
+    assert asked == [(3, c.SETTLE_TIMEOUT_S, 5)]  # a rollback: generation 3's steps up to 5 are still its history
+    assert c._given_up_parts == [(3, 5)] and c._worker_progress == 5
     unsettled = [e for e in c.events if e.kind == "checkpoint_writes_unsettled"]
     assert len(unsettled) == 1 and unsettled[0].details["stuck"] == [[1, 7], [0, 8]]
     assert "(rank, step): [(1, 7), (0, 8)]" in unsettled[0].message
     # Settled: nothing said.
-    c._agents = SimpleNamespace(settle=lambda generation, timeout_s: [])
+    c._agents = SimpleNamespace(settle=lambda generation, timeout_s, through=None: [])
     c.committer = CheckpointCommitter(CheckpointStore(f"file://{tmp_path}", "unsettled"),
                                       CheckpointConfig(every_n_steps=1))
     try:

@@ -130,6 +130,49 @@ def test_a_part_taken_before_a_rollback_and_reported_after_it_does_not_complete_
         hook.close()
 
 
+def test_a_late_replicas_part_of_the_step_a_rollback_went_back_to_still_commits_it(controller, tmp_path):
+    """First-N: the fast replicas were lost, and training went back to step 5, which the late
+    replica held. Its part of step 5, still on its way then, is of the history training goes on
+    from, and nothing writes step 5 again: dropped with the old generation's later steps, step 5
+    never committed, and the next failure or resume went back further. A part of step 6 of the
+    old generation is still dropped: training writes step 6 again."""
+    c = controller
+    c.generation = 3
+    held: list = []
+
+    def notify(step, world_size, parts):  # the ranks' pushes to the controller actor
+        if 1 in parts and step >= 5:
+            held.append((step, world_size, parts))  # in flight when the rollback comes
+        else:
+            c.checkpoint_written(step, world_size, parts)
+
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = [WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, blocking=True,
+                                notify=notify) for _ in workers]
+    try:
+        for step in range(1, 7):
+            for worker, hook in zip(workers, hooks):
+                worker.generation = c.generation
+                worker.train(step)
+                worker.completed_step = step
+                hook.after_step(worker, step)
+            c.committer.set_meta(step, {"data": {"cursor": step}})
+        assert c.committer.flush(10) and c.committer.latest_committed == 4
+        c._rewind(5)  # _sync_state's rollback to the late replica's step
+        for push in held:  # its parts of steps 5 and 6, of the state gone back from
+            c.checkpoint_written(*push)
+        assert c.committer.flush(10) and c.committer.latest_committed == 5
+        assert 6 not in c.committer.store.committed_steps()
+        c.committer.store.read_state(5)  # whole: every file checks out
+    finally:
+        for hook in hooks:
+            hook.close()
+    c.generation = 4  # the rendezvous after it
+    assert c._given_up(3, 6) and not c._given_up(3, 5) and not c._given_up(4, 6) and not c._given_up(None, 6)
+    c._rewind(5, restored=True)  # a restore gives up every step of the generations before it
+    assert c._given_up(4, 5) and c._given_up(4, 1) and not c._given_up(5, 9)
+
+
 def test_blocking_mode_a_flushed_part_waits_for_the_ranks_earlier_pushes(controller, tmp_path):
     """Blocking mode promises every step on storage. At the end of a run the flush reports each
     rank's newest part again (on the training thread), while its pushes are taken in on the

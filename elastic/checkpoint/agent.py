@@ -257,10 +257,12 @@ class _Payload:
         self.keep = bool(m.get("keep"))  # a step retention keeps (store.is_milestone): never replaced
 
 
-def _before_fence(p: _Payload, generation: float) -> bool:
-    """Whether ``p`` was snapshotted in group ``generation`` or an older one (a snapshot without
-    a generation, from a rank outside a group, is never fenced)."""
-    return p.generation is not None and int(p.generation) <= generation
+def _before_fence(p: _Payload, fences: list[tuple[int, int | None]]) -> bool:
+    """Whether a fence (``CheckpointAgent.settle``) stops ``p``: one of group ``generation`` or
+    older given up, for every step (``through`` None) or for the steps after ``through`` (a
+    snapshot without a generation, from a rank outside a group, is never fenced)."""
+    return p.generation is not None and any(
+        int(p.generation) <= generation and (through is None or p.step > through) for generation, through in fences)
 
 
 class _RankLink:
@@ -598,7 +600,7 @@ class CheckpointAgent:
         # The write fence (``settle``): snapshots of this generation or older are not written,
         # and ``_writing`` is each link's write under way (a link the rank has left included).
         self._fence_lock = threading.Condition()
-        self._fence: float = float("-inf")  # nothing is fenced until a settle()
+        self._fences: list[tuple[int, int | None]] = []  # (generation, through step) of each settle()
         self._writing: dict[_RankLink, _Payload] = {}
         self._threads = {"accept": threading.Thread(target=self._accept, name="elastic-checkpoint agent", daemon=True),
                          "reports": threading.Thread(target=self._pump, name="elastic-checkpoint agent reports",
@@ -627,11 +629,13 @@ class CheckpointAgent:
                 "written": {link.rank: link.last_part[0] for link in links if link.last_part is not None},
                 "threads": {name: thread.is_alive() for name, thread in self._threads.items()}}
 
-    def settle(self, generation: int, timeout_s: float) -> list[tuple[int | None, int]]:
+    def settle(self, generation: int, timeout_s: float, through: int | None = None) -> list[tuple[int | None, int]]:
         """Training went back to an earlier step, giving up the state of group ``generation``
         and older: no snapshot of those generations is written from now on, and the writes of
         them under way are waited for, up to ``timeout_s``. Returns (rank, step) of those still
-        under way then.
+        under way then. ``through``: training went back to that step, on the history those
+        generations trained (a rollback to a survivor's step), so their snapshots of it and of
+        earlier steps are that history's and still written; None: every step (a restore).
 
         Why: a rank killed in a restart leaves its write under way (``serve`` drops only what
         waits), and the group that restarts from the checkpoint writes the same step numbers
@@ -639,9 +643,10 @@ class CheckpointAgent:
         the new shard of a committed step would fail that step's checksum on resume. After this
         returns no old write can land (unless it outlasted the wait: the controller logs that);
         the controller drops old parts by generation already (``Controller._add_part``)."""
+        fence = [(int(generation), through)]
         with self._fence_lock:
-            self._fence = max(self._fence, generation)
-            old = {link: p for link, p in self._writing.items() if _before_fence(p, generation)}
+            self._fences.append(fence[0])
+            old = {link: p for link, p in self._writing.items() if _before_fence(p, fence)}
             self._fence_lock.wait_for(lambda: not any(self._writing.get(link) is p for link, p in old.items()),
                                       timeout=timeout_s)
             return [(p.rank, p.step) for link, p in old.items() if self._writing.get(link) is p]
@@ -649,7 +654,7 @@ class CheckpointAgent:
     def begin_write(self, link: _RankLink, p: _Payload) -> bool:
         """A link's writer is about to write ``p``: False when a fence stops it (``settle``)."""
         with self._fence_lock:
-            if _before_fence(p, self._fence):
+            if _before_fence(p, self._fences):
                 return False
             self._writing[link] = p
             return True
@@ -907,13 +912,13 @@ class NodeAgents:
                 logger.warning("the checkpoint agent on node %s did not finish its storage check (%s); its ranks "
                                "write checkpoints in their own processes if it is lost", node, type(exc).__name__)
 
-    def settle(self, generation: int, timeout_s: float) -> list[tuple[int | None, int]]:
+    def settle(self, generation: int, timeout_s: float, through: int | None = None) -> list[tuple[int | None, int]]:
         """``CheckpointAgent.settle`` on every node's agent, all at once; the (rank, step) of
         old writes still under way after ``timeout_s``. An agent that does not answer is
         skipped: a dead one writes nothing."""
         import ray
 
-        refs = [actor.settle.remote(generation, timeout_s) for actor, _ in self._agents.values()]
+        refs = [actor.settle.remote(generation, timeout_s, through) for actor, _ in self._agents.values()]
         stuck: list[tuple[int | None, int]] = []
         deadline = time.monotonic() + timeout_s + 5.0
         for ref in refs:
