@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from elastic.actors.buffers import ReplicaBuffers
+from elastic.actors.buffers import ReplicaBuffers, wide_buffer_names
 
 
 def bn_model():
@@ -39,12 +39,32 @@ def test_an_integer_constant_beyond_float64s_exact_range_is_left_as_it_is():
     model = bn_model()
     model.register_buffer("modulus", torch.tensor([2**61 - 1, 7]))
     model.register_buffer("edge", torch.tensor([-(2**53), 2**53]))  # still exact: kept
-    bufs = ReplicaBuffers(model, "cpu")
+    assert wide_buffer_names(model) == ["modulus"]
+    bufs = ReplicaBuffers(model, "cpu", leave_out=wide_buffer_names(model))
     assert bufs.flat.numel() == 3 + 3 + 1 + 2 and all(b is not model.modulus for b in bufs.tensors)
     bufs.pack()
     bufs.flat.zero_()
     bufs.unpack()
     assert model.modulus.tolist() == [2**61 - 1, 7] and model.edge.tolist() == [0, 0]
+
+
+def test_the_buffers_left_out_are_those_any_rank_holds_wide(monkeypatch):
+    # Decided on each rank's own values, a rank whose buffer differed (a model_fn not
+    # deterministic under the seed; no broadcast of buffers at DDP's construction before torch
+    # 2.13) built a vector of another length, and the buffers' collective failed or hung.
+    from elastic.actors.buffers import buffer_survey
+
+    model = bn_model()
+    model.register_buffer("salt", torch.tensor([5]))  # this rank's: narrow
+    model.register_buffer("cache", torch.zeros(2), persistent=False)
+    other = ({"cache": ((3,), "torch.float32")}, ["salt"])  # another rank: salt beyond 2**53, a longer cache
+
+    def all_gather_object(every, mine, group=None):
+        every[:] = [mine, other]
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    assert buffer_survey(model, None) == (["cache"], ["salt"])
 
 
 def test_a_mean_of_integer_buffers_is_rounded_back():

@@ -21,12 +21,14 @@ And each step saves the buffers first, so a step that fails before its update pu
 
 The vector is float64 whatever the buffers' dtypes: integer counters (``num_batches_tracked``)
 stay exact up to 2**53, and floating statistics lose nothing to a lower-precision model dtype.
-Integer and bool buffers are rounded back. An integer buffer that holds a value beyond 2**53 when
-the group forms is left out (``fits_float64``): such a value is a constant (a hash modulus like
-2**61 - 1, a seed), which the join made the same on every replica, and through float64 it came
-back rounded, on every rank but rank 0 in data parallel (a ReplicaDivergence), on every replica
-in first-N (a constant silently changed). It is decided on values every rank holds alike: after
-the join's broadcast of rank 0's module state.
+Integer and bool buffers are rounded back. An integer buffer that holds a value beyond 2**53 on
+any rank when the group forms is left out (``buffer_survey``'s wide ones): such a value is a
+constant (a hash modulus like 2**61 - 1, a seed), and through float64 it came back rounded, on
+every rank but rank 0 in data parallel (a ReplicaDivergence), on every replica in first-N (a
+constant silently changed). Decided from every rank's values, gathered at the join: decided on
+its own values, a rank whose buffer differed (a model_fn not deterministic under the seed; DDP
+broadcasts no buffer at construction before torch 2.13) would build a vector of another length,
+and the buffers' collective would fail or hang.
 
 Only persistent buffers (those in ``state_dict``) are agreed on: they are the model's state, the
 ones a checkpoint holds. A non-persistent buffer is a constant or a cache the module can rebuild,
@@ -39,6 +41,8 @@ is not followed.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from elastic._lazy import LazyModule
 
 torch = LazyModule("torch")
@@ -47,9 +51,12 @@ torch = LazyModule("torch")
 class ReplicaBuffers:
     """The buffers of ``model`` packed into ``flat`` (float64) and back."""
 
-    def __init__(self, model, device):
-        # float64 cannot hold complex ones, nor integers beyond 2**53 (fits_float64)
-        self.tensors = [b for b in persistent_buffers(model) if not b.is_complex() and fits_float64(b)]
+    def __init__(self, model, device, leave_out: Iterable[str] = ()):
+        """``leave_out``: names of persistent buffers not agreed on (``buffer_survey``'s wide
+        ones, which float64 cannot hold exactly), the same on every rank."""
+        names = set(model.state_dict(keep_vars=True)) - set(leave_out)
+        # float64 cannot hold complex ones either
+        self.tensors = [b for name, b in model.named_buffers() if name in names and not b.is_complex()]
         total = sum(b.numel() for b in self.tensors)
         self.flat = torch.zeros(total, dtype=torch.float64, device=device) if total else None
         self._saved = torch.zeros_like(self.flat) if total else None
@@ -96,24 +103,27 @@ def fits_float64(b) -> bool:
     return bool(b.min() >= -FLOAT64_EXACT) and bool(b.max() <= FLOAT64_EXACT)
 
 
-def persistent_buffers(model) -> list:
-    """The buffers ``model.state_dict()`` holds, in its order."""
-    names = set(model.state_dict(keep_vars=True))
-    return [b for name, b in model.named_buffers() if name in names]
-
-
 def cache_buffer_names(model) -> set[str]:
     """The names of ``model``'s non-persistent buffers (those ``state_dict`` does not hold): caches
     a module may size by what its forward saw (rotary tables, a causal mask), so they may differ
-    between ranks in content and in size (``uneven_buffer_names``)."""
+    between ranks in content and in size (``buffer_survey``)."""
     names = set(model.state_dict(keep_vars=True))
     return {name for name, _ in model.named_buffers() if name not in names}
 
 
-def uneven_buffer_names(model, group) -> list[str]:
-    """The non-persistent buffers whose shape or dtype is not the same on every rank of
-    ``group``, the same sorted list on every rank: those left out of the broadcast of rank 0's
-    module state at a join (first-N's, and DDP's constructor, told through its ignore list).
+def wide_buffer_names(model) -> list[str]:
+    """The persistent buffers of ``model`` holding a value float64 cannot hold exactly (an
+    integer beyond 2**53), on this rank."""
+    names = set(model.state_dict(keep_vars=True))
+    return [name for name, b in model.named_buffers() if name in names and not fits_float64(b)]
+
+
+def buffer_survey(model, group) -> tuple[list[str], list[str]]:
+    """(uneven, wide), the same sorted lists on every rank of ``group``, from one gather:
+    ``uneven`` the non-persistent buffers whose shape or dtype is not the same on every rank,
+    those left out of the broadcast of rank 0's module state at a join (first-N's, and DDP's
+    constructor, told through its ignore list); ``wide`` the persistent ones some rank holds a
+    value beyond 2**53 in (``wide_buffer_names``), left out of ``ReplicaBuffers``.
 
     Why: a survivor whose cache had grown (rotary tables, a causal mask) sent more bytes than a
     fresh spare's shorter one expected (gloo aborts the process), or a fresh rank 0 sent fewer,
@@ -128,5 +138,7 @@ def uneven_buffer_names(model, group) -> list[str]:
     dist = torch.distributed
     mine = {name: (tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers() if name in names}
     every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    return sorted(name for name in set().union(*every) if len({str(e.get(name)) for e in every}) > 1)
+    dist.all_gather_object(every, (mine, wide_buffer_names(model)), group=group)
+    caches = [e[0] for e in every]
+    uneven = sorted(name for name in set().union(*caches) if len({str(e.get(name)) for e in caches}) > 1)
+    return uneven, sorted(set().union(*(e[1] for e in every)))

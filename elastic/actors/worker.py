@@ -53,7 +53,7 @@ from elastic.actors.protocol import (  # noqa: F401  (re-exported: the worker's 
     step_seed,
     unpack_spec,
 )
-from elastic.actors.buffers import ReplicaBuffers, uneven_buffer_names
+from elastic.actors.buffers import ReplicaBuffers, buffer_survey
 from elastic.actors.grads import FlatGrads, sparse_embeddings
 from elastic.actors.sends import UpdateSends, in_flight_limit, max_trail
 from elastic.actors.sitout import SitOutSchedule
@@ -548,7 +548,7 @@ class TrainWorker:
              timeout_s: float, use_ddp: bool = True, subgroup_size: int = 0, checksum_every: int = 0,
              late_backoff_steps: int = 0) -> dict:
         """Leave any old group and form the new one. Survivors keep their model and optimizer."""
-        # This call's thread on the rank's GPU: the join's object gather (uneven_buffer_names)
+        # This call's thread on the rank's GPU: the join's object gather (buffer_survey)
         # stages its bytes on the current device, and Ray runs calls on threads of its own.
         self._bind_device()
         hosted, self._hosted_store = self._hosted_store, None  # this join's, or none: never kept past it
@@ -609,7 +609,7 @@ class TrainWorker:
                 device_id=self.device if self.backend == "nccl" else None,
             )
             self._world_pg = dist.group.WORLD
-            uneven = uneven_buffer_names(self.model, self._world_pg) if world_size > 1 else []
+            uneven, wide = buffer_survey(self.model, self._world_pg) if world_size > 1 else ([], [])
             if subgroup_size and world_size > 1:
                 # First-N replicas start from rank 0's parameters and buffers, as DDP's constructor
                 # makes its replicas do (with the same torch function and bucket size). Why: nothing
@@ -631,7 +631,7 @@ class TrainWorker:
                 ddp = torch_parallel.DistributedDataParallel
                 # Its constructor broadcasts rank 0's buffers (torch 2.13 does even with
                 # forward_sync_buffers=False): not the caches whose size differs between ranks
-                # (uneven_buffer_names). Added to what the user's model asks DDP to ignore, as the
+                # (buffer_survey). Added to what the user's model asks DDP to ignore, as the
                 # model had it before the first join (each join sets the list again: last join's
                 # uneven caches may be even now). (A private hook, which torch says it will
                 # replace: where it is gone, nothing is told, as before.)
@@ -647,10 +647,7 @@ class TrainWorker:
                 if self.spec.step_fn is not None:
                     self.ddp.register_comm_hook(None, self._first_contact_hook)
                 self.ddp.forward = _noting_forward(self.ddp, self._note_ddp_forward)
-            # After the broadcast of rank 0's module state (DDP's constructor, or first-N's above):
-            # which buffers the vector holds is decided on their values (fits_float64), the same on
-            # every rank only once every rank holds rank 0's.
-            buffers = ReplicaBuffers(self.model, self.device)
+            buffers = ReplicaBuffers(self.model, self.device, leave_out=wide)  # the same list on every rank
             self._buffers = buffers if buffers and world_size > 1 else None
             if subgroup_size and subgroup_size < world_size:
                 # Every rank must create every subgroup, in the same order: gloo's new_group is a
