@@ -1001,10 +1001,11 @@ _SECRET_WORD = r"passw(?:or)?d|secret|secret[_-]?(?:access[_-]?)?key|api[_-]?key
 _TOKEN_KIND = r"hf|hub|huggingface|github|gh|gitlab|wandb|auth|access|api|bearer|refresh|id|private|session|bot|" \
               r"slack|discord|openai|npm|pypi|oauth|jwt|ray"
 # A word of the name starts after a separator or at a camelCase hump (``awsSecretAccessKey``,
-# ``dbPassword``: the spelling of JavaScript, Java and the AWS SDKs' options). Only the hump test
+# ``dbPassword``: the spelling of JavaScript, Java and the AWS SDKs' options), an acronym's end
+# included (``DBPassword``, ``AWSSecretKey``: .NET's spelling). Only the hump test
 # is case-sensitive. ``padToken`` is still no ``token``, and ``useAuthToken`` is the flag that
 # ``--use-auth-token`` is.
-_HUMP = r"(?-i:(?<=[a-z0-9])(?=[A-Z]))"
+_HUMP = r"(?-i:(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z]))"  # dbPassword; DBPassword, AWSSecretKey
 _SECRET_NAME = rf"(?!use(?:[_-]|{_HUMP}))(?:[\w.-]*(?:[_.-]|{_HUMP}))?(?:{_SECRET_WORD}|(?:{_TOKEN_KIND})[_-]?token)|token"
 _SECRET_QUERY = re.compile(rf"(?i)[?&](?:{_SECRET_NAME})=")
 _SECRET_OPTION = re.compile(rf"(?i)--(?:{_SECRET_NAME})(?P<value>=.*)?")

@@ -933,6 +933,8 @@ def test_submit_tells_an_auth_refusal_from_an_address_with_its_digits(error, aut
     "--awsSecretAccessKey=ArgPassw0rd",
     '{"accessKeyId": "minio", "awsSecretAccessKey": "ArgPassw0rd"}',
     "dbPassword=ArgPassw0rd",
+    "--AWSSecretAccessKey=ArgPassw0rd",  # an acronym's end is a hump too (.NET's spelling)
+    '{"DBPassword": "ArgPassw0rd"}',
 ])
 def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, tmp_path):
     # The terminal's entrypoint line was redacted, but Ray got the command line as it was: kept in
@@ -966,7 +968,8 @@ def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, t
                 "--max-tokens=512", "--tokenizer", "gpt2", "https://api.example/v1?page_token=3", "--sort-key", "id",
                 "MAX_TOKENS=5", "--passes=3", "EOS_TOKEN=</s>", "--pad-token=0", "--use-auth-token", "--pwd", "/tmp",
                 '{"pad_token": 0, "max_tokens": 512, "key": "id", "token": null}', '{"token": true}', "--tok={'secret': ''}",
-                "--padToken=0", "--maxTokens=512", "--useAuthToken", "pageToken=3", '{"sortKey": "id"}']
+                "--padToken=0", "--maxTokens=512", "--useAuthToken", "pageToken=3", '{"sortKey": "id"}',
+                "--EOSToken=</s>", "--HFTokenizer=gpt2"]
     result = runner.invoke(app, [*base, *harmless])
     assert result.exit_code == 0, result.stdout + result.stderr
     assert submitted == [shlex.join(["python", "job.py", "--lr", "0.1", *harmless])]
