@@ -37,6 +37,7 @@ AVOID_GRACE_S = 5.0
 # The longest a blocking wait goes without looking whether a stop was asked for.
 STOP_POLL_S = 0.25
 MOVE_CHECK_S = 2.0  # a blocking wait for spares looks for placed free bundles this often
+SILENT_NODE_S = 30.0  # a node whose raylet timed out is not probed again for this long (_placed_free_bundle)
 
 
 class PlacementTimeout(RuntimeError):
@@ -170,6 +171,7 @@ class WorkerGroup:
         # again (a node ID is not reused; a node that comes back is a new one). Not one that
         # only timed out (``unreachable_nodes``' ``certain``): skipped for that look only.
         self._down_nodes: set[str] = set()
+        self._silent_nodes: dict[str, float] = {}  # node -> until when (monotonic) it is not probed again
 
     # ---- creation --------------------------------------------------------------------------
     def _options(self, pg: PlacementGroup, bundle_index: int, name: str) -> dict:
@@ -378,7 +380,9 @@ class WorkerGroup:
             return None
         avoid = set(avoid_nodes)
         nodes = ray.util.placement_group_table(self._ranks_pg).get("bundles_to_node_id", {})
-        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")} - self._down_nodes
+        now = time.monotonic()
+        self._silent_nodes = {n: until for n, until in self._silent_nodes.items() if until > now}
+        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")} - self._down_nodes - set(self._silent_nodes)
         for i in free:
             node = nodes.get(i)
             if node not in alive or node in avoid:
@@ -387,8 +391,13 @@ class WorkerGroup:
             if unreachable_nodes({node}, certain=certain):
                 # Kept out for good only when down for certain: one connect that timed out
                 # (a SYN lost) kept a healthy node's freed bundles unused for the rest of the
-                # run, and the refill spares waited for room that never came.
+                # run, and the refill spares waited for room that never came. One that timed
+                # out is skipped for SILENT_NODE_S: a node that died outright (power lost) does
+                # not refuse, it is silent until the GCS marks it dead (~15-30 s), and each look
+                # (a recovery's every 2 s, training's every few steps) spent a second on it.
                 self._down_nodes |= certain
+                if node not in certain:
+                    self._silent_nodes[node] = now + SILENT_NODE_S
                 alive.discard(node)
                 continue
             return i
