@@ -765,8 +765,11 @@ class TrainWorker:
         return _to_device(collated, self.device)
 
     def _forward_backward(self, model, batch, step: int, has_collective: bool,
-                          t_step: float) -> tuple[torch.Tensor, float]:
-        """Forward and backward; returns (loss, local seconds).
+                          t_step: float, read_clock: bool = True) -> tuple[torch.Tensor, float | None]:
+        """Forward and backward; returns (loss, local seconds), or (loss, None) without
+        ``read_clock``: the local seconds are read later from ``_local_clock`` (on a GPU that
+        read waits for the device to reach the contact, so a caller with nothing to decide on
+        it reads it once the step has synchronised anyway).
 
         Local seconds is the part of the step no peer can stretch, counted from the step's start
         (``t_step``: the batch's fetch is this rank's own work; a rank slow at reading its data
@@ -790,7 +793,7 @@ class TrainWorker:
             if not self._contact:  # no bucket went out: no collective, or no backward in it
                 self._injected_delay(step, time.perf_counter() - t_step)
                 clock.contact()
-            return loss, clock.seconds()
+            return loss, clock.seconds() if read_clock else None
         with self._autocast():
             loss = self.spec.loss_fn(model, batch)
         if has_collective:
@@ -802,7 +805,7 @@ class TrainWorker:
         if not has_collective:
             self._injected_delay(step, time.perf_counter() - t_step)
             clock.contact()
-        return loss, clock.seconds()
+        return loss, clock.seconds() if read_clock else None
 
     def _autocast(self):
         """``Trainer.mixed_precision``'s autocast for the forward (the backward runs outside it, as
@@ -1038,7 +1041,10 @@ class TrainWorker:
             self._fn_grads.before_backward()
             if early:
                 self._fn_grads.begin_early_reduce(self._fn_group(eligible), n)
-            loss, local = self._forward_backward(self.model, batch, step, False, t0)
+            # Read at once only where the arrival is counted: on a GPU the read waits for the
+            # backward, so the arrival means a gradient computed, not only queued. With the fast
+            # set known, nothing waits on it, and the reduce and update are queued first.
+            loss, local = self._forward_backward(self.model, batch, step, False, t0, read_clock=not known)
             self._fn_grads.after_backward(loss)
             if self._buffers is not None:
                 self._buffers.pack()
@@ -1116,6 +1122,8 @@ class TrainWorker:
             self._fast_log.pop(next(iter(self._fast_log)))
         extra = {**self._after_step(step, grad_norm), "fast": list(fast), "computed": computed, "agreed": not known}
         if computed:
+            if local is None:  # read after the update (read_clock above)
+                local = self._local_clock.seconds()
             extra["local_time_s"] = local
         self._note_step_time(step, time.perf_counter() - t0)
         return StepResult(self.rank, step, self._fn_grads.loss, time.perf_counter() - t0, local, len(indices),
