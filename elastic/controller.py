@@ -3236,9 +3236,12 @@ class Controller:
     def status(self) -> dict:
         history = self.history  # read once: the step thread may put another list there (_truncate_history)
         last = history[-1] if history else None
+        # The newest known loss, as result.metrics["loss"] (trainer.last_loss): a kept step whose
+        # result no rank had is passed over (the progress bar showed its NaN), a model's NaN is not.
+        known = next((h for h in reversed(history) if h.loss_known), None)
         return {
             "run": self.run_config.name, "state": self.state.value, "step": self.step,
-            "total_steps": self.total_steps, "loss": last.loss if last else None,
+            "total_steps": self.total_steps, "loss": known.loss if known else None,
             # Only while training: during a rebuild the last step's rate was shown as the run's.
             "samples_per_s": (last.samples / last.step_time_s)
             if last and last.step_time_s and self.state is State.RUNNING else None,

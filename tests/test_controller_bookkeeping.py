@@ -679,6 +679,7 @@ def test_first_n_steps_a_checkpoint_proves_take_their_fast_sets_from_the_members
     assert [(h.step, h.ranks, h.dropped) for h in c.history] == [(11, [1, 2], 8), (12, [0, 2], 8)]
     assert c.history[0].loss == 0.25 and c.history[0].step_time_s == 0.02 and math.isnan(c.history[1].loss)
     assert c.history[0].loss_known and not c.history[1].loss_known
+    assert c.status()["loss"] == 0.25  # the newest known loss, as result.metrics["loss"]
 
 
 class Configures:
