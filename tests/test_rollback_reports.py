@@ -40,6 +40,23 @@ def committing(c, config: CheckpointConfig, world_size: int, **kwargs) -> None:
     c.group = SimpleNamespace(members=[None] * world_size)
 
 
+def two_ranks_rank_1_pushes_held(c, tmp_path, held_if) -> tuple[list, list, list]:
+    """Two ranks' stand-ins and their blocking checkpoint hooks, pushing to ``c``; rank 1's pushes
+    of the steps ``held_if`` says go to the returned list instead (in flight), for the test to send."""
+    held: list = []
+
+    def notify(step, world_size, parts):  # the ranks' pushes to the controller actor
+        if 1 in parts and held_if(step):
+            held.append((step, world_size, parts))
+        else:
+            c.checkpoint_written(step, world_size, parts)
+
+    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
+    hooks = [WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, blocking=True,
+                                notify=notify) for _ in workers]
+    return workers, hooks, held
+
+
 def merge_while_pushes_come(c, rank: int, report: dict, queued: list) -> None:
     """The flush's ``report`` of ``rank`` merged on this thread while the rank's ``queued``
     pushes reach the checkpoint thread, 0.3 s later."""
@@ -138,17 +155,8 @@ def test_a_late_replicas_part_of_the_step_a_rollback_went_back_to_still_commits_
     old generation is still dropped: training writes step 6 again."""
     c = controller
     c.generation = 3
-    held: list = []
-
-    def notify(step, world_size, parts):  # the ranks' pushes to the controller actor
-        if 1 in parts and step >= 5:
-            held.append((step, world_size, parts))  # in flight when the rollback comes
-        else:
-            c.checkpoint_written(step, world_size, parts)
-
-    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
-    hooks = [WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, blocking=True,
-                                notify=notify) for _ in workers]
+    # Rank 1's pushes of steps 5 and 6 are in flight when the rollback comes.
+    workers, hooks, held = two_ranks_rank_1_pushes_held(c, tmp_path, lambda step: step >= 5)
     try:
         for step in range(1, 7):
             for worker, hook in zip(workers, hooks):
@@ -181,17 +189,8 @@ def test_blocking_mode_a_flushed_part_waits_for_the_ranks_earlier_pushes(control
     completed, and rank 1's push of step 1 came too late to commit it."""
     c = controller
     committing(c, CheckpointConfig(every_n_steps=1, blocking=True), 2)
-    queued: list = []  # rank 1's pushes, behind other work on the controller's checkpoint thread
-
-    def notify(step, world_size, parts):
-        if 1 in parts:
-            queued.append((step, world_size, parts))
-        else:
-            c.checkpoint_written(step, world_size, parts)
-
-    workers = [FakeWorker(rank=r, world_size=2) for r in range(2)]
-    hooks = [WorkerCheckpointer(f"file://{tmp_path}", None, "rollback", every_n_steps=1, blocking=True,
-                                notify=notify) for _ in workers]
+    # Rank 1's pushes, behind other work on the controller's checkpoint thread.
+    workers, hooks, queued = two_ranks_rank_1_pushes_held(c, tmp_path, lambda step: True)
     try:
         for step in (1, 2):
             for worker, hook in zip(workers, hooks):
