@@ -80,8 +80,10 @@ def test_a_node_whose_raylet_only_timed_out_is_probed_again_at_the_next_look(mon
     group, probed = _group_with_a_free_bundle(monkeypatch, {0: "A", 1: "SLOW"}, reachable={"A"}, slow={"SLOW"})
     assert group._placed_free_bundle([]) is None and group._down_nodes == set()
     probed.clear()
-    # Not probed again for SILENT_NODE_S (a node that died outright is silent, not refusing, until
-    # the GCS marks it dead: each look spent a second on it), then again.
+    assert group._placed_free_bundle([]) is None and probed == ["SLOW"]  # probed again at the next look
+    # Timed out twice in a row: not probed again for SILENT_NODE_S (a node that died outright is
+    # silent, not refusing, until the GCS marks it dead: each look spent a second on it), then again.
+    probed.clear()
     assert group._placed_free_bundle([]) is None and probed == []
     group._silent_nodes = {node: until - worker_group_module.SILENT_NODE_S for node, until in group._silent_nodes.items()}
     assert group._placed_free_bundle([]) is None and probed == ["SLOW"]

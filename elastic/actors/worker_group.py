@@ -37,7 +37,8 @@ AVOID_GRACE_S = 5.0
 # The longest a blocking wait goes without looking whether a stop was asked for.
 STOP_POLL_S = 0.25
 MOVE_CHECK_S = 2.0  # a blocking wait for spares looks for placed free bundles this often
-SILENT_NODE_S = 30.0  # a node whose raylet timed out is not probed again for this long (_placed_free_bundle)
+# A node whose raylet timed out twice in a row is not probed again for this long (_placed_free_bundle).
+SILENT_NODE_S = 10.0
 
 
 class PlacementTimeout(RuntimeError):
@@ -172,6 +173,7 @@ class WorkerGroup:
         # only timed out (``unreachable_nodes``' ``certain``): skipped for that look only.
         self._down_nodes: set[str] = set()
         self._silent_nodes: dict[str, float] = {}  # node -> until when (monotonic) it is not probed again
+        self._timed_out: dict[str, int] = {}  # node -> its raylet's connects timed out in a row
 
     # ---- creation --------------------------------------------------------------------------
     def _options(self, pg: PlacementGroup, bundle_index: int, name: str) -> dict:
@@ -392,14 +394,20 @@ class WorkerGroup:
                 # Kept out for good only when down for certain: one connect that timed out
                 # (a SYN lost) kept a healthy node's freed bundles unused for the rest of the
                 # run, and the refill spares waited for room that never came. One that timed
-                # out is skipped for SILENT_NODE_S: a node that died outright (power lost) does
-                # not refuse, it is silent until the GCS marks it dead (~15-30 s), and each look
-                # (a recovery's every 2 s, training's every few steps) spent a second on it.
+                # out twice in a row is skipped for SILENT_NODE_S: a node that died outright
+                # (power lost) does not refuse, it is silent until the GCS marks it dead (~15-30
+                # s), and each look (a recovery's every 2 s, training's every few steps) spent a
+                # second on it. Not after one: a healthy node's lost SYN then kept its bundle
+                # out of a wait for capacity as long as the wait (capacity_timeout_s, 30 s).
                 self._down_nodes |= certain
                 if node not in certain:
-                    self._silent_nodes[node] = now + SILENT_NODE_S
+                    self._timed_out[node] = self._timed_out.get(node, 0) + 1
+                    if self._timed_out[node] >= 2:
+                        self._silent_nodes[node] = now + SILENT_NODE_S
+                        self._timed_out[node] = 0
                 alive.discard(node)
                 continue
+            self._timed_out.pop(node, None)
             return i
         return None
 
