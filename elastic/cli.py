@@ -1005,7 +1005,8 @@ _TOKEN_KIND = r"hf|hub|huggingface|github|gh|gitlab|wandb|auth|access|api|bearer
 # included (``DBPassword``, ``AWSSecretKey``: .NET's spelling). Only the hump test
 # is case-sensitive. ``padToken`` is still no ``token``, and ``useAuthToken`` is the flag that
 # ``--use-auth-token`` is.
-_HUMP = r"(?-i:(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z]))"  # dbPassword; DBPassword, AWSSecretKey
+# dbPassword; DBPassword, AWSSecretKey; OpenAIAPIKey (an acronym before API's key or token)
+_HUMP = r"(?-i:(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])|(?<=[A-Z])(?=API[_-]?(?:Key|Token)))"
 _SECRET_NAME = rf"(?!use(?:[_-]|{_HUMP}))(?:[\w.-]*(?:[_.-]|{_HUMP}))?(?:{_SECRET_WORD}|(?:{_TOKEN_KIND})[_-]?token)|token"
 _SECRET_QUERY = re.compile(rf"(?i)[?&](?:{_SECRET_NAME})=")
 _SECRET_OPTION = re.compile(rf"(?i)--(?:{_SECRET_NAME})(?P<value>=.*)?")

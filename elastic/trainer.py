@@ -862,10 +862,11 @@ class Trainer:
                 f"RunConfig.name={self._running.name!r} is in use: a run of that name is training on this cluster "
                 f"({where}; its controller is the actor 'controller' in namespace {self.namespace!r}). "
                 f"Choose another RunConfig.name, or stop that run first (Ctrl-C in its driver, or ray job stop).")
-        # Killed (that actor only), and the name free for the new one. Its placement groups are
-        # removed by the new controller, once it holds the name (_remove_leftover_placement):
-        # removed here, after the name was free, they could be another driver's that took the
-        # name meanwhile.
+        # Its placement groups removed while it still holds the name, so none can be another
+        # driver's (removed after the name was free, they could be one's that took it meanwhile);
+        # one it places as it dies, the new controller removes once it holds the name
+        # (_remove_leftover_placement). Then killed (that actor only), and the name free.
+        self._release_placement()
         free_actor_name("controller", self.namespace, actor_id=old._actor_id.hex())
 
     def _kill_controller(self, release: bool = True) -> None:

@@ -935,6 +935,7 @@ def test_submit_tells_an_auth_refusal_from_an_address_with_its_digits(error, aut
     "dbPassword=ArgPassw0rd",
     "--AWSSecretAccessKey=ArgPassw0rd",  # an acronym's end is a hump too (.NET's spelling)
     '{"DBPassword": "ArgPassw0rd"}',
+    "--OpenAIAPIKey=ArgPassw0rd",
 ])
 def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, tmp_path):
     # The terminal's entrypoint line was redacted, but Ray got the command line as it was: kept in
@@ -969,7 +970,7 @@ def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, t
                 "MAX_TOKENS=5", "--passes=3", "EOS_TOKEN=</s>", "--pad-token=0", "--use-auth-token", "--pwd", "/tmp",
                 '{"pad_token": 0, "max_tokens": 512, "key": "id", "token": null}', '{"token": true}', "--tok={'secret': ''}",
                 "--padToken=0", "--maxTokens=512", "--useAuthToken", "pageToken=3", '{"sortKey": "id"}',
-                "--EOSToken=</s>", "--HFTokenizer=gpt2"]
+                "--EOSToken=</s>", "--HFTokenizer=gpt2", "--APIVersion=2", "--PIDToken=3"]
     result = runner.invoke(app, [*base, *harmless])
     assert result.exit_code == 0, result.stdout + result.stderr
     assert submitted == [shlex.join(["python", "job.py", "--lr", "0.1", *harmless])]

@@ -474,6 +474,27 @@ def test_a_run_renamed_during_its_fit_is_acted_on_and_told_by_the_name_it_starte
     assert t.namespace == "elastic-set-in-place"  # the fit over: the run as set now
 
 
+def test_a_leftover_controllers_groups_are_removed_while_it_still_holds_the_runs_name(monkeypatch):
+    # Removed after its name was free, they could be another driver's that took the name meanwhile;
+    # left to the new controller alone, a fit that failed before its controller ran left them.
+    from types import SimpleNamespace
+
+    import ray
+
+    from elastic import trainer as trainer_module
+    from elastic.actors import worker_group
+
+    t = _trainer()
+    order = []
+    old = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "ab" * 8))
+    monkeypatch.setattr(trainer_module, "_OUR_CONTROLLERS", {"ab" * 8})  # this driver's leftover
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: old)
+    monkeypatch.setattr(worker_group, "remove_run_placement_groups", lambda ns: order.append(("sweep", ns)) or [])
+    monkeypatch.setattr(trainer_module, "free_actor_name", lambda name, ns, actor_id=None: order.append(("free", ns)))
+    t._claim_run_name()
+    assert order == [("sweep", t.namespace), ("free", t.namespace)]
+
+
 def test_fits_in_two_threads_share_the_embedded_ray_and_the_last_shuts_it_down(monkeypatch):
     # The first fit to finish shut the embedded Ray down under the other, still training.
     from elastic import trainer as trainer_module
