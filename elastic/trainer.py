@@ -491,13 +491,17 @@ class Trainer:
         self._fitting = False  # a fit() of this Trainer is running (in some thread)
         self._fit_run: RunConfig | None = None  # that fit()'s run, as it started (_running)
 
-    def _prepare(self) -> None:
+    def _prepare(self) -> RunConfig:
         """Every check of the Trainer's settings, and what is built from them (the workers' spec,
         the checkpoint store). Run when the Trainer is made and again by each ``fit()``: the
         configs are plain dataclasses, and a field set between the two (``trainer.scaling.use_gpu
-        = True``) went to the actors unchecked, with a spec still built for the old value."""
+        = True``) went to the actors unchecked, with a spec still built for the old value.
+
+        Returns the RunConfig checked, read once: the one the store was built for, which a
+        ``fit()`` trains with (``_running``) whatever ``trainer.run`` is set to meanwhile."""
+        run = self.run
         check_environment()  # the ELASTIC_* overrides, which the actors read too
-        for name, value, kind in (("scaling", self.scaling, ScalingConfig), ("run", self.run, RunConfig),
+        for name, value, kind in (("scaling", self.scaling, ScalingConfig), ("run", run, RunConfig),
                                   ("failure", self.failure, FailureConfig)):
             if value is not None and not isinstance(value, kind):
                 raise ConfigError(f"Trainer.{name} must be an elastic.{kind.__name__}(...) or None, "
@@ -507,7 +511,8 @@ class Trainer:
                 # divided by zero here, a negative CPU count failed at placement in the controller).
                 value.__post_init__()
         self.scaling = self.scaling or ScalingConfig()
-        self.run = self.run or RunConfig()
+        if run is None:
+            run = self.run = RunConfig()
         self.failure = self.failure or FailureConfig()
         model_fn, optimizer_fn, dataset_fn, loss_fn = self.model_fn, self.optimizer_fn, self.dataset_fn, self.loss_fn
         step_fn, scheduler_fn, max_grad_norm = self.step_fn, self.scheduler_fn, self.max_grad_norm
@@ -556,14 +561,14 @@ class Trainer:
                               "on_failure='replace', spares first), and allow_shrink=False.")
         if self.scaling.aggregation == "first_n" and self.failure.allow_shrink:
             raise ConfigError("FailureConfig.allow_shrink is not supported with aggregation='first_n'; set it False.")
-        _check_failure_actions(self.failure, self.run, n, global_batch_size)
-        for note in _ignored_settings(self.scaling, self.run, self.failure):
+        _check_failure_actions(self.failure, run, n, global_batch_size)
+        for note in _ignored_settings(self.scaling, run, self.failure):
             if note not in self._warned:  # once per Trainer: fit() prepares again
                 self._warned.add(note)
                 logger.warning("%s", note)
         self.spec = TrainingSpec(
             model_fn=model_fn, optimizer_fn=optimizer_fn, dataset_fn=dataset_fn, loss_fn=loss_fn, step_fn=step_fn,
-            scheduler_fn=scheduler_fn, seed=self.run.seed, use_gpu=self.scaling.use_gpu,
+            scheduler_fn=scheduler_fn, seed=run.seed, use_gpu=self.scaling.use_gpu,
             cpus_per_worker=self.scaling.resources_per_worker.get("CPU", 1.0),
             bucket_cap_mb=self.scaling.bucket_cap_mb, find_unused_parameters=self.scaling.find_unused_parameters,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
@@ -592,16 +597,17 @@ class Trainer:
         # passed: a failed check left the old key with a cleared or unchecked store, so putting
         # the config back found the key unchanged, and the run trained with no checkpoints (its
         # resume skipped) or into the location of the config that had failed.
-        where = (self.run.storage, self.run.name, hash(repr(self.run.storage_options)))  # no secrets kept
+        where = (run.storage, run.name, hash(repr(run.storage_options)))  # no secrets kept
         if where != self._store_for:
             self._store = self._store_for = None
             store = None
-            if self.run.storage is not None:
+            if run.storage is not None:
                 from elastic.checkpoint import CheckpointStore
 
-                store = CheckpointStore(self.run.storage, self.run.name, self.run.storage_options)
+                store = CheckpointStore(run.storage, run.name, run.storage_options)
                 store.validate()
             self._store, self._store_for = store, where
+        return run
 
     def _check_cluster_address(self) -> None:
         """The address ``connect`` will join, checked as ``Trainer.address`` is when it is set
@@ -663,8 +669,9 @@ class Trainer:
             self._fitting = False
 
     def _fit_once(self, steps: int | None, epochs: int | None) -> Result:
-        self._prepare()  # again: a setting may have changed since the Trainer was made
-        self._fit_run = copy.copy(self.run)  # what this fit() reads from now on (_running): a copy, as set in place too
+        # Again: a setting may have changed since the Trainer was made. Its run is what this fit()
+        # reads from now on (_running): a copy, as a field may be set in place too.
+        self._fit_run = copy.copy(self._prepare())
         try:
             return self._fit_as_prepared(steps, epochs)
         finally:

@@ -474,6 +474,25 @@ def test_a_run_renamed_during_its_fit_is_acted_on_and_told_by_the_name_it_starte
     assert t.namespace == "elastic-set-in-place"  # the fit over: the run as set now
 
 
+def test_a_run_set_while_the_fit_checks_it_is_not_the_one_trained_with_the_others_store(monkeypatch, tmp_path):
+    # The fit's copy of its run was taken after the checks: a run set in between trained under the
+    # new run's name with the store built for the old one.
+    from elastic import trainer as trainer_module
+
+    t = _trainer(run=elastic.RunConfig(name="checked", storage=str(tmp_path)))
+    real_check = trainer_module.check_environment
+
+    def check_environment():  # the checks begin: another thread sets the run
+        t.run = dataclasses.replace(t.run, name="set-meanwhile")
+        return real_check()
+
+    monkeypatch.setattr(trainer_module, "check_environment", check_environment)
+    monkeypatch.setattr(trainer_module, "_ray_for_fit", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(t, "_check_cluster_address", lambda: None)
+    monkeypatch.setattr(t, "_fit", lambda steps, epochs, packed: (t._running.name, t._store_for[1]))
+    assert t.fit(steps=1) == ("checked", "checked")
+
+
 def test_a_leftover_controllers_groups_are_removed_while_it_still_holds_the_runs_name(monkeypatch):
     # Removed after its name was free, they could be another driver's that took the name meanwhile;
     # left to the new controller alone, a fit that failed before its controller ran left them.
