@@ -1002,10 +1002,9 @@ _TOKEN_KIND = r"hf|hub|huggingface|github|gh|gitlab|wandb|auth|access|api|bearer
               r"slack|discord|openai|npm|pypi|oauth|jwt|ray"
 # A word of the name starts after a separator or at a camelCase hump (``awsSecretAccessKey``,
 # ``dbPassword``: the spelling of JavaScript, Java and the AWS SDKs' options), an acronym's end
-# included (``DBPassword``, ``AWSSecretKey``: .NET's spelling). Only the hump test
-# is case-sensitive. ``padToken`` is still no ``token``, and ``useAuthToken`` is the flag that
-# ``--use-auth-token`` is.
-# dbPassword; DBPassword, AWSSecretKey; OpenAIAPIKey (an acronym before API's key or token)
+# included (``DBPassword``, ``AWSSecretKey``: .NET's spelling; ``OpenAIAPIKey``: an acronym
+# before API's key or token). Only the hump test is case-sensitive. ``padToken`` is still no
+# ``token``, and ``useAuthToken`` is the flag that ``--use-auth-token`` is.
 _HUMP = r"(?-i:(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])|(?<=[A-Z])(?=API[_-]?(?:Key|Token)))"
 _SECRET_NAME = rf"(?!use(?:[_-]|{_HUMP}))(?:[\w.-]*(?:[_.-]|{_HUMP}))?(?:{_SECRET_WORD}|(?:{_TOKEN_KIND})[_-]?token)|token"
 _SECRET_QUERY = re.compile(rf"(?i)[?&](?:{_SECRET_NAME})=")

@@ -26,7 +26,7 @@ from elastic.actors.sends import max_trail
 from elastic.actors.worker_group import (Member, PlacementTimeout, WorkerGroup, describe_worker_failure,
                                          unreachable_nodes)
 from elastic.checkpoint import shm
-from elastic.checkpoint.agent import NodeAgents, refused_on_node
+from elastic.checkpoint.agent import NodeAgents, given_up, refused_on_node
 from elastic.checkpoint.compat import UnsaveableState
 from elastic.checkpoint.store import taken_at_here
 from elastic.config import ConfigError, FailureConfig, RunConfig, ScalingConfig
@@ -575,9 +575,10 @@ class Controller:
         # Its first line and its last: Ray's text of a start that failed says what failed first
         # ("Failed to set up runtime environment.") and why last (pip's error), with a
         # traceback between them. The first line alone sent the user to the controller's traceback.
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
-        said = lines[0] if len(lines) == 1 else f"{self.redacted(lines[0], 200)} ... {lines[-1]}"
-        error = f"{type(exc).__name__}: {self.redacted(said, 400)}"
+        # Redacted whole, once, before any cut (``redacted``).
+        lines = [line.strip() for line in self.redact(str(exc)).splitlines() if line.strip()] or [""]
+        said = lines[0] if len(lines) == 1 else f"{lines[0][:200]} ... {lines[-1]}"
+        error = f"{type(exc).__name__}: {said[:400]}"
         if self.failures > self.failure_config.max_failures:
             raise TrainingFailed(self._fail_message(
                 f"{who} lost while {while_} ({error}), and failure {self.failures} exceeds "
@@ -830,11 +831,8 @@ class Controller:
 
     def _given_up(self, generation: Any, step: int) -> bool:
         """Whether a part of ``step`` snapshotted in group ``generation`` is of a state a
-        rollback or restore gave up (``_rewind``): of a generation it left behind, and of a step
-        it goes past (a rollback's) or any step (a restore's). A part without a generation (a
-        rank outside a group) never is."""
-        return generation is not None and any(int(generation) <= g and (through is None or step > through)
-                                              for g, through in self._given_up_parts)
+        rollback or restore gave up (``_rewind``), by the agents' own rule (``given_up``)."""
+        return given_up(generation, step, self._given_up_parts)
 
     def _progress_step(self) -> int:
         """The newest step training is known to have finished: ours, or a rank's newer report."""

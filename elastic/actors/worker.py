@@ -150,9 +150,14 @@ class LocalClock:
             self._start = self._event()
             self._start.record()
 
+    @property
+    def reached(self) -> bool:
+        """Whether ``contact`` was called since ``begin``."""
+        return self._mark is not None
+
     def contact(self) -> None:
         """The rank reaches its peers now (or its own work ends); the first call counts."""
-        if self._mark is not None:
+        if self.reached:
             return
         if self._event is None:
             self._mark = time.perf_counter() - self._t_step
@@ -340,11 +345,10 @@ class TrainWorker:
         self._kill_mark: str | None = None
         self._healthy_times: deque = deque(maxlen=32)  # step wall times before an injected slowdown
         self._slow_base: float | None = None
-        # A step_fn under DDP: (step, its start) while it runs, and whether this rank has reached
-        # its peers in it yet (_first_contact_hook)
+        # A step_fn under DDP: (step, its start) while it runs (_first_contact_hook)
         self._step_clock: tuple[int, float] | None = None
-        self._contact = False
-        self._local_clock: LocalClock | None = None  # made with the device (_forward_backward)
+        # Each step's local seconds, to its first contact with its peers (_forward_backward)
+        self._local_clock = LocalClock(self.device, lambda: self._collective_timeout_s or 60.0)
         self.phase, self.phase_since = "idle", time.time()
         self._ckpt = None
 
@@ -764,12 +768,10 @@ class TrainWorker:
             raise
         return _to_device(collated, self.device)
 
-    def _forward_backward(self, model, batch, step: int, has_collective: bool,
-                          t_step: float, read_clock: bool = True) -> tuple[torch.Tensor, float | None]:
-        """Forward and backward; returns (loss, local seconds), or (loss, None) without
-        ``read_clock``: the local seconds are read later from ``_local_clock`` (on a GPU that
-        read waits for the device to reach the contact, so a caller with nothing to decide on
-        it reads it once the step has synchronised anyway).
+    def _forward_backward(self, model, batch, step: int, has_collective: bool, t_step: float) -> torch.Tensor:
+        """Forward and backward; returns the loss. Its local seconds are ``_local_clock``'s to
+        read (``seconds``; on a GPU that read waits for the device to reach the contact, so a
+        caller with nothing to decide on it reads it once the step has synchronised anyway).
 
         Local seconds is the part of the step no peer can stretch, counted from the step's start
         (``t_step``: the batch's fetch is this rank's own work; a rank slow at reading its data
@@ -780,20 +782,18 @@ class TrainWorker:
         first contact with its peers, and counts as local.
         """
         self._enter("compute")
-        if self._local_clock is None:
-            self._local_clock = LocalClock(self.device, lambda: self._collective_timeout_s or 60.0)
         clock = self._local_clock
         clock.begin(t_step)
         if self.spec.step_fn is not None:
-            self._step_clock, self._contact = (step, t_step), False
+            self._step_clock = (step, t_step)
             try:
                 loss = self.spec.step_fn(model, batch)
             finally:
                 self._step_clock = None
-            if not self._contact:  # no bucket went out: no collective, or no backward in it
+            if not clock.reached:  # no bucket went out: no collective, or no backward in it
                 self._injected_delay(step, time.perf_counter() - t_step)
                 clock.contact()
-            return loss, clock.seconds() if read_clock else None
+            return loss
         with self._autocast():
             loss = self.spec.loss_fn(model, batch)
         if has_collective:
@@ -805,7 +805,7 @@ class TrainWorker:
         if not has_collective:
             self._injected_delay(step, time.perf_counter() - t_step)
             clock.contact()
-        return loss, clock.seconds() if read_clock else None
+        return loss
 
     def _autocast(self):
         """``Trainer.mixed_precision``'s autocast for the forward (the backward runs outside it, as
@@ -826,10 +826,9 @@ class TrainWorker:
         rank, and a straggler scored like the others and was never found. An injected slowdown
         (or mid-step kill) lands here too, before the peers are reached, as without a step_fn.
         Buckets of a backward under ``no_sync`` never come here; the last backward's do."""
-        if self._step_clock is not None and not self._contact:
+        if self._step_clock is not None and not self._local_clock.reached:
             step, t_step = self._step_clock
             self._injected_delay(step, time.perf_counter() - t_step)
-            self._contact = True
             self._local_clock.contact()
             self._enter("backward+allreduce")
         return ddp_hooks.allreduce_hook(state, bucket)
@@ -945,7 +944,8 @@ class TrainWorker:
         model = self.ddp if self.ddp is not None else self.model
         self.optimizer.zero_grad(set_to_none=True)
         self._ddp_forwarded = False
-        loss, local = self._forward_backward(model, batch, step, self.ddp is not None, t0)
+        loss = self._forward_backward(model, batch, step, self.ddp is not None, t0)
+        local = self._local_clock.seconds()
         if self.ddp is not None and not self._ddp_forwarded:
             fn = "step_fn" if self.spec.step_fn is not None else "loss_fn"
             raise ValueError(
@@ -1041,10 +1041,13 @@ class TrainWorker:
             self._fn_grads.before_backward()
             if early:
                 self._fn_grads.begin_early_reduce(self._fn_group(eligible), n)
-            # Read at once only where the arrival is counted: on a GPU the read waits for the
-            # backward, so the arrival means a gradient computed, not only queued. With the fast
-            # set known, nothing waits on it, and the reduce and update are queued first.
-            loss, local = self._forward_backward(self.model, batch, step, False, t0, read_clock=not known)
+            loss = self._forward_backward(self.model, batch, step, False, t0)
+            if not known:
+                # Read at once only where the arrival is counted: on a GPU the read waits for the
+                # backward, so the arrival means a gradient computed, not only queued. With the
+                # fast set known, nothing waits on it: the reduce and update are queued first,
+                # and the time is read with the step's result.
+                self._local_clock.seconds()
             self._fn_grads.after_backward(loss)
             if self._buffers is not None:
                 self._buffers.pack()
@@ -1122,9 +1125,7 @@ class TrainWorker:
             self._fast_log.pop(next(iter(self._fast_log)))
         extra = {**self._after_step(step, grad_norm), "fast": list(fast), "computed": computed, "agreed": not known}
         if computed:
-            if local is None:  # read after the update (read_clock above)
-                local = self._local_clock.seconds()
-            extra["local_time_s"] = local
+            local = extra["local_time_s"] = self._local_clock.seconds()
         self._note_step_time(step, time.perf_counter() - t0)
         return StepResult(self.rank, step, self._fn_grads.loss, time.perf_counter() - t0, local, len(indices),
                           self.completed_step, extra)

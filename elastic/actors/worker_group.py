@@ -389,27 +389,34 @@ class WorkerGroup:
             node = nodes.get(i)
             if node not in alive or node in avoid:
                 continue
-            certain: set = set()
-            if unreachable_nodes({node}, certain=certain):
-                # Kept out for good only when down for certain: one connect that timed out
-                # (a SYN lost) kept a healthy node's freed bundles unused for the rest of the
-                # run, and the refill spares waited for room that never came. One that timed
-                # out twice in a row is skipped for SILENT_NODE_S: a node that died outright
-                # (power lost) does not refuse, it is silent until the GCS marks it dead (~15-30
-                # s), and each look (a recovery's every 2 s, training's every few steps) spent a
-                # second on it. Not after one: a healthy node's lost SYN then kept its bundle
-                # out of a wait for capacity as long as the wait (capacity_timeout_s, 30 s).
-                self._down_nodes |= certain
-                if node not in certain:
-                    self._timed_out[node] = self._timed_out.get(node, 0) + 1
-                    if self._timed_out[node] >= 2:
-                        self._silent_nodes[node] = now + SILENT_NODE_S
-                        self._timed_out[node] = 0
+            if not self._raylet_answers(node, now):
                 alive.discard(node)
                 continue
-            self._timed_out.pop(node, None)
             return i
         return None
+
+    def _raylet_answers(self, node: str, now: float) -> bool:
+        """Whether ``node``'s raylet takes a connection, noting one that does not.
+
+        Kept out for good only when down for certain (refusing, dead or unknown): one connect
+        that timed out (a SYN lost) kept a healthy node's freed bundles unused for the rest of
+        the run, and the refill spares waited for room that never came. One that timed out
+        twice in a row is skipped for SILENT_NODE_S: a node that died outright (power lost) does
+        not refuse, it is silent until the GCS marks it dead (~15-30 s), and each look (a
+        recovery's every 2 s, training's every few steps) spent a second on it. Not after one:
+        a healthy node's lost SYN then kept its bundle out of a wait for capacity as long as
+        the wait (capacity_timeout_s, 30 s)."""
+        certain: set = set()
+        if not unreachable_nodes({node}, certain=certain):
+            self._timed_out.pop(node, None)
+            return True
+        self._down_nodes |= certain
+        if node not in certain:
+            self._timed_out[node] = self._timed_out.get(node, 0) + 1
+            if self._timed_out[node] >= 2:
+                self._silent_nodes[node] = now + SILENT_NODE_S
+                self._timed_out[node] = 0
+        return False
 
     def _move_to_placed_free_bundles(self, urgent: bool = False) -> None:
         """Spares still waiting for room in a placement group of their own, asked for again in a

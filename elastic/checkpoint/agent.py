@@ -257,12 +257,20 @@ class _Payload:
         self.keep = bool(m.get("keep"))  # a step retention keeps (store.is_milestone): never replaced
 
 
+def given_up(generation: Any, step: int, fences: list[tuple[int, int | None]]) -> bool:
+    """Whether a snapshot of ``step`` taken in group ``generation`` is of a state training gave
+    up: each fence (generation, through) gives up that group and older ones, for every step
+    (``through`` None: a restore) or for the steps after ``through`` (a rollback to that step,
+    on the history those groups trained). A snapshot without a generation, from a rank outside
+    a group, never is. The one rule of the agents' write fence (``CheckpointAgent.settle``) and
+    of the controller's parts (``Controller._add_part``)."""
+    return generation is not None and any(
+        int(generation) <= fenced and (through is None or step > through) for fenced, through in fences)
+
+
 def _before_fence(p: _Payload, fences: list[tuple[int, int | None]]) -> bool:
-    """Whether a fence (``CheckpointAgent.settle``) stops ``p``: one of group ``generation`` or
-    older given up, for every step (``through`` None) or for the steps after ``through`` (a
-    snapshot without a generation, from a rank outside a group, is never fenced)."""
-    return p.generation is not None and any(
-        int(p.generation) <= generation and (through is None or p.step > through) for generation, through in fences)
+    """Whether a fence (``CheckpointAgent.settle``) stops ``p`` (``given_up``)."""
+    return given_up(p.generation, p.step, fences)
 
 
 class _RankLink:
@@ -643,10 +651,10 @@ class CheckpointAgent:
         the new shard of a committed step would fail that step's checksum on resume. After this
         returns no old write can land (unless it outlasted the wait: the controller logs that);
         the controller drops old parts by generation already (``Controller._add_part``)."""
-        fence = [(int(generation), through)]
+        fence = (int(generation), through)
         with self._fence_lock:
-            self._fences.append(fence[0])
-            old = {link: p for link, p in self._writing.items() if _before_fence(p, fence)}
+            self._fences.append(fence)
+            old = {link: p for link, p in self._writing.items() if _before_fence(p, [fence])}
             self._fence_lock.wait_for(lambda: not any(self._writing.get(link) is p for link, p in old.items()),
                                       timeout=timeout_s)
             return [(p.rank, p.step) for link, p in old.items() if self._writing.get(link) is p]
