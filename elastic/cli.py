@@ -926,7 +926,8 @@ def _strict_json(obj: Any) -> str:
 def _quiet_ray_logs() -> None:
     """Ray logs every packaging step of the upload at INFO on import-time handlers; -v keeps them."""
     if not _verbose:
-        for name in ("ray", "ray.dashboard.modules.dashboard_sdk"):  # the latter sets its own level
+        # The latter two set their own level (the job SDK logs every stream's close at INFO).
+        for name in ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk"):
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -1140,7 +1141,9 @@ def submit(
 def _follow(client, job_id: str, logs_hint: str = "") -> None:
     """Stream the job's logs, then exit with its outcome. Bounded: a stream quiet for
     FOLLOW_QUIET_S has the job's status asked (a quiet job is not a lost dashboard), and
-    FOLLOW_LOST_ASKS unanswered asks in a row end the command with how to follow it again."""
+    FOLLOW_LOST_ASKS unanswered asks in a row end the command with how to follow it again. A
+    stream that breaks (its websocket dropped) is said on stderr, and the status is asked until
+    the job ends."""
     import asyncio
 
     from ray.job_submission import JobStatus
@@ -1179,13 +1182,25 @@ def _follow(client, job_id: str, logs_hint: str = "") -> None:
                 chunk = pending.result()
             except StopAsyncIteration:
                 return None
+            except Exception as exc:  # noqa: BLE001 - the stream broke, not the job
+                # Ray's stream raises when its websocket closes abnormally (a kubectl port-forward
+                # or a proxy dropped it: close code 1006) or is refused. The job goes on: an exit 1
+                # here read as its failure, and a script that resubmits then trained twice.
+                err_console.print(f"elastic: the log stream broke ({_one_line(redact_urls_in(str(exc)))}); "
+                                  f"waiting for job {job_id} to end{logs_hint}",
+                                  markup=False, highlight=False, soft_wrap=True)
+                return None
             pending = None
             sys.stdout.write(chunk)
             sys.stdout.flush()
 
     final = asyncio.run(tail()) or status()
-    while final is None or not final.is_terminal():  # the log stream can end a moment before the status flips
-        time.sleep(0.5)
+    pause = 0.5
+    while final is None or not final.is_terminal():
+        # A stream that ended can end a moment before the status flips: asked again soon. One that
+        # broke leaves a job that may run for hours: the asks thin out to one per FOLLOW_QUIET_S.
+        time.sleep(pause)
+        pause = min(2 * pause, FOLLOW_QUIET_S)
         final = status()
     _plain(f"job {job_id}: {final.value}")
     if final != JobStatus.SUCCEEDED:

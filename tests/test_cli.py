@@ -202,14 +202,16 @@ class FollowedJob:
     (a quiet job, or a partition); each status ask takes the next of ``statuses`` (an exception
     instance is raised, the last one repeats)."""
 
-    def __init__(self, chunks, statuses):
-        self.chunks, self.statuses, self.asks = chunks, list(statuses), 0
+    def __init__(self, chunks, statuses, breaks=None):
+        self.chunks, self.statuses, self.asks, self.breaks = chunks, list(statuses), 0, breaks
 
     async def tail_job_logs(self, job_id):
         import asyncio
 
         for chunk in self.chunks:
             yield chunk
+        if self.breaks is not None:  # the stream's websocket dropped (Ray's tail_job_logs raises)
+            raise self.breaks
         await asyncio.Event().wait()  # quiet for good
 
     def get_job_status(self, job_id):
@@ -235,6 +237,42 @@ def test_follow_asks_the_status_when_the_log_stream_is_quiet(monkeypatch, capsys
     with pytest.raises(cli.typer.Exit) as exit_:
         cli._follow(job, "raysubmit_2")
     assert exit_.value.exit_code == 1 and "job raysubmit_2: FAILED" in capsys.readouterr().out
+
+
+def test_follow_waits_for_the_job_when_the_log_stream_breaks(monkeypatch, capsys):
+    # A dropped port-forward closes Ray's websocket (code 1006), and tail_job_logs raises. That
+    # ended --follow with exit 1 while the job went on: a script that resubmits trained twice.
+    from ray.job_submission import JobStatus
+
+    import elastic.cli as cli
+
+    monkeypatch.setattr(cli, "FOLLOW_QUIET_S", 0.05)
+    broke = RuntimeError("WebSocket connection closed unexpectedly with close code 1006 (ws://a:pw@head:8265)")
+    job = FollowedJob(["step 1\n"], [JobStatus.RUNNING, JobStatus.RUNNING, JobStatus.SUCCEEDED], breaks=broke)
+    cli._follow(job, "raysubmit_4", ": ray job logs --follow raysubmit_4")  # returns: the job succeeded
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["step 1", "job raysubmit_4: SUCCEEDED"] and job.asks == 3
+    assert "the log stream broke (WebSocket connection closed unexpectedly with close code 1006" in err
+    assert "waiting for job raysubmit_4 to end: ray job logs --follow raysubmit_4" in err and "pw" not in err
+
+
+def test_quiet_ray_logs_quiets_the_job_sdk():
+    # The job SDK sets its own logger to INFO and logs every stream's close: a stray line on
+    # stderr after each --follow.
+    import logging
+
+    import elastic.cli as cli
+
+    import ray.dashboard.modules.job.sdk  # noqa: F401 - sets its logger's level on import, as in submit
+
+    names = ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk")
+    before = {name: logging.getLogger(name).level for name in names}
+    try:
+        cli._quiet_ray_logs()
+        assert logging.getLogger(names[-1]).getEffectiveLevel() >= logging.ERROR
+    finally:
+        for name, level in before.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def test_follow_ends_when_the_dashboard_stops_answering(monkeypatch):
