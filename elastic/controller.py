@@ -1393,14 +1393,23 @@ class Controller:
         sampler's current place holds this step's drops and nothing later, one step being sent
         at a time. Other runs set it at dispatch (``_dispatch_all``)."""
         if self.committer is not None and not self._look_ahead:
-            self.committer.set_meta(step, self._checkpoint_meta(step, self.plan.position.to_dict()))
+            self.committer.set_meta(step, self._checkpoint_meta(step, self._position_after(step)))
 
     def _force_meta(self, step: int) -> None:
         """The committer's meta for ``step``, a step the ranks snapshot off the ``every_n_steps``
-        schedule (the run's last, the step after an eviction): its data position as dispatched
-        (look-ahead) or the plan's now."""
-        position = self._positions.get(step) if self._look_ahead else None
-        self.committer.set_meta(step, self._checkpoint_meta(step, position or self.plan.position.to_dict()), force=True)
+        schedule (the run's last, the step after an eviction)."""
+        self.committer.set_meta(step, self._checkpoint_meta(step, self._position_after(step)), force=True)
+
+    def _position_after(self, step: int) -> dict:
+        """The sampler's place right after ``step``: as recorded when it was handed out (with its
+        drops, requeueing: ``_book_step``), else the plan's now. Not the plan's now when it is
+        recorded, in either mode: a later step may be handed out already. With requeueing one
+        step is sent at a time, yet the step a rank died in stays handed out (kept for the
+        replay); a stop seen then ended on the step before, and its checkpoint held the place
+        after the lost step. A resume skipped that step's samples (and the requeued drops it
+        had taken) for the rest of the epoch."""
+        position = self._positions.get(step)
+        return position if position is not None else self.plan.position.to_dict()
 
     def _checkpoint_meta(self, step: int, position: dict) -> dict:
         return {"data_position": position, "world_size": len(self.group.members),

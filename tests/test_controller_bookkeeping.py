@@ -577,6 +577,33 @@ def test_steps_kept_from_a_holder_that_computed_none_of_them_take_their_fast_set
     assert [e.used for e in c.ledger.entries if e.step == 1] == [True, False, True]
 
 
+def test_with_requeueing_a_stops_checkpoint_holds_its_steps_data_position_not_a_handed_out_steps(
+        rayless_controller):
+    # First-N 2 of 3 with requeueing: step 2 is handed out (it takes step 1's requeued drops), a
+    # rank dies in it, and a stop seen then ends the run on step 1. Its final checkpoint held
+    # the plan's place after step 2 (cursor 40, nothing requeued): a resume skipped step 2's
+    # samples and step 1's drops for the rest of the epoch.
+    from elastic.data import ShardPlan
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
+                           global_batch_size=16)
+    c.requeue_dropped = True
+    metas = {}
+    c.committer = SimpleNamespace(set_meta=lambda step, meta, force=False: metas.__setitem__(step, meta))
+    c.plan, c._split, c.dataset_size, c.group = ShardPlan(64, seed=0), 2, 64, StandInGroup(ranks=3)
+    c._shards_for(1, 3)
+    c._book_step(1, used=[0, 1], loss=0.0, step_time_s=0.1)
+    after_1 = c.plan.position.to_dict()
+    assert after_1["cursor"] == 24 and len(after_1["requeued"]) == 8  # rank 2's shard of step 1
+    c._shards_for(2, 3)  # handed out, then lost in the failure: kept for the replay
+    assert c.plan.position.to_dict() != after_1
+    c.step = 1
+    c._force_meta(1)  # the final checkpoint of the stop (_finish_checkpoints)
+    assert metas[1]["data_position"] == after_1
+    c._set_meta_after_results(1)  # a kept step's meta (_keep_completed_steps) reads the same place
+    assert metas[1]["data_position"] == after_1
+
+
 def test_a_batch_schedule_sizes_each_steps_shards_from_its_step_on_and_replays_them_as_planned(rayless_controller):
     # Trainer.batch_schedule={3: 16, 5: 32} over global_batch_size=8 and two ranks: steps 1-2
     # take 4 samples a rank, 3-4 take 8, 5 on take 16; a replayed step reuses its own shards.
