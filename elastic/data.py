@@ -26,9 +26,22 @@ def epoch_order_array(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     import torch (see elastic/_lazy.py). An array, in 32 bits where the indices fit, rather than
     a list: a Python list of 20M indices took ~720 MB of the controller, the array 80 MB.
     """
-    rng = np.random.Generator(np.random.PCG64((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF))
+    rng = np.random.Generator(np.random.PCG64(_order_key(seed, epoch)))
     order = rng.permutation(num_samples)
     return order.astype(np.int32) if num_samples < 2**31 else order
+
+
+def _order_key(seed: int, epoch: int) -> int:
+    """The PCG64 seed of an epoch's order: ``seed * 1_000_003 + epoch`` where that is below
+    2**63 (every seed below ~9.2e12, so the orders of runs and checkpoints made before stay as
+    they were), else one key per (seed, epoch) from 2**63 up. The old key, masked to 63 bits,
+    gave seeds 2**63 apart (0 and 2**63, -1 and 2**63 - 1: ``RunConfig.seed`` takes torch's
+    [-2**63, 2**64)) the same order in every epoch. numpy's ``SeedSequence`` takes any
+    non-negative integer, so the wide key needs no hash."""
+    key = seed * 1_000_003 + epoch
+    if 0 <= key < 2**63 and 0 <= epoch < 1_000_003:
+        return key
+    return 2**63 + ((seed + 2**63) << 64 | epoch)
 
 
 def order_digest(order: np.ndarray) -> str:

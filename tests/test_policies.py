@@ -213,6 +213,20 @@ def test_shard_plan_is_deterministic_and_requeues_first():
     assert nxt[0] == shards[1]
 
 
+def test_seeds_2_63_apart_give_different_orders_and_the_usual_seeds_keep_theirs():
+    # The key was masked to 63 bits: seeds 2**63 apart (RunConfig.seed takes [-2**63, 2**64))
+    # trained on the same order in every epoch.
+    import numpy as np
+
+    for a, b in ((0, 2**63), (-1, 2**63 - 1), (5, 5 + 2**63), (-2**63, 0)):
+        for epoch in (0, 3):
+            assert epoch_order(50, a, epoch) != epoch_order(50, b, epoch), (a, b, epoch)
+    # Seeds below ~9.2e12 keep the order they had: checkpoints made before resume in place.
+    for seed, epoch in ((0, 0), (7, 2), (2**40, 1)):
+        before = np.random.Generator(np.random.PCG64(seed * 1_000_003 + epoch)).permutation(50).tolist()
+        assert epoch_order(50, seed, epoch) == before
+
+
 def test_the_plan_fingerprints_the_order_of_the_epoch_a_checkpoint_is_in():
     # A checkpoint's epoch may trail the plan's (which runs a window ahead) by one at an epoch's end.
     p = ShardPlan(10, seed=0)
