@@ -536,6 +536,10 @@ def status(
                 else:
                     _stdout().print(_runs_table(rows))
                     _stdout().print(f"{len(runs)} live runs; `elastic status RUN` shows one.", highlight=False)
+                silent = [name for name, st in rows if st is None]
+                if silent:  # as for one run: `elastic status && ...` must not pass over a hung controller
+                    raise CliError(f"no answer from the controller of run(s) {', '.join(silent)} within "
+                                   f"{timeout_s:g} s (or it has exited)")
                 return
             run = runs[0]
         st = _controller_status(run, addr, timeout_s)
@@ -573,7 +577,8 @@ def stop(
     0: the run stopped (or finished first); with --no-wait, the request was delivered.
     1: the run ended errored, or the request was not delivered (no such run, no cluster).
     2: a usage error.
-    3: asked, but how the run ended is unknown (its controller exited, or still stopping at --timeout).
+    3: asked, but how the run ended is unknown (its controller exited, or still stopping at --timeout),
+       or the request was sent but not confirmed in time: the stop may still take effect.
     """
     import ray
 
@@ -581,12 +586,23 @@ def stop(
     _probe(addr, min(PROBE_TIMEOUT_S, timeout_s), _address_source(address))
     addr = _connect(addr, NAMESPACE_PREFIX + run, timeout_s)
     try:
+        from ray.exceptions import GetTimeoutError, RayActorError
+
         actor = _controller(run, addr, timeout_s)
-        _ask(run, actor.stop.remote("elastic stop"), min(timeout_s, DEFAULT_TIMEOUT_S))
+        confirm_s = min(timeout_s, DEFAULT_TIMEOUT_S)
+        try:
+            ray.get(actor.stop.remote("elastic stop"), timeout=confirm_s)
+        except GetTimeoutError:
+            # Sent, and waiting in the actor's queue (a controller still in its constructor):
+            # it can still run after this command exits. Exit 1 said "not delivered", and a
+            # script that then started the run again raced the stop it had asked for.
+            raise CliError(f"the controller of run {run!r} did not confirm the stop within {confirm_s:g} s; "
+                           "the request was sent and may still take effect", code=EXIT_OUTCOME_UNKNOWN) from None
+        except RayActorError:
+            raise CliError(f"the controller of run {run!r} has exited (the run ended or its driver died)") from None
         if not wait:
             _plain(f"asked run {run} to stop after the steps already dispatched")
             return
-        from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
             final = ray.get(actor.wait_ended.remote(timeout_s), timeout=timeout_s + DEFAULT_TIMEOUT_S)

@@ -707,7 +707,7 @@ class Trainer:
                       global_batch_size=self.global_batch_size, checkpoint_store=self._store,
                       metrics=RunMetrics(self._running.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped,
                       batch_schedule=dict(self.batch_schedule or {}))
-        actor_cls = ray.remote(concurrency_groups={"status": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
+        actor_cls = ray.remote(concurrency_groups={"status": 1, "stop": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
         # Here, before the controller starts, as well as in it (Controller._schedule): a run the
         # cluster can never place fails now, not inside the controller, as a TrainingFailed.
         check_cluster_fits(self.scaling, self.scaling.num_replicas)

@@ -742,6 +742,9 @@ class FakeController:
 def fake_ray_get(ref, timeout=None):
     controller, name = ref
     if name == "stop":
+        if getattr(controller, "stop_queued", False):  # waiting in the actor's queue
+            from ray.exceptions import GetTimeoutError
+            raise GetTimeoutError("timed out")
         return None
     if isinstance(controller.ended, BaseException):
         raise controller.ended
@@ -778,6 +781,54 @@ def test_stop_exits_0_only_when_the_run_stopped(ended, code, text, monkeypatch):
     # --no-wait only asks: 0 once the request is delivered, whatever then happens.
     no_wait = runner.invoke(app, ["stop", "r", "--address", "127.0.0.1:1", "--no-wait"])
     assert no_wait.exit_code == 0 and "asked run r to stop" in no_wait.stdout
+
+
+def test_stop_not_confirmed_in_time_exits_3_saying_it_may_still_take_effect(monkeypatch):
+    # The stop call waits in the controller's queue (it is still in its constructor): sent, it
+    # can run after the command exits. Exit 1 said "not delivered".
+    import ray
+
+    import elastic.cli as cli
+
+    controller = FakeController(None)
+    controller.stop_queued = True
+    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s, source: None)
+    monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
+    monkeypatch.setattr(cli, "_controller", lambda run, addr, timeout_s: controller)
+    monkeypatch.setattr(ray, "get", fake_ray_get)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    for args in ([], ["--no-wait"]):
+        result = runner.invoke(app, ["stop", "r", "--address", "127.0.0.1:1", "--timeout", "5", *args])
+        line = one_line_error(result.exit_code, result.stdout, result.stderr)
+        assert result.exit_code == cli.EXIT_OUTCOME_UNKNOWN, line
+        assert "did not confirm the stop within 5 s; the request was sent and may still take effect" in line
+
+
+def test_status_of_several_runs_exits_1_when_one_does_not_answer(monkeypatch):
+    # The table said "no answer" for a hung controller and exited 0: `elastic status && ...`
+    # passed over it, where one run's silence exits 1.
+    import ray
+
+    import elastic.cli as cli
+
+    def controller_status(run, addr, timeout_s):
+        if run == "b":
+            raise CliError("the controller of run 'b' did not answer within 5 s")
+        return {"run": run, "state": "running", "step": 3}
+
+    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s, source: None)
+    monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
+    monkeypatch.setattr(cli, "_live_runs", lambda: ["a", "b"])
+    monkeypatch.setattr(cli, "_controller_status", controller_status)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    result = runner.invoke(app, ["status", "--address", "127.0.0.1:1", "--timeout", "5"])
+    assert result.exit_code == 1 and "2 live runs" in result.stdout  # the table is still printed
+    assert "no answer from the controller of run(s) b within 5 s" in one_line_error(
+        result.exit_code, result.stdout, result.stderr)
+    as_json = runner.invoke(app, ["status", "--json", "--address", "127.0.0.1:1", "--timeout", "5"])
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout) == {"a": controller_status("a", "", 5), "b": None}
+    monkeypatch.setattr(cli, "_live_runs", lambda: ["a", "c"])
+    assert runner.invoke(app, ["status", "--address", "127.0.0.1:1"]).exit_code == 0
 
 
 def test_status_summary_says_when_checkpoint_storage_does_not_answer():

@@ -91,9 +91,10 @@ class ControllerActor:
     def status(self) -> dict:
         return self.controller.status()
 
-    @ray.method(concurrency_group="status")
+    @ray.method(concurrency_group="stop")
     def stop(self, reason: str) -> None:
-        """End the run after the steps already dispatched, with their checkpoint committed."""
+        """End the run after the steps already dispatched, with their checkpoint committed. A
+        thread of its own: a status() call in progress does not hold a stop back."""
         self.controller.request_stop(reason)
 
     @ray.method(concurrency_group="wait")
