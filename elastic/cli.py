@@ -332,11 +332,16 @@ def _connect(address: str, namespace: str, timeout_s: float) -> str:
         thread = threading.Thread(target=init, name="elastic-ray-init", daemon=True)
         thread.start()
         deadline = time.monotonic() + timeout_s
-        while thread.is_alive() and time.monotonic() < deadline:
-            thread.join(0.2)
-            # Ray retries a rejected token for ~20 s before giving up; the first rejection is enough.
-            if _AUTH_FAILURE.search(captured()):
-                break
+        try:
+            while thread.is_alive() and time.monotonic() < deadline:
+                thread.join(0.2)
+                # Ray retries a rejected token for ~20 s before giving up; the first rejection is enough.
+                if _AUTH_FAILURE.search(captured()):
+                    break
+        except KeyboardInterrupt:
+            # Ray's exit hook (shutdown) waits for the lock ray.init holds while it connects,
+            # which can take minutes: an exit that ran it held the Ctrl-C'd command as long.
+            raise CliError("interrupted", 130, hard_exit=thread.is_alive()) from None
         noise = captured()
     if outcome.get("ok"):
         try:

@@ -831,6 +831,32 @@ def test_status_of_several_runs_exits_1_when_one_does_not_answer(monkeypatch):
     assert runner.invoke(app, ["status", "--address", "127.0.0.1:1"]).exit_code == 0
 
 
+def test_a_ctrl_c_while_ray_init_connects_exits_without_waiting_for_it(monkeypatch):
+    # The exit ran Ray's shutdown hook, which waits for the lock ray.init holds while it
+    # connects (minutes): the Ctrl-C'd command hung.
+    import threading
+
+    import ray
+
+    import elastic.cli as cli
+
+    release = threading.Event()
+    monkeypatch.setattr(ray, "init", lambda **kw: release.wait(30))
+
+    class CtrlC:  # the Ctrl-C lands in the wait for ray.init's thread
+        @staticmethod
+        def search(text):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_AUTH_FAILURE", CtrlC)
+    try:
+        with pytest.raises(CliError) as interrupted:
+            cli._connect("127.0.0.1:1", "elastic-cli", 10)
+        assert interrupted.value.code == 130 and interrupted.value.hard_exit
+    finally:
+        release.set()
+
+
 def test_status_summary_says_when_checkpoint_storage_does_not_answer():
     from elastic.cli import _summary
 
