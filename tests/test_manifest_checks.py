@@ -107,6 +107,48 @@ def test_a_step_a_newer_elastic_wrote_is_neither_skipped_as_corrupt_nor_swept(ba
     assert {i.step: i.status for i in store.list_steps()}[2] != "valid"
 
 
+def test_a_step_of_version_3_resumes_a_schedule_that_hands_over_to_multisteplr(monkeypatch, tmp_path):
+    # Version 3 stored a Counter (MultiStepLR's milestones) as a dict; read as written, a
+    # SequentialLR resumed from it raised AttributeError (.elements()) at its hand-over.
+    import collections
+
+    from torch.optim import lr_scheduler as lr
+
+    from elastic.checkpoint import codec
+
+    def schedule():
+        opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        return opt, lr.SequentialLR(opt, [lr.LinearLR(opt, 0.1, total_iters=3), lr.MultiStepLR(opt, [5, 8])], [3])
+
+    opt, sched = schedule()
+    opt.step()
+    sched.step()
+    store = CheckpointStore(str(tmp_path), RUN)
+    with monkeypatch.context() as old_writer:
+        old_writer.setattr(codec, "_COUNTER", "__dict__")  # what version 3 wrote for a Counter
+        store.commit(1, store.write_rank_files(1, 0, 1, {**tiny_state(1), "scheduler": sched.state_dict()}), 1, {})
+    rewrite_manifest(store, 1, setting("version", 3))
+    state, _ = store.read_state(1)
+    assert type(state["scheduler"]["_schedulers"][1]["milestones"]) is collections.Counter
+    opt2, resumed = schedule()
+    resumed.load_state_dict(state["scheduler"])
+    for _ in range(12):  # past the hand-over at step 3 and both milestones
+        opt2.step()
+        resumed.step()
+    assert resumed.get_last_lr() == pytest.approx([0.001])
+    # A step this version writes says so: a reader of 3 would take its Counter marker for corruption.
+    store.commit(2, store.write_rank_files(2, 0, 1, {**tiny_state(2), "scheduler": sched.state_dict()}), 1, {})
+    assert store.load_manifest(2)["version"] == VERSION > 3
+
+
+def test_version_4_the_reverted_crc32_format_is_not_read(backend):
+    store = make_store(backend)
+    commit_tiny(store, 1)
+    commit_tiny(store, 2)
+    rewrite_manifest(store, 2, setting("version", 4))
+    assert {i.step: i.status for i in store.list_steps()} == {1: "valid", 2: "corrupt"}
+
+
 def test_a_manifest_naming_a_file_outside_its_step_is_corrupt(backend, caplog):
     """``..`` in a record's path: the bytes there match the record, but a manifest vouches for
     its own step's files only, and ``verify`` must not read outside the run directory."""

@@ -25,6 +25,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -54,7 +55,12 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "elastic-checkpoint"
-VERSION = 3
+# 5: a Counter in the state is marked as one in the skeleton (``__counter__``, codec.py); a
+# reader of 3 took the marker for corruption and skipped every such step, and a step of 3 holds
+# its Counters as dicts (``_upgraded``). 4 is not written: the reverted CRC-32 format (f8b14f0)
+# used it, and its readers would check these shards as CRC-32.
+VERSION = 5
+_READS = frozenset({1, 2, 3, VERSION})
 _META_KEY = "elastic"  # the rank's JSON meta, under this key of the shard's safetensors __metadata__
 # The most a manifest may hold. Nothing records its size, so without a bound a huge object (or,
 # on local storage, a link to /dev/zero) named manifest.json was read whole, by every resume
@@ -312,19 +318,38 @@ def _as_read(meta: dict, step: int) -> dict:
         raise ValueError(f"checkpoint meta for step {step} must be plain JSON data: {exc}") from None
 
 
+def _upgraded(state: dict, version: int) -> dict:
+    """A state read from a step of an older version, as this version writes it. Before 5 a
+    Counter was stored as a dict: the LR scheduler's milestones (MultiStepLR, alone or inside
+    SequentialLR or ChainedScheduler) come back a Counter, or a schedule handed over to
+    MultiStepLR after the resume raised AttributeError (``.elements()``) at that step. Other
+    Counters of the user's own cannot be told from dicts; none is in torch's state dicts."""
+    if version >= 5:
+        return state
+    pending = [state.get("scheduler")]
+    while pending:
+        sched = pending.pop()
+        if not isinstance(sched, dict):
+            continue
+        if type(sched.get("milestones")) is dict:
+            sched["milestones"] = Counter(sched["milestones"])
+        pending.extend(sched.get("_schedulers") or [])
+    return state
+
+
 def _manifest_problem(manifest: dict, step: int) -> str | None:
     """Why ``manifest`` (parsed, or the body ``commit`` is about to write) is not a manifest of
     ``step`` that the readers can use, or None.
 
     Its checksum only says the bytes are the ones written; this says they are what ``commit``
-    writes, in every version (1 to ``VERSION``): a manifest that checks out but lacks a field
+    writes, in every version it reads (``_READS``): a manifest that checks out but lacks a field
     would fail later, in ``read_state``, with a KeyError rather than as a corrupt step that
     resuming skips. ``commit`` checks its own manifest with it, so what it writes always loads."""
     if manifest.get("format") != FORMAT or not _is_int(manifest.get("step")) or manifest["step"] != step:
         return f"manifest is for step {shown(manifest.get('step'))}, format {shown(manifest.get('format'))}"
     version, world_size = manifest.get("version"), manifest.get("world_size")
-    if not _is_int(version) or not 1 <= version <= VERSION:
-        return f"manifest version {shown(version)} is not one this code reads (1 to {VERSION})"
+    if not _is_int(version) or version not in _READS:
+        return f"manifest version {shown(version)} is not one this code reads ({', '.join(map(str, sorted(_READS)))})"
     if not _is_int(world_size) or world_size < 1:
         return f"manifest's world_size {shown(world_size)} is not a positive integer"
     created_at = manifest.get("created_at")
@@ -746,6 +771,7 @@ class CheckpointStore:
         if not isinstance(state, dict) or not all(isinstance(state.get(k, {}), dict) for k in ("model", "optimizer")):
             raise CorruptCheckpoint(step, where, "the state is not a training state (a dict, its model and "
                                                  "optimizer dicts)")
+        state = _upgraded(state, int(manifest["version"]))
         meta = manifest.get("meta", {})
         problem = _state_problem(state) or _meta_problem(meta, meta_keys)
         if problem:
