@@ -1443,6 +1443,45 @@ def test_a_blocking_committer_commits_every_step_in_order(tmp_path, monkeypatch,
     committer.close()
 
 
+def test_a_blocking_committer_far_behind_still_commits_every_step(tmp_path, monkeypatch):
+    # The commit thread held up (an outage's backoff, a suspect step's wait) while 40 steps were
+    # handed over: the persister kept 33 light payloads and dropped the oldest with a debug line.
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    commit, held = store.commit, threading.Event()
+
+    def held_first(*args, **kwargs):
+        held.wait(10)
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(store, "commit", held_first)
+    committer = CheckpointCommitter(store, CheckpointConfig(blocking=True, keep_last=100))
+    try:
+        for step in range(1, 41):
+            committer.set_meta(step, {"cursor": step})
+            committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, tiny_state(step)))
+        held.set()
+        assert committer.flush(20)
+        assert store.committed_steps() == list(range(1, 41))
+        assert not [e for e in committer.drain_events() if e["event"] == "checkpoint_failed"]
+    finally:
+        committer.close()
+
+
+def test_a_light_payload_the_persister_drops_is_an_event(monkeypatch):
+    release, held = [], threading.Event()
+    persister = AsyncPersister(lambda step, payload: held.wait(10), name="checkpoint commit", max_light=2,
+                               on_release=release.append)
+    try:
+        for step in range(1, 6):
+            persister.submit(step, f"p{step}", light=True)
+        dropped = [e for e in persister.drain_events() if e["event"] == "checkpoint_failed"]
+        assert [e["step"] for e in dropped] and all("dropped" in e["message"] for e in dropped)
+        assert [f"p{e['step']}" for e in dropped] == [p for p in release if p in {f"p{e['step']}" for e in dropped}]
+    finally:
+        held.set()
+        persister.close(5)
+
+
 def test_committer_keeps_the_meta_of_a_step_written_long_ago(tmp_path):
     """Slow storage and fast steps: the report for step 100 arrives 200 steps later."""
     store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)

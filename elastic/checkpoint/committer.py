@@ -142,7 +142,13 @@ class CheckpointCommitter:
         # made; taken as a success, it ended an outage ("storage is back") with storage still down.
         self._persister = AsyncPersister(self._commit, name="checkpoint commit",
                                          retry_min_s=retry_min_s, retry_max_s=retry_max_s, max_events=max_events,
-                                         keep_done=False, reached_storage=bool, on_release=self._let_go)
+                                         keep_done=False, reached_storage=bool, on_release=self._let_go,
+                                         # Blocking mode hands every step over as a light payload,
+                                         # each to be committed in order: with the default bound of
+                                         # 32 a commit thread behind by more (an outage's backoff, a
+                                         # suspect step's wait) dropped the oldest steps' commits.
+                                         # A commit is a step number and its records: small.
+                                         max_light=max_pending_steps)
         # Now, not at the first step's commit: add() hands a step over under self._lock, which
         # _commit takes too, so the persister's fallback for a thread that cannot start (writing
         # inline, in the caller's thread) would wait on that lock forever. A process at its thread

@@ -201,7 +201,12 @@ class AsyncPersister:
                 dropped = next(i for i in self._queue if i[2] != KEEP)  # the oldest report or snapshot
                 self._unqueue(dropped)
                 self.superseded += 1
-                logger.debug("step %d dropped: %d reports wait", dropped[0], self.max_light)
+                # An event, as for a milestone: a light payload is never superseded by design, so
+                # losing one is a failure to say (it was only a debug line).
+                self._events.append({
+                    "event": "checkpoint_failed", "what": self.name, "step": dropped[0], "time": time.time(),
+                    "error": "dropped", "message": f"{self.name} of step {dropped[0]} dropped: {self.max_light} "
+                    "later ones were already waiting for storage"})
                 self._release(dropped[1])
             inline: list = []
             if self._thread is None and not self._start_thread():
