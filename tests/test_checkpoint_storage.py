@@ -127,6 +127,21 @@ def test_storage_pickles_without_filesystem(backend):
     assert clone.read_bytes("f") == b"data"
 
 
+def test_a_file_that_landed_after_its_directory_was_listed_reads_on_s3(moto_s3):
+    # s3fs answered the size of a shard larger than its block from the listing cache: a listing
+    # of the step taken before the shard landed (elastic checkpoints on a live run) made a
+    # committed shard FileNotFoundError, and the step read as corrupt.
+    import fsspec
+
+    bucket = moto_s3.create_bucket()
+    storage = Storage(f"s3://{bucket}/run", {**moto_s3.storage_options(), "default_block_size": 1024})
+    storage.write_bytes("step-000000001/a", b"x")
+    assert storage.list_dir("step-000000001") == ["a"]
+    other = fsspec.filesystem("s3", skip_instance_cache=True, **moto_s3.storage_options())
+    other.pipe_file(f"{bucket}/run/step-000000001/b", b"y" * 2048)  # another process's write
+    assert storage.read_bytes("step-000000001/b", size=2048) == b"y" * 2048
+
+
 # ---- retries against a real endpoint that goes away and comes back -----------------------------
 def test_transient_errors_are_retried_until_the_endpoint_returns():
     server = MotoS3().start()

@@ -595,6 +595,11 @@ class Storage:
         kwargs = {}
         if self.protocol in _S3 and _reads_concurrently(type(fs)) and (size is None or size <= fs.default_block_size):
             kwargs["max_concurrency"] = 1
+        # s3fs answers a size (ours below, and its own before a concurrent read) from its listing
+        # cache: a listing of the step's directory taken before this file landed (elastic
+        # checkpoints on a live run) made a committed shard FileNotFoundError, so the step read
+        # as corrupt. Dropping the file's entries costs no request.
+        fs.invalidate_cache(path)
         if bound is None:
             return self._call("read", rel, lambda: fs.cat_file(path, **kwargs))
 
