@@ -3055,6 +3055,18 @@ def _files_under(root) -> dict:
             for d, _, files in os.walk(root) for f in files}
 
 
+def test_a_file_of_a_step_directorys_name_is_no_step(backend):
+    # Read as the newest step, its manifest's read failed as no directory: a storage error that
+    # stopped every resume ("cannot tell where to resume") and every cleanup pass.
+    store = make_store(backend)
+    commit_tiny(store, 1)
+    store.storage.write_bytes(step_dir(2), b"stray")
+    assert store.step_dirs() == [1] and store.committed_steps() == [1]
+    state, _ = store.read_state()
+    assert state["completed_step"] == 1
+    assert store.gc_uncommitted().deleted == [] and store.storage.read_bytes(step_dir(2)) == b"stray"
+
+
 def test_a_step_directory_that_is_a_symlink_is_no_step_and_nothing_is_deleted_through_it(tmp_path, caplog):
     """A run directory in a directory others can write (``/tmp/ckpt``): a step "directory"
     another user made a link to their own files was listed as a step of the run, its target's

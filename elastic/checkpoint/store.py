@@ -557,8 +557,11 @@ class CheckpointStore:
         """Every step that has a directory, committed or not, oldest first: each once, by the
         name ``step_dir`` gives it (``parse_step_dir``). On local storage a step "directory"
         that is a symbolic link is no step of this run (``Storage._refuse_links``): listed, its
-        target's manifest vouched for it, and retention and GC deleted its target's files."""
-        steps = {parse_step_dir(name) for name in self.storage.list_dir("", skip_links=True)}
+        target's manifest vouched for it, and retention and GC deleted its target's files. A
+        file of a step's name is none either: its manifest's read failed as no directory, a
+        storage error that, for the newest step, stopped every resume and cleanup pass."""
+        steps = {parse_step_dir(entry["name"]) for entry in self.storage.list_dir("", detail=True, skip_links=True)
+                 if entry["type"] == "directory"}
         return sorted(step for step in steps if step is not None)
 
     def load_manifest(self, step: int) -> dict:
