@@ -2176,6 +2176,29 @@ def test_a_restore_of_a_step_a_rewind_left_behind_counts_it_as_the_newest_commit
         committer.close()
 
 
+@pytest.mark.parametrize("pass_between", [False, True], ids=["not_taken_in", "taken_in_by_a_pass"])
+def test_a_rollback_to_a_step_never_committed_says_the_newest_committed_below_it(tmp_path, pass_between):
+    # every_n_steps=10: 10 and 20 committed, then a first-N rollback to 15 (a replica's state).
+    # The newest committed step became 15, which has no manifest: the failure message's
+    # "fit() again resumes from step 15", lag() and result's checkpoint said so.
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=5, gc_interval_s=0, retention_interval_s=0)
+    try:
+        for step in (10, 20):
+            hand_over_and_wait(committer, store, step)
+        if pass_between:
+            assert committer.flush(timeout_s=10)
+        committer.rewind(15)
+        assert committer.latest_committed == 10
+        hand_over_and_wait(committer, store, 20)  # the new timeline's step 20, committed over the old
+        assert committer.latest_committed == 20 and committer.flush(timeout_s=10)
+        assert store.committed_steps() == [10, 20]
+        committer.rewind(5)  # below every committed step: none
+        assert committer.latest_committed is None
+    finally:
+        committer.close()
+
+
 @pytest.mark.parametrize("pass_between", [False, True], ids=["left_behind", "taken_in_by_a_pass"])
 def test_a_rollback_to_a_step_a_rewind_left_behind_does_not_take_its_old_manifest(tmp_path, pass_between):
     """As above, but the run goes back to step 6 by a rollback (a first-N replica's state), not

@@ -228,8 +228,13 @@ class CheckpointCommitter:
             if self._submitted is not None and later(self._submitted):
                 self._submitted = step
             if self._latest is not None and later(self._latest):
-                # Later steps will be written again and committed over the old ones.
-                self._latest = step
+                # Later steps will be written again and committed over the old ones. The newest
+                # committed step is now the newest at or below ``step`` this committer knows of:
+                # ``step`` itself for a restore (it loaded its manifest), not for a rollback (a
+                # first-N replica's state: step 15 with every_n_steps=10 was never written, and
+                # the failure message, lag() and result's checkpoint said 15 where a resume
+                # starts from 10). Lower than it may be is safe: the sweep deletes less.
+                self._latest = step if restored else self._newest_known_at_or_below(step)
             elif (restored and step is not None and self._latest is not None and step > self._latest
                   and (self._submitted is None or self._submitted <= self._latest)):
                 # Not before this run's first commit (flush() cleans up after one), nor while a
@@ -289,6 +294,15 @@ class CheckpointCommitter:
             self.store.forget_deletes_above(step)
         # After the rewinds: these landed above the step the newest one went back to.
         self._above_base = sorted(set(self._above_base) | set(left))
+
+    def _newest_known_at_or_below(self, step: int | None) -> int | None:
+        """The newest step known committed at or below ``step``: this run's commits (taken in
+        by a cleanup pass or not yet) and the step it started from. Call under ``_lock``."""
+        if step is None:
+            return None
+        known = [s for s, _ in self._done] + list(self._committed or []) + \
+            ([self._base] if self._base is not None else [])
+        return max((s for s in known if s <= step), default=None)
 
     def _take_rewinds(self) -> tuple[list, list]:
         """The rewinds no pass has applied yet and the steps left behind. Call under ``_lock``."""
