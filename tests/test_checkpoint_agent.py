@@ -1593,6 +1593,41 @@ def test_a_message_whose_descriptors_this_process_cannot_take_is_told_apart_from
     assert cut.value.message == {"op": "ring", "ring": 1} and "open-files limit" in str(cut.value)
 
 
+def takes_on_a_dtype_no_checkpoint_can_hold(worker, hook) -> None:
+    """Step 1 snapshots; then the optimizer takes on float8_e8m0fnu state, and step 2's snapshot
+    must end the run (``UnsaveableState``) rather than be written."""
+    worker.train(1)
+    hook.after_step(worker, 1)
+    worker.optimizer.state[next(worker.model.parameters())]["scales"] = torch.zeros(2, dtype=torch.float8_e8m0fnu)
+    worker.train(2)
+    with pytest.raises(UnsaveableState, match=r"is a torch.float8_e8m0fnu tensor, which a checkpoint .*found in "
+                                              r"step 2's snapshot"):
+        hook.after_step(worker, 2)
+
+
+def test_a_dtype_no_checkpoint_can_hold_that_the_state_takes_on_later_ends_the_run_at_that_step(tmp_path):
+    # An optimizer makes its state at its first step, after the check before any step: a
+    # custom one's float8_e8m0fnu scales were written, committed, and read back as corrupt.
+    from elastic.actors.worker import TrainWorker
+
+    w = FakeWorker()
+    w._ckpt = None
+    TrainWorker.configure_checkpoint(w, f"file://{tmp_path}", {}, RUN, 1, False, None)
+    try:
+        takes_on_a_dtype_no_checkpoint_can_hold(w, w._ckpt)
+    finally:
+        w._ckpt.close()
+
+
+def test_a_dtype_no_checkpoint_can_hold_that_the_state_takes_on_later_ends_the_run_on_a_node_agent(node):
+    agent, *_ = node
+    hook = link(agent)
+    try:
+        takes_on_a_dtype_no_checkpoint_can_hold(FakeWorker(), hook)
+    finally:
+        hook.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.complex128, torch.float8_e8m0fnu])
 def test_a_state_with_a_dtype_no_checkpoint_can_hold_is_refused_before_any_step(tmp_path, dtype):
     # The check before the first step read the state's structure only. With safetensors 0.8 a

@@ -1324,12 +1324,12 @@ class TrainWorker:
         the run's start, a rank that writes in its own process raises ConfigError when the storage
         refuses it (``CheckpointStore.warm_up``); the node's agent checks for the ranks it writes for."""
         from elastic.checkpoint import UnsaveableState, WorkerCheckpointer
-        from elastic.checkpoint.codec import UnsaveableValue, check_storable_dtypes, flatten_state
+        from elastic.checkpoint.codec import UnsaveableValue, flatten_state
         from elastic.checkpoint.store import with_ages
         from elastic.checkpoint.worker_hook import AgentCheckpointer, live_state
 
         try:  # once, before any step: a state no snapshot can take fails every one of them alike
-            check_storable_dtypes(flatten_state(live_state(self))[0])
+            flatten_state(live_state(self))  # checks every dtype too (check_storable_dtype)
         except UnsaveableValue as exc:
             raise UnsaveableState(str(exc)) from None
         if self._ckpt is not None:

@@ -67,6 +67,8 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
                 while f"{name}#{i}" in tensors:
                     i += 1
                 name = f"{name}#{i}"
+            if obj.dtype not in _STORABLE:  # a set lookup a tensor; the probe once a dtype
+                check_storable_dtype(obj.dtype, name)
             tensors[name] = obj
             return {_TENSOR: name}
         prefix = path + "/" if path else ""
@@ -312,28 +314,33 @@ def decode_tensors(data: bytes) -> dict[str, torch.Tensor]:
     return safetensors_torch.load(data)
 
 
-def check_storable_dtypes(tensors: dict[str, torch.Tensor]) -> None:
-    """Raise ``UnsaveableValue`` naming a tensor whose dtype no checkpoint can hold: one element of
-    each dtype in ``tensors`` is written and read back as a shard is. Why: the state check before
-    the first step (``flatten_state``) reads the state's structure, not its dtypes, and the
-    safetensors library has holes (0.8: complex128 has no size, so every write failed and no
-    step ever committed; float8_e8m0fnu is written but has no name on the way back, so every
-    committed step read as corrupt, and a resume started over from step 0)."""
-    first: dict[torch.dtype, str] = {}
-    for name, t in tensors.items():
-        first.setdefault(t.dtype, name)
-    for dtype, name in first.items():
-        try:
-            # torch.empty: no fill kernel, which some dtypes lack on the CPU; the bytes are not compared.
-            back = decode_tensors(encode_tensors({"probe": torch.empty(1, dtype=dtype)}))["probe"]
-            problem = None if back.dtype == dtype and tuple(back.shape) == (1,) else f"it reads back as {back.dtype}"
-        except Exception as exc:  # noqa: BLE001 - the library's own words, whatever they are
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem is not None:
-            from importlib.metadata import version
+# dtypes a shard was seen to store and read back in this process (``check_storable_dtype``).
+_STORABLE: set = set()
 
-            raise UnsaveableValue(f"{name} is a {dtype} tensor, which a checkpoint (safetensors {version('safetensors')}) "
-                                  f"cannot store and read back ({problem})")
+
+def check_storable_dtype(dtype: torch.dtype, name: str) -> None:
+    """Raise ``UnsaveableValue`` naming tensor ``name`` if no checkpoint can hold its ``dtype``:
+    one element is written and read back as a shard is, once a process for a dtype that can.
+    Why: the structure check (``flatten_state``) saw no dtype, and the safetensors library has
+    holes (0.8: complex128 has no size, so every write failed and no step ever committed;
+    float8_e8m0fnu is written but has no name on the way back, so every committed step read as
+    corrupt, and a resume started over from step 0). ``flatten_state`` asks at every snapshot,
+    not only before the first step: an optimizer makes its state at its first step, in dtypes
+    of its own choosing (a custom one's float8 scales)."""
+    if dtype in _STORABLE:
+        return
+    try:
+        # torch.empty: no fill kernel, which some dtypes lack on the CPU; the bytes are not compared.
+        back = decode_tensors(encode_tensors({"probe": torch.empty(1, dtype=dtype)}))["probe"]
+        problem = None if back.dtype == dtype and tuple(back.shape) == (1,) else f"it reads back as {back.dtype}"
+    except Exception as exc:  # noqa: BLE001 - the library's own words, whatever they are
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is not None:
+        from importlib.metadata import version
+
+        raise UnsaveableValue(f"{name} is a {dtype} tensor, which a checkpoint (safetensors {version('safetensors')}) "
+                              f"cannot store and read back ({problem})")
+    _STORABLE.add(dtype)
 
 
 def decode_metadata(data: bytes) -> dict[str, str]:
