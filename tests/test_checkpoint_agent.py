@@ -244,6 +244,28 @@ def test_the_agent_writes_the_rng_the_rank_read_inside_the_step(node):
         hook.close()
 
 
+def test_the_agent_writes_unsigned_and_fp8_tensors_without_sending_the_rank_off(node):
+    # uint16/32/64 and fp8 have safetensors names, but ours lacked them: such a rank wrote in its
+    # own process for the rest of the run, reported as its agent lost.
+    agent, controller, committer, store, _ = node
+    worker, hook = FakeWorker(), link(agent)  # fallback: pytest.fail
+    kinds = [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2]
+    for i, dtype in enumerate(kinds):
+        worker.model.register_buffer(f"b{i}", torch.arange(1, 6).to(dtype))
+    try:
+        run_training([worker], [hook], committer, [1])
+        finish([worker], [hook], committer)
+        assert committer.latest_committed == 1 and hook.fallback is None
+        model = store.read_state(1)[0]["model"]
+        for i, dtype in enumerate(kinds):
+            back = model[f"b{i}"]
+            assert back.dtype == dtype and torch.equal(back.view(torch.uint8), worker.model.get_buffer(f"b{i}")
+                                                       .view(torch.uint8))
+        assert "checkpoint_agent_lost" not in [e.get("event") for e in controller.events]
+    finally:
+        hook.close()
+
+
 def test_the_agent_sends_each_part_with_its_age_on_the_nodes_clock(node):
     """The controller may run on another host, with another clock: it dates the snapshot from
     the part's age (``with_age``), read here, where the snapshot was taken."""

@@ -323,16 +323,22 @@ def test_shard_buffers_are_a_safetensors_file_the_library_reads():
                "f16": torch.randn(3, dtype=torch.float16), "f64": torch.randn(2, dtype=torch.float64),
                "scalar": torch.tensor(3.0), "empty": torch.zeros(0, 3), "bool": torch.tensor([True, False]),
                "transposed": torch.randn(4, 3).t(), "tied_a": weight, "tied_b": weight,
-               "u16": torch.ones(2, dtype=torch.uint16)}  # not in the common set: the library encodes it
-    for chosen in (tensors, {k: v for k, v in tensors.items() if k != "u16"}):
+               "u16": torch.arange(3).to(torch.uint16), "u64": torch.arange(3).to(torch.uint64),
+               "c64": torch.ones(2, dtype=torch.complex64)}  # not in our set: the library encodes it
+    for chosen in (tensors, {k: v for k, v in tensors.items() if k != "c64"}):
         buffers = encode_tensor_buffers(chosen, {"elastic": "{}"})
-        assert len(buffers) == (1 if "u16" in chosen else 1 + sum(1 for t in chosen.values() if t.numel()))
+        assert len(buffers) == (1 if "c64" in chosen else 1 + sum(1 for t in chosen.values() if t.numel()))
         data = b"".join(buffers)
         assert sha256(buffers) == sha256(data)
         got = safetensors.torch.load(data)
         assert decode_metadata(data) == {"elastic": "{}"}
         for name, t in chosen.items():
             assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    fp8 = {"e4m3": torch.ones(3).to(torch.float8_e4m3fn), "e5m2": torch.ones(3).to(torch.float8_e5m2)}
+    buffers = encode_tensor_buffers(fp8)
+    assert len(buffers) == 3  # our layout: the header, then each tensor's memory
+    for name, t in safetensors.torch.load(b"".join(buffers)).items():
+        assert t.dtype == fp8[name].dtype and torch.equal(t.view(torch.uint8), fp8[name].view(torch.uint8))
 
 
 def test_writer_slots_cover_every_shard_once_and_rotate():

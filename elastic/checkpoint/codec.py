@@ -250,6 +250,10 @@ def _own_contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 _SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    # Named by the spec and read by the library too: without them a rank on a node agent with
+    # such a tensor (a uint16 token buffer, fp8 weights) wrote in its own process for the rest
+    # of the run, reported as its agent lost.
+    "uint16": "U16", "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }
 TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}  # safetensors name -> torch attribute
 
