@@ -1488,6 +1488,35 @@ def test_a_light_payload_the_persister_drops_is_an_event(monkeypatch):
         persister.close(5)
 
 
+@pytest.mark.parametrize("dies_in", ["thread_init", "write"])
+def test_a_writer_thread_that_dies_releases_what_waits_and_says_so(dies_in):
+    # The thread ended on an error its handlers did not take: what waited was never written
+    # nor released (a node agent's slots never came back), and close() said all was written.
+    released, started = [], threading.Event()
+
+    def write(payload):
+        started.set()
+        if dies_in == "write":
+            time.sleep(0.2)
+            raise SystemExit("bug")  # past the writer's handlers (they take Exception)
+        return []
+
+    def init():
+        if dies_in == "thread_init":
+            time.sleep(0.2)
+            raise RuntimeError("cannot join the writer priority class")
+
+    persister = AsyncPersister(write, name="checkpoint write", thread_init=init, on_release=released.append)
+    persister.submit(1, "p1", keep=True)
+    persister.submit(2, "p2", keep=True)
+    assert not persister.flush(5)
+    assert set(released) == {"p1", "p2"}
+    persister.submit(3, "p3")  # dropped, released at once
+    assert "p3" in released and not persister.close(1)
+    (event,) = [e for e in persister.drain_events() if e["event"] == "checkpoint_failed"]
+    assert "its writer thread died" in event["message"]
+
+
 def test_committer_keeps_the_meta_of_a_step_written_long_ago(tmp_path):
     """Slow storage and fast steps: the report for step 100 arrives 200 steps later."""
     store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)

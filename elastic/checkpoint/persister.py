@@ -160,6 +160,7 @@ class AsyncPersister:
         self._inline_since = 0.0  # when the writer thread could not start (0: it could; see _start_thread)
         self._closing = False
         self._abort = False
+        self._died_of = False  # the writer thread ended on an error (_died)
         self.superseded = 0  # snapshots replaced before they were written
 
     # ---- caller side ------------------------------------------------------------------------
@@ -291,7 +292,8 @@ class AsyncPersister:
         if self.blocking:
             return True
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and self._inflight is None, timeout=timeout_s)
+            done = self._cond.wait_for(lambda: not self._queue and self._inflight is None, timeout=timeout_s)
+            return done and not self._died_of  # emptied by a dead thread: nothing was written
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Write what is waiting (up to ``timeout_s``), then stop the thread. True if everything was written."""
@@ -302,6 +304,8 @@ class AsyncPersister:
         if thread is None:
             return True
         thread.join(timeout_s)
+        if self._died_of:
+            return False
         clean = not thread.is_alive()
         if not clean:
             # Storage is still down: give up on the last snapshot rather than hang shutdown.
@@ -375,13 +379,36 @@ class AsyncPersister:
         return min(self.retry_max_s, self.retry_min_s * (2 ** min(attempt, 30))) * random.uniform(0.5, 1.0)
 
     def _run(self) -> None:
-        if self._thread_init is not None:
-            self._thread_init()
         try:
-            self._serve()
-        finally:
-            if self._thread_exit is not None:
-                self._thread_exit()
+            if self._thread_init is not None:
+                self._thread_init()
+            try:
+                self._serve()
+            finally:
+                if self._thread_exit is not None:
+                    self._thread_exit()
+        except BaseException as exc:  # noqa: BLE001 - the thread ends here; said, not swallowed
+            self._died(exc)
+
+    def _died(self, exc: BaseException) -> None:
+        """The writer thread ends on an error its handlers did not take (its ``thread_init``, a
+        bug). Without this the payloads waiting were never written nor released (a node agent's
+        memory slots never came back), every later one queued behind them, and ``close`` said
+        all was written because the thread was gone. Now they are released, later submits are
+        dropped (``_closing``), ``close`` says False, and one event says so."""
+        logger.error("%s: the writer thread died: %s", self.name, _short(exc), exc_info=exc)
+        with self._cond:
+            self._closing = self._died_of = True
+            dropped, self._queue = list(self._queue), deque()
+            self._inflight, self._current = None, None
+            self._events.append({
+                "event": "checkpoint_failed", "what": self.name, "step": dropped[-1][0] if dropped else None,
+                "time": time.time(), "error": _short(exc),
+                "message": f"{self.name}: its writer thread died ({_short(exc)}); {len(dropped)} waiting "
+                           "write(s) dropped, and no later one is written"})
+            self._cond.notify_all()
+        for item in dropped:
+            self._release(item[1])
 
     def _serve(self) -> None:
         while True:
