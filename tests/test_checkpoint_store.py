@@ -1517,6 +1517,28 @@ def test_a_writer_thread_that_dies_releases_what_waits_and_says_so(dies_in):
     assert "its writer thread died" in event["message"]
 
 
+def test_a_committer_whose_cleanup_thread_cannot_start_leaves_no_commit_thread(tmp_path, monkeypatch):
+    from elastic.checkpoint import committer as committer_module
+
+    store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
+    real = threading.Thread
+
+    class AtItsLimit(real):
+        def start(self):
+            if self.name == "elastic-checkpoint cleanup":
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    before = {t.ident for t in threading.enumerate()}
+    monkeypatch.setattr(committer_module.threading, "Thread", AtItsLimit)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        CheckpointCommitter(store)
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.ident not in before] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in threading.enumerate() if t.ident not in before]
+
+
 def test_committer_keeps_the_meta_of_a_step_written_long_ago(tmp_path):
     """Slow storage and fast steps: the report for step 100 arrives 200 steps later."""
     store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)

@@ -156,7 +156,11 @@ class CheckpointCommitter:
         self._persister.start()
         self._cleanup_thread = threading.Thread(target=self._cleanup_loop, name="elastic-checkpoint cleanup",
                                                 daemon=True)
-        self._cleanup_thread.start()
+        try:
+            self._cleanup_thread.start()
+        except BaseException:
+            self._persister.abort()  # no committer to close it: its commit thread would stay
+            raise
 
     # ---- reports ----------------------------------------------------------------------------
     def add(self, step: int, rank: int, world_size: int, entries: Iterable[FileEntry | dict],
