@@ -1407,6 +1407,21 @@ def test_rng_of_earlier_versions_as_json_lists_still_restores():
         assert (random.random(), float(np.random.rand())) == expected
 
 
+def test_cuda_rng_states_beyond_this_processs_devices_are_ignored(monkeypatch):
+    # Saved where the process saw 4 GPUs, restored where it sees 1: set_rng_state_all indexed
+    # devices that are not there (an IndexError, deferred to the first CUDA use).
+    import base64
+
+    set_states = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: set_states.append((bytes(state), device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("indexes every saved device"))
+    states = [base64.b64encode(bytes([i]) * 16).decode() for i in range(4)]
+    restore_rng({"cuda": states})
+    assert set_states == [(bytes([0]) * 16, 0)]
+
+
 def test_committer_waits_for_every_rank_and_the_meta(tmp_path):
     store = CheckpointStore(f"file://{tmp_path}", RUN, retry=FAST)
     committer = CheckpointCommitter(store)

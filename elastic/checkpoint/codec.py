@@ -535,7 +535,9 @@ def capture_rng() -> dict:
 
 
 def restore_rng(rng: dict) -> None:
-    """Inverse of ``capture_rng``; missing parts are left alone."""
+    """Inverse of ``capture_rng``; missing parts are left alone, and CUDA states beyond this
+    process's devices (saved where it saw more GPUs) are ignored: ``set_rng_state_all`` indexed
+    a device that is not there, an IndexError at the first CUDA use."""
     if "torch" in rng:
         raw = np.frombuffer(base64.b64decode(rng["torch"]), dtype=np.uint8).copy()
         torch.set_rng_state(torch.from_numpy(raw))
@@ -550,4 +552,5 @@ def restore_rng(rng: dict) -> None:
         random.setstate((p["version"], tuple(internal), p["gauss_next"]))
     if "cuda" in rng and torch.cuda.is_available():
         states = [torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy()) for s in rng["cuda"]]
-        torch.cuda.set_rng_state_all(states)
+        for device, state in enumerate(states[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
