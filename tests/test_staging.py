@@ -72,6 +72,18 @@ def test_a_state_of_repeated_shapes_is_copied_into_recycled_buffers_once_they_co
             staging.release(out.pop(0).tensors.values())
 
 
+def test_buffers_of_a_shape_no_snapshot_gives_back_any_more_are_let_go():
+    # A buffer that grows by one each checkpoint left a buffer of every old shape for good.
+    staging = StagingBuffers()
+    for i in range(50):
+        staging.release([staging.copy(torch.zeros(i + 10)), staging.copy(torch.ones(3))])
+    waiting = {key[0]: len(buffers) for key, buffers in staging._free.items()}
+    assert set(waiting) == {(3,), *((i + 10,) for i in range(50 - StagingBuffers.FORGET_AFTER, 50))}
+    assert staging.reused == 49  # the steady shape is still reused every time
+    staging.release([])  # a release of nothing is no release
+    assert (59,) in {key[0] for key in staging._free}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_copies_from_a_gpu_are_whole_after_settle():
     # The copies from a GPU are queued (one wait for all of them, not one each); settle() waits.

@@ -37,9 +37,18 @@ class StagingBuffers:
     but the first snapshot's.
     """
 
+    # A shape no release gave back in this many is let go (its buffers and its count). Why: a
+    # tensor whose shape changes (a buffer that grows, an embedding resized) left a buffer of each
+    # old shape for good, pinned memory on a GPU, growing with every checkpoint. Not after one
+    # release: with ``min_shard_bytes`` the ranks that write take turns, and a rank's shapes come
+    # back every few steps.
+    FORGET_AFTER = 16
+
     def __init__(self):
         self._free: dict[tuple, list] = {}  # (shape, dtype, pinned) -> buffers ready for reuse
         self._keep: dict[tuple, int] = {}  # (shape, dtype, pinned) -> the most one release gave back
+        self._seen: dict[tuple, int] = {}  # (shape, dtype, pinned) -> the release that last gave one back
+        self._releases = 0
         self._out: dict[int, tuple] = {}  # data_ptr -> key of every buffer handed out, not yet back
         self._lock = threading.Lock()
         self.reused = 0  # copies made into a recycled buffer
@@ -87,7 +96,14 @@ class StagingBuffers:
                 key = self._out.pop(t.data_ptr(), None)  # empty tensors are never handed out
                 if key is not None:
                     back.setdefault(key, []).append(t)
+            if not back:
+                return
+            self._releases += 1
             for key, buffers in back.items():
                 keep = self._keep[key] = max(self._keep.get(key, 0), len(buffers))
                 free = self._free.setdefault(key, [])
                 free.extend(buffers[:max(0, keep - len(free))])
+                self._seen[key] = self._releases
+            for key in [k for k, last in self._seen.items() if last <= self._releases - self.FORGET_AFTER]:
+                del self._seen[key], self._keep[key]
+                self._free.pop(key, None)
