@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import math
+import mmap
 import os
 import random
 import socket
@@ -74,6 +75,20 @@ def node(backend):
 
 def link(agent, every=1, min_shard_bytes=0, fallback=None) -> AgentCheckpointer:
     return AgentCheckpointer(agent.address(), every, fallback or (lambda: pytest.fail("fell back")), min_shard_bytes)
+
+
+def test_a_ring_whose_description_does_not_add_up_is_refused():
+    # Slots beyond a shorter mapping: a memoryview slice is cut short without a word, and a
+    # shard was written truncated with a matching checksum.
+    page = mmap.PAGESIZE
+    for desc in ({"nslots": 3, "slot_bytes": page, "size": 2 * page}, {"nslots": 0, "slot_bytes": page, "size": 0}):
+        fd = os.memfd_create("t")
+        try:
+            os.ftruncate(fd, 2 * page)
+            with pytest.raises(ValueError, match="does not add up"):
+                SlotRing(fd, desc)
+        finally:
+            os.close(fd)  # left open when it raises: the receiver closes it
 
 
 def test_slot_ring_holds_the_data_section_of_the_shard_file_and_the_meta_after_it():

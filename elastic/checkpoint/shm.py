@@ -66,6 +66,11 @@ class SlotRing:
     def __init__(self, fd: int, desc: dict):
         self.desc = {k: int(desc[k]) for k in ("nslots", "slot_bytes", "size")}
         self.nslots, self.slot_bytes = self.desc["nslots"], self.desc["slot_bytes"]
+        # The slots must cover the mapping exactly: ``_span`` checks a slot's bounds only, and a
+        # memoryview slice past a shorter mapping is cut short without a word, so a shard would
+        # be written truncated, with a matching sha256 and size, and fail only at the resume.
+        if self.nslots < 1 or self.slot_bytes < 1 or self.desc["size"] != self.nslots * self.slot_bytes:
+            raise ValueError(f"a ring's description does not add up: {self.desc}")
         self._mm = mmap.mmap(fd, self.desc["size"])
         os.close(fd)  # the mapping keeps the memory
         self._export: int | None = None  # a descriptor for the agent, until it is sent
