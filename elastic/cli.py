@@ -225,6 +225,18 @@ def _straggler(score: Optional[float], factor: Optional[float] = None) -> str:
     return text
 
 
+def _heartbeat(age: Optional[float], timeout_s: Optional[float]) -> str:
+    """A rank's heartbeat age: red past the run's ``heartbeat_timeout_s`` (the rank is about to
+    be counted lost), yellow past half of it. Plain, a rank silent mid-step looked like the
+    others until the controller declared it dead."""
+    text = _seconds(age)
+    if age is None or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        return text
+    if age > timeout_s:
+        return f"[red]{text}[/]"
+    return f"[yellow]{text}[/]" if age > timeout_s / 2 else text
+
+
 # ---- connecting to Ray ------------------------------------------------------------------------
 
 _AUTH_FAILURE = re.compile(r"Unauthenticated|InvalidAuthToken|AuthenticationError|authentication token", re.I)
@@ -456,7 +468,7 @@ def _ranks_table(st: dict) -> Table:
         table.add_row(
             _dash(row.get("rank")), _dash(row.get("name")), "[cyan]spare[/]" if spare else "active", _node(row),
             _dash(row.get("pid")), _dash(row.get("state")), _dash(row.get("step")), _dash(row.get("behind_steps")),
-            _seconds(row.get("step_time_s")), _seconds(row.get("heartbeat_age_s")),
+            _seconds(row.get("step_time_s")), _heartbeat(row.get("heartbeat_age_s"), st.get("heartbeat_timeout_s")),
             _straggler(row.get("straggler_score"), st.get("straggler_factor")),
         )
     return table

@@ -3253,6 +3253,7 @@ class Controller:
             "samples_per_s": (last.samples / last.step_time_s)
             if last and last.step_time_s and self.state is State.RUNNING else None,
             "straggler_factor": self.failure_config.straggler_factor,
+            "heartbeat_timeout_s": self.failure_config.heartbeat_timeout_s,
             "world_size": self._world_size,
             "spares": len(self.group.spares) if self.group else 0,
             "spares_building": self.group.pending_spares if self.group else 0,

@@ -18,6 +18,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import elastic
 from elastic.checkpoint import CheckpointStore
 from elastic.cli import CliError, app, parse_storage_options
 from test_jobs_e2e import ROOT, RayHead, free_ports
@@ -884,6 +885,22 @@ def test_status_table_shows_how_far_a_rank_is_behind():
     cells = {ln.split("│")[2].strip(): [c.strip() for c in ln.split("│")] for ln in lines if ln.count("│") > 5}
     at = [c.strip() for c in header.split("┃")].index("behind")
     assert (cells["rank-0"][at], cells["rank-1"][at], cells["spare-0"][at]) == ("0", "8", "-")
+
+
+def test_status_table_colours_a_heartbeat_age_against_the_runs_timeout():
+    # A rank silent mid-step showed its growing age in plain text, like every other rank's,
+    # until the controller counted it lost.
+    from elastic.cli import _heartbeat
+
+    assert _heartbeat(45.0, 10.0) == "[red]45.00 s[/]"
+    assert _heartbeat(6.0, 10.0) == "[yellow]6.00 s[/]"
+    assert _heartbeat(0.2, 10.0) == "200.0 ms"
+    assert _heartbeat(45.0, None) == "45.00 s" and _heartbeat(None, 10.0) == "-"
+
+
+def test_status_says_the_heartbeat_timeout_it_colours_ages_against(rayless_controller):
+    c = rayless_controller(failure=elastic.FailureConfig(heartbeat_timeout_s=7.5))
+    assert c.status()["heartbeat_timeout_s"] == 7.5
 
 
 def test_status_counts_spares_still_building_beside_the_ready_ones():
