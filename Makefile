@@ -15,6 +15,8 @@ TORCH_INDEX_URL ?=
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	@# python3 stands in where $(PY) is missing: said plainly, not as pip's requires-python resolver error.
+	@$(BIN)/python -c "import sys; sys.exit(0 if sys.version_info[:2] in ((3, 11), (3, 12)) else 'elastic needs Python 3.11 or 3.12; $(VENV) has ' + sys.version.split()[0] + ': remove $(VENV) and run make again with PY=python3.12 (or python3.11)')"
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned to $(TORCH), from TORCH_INDEX_URL if set; pyproject states the supported range.
 	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")

@@ -210,7 +210,7 @@ def main(argv=None) -> float | None:
         print(f"note: rank {args.slow_rank} was slowed but not evicted: the policy evicts a rank that stays "
               f"{elastic.FailureConfig().straggler_factor:g}x slower than its peers' median for a window of "
               "steps; a longer run, or --slow-delay, shows it", flush=True)
-    if args.kill_rank is not None or result.metrics.get("failures"):
+    if args.kill_rank is not None or result.metrics.get("failures") or result.metrics.get("restored_from") is not None:
         print(f"failures={result.metrics.get('failures')} recomputed_steps={result.metrics.get('recomputed_steps')} "
               f"restored_from={result.metrics.get('restored_from')}")
     if result.checkpoint:
