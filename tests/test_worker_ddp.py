@@ -593,6 +593,71 @@ def test_a_step_blocked_on_a_store_that_closed_is_a_collective_failure():
     assert not _looks_collective(batch)
 
 
+def _users_loss_fn(words):
+    raise RuntimeError(words)
+
+
+def test_the_users_own_error_with_a_collectives_words_is_the_users():
+    # loss_fn raising "timed out" (a feature service) or "aborted" read as a broken group: it
+    # formed again with every rank alive and replayed the error until max_failures.
+    import os
+
+    from elastic.actors.worker import _looks_collective
+
+    for words in ("feature service request timed out", "training aborted: loss is NaN"):
+        with pytest.raises(RuntimeError) as raised:
+            _users_loss_fn(words)
+        assert not _looks_collective(raised.value)
+    # Raised in torch's frames (a gloo error out of the DDP reducer in backward): still a collective's.
+    inside_torch = os.path.join(os.path.dirname(torch.__file__), "distributed", "fake_c10d.py")
+    with pytest.raises(RuntimeError) as raised:
+        exec(compile("raise RuntimeError('[../gloo/transport/tcp/pair.cc:534] Connection closed by peer')",
+                     inside_torch, "exec"))
+    assert _looks_collective(raised.value)
+    assert _looks_collective(RuntimeError("Connection reset by peer"))  # never raised: the words decide
+
+    def users_step_fn(wait):  # a step_fn's own collective: torch's C++ raises in the user's frame, at the call
+        wait()
+
+    def gloo_wait():
+        raise RuntimeError("Connection closed by peer")
+
+    c_call = type("Work", (), {"wait": staticmethod(lambda: os.stat("\0"))})  # a C function raising
+    with pytest.raises(ValueError) as raised:
+        users_step_fn(c_call.wait)
+    assert raised.value.__traceback__ is not None
+    frame = raised.value.__traceback__
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    assert frame.tb_frame.f_code.co_name == "<lambda>"  # the C call's caller, not a raise statement
+    from elastic.actors.worker import _raised_outside_libraries
+
+    assert not _raised_outside_libraries(raised.value)
+    with pytest.raises(RuntimeError) as raised:
+        users_step_fn(gloo_wait)
+    assert _raised_outside_libraries(raised.value)  # a raise statement of the user's
+
+
+def test_a_failed_steps_buffer_restore_does_not_replace_its_collective_error():
+    # A sticky CUDA error fails the copy back of the buffers too: raised, it replaced the step's
+    # CollectiveError, and a group to heal read as the user's error.
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import CollectiveError, TrainWorker
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def failed_step(step, indices):
+        raise CollectiveError("gloo: connection closed by peer")
+
+    rank = SimpleNamespace(ddp=object(), _fn_store=None, generation=3, world_size=2, rank=0, completed_step=4,
+                           scaler=None, _buffers=SimpleNamespace(save=lambda: None, restore=broken))
+    rank._run_guarded = lambda fn: fn()
+    with pytest.raises(CollectiveError):
+        TrainWorker._guarded_step(rank, failed_step, 5, [0], 3)
+
+
 def test_a_batch_keeps_its_container_types_on_the_way_to_the_device():
     import collections
     from collections import UserDict, namedtuple
@@ -1087,7 +1152,7 @@ def _mixed_precision_steps(out) -> None:
 
     def fails_once(*args, **kwargs):
         torch.nn.utils.clip_grad_norm_ = real_clip
-        raise RuntimeError("gloo: connection closed by peer (test)")
+        raise dist.DistBackendError("gloo: connection closed by peer (test)")  # as torch raises it
 
     replayed = local_worker(make_model, mixed_precision="fp16", max_grad_norm=0.5)
     torch.nn.utils.clip_grad_norm_ = fails_once

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import dis
 import gc
 import inspect
 import itertools
@@ -926,7 +927,12 @@ class TrainWorker:
             return self._run_guarded(lambda: run(step, indices))
         except Exception:
             if self._buffers is not None and self.completed_step < step:
-                self._buffers.restore()  # the failed step's forward leaves no trace in the replica
+                try:
+                    self._buffers.restore()  # the failed step's forward leaves no trace in the replica
+                except Exception:  # noqa: BLE001 - as the scaler's below: a sticky CUDA error fails
+                    # the copy back too, and raised here it replaced the step's CollectiveError, so
+                    # a group to heal read as the user's error
+                    logger.debug("rank %s: could not restore the buffers", self.rank, exc_info=True)
             if self.scaler is not None and self.completed_step < step:
                 try:
                     self._renew_scaler(self.scaler.state_dict())
@@ -1631,8 +1637,38 @@ def _looks_collective(exc: BaseException) -> bool:
     # error, it ended the run where the group was to be rebuilt.
     if isinstance(exc, (dist.DistError, FirstNAbandoned)):
         return True
+    # The words only where torch (or this package) raised it: the user's code raising
+    # RuntimeError("feature service request timed out") or "training aborted" read as a broken
+    # group, which formed again with every rank alive and replayed the error until max_failures
+    # ended the run, where one WorkerError said it at once. A collective's error comes up from
+    # torch's frames (the DDP reducer in backward, a c10d call), whoever called them.
+    if _raised_outside_libraries(exc):
+        return False
     text = str(exc).lower()
     return any(m in text for m in _COLLECTIVE_MARKERS)
+
+
+def _raised_outside_libraries(exc: BaseException) -> bool:
+    """Whether a ``raise`` statement outside torch and this package raised ``exc`` (the user's
+    code, or a Python library it called). Not one that came out of a call into C++ from such a
+    frame: a step_fn's own ``work.wait()`` raises gloo's error in the user's frame, at its call.
+    False for an exception never raised (no traceback)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if os.path.abspath(code.co_filename).startswith(_library_dirs()):
+        return False
+    op = code.co_code[tb.tb_lasti] if 0 <= tb.tb_lasti < len(code.co_code) else None
+    return op is not None and dis.opname[op] in ("RAISE_VARARGS", "RERAISE")
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import elastic
+
+    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, elastic))
 
 
 def _to_device(obj, device: torch.device):
