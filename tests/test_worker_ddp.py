@@ -149,6 +149,78 @@ class MaskedModel(torch.nn.Module):
         return self.net(x)
 
 
+class Fp32Moments(torch.optim.Optimizer):
+    """An optimizer keeping fp32 state for low-precision parameters (as Kahan-summation ones do)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                m = state.setdefault("m", torch.zeros(p.shape, dtype=torch.float32))
+                m.mul_(0.9).add_(torch.full(p.shape, 1 / 3))  # a third: not exact in bf16
+                p.sub_((group["lr"] * m).to(p.dtype))
+
+
+def bf16_model():
+    return torch.nn.Linear(4, 4).bfloat16()
+
+
+def test_a_peers_fp32_optimizer_state_keeps_its_dtype_on_low_precision_parameters():
+    # torch's load_state_dict casts floating state to its parameter's dtype: a spare or survivor
+    # took a peer's fp32 moments as bf16 (the others kept fp32), and the replicas diverged.
+    sender, receiver = local_worker(bf16_model, Fp32Moments), local_worker(bf16_model, Fp32Moments)
+    for _ in range(3):
+        sender.optimizer.step()
+    receiver.set_state(sender.get_state())
+    for p_sent, p_got in zip(sender.optimizer.param_groups[0]["params"], receiver.optimizer.param_groups[0]["params"]):
+        sent, got = sender.optimizer.state[p_sent]["m"], receiver.optimizer.state[p_got]["m"]
+        assert got.dtype == torch.float32 and torch.equal(got, sent)
+        got.add_(1)  # its own memory, writable
+    assert not torch.equal(receiver.optimizer.state[p_got]["m"], sender.optimizer.state[p_sent]["m"])
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.k(self.q(x))
+
+
+def adam_over_parameters_in_reverse(params):
+    """Another process's order of the same group (a group built from a set of parameters)."""
+    return torch.optim.Adam(list(params)[::-1], lr=0.1)
+
+
+def test_a_peers_optimizer_state_goes_to_its_parameters_by_name_whatever_their_order():
+    # Given by position, the moments of same-shaped layers were swapped on the receiver.
+    from helpers import make_adam
+
+    sender, receiver = local_worker(TwoLayers, make_adam), local_worker(TwoLayers, adam_over_parameters_in_reverse)
+    assert sender.optimizer_param_names == receiver.optimizer_param_names[::-1]
+    sender.model(torch.randn(2, 4)).pow(2).sum().backward()
+    sender.optimizer.step()
+    receiver.set_state(sender.get_state())
+    mine = dict(receiver.model.named_parameters())
+    for name, p in sender.model.named_parameters():
+        assert torch.equal(receiver.optimizer.state[mine[name]]["exp_avg"], sender.optimizer.state[p]["exp_avg"]), name
+
+
+def test_optimizer_state_is_given_by_name_only_within_the_same_groups():
+    from elastic.checkpoint.compat import state_by_name
+
+    saved = {"state": {0: "a", 1: "b", 2: "c"}, "param_groups": [{"params": [0, 1]}, {"params": [2]}]}
+    assert state_by_name(saved, ["x", "y", "z"], ["y", "x", "z"], [2, 1])["state"] == {0: "b", 1: "a", 2: "c"}
+    assert state_by_name(saved, ["x", "y", "z"], ["z", "x", "y"], [2, 1]) is saved  # z would change group
+    assert state_by_name(saved, None, ["x", "y", "z"], [2, 1]) is saved  # a state without names
+    assert state_by_name(saved, ["x", "y", "z"], ["x", "", "z"], [2, 1]) is saved  # a parameter the model lacks
+
+
 def _first_n_send_budget(rank: int, box, out) -> None:
     """Two real TrainWorkers (no Ray) joining a first-N group (N = 1 of 2) of MaskedModel: what
     a leader keeps in flight to a late replica, a step's gradient and buffers together."""

@@ -1253,7 +1253,7 @@ class TrainWorker:
     # ---- state -----------------------------------------------------------------------------
     def get_state(self) -> dict:
         """The full replicated training state, for a peer that has to catch up."""
-        from elastic.checkpoint.worker_hook import scaler_state
+        from elastic.checkpoint.worker_hook import param_names, scaler_state
 
         return {
             "model": self.model_state(),
@@ -1261,6 +1261,7 @@ class TrainWorker:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "completed_step": self.completed_step,
             **scaler_state(self),
+            **param_names(self),  # the receiver gives the optimizer's state by name (set_state)
         }
 
     def model_state(self) -> dict:
@@ -1275,7 +1276,12 @@ class TrainWorker:
         # parameter's device itself, except plain Adam's ``step`` counters, which it keeps on the
         # CPU on purpose; moved to a GPU, each optimizer step would read them back with two
         # device syncs per parameter.
-        self.optimizer.load_state_dict(state["optimizer"])
+        from elastic.checkpoint.compat import PARAM_NAMES_KEY, state_by_name
+
+        optimizer_state = state_by_name(state["optimizer"], state.get(PARAM_NAMES_KEY), self.optimizer_param_names,
+                                        [len(g["params"]) for g in self.optimizer.param_groups])
+        self.optimizer.load_state_dict(optimizer_state)
+        _keep_state_dtypes(self.optimizer, optimizer_state)
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None:  # a state of a run without fp16 has none: a fresh scaler, as a new run's
@@ -1669,6 +1675,25 @@ def _library_dirs() -> tuple[str, ...]:
     import elastic
 
     return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, elastic))
+
+
+def _keep_state_dtypes(optimizer: Any, loaded: dict) -> None:
+    """Put back the dtypes of the floating state ``loaded`` held where torch's
+    ``load_state_dict`` cast them to their parameter's (all but ``step``). Why: an optimizer
+    keeping fp32 moments for bf16 or fp16 parameters (a Kahan-summation one, torchdistx's
+    AnyPrecisionAdamW) got them back rounded to the parameter's dtype, on a spare or survivor
+    that took a peer's state (the survivors kept theirs: ReplicaDivergence at the next
+    checksum) and on a resume. Stock optimizers keep their parameter's dtype: nothing to do."""
+    ids = [pid for group in loaded.get("param_groups", []) for pid in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = loaded.get("state", {})
+    for pid, p in zip(ids, params):
+        live = optimizer.state.get(p)
+        for key, value in (saved.get(pid) or {}).items():
+            now = live.get(key) if live is not None else None
+            if key != "step" and isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) \
+                    and value.is_floating_point() and now.dtype != value.dtype:
+                live[key] = value.to(device=now.device, copy=True)
 
 
 def _to_device(obj, device: torch.device):

@@ -202,6 +202,33 @@ def param_names_of(model: Any, optimizer: Any) -> list[str]:
     return [names.get(id(p), "") for group in optimizer.param_groups for p in group["params"]]
 
 
+def state_by_name(saved: dict, saved_names: Any, live_names: list[str], live_group_sizes: list[int]) -> dict:
+    """An optimizer state dict whose per-parameter state goes to the parameters of
+    ``live_names`` by name, where torch gives it by position. For a peer's state (a spare or a
+    survivor catching up): the same code in another process may list a group's parameters in
+    another order (groups built from a ``set`` of parameters, ordered by their ids), and loaded
+    by position the moments of same-shaped layers were swapped (silent divergence), or of
+    others failed the next step. Unchanged where the orders agree, where either side's names
+    are not all known and distinct, or where a parameter would change group (its group's
+    hyperparameters are another's: no reordering within groups makes that right)."""
+    if not isinstance(saved_names, list) or saved_names == live_names or len(saved_names) != len(live_names) \
+            or "" in live_names or len(set(live_names)) != len(live_names) or set(saved_names) != set(live_names):
+        return saved
+    ids = [pid for group in saved.get("param_groups", []) for pid in group["params"]]
+    saved_groups = [g for g, group in enumerate(saved.get("param_groups", [])) for _ in group["params"]]
+    live_groups = [g for g, size in enumerate(live_group_sizes) for _ in range(size)]
+    if len(ids) != len(live_names) or len(live_groups) != len(live_names):
+        return saved
+    at = {name: i for i, name in enumerate(saved_names)}
+    if any(saved_groups[at[name]] != live_groups[j] for j, name in enumerate(live_names)):
+        return saved
+    state = saved.get("state", {})
+    # torch pairs the saved ids, in their groups' order, with the live parameters in theirs:
+    # the live parameter at position j takes the state keyed by ids[j].
+    moved = {ids[j]: state[ids[at[name]]] for j, name in enumerate(live_names) if ids[at[name]] in state}
+    return {**saved, "state": moved}
+
+
 def _param_order_mismatches(live: Any, saved: Any) -> list[str]:
     """The optimizer's parameters by name against the checkpoint's (``param_names_of``). Why:
     torch gives the saved state to parameters by position, so a model whose layers of the same
