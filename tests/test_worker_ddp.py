@@ -221,6 +221,27 @@ def test_optimizer_state_is_given_by_name_only_within_the_same_groups():
     assert state_by_name(saved, ["x", "y", "z"], ["x", "", "z"], [2, 1]) is saved  # a parameter the model lacks
 
 
+def _leave_when_the_abort_raises(out) -> None:
+    from helpers import make_model
+
+    worker = local_worker(make_model)
+    join_pair(worker, 0, 1, None, 1, 20.0)  # a group of one
+    worker.backend = "nccl"  # its leave aborts the communicators first
+
+    def refuses():
+        raise RuntimeError("ProcessGroupNCCL abort failed (test)")
+
+    dist.distributed_c10d._abort_process_group = refuses
+    worker.leave()
+    out.put(dist.is_initialized())
+
+
+def test_a_leave_whose_nccl_abort_raises_still_destroys_the_group():
+    # One try held both: the abort's error skipped the destroy, and every later join of the
+    # rank failed ("initialize the default process group twice"), read as a collective failure.
+    assert in_spawned_process(_leave_when_the_abort_raises) is False
+
+
 def _first_n_send_budget(rank: int, box, out) -> None:
     """Two real TrainWorkers (no Ray) joining a first-N group (N = 1 of 2) of MaskedModel: what
     a leader keeps in flight to a late replica, a step's gradient and buffers together."""

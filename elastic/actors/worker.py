@@ -737,14 +737,19 @@ class TrainWorker:
                              exc_info=True)
         self.ddp = None  # drop the reducer so its autograd hooks and its group reference go
         with self._group_lock:  # no abort_collectives in the middle (see there)
+            if dist.is_initialized() and self.backend == "nccl":
+                try:
+                    # A blocked NCCL kernel never returns by itself: abort the communicators
+                    # first, then release the group.
+                    dist.distributed_c10d._abort_process_group()
+                except Exception:  # an already-broken group may refuse it
+                    logger.debug("aborting the process group failed", exc_info=True)
+            # Its own try: an abort that raised skipped the destroy, and with the default group
+            # still set every later join of this rank failed ("initialize the default process
+            # group twice"), read as a collective failure, until the run gave up on it.
             if dist.is_initialized():
                 try:
-                    if self.backend == "nccl":
-                        # A blocked NCCL kernel never returns by itself: abort the communicators
-                        # first, then release the group.
-                        dist.distributed_c10d._abort_process_group()
-                    if dist.is_initialized():
-                        dist.destroy_process_group()
+                    dist.destroy_process_group()
                 except Exception:  # an already-broken group may refuse a clean destroy
                     logger.debug("destroy_process_group failed", exc_info=True)
         gc.collect()
