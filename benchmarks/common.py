@@ -56,12 +56,29 @@ def claim_stdout() -> None:
 
 def emit(figure: str, value: float | None, unit: str, **details: Any) -> None:
     """One figure, one JSON line on the real stdout. A value that is no finite number goes out as
-    null with ``value_note`` saying what it was (JSON has no inf or NaN)."""
+    null with ``value_note`` saying what it was (JSON has no inf or NaN), as does a missing one
+    (a null with no word read like a result); a detail that is no finite number goes out as null."""
     if value is not None and not math.isfinite(value):
         details = {"value_note": f"not a finite number ({value})", **details}
         value = None
-    _FIGURES.write(json.dumps({"figure": figure, "value": value, "unit": unit, **details}, default=str) + "\n")
+    elif value is None and "value_note" not in details:
+        details = {"value_note": "not measured in this run (see the details and the log)", **details}
+    line = json.dumps(_finite({"figure": figure, "value": value, "unit": unit, **details}), default=str,
+                      allow_nan=False)
+    _FIGURES.write(line + "\n")
     _FIGURES.flush()
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every float that is no finite number as None: json.dumps wrote NaN, which is
+    no JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -289,13 +306,15 @@ class StatusPoller(threading.Thread):
         while not self._done.is_set():
             handle = self.trainer.controller
             if handle is not None:
+                asked = time.time()  # before the call: a status taken just before an event, and
+                # back after it, was dated after the event (a spare still counted after its eviction)
                 try:
                     st = ray.get(handle.status.remote(), timeout=2)
                 except Exception:  # the actor is starting or gone; try again next tick
                     st = None
                 if st:
                     ckpt = st.get("checkpoint") or {}
-                    self.samples.append({"time": time.time(), "step": st["step"], "state": st["state"],
+                    self.samples.append({"time": asked, "step": st["step"], "state": st["state"],
                                          "spares": st.get("spares"), "world_size": st.get("world_size"),
                                          "latest": ckpt.get("latest"), "lag": ckpt.get("lag")})
             self._done.wait(self.interval_s)

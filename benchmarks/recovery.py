@@ -117,10 +117,15 @@ def main(argv=None) -> None:
     lost_note = {} if ours_lost > 0 and their_lost > 0 else \
         {"value_note": f"no ratio: a lost time is not positive (ours {ours_lost:.3f} s, Ray Train {their_lost:.3f} s)"}
 
-    emit("crash_lost_seconds_ours", ours_lost, "s", crash_train_s=ours_crash["train_span_s"],
+    def noise_note(lost: float) -> dict:  # a lost time at or below zero is the pair's noise, no measurement
+        return {} if lost > 0 else {"caveat": "not positive: the crash run was no slower than the clean one "
+                                              "(noise); rerun for a measurement"}
+
+    emit("crash_lost_seconds_ours", ours_lost, "s", **noise_note(ours_lost), crash_train_s=ours_crash["train_span_s"],
          clean_train_s=ours_clean["train_span_s"], fit_wall_diff_s=ours_crash["fit_wall_s"] - ours_clean["fit_wall_s"],
          **common)
-    emit("crash_lost_seconds_raytrain", their_lost, "s", crash_train_s=their_crash["train_span_s"],
+    emit("crash_lost_seconds_raytrain", their_lost, "s", **noise_note(their_lost),
+         crash_train_s=their_crash["train_span_s"],
          clean_train_s=their_clean["train_span_s"], fit_wall_diff_s=their_crash["wall_s"] - their_clean["wall_s"],
          resumed_from_step=their_crash.get("start_step"), **common)
     emit("crash_lost_time_ratio_vs_raytrain", None if lost_note else ratio(ours_lost, their_lost), "ratio",

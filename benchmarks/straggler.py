@@ -260,6 +260,9 @@ def main(argv=None) -> None:
                     # data order) differ, with no straggler and no dropped gradient.
                     digits_accuracy("healthy", w.workers, args.digits_epochs, slow, 0, seed=1))
 
+    # Every figure is worked out before any is printed: a round that yields no ratio fails the
+    # benchmark (ratio_over_healthy), and must not leave the figures before it on stdout.
+    figures = []
     for mode in (m for m in ("plain", "first_n", "evict") if m in modes):
         value, per_round = mean_ratio(mode, "healthy")
         details: dict = {"per_round": per_round,
@@ -281,7 +284,9 @@ def main(argv=None) -> None:
                 mean_ratio(mode, "first_n_healthy")
         if mode == "evict":
             details["rounds_detail"] = [evict_details(r["evict"], r["healthy"]) for r in rounds]
-        emit(f"straggler_throughput_ratio_{mode}", value, "ratio", **details, **common)
+        figures.append((f"straggler_throughput_ratio_{mode}", value, details))
+    for figure, value, details in figures:
+        emit(figure, value, "ratio", **details, **common)
     for mode in modes:
         runs = [r[mode] for r in rounds]
         emit(f"straggler_samples_per_s_{mode}", sum(r["samples_per_s"] for r in runs) / len(runs), "samples/s",
