@@ -1479,7 +1479,16 @@ class Controller:
         refs = list(self._lagging_ranks(exclude=exclude))
         if not refs:
             return {}
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._late_wait_s())
+        # In slices: an eviction's wait (``exclude``) ends when a stop comes. The eviction is
+        # then given up (``_evict``) and the run's end waits for the late ranks itself; waited
+        # out here first, the stop's end came up to step_timeout_s later, past the driver's
+        # stop_timeout_s, whose kill took the stop's commit with it.
+        deadline = time.monotonic() + self._late_wait_s()
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(0.5, left)))
+            if len(ready) == len(refs) or left <= 0.5 or (exclude is not None and self._interrupted()):
+                break
         unfinished: dict[int, BaseException | None] = {}
         for ref in refs:
             r = self._lagging[ref][0]
@@ -2925,10 +2934,16 @@ class Controller:
         # promoted, its death then counted as the run's failure (and with no other spare, handed
         # to when_no_spare) for an eviction that was optional. Held back instead, as when no
         # spare was ready to begin with; the group is as it was, so training goes on in it.
+        if self._stop_reason is not None:
+            # A stop came during the waits: the swap would speed up nothing, and its rebuild
+            # (bounded by step_timeout_s and collective_timeout_s, not the stop's) could outlast
+            # the driver's stop_timeout_s (``_too_late_to_evict``, which saw no stop yet).
+            self._note_held_back(Continue(f"rank {r} is a persistent straggler, but the run is stopping: not "
+                                          "evicted", straggler=r), why="too_late")
+            self._eviction_given_up(r, "the run is stopping")
+            return
         if self._held_back_without_spare(r, "its spare died while the eviction waited for the ranks' windows"):
-            if self.metrics is not None:
-                self.metrics.on_group([m.rank for m in self.group.members])  # the ring on_rebuild cleared
-            self.transition(State.RUNNING, f"eviction of rank {r} {EVICTION_HELD_BACK}")
+            self._eviction_given_up(r, "no live spare")
             return
         self._lagging.clear()
         victim = self.group.members[r]
@@ -2977,6 +2992,13 @@ class Controller:
         self._snapshot_after_evict()
         self._refill_spares()
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
+
+    def _eviction_given_up(self, r: int, why: str) -> None:
+        """Back to training in the group as it was, after ``_evict`` gave rank ``r``'s eviction up
+        past its waits (``why``)."""
+        if self.metrics is not None:
+            self.metrics.on_group([m.rank for m in self.group.members])  # the ring on_rebuild cleared
+        self.transition(State.RUNNING, f"eviction of rank {r} {EVICTION_HELD_BACK} {why}")
 
     def _held_back_without_spare(self, r: int, why: str) -> bool:
         """The spare pool looked at now (``_refresh_spares``); with no live spare, the eviction of
@@ -3288,7 +3310,7 @@ def _split_wall(wall: float, worker_times: list[float]) -> list[float]:
     return [t + share for t in worker_times]
 
 
-EVICTION_HELD_BACK = "held back: no live spare"
+EVICTION_HELD_BACK = "held back:"  # then why: "no live spare", "the run is stopping"
 
 
 def evictions_carried_out(events: list[dict]) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -602,6 +603,26 @@ def test_with_requeueing_a_stops_checkpoint_holds_its_steps_data_position_not_a_
     assert metas[1]["data_position"] == after_1
     c._set_meta_after_results(1)  # a kept step's meta (_keep_completed_steps) reads the same place
     assert metas[1]["data_position"] == after_1
+
+
+def test_a_stop_that_comes_while_an_eviction_waits_for_late_windows_holds_it_back(rayless_controller):
+    # _too_late_to_evict saw no stop yet; the eviction then went on past its waits, and its
+    # rebuild could outlast the driver's stop_timeout_s, whose kill took the stop's commit.
+    from elastic.controller import State, evictions_carried_out
+    from elastic.policies.decisions import EvictStraggler
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, num_spares=1,
+                                                         aggregation="first_n"), global_batch_size=16)
+    c.group = StandInGroup(ranks=3, ready_spares=1)
+    evicted = []
+    c.group.evict = evicted.append
+    c.transition(State.RUNNING, "training")
+    c._wait_late = lambda exclude=None: (c.request_stop("elastic stop"), {})[1]  # the stop comes in the wait
+    c._evict(EvictStraggler("rank 2 is 3x the median", 2))
+    assert evicted == [] and c.group.members[2].name == "rank-2" and c.state is State.RUNNING
+    decisions = [e.message for e in c.events if e.kind == "decision"]
+    assert decisions[-1].startswith("Continue: rank 2 is a persistent straggler, but the run is stopping")
+    assert evictions_carried_out([asdict(e) for e in c.events]) == []
 
 
 def test_a_batch_schedule_sizes_each_steps_shards_from_its_step_on_and_replays_them_as_planned(rayless_controller):
