@@ -438,6 +438,40 @@ def test_ranks_spawned_before_one_whose_spawn_fails_are_killed(monkeypatch):
     assert killed == spawned == ["rank-0", "rank-1"]
 
 
+@pytest.mark.parametrize("room_off_both", [True, False])
+def test_the_spares_of_a_new_group_keep_off_a_stragglers_node_too(monkeypatch, room_off_both):
+    # A restart from the checkpoint after an eviction asked for its spares off the ranks' nodes
+    # only: the pool could land on the straggler's node, which status() still listed as avoided.
+    import ray
+    from types import SimpleNamespace
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    group = WorkerGroup(elastic.ScalingConfig(num_workers=2, num_backups=1), spec, "elastic-unit")
+    group.nodes_to_avoid = lambda: {"S"}
+    monkeypatch.setattr(worker_group_module, "placement_group",
+                        lambda bundles, strategy, name: SimpleNamespace(bundle_specs=bundles))
+    monkeypatch.setattr(worker_group_module, "_wait_ready", lambda *args: None)
+    monkeypatch.setattr(ray.util, "placement_group_table", lambda pg: {"bundles_to_node_id": {0: "A", 1: "A"}})
+    nodes = ["A", "S"] + (["B"] if room_off_both else [])
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": n, "Resources": {"CPU": 4.0}} for n in nodes])
+    monkeypatch.setattr(group, "_spawn", lambda pg, index, name, background=False: name)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: None)
+    asked = []
+
+    class Enough(Exception):
+        pass
+
+    def request_spare(background=False, avoid_nodes=()):
+        asked.append(sorted(avoid_nodes))
+        raise Enough
+
+    monkeypatch.setattr(group, "request_spare", request_spare)
+    with pytest.raises(Enough):
+        group.start(2)
+    assert asked == [["A", "S"] if room_off_both else ["S"]]
+
+
 def test_a_spare_whose_spawn_fails_in_a_group_of_its_own_removes_that_group(monkeypatch):
     # No freed bundle: the spare gets a placement group of its own, which a spawn that raised
     # left reserved (its CPUs or GPUs) until the run ended.

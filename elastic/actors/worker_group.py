@@ -239,9 +239,15 @@ class WorkerGroup:
             # host one (one node, or the others too small) they go anywhere (_avoidable), and one
             # still unplaced after AVOID_GRACE_S (at most placement_timeout_s: the start's wait
             # below and a recovery's; placement_timeout_s in the background) is asked for anywhere.
+            # And off a straggler's node (``nodes_to_avoid``): a restart from the checkpoint after
+            # an eviction built its pool there as well, a spare as slow as the rank evicted. Where
+            # no node is off both, off the straggler's still.
             rank_nodes = sorted({node for node in bundle_nodes.values() if node})
+            avoid = sorted(set(rank_nodes) | set(self.nodes_to_avoid()))
+            if not self._avoidable(avoid):
+                avoid = sorted(set(self.nodes_to_avoid()))
             for _ in range(self.scaling.num_hot_spares):
-                self.request_spare(avoid_nodes=rank_nodes)
+                self.request_spare(avoid_nodes=avoid)
             # Every rank builds at once; each is taken as it is built, so a rank that fails to
             # build is told at once, not after the slowest model_fn or dataset_fn. No time limit
             # (a big model or dataset may take long to build), but a stop ends the wait: Ctrl-C
