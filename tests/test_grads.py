@@ -31,6 +31,28 @@ def test_the_buffer_holds_views_marks_and_the_loss_and_unreached_parameters_sit_
                for p in params)
 
 
+def test_a_new_buffer_is_made_once_the_old_one_is_let_go(monkeypatch):
+    # A rebuild held the old buffer (through the parameters' views) while it made the new one:
+    # twice the gradients' memory, out of GPU memory only in a recovery.
+    import weakref
+
+    from elastic.actors import grads as grads_module
+
+    model = torch.nn.Linear(64, 64)
+    grads = FlatGrads(model)
+    old = weakref.ref(grads.bind(torch.device("cpu")))
+    held_at_allocation = []
+    real_zeros = torch.zeros
+
+    def zeros(*args, **kwargs):
+        held_at_allocation.append(old() is not None)
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(grads_module.torch, "zeros", zeros)
+    grads.bind(torch.device("cpu"))
+    assert held_at_allocation == [False]
+
+
 def test_every_parameter_reached_sets_nothing_aside():
     model = torch.nn.Linear(3, 2)
     grads = FlatGrads(model)

@@ -158,6 +158,13 @@ class FlatGrads:
         """A new zeroed buffer on ``device``, every ``.grad`` of the buffer's dtype a view into
         it; returns it."""
         sizes = [p.numel() for p in self.params]
+        # The old buffer let go first (the parameters' views hold it too): a rebuild held both
+        # at once, twice the gradients' memory, and a model that fit while training went out of
+        # GPU memory only in a recovery.
+        self.flat = self._presence = None
+        self._slots = []
+        for p in self.params:
+            p.grad = None
         self.flat = torch.zeros(1 + len(self.params) + sum(sizes), device=device, dtype=self.dtype)
         self._presence = self.flat[1: 1 + len(self.params)]
         self._slots, self._offsets, offset = [], [], 1 + len(self.params)
