@@ -84,6 +84,19 @@ def test_buffers_of_a_shape_no_snapshot_gives_back_any_more_are_let_go():
     assert (59,) in {key[0] for key in staging._free}
 
 
+def test_pinned_buffers_let_go_are_given_back_by_torchs_host_allocator(monkeypatch):
+    # Dropped from the pool, pinned buffers stayed pinned in torch's caching host allocator.
+    emptied = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(True), raising=False)
+    staging, kept = StagingBuffers(), []
+    for i in range(StagingBuffers.FORGET_AFTER + 1):  # as copies from a GPU (pinned) of a growing tensor
+        t = torch.zeros(i + 1)
+        kept.append(t)
+        staging._out[t.data_ptr()] = ((i + 1,), t.dtype, True)
+        staging.release([t])
+    assert emptied == [True]  # once: the first shape let go
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_copies_from_a_gpu_are_whole_after_settle():
     # The copies from a GPU are queued (one wait for all of them, not one each); settle() waits.

@@ -104,6 +104,11 @@ class StagingBuffers:
                 free = self._free.setdefault(key, [])
                 free.extend(buffers[:max(0, keep - len(free))])
                 self._seen[key] = self._releases
-            for key in [k for k, last in self._seen.items() if last <= self._releases - self.FORGET_AFTER]:
+            forgotten = [k for k, last in self._seen.items() if last <= self._releases - self.FORGET_AFTER]
+            for key in forgotten:
                 del self._seen[key], self._keep[key]
                 self._free.pop(key, None)
+        # Pinned buffers go back to torch's caching host allocator, which keeps them pinned until
+        # asked: let it give back those no buffer holds (CUDA builds only have the call).
+        if any(key[2] for key in forgotten) and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
