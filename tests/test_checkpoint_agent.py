@@ -647,7 +647,7 @@ def test_a_rank_writing_itself_beside_ranks_on_agents_reports_its_own_parts_and_
     for w, agent in zip(workers, agents):
         w.part_pool = PartPool("127.0.0.1", port, 2)
         if why == "state the agent cannot take":
-            w.model.register_buffer("counts", torch.zeros(3, dtype=torch.uint16))
+            w.model.register_buffer("counts", torch.zeros(3, dtype=torch.complex64))  # no name in our layout
         # As TrainWorker.configure_checkpoint builds it in a run with agents (the real method,
         # on this stand-in): the fallback the controller's message reaches through the notify.
         w._ckpt = None
