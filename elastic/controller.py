@@ -2978,34 +2978,20 @@ class Controller:
                                                         f"lost rank: {exc}")) from exc
             self.log("failure", f"rank(s) {sorted(lost)} lost while evicting straggler rank {r}: "
                      f"{type(exc).__name__}", ranks=sorted(lost))
-            unreplaced = unreplaced and not self._spare_takes_victims_place(r, victim)
             self._recover(Failure(lost | ({r} if unreplaced else set()), "failure_during_recovery"))
             return
         if stuck:  # out of the try: a Ray error in this recovery is its own, not the eviction's
             self._kill_hung(stuck, f"did not leave the group within collective_timeout_s="
                                    f"{self.failure_config.collective_timeout_s:g} while straggler rank {r} "
                                    "was evicted", gone=(r,))
-            unreplaced = not self._spare_takes_victims_place(r, victim)
             # Found by the wait for its leave: detected that long after it was asked.
-            self._recover(Failure(set(stuck.values()) | ({r} if unreplaced else set()), "hang",
-                                  detect_s=time.time() - asked))
+            self._recover(Failure(set(stuck.values()) | {r}, "hang", detect_s=time.time() - asked))
             return
         if self.metrics is not None:
             self.metrics.on_recovery("straggler", time.time() - t0)
         self._snapshot_after_evict()
         self._refill_spares()
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
-
-    def _spare_takes_victims_place(self, r: int, victim: Member) -> bool:
-        """An eviction's rebuild failed (a survivor lost or stuck) before the spare it was for took
-        rank ``r``: it takes it now, and True. Why: handed to the recovery as a lost rank beside
-        the failure's, the eviction's own swap counted as a second loss, and with one spare the
-        policy went to when_no_spare (fail, restart, a wait for capacity) for a failure that
-        spare alone heals. The recovery's state sync gives it the state, as to any spare."""
-        if self.group.members[r] is not victim or not self.group.spares:
-            return False
-        self._replace((r,))
-        return True
 
     def _eviction_given_up(self, r: int, why: str) -> None:
         """Back to training in the group as it was, after ``_evict`` gave rank ``r``'s eviction up

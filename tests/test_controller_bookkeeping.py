@@ -625,29 +625,6 @@ def test_a_stop_that_comes_while_an_eviction_waits_for_late_windows_holds_it_bac
     assert evictions_carried_out([asdict(e) for e in c.events]) == []
 
 
-def test_a_survivor_stuck_in_an_eviction_is_healed_as_one_loss_with_the_spare_taking_the_evicted_rank(
-        rayless_controller):
-    # The eviction's rebuild found rank 1 stuck before the spare took rank 2: both went to the
-    # recovery as lost, and with one spare the policy went to when_no_spare for a failure the
-    # spare alone heals.
-    from elastic.controller import State
-    from elastic.policies.decisions import EvictStraggler
-
-    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3, num_backups=1), global_batch_size=12)
-    c.group = StandInGroup(ranks=3, ready_spares=1)
-    c.group.evict = lambda member: None
-    c.transition(State.RUNNING, "training")
-    c._wait_late = lambda exclude=None: {}
-    c._ask_to_leave = lambda survivors: ([None] * len(survivors), {"ref-1": 1})  # rank 1 never left
-    c._kill_hung = lambda *args, **kwargs: None
-    healed = []
-    c._recover = healed.append
-    c._evict(EvictStraggler("rank 2 is 3x the median", 2))
-    (failure,) = healed
-    assert failure.dead == {1} and failure.kind == "hang"
-    assert c.group.members[2].name == "spare-0" and "spare-0" in c._stateless
-
-
 def test_a_batch_schedule_sizes_each_steps_shards_from_its_step_on_and_replays_them_as_planned(rayless_controller):
     # Trainer.batch_schedule={3: 16, 5: 32} over global_batch_size=8 and two ranks: steps 1-2
     # take 4 samples a rank, 3-4 take 8, 5 on take 16; a replayed step reuses its own shards.
