@@ -183,6 +183,24 @@ def test_a_peers_fp32_optimizer_state_keeps_its_dtype_on_low_precision_parameter
     assert not torch.equal(receiver.optimizer.state[p_got]["m"], sender.optimizer.state[p_sent]["m"])
 
 
+def test_a_resume_into_another_precision_takes_the_moments_in_the_new_one():
+    # Saved in fp32 and resumed with the model in bf16: the moments follow the parameters (torch's
+    # cast), or Adam's next step met fp32 moments beside bf16 parameters and failed.
+    from helpers import make_adam
+
+    def bf16_linear():
+        return torch.nn.Linear(4, 4).bfloat16()
+
+    sender, receiver = local_worker(lambda: torch.nn.Linear(4, 4), make_adam), local_worker(bf16_linear, make_adam)
+    sender.model(torch.randn(2, 4)).pow(2).sum().backward()
+    sender.optimizer.step()
+    receiver.set_state(sender.get_state())  # as a checkpoint holds it: the model and its moments in fp32
+    for p in receiver.model.parameters():
+        assert receiver.optimizer.state[p]["exp_avg"].dtype == torch.bfloat16
+    receiver.model(torch.randn(2, 4).bfloat16()).float().pow(2).sum().backward()
+    receiver.optimizer.step()  # fp32 moments beside bf16 parameters failed here
+
+
 class TwoLayers(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -1286,7 +1286,7 @@ class TrainWorker:
         optimizer_state = state_by_name(state["optimizer"], state.get(PARAM_NAMES_KEY), self.optimizer_param_names,
                                         [len(g["params"]) for g in self.optimizer.param_groups])
         self.optimizer.load_state_dict(optimizer_state)
-        _keep_state_dtypes(self.optimizer, optimizer_state)
+        _keep_state_dtypes(self.optimizer, optimizer_state, state["model"], self.optimizer_param_names)
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None:  # a state of a run without fp16 has none: a fresh scaler, as a new run's
@@ -1682,22 +1682,27 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, elastic))
 
 
-def _keep_state_dtypes(optimizer: Any, loaded: dict) -> None:
-    """Put back the dtypes of the floating state ``loaded`` held where torch's
-    ``load_state_dict`` cast them to their parameter's (all but ``step``). Why: an optimizer
-    keeping fp32 moments for bf16 or fp16 parameters (a Kahan-summation one, torchdistx's
-    AnyPrecisionAdamW) got them back rounded to the parameter's dtype, on a spare or survivor
-    that took a peer's state (the survivors kept theirs: ReplicaDivergence at the next
-    checksum) and on a resume. Stock optimizers keep their parameter's dtype: nothing to do."""
+def _keep_state_dtypes(optimizer: Any, loaded: dict, saved_model: dict, names: list[str]) -> None:
+    """Put back the dtype of floating state ``loaded`` held in another dtype than its own
+    parameter had where it was saved (``saved_model``, by the parameters' ``names`` in the
+    optimizer's order), where torch's ``load_state_dict`` cast it to the parameter's (all but
+    ``step``). Why: an optimizer keeping fp32 moments for bf16 or fp16 parameters (a
+    Kahan-summation one, torchdistx's AnyPrecisionAdamW) got them back rounded to the
+    parameter's dtype, on a spare or survivor that took a peer's state (the survivors kept
+    theirs: ReplicaDivergence at the next checksum) and on a resume. State saved in its
+    parameter's dtype is left to torch's cast: a run resumed with its model in another
+    precision (fp32 saved, bf16 now) gets its moments in the new one, as stock optimizers want."""
     ids = [pid for group in loaded.get("param_groups", []) for pid in group["params"]]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved = loaded.get("state", {})
-    for pid, p in zip(ids, params):
-        live = optimizer.state.get(p)
+    for pid, p, name in zip(ids, params, names):
+        live, was = optimizer.state.get(p), saved_model.get(name)
+        if live is None or not isinstance(was, torch.Tensor):
+            continue
         for key, value in (saved.get(pid) or {}).items():
-            now = live.get(key) if live is not None else None
+            now = live.get(key)
             if key != "step" and isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) \
-                    and value.is_floating_point() and now.dtype != value.dtype:
+                    and value.is_floating_point() and value.dtype != was.dtype and now.dtype != value.dtype:
                 live[key] = value.to(device=now.device, copy=True)
 
 
