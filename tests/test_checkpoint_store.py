@@ -1490,13 +1490,13 @@ def test_a_blocking_committer_far_behind_still_commits_every_step(tmp_path, monk
 
 def test_a_light_payload_the_persister_drops_is_an_event(monkeypatch):
     release, held = [], threading.Event()
-    persister = AsyncPersister(lambda step, payload: held.wait(10), name="checkpoint commit", max_light=2,
+    persister = AsyncPersister(lambda payload: held.wait(10), name="checkpoint commit", max_light=2,
                                on_release=release.append)
     try:
         for step in range(1, 6):
             persister.submit(step, f"p{step}", light=True)
         dropped = [e for e in persister.drain_events() if e["event"] == "checkpoint_failed"]
-        assert [e["step"] for e in dropped] and all("dropped" in e["message"] for e in dropped)
+        assert [e["step"] for e in dropped] and all(e["error"] == "dropped" for e in dropped)
         assert [f"p{e['step']}" for e in dropped] == [p for p in release if p in {f"p{e['step']}" for e in dropped}]
     finally:
         held.set()
@@ -2265,6 +2265,8 @@ def test_a_rollback_to_a_step_never_committed_says_the_newest_committed_below_it
         hand_over_and_wait(committer, store, 20)  # the new timeline's step 20, committed over the old
         assert committer.latest_committed == 20 and committer.flush(timeout_s=10)
         assert store.committed_steps() == [10, 20]
+        committer.rewind(17)  # a second rollback: 15, the step the first went back to, was never written
+        assert committer.latest_committed == 10
         committer.rewind(5)  # below every committed step: none
         assert committer.latest_committed is None
     finally:

@@ -76,6 +76,10 @@ class CheckpointCommitter:
         # timeline this run left: steps resume skipped as corrupt, or steps a restart rolled back
         # past. They neither count toward ``keep_last`` nor are deleted for it (see ``_cleanup``).
         self._base = latest_committed
+        # Steps known committed without this committer's commit: the one this run started from,
+        # and each a restore loaded (``rewind(restored=True)``). Not ``_base``, which a rollback
+        # moves to a step that may never have been written (``_newest_known_at_or_below``).
+        self._restored_from: set[int] = {latest_committed} if latest_committed is not None else set()
         self._above_base: list[int] = []  # those steps, as found on storage (see _cleanup)
         # The newest step training is known to have finished: a commit's lag is measured against
         # it at the moment of the commit.
@@ -222,6 +226,8 @@ class CheckpointCommitter:
         does (``_apply_rewinds``); every delete happens in a pass, so none can come first."""
         later = lambda s: step is None or s > step  # noqa: E731
         with self._lock:
+            if restored and step is not None:
+                self._restored_from.add(step)
             for table in (self._reports, self._metas):
                 for s in [s for s in table if later(s)]:
                     del table[s]
@@ -304,8 +310,7 @@ class CheckpointCommitter:
         by a cleanup pass or not yet) and the step it started from. Call under ``_lock``."""
         if step is None:
             return None
-        known = [s for s, _ in self._done] + list(self._committed or []) + \
-            ([self._base] if self._base is not None else [])
+        known = [s for s, _ in self._done] + list(self._committed or []) + list(self._restored_from)
         return max((s for s in known if s <= step), default=None)
 
     def _take_rewinds(self) -> tuple[list, list]:
