@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from elastic.checkpoint import CorruptCheckpoint
+from elastic.checkpoint import CorruptCheckpoint, StorageError
 from elastic.checkpoint.codec import canonical_json, sha256
 from elastic.checkpoint.store import MANIFEST, VERSION, CheckpointStore, FileEntry, shard_name, step_dir
 from elastic.checkpoint.testing import TEST_SECRET
@@ -96,7 +96,7 @@ def test_a_step_a_newer_elastic_wrote_is_neither_skipped_as_corrupt_nor_swept(ba
     commit_tiny(store, 2)
     rewrite_manifest(store, 2, setting("version", VERSION + 1))
     with pytest.raises(NewerCheckpoint, match=rf"step 2 at .* was written by a newer elastic \(manifest version "
-                                              rf"{VERSION + 1}; this one reads 1 to {VERSION}\): upgrade elastic"):
+                                              rf"{VERSION + 1}; this one reads 1, 2, 3, {VERSION}\): upgrade elastic"):
         store.load_manifest(2)
     with pytest.raises(StorageError, match="newer than every readable committed step, so the run cannot tell where "
                                            "to resume"):
@@ -141,12 +141,19 @@ def test_a_step_of_version_3_resumes_a_schedule_that_hands_over_to_multisteplr(m
     assert store.load_manifest(2)["version"] == VERSION > 3
 
 
-def test_version_4_the_reverted_crc32_format_is_not_read(backend):
+def test_version_4_the_reverted_crc32_format_is_refused_not_swept(backend):
+    # Read as corrupt, the sweep deleted such a step once a newer one committed; the elastic that
+    # wrote it (an elastic of 3 took it for newer) reads it.
     store = make_store(backend)
-    commit_tiny(store, 1)
-    commit_tiny(store, 2)
+    for step in (1, 2, 3):
+        commit_tiny(store, step)
     rewrite_manifest(store, 2, setting("version", 4))
-    assert {i.step: i.status for i in store.list_steps()} == {1: "valid", 2: "corrupt"}
+    assert {i.step: i.status for i in store.list_steps()} == {1: "valid", 2: "unreadable", 3: "valid"}
+    assert store.committed_steps() == [1, 3]  # an older one skipped, as an archived manifest is
+    assert store.gc_uncommitted().deleted == [] and store.step_dirs() == [1, 2, 3]
+    rewrite_manifest(store, 3, setting("version", 4))
+    with pytest.raises(StorageError, match="manifest version 4, a format elastic gave up"):
+        store.committed_steps()  # the newest: no resume from step 1 over it
 
 
 def test_a_manifest_naming_a_file_outside_its_step_is_corrupt(backend, caplog):

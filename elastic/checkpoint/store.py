@@ -61,6 +61,11 @@ FORMAT = "elastic-checkpoint"
 # used it, and its readers would check these shards as CRC-32.
 VERSION = 5
 _READS = frozenset({1, 2, 3, VERSION})
+_REVERTED = 4
+
+
+def _reads_text() -> str:
+    return ", ".join(map(str, sorted(_READS)))
 _META_KEY = "elastic"  # the rank's JSON meta, under this key of the shard's safetensors __metadata__
 # The most a manifest may hold. Nothing records its size, so without a bound a huge object (or,
 # on local storage, a link to /dev/zero) named manifest.json was read whole, by every resume
@@ -349,7 +354,7 @@ def _manifest_problem(manifest: dict, step: int) -> str | None:
         return f"manifest is for step {shown(manifest.get('step'))}, format {shown(manifest.get('format'))}"
     version, world_size = manifest.get("version"), manifest.get("world_size")
     if not _is_int(version) or version not in _READS:
-        return f"manifest version {shown(version)} is not one this code reads ({', '.join(map(str, sorted(_READS)))})"
+        return f"manifest version {shown(version)} is not one this code reads ({_reads_text()})"
     if not _is_int(world_size) or world_size < 1:
         return f"manifest's world_size {shown(world_size)} is not a positive integer"
     created_at = manifest.get("created_at")
@@ -593,7 +598,13 @@ class CheckpointStore:
             # Whole, and written by a newer elastic: taken for corrupt, resume skipped it (an older
             # step resumed, training over the newer one) and the sweep deleted it as uncommitted.
             raise NewerCheckpoint(f"checkpoint step {step} at {where} was written by a newer elastic (manifest "
-                                  f"version {version}; this one reads 1 to {VERSION}): upgrade elastic to use it")
+                                  f"version {version}; this one reads {_reads_text()}): upgrade elastic to use it")
+        if version == _REVERTED and manifest.get("format") == FORMAT:
+            # Refused, not corrupt: as corrupt, the sweep deleted such steps below the newest
+            # committed one, where an elastic of 3 had left them alone as newer than it reads.
+            raise StorageError(f"checkpoint step {step} at {where} is of manifest version {version}, a format "
+                               f"elastic gave up (CRC-32 file records), which this one does not read "
+                               f"({_reads_text()}): the elastic that wrote it reads it")
         try:
             problem = _manifest_problem(manifest, step)  # e.g. a file record without its checksum vouches for nothing
             entries = [] if problem else [FileEntry.from_dict(record) for record in manifest["files"]]
