@@ -625,6 +625,29 @@ def test_a_stop_that_comes_while_an_eviction_waits_for_late_windows_holds_it_bac
     assert evictions_carried_out([asdict(e) for e in c.events]) == []
 
 
+def test_an_evictions_wait_for_late_windows_ends_when_a_stop_comes(rayless_controller, monkeypatch):
+    # One ray.wait of step_timeout_s (120 s): a stop that came a second in waited it out, and
+    # the stop's end came after the driver's stop_timeout_s had killed the run.
+    import time as real_time
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
+                           global_batch_size=16)
+    c._lagging = {"window-of-rank-1": (1, 0.0, 1)}
+    clock = [0.0]
+
+    def wait(refs, num_returns=1, timeout=None):  # the window never finishes; a wait takes its timeout
+        clock[0] += timeout
+        if clock[0] >= 1.0:
+            c.request_stop("elastic stop")
+        return [], list(refs)
+
+    monkeypatch.setattr(controller_module.ray, "wait", wait)
+    monkeypatch.setattr(controller_module, "time", SimpleNamespace(
+        monotonic=lambda: clock[0], time=real_time.time, perf_counter=real_time.perf_counter))
+    assert c._wait_late(exclude=2) == {1: None}  # still busy: left alone
+    assert clock[0] <= 1.5
+
+
 def test_a_batch_schedule_sizes_each_steps_shards_from_its_step_on_and_replays_them_as_planned(rayless_controller):
     # Trainer.batch_schedule={3: 16, 5: 32} over global_batch_size=8 and two ranks: steps 1-2
     # take 4 samples a rank, 3-4 take 8, 5 on take 16; a replayed step reuses its own shards.
