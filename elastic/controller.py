@@ -569,8 +569,9 @@ class Controller:
     def _count_start_loss(self, exc: BaseException, kind: str, lost: list[int] | str, while_: str,
                           then: str) -> None:
         """One failure for a rank lost while every rank (re)started; ``TrainingFailed`` past
-        ``max_failures``, with the error (a crash that repeats on every start ends there)."""
-        self._count_failure(kind)
+        ``max_failures``, with the error (a crash that repeats on every start ends there). A
+        runtime environment that could not be set up ends the run at once: Ray has retried its
+        set-up already, and every start again ran pip (minutes) to fail the same way."""
         who = f"rank(s) {lost}" if isinstance(lost, list) else lost
         # Its first line and its last: Ray's text of a start that failed says what failed first
         # ("Failed to set up runtime environment.") and why last (pip's error), with a
@@ -579,6 +580,12 @@ class Controller:
         lines = [line.strip() for line in self.redact(str(exc)).splitlines() if line.strip()] or [""]
         said = lines[0] if len(lines) == 1 else f"{lines[0][:200]} ... {lines[-1]}"
         error = f"{type(exc).__name__}: {said[:400]}"
+        if isinstance(exc, ray.exceptions.RuntimeEnvSetupError) or "failed to set up runtime environment" in \
+                lines[0].lower():
+            raise TrainingFailed(self._fail_message(
+                f"the ranks' runtime environment could not be set up while {while_} ({error}): fix the job's "
+                "runtime_env (its pip or conda packages, working_dir, py_modules) and start again")) from exc
+        self._count_failure(kind)
         if self.failures > self.failure_config.max_failures:
             raise TrainingFailed(self._fail_message(
                 f"{who} lost while {while_} ({error}), and failure {self.failures} exceeds "
