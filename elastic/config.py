@@ -35,11 +35,16 @@ _MAX_WINDOW = 1_000_000  # steps a straggler window may span
 # planned, shards and all, when it is sent, and a stop waits for the call (stop_timeout_s, 60 s,
 # then the run is killed); 10**9 planned every step of a run up front. Automatic mode stays <= 16.
 MAX_STEPS_PER_DISPATCH = 1024
+MAX_HOT_SPARES = 256  # num_backups and num_spares (first-N's replicas are bounded at 48 besides)
 _MAX_RESOURCE = 1e14  # ray._private.ray_constants.MAX_RESOURCE_QUANTITY (Ray 2.60), not imported: no Ray here
 
 
 def _got(value: Any) -> str:
-    """``got <repr>``, with the type where the repr alone hides it (``True``, ``'5'``, ``None``)."""
+    """``got <repr>``, with the type where the repr alone hides it (``True``, ``'5'``, ``None``).
+    An integer too long for Python to print (over 4,300 digits: its repr raised ValueError, and
+    the message naming the field was lost) is told by its length."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 14_000:
+        return f"got an integer of about {int(value.bit_length() * 0.30103)} digits"
     kind = "" if type(value) in (int, float) else f" ({type(value).__name__})"
     return f"got {value!r}{kind}"
 
@@ -82,13 +87,26 @@ def _require_seconds(where: str, value: Any, hint: str = "") -> None:
     _require_positive(where, value, "a finite number of seconds", hint, at_most=_MAX_SECONDS)
 
 
+def _seconds_as_float(config: Any) -> None:
+    """Every ``*_s`` field of ``config`` that holds a number, as a float. Why: a checked numpy
+    float32 or a Fraction passed the checks (a real number), then failed in a rank, in
+    ``timedelta(seconds=...)`` at the group's rendezvous, after every model was built."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.name.endswith("_s") and isinstance(value, numbers.Real) and not isinstance(value, (bool, float)):
+            setattr(config, f.name, float(value))
+
+
 # Environment overrides of defaults (tests make timeouts tiny with them; operators tune them):
 # name -> (what a value must be, integer, smallest allowed, whether the smallest is excluded).
 ENV_NUMBERS = {
     **{name: ("seconds > 0", False, 0.0, True) for name in (
         "ELASTIC_PLACEMENT_TIMEOUT_S", "ELASTIC_CAPACITY_TIMEOUT_S", "ELASTIC_HEARTBEAT_INTERVAL_S",
-        "ELASTIC_HEARTBEAT_TIMEOUT_S", "ELASTIC_COLLECTIVE_TIMEOUT_S", "ELASTIC_STEP_TIMEOUT_S",
-        "ELASTIC_NODE_SETTLE_S")},
+        "ELASTIC_HEARTBEAT_TIMEOUT_S", "ELASTIC_NODE_SETTLE_S")},
+    # FailureConfig's own floor (a process group's timeout is whole milliseconds): below it the
+    # default FailureConfig() the warnings compare with failed, blamed on the field, not the variable.
+    **{name: ("seconds >= 0.001", False, 0.001, False) for name in (
+        "ELASTIC_COLLECTIVE_TIMEOUT_S", "ELASTIC_STEP_TIMEOUT_S")},
     **{name: ("seconds >= 0", False, 0.0, False) for name in (
         "ELASTIC_STORAGE_BACKOFF_S", "ELASTIC_STORAGE_BACKOFF_MAX_S", "ELASTIC_CKPT_RETRY_MIN_S",
         "ELASTIC_CKPT_RETRY_MAX_S")},
@@ -111,7 +129,8 @@ def env_number(name: str, default: float) -> float:
         number = None
     if number is None or not _finite_real(number) or number < low or (exclusive and number == low) \
             or number > _MAX_SECONDS:
-        raise ConfigError(f"the environment variable {name}={value!r} must be {what}; fix or unset it.")
+        raise ConfigError(f"the environment variable {name}={value!r} must be {what} and <= {_MAX_SECONDS:g}; "
+                          "fix or unset it.")
     return number
 
 
@@ -223,6 +242,14 @@ class ScalingConfig:
         _require_int("ScalingConfig.num_workers", self.num_workers, 1)
         _require_int("ScalingConfig.num_backups", self.num_backups, 0)
         _require_int("ScalingConfig.num_spares", self.num_spares, 0)
+        for name in ("num_backups", "num_spares"):
+            if getattr(self, name) > MAX_HOT_SPARES:
+                # Each spare is an actor in a placement group of its own, held for the whole run:
+                # 10**30 reached Ray as a resource count it refuses (naming no setting), 10**400
+                # an OverflowError, and on a joined cluster one group and actor each was asked for.
+                raise ConfigError(f"ScalingConfig.{name} must be at most {MAX_HOT_SPARES}, {_got(getattr(self, name))}: "
+                                  "each hot spare (or backup replica) is an actor in a placement group of its own, "
+                                  "held for the whole run.")
         _require_int("ScalingConfig.steps_per_dispatch", self.steps_per_dispatch, 0, "(0 = automatic)")
         if self.steps_per_dispatch > MAX_STEPS_PER_DISPATCH:
             raise ConfigError(
@@ -282,6 +309,12 @@ class ScalingConfig:
             if not isinstance(key, str):
                 raise ConfigError(f"ScalingConfig.resources_per_worker keys must be Ray resource names (str), got "
                                   f"{key!r} ({type(key).__name__}).")
+            if key.strip().upper() in ("NUM_CPUS", "NUM_GPUS", "CPUS", "GPUS") or key != key.strip():
+                # ray.remote's argument names, or a name with spaces: no node has such a resource,
+                # and the run waited placement_timeout_s to be told it could not be placed.
+                name = "GPU" if "GPU" in key.upper() else "CPU"
+                raise ConfigError(f"ScalingConfig.resources_per_worker[{key!r}] is no Ray resource name; write "
+                                  f"{name!r}" + (" (and set use_gpu=True)" if name == "GPU" else "") + ".")
             if key.upper() in ("CPU", "GPU") and key != key.upper():
                 # A custom resource to Ray: no node has it, and the run waited placement_timeout_s
                 # to be told it could not be placed (a 'gpu' also got past the use_gpu check).
@@ -335,6 +368,7 @@ class ScalingConfig:
         if not self.bundle():
             raise ConfigError(f"ScalingConfig.resources_per_worker={resources!r} asks for no resource, and Ray "
                               "cannot place an empty bundle: give each worker CPU > 0 (or another resource).")
+        _seconds_as_float(self)
 
     @property
     def num_replicas(self) -> int:
@@ -435,10 +469,11 @@ class FailureConfig:
             )
         avoid = self.straggler_node_avoid_s
         # An int too large for a float (10**400) made the first eviction's deadline an OverflowError.
-        too_large = isinstance(avoid, int) and not isinstance(avoid, bool) and not _finite_real(avoid)
+        too_large = not isinstance(avoid, (bool, float)) and isinstance(avoid, numbers.Real) and not _finite_real(avoid)
         if isinstance(avoid, bool) or not isinstance(avoid, numbers.Real) or too_large or not avoid >= 0:
             raise ConfigError(f"FailureConfig.straggler_node_avoid_s must be seconds >= 0 (0: spares may go back on a "
                               f"straggler's node at once; math.inf: never for this run), got {avoid!r}.")
+        _seconds_as_float(self)
 
 
 def _accelerator_problem(name: str, amount: float) -> str | None:
@@ -519,6 +554,7 @@ class CheckpointConfig:
                 f"CheckpointConfig.keep_every={keep} is not a multiple of every_n_steps={every}: periodic checkpoints come "
                 f"only at multiples of {every}, so only multiples of {math.lcm(keep, every)} would be kept. Set "
                 f"keep_every to a multiple of every_n_steps (e.g. {nearest}).")
+        _seconds_as_float(self)
 
 
 @dataclass
@@ -559,9 +595,13 @@ class RunConfig:
             raise ConfigError(f"RunConfig.seed must be an integer in [-2**63, 2**64) (torch's seed range), "
                               f"{_got(self.seed)}.")
         _require_seconds("RunConfig.stop_timeout_s", self.stop_timeout_s)
+        self.stop_timeout_s = float(self.stop_timeout_s)  # numpy's or a Fraction failed in a wait (_seconds_as_float)
         _require_flag("RunConfig.progress", self.progress)
+        if isinstance(self.storage, os.PathLike):
+            self.storage = os.fspath(self.storage)  # a pathlib.Path of a local directory: its path
         if self.storage is not None and not isinstance(self.storage, str):
-            raise ConfigError("RunConfig.storage must be a string URL (file://, memory://, s3://) or a path.")
+            raise ConfigError(f"RunConfig.storage must be a URL (file://, memory://, s3://) or a path, as a str, "
+                              f"got a {type(self.storage).__name__}.")
         # storage_options hold credentials: the messages name types only, never a value.
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"RunConfig.storage_options must be a mapping of fsspec option name to value (a "

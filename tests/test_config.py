@@ -6,13 +6,15 @@ import contextlib
 import dataclasses
 import math
 import re
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
 import elastic
 from elastic.actors.worker import choose_device_and_backend
-from elastic.config import ConfigError, FailureConfig, ScalingConfig
+from elastic.config import CheckpointConfig, ConfigError, FailureConfig, RunConfig, ScalingConfig
 from helpers import loss_fn, make_dataset, make_model, make_sgd
 
 
@@ -940,15 +942,62 @@ def test_a_ray_address_from_the_environment_is_checked_as_trainer_address_is(mon
 @pytest.mark.parametrize("name, value, what", [
     ("ELASTIC_HEARTBEAT_TIMEOUT_S", "10s", "seconds > 0"),  # was a bare "could not convert string to float"
     ("ELASTIC_HEARTBEAT_TIMEOUT_S", "nan", "seconds > 0"),  # blamed FailureConfig.heartbeat_timeout_s, never set
-    ("ELASTIC_STEP_TIMEOUT_S", "0", "seconds > 0"),
+    ("ELASTIC_STEP_TIMEOUT_S", "0", "seconds >= 0.001"),
+    # Below FailureConfig's floor: blamed on collective_timeout_s, which the user set to 5.
+    ("ELASTIC_COLLECTIVE_TIMEOUT_S", "0.0005", "seconds >= 0.001"),
     ("ELASTIC_STORAGE_BACKOFF_S", "-1", "seconds >= 0"),  # failed in a sleep inside a rank's storage retry
     ("ELASTIC_CKPT_RETRY_MAX_S", "inf", "seconds >= 0"),
     ("ELASTIC_STORAGE_ATTEMPTS", "2.5", "an integer >= 1"),
+    ("ELASTIC_STEP_TIMEOUT_S", "2e9", r"seconds >= 0.001 and <= 1e\+09"),  # it said "must be > 0"
 ])
 def test_a_bad_environment_override_is_refused_by_its_name_before_start(monkeypatch, name, value, what):
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=rf"environment variable {name}='{re.escape(value)}' must be {what}"):
-        _trainer()
+        _trainer(failure=FailureConfig(collective_timeout_s=5))
+
+
+@pytest.mark.parametrize("value", [np.float32(60), Fraction(60), np.int64(60)])
+def test_seconds_of_other_number_types_become_floats(value):
+    # A numpy float32 or a Fraction passed the checks, then failed in a rank, in
+    # timedelta(seconds=...) at the group's rendezvous, after every model was built.
+    import datetime
+
+    f = FailureConfig(collective_timeout_s=value, straggler_node_avoid_s=value)
+    assert type(f.collective_timeout_s) is float and type(f.straggler_node_avoid_s) is float
+    datetime.timedelta(seconds=f.collective_timeout_s)
+    assert type(ScalingConfig(placement_timeout_s=value).placement_timeout_s) is float
+    assert type(RunConfig(stop_timeout_s=value).stop_timeout_s) is float
+    assert type(CheckpointConfig(resume_timeout_s=value).resume_timeout_s) is float
+    with pytest.raises(ConfigError, match=r"FailureConfig\.straggler_node_avoid_s must be seconds >= 0"):
+        FailureConfig(straggler_node_avoid_s=Fraction(10**400))  # float() of it overflowed at the first eviction
+
+
+@pytest.mark.parametrize("name", ["num_backups", "num_spares"])
+def test_hot_spares_have_a_bound(name):
+    aggregation = "first_n" if name == "num_spares" else "all"
+    for value in (10**6, 10**400):
+        with pytest.raises(ConfigError, match=rf"ScalingConfig\.{name} must be at most 256"):
+            ScalingConfig(aggregation=aggregation, num_backups=1 if name == "num_spares" else value,
+                          **({name: value} if name == "num_spares" else {}))
+
+
+@pytest.mark.parametrize("key", ["num_cpus", "num_gpus", " GPU", "gpu ", "CPUs"])
+def test_a_misspelt_resource_name_is_named(key):
+    # Accepted, no node had it: the run waited placement_timeout_s (a 'gpu ' passed the use_gpu check too).
+    with pytest.raises(ConfigError, match=rf"resources_per_worker\[{re.escape(repr(key))}\] is no Ray resource "
+                                          r"name; write '(CPU|GPU)'"):
+        ScalingConfig(resources_per_worker={key: 1})
+
+
+def test_an_integer_too_long_to_print_still_names_its_field():
+    with pytest.raises(ConfigError, match=r"ScalingConfig\.steps_per_dispatch must be <= 1024, got an integer of"):
+        ScalingConfig(steps_per_dispatch=10**5000)
+
+
+def test_a_pathlib_storage_is_taken_as_its_path(tmp_path):
+    assert RunConfig(storage=tmp_path).storage == str(tmp_path)
+    with pytest.raises(ConfigError, match=r"RunConfig\.storage must be a URL .* as a str, got a bytes"):
+        RunConfig(storage=b"/tmp/x")
 
 
 def test_environment_overrides_are_read_and_the_log_level_in_any_case(monkeypatch):
