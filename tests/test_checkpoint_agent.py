@@ -281,6 +281,23 @@ def test_the_agent_writes_unsigned_and_fp8_tensors_without_sending_the_rank_off(
         hook.close()
 
 
+def test_a_flush_after_the_ranks_are_renumbered_names_the_parts_snapshot_rank_and_world(node):
+    # After a shrink renumbered the ranks, a flush before any snapshot of the new world reported
+    # the agent's last part with no rank: the controller filed rank 1 of 2's part as the asking
+    # rank 0 of 1's, which replaced the old world's reports of the step (never committed).
+    agent, *_ = node
+    worker, hook = FakeWorker(rank=1, world_size=2), link(agent)
+    try:
+        worker.train(2)
+        hook.after_step(worker, 2)
+        worker.rank, worker.world_size = 0, 1  # renumbered by a shrink
+        assert hook.flush(10, worker=worker)
+        ((step, part),) = hook.drain()["ckpt_done"]
+        assert step == 2 and part["again"] and (part["rank"], part["world_size"]) == (1, 2)
+    finally:
+        hook.close()
+
+
 def test_the_agent_sends_each_part_with_its_age_on_the_nodes_clock(node):
     """The controller may run on another host, with another clock: it dates the snapshot from
     the part's age (``with_age``), read here, where the snapshot was taken."""

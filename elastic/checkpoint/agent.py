@@ -344,7 +344,11 @@ class _RankLink:
         part = {**part, "progress": self.newest_step}
         if p.generation is not None:
             part["generation"] = p.generation
-        self.last_part = (step, part)
+        # A flush's report of it (``flushed``) names the snapshot's rank and world size, as the
+        # in-process writer's does (``again``): after a shrink renumbered the ranks, the rank the
+        # flush asks is another one, of another world size, and the part was filed there: it
+        # replaced the old world's reports of the step, which then never committed.
+        self.last_part = (step, {**part, "again": True, "rank": p.rank, "world_size": p.world_size})
         if p.ring is None:
             self.agent.reports.put(("part", (p.rank, p.world_size, step, part)))
         else:
