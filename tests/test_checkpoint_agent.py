@@ -281,6 +281,34 @@ def test_the_agent_writes_unsigned_and_fp8_tensors_without_sending_the_rank_off(
         hook.close()
 
 
+def test_a_connect_to_an_agent_that_does_not_accept_is_bounded(monkeypatch):
+    # A listener with a full backlog (an agent at its open-files limit) left the connect blocked
+    # for good, and the rank's set-up with it.
+    from elastic.checkpoint import worker_hook
+
+    monkeypatch.setattr(worker_hook, "CONNECT_TIMEOUT_S", 0.2, raising=False)
+    address = f"\0elastic-test-full-{os.getpid()}-{random.random()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    queued = []
+    try:
+        listener.bind(address)
+        listener.listen(0)
+        while True:  # fill the backlog: a connect that would block ends the loop
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.setblocking(False)
+            queued.append(s)
+            try:
+                s.connect(address)
+            except BlockingIOError:
+                break
+        with pytest.raises(OSError):
+            worker_hook._connect_agent(address)
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+
+
 def test_a_flush_after_the_ranks_are_renumbered_names_the_parts_snapshot_rank_and_world(node):
     # After a shrink renumbered the ranks, a flush before any snapshot of the new world reported
     # the agent's last part with no rank: the controller filed rank 1 of 2's part as the asking

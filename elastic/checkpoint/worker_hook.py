@@ -32,6 +32,7 @@ from elastic.checkpoint.storage import RetryPolicy
 from elastic.checkpoint.store import CheckpointStore, Snapshot, is_milestone, rank_meta
 
 logger = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 5.0  # a rank's connect to its node's checkpoint agent (_connect_agent)
 
 
 def _ready(sock: socket.socket, write: bool, timeout_s: float) -> bool:
@@ -368,7 +369,12 @@ def _connect_agent(address: str) -> socket.socket:
     shards written for true. The agent checks its clients the same way (``agent._same_user``)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
+        # Bounded: a listener whose backlog is full (an agent that cannot accept, at its open-files
+        # limit) leaves a connect blocked for good, and the rank's set-up with it. A timeout is
+        # an OSError: the rank writes in its own process.
+        sock.settimeout(CONNECT_TIMEOUT_S)
         sock.connect(address)
+        sock.settimeout(None)
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
         if uid != os.getuid():
