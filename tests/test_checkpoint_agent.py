@@ -281,6 +281,32 @@ def test_the_agent_writes_unsigned_and_fp8_tensors_without_sending_the_rank_off(
         hook.close()
 
 
+def test_a_rank_whose_agent_writer_thread_died_writes_in_its_own_process(node, monkeypatch):
+    # The link's writer thread died (its thread_init raised): every later snapshot came back
+    # unwritten, and the rank handed them over for good, none of its steps committing again.
+    from elastic.checkpoint import agent as agent_module
+
+    def cannot_enter(self):
+        raise RuntimeError("cannot set the writer's priority (test)")
+
+    monkeypatch.setattr(agent_module._RankLink, "_writer_enter", cannot_enter)
+    agent, controller, committer, store, (url, options) = node
+    worker, fell_back = FakeWorker(), []
+    hook = link(agent, fallback=lambda: fell_back.append(1) or WorkerCheckpointer(url, options, RUN, 1))
+    try:
+        deadline = time.monotonic() + 10
+        step = 0
+        while hook.fallback is None:
+            assert time.monotonic() < deadline, "the rank never fell back"
+            step += 1
+            worker.train(step)
+            hook.after_step(worker, step)
+            time.sleep(0.05)
+        assert fell_back == [1]
+    finally:
+        hook.close()
+
+
 def test_a_connect_to_an_agent_that_does_not_accept_is_bounded(monkeypatch):
     # A listener with a full backlog (an agent at its open-files limit) left the connect blocked
     # for good, and the rank's set-up with it.
@@ -1446,7 +1472,7 @@ def test_shared_memory_the_agent_cannot_map_sends_the_rank_to_its_own_process(no
         events += controller.events
         assert fallbacks and hook.fallback is fallbacks[0]
         assert [e["event"] for e in events] == ["checkpoint_shared_memory_failed"]
-        assert "checkpoint agent ended its link, as it cannot use this rank's shared memory" in events[0]["message"]
+        assert "checkpoint agent ended its link, as it cannot write for this rank" in events[0]["message"]
         assert f"the agent cannot take in the rank's {refused} " in events[0]["message"]  # the agent's error
         assert "(OSError: [Errno 12] Cannot allocate memory)" in events[0]["message"]
         assert committer.latest_committed == 3

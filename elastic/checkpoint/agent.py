@@ -477,6 +477,12 @@ class _RankLink:
                     self.refuse(f"the snapshot of step {p.step} names ring {p.ring} and layout {p.layout}, which "
                                 "the agent does not hold")
                     return
+                if self.persister.died:
+                    # Its writer thread is gone (``AsyncPersister._died``): every later snapshot
+                    # would come back unwritten, and the rank would hand them over for good, no
+                    # step of it committing again. Told, it writes in its own process.
+                    self.refuse("the agent's writer thread for this rank died")
+                    return
                 self.rank, self.world_size = p.rank, p.world_size
                 # The newest snapshot is the one sent last: a rank snapshots its steps in order,
                 # so one at or below the step before means training went back (a rollback), and

@@ -284,6 +284,11 @@ class AsyncPersister:
         return self._inflight
 
     @property
+    def died(self) -> bool:
+        """The writer thread ended on an error (``_died``): nothing submitted is written any more."""
+        return self._died_of
+
+    @property
     def in_outage(self) -> bool:
         return self._outage.active
 

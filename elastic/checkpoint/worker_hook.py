@@ -346,14 +346,14 @@ class _NoSharedMemory(Exception):
 
 
 class _AgentRefused(ConnectionError):
-    """The agent ended the link because it cannot use this rank's shared memory (a ring it
-    could not map, a layout it could not read: its own open-files limit, ENOMEM,
-    vm.max_map_count; ``_RankLink.refuse``). Apart from a lost agent: the agent still runs, and
-    the event (``checkpoint_shared_memory_failed``) names its error. This rank writes in its own
-    process from then on, which needs no shared memory."""
+    """The agent ended the link because it cannot write for this rank: its shared memory (a
+    ring it could not map, a layout it could not read: its own open-files limit, ENOMEM,
+    vm.max_map_count), or the link's writer thread died (``_RankLink.refuse``). Apart from a
+    lost agent: the agent still runs, and the event (``checkpoint_shared_memory_failed``) names
+    its error. This rank writes in its own process from then on, which needs no shared memory."""
 
     def __init__(self, error: str):
-        super().__init__(f"the node's checkpoint agent ended its link, as it cannot use this rank's shared memory: "
+        super().__init__(f"the node's checkpoint agent ended its link, as it cannot write for this rank: "
                          f"{error}; the agent's process is at fault, not this one")
 
 
