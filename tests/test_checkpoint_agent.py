@@ -865,6 +865,34 @@ def test_an_agent_gone_after_writing_the_last_step_is_not_written_again_its_part
         hook.close()
 
 
+def test_an_agent_lost_mid_run_after_writing_a_step_it_never_reported_has_the_rank_report_it(node, monkeypatch):
+    # The part waited in the node's pool (for the other ranks') when the agent died, and the rank
+    # fell back at its next snapshot without a word of it: that step (a keep_every milestone)
+    # never committed. Only a flush reported it before.
+    agent, controller, committer, store, (url, options) = node
+    monkeypatch.setattr(agent.pool, "add", lambda *a: None)  # the part never leaves the node's pool
+    worker = FakeWorker(rank=0, world_size=1)
+    hook = link(agent, fallback=lambda: WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
+    try:
+        run_training([worker], [hook], committer, [1])
+        deadline = time.monotonic() + 60  # loaded (the suite beside it, moto's S3): seconds
+        while (hook._written or (0,))[0] != 1 and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                hook._poll(time.monotonic() + 0.1)  # the agent's word that step 1 is written
+        assert hook._written is not None and hook._written[0] == 1
+        for link_ in agent.pool.connected():
+            link_.conn.shutdown(socket.SHUT_RDWR)  # the agent dies
+        deadline = time.monotonic() + 5
+        while agent.pool.connected() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (out,) = run_training([worker], [hook], committer, [2])
+        assert hook.fallback is not None
+        assert [s for s, _ in out["ckpt_done"]][:1] == [1]
+        assert committer.flush(10) and 1 in store.committed_steps()
+    finally:
+        hook.close()
+
+
 def test_a_flush_whose_retaken_snapshot_is_dropped_again_goes_on_without_waiting(node, monkeypatch):
     agent, controller, committer, store, _ = node
     with linked_after_step_one(agent, committer) as (worker, hook):

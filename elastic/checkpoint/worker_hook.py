@@ -456,8 +456,17 @@ class AgentCheckpointer:
 
     def after_step(self, worker: Any, step: int) -> dict:
         if self.fallback is not None:
-            return self.fallback.after_step(worker, step)
-        return self._report(self.snapshot(worker, step) if self.due(step) else [])
+            return self._with_orphans(self.fallback.after_step(worker, step))
+        out = self._report(self.snapshot(worker, step) if self.due(step) else [])
+        return self._with_orphans(out) if self.fallback is not None else out
+
+    def _with_orphans(self, out: dict) -> dict:
+        """``out`` with the parts the agent wrote and told this rank of, which it may not have
+        reported before it was lost (``_orphans``): reported twice if it did, which is harmless."""
+        if self._orphans:
+            out["ckpt_done"] = [tuple(d) for d in self._orphans] + list(out["ckpt_done"])
+            self._orphans = []
+        return out
 
     def snapshot(self, worker: Any, step: int, pooled: bool = True) -> list[dict]:
         """Snapshot ``step`` into a slot and hand it to the agent; the events of a failure.
@@ -501,6 +510,12 @@ class AgentCheckpointer:
             return self._fall_back(worker, step, str(exc), event="checkpoint_shared_memory_failed")
         except OSError as exc:
             why, event = self._link_lost(exc)
+            # A part the agent wrote and told of (a milestone's, waiting in the node's pool for
+            # the other ranks') may have gone with it unreported: reported from here, or that
+            # step never committed (retention's keep_every promise broken). The flush's path does
+            # the same (``flush``); this is the agent lost mid-run.
+            if self._written is not None and self._written[1].get("generation") == group_generation(worker):
+                self._orphans.append(self._written)
             return self._fall_back(worker, step, why, event=event)
         except Exception as exc:  # noqa: BLE001 - a snapshot that failed must not stop training
             # Its slot, if it had one, is not the agent's: no send reached it (else no exception).
@@ -728,10 +743,7 @@ class AgentCheckpointer:
         most once a minute, so they undercount a run's end; those before a fall-back included)."""
         if self.fallback is not None:
             events, self._events = self._events + list(extra_events or []), []
-            out = self.fallback.drain(events)
-            if self._orphans:  # reported twice if the agent did report them: harmless
-                out["ckpt_done"] = [tuple(d) for d in self._orphans] + list(out["ckpt_done"])
-                self._orphans = []
+            out = self._with_orphans(self.fallback.drain(events))
             out["snapshots_dropped"] = self.dropped
             return out
         out = self._report(extra_events)
