@@ -307,6 +307,34 @@ def test_a_rank_whose_agent_writer_thread_died_writes_in_its_own_process(node, m
         hook.close()
 
 
+def test_a_links_socket_is_closed_by_the_report_thread_after_its_queued_sends(node, monkeypatch):
+    # Closed on the link's own thread, while the report thread could still be sending it a slot's
+    # return: a descriptor number reused by the next rank's link got that rank a wrong slot.
+    from elastic.checkpoint import agent as agent_module
+
+    agent, *_ = node
+    at_forget = []
+    real = agent_module.CheckpointAgent._forget
+
+    def forget(self, link):
+        time.sleep(0.2)  # the link's own thread has long gone past its close() by now
+        at_forget.append((threading.current_thread().name, link.conn.fileno() != -1))
+        real(self, link)
+
+    monkeypatch.setattr(agent_module.CheckpointAgent, "_forget", forget)
+    worker, hook = FakeWorker(), link(agent)
+    worker.train(1)
+    hook.after_step(worker, 1)
+    (linked,) = agent.pool.connected()
+    hook.close()  # the rank goes
+    deadline = time.monotonic() + 10
+    while not at_forget and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert at_forget and at_forget[0][1]  # still open when its sends were done
+    assert "link" not in at_forget[0][0]  # not on the link's own thread
+    assert linked.conn.fileno() == -1
+
+
 def test_a_connect_to_an_agent_that_does_not_accept_is_bounded(monkeypatch):
     # A listener with a full backlog (an agent at its open-files limit) left the connect blocked
     # for good, and the rank's set-up with it.

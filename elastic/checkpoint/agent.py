@@ -452,7 +452,14 @@ class _RankLink:
         self.agent.forget(self)
         for ring in self.rings.values():
             ring.close()
-        self.conn.close()
+        # Shut, not closed: the report thread may be sending on it (a slot's return the abort
+        # above queued), and a descriptor closed here could be reused by a rank linked next, to
+        # which that send would hand another rank's slot. The report thread closes it once it
+        # has sent what was queued before (``_forget``, queued behind them).
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # the rank closed it first
         return dropped
 
     def _handle(self, m: dict, fds: list[int]) -> None:
@@ -759,6 +766,7 @@ class CheckpointAgent:
     def _forget(self, link: _RankLink) -> None:
         self.pool.drop(link)
         self._send_events([(link.rank, ev) for ev in link.persister.drain_events()])
+        link.conn.close()  # its sends are done: queued before this (_RankLink.close)
 
     def _report(self, step: int, world_size: int, parts: dict) -> None:
         try:
