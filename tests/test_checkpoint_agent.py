@@ -355,10 +355,20 @@ def test_a_connect_to_an_agent_that_does_not_accept_is_bounded(monkeypatch):
                 s.connect(address)
             except BlockingIOError:
                 break
+        t0 = time.monotonic()
         with pytest.raises(OSError):
             worker_hook._connect_agent(address)
+        assert time.monotonic() - t0 >= 0.2  # waited for room, as the bound says
+        # A backlog full for a moment: the connect waits for the agent to take one.
+        monkeypatch.setattr(worker_hook, "CONNECT_TIMEOUT_S", 10.0)
+        taken = []
+        threading.Timer(0.3, lambda: taken.append(listener.accept()[0])).start()
+        worker_hook._connect_agent(address).close()
+        assert taken
     finally:
         for s in queued:
+            s.close()
+        for s in taken if "taken" in locals() else []:
             s.close()
         listener.close()
 

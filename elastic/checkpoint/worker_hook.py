@@ -370,11 +370,23 @@ def _connect_agent(address: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         # Bounded: a listener whose backlog is full (an agent that cannot accept, at its open-files
-        # limit) leaves a connect blocked for good, and the rank's set-up with it. A timeout is
-        # an OSError: the rank writes in its own process.
-        sock.settimeout(CONNECT_TIMEOUT_S)
-        sock.connect(address)
-        sock.settimeout(None)
+        # limit) leaves a blocking connect blocked for good, and the rank's set-up with it. Not
+        # settimeout: that makes the socket non-blocking, and a non-blocking connect to a full
+        # AF_UNIX backlog fails at once (EAGAIN) instead of waiting, so a backlog full for a
+        # moment sent the rank to write in its own process. Tried again until the deadline; a
+        # timeout is an OSError: the rank writes in its own process.
+        sock.setblocking(False)
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                sock.connect(address)
+                break
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the checkpoint agent at {address!r} did not take the connection within "
+                                       f"{CONNECT_TIMEOUT_S:g} s (its backlog is full)") from None
+                time.sleep(0.02)
+        sock.setblocking(True)
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
         if uid != os.getuid():
