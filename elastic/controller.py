@@ -236,6 +236,7 @@ class Controller:
         self._step_time_of: dict[int, float] = {}
         # The straggler whose eviction is held back, and why (see _note_held_back).
         self._eviction_held: tuple[int, str] | None = None
+        self._env_failure: str | None = None  # a start's runtime-env error, ended on its repeat (_count_start_loss)
         # An eviction decided while the next window was queued on the workers: carried out once
         # that window's results are in (see _after_step).
         self._evict_after_window: EvictStraggler | None = None
@@ -571,7 +572,8 @@ class Controller:
         """One failure for a rank lost while every rank (re)started; ``TrainingFailed`` past
         ``max_failures``, with the error (a crash that repeats on every start ends there). A
         runtime environment that could not be set up ends the run at once: Ray has retried its
-        set-up already, and every start again ran pip (minutes) to fail the same way."""
+        set-up already, and every start again ran pip (minutes) to fail the same way; once more, as
+        it may pass, then the same error ends it."""
         who = f"rank(s) {lost}" if isinstance(lost, list) else lost
         # Its first line and its last: Ray's text of a start that failed says what failed first
         # ("Failed to set up runtime environment.") and why last (pip's error), with a
@@ -582,9 +584,14 @@ class Controller:
         error = f"{type(exc).__name__}: {said[:400]}"
         if isinstance(exc, ray.exceptions.RuntimeEnvSetupError) or "failed to set up runtime environment" in \
                 lines[0].lower():
-            raise TrainingFailed(self._fail_message(
-                f"the ranks' runtime environment could not be set up while {while_} ({error}): fix the job's "
-                "runtime_env (its pip or conda packages, working_dir, py_modules) and start again")) from exc
+            # Once more, in case it passes (a working_dir a new node could not fetch yet, the
+            # runtime-env agent's timeout, a blip at the package index); the same error again
+            # ends the run.
+            if error == self._env_failure:
+                raise TrainingFailed(self._fail_message(
+                    f"the ranks' runtime environment could not be set up while {while_}, twice ({error}): fix the "
+                    "job's runtime_env (its pip or conda packages, working_dir, py_modules) and start again")) from exc
+            self._env_failure = error
         self._count_failure(kind)
         if self.failures > self.failure_config.max_failures:
             raise TrainingFailed(self._fail_message(
