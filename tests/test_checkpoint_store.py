@@ -2267,6 +2267,11 @@ def test_a_rollback_to_a_step_never_committed_says_the_newest_committed_below_it
         assert store.committed_steps() == [10, 20]
         committer.rewind(17)  # a second rollback: 15, the step the first went back to, was never written
         assert committer.latest_committed == 10
+        committer.rewind(20, restored=True)  # a restore of 20, then one of 10 (20 found corrupt, say)
+        committer.rewind(10, restored=True)
+        hand_over_and_wait(committer, store, 30)  # 20 trained again but not written (every_n_steps)
+        committer.rewind(25)  # a rollback past 20, which this timeline has not committed
+        assert committer.latest_committed == 10
         committer.rewind(5)  # below every committed step: none
         assert committer.latest_committed is None
     finally:

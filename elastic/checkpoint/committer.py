@@ -226,6 +226,10 @@ class CheckpointCommitter:
         does (``_apply_rewinds``); every delete happens in a pass, so none can come first."""
         later = lambda s: step is None or s > step  # noqa: E731
         with self._lock:
+            # Restored steps past ``step`` are another timeline's (a restore of 100, then one of 90
+            # found 100 corrupt): kept, a later rollback took 100 for committed, as _done's and
+            # _committed's later steps are dropped below for the same reason.
+            self._restored_from = {s for s in self._restored_from if not later(s)}
             if restored and step is not None:
                 self._restored_from.add(step)
             for table in (self._reports, self._metas):
