@@ -309,12 +309,15 @@ class ScalingConfig:
             if not isinstance(key, str):
                 raise ConfigError(f"ScalingConfig.resources_per_worker keys must be Ray resource names (str), got "
                                   f"{key!r} ({type(key).__name__}).")
-            if key.strip().upper() in ("NUM_CPUS", "NUM_GPUS", "CPUS", "GPUS") or key != key.strip():
-                # ray.remote's argument names, or a name with spaces: no node has such a resource,
-                # and the run waited placement_timeout_s to be told it could not be placed.
+            if key.strip().upper() in ("NUM_CPUS", "NUM_GPUS", "CPUS", "GPUS"):
+                # ray.remote's argument names: no node has such a resource, and the run waited
+                # placement_timeout_s to be told it could not be placed.
                 name = "GPU" if "GPU" in key.upper() else "CPU"
                 raise ConfigError(f"ScalingConfig.resources_per_worker[{key!r}] is no Ray resource name; write "
                                   f"{name!r}" + (" (and set use_gpu=True)" if name == "GPU" else "") + ".")
+            if key != key.strip():  # ' GPU' escaped the use_gpu check too
+                raise ConfigError(f"ScalingConfig.resources_per_worker[{key!r}] has spaces around it, which no "
+                                  f"resource's name has; write {key.strip()!r}.")
             if key.upper() in ("CPU", "GPU") and key != key.upper():
                 # A custom resource to Ray: no node has it, and the run waited placement_timeout_s
                 # to be told it could not be placed (a 'gpu' also got past the use_gpu check).
@@ -459,7 +462,7 @@ class FailureConfig:
         factor = self.straggler_factor
         if isinstance(factor, numbers.Real) and not isinstance(factor, bool) and factor > 1.0 \
                 and not _finite_real(factor):  # +inf, or an int too large for a float
-            raise ConfigError(f"FailureConfig.straggler_factor must be finite, got {factor!r}: so large a factor "
+            raise ConfigError(f"FailureConfig.straggler_factor must be finite, {_got(factor)}: so large a factor "
                               "means no rank is ever a straggler. To leave slow ranks in place, keep "
                               "straggler_factor finite and set evict_stragglers=False instead.")
         if not _finite_real(factor) or not factor > 1.0:  # "not >" refuses NaN too, which compares False to all
@@ -472,7 +475,7 @@ class FailureConfig:
         too_large = not isinstance(avoid, (bool, float)) and isinstance(avoid, numbers.Real) and not _finite_real(avoid)
         if isinstance(avoid, bool) or not isinstance(avoid, numbers.Real) or too_large or not avoid >= 0:
             raise ConfigError(f"FailureConfig.straggler_node_avoid_s must be seconds >= 0 (0: spares may go back on a "
-                              f"straggler's node at once; math.inf: never for this run), got {avoid!r}.")
+                              f"straggler's node at once; math.inf: never for this run), {_got(avoid)}.")
         _seconds_as_float(self)
 
 

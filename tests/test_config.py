@@ -981,17 +981,20 @@ def test_hot_spares_have_a_bound(name):
                           **({name: value} if name == "num_spares" else {}))
 
 
-@pytest.mark.parametrize("key", ["num_cpus", "num_gpus", " GPU", "gpu ", "CPUs"])
-def test_a_misspelt_resource_name_is_named(key):
-    # Accepted, no node had it: the run waited placement_timeout_s (a 'gpu ' passed the use_gpu check too).
-    with pytest.raises(ConfigError, match=rf"resources_per_worker\[{re.escape(repr(key))}\] is no Ray resource "
-                                          r"name; write '(CPU|GPU)'"):
+@pytest.mark.parametrize("key, write", [("num_cpus", "CPU"), ("num_gpus", "GPU"), ("CPUs", "CPU"), (" GPU", "GPU"),
+                                        ("gpu ", "gpu"), ("TPU ", "TPU")])
+def test_a_misspelt_resource_name_is_named(key, write):
+    # Accepted, no node had it: the run waited placement_timeout_s (a 'GPU ' passed the use_gpu check too).
+    with pytest.raises(ConfigError, match=rf"resources_per_worker\[{re.escape(repr(key))}\] .*; write '{write}'"):
         ScalingConfig(resources_per_worker={key: 1})
 
 
 def test_an_integer_too_long_to_print_still_names_its_field():
     with pytest.raises(ConfigError, match=r"ScalingConfig\.steps_per_dispatch must be <= 1024, got an integer of"):
         ScalingConfig(steps_per_dispatch=10**5000)
+    for field in ("straggler_node_avoid_s", "straggler_factor"):
+        with pytest.raises(ConfigError, match=rf"FailureConfig\.{field} must be .*got an integer of"):
+            FailureConfig(**{field: 10**5000})
 
 
 def test_a_pathlib_storage_is_taken_as_its_path(tmp_path):

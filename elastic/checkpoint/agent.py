@@ -764,9 +764,11 @@ class CheckpointAgent:
             self.reports.put(("forget", link))
 
     def _forget(self, link: _RankLink) -> None:
-        self.pool.drop(link)
-        self._send_events([(link.rank, ev) for ev in link.persister.drain_events()])
-        link.conn.close()  # its sends are done: queued before this (_RankLink.close)
+        try:
+            self.pool.drop(link)
+            self._send_events([(link.rank, ev) for ev in link.persister.drain_events()])
+        finally:
+            link.conn.close()  # its sends are done: queued before this (_RankLink.close)
 
     def _report(self, step: int, world_size: int, parts: dict) -> None:
         try:
