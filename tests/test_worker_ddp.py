@@ -47,6 +47,18 @@ def buckets_reduced(tmp_path, caps: list) -> list[int]:
     return counts
 
 
+@pytest.fixture(autouse=True)
+def _memory_storage_stays_this_processs():
+    """A TrainWorker built in this process (``local_worker``, outside a spawned one) marks it a
+    process of a run (``memory.join_run``): memory:// then went to a cluster host in every later
+    test of this pytest process (another module's memory:// checkpoints failed with the host)."""
+    from elastic.checkpoint import memory
+
+    was = memory._in_run
+    yield
+    memory._in_run = was
+
+
 def local_worker(model_fn, optimizer_fn=None, dataset_fn=None, loss=None, **spec):
     """A real TrainWorker (no Ray) in this process, on one thread; the helpers' SGD, dataset and
     loss unless given."""

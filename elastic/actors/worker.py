@@ -1283,10 +1283,12 @@ class TrainWorker:
         # device syncs per parameter.
         from elastic.checkpoint.compat import PARAM_NAMES_KEY, state_by_name
 
-        optimizer_state = state_by_name(state["optimizer"], state.get(PARAM_NAMES_KEY), self.optimizer_param_names,
+        names = getattr(self, "optimizer_param_names", None)  # None: a stand-in worker (tests)
+        optimizer_state = state_by_name(state["optimizer"], state.get(PARAM_NAMES_KEY), names,
                                         [len(g["params"]) for g in self.optimizer.param_groups])
         self.optimizer.load_state_dict(optimizer_state)
-        _keep_state_dtypes(self.optimizer, optimizer_state, state["model"], self.optimizer_param_names)
+        if names is not None:
+            _keep_state_dtypes(self.optimizer, optimizer_state, state["model"], names)
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None:  # a state of a run without fp16 has none: a fresh scaler, as a new run's

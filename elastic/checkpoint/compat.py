@@ -202,7 +202,7 @@ def param_names_of(model: Any, optimizer: Any) -> list[str]:
     return [names.get(id(p), "") for group in optimizer.param_groups for p in group["params"]]
 
 
-def state_by_name(saved: dict, saved_names: Any, live_names: list[str], live_group_sizes: list[int]) -> dict:
+def state_by_name(saved: dict, saved_names: Any, live_names: list[str] | None, live_group_sizes: list[int]) -> dict:
     """An optimizer state dict whose per-parameter state goes to the parameters of
     ``live_names`` by name, where torch gives it by position. For a peer's state (a spare or a
     survivor catching up): the same code in another process may list a group's parameters in
@@ -211,7 +211,8 @@ def state_by_name(saved: dict, saved_names: Any, live_names: list[str], live_gro
     others failed the next step. Unchanged where the orders agree, where either side's names
     are not all known and distinct, or where a parameter would change group (its group's
     hyperparameters are another's: no reordering within groups makes that right)."""
-    if not isinstance(saved_names, list) or saved_names == live_names or len(saved_names) != len(live_names) \
+    if not isinstance(saved_names, list) or not isinstance(live_names, list) or saved_names == live_names \
+            or len(saved_names) != len(live_names) \
             or "" in live_names or len(set(live_names)) != len(live_names) or set(saved_names) != set(live_names):
         return saved
     ids = [pid for group in saved.get("param_groups", []) for pid in group["params"]]
