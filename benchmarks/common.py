@@ -63,22 +63,11 @@ def emit(figure: str, value: float | None, unit: str, **details: Any) -> None:
         value = None
     elif value is None and "value_note" not in details:
         details = {"value_note": "not measured in this run (see the details and the log)", **details}
-    line = json.dumps(_finite({"figure": figure, "value": value, "unit": unit, **details}), default=str,
-                      allow_nan=False)
+    from elastic.jsonable import strict_dumps  # json.dumps wrote NaN, which is no JSON
+
+    line = strict_dumps({"figure": figure, "value": value, "unit": unit, **details})
     _FIGURES.write(line + "\n")
     _FIGURES.flush()
-
-
-def _finite(obj: Any) -> Any:
-    """``obj`` with every float that is no finite number as None: json.dumps wrote NaN, which is
-    no JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

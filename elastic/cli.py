@@ -20,7 +20,6 @@ import os
 import re
 import secrets
 import shlex
-import socket
 import string
 import sys
 import tempfile
@@ -943,15 +942,9 @@ def _print_json(obj: Any) -> None:
 def _strict_json(obj: Any) -> str:
     """JSON that strict parsers (jq) read: a non-finite float (the NaN loss of a step kept after a
     recovery, a diverged loss, an infinite avoid time) is null, where ``json.dumps`` writes NaN."""
-    def clean(v: Any) -> Any:
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        return v
-    return json.dumps(clean(obj), default=str, allow_nan=False)
+    from elastic.jsonable import strict_dumps
+
+    return strict_dumps(obj)
 
 
 # ---- submit -----------------------------------------------------------------------------------
