@@ -221,17 +221,59 @@ def _reported(*groups, max_resources=None):
     return config
 
 
-def _cluster(monkeypatch, live_nodes, config=None):
-    """Ray's view for check_cluster_fits: ``live_nodes`` (CPU, GPU) pairs up now, and the
-    autoscaler's reported config (None: nothing reported)."""
+def _cluster(monkeypatch, live_nodes, config=None, draining=()):
+    """Ray's view for check_cluster_fits: ``live_nodes`` (CPU, GPU) pairs up now (node IDs n0,
+    n1, ...; ``draining`` those being drained), and the autoscaler's reported config (None:
+    nothing reported)."""
     import ray
     from ray._private import state as ray_state
 
-    nodes = [{"Alive": True, "Resources": {"CPU": float(c), "GPU": float(g)}} for c, g in live_nodes]
+    nodes = [{"Alive": True, "NodeID": f"n{i}", "Resources": {"CPU": float(c), "GPU": float(g)}}
+             for i, (c, g) in enumerate(live_nodes)]
     totals = {"CPU": float(sum(c for c, _ in live_nodes)), "GPU": float(sum(g for _, g in live_nodes))}
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
     monkeypatch.setattr(ray, "cluster_resources", lambda: totals)
     monkeypatch.setattr(ray_state.state, "get_cluster_config", lambda: config)
+    monkeypatch.setattr(ray_state.state, "get_draining_nodes", lambda: {n: 0 for n in draining})
+
+
+def test_a_draining_node_is_no_room_for_the_run(monkeypatch):
+    # Ray lists a node being drained (a spot node told it goes) alive, with its resources, and
+    # places nothing new there: a run that fit only with it waited out placement_timeout_s.
+    from elastic.actors.cluster_fit import check_cluster_fits
+    from elastic.config import ConfigError
+
+    config = elastic.ScalingConfig(num_workers=2, use_gpu=True)
+    _cluster(monkeypatch, [(4, 1), (4, 1)], draining=["n1"])
+    with pytest.raises(ConfigError, match=r"needs 2 GPU .* has 1"):
+        check_cluster_fits(config, config.num_replicas)
+    _cluster(monkeypatch, [(4, 1), (4, 1)])
+    check_cluster_fits(config, config.num_replicas)
+
+
+def test_strict_pack_is_refused_on_a_group_its_max_resources_never_lets_start(monkeypatch):
+    from elastic.actors.cluster_fit import check_cluster_fits
+    from elastic.config import ConfigError
+
+    reported = _reported(({"CPU": 2}, 1, 1), ({"CPU": 64, "GPU": 8}, 0, 2), ({"CPU": 8, "GPU": 1}, 0, -1),
+                         max_resources={"GPU": 4})
+    _cluster(monkeypatch, [(2, 0)], reported)
+    config = elastic.ScalingConfig(num_workers=2, use_gpu=True, placement_strategy="STRICT_PACK")
+    with pytest.raises(ConfigError, match="STRICT_PACK"):
+        check_cluster_fits(config, config.num_replicas)
+
+
+def test_a_ray_client_driver_leaves_the_check_to_the_controller(monkeypatch):
+    # From a client the autoscaler's groups cannot be read, and the live nodes alone refused a
+    # run the groups can grow to hold; the controller checks again inside the cluster.
+    from ray.util.client import ray as client
+
+    from elastic.actors.cluster_fit import check_cluster_fits
+
+    _cluster(monkeypatch, [(4, 0)])  # no GPU up now
+    monkeypatch.setattr(client, "is_connected", lambda: True)
+    config = elastic.ScalingConfig(num_workers=4, use_gpu=True)
+    check_cluster_fits(config, config.num_replicas)
 
 
 def test_a_run_the_live_nodes_cannot_hold_is_refused_naming_wait_for_nodes_and_waits_with_it(monkeypatch):

@@ -119,13 +119,40 @@ def _capped_count(count: float, min_count: int, resources, caps: dict[str, float
 
 
 def live_capacity() -> Capacity:
-    nodes = [(n.get("Resources", {}), 1.0) for n in ray.nodes() if n.get("Alive")]
-    return Capacity(dict(ray.cluster_resources()), nodes, live=True)
+    """The live nodes, but those being drained (a spot node told it goes, an autoscaler's scale
+    down): Ray lists them alive and counts their resources, yet places no new bundle there, so
+    a run that fit only with them was accepted and then waited out placement_timeout_s."""
+    draining = _draining_nodes()
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    totals = dict(ray.cluster_resources())
+    for n in alive:
+        if n.get("NodeID") in draining:
+            for key, amount in n.get("Resources", {}).items():
+                totals[key] = max(0.0, totals.get(key, 0.0) - float(amount))
+    nodes = [(n.get("Resources", {}), 1.0) for n in alive if n.get("NodeID") not in draining]
+    return Capacity(totals, nodes, live=True)
+
+
+def _draining_nodes() -> set[str]:
+    """The IDs of nodes being drained, as Ray Train reads them (``ray._private.state``: no public
+    API has it); none when it cannot be read."""
+    try:
+        from ray._private.state import state
+
+        return set(state.get_draining_nodes())
+    except Exception:  # noqa: BLE001 - a private API: without it, every live node counts
+        logger.debug("could not read the draining nodes", exc_info=True)
+        return set()
 
 
 def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
     """Fail fast, before any actor starts, when the cluster can never host the run (see the
     module's docstring for which cluster is checked against what)."""
+    if _through_ray_client():
+        # The autoscaler's groups cannot be read from a Ray Client driver (Ray's state API needs
+        # the GCS, which a client has no options for), so the live nodes alone refused runs the
+        # groups can grow to hold. The controller checks again inside the cluster (_schedule).
+        return
     reported = autoscaler_capacity()
     if reported is None:
         if not scaling.wait_for_nodes:
@@ -140,6 +167,15 @@ def check_cluster_fits(scaling: ScalingConfig, total_bundles: int) -> None:
             _check(scaling, total_bundles, live_capacity())
         except ConfigError:
             raise beyond_groups from None
+
+
+def _through_ray_client() -> bool:
+    try:
+        from ray.util.client import ray as client
+
+        return bool(client.is_connected())
+    except Exception:  # noqa: BLE001 - no client module: not connected through one
+        return False
 
 
 def _check(scaling: ScalingConfig, total_bundles: int, capacity: Capacity) -> None:
@@ -193,7 +229,9 @@ def _check_nodes_fit(scaling: ScalingConfig, total_bundles: int, capacity: Capac
     setting."""
     bundle = scaling.bundle()
     count, _ = _replica_settings(scaling)
-    fits = [(bundles_on(resources, bundle), n) for resources, n in capacity.nodes]
+    # Groups whose max_resources cap lets no node start (_capped_count: 0) hold nothing: counted,
+    # an 8-GPU group the cap keeps at 0 nodes let STRICT_PACK through, to wait out placement.
+    fits = [(bundles_on(resources, bundle), n) for resources, n in capacity.nodes if n > 0]
     shown = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
     if not any(f for f, _ in fits):
         raise _refuse(capacity, f"No {capacity.words.nodes_are} has room for one worker ({shown}): a worker's resources "
@@ -201,7 +239,7 @@ def _check_nodes_fit(scaling: ScalingConfig, total_bundles: int, capacity: Capac
     strategy = scaling.placement_strategy
     roomy = sum(n for f, n in fits if f > 0)  # nodes with room for one worker
     held = sum(f * n for f, n in fits if f)  # not 0 x inf (nan): an unlimited group of nodes too small
-    largest = max(f for f, _ in fits)
+    largest = max((f for f, _ in fits), default=0)
     nodes = "node(s) have" if capacity.live else "node(s) at most have"
     if strategy == "STRICT_SPREAD" and roomy < total_bundles:
         raise _refuse(capacity, f"ScalingConfig.placement_strategy='STRICT_SPREAD' puts each of the {total_bundles} "
