@@ -53,6 +53,9 @@ def trainer_address_problem(address: str) -> str | None:
     if scheme in ("http", "https"):
         return ("is a dashboard address, which Ray Jobs (`elastic submit --address`) takes; the Trainer joins "
                 "the cluster itself")
+    if scheme == "ray" and not address.startswith("ray://"):
+        # Ray reads the scheme as a module to import ("Module: RAY does not exist"): no setting named.
+        return "has its scheme in capitals, which Ray reads as a module's name (write ray:// in lower case)"
     if scheme not in (None, "ray") or host_port(address) is None:
         return "is not a Ray address"
     return None

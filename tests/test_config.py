@@ -846,6 +846,9 @@ def test_an_address_that_is_no_ray_address_is_refused_before_start(address):
     ("admin:hunter22@127.0.0.1:6379", r"Trainer.address='\*\*\*@127.0.0.1:6379' holds a user:password@"),
     ("http://head:8265", r"Trainer.address='http://head:8265' is a dashboard address, which Ray Jobs"),
     ("s3://bucket:1234", r"Trainer.address='s3://bucket:1234' is not a Ray address"),
+    # Ray imported "RAY" as a module: "Module: RAY does not exist", naming no setting.
+    ("RAY://head:10001",
+     r"Trainer.address='RAY://head:10001' has its scheme in capitals, .*\(write ray:// in lower case\)"),
 ])
 def test_an_address_with_credentials_or_another_scheme_is_refused_without_echoing_them(address, why):
     # ray://user:pw@host:port passed (its host read as "user:pw@host"), and the unreachable error
