@@ -46,8 +46,11 @@ SIGNED_PARAM = re.compile(r"(?i)(?:(?<![\w-])(?P<name>x-(?:amz|goog)-(?:credenti
 # end of the line. Only with a ':', so "authorization failed" stays as it is. Ray's token auth
 # (2.60) sends its token as ``X-Ray-Authorization: Bearer ...`` (or ``Authorization``) and in the
 # dashboard's ``ray-authentication-token`` cookie: a Cookie header is hidden whole.
-CREDENTIAL_HEADER = re.compile(r"(?i)(?<![\w-])(?P<name>(?:proxy-|x-ray-)?authorization|x-amz-security-token|cookie)"
-                               r"(?P<sep>['\"]?[ \t]*:[ \t]*(?:b?['\"])?)(?P<value>[^'\"\r\n]+)")
+# Also as JSON inside a JSON string (``{\\"authorization\\": \\"Bearer ...\\"}``: its quotes
+# escaped), and Set-Cookie (a response's session).
+CREDENTIAL_HEADER = re.compile(r"(?i)(?<![\w-])(?P<name>(?:proxy-|x-ray-)?authorization|x-amz-security-token|"
+                               r"(?:set-)?cookie)"
+                               r"(?P<sep>\\?['\"]?[ \t]*:[ \t]*(?:b?\\?['\"])?)(?P<value>[^'\"\\\r\n]+)")
 # An AWS access key id on its own (AKIA... long-term, ASIA... temporary): 20 characters of a
 # form ordinary text does not take.
 _ACCESS_KEY_ID = re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])")

@@ -128,6 +128,17 @@ def test_botocores_own_debug_lines_are_redacted_as_text(moto, fresh_loggers, mon
         assert KEY_ID not in text and TOKEN not in text, text
 
 
+def test_credential_headers_in_escaped_json_and_set_cookie_are_redacted():
+    # JSON inside a JSON string escapes its quotes, and Set-Cookie's "set-" kept "cookie" from
+    # matching: both passed through as they were.
+    from elastic.redact import carries_credentials
+
+    escaped = json.dumps(json.dumps({"authorization": "Bearer tok123"}))
+    for text, secret in ((escaped, "tok123"), ("Set-Cookie: session=abc123; Path=/", "abc123")):
+        assert carries_credentials(text) and secret not in redact_urls_in(text), text
+    assert redact_urls_in("authorization failed: no token") == "authorization failed: no token"
+
+
 def test_signed_query_parameters_and_credential_headers_are_redacted_without_a_url():
     cases = {
         "GET /bkt/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA0123%2F20240101%2Fus-east-1"
