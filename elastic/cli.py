@@ -397,14 +397,19 @@ def _controller(run: str, address: str, timeout_s: float) -> Any:
                        f"(no actor {CONTROLLER_NAME!r} in namespace {namespace!r}){hint}") from None
 
 
-def _ask(run: str, call: Any, timeout_s: float) -> Any:
-    """The answer to one call on a run's controller, or a CliError that says why there is none."""
+def _ask(run: str, call: Any, timeout_s: float, sent: str | None = None) -> Any:
+    """The answer to one call on a run's controller, or a CliError that says why there is none.
+    ``sent``: the call acts though unanswered (it waits in the actor's queue, and can run after
+    this command exits): a timeout says that, exit EXIT_OUTCOME_UNKNOWN, not "no answer"."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
     try:
         return ray.get(call, timeout=timeout_s)
     except GetTimeoutError:
+        if sent is not None:
+            raise CliError(f"the controller of run {run!r} did not confirm {sent} within {timeout_s:g} s; the "
+                           "request was sent and may still take effect", code=EXIT_OUTCOME_UNKNOWN) from None
         raise CliError(f"the controller of run {run!r} did not answer within {timeout_s:g} s") from None
     except RayActorError:
         raise CliError(f"the controller of run {run!r} has exited (the run ended or its driver died)") from None
@@ -605,17 +610,10 @@ def stop(
         from ray.exceptions import GetTimeoutError, RayActorError
 
         actor = _controller(run, addr, timeout_s)
-        confirm_s = min(timeout_s, DEFAULT_TIMEOUT_S)
-        try:
-            ray.get(actor.stop.remote("elastic stop"), timeout=confirm_s)
-        except GetTimeoutError:
-            # Sent, and waiting in the actor's queue (a controller still in its constructor):
-            # it can still run after this command exits. Exit 1 said "not delivered", and a
-            # script that then started the run again raced the stop it had asked for.
-            raise CliError(f"the controller of run {run!r} did not confirm the stop within {confirm_s:g} s; "
-                           "the request was sent and may still take effect", code=EXIT_OUTCOME_UNKNOWN) from None
-        except RayActorError:
-            raise CliError(f"the controller of run {run!r} has exited (the run ended or its driver died)") from None
+        # Sent, a stop may wait in the actor's queue (a controller still in its constructor) and
+        # run after this command exits: unconfirmed is exit 3, not "not delivered" (a script
+        # that then started the run again raced the stop it had asked for).
+        _ask(run, actor.stop.remote("elastic stop"), min(timeout_s, DEFAULT_TIMEOUT_S), sent="the stop")
         if not wait:
             _plain(f"asked run {run} to stop after the steps already dispatched")
             return

@@ -598,7 +598,7 @@ class RunConfig:
             raise ConfigError(f"RunConfig.seed must be an integer in [-2**63, 2**64) (torch's seed range), "
                               f"{_got(self.seed)}.")
         _require_seconds("RunConfig.stop_timeout_s", self.stop_timeout_s)
-        self.stop_timeout_s = float(self.stop_timeout_s)  # numpy's or a Fraction failed in a wait (_seconds_as_float)
+        _seconds_as_float(self)
         _require_flag("RunConfig.progress", self.progress)
         if isinstance(self.storage, os.PathLike):
             self.storage = os.fspath(self.storage)  # a pathlib.Path of a local directory: its path

@@ -24,7 +24,7 @@ from elastic.actors.cluster_fit import check_cluster_fits
 from elastic.actors.protocol import CollectiveError, PackedSpec, StepResult, StopRequested, TrainingSpec, WorkerError
 from elastic.actors.sends import max_trail
 from elastic.actors.worker_group import (Member, PlacementTimeout, WorkerGroup, describe_worker_failure,
-                                         unreachable_nodes)
+                                         unreachable_nodes, wait_refs)
 from elastic.checkpoint import shm
 from elastic.checkpoint.agent import NodeAgents, given_up, refused_on_node
 from elastic.checkpoint.compat import UnsaveableState
@@ -1497,12 +1497,7 @@ class Controller:
         # then given up (``_evict``) and the run's end waits for the late ranks itself; waited
         # out here first, the stop's end came up to step_timeout_s later, past the driver's
         # stop_timeout_s, whose kill took the stop's commit with it.
-        deadline = time.monotonic() + self._late_wait_s()
-        while True:
-            left = deadline - time.monotonic()
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(0.5, left)))
-            if len(ready) == len(refs) or left <= 0.5 or (exclude is not None and self._interrupted()):
-                break
+        ready = wait_refs(refs, self._late_wait_s(), self._interrupted if exclude is not None else lambda: False)
         unfinished: dict[int, BaseException | None] = {}
         for ref in refs:
             r = self._lagging[ref][0]

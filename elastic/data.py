@@ -35,8 +35,8 @@ def _order_key(seed: int, epoch: int) -> int:
     """The PCG64 seed of an epoch's order: ``seed * 1_000_003 + epoch`` where that is in
     [0, 2**63) (every seed from 0 to ~9.2e12, so the orders of runs and checkpoints made before
     stay as they were; a negative seed's changed, and a checkpoint of one mid-epoch resumes at
-    the next epoch, ``data_order_changed`` saying so), else one key per (seed, epoch) from 2**63 up. The old key, masked to 63 bits,
-    gave seeds 2**63 apart (0 and 2**63, -1 and 2**63 - 1: ``RunConfig.seed`` takes torch's
+    the next epoch, ``data_order_changed`` saying so), else one key per (seed, epoch) from 2**63
+    up. The old key, masked to 63 bits, gave seeds 2**63 apart (0 and 2**63, -1 and 2**63 - 1: ``RunConfig.seed`` takes torch's
     [-2**63, 2**64)) the same order in every epoch. numpy's ``SeedSequence`` takes any
     non-negative integer, so the wide key needs no hash."""
     key = seed * 1_000_003 + epoch

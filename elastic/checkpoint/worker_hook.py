@@ -468,9 +468,10 @@ class AgentCheckpointer:
 
     def after_step(self, worker: Any, step: int) -> dict:
         if self.fallback is not None:
-            return self._with_orphans(self.fallback.after_step(worker, step))
-        out = self._report(self.snapshot(worker, step) if self.due(step) else [])
-        return self._with_orphans(out) if self.fallback is not None else out
+            out = self.fallback.after_step(worker, step)
+        else:  # a snapshot that loses the agent falls back, with the parts it leaves (_orphans)
+            out = self._report(self.snapshot(worker, step) if self.due(step) else [])
+        return self._with_orphans(out)
 
     def _with_orphans(self, out: dict) -> dict:
         """``out`` with the parts the agent wrote and told this rank of, which it may not have
