@@ -325,6 +325,9 @@ def test_a_links_socket_is_closed_by_the_report_thread_after_its_queued_sends(no
     worker, hook = FakeWorker(), link(agent)
     worker.train(1)
     hook.after_step(worker, 1)
+    deadline = time.monotonic() + 30
+    while not agent.pool.connected() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the agent takes the connection on its own thread (loaded: seconds)
     (linked,) = agent.pool.connected()
     hook.close()  # the rank goes
     deadline = time.monotonic() + 10
