@@ -521,6 +521,54 @@ def test_a_replica_that_computed_only_healthy_warm_up_steps_is_held_on_its_first
             p.observe(r, 0.03)
         p.observe_pending(2, late)
         assert isinstance(p.decide(spares_ready=1), Continue), late
+    # The pause ends: its step time, the rank's only counted one, is that pause again. Counted on
+    # top of the count held during the stretch, it evicted the replica ("11.00x ... for 5 steps").
+    p.observe_pending(2, 0.0)
+    p.observe(2, 0.33)
+    for step in range(3):
+        for r in range(2):
+            p.observe(r, 0.03)
+        if step:
+            p.observe(2, 0.03)  # healthy again
+        assert isinstance(p.decide(spares_ready=1), Continue), step
+    assert p._over[2] == 0
+
+
+@pytest.mark.parametrize("steps_per_decision", [1, 16])
+def test_the_step_time_that_ends_a_held_pause_does_not_count_the_pause_twice(steps_per_decision):
+    # A late rank whose own step times are healthy is held one short of the window. Its pause's
+    # timing was then counted on top of the held count: with no other counted timing since the
+    # reset (it sat out under the backoff) that was the window, and it was evicted.
+    p = StragglerPolicy(factor=2.0, window=5, evict=True, warmup_steps=2)
+    for _ in range(2):  # the warm-up: rank 2's cold step and one healthy step
+        for r in range(3):
+            p.observe(r, 0.03)
+        p.decide(spares_ready=1)
+    for late in range(2, 8):
+        for r in range(2):
+            for _ in range(steps_per_decision):
+                p.observe(r, 0.03)
+        p.observe_pending(2, 0.03 * steps_per_decision * late)
+        assert isinstance(p.decide(spares_ready=1, steps=steps_per_decision), Continue), late
+    assert p._over[2] == 4  # held one short of the window
+    p.observe_pending(2, 0.0)
+    p.observe(2, 0.03 * steps_per_decision * 8)  # the paused step's time
+    for r in range(2):
+        for _ in range(steps_per_decision):
+            p.observe(r, 0.03)
+    assert isinstance(p.decide(spares_ready=1, steps=steps_per_decision), Continue)
+    # Slow for good: late again at once, now with a slow step time of its own, and evicted.
+    for late in range(1, 4):
+        for r in range(2):
+            for _ in range(steps_per_decision):
+                p.observe(r, 0.03)
+        p.observe_pending(2, 0.06 * steps_per_decision * late)
+        d = p.decide(spares_ready=1, steps=steps_per_decision)
+        if isinstance(d, EvictStraggler):
+            assert d.rank == 2
+            break
+    else:
+        raise AssertionError("a replica slow after its pause was never evicted")
 
 
 def test_a_replica_slow_from_its_second_step_is_not_called_healthy_by_its_fast_cold_step():

@@ -45,6 +45,12 @@ class StragglerPolicy:
         # step had its fast cold step there, and their median called it healthy (a first try,
         # reverted in fc98c46, kept it and the lower median; it was never evicted).
         self._early: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
+        # Late ranks held one short of the window in their current late stretch (``decide``).
+        # The step time that ends such a stretch is the pause again: it joins the rank's times
+        # (a slow one makes its next late stretch count in full) but is no fresh evidence. Why:
+        # counted at the next decision on top of the held count, one pause reached the window
+        # and evicted a healthy replica whose only counted timing was the paused one.
+        self._held: set[int] = set()
 
     def reset(self) -> None:
         """The group was rebuilt: old timings describe another ring. Start a new warm-up."""
@@ -54,18 +60,22 @@ class StragglerPolicy:
         self._fresh.clear()
         self._seen.clear()
         self._early.clear()
+        self._held.clear()
         self._steps = 0
 
     def observe(self, rank: int, local_time_s: float) -> None:
         self._seen[rank] += 1
         self._busy_for.pop(rank, None)  # it finished: no longer late
+        ends_hold = rank in self._held
+        self._held.discard(rank)
         if self._seen[rank] <= self._cold_steps:
             return
         if self._steps < self.warmup_steps:
             self._early[rank].append(local_time_s)
             return
         self._times[rank].append(local_time_s)
-        self._fresh[rank] += 1
+        if not ends_hold:  # the held stretch's own time is no new evidence (``__init__``)
+            self._fresh[rank] += 1
 
     def observe_pending(self, rank: int, elapsed_s: float) -> None:
         """``rank`` has been late for ``elapsed_s`` and has not finished (0: it is not late)."""
@@ -82,6 +92,7 @@ class StragglerPolicy:
         self._fresh.pop(rank, None)
         self._seen.pop(rank, None)
         self._early.pop(rank, None)
+        self._held.discard(rank)
 
     def scores(self) -> dict[int, float]:
         """Each rank's median step time over the median of the other ranks' medians.
@@ -151,7 +162,8 @@ class StragglerPolicy:
         held on its first pause after the warm-up (it was evicted ~0.2 s into a GC pause). One
         with none of those either, or slow ones, is counted in full, so a replica 200x slow from
         the start is evicted at its next late stretch after its first step (a rank that never
-        finishes one is ``step_timeout_s``'s).
+        finishes one is ``step_timeout_s``'s). The step time that ends a held stretch joins the
+        rank's times but is no fresh evidence (``_held``): it is the same pause.
         """
         self._steps += steps
         scores, own = self._scores()
@@ -161,6 +173,7 @@ class StragglerPolicy:
                 continue
             if score <= self.factor:
                 self._over[rank] = 0
+                self._held.discard(rank)
                 continue
             over = self._over[rank] + counted
             if rank in self._busy_for and (own.get(rank, math.inf) <= self.factor
@@ -169,6 +182,7 @@ class StragglerPolicy:
                 # cold first step: a pause so far. (With no warm-up, a rank late before its first
                 # step since a rebuild was counted in full: nothing of its own said it was slow.)
                 over = min(over, self.window - 1)
+                self._held.add(rank)
             self._over[rank] = over
         self._fresh.clear()
         if not self.evict:
