@@ -1392,14 +1392,17 @@ class Controller:
         self._note_lateness([rank])
 
     def _note_lateness(self, ranks) -> None:
-        """How long each of ``ranks`` has been late, to the straggler policy: since its oldest
-        window still out (0: none is)."""
+        """How long each of ``ranks`` has been late, to the straggler policy: since it started
+        on its oldest window still out (``_late_clocks``; 0: none is out). Why not since that
+        window went late: a rank working off a backlog started it later, when it handed back the
+        one before. A promoted spare whose cold first step left windows behind (they went late
+        while it was in that step) was then scored, right after the step, by the whole cold
+        stretch again, counted in full now that it had a step behind it, and evicted while it
+        caught up. A slow rank's windows still take it long, and its step times say so too."""
         now = time.time()
-        oldest: dict[int, float] = {}
-        for r, since, _ in self._lagging.values():
-            oldest[r] = min(oldest.get(r, since), since)
+        clocks = self._late_clocks()
         for r in ranks:
-            self.straggler_policy.observe_pending(r, now - oldest[r] if r in oldest else 0.0)
+            self.straggler_policy.observe_pending(r, now - clocks[r][0] if r in clocks else 0.0)
 
     def _set_meta_after_results(self, step: int) -> None:
         """First-N with requeueing: a step's checkpoint meta is set once its results (or, for a

@@ -2568,10 +2568,32 @@ def test_a_late_window_collected_without_a_timing_leaves_no_stale_late_stretch(r
     skipped = StepResult(2, 7, 0.0, 0.0, 0.0, 0, 7, {"computed": False, "fast": [0, 1]})
     c._collect_late(2, [skipped])
     assert 2 not in c.straggler_policy._busy_for  # no window left: not late
-    c._lagging = {"a": (2, time.time() - 3.0, 1), "b": (2, time.time() - 1.0, 1)}
+    before = time.time()
+    c._lagging = {"a": (2, before - 3.0, 1), "b": (2, before - 1.0, 1)}
+    c._late_done_at[2] = before - 5.0
     c.straggler_policy.observe_pending(2, 9.0)
+    c._note_lateness([2])
+    assert 3.0 <= c.straggler_policy._busy_for[2] <= time.time() - before + 3.0  # on its oldest window out
+    c.straggler_policy.observe_pending(2, 9.0)
+    handed_back = time.time()
     c._collect_late(2, [skipped])
-    assert 2.5 < c.straggler_policy._busy_for[2] < 4.0  # late since its oldest window still out
+    assert c.straggler_policy._busy_for[2] <= time.time() - handed_back  # on its next window since just now
+
+
+def test_a_rank_working_off_a_backlog_is_late_since_it_started_its_window(ray_cluster):  # the Controller asks Ray for its runtime context
+    # A promoted spare's cold first step left windows behind: they went late while it was in that
+    # step. Measured from the oldest one's going late, its stretch right after the cold step was
+    # the whole cold stretch again, counted in full (it had a step behind it now): evicted while it
+    # caught up. It has been on that window only since it handed back the one before.
+    c = controller("late-backlog", workers=4, backups=1, aggregation="first_n",
+                   failure=elastic.FailureConfig(straggler_warmup_steps=0))
+    before = time.time()
+    c._lagging = {"a": (4, before - 3.0, 16), "b": (4, before - 2.0, 16), "c": (3, before - 1.0, 16)}
+    c._late_done_at[4] = before - 0.2
+    c._note_lateness([3, 4])
+    busy = c.straggler_policy._busy_for
+    assert 0.2 <= busy[4] <= time.time() - before + 0.2
+    assert 1.0 <= busy[3] <= time.time() - before + 1.0  # no window handed back: since it went late
 
 
 def test_a_wait_for_capacity_whose_spare_dies_building_asks_again_until_capacity_timeout_s(ray_cluster):
