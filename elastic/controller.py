@@ -80,6 +80,9 @@ class ReplicaDivergence(TrainingFailed):
 ROUTINE_KINDS = frozenset({"checkpoint_commit", "checkpoint_retention", "checksum", "checkpoint_failed",
                            "checkpoint_delete_failed", "checkpoint_cleanup_failed", "checkpoint_snapshots_dropped"})
 ROUTINE_EVENTS_KEPT = 1000
+# A recovery's decision whose carrying out failed on a Ray error with no other rank lost (a GCS
+# call refused for a moment) is decided again this many times before the run fails (``_recover``).
+REBUILD_RETRIES = 3
 # Step records the controller keeps (the newest; ``Result.history``), while the run's totals
 # (``RunTotals``) count every step. Why: a record is ~330 bytes in the controller and its dict
 # ~400 more in the result (tracemalloc, 4 ranks), so a long run of short steps (40 a second for
@@ -2122,8 +2125,10 @@ class Controller:
         self.transition(State.RECOVERING, f"{kind} of rank(s) {list(lost)} in step {self.step + 1}")
         if self.metrics is not None:
             self.metrics.on_rebuild(lost=set(lost))
+        retries = 0  # of a decision for the same lost ranks that failed on a Ray error (below)
         while True:
-            self._count_failure(kind)
+            if not retries:
+                self._count_failure(kind)
             found = self._settle_survivors(set(lost))
             if found:
                 self.log("failure", f"rank(s) {sorted(found)} lost too as the survivors left the group "
@@ -2146,12 +2151,29 @@ class Controller:
                 self._form_group(f"recovered from {kind}")
                 break
             except (ray.exceptions.RayError, TimeoutError) as exc:
-                newly = self._probe_dead()
-                if not newly:
+                # The ranks the decision was for are still members (killed) until it is carried
+                # out, and their heartbeats do not answer: not lost again. Counted as lost while
+                # healing, a Ray error in carrying the decision out (a GCS call of a spare's
+                # request in the wait for capacity) was a second failure, and with
+                # max_failures=1 one lost rank ended the run.
+                pending = set(self._unhealed)
+                newly = self._probe_dead() - pending
+                if not newly and not pending:
                     raise TrainingFailed(self._fail_message(f"rebuild failed without a lost rank: {exc}")) from exc
-                lost, kind = tuple(sorted(newly)), "failure_during_recovery"
-                self.log("failure", f"rank(s) {list(lost)} lost while healing: {type(exc).__name__}",
-                         ranks=list(lost))
+                if not newly:
+                    retries += 1
+                    if retries > REBUILD_RETRIES:
+                        raise TrainingFailed(self._fail_message(
+                            f"rebuild for rank(s) {list(lost)} failed {retries} times without another rank lost: "
+                            f"{type(exc).__name__}: {exc}")) from exc
+                    self.log("decision", f"carrying out the decision for rank(s) {list(lost)} failed "
+                             f"({type(exc).__name__}: {exc}); no other rank was lost: deciding again "
+                             f"({retries} of {REBUILD_RETRIES})", lost=list(lost))
+                    continue
+                retries = 0
+                lost, kind = tuple(sorted(newly | pending)), "failure_during_recovery"
+                self.log("failure", f"rank(s) {sorted(newly)} lost while healing: {type(exc).__name__}",
+                         ranks=sorted(newly))
         seconds = time.time() - t0
         self._held_through = 0
         self._arrived = None

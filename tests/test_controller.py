@@ -1480,6 +1480,47 @@ def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_h
     assert decisions == ["EvictStraggler", "ReplaceWithSpares"]
 
 
+def test_a_ray_error_carrying_out_a_recoverys_decision_is_not_a_second_failure(ray_cluster):
+    # The lost rank stays a member (killed) until the decision is carried out; a Ray error there
+    # (a GCS call of a spare's request) probed it dead again, counted as a second failure "lost
+    # while healing", and with max_failures=1 one lost rank ended the run.
+    c = controller("fake-decide-ray-error", backups=1, failure=elastic.FailureConfig(max_failures=1),
+                   faults=[{"kind": "kill", "rank": 1, "at_step": 2}])
+    decide, calls = c._decide_and_apply, []
+
+    def refused_once(lost, kind):
+        calls.append(lost)
+        if len(calls) == 1:
+            raise ray.exceptions.RaySystemError("the GCS refused the call for a moment")
+        return decide(lost, kind)
+
+    c._decide_and_apply = refused_once
+    try:
+        c.run_for(steps=4)
+    finally:
+        c.shutdown()
+    assert c.state is State.FINISHED and c.failures == 1 and calls == [(1,), (1,)]
+    assert not [e for e in c.events if "lost while healing" in e.message]
+    assert [e for e in c.events if e.kind == "decision" and "deciding again (1 of 3)" in e.message]
+
+
+def test_a_decision_that_keeps_failing_on_ray_errors_ends_the_run(ray_cluster):
+    c = controller("fake-decide-ray-errors", backups=1, failure=elastic.FailureConfig(max_failures=5),
+                   faults=[{"kind": "kill", "rank": 1, "at_step": 2}])
+
+    decide, calls = c._decide_and_apply, []
+
+    def refused(lost, kind):
+        calls.append(lost)
+        if len(calls) <= 10:
+            raise ray.exceptions.RaySystemError("the GCS is gone")
+        return decide(lost, kind)
+
+    c._decide_and_apply = refused
+    run_expecting_failure(c, 4, r"rebuild for rank\(s\) \[1\] failed 4 times without another rank lost")
+    assert c.failures == 1 and len(calls) == 4
+
+
 @pytest.mark.parametrize("decided_at, why", [(16, "has taken its last step"), (15, "last step is already sent")])
 def test_no_eviction_once_the_last_step_is_taken_or_sent(ray_cluster, decided_at, why):
     # Nothing is left for a spare to speed up; a first-N victim evicted there also left the last
