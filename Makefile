@@ -54,7 +54,9 @@ test: $(STAMP)
 	# 1.1-1.4 s, the model ~0.3 s; our modules ~0.4 s), and 5.3 CPU-s for a Ray cluster start.
 	# Bytecode for this checkout first: where PYTHONDONTWRITEBYTECODE is set (this VM sets it), every
 	# process (~460 Ray actors a run) compiled the package from source, ~0.15 s of CPU each.
-	$(BIN)/python -m compileall -q elastic tests examples > /dev/null
+	# -q prints only what fails to compile (file, line, the SyntaxError): sent to /dev/null, a typo
+	# stopped make with no word of where.
+	$(BIN)/python -m compileall -q elastic tests examples
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 bench: $(STAMP)
