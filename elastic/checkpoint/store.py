@@ -1,7 +1,10 @@
 """The on-storage checkpoint layout of one run: per-rank shard files, a manifest written last, and cleanup.
 
 A step is committed iff ``step-NNNNNNNNN/manifest.json`` exists and its self-checksum matches; it is
-valid iff, in addition, every file it lists has the recorded size and sha256. No renames anywhere.
+valid iff, in addition, every file it lists has the recorded size and sha256. Nothing depends on a
+rename: object stores have none, and there the manifest is the commit marker. On local files each
+file is still written to a temporary name and renamed over (``storage._write_local``), so that a
+reader (a live ``elastic checkpoints``, a resume) never meets a half-written manifest or shard.
 
 Each writing rank writes one safetensors file a step: its share of the tensors, with its JSON meta
 (RNG state; with shard 0 the skeleton of the non-tensor state) in the header's ``__metadata__``.
