@@ -837,11 +837,14 @@ class Trainer:
             # one, and would show the secret's first characters.
             line = redact_urls_in((str(exc).strip().splitlines() or [""])[0])
             told = f"run {self._running.name!r}: its controller was lost ({type(exc).__name__}: {line[:400]})"
-        told = redact_urls_in(told)
-        if self._store is not None:
-            return (f"{told}\nfit() again with RunConfig.name={self._running.name!r} and the same storage continues from "
-                    "the latest committed checkpoint")
-        return f"{told}\nThis run had no RunConfig.storage, so a new fit() starts from the beginning"
+        return f"{redact_urls_in(told)}\n{self._after_a_kill()}"
+
+    def _after_a_kill(self) -> str:
+        """What a next ``fit()`` does after this run was lost or killed: said by whether it had storage."""
+        if self._running.storage is not None:
+            return (f"fit() again with RunConfig.name={self._running.name!r} and the same storage continues from the "
+                    "latest committed checkpoint")
+        return "This run had no RunConfig.storage, so a new fit() starts from the beginning"
 
     def _claim_run_name(self) -> None:
         """Make sure no other live run has this run's name on the cluster, before any actor starts.
@@ -928,10 +931,10 @@ class Trainer:
                 line = describe_worker_failure(exc, failed).splitlines()[0] \
                     if isinstance(exc, ray.exceptions.RayTaskError) else f"{failed}: {type(exc).__name__}: {exc}"
                 what = redact_urls_in(line)[:400]
-            raise KeyboardInterrupt(
-                f"run {self._running.name!r} killed ({what}): steps not yet committed are lost, as in a crash; fit() "
-                f"again with RunConfig.name={self._running.name!r} and the same storage continues from the latest "
-                "committed checkpoint") from exc
+            # Whether a next fit() continues: a run with no storage was told it would, from a
+            # checkpoint that was never written.
+            raise KeyboardInterrupt(f"run {self._running.name!r} killed ({what}): steps not yet committed are lost, "
+                                    f"as in a crash. {self._after_a_kill()}") from exc
 
     def _stopped_message(self, why: str, out: dict) -> str:
         ckpt = out.get("checkpoint") or {}

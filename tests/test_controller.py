@@ -926,6 +926,9 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     with pytest.raises(KeyboardInterrupt, match="run 'stuck' killed .RunConfig.stop_timeout_s=0.5s ran out") as info:
         trainer._stop(ref, "KeyboardInterrupt")
     assert isinstance(info.value.__cause__, ray.exceptions.GetTimeoutError)
+    # No storage: no checkpoint to continue from (it was said there was one).
+    assert "no RunConfig.storage, so a new fit() starts from the beginning" in str(info.value)
+    assert "continues from" not in str(info.value)
     assert trainer.controller is None
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(ref, timeout=30)
@@ -974,11 +977,12 @@ def test_a_controller_error_while_stopping_is_told_redacted(ray_cluster):
             pass
 
     trainer = elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 8,
-                              run=elastic.RunConfig(name="raises-on-stop", stop_timeout_s=60))
+                              run=elastic.RunConfig(name="raises-on-stop", stop_timeout_s=60, storage="memory://ckpt"))
     trainer.controller = RaisesOnStop.remote()
     with pytest.raises(KeyboardInterrupt, match="the controller failed while stopping: RuntimeError: write to") as info:
         trainer._stop(trainer.controller.run.remote(), "KeyboardInterrupt")
     assert "store.example" in str(info.value)  # the error's text reached the message, redacted
+    assert "the same storage continues from the latest committed checkpoint" in str(info.value)
     assert "hunter22" not in str(info.value) and "abc123" not in str(info.value)
 
 
