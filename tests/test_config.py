@@ -253,6 +253,15 @@ def test_bad_run_name(name):
         elastic.RunConfig(name=name)
 
 
+def test_no_run_shares_its_namespace_with_the_memory_hosts():
+    # A run's actors live in "elastic-" + its name; the memory:// hosts' namespace was
+    # "elastic-memory", a run named "memory"'s too.
+    from elastic.checkpoint import memory
+
+    assert elastic.RunConfig(name="memory").name == "memory"
+    assert not memory.NAMESPACE.startswith("elastic-")
+
+
 @pytest.mark.parametrize("value", [0, -1, "30", None, float("nan"), float("inf"), True, 1e300])
 def test_bad_stop_timeout(value):
     with pytest.raises(ConfigError, match="RunConfig.stop_timeout_s"):

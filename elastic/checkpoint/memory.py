@@ -37,7 +37,9 @@ import ray
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "elastic-memory"
+# The hosts' namespace: one no run's can be ("elastic-" + RunConfig.name). "elastic-memory" was
+# also the namespace of a run named "memory", whose actors then listed beside every driver's hosts.
+NAMESPACE = "elastic_memory"
 # The filesystem calls Storage makes (elastic/checkpoint/storage.py), fsspec's batch cat/pipe that
 # DriverMirror copies a tree with, and the only calls the host runs.
 OPS = frozenset({"pipe_file", "cat_file", "exists", "ls", "rm_file", "rm", "rmdir", "makedirs", "find",
