@@ -156,7 +156,10 @@ def flags_named(message: str, args: argparse.Namespace) -> str:
              "ScalingConfig.use_gpu": "--gpu", "RunConfig.storage": "--storage", "RunConfig.name": "--name",
              "Trainer.address": "--address", "Trainer.fit's epochs": "--epochs",
              "Trainer.faults": "--slow-rank/--slow-factor/--slow-delay/--slow-from-step/--kill-rank/--kill-at-step",
-             "FailureConfig.evict_stragglers": "--evict-stragglers"}
+             "FailureConfig.evict_stragglers": "--evict-stragglers",
+             # The cluster check's refusals (elastic/actors/cluster_fit.py): first-N's replicas
+             # by their own words, and the wait for an autoscaler's nodes.
+             "num_backups (first-N replicas)": "--first-n", "ScalingConfig.wait_for_nodes": "--wait-for-nodes"}
     named = sorted((message.find(field), flag) for field, flag in flags.items() if field in message)
     shown = list(dict.fromkeys(flag for _, flag in named))
     return f"{', '.join(shown)}: {message}" if shown else message

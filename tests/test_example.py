@@ -114,6 +114,18 @@ def test_bad_demo_flags_exit_with_the_setting_to_change_before_any_actor_starts(
     assert field in err and flags in err and "Traceback" not in err
 
 
+def test_the_cluster_checks_refusal_names_the_flags_behind_it():
+    # Its first-N wording and its hint to wait for an autoscaler's nodes named no flag: the
+    # demo's user read "--workers" alone, not --first-n or --wait-for-nodes.
+    from elastic.actors import cluster_fit
+
+    args = digits.parse_args(["--first-n", "2"])
+    replicas, _ = cluster_fit._replica_settings(digits.build_trainer(args).scaling)
+    refusal = cluster_fit._refuse(cluster_fit.Capacity({"CPU": 2.0}, [], live=True),
+                                  f"The run needs 4 CPU; lower {replicas}.")
+    assert digits.flags_named(str(refusal), args).startswith("--workers, --first-n, --wait-for-nodes: The run needs")
+
+
 def test_a_config_error_that_no_flag_causes_exits_2_without_the_usage_line(monkeypatch, capsys):
     # A ConfigError from fit() after the ranks started (here: the workers built different
     # datasets) names no flag, so the usage line would send the user to the flags for nothing.
