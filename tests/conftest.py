@@ -59,18 +59,24 @@ def start_cluster(num_nodes: int = 1, cpus_per_node: int = 8, num_gpus: int | No
     if num_gpus is not None:
         head["num_gpus"] = num_gpus
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(num_nodes - 1):
-        cluster.add_node(num_cpus=cpus_per_node)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    try:  # a cluster that started but could not be joined is not left running for later modules
+        for _ in range(num_nodes - 1):
+            cluster.add_node(num_cpus=cpus_per_node)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+    except BaseException:
+        cluster.shutdown()
+        raise
     return cluster
 
 
 def stop_cluster(cluster) -> None:
     import ray
 
-    ray.shutdown()
-    cluster.shutdown()
+    try:
+        ray.shutdown()
+    finally:
+        cluster.shutdown()
 
 
 _shared: dict = {"cluster": None}

@@ -518,11 +518,11 @@ def test_a_resume_waits_for_storage_that_does_not_answer(ray_cluster, uninterrup
         trainer("wait", url, storage_options=options, blocking=True).fit(steps=6)
         again = trainer("wait", url, storage_options=options)  # validated while the endpoint answers
         s3.stop()
-        seen = {}
+        seen, over = {}, threading.Event()
 
         def bring_storage_back_once_the_resume_waits():
             deadline = time.time() + 120
-            while time.time() < deadline and "state" not in seen:
+            while time.time() < deadline and "state" not in seen and not over.is_set():
                 try:
                     st = ray.get(ray.get_actor("controller", namespace="elastic-wait").status.remote(), timeout=5)
                     if st["checkpoint"]["storage_outage"]:
@@ -530,13 +530,18 @@ def test_a_resume_waits_for_storage_that_does_not_answer(ray_cluster, uninterrup
                 except Exception:  # noqa: BLE001 - the controller is not up yet
                     pass
                 time.sleep(0.1)
-            time.sleep(1)
-            s3.start()
+            # Not once the test is over: a fit() that failed at once left this thread to start
+            # the server again after the test's stop, in whatever test ran next.
+            if not over.wait(1):
+                s3.start()
 
         th = threading.Thread(target=bring_storage_back_once_the_resume_waits)
         th.start()
-        result = again.fit(steps=12)
-        th.join()
+        try:
+            result = again.fit(steps=12)
+        finally:
+            over.set()
+            th.join()
         assert seen["state"] == "starting"
         assert result.metrics["restored_from"] == 6
         waits = [e for e in result.events if e["kind"] in ("storage_outage", "storage_recovered")]

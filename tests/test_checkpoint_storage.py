@@ -166,6 +166,26 @@ def test_transient_errors_are_retried_until_the_endpoint_returns():
         server.stop()
 
 
+def test_a_restart_on_a_port_taken_meanwhile_fails_at_once():
+    # moto's start() waited for its server thread with no timeout, and the thread died on the bind
+    # error: an outage test whose port another process took meanwhile hung until pytest's timeout.
+    import socket
+
+    server = MotoS3().start()
+    server.stop()
+    squatter = socket.socket()
+    try:
+        squatter.bind(("127.0.0.1", server.port))
+        squatter.listen()
+        with pytest.raises(OSError, match=f"cannot start again on 127.0.0.1:{server.port}"):
+            server.start()
+        assert not server.running
+    finally:
+        squatter.close()
+    assert server.start().running  # free again: it starts
+    server.stop()
+
+
 def test_retries_are_bounded_and_errors_redacted():
     server = MotoS3().start()
     bucket = server.create_bucket()

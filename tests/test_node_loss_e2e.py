@@ -42,13 +42,17 @@ def cluster():
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "env_vars": DRIVER_CREDENTIALS,
         "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
-    node_a = c.add_node(num_cpus=2)
-    c.add_node(num_cpus=2)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    yield c, node_a
-    ray.shutdown()
-    c.shutdown()
+    try:  # as conftest's start_cluster/stop_cluster: no cluster is left running for later modules
+        node_a = c.add_node(num_cpus=2)
+        c.add_node(num_cpus=2)
+        c.wait_for_nodes()
+        ray.init(address=c.address, log_to_driver=False)
+        yield c, node_a
+    finally:
+        try:
+            ray.shutdown()
+        finally:
+            c.shutdown()
 
 
 def trainer(name, backups):

@@ -7,6 +7,8 @@ what lets tests simulate a storage outage. Imports moto lazily: the library neve
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import uuid
 
 logger = logging.getLogger(__name__)
@@ -14,6 +16,21 @@ logger = logging.getLogger(__name__)
 TEST_KEY = "testing"
 # Distinctive, so a test can assert it never shows up in messages or events.
 TEST_SECRET = "elastic-TEST-SECRET-do-not-leak-0123"
+
+
+START_TIMEOUT_S = 30.0
+
+
+def _check_free(port: int) -> None:
+    """Raise a clear OSError if 127.0.0.1:``port`` cannot be bound (a restart on the same port)."""
+    probe = socket.socket()
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as werkzeug's server binds
+        probe.bind(("127.0.0.1", port))
+    except OSError as exc:
+        raise OSError(exc.errno, f"moto's S3 server cannot start again on 127.0.0.1:{port}: {exc.strerror}") from exc
+    finally:
+        probe.close()
 
 
 class MotoS3:
@@ -28,8 +45,17 @@ class MotoS3:
 
         # werkzeug logs every request at INFO; keep test output readable.
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        if self.port:
+            _check_free(self.port)
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        server.start()
+        # Bounded: moto's start() waits with no timeout for its server thread to bind, and that
+        # thread dies on a bind error without a word, so a restart on a port taken meanwhile
+        # (another process's port-0 bind during the outage) hung the test until pytest's timeout.
+        starter = threading.Thread(target=server.start, name="moto-start", daemon=True)
+        starter.start()
+        starter.join(START_TIMEOUT_S)
+        if starter.is_alive():
+            raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{self.port} within {START_TIMEOUT_S:g} s")
         self.port = server.get_host_and_port()[1]
         self._server = server
         return self
