@@ -936,12 +936,20 @@ class Controller:
         """
         from elastic.checkpoint import CorruptCheckpoint
         from elastic.checkpoint.compat import CheckpointMismatch
+        from elastic.checkpoint.store import unreadable_newer
 
         reader, rest = self.group.members[0], self.group.members[1:]
         meta = None
+        refused: list = []  # steps whose manifest cannot be read here (committed_steps)
         # Retention deletes nothing while the step is listed and read (holding_steps).
         with self._steps_held():
-            for step in reversed(self.store.committed_steps()):
+            for step in reversed(self.store.committed_steps(refused)):
+                # Not below a step this elastic cannot read (a newer elastic's, one storage
+                # refuses): the newer steps tried turned out corrupt, and resuming from an older
+                # one trained over it, as committed_steps refuses when it is the newest.
+                newer = [exc for r, exc in refused if r > step]
+                if newer:
+                    raise unreadable_newer(newer[-1])
                 ref = reader.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options,
                                                              self.run_config.name, step)
                 try:
@@ -958,6 +966,8 @@ class Controller:
                     self.log("checkpoint", f"skipped committed step {step}: {cause}; trying an older step",
                              step=step, path=cause.path, corrupt=True)
         if meta is None:
+            if refused:  # every readable step was corrupt: starting fresh trains over the unreadable ones
+                raise unreadable_newer(refused[-1][1])
             self.log("checkpoint", f"no committed checkpoint under {self.store.location}; starting fresh")
             return None
         if rest:

@@ -19,6 +19,7 @@ import torch
 
 import elastic
 from elastic.checkpoint import CheckpointStore, UnsaveableState, memory
+from elastic.checkpoint.store import VERSION
 from elastic.checkpoint.testing import TEST_SECRET, MotoS3, clear_memory
 from helpers import (assert_weights_close, loss_fn, make_adam, make_dataset, make_model, make_sgd, reference_weights,
                      s3_with_credentials_in_this_process_only)
@@ -237,6 +238,17 @@ def test_corrupt_newest_step_is_skipped(ray_cluster, tmp_path, uninterrupted):
     with open(shard, "r+b") as f:
         f.seek(os.path.getsize(shard) // 2)
         f.write(b"\x00garbage\x00")
+    # Step 5 as a newer elastic writes it: this one cannot read it, and the resume must not go
+    # below it once step 6 turns out corrupt (it went to step 4 and trained over step 5).
+    from test_manifest_checks import rewrite_manifest, setting
+
+    store = CheckpointStore(url, "corrupt")
+    rewrite_manifest(store, 5, setting("version", VERSION + 1))
+    with pytest.raises(elastic.TrainingFailed, match="step 5 .* was written by a newer elastic .* newer than every readable "
+                                        "committed step"):
+        trainer("corrupt", url, workers=1).fit(steps=12)
+    assert store.step_dirs()[-3:] == [4, 5, 6]
+    rewrite_manifest(store, 5, setting("version", VERSION))
     # Resumed by one worker: two ranks wrote the checkpoint, and the state does not depend on that.
     resumed = trainer("corrupt", url, workers=1).fit(steps=12)
     assert resumed.metrics["restored_from"] == 5 and resumed.metrics["world_size"] == 1

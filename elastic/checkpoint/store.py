@@ -423,6 +423,16 @@ def join_url(url: str, name: str) -> str:
     return url + name if url.endswith("/") else f"{url}/{name}"
 
 
+
+def unreadable_newer(exc: StorageError) -> StorageError:
+    """The error of a resume that would go back below a step whose manifest cannot be read here
+    (``exc``: refused by storage, or written by a newer elastic): resuming from an older step
+    would train over one that may well be whole."""
+    return StorageError(f"{exc}; it is newer than every readable committed step, so the run cannot tell where "
+                        "to resume: make it readable here (its read access, or the elastic that wrote it), or "
+                        "remove the step")
+
+
 class CheckpointStore:
     """Checkpoints of one run under ``<url>/<run_name>``."""
 
@@ -620,15 +630,18 @@ class CheckpointStore:
             raise CorruptCheckpoint(step, where, problem)
         return manifest, entries
 
-    def committed_steps(self) -> list[int]:
+    def committed_steps(self, refused: list | None = None) -> list[int]:
         """Steps whose manifest exists and checks out (files not verified), oldest first.
 
         A manifest that storage refuses to hand over (a permanent error, not an outage: say an
         S3 lifecycle rule moved a step ``keep_every`` kept to Glacier) is left out with a warning
         naming it when a newer step's manifest is readable, as a corrupt one is: one archived
         step used to stop every resume. Refused on the newest step, it is raised: resuming from
-        an older step would train over one that may well be whole."""
-        out, refused = [], []
+        an older step would train over one that may well be whole. ``refused``, if given, gets
+        the (step, StorageError) of each one left out: a resume whose newer steps' files turn
+        out corrupt must not fall back below one of them either (``unreadable_newer``)."""
+        refused = [] if refused is None else refused
+        out = []
         for step in self.step_dirs():
             try:
                 self.load_manifest(step)
@@ -645,9 +658,7 @@ class CheckpointStore:
             out.append(step)
         for step, exc in refused:
             if not out or step > out[-1]:
-                raise StorageError(f"{exc}; it is newer than every readable committed step, so the run cannot "
-                                   "tell where to resume: make it readable here (its read access, or the elastic "
-                                   "that wrote it), or remove the step") from None
+                raise unreadable_newer(exc)
             logger.warning("skipping checkpoint step %d: its manifest cannot be read (%s)", step, exc)
         return out
 
