@@ -21,6 +21,19 @@ os.environ.setdefault("ELASTIC_HEARTBEAT_TIMEOUT_S", "5")
 os.environ.setdefault("ELASTIC_COLLECTIVE_TIMEOUT_S", "20")
 os.environ.setdefault("ELASTIC_PLACEMENT_TIMEOUT_S", "20")
 
+# No AWS credentials of this machine's own, in the suite's processes or the clusters it starts
+# (they inherit this environment): the tests that put S3 credentials in the driver alone
+# (helpers.s3_with_credentials_in_this_process_only) skipped wherever botocore found some (an EC2
+# instance role, ~/.aws/credentials on a CI runner), and asked the instance metadata service
+# (1-2 s) where there was none. The tests' S3 is moto on loopback, with its own keys.
+for _name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+              "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
+              "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+              "AWS_CONTAINER_AUTHORIZATION_TOKEN"):
+    os.environ.pop(_name, None)
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.environ["AWS_CONFIG_FILE"] = os.devnull
+
 
 _PATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")])
 # Workers import the test helpers and examples from this checkout. Set in the environment the
