@@ -1788,7 +1788,13 @@ class Controller:
                 break
             now = time.time()
             if first_problem is not None and now - first_problem > cfg.collective_timeout_s:
-                self._kill_hung(self._culprits(pending), "did not leave a broken collective", gone=dead)
+                # A rank still in its own code (a long forward, a step_fn's micro-batches) has
+                # not reached the broken collective yet and fails at it on its own: blamed only
+                # once it has been in its code past step_timeout_s. Killed as hung, every
+                # survivor still computing went with the dead peer, and the recovery had no one
+                # holding the state (a restart from the checkpoint, or without one, no run).
+                self._kill_hung(self._culprits(pending, own_for_s=cfg.step_timeout_s),
+                                "did not leave a broken collective", gone=dead)
                 first_problem = time.time()
                 continue
             if now - t0 > cfg.step_timeout_s:
@@ -1898,8 +1904,10 @@ class Controller:
                      ranks=sorted(lost))
         return lost, down
 
-    def _culprits(self, pending: dict) -> dict:
+    def _culprits(self, pending: dict, own_for_s: float | None = None) -> dict:
         """Which pending ranks are stuck in their own code rather than waiting on a peer.
+        ``own_for_s``: a rank in its own code is blamed only once it has been in that phase
+        longer (else nobody is: it holds the others up, and may yet reach its collective).
 
         A rank that never reached its collective (phase "compute") holds everyone else up; a
         rank that does not answer its heartbeat is stuck outright. If every pending rank waits
@@ -1933,17 +1941,7 @@ class Controller:
                         self._lost(r, gone)
         if gone:
             return {}
-        silent = {ref: r for ref, r in refs.items() if r not in info}
-        if silent:
-            return silent
-        own = {ref: r for ref, r in refs.items() if not _waits_on_peers(info[r]["phase"])}
-        if own:
-            return own
-        # A late replica waits on the fast set's leader, who waits in the collective: blamed
-        # only when no rank waits in one.
-        collective = [r for r in info if "allreduce" in info[r]["phase"]] or list(info)
-        last = max(collective, key=lambda r: info[r]["phase_since"])
-        return {ref: r for ref, r in refs.items() if r == last}
+        return _blamed(refs, info, own_for_s, time.time())
 
     def _lost(self, r: int, dead: set[int]) -> None:
         """Rank ``r``'s call says it is lost (``actor_lost``): into ``dead``, and killed. Why kill
@@ -3371,6 +3369,26 @@ def evictions_carried_out(events: list[dict]) -> list[dict]:
                 out.append(decision)
             decision = None
     return out
+
+
+def _blamed(refs: dict, info: dict, own_for_s: float | None, now: float) -> dict:
+    """``Controller._culprits``' choice, from the pending ``refs`` (ref -> rank) and the
+    heartbeats' ``info`` (rank -> answer; a rank missing did not answer): the silent ranks, else
+    those in their own code (for more than ``own_for_s``, if given: ``phase_since`` is the rank's
+    clock, against the controller's ``now``), else the one that entered its collective last."""
+    silent = {ref: r for ref, r in refs.items() if r not in info}
+    if silent:
+        return silent
+    own = {ref: r for ref, r in refs.items() if not _waits_on_peers(info[r]["phase"])}
+    if own:
+        if own_for_s is None:
+            return own
+        return {ref: r for ref, r in own.items() if now - info[r]["phase_since"] > own_for_s}
+    # A late replica waits on the fast set's leader, who waits in the collective: blamed
+    # only when no rank waits in one.
+    collective = [r for r in info if "allreduce" in info[r]["phase"]] or list(info)
+    last = max(collective, key=lambda r: info[r]["phase_since"])
+    return {ref: r for ref, r in refs.items() if r == last}
 
 
 def _waits_on_peers(phase: str) -> bool:

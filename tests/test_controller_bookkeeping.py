@@ -1157,3 +1157,20 @@ def test_a_late_replicas_user_error_is_not_hidden_by_its_next_window_failing_as_
     c._lagging = {"w1": (2, time.time(), 1), "w2": (2, time.time(), 1)}
     with pytest.raises(WorkerError, match="worker rank 2 raised"):
         c._finish_late()
+
+
+def test_at_the_collective_timeout_a_rank_still_in_its_own_code_is_blamed_only_past_the_step_timeout():
+    # A peer died; a survivor still in a long forward (a step_fn's micro-batches) has not reached
+    # the broken collective, and fails at it on its own. Blamed at collective_timeout_s, every
+    # survivor still computing was killed as hung beside the dead peer, and nothing held the state.
+    now = 1000.0
+    refs = {"r0": 0, "r1": 1, "r2": 2}
+    info = {0: {"phase": "compute", "phase_since": now - 70.0}, 1: {"phase": "compute", "phase_since": now - 200.0},
+            2: {"phase": "allreduce", "phase_since": now - 65.0}}
+    assert controller_module._blamed(refs, info, None, now) == {"r0": 0, "r1": 1}  # the step timeout's rule
+    assert controller_module._blamed(refs, info, 120.0, now) == {"r1": 1}  # in its forward for 200 s: hung
+    info[1]["phase_since"] = now - 80.0
+    assert controller_module._blamed(refs, info, 120.0, now) == {}  # still computing: nobody (not rank 2 either)
+    assert controller_module._blamed(refs, {0: info[0], 2: info[2]}, 120.0, now) == {"r1": 1}  # silent: blamed
+    waiting = {r: {"phase": "allreduce", "phase_since": now - 60.0 + r} for r in refs.values()}
+    assert controller_module._blamed(refs, waiting, 120.0, now) == {"r2": 2}  # all in it: the last to enter
