@@ -551,21 +551,27 @@ def test_the_step_time_that_ends_a_held_pause_does_not_count_the_pause_twice(ste
         p.observe_pending(2, 0.03 * steps_per_decision * late)
         assert isinstance(p.decide(spares_ready=1, steps=steps_per_decision), Continue), late
     assert p._over[2] == 4  # held one short of the window
-    p.observe_pending(2, 0.0)
-    p.observe(2, 0.03 * steps_per_decision * 8)  # the paused step's time
+    p.observe(2, 0.03 * steps_per_decision * 8)  # the paused step's time ...
+    p.observe_pending(2, 0.001)  # ... and (first-N) late on its next window, the fast N having run on
     for r in range(2):
         for _ in range(steps_per_decision):
             p.observe(r, 0.03)
     assert isinstance(p.decide(spares_ready=1, steps=steps_per_decision), Continue)
-    # Slow for good: late again at once, now with a slow step time of its own, and evicted.
-    for late in range(1, 4):
+    p.observe_pending(2, 0.0)
+    for r in range(2):
+        for _ in range(steps_per_decision):
+            p.observe(r, 0.03)
+    assert isinstance(p.decide(spares_ready=1, steps=steps_per_decision), Continue)
+    # Slow for good: its next step times are slow, and late again it is evicted.
+    for late in range(1, 6):
         for r in range(2):
             for _ in range(steps_per_decision):
                 p.observe(r, 0.03)
-        p.observe_pending(2, 0.06 * steps_per_decision * late)
+        p.observe(2, 0.09)
+        p.observe_pending(2, 0.09 * late)
         d = p.decide(spares_ready=1, steps=steps_per_decision)
         if isinstance(d, EvictStraggler):
-            assert d.rank == 2
+            assert d.rank == 2 and "step time" in d.reason
             break
     else:
         raise AssertionError("a replica slow after its pause was never evicted")

@@ -47,10 +47,14 @@ class StragglerPolicy:
         self._early: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
         # Late ranks held one short of the window in their current late stretch (``decide``).
         # The step time that ends such a stretch is the pause again: it joins the rank's times
-        # (a slow one makes its next late stretch count in full) but is no fresh evidence. Why:
-        # counted at the next decision on top of the held count, one pause reached the window
-        # and evicted a healthy replica whose only counted timing was the paused one.
+        # but is no fresh evidence, and while it is the rank's newest it is no evidence of the
+        # rank's own speed either (``_paused``). Why: counted at the next decision on top of the
+        # held count, or judged the rank's speed while it was still late on a later window
+        # (first-N: the fast N ran on), one pause reached the window and evicted a healthy
+        # replica whose only counted timing it was. Only one: the next step time counts, held
+        # or not, so a rank slow for good (late again and again) is still judged by its times.
         self._held: set[int] = set()
+        self._paused: set[int] = set()
 
     def reset(self) -> None:
         """The group was rebuilt: old timings describe another ring. Start a new warm-up."""
@@ -61,6 +65,7 @@ class StragglerPolicy:
         self._seen.clear()
         self._early.clear()
         self._held.clear()
+        self._paused.clear()
         self._steps = 0
 
     def observe(self, rank: int, local_time_s: float) -> None:
@@ -74,7 +79,10 @@ class StragglerPolicy:
             self._early[rank].append(local_time_s)
             return
         self._times[rank].append(local_time_s)
-        if not ends_hold:  # the held stretch's own time is no new evidence (``__init__``)
+        if ends_hold and rank not in self._paused:  # the held stretch's own time (``__init__``)
+            self._paused.add(rank)
+        else:
+            self._paused.discard(rank)
             self._fresh[rank] += 1
 
     def observe_pending(self, rank: int, elapsed_s: float) -> None:
@@ -93,6 +101,7 @@ class StragglerPolicy:
         self._seen.pop(rank, None)
         self._early.pop(rank, None)
         self._held.discard(rank)
+        self._paused.discard(rank)
 
     def scores(self) -> dict[int, float]:
         """Each rank's median step time over the median of the other ranks' medians.
@@ -118,8 +127,12 @@ class StragglerPolicy:
         counted step time is judged there by its warm-up step times (``_early``), by their upper
         median: half of them slow (of two, one) is enough to be counted in full."""
         timed = {r: statistics.median_low(t) for r, t in list(self._times.items()) if t}
-        # What each rank's own steps say: its counted times, else its warm-up's.
-        judged = {**{r: statistics.median_high(t) for r, t in list(self._early.items()) if t}, **timed}
+        # What each rank's own steps say: its counted times but those that ended a held pause
+        # (``_paused``), else its warm-up's.
+        paused = set(self._paused)
+        own_times = {r: statistics.median_low(list(t)[:-1] if r in paused else t)
+                     for r, t in list(self._times.items()) if len(t) > (r in paused)}
+        judged = {**{r: statistics.median_high(t) for r, t in list(self._early.items()) if t}, **own_times}
         medians = dict(timed)
         for r, busy in list(self._busy_for.items()):
             medians[r] = max(medians.get(r, 0.0), busy)
@@ -163,7 +176,8 @@ class StragglerPolicy:
         with none of those either, or slow ones, is counted in full, so a replica 200x slow from
         the start is evicted at its next late stretch after its first step (a rank that never
         finishes one is ``step_timeout_s``'s). The step time that ends a held stretch joins the
-        rank's times but is no fresh evidence (``_held``): it is the same pause.
+        rank's times but is no fresh evidence, nor its own speed while it is its newest
+        (``_held``, ``_paused``): it is the same pause.
         """
         self._steps += steps
         scores, own = self._scores()
