@@ -533,3 +533,21 @@ def test_a_spare_whose_spawn_fails_in_a_group_of_its_own_removes_that_group(monk
     with pytest.raises(ValueError, match="already taken"):
         group.request_spare()
     assert [pg.name for pg in made] == ["elastic-unit/spare-0"] and removed == made and made[0] not in group._pgs
+
+
+def test_a_draining_or_down_node_is_no_room_for_a_spare_kept_off_the_others(monkeypatch):
+    # Counted as room, a spare kept off the ranks' node waited out its grace (placement_timeout_s
+    # in the background) for a draining node Ray places nothing on: the pool a spare short.
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    nodes = [{"NodeID": n, "Alive": True, "Resources": {"CPU": 4.0}} for n in ("a", "b")]
+    monkeypatch.setattr(worker_group_module.ray, "nodes", lambda: nodes)
+    draining: set[str] = set()
+    monkeypatch.setattr(worker_group_module, "_draining_nodes", lambda: draining)
+    group = WorkerGroup(elastic.ScalingConfig(num_workers=1, num_backups=1), spec, "elastic-unit")
+    assert group._avoidable({"a"}) == ["a"]  # b has room
+    draining.add("b")
+    assert group._avoidable({"a"}) == []  # asked for anywhere at once
+    draining.clear()
+    group._down_nodes.add("b")
+    assert group._avoidable({"a"}) == []

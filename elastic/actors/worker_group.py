@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastic.actors.cluster_fit import bundles_on
+from elastic.actors.cluster_fit import _draining_nodes, bundles_on
 from elastic.actors.names import free_actor_name
 from elastic.actors.protocol import PackedSpec, StopRequested, TrainingSpec, WorkerError
 from elastic.actors.worker import TrainWorker
@@ -465,13 +465,17 @@ class WorkerGroup:
         return m.info["_background"] and not urgent
 
     def _avoidable(self, avoid_nodes: Iterable[str]) -> list[str]:
-        """``avoid_nodes`` (sorted) if some other live node has the resources of a bundle, else []."""
+        """``avoid_nodes`` (sorted) if some other live node has the resources of a bundle, else [].
+        Not a draining node (Ray places nothing new there, as ``cluster_fit.live_capacity`` has
+        it) nor one known down: counted as room, the spare kept off the others waited out its
+        grace (``placement_timeout_s`` in the background) for a node that could never take it."""
         avoid = sorted(set(avoid_nodes))
         if not avoid:
             return []
         bundle = self.scaling.bundle()
+        unusable = set(avoid) | self._down_nodes | _draining_nodes()
         for node in ray.nodes():
-            if node.get("Alive") and node.get("NodeID") not in avoid and bundles_on(node.get("Resources", {}), bundle):
+            if node.get("Alive") and node.get("NodeID") not in unusable and bundles_on(node.get("Resources", {}), bundle):
                 return avoid
         return []
 
