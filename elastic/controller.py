@@ -227,6 +227,7 @@ class Controller:
         self._split = 0  # the ranks a step's global batch is split over (fewer after a shrink)
         # first-N: a late rank's window result, not waited for -> (rank, time it was late from, its steps)
         self._lagging: dict[Any, tuple[int, float, int]] = {}
+        self._late_waited_s = 0.0  # how long the last _wait_late waited (_finish_late says it)
         self._late_done_at: dict[int, float] = {}  # first-N: when each rank last handed back a late window
         self._checksums: dict[int, dict[int, int]] = {}  # step -> rank -> parameter checksum, until all agree
         self._last_results: dict[int, Any] = {}
@@ -248,6 +249,7 @@ class Controller:
         # Ranks lost after the last step (the final flush, the end's checksums): left out of the end.
         self._lost_at_end: set[str] = set()
         self._answered_at_end: list = []
+        self._replica_sums: list[int] | None = None  # verify_replicas at the run's end (run_for)
         # Nodes a straggler was evicted from -> time.monotonic() until which spares refilling the
         # pool are kept off them while another node can host one (WorkerGroup.request_spare), so
         # a node that is slow (a throttled GPU, a noisy neighbour) does not get the next spare.
@@ -410,6 +412,11 @@ class Controller:
             self._settle_deferred_eviction()  # the run's end came first: named, not carried out
             self._finish_late()
             self._finish_checkpoints()
+            # The replicas' check before the run's terminal state, not in result() after it:
+            # wait_ended (``elastic stop``) answered "finished" for a run whose check then
+            # failed (ReplicaDivergence), and `elastic stop RUN && next` went on.
+            if self.group is not None and self.group.members:
+                self._replica_sums = self.verify_replicas()
             if stopping and self.step < total_steps:
                 self.transition(State.STOPPED, f"stopped after step {self.step} of {total_steps} on request: "
                                 f"{self._stop_reason}")
@@ -479,7 +486,12 @@ class Controller:
         the step the run reports is the step of the weights it hands back.
         """
         self._stopped_while = why
-        holder = self._stop_holder = self._newest_live_member() if self.group is not None else None
+        # Not while the run starts (no plan yet): a rank holding a step then holds the checkpoint
+        # it was reading, nothing this fit() trained. Taken for a survivor's steps, its step
+        # became the run's (steps=C beside restored_from=None, "the checkpoints on storage were
+        # not read"), with an event of C steps "completed on a survivor".
+        holder = self._stop_holder = self._newest_live_member() \
+            if self.group is not None and self.plan is not None else None
         if holder is not None and holder[1] > self.step:
             try:
                 self._keep_steps_held_by(*holder, "completed on a survivor before the stop")
@@ -949,7 +961,8 @@ class Controller:
                 # one trained over it, as committed_steps refuses when it is the newest.
                 newer = [exc for r, exc in refused if r > step]
                 if newer:
-                    raise unreadable_newer(newer[-1])
+                    raise unreadable_newer(newer[-1], "the readable committed steps newer than it did not check "
+                                                      "out (the skipped steps' events name their files)")
                 ref = reader.actor.restore_checkpoint.remote(self.store.url, self.store.storage_options,
                                                              self.run_config.name, step)
                 try:
@@ -967,7 +980,8 @@ class Controller:
                              step=step, path=cause.path, corrupt=True)
         if meta is None:
             if refused:  # every readable step was corrupt: starting fresh trains over the unreadable ones
-                raise unreadable_newer(refused[-1][1])
+                raise unreadable_newer(refused[-1][1], "no readable committed step checked out, and starting "
+                                                       "fresh would train over it")
             self.log("checkpoint", f"no committed checkpoint under {self.store.location}; starting fresh")
             return None
         if rest:
@@ -1513,7 +1527,16 @@ class Controller:
         # then given up (``_evict``) and the run's end waits for the late ranks itself; waited
         # out here first, the stop's end came up to step_timeout_s later, past the driver's
         # stop_timeout_s, whose kill took the stop's commit with it.
-        ready = wait_refs(refs, self._late_wait_s(), self._interrupted if exclude is not None else lambda: False)
+        wait_s, t0 = self._late_wait_s(), time.monotonic()
+        ready = wait_refs(refs, wait_s, self._interrupted)
+        if exclude is None and len(ready) < len(refs) and self._interrupted():
+            # The run's end: a stop that comes during the wait shortens what is left of it to
+            # the stop's share (``_late_wait_s``). Waited out whole (step_timeout_s, 120 s), it
+            # outlasted the driver's stop_timeout_s (60 s), whose kill took the last step's
+            # commit and the weights with it.
+            left = min(wait_s - (time.monotonic() - t0), self._late_wait_s())
+            ready += wait_refs([ref for ref in refs if ref not in ready], left)
+        self._late_waited_s = time.monotonic() - t0
         unfinished: dict[int, BaseException | None] = {}
         for ref in refs:
             r = self._lagging[ref][0]
@@ -1553,9 +1576,10 @@ class Controller:
         unfinished = self._wait_late()
         self._lagging.clear()
         self._raise_user_errors(unfinished)
-        waited = self._late_wait_s()
-        busy = (f"still busy after step_timeout_s={waited:g}s" if waited == self.failure_config.step_timeout_s
-                else f"still busy after {waited:g}s, a quarter of the stop's RunConfig.stop_timeout_s")
+        # What the wait was, as it went: a stop during it shortened it (``_wait_late``).
+        waited, limit = self._late_waited_s, self._late_wait_s()
+        busy = (f"still busy after step_timeout_s={limit:g}s" if limit == self.failure_config.step_timeout_s
+                else f"still busy after {waited:.3g}s, the stop's share (a quarter) of RunConfig.stop_timeout_s")
         gone: dict[int, str] = {}
         for r, exc in unfinished.items():
             if exc is None:
@@ -2138,6 +2162,9 @@ class Controller:
             if not retries:
                 self._count_failure(kind)
             found = self._settle_survivors(set(lost))
+            if found and retries:  # lost as the decision is tried again: a failure of its own
+                retries, kind = 0, "failure_during_recovery"
+                self._count_failure(kind)
             if found:
                 self.log("failure", f"rank(s) {sorted(found)} lost too as the survivors left the group "
                          "(dead, or killed as hung)", ranks=sorted(found))
@@ -3040,6 +3067,9 @@ class Controller:
         past its waits (``why``)."""
         if self.metrics is not None:
             self.metrics.on_group([m.rank for m in self.group.members])  # the ring on_rebuild cleared
+        # Its waits (spares, the late ranks' windows: up to step_timeout_s) are not the next
+        # window's step time, as a carried-out eviction's are not (a new generation).
+        self._last_done_generation = -1
         self.transition(State.RUNNING, f"eviction of rank {r} {EVICTION_HELD_BACK} {why}")
 
     def _held_back_without_spare(self, r: int, why: str) -> bool:
@@ -3048,6 +3078,7 @@ class Controller:
         self._refresh_spares(wait=True)
         if self.group.spares:
             return False
+        self._last_done_generation = -1  # the wait is not the next window's step time (_eviction_given_up)
         self._note_held_back(Continue(f"rank {r} is a persistent straggler, but {why}; it is evicted once one is "
                                       "ready", straggler=r))
         return True
@@ -3214,15 +3245,20 @@ class Controller:
 
     @property
     def _world_size(self) -> int:
-        """Ranks in the group, the lost ones not yet replaced or shrunk away left out."""
-        return len(self.group.members) - len(self._unhealed) if self.group else 0
+        """Ranks in the group, the lost ones not yet replaced or shrunk away left out, and those
+        lost after the last step (``_lost_at_end``: the result counted them)."""
+        if not self.group:
+            return 0
+        return sum(1 for m in self.group.members if m.rank not in self._unhealed and m.name not in self._lost_at_end)
 
     def result(self, include_state: bool) -> dict:
         final = {}
         holder = None
         if include_state and self.group is not None and self.group.members:
             if self._stopped_while is None:
-                final["replica_checksums"] = self.verify_replicas()  # waits for late replicas to catch up
+                # Checked at the run's end (run_for); here only for a run_for that did not get there.
+                final["replica_checksums"] = self._replica_sums if self._replica_sums is not None \
+                    else self.verify_replicas()
                 holder = self._answered_at_end[0]
             elif self._stop_holder is not None:
                 holder = self._stop_holder[0]

@@ -762,7 +762,7 @@ def test_first_n_steps_a_checkpoint_proves_take_their_fast_sets_from_the_members
             get_state=Call(lambda: "state"), set_state=Call(lambda state: 12)), f"rank-{i}", rank=i)
     c.group = StandInGroup(ranks=3)
     c.group.members = [rank(0, knows=False), rank(1), rank(2)]
-    c.store = SimpleNamespace(committed_steps=lambda: [12], url="memory://x", storage_options={}, location="memory://x")
+    c.store = SimpleNamespace(committed_steps=lambda refused=None: [12], url="memory://x", storage_options={}, location="memory://x")
     # The failure being healed carried rank 2's result of step 11 (it returned it before the
     # failure was seen): step 11 is booked with its loss; no rank had step 12's.
     c._arrived = Failure({1}, "actor_died", results={2: [StepResult(2, 11, 0.25, 0.02, 0.02, 8, 11, {"fast": [1, 2]})]})

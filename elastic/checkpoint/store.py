@@ -424,13 +424,12 @@ def join_url(url: str, name: str) -> str:
 
 
 
-def unreadable_newer(exc: StorageError) -> StorageError:
+def unreadable_newer(exc: StorageError, why: str = "it is newer than every readable committed step") -> StorageError:
     """The error of a resume that would go back below a step whose manifest cannot be read here
     (``exc``: refused by storage, or written by a newer elastic): resuming from an older step
-    would train over one that may well be whole."""
-    return StorageError(f"{exc}; it is newer than every readable committed step, so the run cannot tell where "
-                        "to resume: make it readable here (its read access, or the elastic that wrote it), or "
-                        "remove the step")
+    would train over one that may well be whole. ``why`` it would go back below it."""
+    return StorageError(f"{exc}; {why}, so the run cannot tell where to resume: make it readable here (its read "
+                        "access, or the elastic that wrote it), or remove the step")
 
 
 class CheckpointStore:
