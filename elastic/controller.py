@@ -486,12 +486,12 @@ class Controller:
         the step the run reports is the step of the weights it hands back.
         """
         self._stopped_while = why
-        # Not while the run starts (no plan yet): a rank holding a step then holds the checkpoint
+        # Not while the run starts (a retried start too): a rank holding a step then holds the checkpoint
         # it was reading, nothing this fit() trained. Taken for a survivor's steps, its step
         # became the run's (steps=C beside restored_from=None, "the checkpoints on storage were
         # not read"), with an event of C steps "completed on a survivor".
         holder = self._stop_holder = self._newest_live_member() \
-            if self.group is not None and self.plan is not None else None
+            if self.group is not None and self.state not in (State.SCHEDULING, State.STARTING) else None
         if holder is not None and holder[1] > self.step:
             try:
                 self._keep_steps_held_by(*holder, "completed on a survivor before the stop")
@@ -1817,7 +1817,12 @@ class Controller:
                 # once it has been in its code past step_timeout_s. Killed as hung, every
                 # survivor still computing went with the dead peer, and the recovery had no one
                 # holding the state (a restart from the checkpoint, or without one, no run).
-                self._kill_hung(self._culprits(pending, own_for_s=cfg.step_timeout_s),
+                # Nor one in its collective for less than the group's timeout: it raises there on
+                # its own (a peer lost with its node, whose sockets never close, on gloo). Blamed
+                # as the last to enter, the survivor that had been computing was killed one check
+                # later instead.
+                self._kill_hung(self._culprits(pending, own_for_s=cfg.step_timeout_s,
+                                               waiting_for_s=self._group_timeout_s()),
                                 "did not leave a broken collective", gone=dead)
                 first_problem = time.time()
                 continue
@@ -1928,10 +1933,11 @@ class Controller:
                      ranks=sorted(lost))
         return lost, down
 
-    def _culprits(self, pending: dict, own_for_s: float | None = None) -> dict:
+    def _culprits(self, pending: dict, own_for_s: float | None = None, waiting_for_s: float | None = None) -> dict:
         """Which pending ranks are stuck in their own code rather than waiting on a peer.
         ``own_for_s``: a rank in its own code is blamed only once it has been in that phase
-        longer (else nobody is: it holds the others up, and may yet reach its collective).
+        longer (else nobody is: it holds the others up, and may yet reach its collective);
+        ``waiting_for_s`` the same for the rank waiting on its peers that would be blamed.
 
         A rank that never reached its collective (phase "compute") holds everyone else up; a
         rank that does not answer its heartbeat is stuck outright. If every pending rank waits
@@ -1965,7 +1971,7 @@ class Controller:
                         self._lost(r, gone)
         if gone:
             return {}
-        return _blamed(refs, info, own_for_s, time.time())
+        return _blamed(refs, info, own_for_s, waiting_for_s)
 
     def _lost(self, r: int, dead: set[int]) -> None:
         """Rank ``r``'s call says it is lost (``actor_lost``): into ``dead``, and killed. Why kill
@@ -3407,24 +3413,27 @@ def evictions_carried_out(events: list[dict]) -> list[dict]:
     return out
 
 
-def _blamed(refs: dict, info: dict, own_for_s: float | None, now: float) -> dict:
+def _blamed(refs: dict, info: dict, own_for_s: float | None = None, waiting_for_s: float | None = None) -> dict:
     """``Controller._culprits``' choice, from the pending ``refs`` (ref -> rank) and the
     heartbeats' ``info`` (rank -> answer; a rank missing did not answer): the silent ranks, else
-    those in their own code (for more than ``own_for_s``, if given: ``phase_since`` is the rank's
-    clock, against the controller's ``now``), else the one that entered its collective last."""
+    those in their own code (for more than ``own_for_s``, if given), else the one that entered
+    its collective last (if in it for more than ``waiting_for_s``, if given). How long a rank has
+    been in its phase is read on its own clock (its answer's ``time`` against its
+    ``phase_since``): against the controller's, a node's clock skew counted too."""
+    def longer(r: int, limit: float | None) -> bool:
+        return limit is None or info[r].get("time", info[r]["phase_since"]) - info[r]["phase_since"] > limit
+
     silent = {ref: r for ref, r in refs.items() if r not in info}
     if silent:
         return silent
     own = {ref: r for ref, r in refs.items() if not _waits_on_peers(info[r]["phase"])}
     if own:
-        if own_for_s is None:
-            return own
-        return {ref: r for ref, r in own.items() if now - info[r]["phase_since"] > own_for_s}
+        return {ref: r for ref, r in own.items() if longer(r, own_for_s)}
     # A late replica waits on the fast set's leader, who waits in the collective: blamed
     # only when no rank waits in one.
     collective = [r for r in info if "allreduce" in info[r]["phase"]] or list(info)
     last = max(collective, key=lambda r: info[r]["phase_since"])
-    return {ref: r for ref, r in refs.items() if r == last}
+    return {ref: r for ref, r in refs.items() if r == last and longer(r, waiting_for_s)}
 
 
 def _waits_on_peers(phase: str) -> bool:

@@ -1486,21 +1486,28 @@ def test_a_spare_that_dies_while_it_replaces_an_evicted_straggler_is_a_failure_h
     assert decisions == ["EvictStraggler", "ReplaceWithSpares"]
 
 
+def refuse_decisions(c, times: int) -> list:
+    """The recovery's first ``times`` decisions fail on a Ray error as they are carried out (a GCS
+    call refused), then go through; returns the lost ranks each was asked for."""
+    decide, calls = c._decide_and_apply, []
+
+    def refused(lost, kind):
+        calls.append(lost)
+        if len(calls) <= times:
+            raise ray.exceptions.RaySystemError("the GCS refused the call")
+        return decide(lost, kind)
+
+    c._decide_and_apply = refused
+    return calls
+
+
 def test_a_ray_error_carrying_out_a_recoverys_decision_is_not_a_second_failure(ray_cluster):
     # The lost rank stays a member (killed) until the decision is carried out; a Ray error there
     # (a GCS call of a spare's request) probed it dead again, counted as a second failure "lost
     # while healing", and with max_failures=1 one lost rank ended the run.
     c = controller("fake-decide-ray-error", backups=1, failure=elastic.FailureConfig(max_failures=1),
                    faults=[{"kind": "kill", "rank": 1, "at_step": 2}])
-    decide, calls = c._decide_and_apply, []
-
-    def refused_once(lost, kind):
-        calls.append(lost)
-        if len(calls) == 1:
-            raise ray.exceptions.RaySystemError("the GCS refused the call for a moment")
-        return decide(lost, kind)
-
-    c._decide_and_apply = refused_once
+    calls = refuse_decisions(c, 1)
     try:
         c.run_for(steps=4)
     finally:
@@ -1515,13 +1522,7 @@ def test_a_rank_lost_as_a_failed_decision_is_tried_again_is_a_failure_of_its_own
     # the group went uncounted: two lost ranks healed on one failure of max_failures=1.
     c = controller("fake-decide-retry-loss", workers=3, backups=2, failure=elastic.FailureConfig(max_failures=1),
                    faults=[{"kind": "kill", "rank": 1, "at_step": 2}])
-    decide, probe, calls = c._decide_and_apply, c._probe_dead, []
-
-    def refused_once(lost, kind):
-        calls.append(lost)
-        if len(calls) == 1:
-            raise ray.exceptions.RaySystemError("the GCS refused the call for a moment")
-        return decide(lost, kind)
+    probe, calls = c._probe_dead, refuse_decisions(c, 1)
 
     def probe_then_rank_2_dies():
         dead = probe()
@@ -1530,23 +1531,14 @@ def test_a_rank_lost_as_a_failed_decision_is_tried_again_is_a_failure_of_its_own
             assert_dies(c.group.members[2].actor)
         return dead
 
-    c._decide_and_apply, c._probe_dead = refused_once, probe_then_rank_2_dies
+    c._probe_dead = probe_then_rank_2_dies
     run_expecting_failure(c, 4, "failure 2 exceeds FailureConfig.max_failures=1")
 
 
 def test_a_decision_that_keeps_failing_on_ray_errors_ends_the_run(ray_cluster):
     c = controller("fake-decide-ray-errors", backups=1, failure=elastic.FailureConfig(max_failures=5),
                    faults=[{"kind": "kill", "rank": 1, "at_step": 2}])
-
-    decide, calls = c._decide_and_apply, []
-
-    def refused(lost, kind):
-        calls.append(lost)
-        if len(calls) <= 10:
-            raise ray.exceptions.RaySystemError("the GCS is gone")
-        return decide(lost, kind)
-
-    c._decide_and_apply = refused
+    calls = refuse_decisions(c, 10)
     run_expecting_failure(c, 4, r"rebuild for rank\(s\) \[1\] failed 4 times without another rank lost")
     assert c.failures == 1 and len(calls) == 4
 
@@ -2628,6 +2620,7 @@ def test_a_stop_while_the_start_reads_the_checkpoint_books_no_steps(ray_cluster)
     c = controller("fake-stop-reading")
 
     def reading_then_stopped():
+        c._replan(None, 0)  # as a first try of the start left it (a start tried again)
         ray.get(c.group.members[0].actor.set_state.remote({"completed_step": 7}))  # its read is done
         c.request_stop("Ctrl-C while the checkpoint is read")
         raise StopRequested("stopped while reading checkpoint step 7")

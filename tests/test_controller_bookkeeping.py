@@ -1163,14 +1163,22 @@ def test_at_the_collective_timeout_a_rank_still_in_its_own_code_is_blamed_only_p
     # A peer died; a survivor still in a long forward (a step_fn's micro-batches) has not reached
     # the broken collective, and fails at it on its own. Blamed at collective_timeout_s, every
     # survivor still computing was killed as hung beside the dead peer, and nothing held the state.
-    now = 1000.0
+    def beat(phase, for_s, clock=1000.0):  # a heartbeat's answer, on the rank's own clock
+        return {"phase": phase, "phase_since": clock - for_s, "time": clock}
+
+    blamed = controller_module._blamed
     refs = {"r0": 0, "r1": 1, "r2": 2}
-    info = {0: {"phase": "compute", "phase_since": now - 70.0}, 1: {"phase": "compute", "phase_since": now - 200.0},
-            2: {"phase": "allreduce", "phase_since": now - 65.0}}
-    assert controller_module._blamed(refs, info, None, now) == {"r0": 0, "r1": 1}  # the step timeout's rule
-    assert controller_module._blamed(refs, info, 120.0, now) == {"r1": 1}  # in its forward for 200 s: hung
-    info[1]["phase_since"] = now - 80.0
-    assert controller_module._blamed(refs, info, 120.0, now) == {}  # still computing: nobody (not rank 2 either)
-    assert controller_module._blamed(refs, {0: info[0], 2: info[2]}, 120.0, now) == {"r1": 1}  # silent: blamed
-    waiting = {r: {"phase": "allreduce", "phase_since": now - 60.0 + r} for r in refs.values()}
-    assert controller_module._blamed(refs, waiting, 120.0, now) == {"r2": 2}  # all in it: the last to enter
+    info = {0: beat("compute", 70.0), 1: beat("compute", 200.0, clock=5e6), 2: beat("allreduce", 65.0)}
+    assert blamed(refs, info) == {"r0": 0, "r1": 1}  # the step timeout's rule
+    assert blamed(refs, info, own_for_s=120.0) == {"r1": 1}  # in its forward for 200 s (its clock): hung
+    info[1] = beat("compute", 80.0, clock=-3e6)  # a node's clock far off the controller's counts for nothing
+    assert blamed(refs, info, own_for_s=120.0) == {}  # still computing: nobody (not rank 2 either)
+    assert blamed(refs, {0: info[0], 2: info[2]}, own_for_s=120.0) == {"r1": 1}  # silent: blamed
+    # Every rank in its collective: the last to enter, unless it has been in it for less than the
+    # group's timeout, where it raises on its own (a peer gone with its node on gloo). Blamed, the
+    # survivor that had been computing at the first check was killed at the next instead.
+    waiting = {r: beat("allreduce", 30.0 - r) for r in refs.values()}
+    assert blamed(refs, waiting, own_for_s=120.0) == {"r2": 2}
+    assert blamed(refs, waiting, own_for_s=120.0, waiting_for_s=60.0) == {}
+    waiting = {0: beat("allreduce", 63.0), 1: beat("allreduce", 62.0), 2: beat("allreduce", 61.0)}
+    assert blamed(refs, waiting, own_for_s=120.0, waiting_for_s=60.0) == {"r2": 2}
