@@ -227,7 +227,6 @@ class Controller:
         self._split = 0  # the ranks a step's global batch is split over (fewer after a shrink)
         # first-N: a late rank's window result, not waited for -> (rank, time it was late from, its steps)
         self._lagging: dict[Any, tuple[int, float, int]] = {}
-        self._late_waited_s = 0.0  # how long the last _wait_late waited (_finish_late says it)
         self._late_done_at: dict[int, float] = {}  # first-N: when each rank last handed back a late window
         self._checksums: dict[int, dict[int, int]] = {}  # step -> rank -> parameter checksum, until all agree
         self._last_results: dict[int, Any] = {}
@@ -1536,7 +1535,6 @@ class Controller:
             # commit and the weights with it.
             left = min(wait_s - (time.monotonic() - t0), self._late_wait_s())
             ready += wait_refs([ref for ref in refs if ref not in ready], left)
-        self._late_waited_s = time.monotonic() - t0
         unfinished: dict[int, BaseException | None] = {}
         for ref in refs:
             r = self._lagging[ref][0]
@@ -1573,11 +1571,12 @@ class Controller:
         forever on a hung one (those calls queue behind its window). A replica that died, broke its
         group or is still busy after ``step_timeout_s`` is released and the run ends without it;
         its user error is the user's (WorkerError), as in a step."""
+        t0 = time.monotonic()
         unfinished = self._wait_late()
+        # What the wait was, as it went: a stop during it shortened it (``_wait_late``).
+        waited, limit = time.monotonic() - t0, self._late_wait_s()
         self._lagging.clear()
         self._raise_user_errors(unfinished)
-        # What the wait was, as it went: a stop during it shortened it (``_wait_late``).
-        waited, limit = self._late_waited_s, self._late_wait_s()
         busy = (f"still busy after step_timeout_s={limit:g}s" if limit == self.failure_config.step_timeout_s
                 else f"still busy after {waited:.3g}s, the stop's share (a quarter) of RunConfig.stop_timeout_s")
         gone: dict[int, str] = {}
@@ -2165,11 +2164,10 @@ class Controller:
             self.metrics.on_rebuild(lost=set(lost))
         retries = 0  # of a decision for the same lost ranks that failed on a Ray error (below)
         while True:
-            if not retries:
-                self._count_failure(kind)
             found = self._settle_survivors(set(lost))
             if found and retries:  # lost as the decision is tried again: a failure of its own
                 retries, kind = 0, "failure_during_recovery"
+            if not retries:  # a pass tried again for the same lost ranks is no new failure
                 self._count_failure(kind)
             if found:
                 self.log("failure", f"rank(s) {sorted(found)} lost too as the survivors left the group "

@@ -129,10 +129,16 @@ class StragglerPolicy:
         timed = {r: statistics.median_low(t) for r, t in list(self._times.items()) if t}
         # What each rank's own steps say: its counted times but those that ended a held pause
         # (``_paused``), else its warm-up's.
-        paused = set(self._paused)
-        own_times = {r: statistics.median_low(list(t)[:-1] if r in paused else t)
-                     for r, t in list(self._times.items()) if len(t) > (r in paused)}
-        judged = {**{r: statistics.median_high(t) for r, t in list(self._early.items()) if t}, **own_times}
+        early = {r: statistics.median_high(t) for r, t in list(self._early.items()) if t}
+        judged = {**early, **timed}
+        for r in set(self._paused):  # a median again only for these (decide runs every window)
+            before = list(self._times.get(r, ()))[:-1]
+            if before:
+                judged[r] = statistics.median_low(before)
+            elif r in early:
+                judged[r] = early[r]
+            else:
+                judged.pop(r, None)
         medians = dict(timed)
         for r, busy in list(self._busy_for.items()):
             medians[r] = max(medians.get(r, 0.0), busy)
