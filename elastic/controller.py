@@ -2964,12 +2964,20 @@ class Controller:
 
     def verify_replicas(self) -> list[int]:
         """Every live replica's parameter checksum at the end, equal or ReplicaDivergence. A rank
-        lost after the last step is left out (logged): the others hold the run's weights."""
+        lost after the last step is left out (logged): the others hold the run's weights. So is
+        one that does not answer within ``step_timeout_s`` (``_stuck_at_end``): a checksum costs
+        less than a step, and without a bound a rank stuck in its own code or on a wedged device
+        hung the finished run's end for good."""
         sums, self._answered_at_end = [], []
         refs = [(m, m.actor.param_checksum.remote()) for m in self.group.members if m.name not in self._lost_at_end]
+        deadline = time.monotonic() + self.failure_config.step_timeout_s
         for m, ref in refs:
             try:
-                sums.append(ray.get(ref))
+                sums.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                self._stuck_at_end(m.rank, m.name, f"its replica's checksum within step_timeout_s="
+                                   f"{self.failure_config.step_timeout_s:g}s")
+                continue
             except ray.exceptions.RayError as exc:
                 if not actor_lost(exc):
                     raise
@@ -2984,6 +2992,16 @@ class Controller:
             raise ReplicaDivergence(f"replicas differ at step {self.step}: checksums {sums}")
         self.log("checksum", f"all {len(sums)} replicas identical at the end (step {self.step})", step=self.step)
         return sums
+
+    def _stuck_at_end(self, rank: int, name: str, what: str) -> None:
+        """A rank that answered nothing at the run's end, where no step is running: stuck in its
+        own code (a late window's loss_fn) or on a wedged device. Left out of the end as a rank
+        lost there is (``_lost_at_end``): the others hold the run's weights, and asking it
+        again (the checksums after the final flush) would only wait out another bound. The
+        group's shutdown kills it."""
+        self._lost_at_end.add(name)
+        self.log("hang", f"rank {rank} ({name}) did not answer {what} after the last step ({self.step}): "
+                 "left out of the run's end (its replica is not checked; the others hold the weights)", rank=rank)
 
     def _evict(self, decision: EvictStraggler) -> None:
         r = decision.rank
@@ -3191,20 +3209,30 @@ class Controller:
         not take them within ``timeout_s``. ``lost_ok``: a rank that does not answer within
         ``heartbeat_timeout_s`` (lost in a recovery, or still busy: a late window queued before
         the flush, a rank stuck in its own code) is skipped, what it wrote and reported is all
-        there is of it; the others' reports still count. A rank whose snapshot of ``final``
+        there is of it; the others' reports still count. Otherwise one that does not answer
+        within ``step_timeout_s + timeout_s`` is stuck, and left out of the run's end
+        (``_stuck_at_end``). A rank whose snapshot of ``final``
         found the state unsaveable: the complete steps are committed, then its
         ``UnsaveableState`` raised, as in a step."""
         members = [m for m in self.group.members if m.rank not in self._unhealed]  # the lost ones: nothing to ask
         refs = [(m.rank, m.name, m.actor.flush_checkpoint.remote(final)) for m in members]
         keys = {r: self._actor_key(r) for r, _, _ in refs}
         unsaveable: UnsaveableState | None = None
+        # Otherwise a snapshot of ``final`` (bounded as a step is) and the rank's own wait for its
+        # writes (bounded by its writer's close timeout, which storage is given ``timeout_s`` to
+        # beat here too): a rank past both is stuck, and without a bound it hung the run's end.
+        fc = self.failure_config
+        bound = f"heartbeat_timeout_s={fc.heartbeat_timeout_s:g}s" if lost_ok else \
+            f"step_timeout_s + {timeout_s:g}s = {fc.step_timeout_s + timeout_s:g}s"
+        deadline = time.monotonic() + fc.step_timeout_s + timeout_s
         for r, name, ref in refs:
             try:
-                report = ray.get(ref, timeout=self.failure_config.heartbeat_timeout_s if lost_ok else None)
-            except ray.exceptions.GetTimeoutError:  # lost_ok only: otherwise the wait has no bound
-                self.log("checkpoint_failed", f"rank {r} ({name}) did not finish its writes within "
-                         f"heartbeat_timeout_s={self.failure_config.heartbeat_timeout_s:g}s ({what}); "
+                report = ray.get(ref, timeout=fc.heartbeat_timeout_s if lost_ok else max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                self.log("checkpoint_failed", f"rank {r} ({name}) did not finish its writes within {bound} ({what}); "
                          "its steps not yet reported stay uncommitted", rank=r)
+                if not lost_ok:
+                    self._stuck_at_end(r, name, f"the {what}'s flush within {bound}")
                 continue
             except ray.exceptions.RayError as exc:
                 if _unsaveable(exc) is not None:

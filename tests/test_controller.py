@@ -383,6 +383,31 @@ def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(ray_clus
             c.verify_replicas()
 
 
+@pytest.mark.parametrize("stuck_in", ["final flush", "checksums"])
+def test_a_rank_stuck_after_the_last_step_is_left_out_of_the_end(ray_cluster, stuck_in):
+    # Every step trained; then rank 0 answers nothing (stuck in its own code, a wedged device).
+    # The final flush and the replicas' checksums waited for it with no bound: the finished
+    # run's end hung for good. Now each waits a bound, then leaves the rank out as lost there.
+    with trained(f"fake-stuck-{stuck_in.split()[-1]}", workers=3, steps=4) as c:
+        committed_at(c, 4)
+        c.failure_config.step_timeout_s = 3.0
+        c.group.members[0].actor.stall.remote(300)  # the calls behind it wait
+        t0 = time.monotonic()
+        if stuck_in == "final flush":
+            assert c._commit_what_ranks_wrote(None, 2, "final checkpoint")
+            # Bounded by step_timeout_s + the flush's timeout_s, not by heartbeat_timeout_s.
+            assert 4.5 < time.monotonic() - t0 < 30
+            flush_failed = [e for e in c.events if e.kind == "checkpoint_failed"]
+            assert [e.details["rank"] for e in flush_failed] == [0] and "step_timeout_s + 2s = 5s" in flush_failed[0].message
+            t0 = time.monotonic()
+        assert c.verify_replicas() == [7, 7]
+        assert time.monotonic() - t0 < 30
+        hung = [e for e in c.events if e.kind == "hang"]
+        assert [e.details["rank"] for e in hung] == [0] and "after the last step (4)" in hung[0].message
+        assert "left out of the run's end" in hung[0].message
+        assert c._world_size == 2 and [m.rank for m in c._answered_at_end] == [1, 2]
+
+
 def test_a_new_actor_takes_a_name_the_previous_groups_actor_still_holds(ray_cluster):
     # A restart kills every rank and starts a group of the same names; ray.kill returns before
     # the GCS frees a name, and creating "rank-0" then raised ActorAlreadyExistsError, failing
