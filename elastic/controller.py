@@ -3446,8 +3446,11 @@ def _blamed(refs: dict, info: dict, own_for_s: float | None = None, waiting_for_
     its collective last (if in it for more than ``waiting_for_s``, if given). How long a rank has
     been in its phase is read on its own clock (its answer's ``time`` against its
     ``phase_since``): against the controller's, a node's clock skew counted too."""
+    def age(r: int) -> float:
+        return info[r].get("time", info[r]["phase_since"]) - info[r]["phase_since"]
+
     def longer(r: int, limit: float | None) -> bool:
-        return limit is None or info[r].get("time", info[r]["phase_since"]) - info[r]["phase_since"] > limit
+        return limit is None or age(r) > limit
 
     silent = {ref: r for ref, r in refs.items() if r not in info}
     if silent:
@@ -3458,7 +3461,7 @@ def _blamed(refs: dict, info: dict, own_for_s: float | None = None, waiting_for_
     # A late replica waits on the fast set's leader, who waits in the collective: blamed
     # only when no rank waits in one.
     collective = [r for r in info if "allreduce" in info[r]["phase"]] or list(info)
-    last = max(collective, key=lambda r: info[r]["phase_since"])
+    last = min(collective, key=age)  # the shortest time in it, not the latest phase_since: clocks differ by node
     return {ref: r for ref, r in refs.items() if r == last and longer(r, waiting_for_s)}
 
 

@@ -1077,7 +1077,7 @@ class Beats:
     """A stand-in rank's actor handle whose heartbeat says which phase its step is in, and since when."""
 
     def __init__(self, phase, since):
-        self.heartbeat = SimpleNamespace(remote=lambda: {"phase": phase, "phase_since": since})
+        self.heartbeat = SimpleNamespace(remote=lambda: {"phase": phase, "phase_since": since, "time": 1000.0})
 
 
 @pytest.mark.parametrize("phases, blamed", [
@@ -1181,4 +1181,8 @@ def test_at_the_collective_timeout_a_rank_still_in_its_own_code_is_blamed_only_p
     assert blamed(refs, waiting, own_for_s=120.0) == {"r2": 2}
     assert blamed(refs, waiting, own_for_s=120.0, waiting_for_s=60.0) == {}
     waiting = {0: beat("allreduce", 63.0), 1: beat("allreduce", 62.0), 2: beat("allreduce", 61.0)}
+    assert blamed(refs, waiting, own_for_s=120.0, waiting_for_s=60.0) == {"r2": 2}
+    # The last to enter is the one in it the shortest time on its own clock: by the latest
+    # phase_since, a node whose clock runs ahead (rank 0's here) had its healthy rank killed.
+    waiting[0] = beat("allreduce", 63.0, clock=1e6)
     assert blamed(refs, waiting, own_for_s=120.0, waiting_for_s=60.0) == {"r2": 2}

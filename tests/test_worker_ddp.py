@@ -445,6 +445,72 @@ def test_a_ranks_local_time_counts_reading_its_batch():
     assert in_spawned_process(_local_time_of_a_step_with_slow_data) >= 0.2
 
 
+_WATCHED: dict = {}  # the spawned process's worker, for PhaseWatchingData and the optimizer's hook
+
+
+class PhaseWatchingData(torch.utils.data.Dataset):
+    """``make_dataset``'s samples, each read noting the worker's phase and since when."""
+
+    def __init__(self):
+        from helpers import make_dataset
+
+        self.data = make_dataset()
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        w = _WATCHED["worker"]
+        _WATCHED["seen"].append(("fetch", w.phase, w.phase_since))
+        return self.data[i]
+
+
+def _phases_of_a_step(rank: int, use_ddp: bool, box, out) -> None:
+    """A real TrainWorker (no Ray): DDP in a group of one, or first-N with N = 1 of 2; what phase
+    it reports while it reads its batch and while its optimizer steps."""
+    from helpers import loss_fn, make_model, make_sgd
+
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    worker = TrainWorker(TrainingSpec(make_model, make_sgd, PhaseWatchingData, loss_fn))
+    _WATCHED.update(worker=worker, seen=[])
+    if use_ddp:
+        join_pair(worker, 0, 1, None, 1, 20.0)
+    else:
+        join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=False, subgroup_size=1)
+    worker.optimizer.register_step_pre_hook(
+        lambda *_: _WATCHED["seen"].append(("optimizer", worker.phase, worker.phase_since)))
+    worker.phase, worker.phase_since = "failed", 0.0  # a survivor's, from before its rebuild
+    t0 = time.time()
+    worker.train_steps(1, [[4 * rank, 4 * rank + 1], [8 + 4 * rank, 9 + 4 * rank]], 1)
+    out.put((rank, (t0, _WATCHED["seen"])))
+    worker.leave()
+
+
+@pytest.mark.parametrize("use_ddp", [True, False], ids=["ddp", "first_n"])
+def test_a_rank_reads_its_batch_and_steps_its_optimizer_in_its_own_codes_phase(use_ddp):
+    # The batch's fetch ran under the phase of the last call ("idle", a survivor's "failed", a
+    # promoted spare's "idle" since it was built) and the update, the snapshot and the checksum
+    # under the collective's: at a peer's death a rank reading a cold dataset read as in its own
+    # code for hours and was killed at the collective timeout, and one stuck in its optimizer
+    # read as waiting on peers, so a healthy rank that entered the next collective last was.
+    from elastic.controller import _waits_on_peers
+
+    if use_ddp:
+        runs = {0: in_spawned_process(_phases_of_a_step, 0, True, None)[1]}
+    else:
+        runs = run_pair(_phases_of_a_step, False, port_box())
+    for rank, (t0, seen) in runs.items():
+        fetches = [(phase, since) for what, phase, since in seen if what == "fetch"]
+        updates = [phase for what, phase, _ in seen if what == "optimizer"]
+        # Both steps' samples, or (first-N) at least the first's: a late replica may sit out the next.
+        assert len(fetches) in (2, 4) and len(updates) == 2, (rank, seen)
+        assert all(phase == "compute" and since >= t0 for phase, since in fetches), (rank, seen)
+        assert updates == ["update", "update"] and not _waits_on_peers("update"), (rank, seen)
+
+
 def test_bucket_arguments_by_backend():
     assert ddp_bucket_kwargs("gloo", None) == {"bucket_cap_mb": 25}
     assert ddp_bucket_kwargs("nccl", None) == {}  # torch's default: a small first bucket to overlap

@@ -785,9 +785,9 @@ class TrainWorker:
         only data + forward count there; under a ``step_fn``, which runs the backward itself,
         up to the rank's first bucket going out (``_first_contact_hook``); without a collective
         the whole forward+backward counts. An injected slowdown sleeps just before the rank's
-        first contact with its peers, and counts as local.
+        first contact with its peers, and counts as local. The caller entered the phase
+        "compute" before the batch's fetch.
         """
-        self._enter("compute")
         clock = self._local_clock
         clock.begin(t_step)
         if self.spec.step_fn is not None:
@@ -950,6 +950,11 @@ class TrainWorker:
     def _train_step(self, step: int, indices: list[int]) -> StepResult:
         t0 = time.perf_counter()
         self.current_step = self.started_step = step
+        # Before the fetch, which is this rank's own work: the phase was the last call's "idle",
+        # a survivor's "failed", or a promoted spare's "idle" since it was built, hours old, and
+        # a rank reading a cold dataset at a peer's death read as in its own code since then,
+        # past ``step_timeout_s``, and was killed at the collective timeout (``_blamed``).
+        self._enter("compute")
         _seed_everything(step_seed(self.spec.seed, self.rank, step), self.device)
         batch = self._batch(indices)
         model = self.ddp if self.ddp is not None else self.model
@@ -1030,6 +1035,7 @@ class TrainWorker:
         self.current_step = step
         self._check_abandoned(step)
         self.started_step = step
+        self._enter("compute")  # before the arrival probe and the fetch, as in _train_step
         store, n, schedule = self._fn_store, self._fn_n, self._fn_schedule
         eligible = schedule.eligible(step)
         # Exactly N may compute: they are the fast set, known to every rank without asking (and
@@ -1212,8 +1218,15 @@ class TrainWorker:
         ``max_grad_norm`` clips here, on the averaged gradient (after DDP's all-reduce, or the
         first-N mean a replica computed or received), as one process clips its full batch's
         gradient. Clipping inside ``step_fn`` would clip each rank's own gradient before the
-        first-N mean. Every replica clips the same vector the same way, so they stay identical."""
+        first-N mean. Every replica clips the same vector the same way, so they stay identical.
+
+        The phase is "update" from here (NCCL: once the stream's collectives are done) to the
+        step's end, ``_after_step``'s snapshot and checksum included: this rank's own code. Left
+        at the collective's phase, a rank stuck in its optimizer or a blocking checkpoint write
+        read as waiting on peers beside ranks that had gone on to the next step's collective,
+        and the last of those to enter it, a healthy rank, was killed as the hang."""
         self._check_not_aborted()
+        self._enter("update")
         norm = None
         scaler = self.scaler
         if scaler is not None and self.spec.max_grad_norm is not None:
