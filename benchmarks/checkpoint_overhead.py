@@ -75,8 +75,8 @@ import time
 import elastic
 from elastic.controller import ROUTINE_EVENTS_KEPT
 from common import (add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain, elastic_trainer, emit,
-                    events_of, fail, fit_polled, percentile, ratio, run_raytrain, running_since, span_throughput,
-                    start_ray, step_throughput, workload_from_args)
+                    events_of, fail, fit_polled, percentile, ratio, require_clean, run_raytrain, running_since,
+                    span_throughput, start_ray, step_throughput, workload_from_args)
 
 logger = logging.getLogger("bench.checkpoint")
 
@@ -158,6 +158,9 @@ def run_ours(w, steps: int, warmup: int, name: str, storage: str | None, options
     # runs with it were, if anything, faster), so all runs must carry it alike.
     cpu0 = time.process_time()
     res, samples, t_call = fit_polled(trainer, steps, poll_s)
+    # Every run, baselines too: a recovery is no step, so a recovered run's mean step time leaves
+    # it out (and a restart's checkpoint work with it), and any ratio taken with it means nothing.
+    require_clean(res, name)
     # This process's CPU: the driver's own (alike in every run) and, in the s3 run, the moto
     # server's threads, on the cores training uses. A remote S3 endpoint costs the cluster none of it.
     commits = len(events_of(res, "checkpoint_commit"))

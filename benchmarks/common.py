@@ -91,6 +91,20 @@ def fail(message: str) -> None:
     raise SystemExit(f"benchmark check failed: {message}")
 
 
+def require_clean(res, what: str) -> None:
+    """``fail`` unless ``res`` (an elastic ``Result``) ran with no failure and no recovery.
+
+    For every run whose figures assume none: a recovered run prints per-step figures that read
+    normal (a recovery is no step, and ``timed_steps`` leaves out a step kept from before it),
+    and ``first_step_done`` read too good if step 1 failed. A straggler eviction carried out is
+    neither (``Controller._evict`` counts no failure and records no recovery); a rank lost while
+    evicting is both, so this holds for an eviction run too."""
+    failures, recoveries = res.metrics["failures"], res.recoveries
+    if failures or recoveries:
+        fail(f"{what}: {failures} failure(s) and {len(recoveries)} recovery(ies) "
+             f"({[(r.get('kind'), r.get('step')) for r in recoveries]}) in a run whose figures assume none; rerun")
+
+
 # ---- Ray ----------------------------------------------------------------------------------------
 def start_ray(num_cpus: int = 8, extra_env: dict | None = None) -> None:
     """An embedded Ray of our own (never a bare ``ray.init()``, which can join a stale cluster)."""

@@ -16,8 +16,8 @@ import statistics
 import time
 
 from common import (add_raytrain_args, add_workload_args, claim_stdout, configure_raytrain, elastic_trainer, emit,
-                    first_step_done, ratio, run_raytrain, span_throughput, start_ray, step_throughput,
-                    workload_from_args)
+                    first_step_done, ratio, require_clean, run_raytrain, span_throughput, start_ray,
+                    step_throughput, workload_from_args)
 
 logger = logging.getLogger("bench.throughput")
 
@@ -27,6 +27,9 @@ def run_ours(w, steps: int, warmup: int, name: str) -> dict:
     t_call = time.time()
     res = trainer.fit(steps=steps)
     wall = time.time() - t_call
+    # Ours heals a failure and goes on, where the peer (max_failures=0) raises: a recovered run's
+    # figures would leave the recovery out and set it against a peer run that had none.
+    require_clean(res, f"ours {name}")
     span = span_throughput(res, warmup)
     per_step = step_throughput(res, after_step=warmup)
     return {
