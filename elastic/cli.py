@@ -400,9 +400,16 @@ def _controller(run: str, address: str, timeout_s: float) -> Any:
 def _ask(run: str, call: Any, timeout_s: float, sent: str | None = None) -> Any:
     """The answer to one call on a run's controller, or a CliError that says why there is none.
     ``sent``: the call acts though unanswered (it waits in the actor's queue, and can run after
-    this command exits): a timeout says that, exit EXIT_OUTCOME_UNKNOWN, not "no answer"."""
+    this command exits): a timeout says that, exit EXIT_OUTCOME_UNKNOWN, not "no answer".
+
+    So does an answer lost on its way: ActorUnavailableError (a RayActorError, but Ray says of
+    it that the call may or may not have run: the actor is restarting, or its node did not
+    answer) and a ConnectionError (Ray Client's, when its connection to ray://HEAD drops after
+    the call went out). Only ActorDiedError (and the base RayActorError) says the controller has
+    exited, so that the call went nowhere: read as "not delivered", an unavailable controller
+    that then ran the stop raced the script that started the run again."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
     try:
         return ray.get(call, timeout=timeout_s)
@@ -411,12 +418,50 @@ def _ask(run: str, call: Any, timeout_s: float, sent: str | None = None) -> Any:
             raise CliError(f"the controller of run {run!r} did not confirm {sent} within {timeout_s:g} s; the "
                            "request was sent and may still take effect", code=EXIT_OUTCOME_UNKNOWN) from None
         raise CliError(f"the controller of run {run!r} did not answer within {timeout_s:g} s") from None
+    except ActorUnavailableError:
+        if sent is not None:
+            raise CliError(f"the controller of run {run!r} did not confirm {sent} (it is unavailable: restarting, "
+                           "or its node does not answer); the request was sent and may still take effect",
+                           code=EXIT_OUTCOME_UNKNOWN) from None
+        raise CliError(f"the controller of run {run!r} did not answer (unavailable: restarting, or its node does "
+                       "not answer); try again") from None
     except RayActorError:
         raise CliError(f"the controller of run {run!r} has exited (the run ended or its driver died)") from None
+    except ConnectionError as exc:
+        if sent is not None:
+            raise CliError(f"lost the connection to the cluster before the controller of run {run!r} confirmed "
+                           f"{sent} ({_one_line(str(exc), 200)}); the request was sent and may still take effect",
+                           code=EXIT_OUTCOME_UNKNOWN) from None
+        raise
 
 
 def _controller_status(run: str, address: str, timeout_s: float) -> dict:
     return _ask(run, _controller(run, address, timeout_s).status.remote(), timeout_s)
+
+
+def _statuses(runs: list[str], address: str, timeout_s: float) -> list[tuple[str, Optional[dict]]]:
+    """Each run's status, None for a run whose controller did not answer (or has exited), all
+    within ``timeout_s``: every call is sent first, then the answers are awaited against one
+    deadline. Asked one after another, each with the whole timeout, N hung controllers held
+    ``elastic status`` N times --timeout."""
+    calls: list[tuple[str, Any]] = []
+    for name in runs:
+        try:
+            calls.append((name, _controller(name, address, timeout_s).status.remote()))
+        except CliError:  # gone since it was listed
+            calls.append((name, None))
+    deadline = time.monotonic() + timeout_s
+    rows: list[tuple[str, Optional[dict]]] = []
+    for name, call in calls:
+        if call is None:
+            rows.append((name, None))
+            continue
+        try:
+            # 0 once the deadline has passed: an answer already there is taken, none is waited for.
+            rows.append((name, _ask(name, call, max(0.0, deadline - time.monotonic()))))
+        except CliError:
+            rows.append((name, None))
+    return rows
 
 
 # ---- status -----------------------------------------------------------------------------------
@@ -546,12 +591,7 @@ def status(
             if not runs:
                 raise CliError(f"no elastic run is live on the cluster at {addr}")
             if len(runs) > 1:
-                rows = []
-                for name in runs:
-                    try:
-                        rows.append((name, _controller_status(name, addr, timeout_s)))
-                    except CliError:
-                        rows.append((name, None))
+                rows = _statuses(runs, addr, timeout_s)
                 if as_json:
                     _print_json({name: st for name, st in rows})
                 else:
@@ -598,8 +638,10 @@ def stop(
     0: the run stopped (or finished first); with --no-wait, the request was delivered.
     1: the run ended errored, or the request was not delivered (no such run, no cluster).
     2: a usage error.
-    3: asked, but how the run ended is unknown (its controller exited, or still stopping at --timeout),
-       or the request was sent but not confirmed in time: the stop may still take effect.
+    3: asked, but how the run ended is unknown (its controller exited or became unavailable, the
+       cluster was lost while waiting, or still stopping at --timeout), or the request was sent but
+       not confirmed (in time, or the controller unavailable, or the connection lost): the stop may
+       still take effect.
     """
     import ray
 
@@ -607,7 +649,7 @@ def stop(
     _probe(addr, min(PROBE_TIMEOUT_S, timeout_s), _address_source(address))
     addr = _connect(addr, NAMESPACE_PREFIX + run, timeout_s)
     try:
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 
         actor = _controller(run, addr, timeout_s)
         # Sent, a stop may wait in the actor's queue (a controller still in its constructor) and
@@ -620,6 +662,12 @@ def stop(
 
         try:
             final = ray.get(actor.wait_ended.remote(timeout_s), timeout=timeout_s + DEFAULT_TIMEOUT_S)
+        except ActorUnavailableError:
+            # Not "exited": Ray says of an unavailable actor that it may come back (restarting, or
+            # its node did not answer), and the run with it.
+            raise CliError(f"the controller of run {run} became unavailable while waiting for the run to stop; the "
+                           "stop was delivered, outcome unknown (`elastic status RUN` says whether it is back)",
+                           code=EXIT_OUTCOME_UNKNOWN) from None
         except RayActorError:
             # Not a success: a controller that dies (its node lost, the driver killed) says
             # nothing of how the run ended, so a script must not read this as "stopped".
@@ -628,6 +676,14 @@ def stop(
                            code=EXIT_OUTCOME_UNKNOWN) from None
         except GetTimeoutError:
             final = None
+        except (ConnectionError, RayError) as exc:
+            # The stop was delivered (confirmed above): whatever breaks the wait after it (Ray
+            # Client's ConnectionError when ray://HEAD drops, a lost GCS or node) leaves the run
+            # stopping or stopped, not "not delivered" (exit 1 read as "start it again").
+            raise CliError(f"lost the cluster while waiting for run {run} to stop ({type(exc).__name__}: "
+                           f"{_one_line(str(exc), 200)}); the stop was delivered, outcome unknown "
+                           "(`elastic status RUN` or `elastic checkpoints URL --run RUN` says more)",
+                           code=EXIT_OUTCOME_UNKNOWN) from None
         if final is None:
             raise CliError(f"run {run} did not stop within {timeout_s:g} s; it is still stopping",
                            code=EXIT_OUTCOME_UNKNOWN)
@@ -1116,6 +1172,15 @@ def submit(
         _probe(target, PROBE_TIMEOUT_S, "--address" if address else "RAY_API_SERVER_ADDRESS/RAY_ADDRESS",
                not_an_address="neither the dashboard's URL (http://HEAD:8265) nor a cluster's HOST:PORT (HEAD:6379)",
                hint=" (give the dashboard's URL, --address http://HEAD:8265, or the cluster's HEAD:6379)")
+    elif target and target.split("://", 1)[0].lower() == "ray":
+        # A Ray Client address (ray://HEAD:10001): Ray's client joins it with ray.init to read the
+        # dashboard's URL, retrying ~30 s where nothing listens, and the error then blamed "the
+        # Ray dashboard". Probed as status probes it (a scheme in capitals refused there too: Ray
+        # reads it as a module's name). Only ray://: http(s):// is the dashboard's, asked as it is.
+        _probe(target, PROBE_TIMEOUT_S, "--address" if address else "RAY_API_SERVER_ADDRESS/RAY_ADDRESS",
+               not_an_address="not ray://HOST:PORT (e.g. ray://HEAD:10001)",
+               hint=" (give the head's Ray Client server, ray://HEAD:10001, or the dashboard's URL, "
+                    "--address http://HEAD:8265)")
     where = shown(target) if target else "the local cluster"
     runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}
 

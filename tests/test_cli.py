@@ -149,6 +149,32 @@ def test_submit_to_a_cluster_address_nothing_listens_on_says_so_without_asking_r
     assert f"cannot reach a Ray cluster at 127.0.0.1:{port}" in line and "http://HEAD:8265" in line
 
 
+def test_submit_to_a_ray_client_address_nothing_listens_on_says_so_without_asking_ray(monkeypatch):
+    # ray://HEAD:10001 was not probed (only addresses without "://" were): Ray's client retried
+    # for ~30 s, and the error blamed "the Ray dashboard". http(s):// still goes to the client.
+    import ray.job_submission
+
+    asked = []
+
+    class Client:
+        def __init__(self, address):
+            asked.append(address)
+            raise ConnectionError("stop here")
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    port = free_ports(1)[0]
+    result = runner.invoke(app, ["submit", "--address", f"ray://127.0.0.1:{port}", "examples/digits.py"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 1 and not asked, line
+    assert f"cannot reach a Ray cluster at ray://127.0.0.1:{port}" in line and "dashboard at" not in line
+    # As status refuses them: a scheme in capitals (a module's name to Ray) and no port.
+    for address, said in ((f"RAY://127.0.0.1:{port}", "scheme in capitals"), ("ray://head", "not ray://HOST:PORT")):
+        result = runner.invoke(app, ["submit", "--address", address, "examples/digits.py"])
+        assert result.exit_code == 2 and said in result.stderr and not asked, result.stderr
+    result = runner.invoke(app, ["submit", "--address", f"http://127.0.0.1:{port}", "examples/digits.py"])
+    assert asked == [f"http://127.0.0.1:{port}"] and "cannot reach the Ray dashboard" in result.stderr
+
+
 def test_submit_to_a_dashboard_that_never_answers_fails_within_its_bound(monkeypatch, tmp_path):
     # A port that takes the connection (the kernel's backlog) and never answers, as a stale
     # port-forward or a hung head does: Ray's Jobs client has no timeout and waited forever.
@@ -746,6 +772,8 @@ def fake_ray_get(ref, timeout=None):
         if getattr(controller, "stop_queued", False):  # waiting in the actor's queue
             from ray.exceptions import GetTimeoutError
             raise GetTimeoutError("timed out")
+        if getattr(controller, "stop_lost", None) is not None:  # the answer lost on its way
+            raise controller.stop_lost
         return None
     if isinstance(controller.ended, BaseException):
         raise controller.ended
@@ -805,31 +833,156 @@ def test_stop_not_confirmed_in_time_exits_3_saying_it_may_still_take_effect(monk
         assert "did not confirm the stop within 5 s; the request was sent and may still take effect" in line
 
 
-def test_status_of_several_runs_exits_1_when_one_does_not_answer(monkeypatch):
-    # The table said "no answer" for a hung controller and exited 0: `elastic status && ...`
-    # passed over it, where one run's silence exits 1.
+def fake_stop(monkeypatch, controller: FakeController) -> None:
     import ray
 
     import elastic.cli as cli
 
-    def controller_status(run, addr, timeout_s):
-        if run == "b":
-            raise CliError("the controller of run 'b' did not answer within 5 s")
-        return {"run": run, "state": "running", "step": 3}
+    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s, source: None)
+    monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
+    monkeypatch.setattr(cli, "_controller", lambda run, addr, timeout_s: controller)
+    monkeypatch.setattr(ray, "get", fake_ray_get)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+
+
+@pytest.mark.parametrize("lost", ["unavailable", "connection", "died"])
+def test_stop_whose_answer_is_lost_exits_3_and_only_a_dead_controller_1(lost, monkeypatch):
+    # An ActorUnavailableError is a RayActorError, and was read as "the controller has exited",
+    # exit 1 ("not delivered"), though Ray says the call may or may not have run; so was the
+    # ConnectionError of a dropped ray:// connection (the generic error, exit 1).
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    import elastic.cli as cli
+
+    controller = FakeController({"state": "stopped", "step": 7, "checkpoint": {}})
+    controller.stop_lost = {"unavailable": ActorUnavailableError("the actor is restarting", None),
+                            "connection": ConnectionError("GRPC connection failed: <_MultiThreadedRendezvous>"),
+                            "died": ActorDiedError()}[lost]
+    fake_stop(monkeypatch, controller)
+    for args in ([], ["--no-wait"]):
+        result = runner.invoke(app, ["stop", "r", "--address", "127.0.0.1:1", "--timeout", "5", *args])
+        line = one_line_error(result.exit_code, result.stdout, result.stderr)
+        if lost == "died":
+            assert result.exit_code == 1 and "the controller of run 'r' has exited" in line, line
+        else:
+            assert result.exit_code == cli.EXIT_OUTCOME_UNKNOWN, line
+            assert "the request was sent and may still take effect" in line and "exited" not in line, line
+
+
+def test_status_says_an_unavailable_controller_did_not_answer_not_that_it_exited(monkeypatch):
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    import elastic.cli as cli
+
+    def unavailable(ref, timeout=None):
+        raise ActorUnavailableError("the actor is restarting", None)
 
     monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s, source: None)
     monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
-    monkeypatch.setattr(cli, "_live_runs", lambda: ["a", "b"])
-    monkeypatch.setattr(cli, "_controller_status", controller_status)
+    monkeypatch.setattr(cli, "_controller", lambda run, addr, timeout_s: StatusController(run, False, []))
+    monkeypatch.setattr(ray, "get", unavailable)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    result = runner.invoke(app, ["status", "--address", "127.0.0.1:1", "--timeout", "5"])
+    result = runner.invoke(app, ["status", "r", "--address", "127.0.0.1:1"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == 1 and "the controller of run 'r' did not answer (unavailable" in line, line
+    assert "exited" not in line
+
+
+@pytest.mark.parametrize("error, said", [("connection", "lost the cluster while waiting for run r to stop"),
+                                         ("node died", "lost the cluster while waiting for run r to stop"),
+                                         ("unavailable", "controller of run r became unavailable while waiting")])
+def test_stop_exits_3_when_the_cluster_is_lost_while_it_waits_for_the_run(error, said, monkeypatch):
+    # Delivered, the stop then waits for the run's end; a ConnectionError (ray:// dropped) or a
+    # RayError other than the actor's fell to the generic error: exit 1, "not delivered". An
+    # unavailable controller was said to have exited.
+    from ray.exceptions import ActorUnavailableError, NodeDiedError
+
+    import elastic.cli as cli
+
+    fake_stop(monkeypatch, FakeController({"connection": ConnectionError("GRPC connection failed"),
+                                           "node died": NodeDiedError("the head node died"),
+                                           "unavailable": ActorUnavailableError("restarting", None)}[error]))
+    result = runner.invoke(app, ["stop", "r", "--address", "127.0.0.1:1", "--timeout", "5"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert result.exit_code == cli.EXIT_OUTCOME_UNKNOWN, line
+    assert said in line and "the stop was delivered, outcome unknown" in line and "exited" not in line, line
+
+
+class StatusController:
+    """A run's controller as `elastic status` sees it: ``status.remote()`` is sent at once (and
+    noted in ``events``); ray.get of it (``status_ray_get``) answers, or, for a hung controller,
+    waits out the timeout it is given."""
+
+    def __init__(self, run: str, hung: bool, events: list):
+        outer = self
+        self.run, self.hung, self.events = run, hung, events
+
+        class Status:
+            @staticmethod
+            def remote():
+                events.append(("sent", run))
+                return outer
+
+        self.status = Status
+
+
+def status_ray_get(controller, timeout=None):
+    from ray.exceptions import GetTimeoutError
+
+    controller.events.append(("waited", controller.run, timeout))
+    if controller.hung:
+        time.sleep(timeout)
+        raise GetTimeoutError("timed out")
+    return {"run": controller.run, "state": "running", "step": 3}
+
+
+def fake_runs(monkeypatch, runs: dict[str, bool]) -> list:
+    """Live runs ``{name: hung}`` behind fake controllers; returns the list of their events."""
+    import ray
+
+    import elastic.cli as cli
+
+    events: list = []
+    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s, source: None)
+    monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
+    monkeypatch.setattr(cli, "_live_runs", lambda: list(runs))
+    monkeypatch.setattr(cli, "_controller", lambda run, addr, timeout_s: StatusController(run, runs[run], events))
+    monkeypatch.setattr(ray, "get", status_ray_get)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    return events
+
+
+def test_status_of_several_runs_exits_1_when_one_does_not_answer(monkeypatch):
+    # The table said "no answer" for a hung controller and exited 0: `elastic status && ...`
+    # passed over it, where one run's silence exits 1.
+    fake_runs(monkeypatch, {"a": False, "b": True})
+    result = runner.invoke(app, ["status", "--address", "127.0.0.1:1", "--timeout", "0.5"])
     assert result.exit_code == 1 and "2 live runs" in result.stdout  # the table is still printed
-    assert "no answer from the controller of run(s) b within 5 s" in one_line_error(
+    assert "no answer from the controller of run(s) b within 0.5 s" in one_line_error(
         result.exit_code, result.stdout, result.stderr)
-    as_json = runner.invoke(app, ["status", "--json", "--address", "127.0.0.1:1", "--timeout", "5"])
-    assert as_json.exit_code == 1 and json.loads(as_json.stdout) == {"a": controller_status("a", "", 5), "b": None}
-    monkeypatch.setattr(cli, "_live_runs", lambda: ["a", "c"])
+    as_json = runner.invoke(app, ["status", "--json", "--address", "127.0.0.1:1", "--timeout", "0.5"])
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout) == {"a": {"run": "a", "state": "running", "step": 3},
+                                                                "b": None}
+    fake_runs(monkeypatch, {"a": False, "c": False})
     assert runner.invoke(app, ["status", "--address", "127.0.0.1:1"]).exit_code == 0
+
+
+def test_status_of_several_runs_waits_for_them_all_within_one_timeout(monkeypatch):
+    # Each controller was asked in turn with the whole --timeout: three hung ones held the
+    # command three times as long. Now every call goes out first, and the answers share one deadline.
+    events = fake_runs(monkeypatch, {"a": True, "b": True, "c": False, "d": True})
+    t0 = time.monotonic()
+    result = runner.invoke(app, ["status", "--address", "127.0.0.1:1", "--timeout", "1"])
+    took = time.monotonic() - t0
+    assert result.exit_code == 1 and "4 live runs" in result.stdout
+    assert "no answer from the controller of run(s) a, b, d within 1 s" in one_line_error(
+        result.exit_code, result.stdout, result.stderr)
+    sent = [e for e in events if e[0] == "sent"]
+    assert events[:4] == sent and len(sent) == 4, events  # all sent before any answer is awaited
+    waits = [e[2] for e in events if e[0] == "waited"]
+    assert len(waits) == 4 and all(w <= 1 for w in waits) and sum(waits) < 1.5, waits
+    assert took < 3, took
 
 
 def test_a_ctrl_c_while_ray_init_connects_exits_without_waiting_for_it(monkeypatch):
