@@ -262,6 +262,9 @@ class Controller:
         self._stopped_while: str | None = None  # what the run was waiting for when a stop ended it
         self._stop_holder: tuple[Member, int] | None = None  # ... and the rank whose weights it hands back
         self._unhealed: tuple[int, ...] = ()  # ranks lost and not yet replaced or shrunk away
+        # The end of a recovery's wait for capacity (capacity_timeout_s from its start), kept
+        # while its decision is tried again after a Ray error (_recover, REBUILD_RETRIES).
+        self._capacity_deadline: float | None = None
         # Members that hold no state of the run (names): spares promoted into a rank (a fresh
         # model) and survivors a shrink stood by as spares (the state from before that). The
         # state sync gives them the state and never takes it, nor a rollback point, from them.
@@ -2169,6 +2172,10 @@ class Controller:
                 retries, kind = 0, "failure_during_recovery"
             if not retries:  # a pass tried again for the same lost ranks is no new failure
                 self._count_failure(kind)
+                # A new wait for capacity for a new failure; a retry waits out what is left of
+                # its pass's: restarted each time, a Ray error late in each wait stretched it to
+                # (1 + REBUILD_RETRIES) x capacity_timeout_s.
+                self._capacity_deadline = None
             if found:
                 self.log("failure", f"rank(s) {sorted(found)} lost too as the survivors left the group "
                          "(dead, or killed as hung)", ranks=sorted(found))
@@ -2241,7 +2248,6 @@ class Controller:
 
     def _decide_and_apply(self, lost: tuple[int, ...], kind: str) -> None:
         waited = False
-        deadline: float | None = None  # the wait for capacity's end, capacity_timeout_s from its start
         while True:
             self._refresh_spares(wait=True)
             view = FailureView(lost, kind, len(self.group.members), len(self.group.spares),
@@ -2256,8 +2262,9 @@ class Controller:
                 self._replace(lost)
                 return
             if isinstance(decision, WaitForCapacity):
-                if deadline is None:
-                    deadline = time.time() + decision.timeout_s
+                if self._capacity_deadline is None:
+                    self._capacity_deadline = time.time() + decision.timeout_s
+                deadline = self._capacity_deadline
                 missing = len(lost) - len(self.group.spares) - self.group.pending_spares
                 for _ in range(max(0, missing)):
                     self.group.request_spare(avoid_nodes=self._nodes_to_avoid())

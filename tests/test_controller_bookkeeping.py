@@ -364,6 +364,32 @@ def test_a_rank_lost_during_a_restart_from_the_checkpoint_is_healed_by_the_recov
     assert any(e.kind == "failure" and "while healing" in e.message for e in c.events)
 
 
+def test_a_decision_tried_again_after_a_ray_error_waits_out_what_is_left_of_its_wait_for_capacity(
+        rayless_controller, monkeypatch):
+    # The retry of a decision refused on a Ray error (REBUILD_RETRIES) started the wait for
+    # capacity afresh: an error late in each wait stretched it to 4 x capacity_timeout_s.
+    import ray
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1),
+                           failure=elastic.FailureConfig(capacity_timeout_s=1.0))
+    c.group = StandInGroup()
+    deadlines = []
+
+    def wait_for_spares(needed, deadline):  # no spare comes; the first wait ends in a GCS error
+        deadlines.append(deadline)
+        if len(deadlines) == 1:
+            raise ray.exceptions.RaySystemError("the GCS refused the call (test)")
+        time.sleep(max(0.0, deadline - time.time()))
+
+    monkeypatch.setattr(c, "_wait_for_spares", wait_for_spares)
+    monkeypatch.setattr(c, "_settle_survivors", lambda dead: set())
+    monkeypatch.setattr(c, "_probe_dead", lambda: set())  # nobody else lost: the same decision again
+    with pytest.raises(controller_module.TrainingFailed, match="no capacity came within capacity_timeout_s=1s"):
+        c._recover(Failure({1}, "actor_died"))
+    assert len(deadlines) >= 2 and len(set(deadlines)) == 1  # one wait, tried again within it
+    assert c.failures == 1 and [e for e in c.events if "deciding again (1 of 3)" in e.message]
+
+
 def test_a_shrink_with_a_spare_for_one_of_two_lost_ranks_promotes_it_then_drops_the_other(rayless_controller):
     c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3, num_backups=1), global_batch_size=12,
                            failure=elastic.FailureConfig(when_no_spare="shrink", allow_shrink=True, min_workers=1))
