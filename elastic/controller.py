@@ -412,13 +412,14 @@ class Controller:
                     # to 499, past the driver's stop_timeout_s). End at what the heal restored.
                     self._stop_after_dispatched()
             self._settle_deferred_eviction()  # the run's end came first: named, not carried out
-            self._finish_late()
-            self._finish_checkpoints()
-            # The replicas' check before the run's terminal state, not in result() after it:
-            # wait_ended (``elastic stop``) answered "finished" for a run whose check then
-            # failed (ReplicaDivergence), and `elastic stop RUN && next` went on.
-            if self.group is not None and self.group.members:
-                self._replica_sums = self.verify_replicas()
+            with self._beating_at_the_end():
+                self._finish_late()
+                self._finish_checkpoints()
+                # The replicas' check before the run's terminal state, not in result() after it:
+                # wait_ended (``elastic stop``) answered "finished" for a run whose check then
+                # failed (ReplicaDivergence), and `elastic stop RUN && next` went on.
+                if self.group is not None and self.group.members:
+                    self._replica_sums = self.verify_replicas()
             if stopping and self.step < total_steps:
                 self.transition(State.STOPPED, f"stopped after step {self.step} of {total_steps} on request: "
                                 f"{self._stop_reason}")
@@ -439,6 +440,54 @@ class Controller:
         finally:
             if self.committer is not None:
                 self.committer.close()
+
+    @contextlib.contextmanager
+    def _beating_at_the_end(self):
+        """The ranks' heartbeats asked every ``heartbeat_interval_s`` while the run's end waits
+        (the late replicas, the final flush, the checksums), on a thread of their own. Why: the
+        steps' waits ask them, and nothing else does; a final flush to slow storage showed every
+        rank past ``heartbeat_timeout_s`` in ``elastic status`` and on the heartbeat-age gauge
+        (its alert firing) while the run was healthy and still running. A rank that answers
+        nothing still ages, as it should. Heartbeats run in each rank's control group, so a rank
+        busy with the end's calls answers them."""
+        if self.group is None or not self.group.members:
+            yield
+            return
+        done = threading.Event()
+        interval = self.failure_config.heartbeat_interval_s
+
+        def beat() -> None:
+            while not done.wait(interval):
+                try:
+                    self._ask_heartbeats_once(min(interval, self.failure_config.heartbeat_timeout_s))
+                except Exception:  # noqa: BLE001 - only the gauge and status() read these; the end goes on
+                    logger.debug("heartbeats at the run's end failed", exc_info=True)
+
+        thread = threading.Thread(target=beat, name="elastic-end-heartbeats", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(timeout=interval + self.failure_config.heartbeat_timeout_s)
+
+    def _ask_heartbeats_once(self, wait_s: float) -> None:
+        """Ask every rank not lost for a heartbeat, wait up to ``wait_s`` for the answers, note
+        those that came (``_last_beat``), and publish every rank's heartbeat age."""
+        members = [m for m in list(self.group.members) if m.rank not in self._unhealed and m.name not in self._lost_at_end]
+        refs = {m.actor.heartbeat.remote(): m for m in members}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+        now = time.time()
+        for ref in ready:
+            m = refs[ref]
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                continue  # dead: its end's call says so
+            if m in self.group.members:  # read at answer time: a released late replica renumbers the rest
+                self._last_beat[m.rank] = now
+        if self.metrics is not None:
+            self.metrics.on_heartbeats({m.rank: now - self._last_beat.get(m.rank, now) for m in members})
 
     def _commit_before_user_error(self, exc: BaseException) -> None:
         """The user's error ends the run (``WorkerError``, ``UnsaveableState``): the ranks are

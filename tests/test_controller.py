@@ -408,6 +408,45 @@ def test_a_rank_stuck_after_the_last_step_is_left_out_of_the_end(ray_cluster, st
         assert c._world_size == 2 and [m.rank for m in c._answered_at_end] == [1, 2]
 
 
+class SlowChecksumWorker(FakeWorker):
+    def param_checksum(self):
+        time.sleep(5.0)  # a large model's checksum, or a slow final flush: the run's end waits
+        return 7
+
+
+class SlowChecksumGroup(FakeGroup):
+    def __init__(self, scaling, spec, namespace):
+        super().__init__(scaling, spec, namespace)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(SlowChecksumWorker)
+
+
+def test_the_ranks_heartbeats_are_asked_while_the_runs_end_waits(ray_cluster):
+    # Only the steps' waits asked the ranks: for the whole of the end's waits (the late
+    # replicas, the final flush, the checksums) every rank's heartbeat age grew, and a slow end
+    # showed a healthy running run's ranks past heartbeat_timeout_s in status and on the gauge.
+    c = controller("fake-end-beats", failure=elastic.FailureConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3))
+    c.worker_group_cls = SlowChecksumGroup
+    ages, ended = [], threading.Event()
+
+    def watch():
+        while not ended.is_set():
+            st = c.status()
+            if st["state"] == "running" and c.step == 3:  # the run's end: every step trained
+                ages.append(max(r["heartbeat_age_s"] for r in st["ranks"]))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        c.run_for(steps=3)
+    finally:
+        ended.set()
+        watcher.join(timeout=10)
+        c.shutdown()
+    assert c.state is State.FINISHED
+    assert len(ages) > 20 and max(ages) < 3.0, ages  # the checksums took 5 s; asked every 0.5 s
+
+
 def test_a_new_actor_takes_a_name_the_previous_groups_actor_still_holds(ray_cluster):
     # A restart kills every rank and starts a group of the same names; ray.kill returns before
     # the GCS frees a name, and creating "rank-0" then raised ActorAlreadyExistsError, failing
