@@ -456,6 +456,36 @@ def last_loss(history: list[dict]) -> float | None:
                 None)
 
 
+def _copied(value: Any) -> Any:
+    """A setting's own copy for one fit() (``_prepare``): a config's fields, and a list's or
+    dict's items, can be set in place too. A RunConfig is copied with its CheckpointConfig
+    but not its storage options, which may hold a client or session that does not copy (the
+    store is built from them once, in the checks)."""
+    if isinstance(value, RunConfig):
+        run = copy.copy(value)
+        if isinstance(value.checkpoint, CheckpointConfig):
+            run.checkpoint = copy.copy(value.checkpoint)
+        return run
+    if isinstance(value, (ScalingConfig, FailureConfig, list, tuple, dict)):
+        return copy.deepcopy(value)
+    return value  # None, or a wrong type the checks name
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A Trainer's settings as one ``fit()`` checked them (``Trainer._prepare``), and trains with."""
+
+    run: RunConfig
+    scaling: ScalingConfig
+    failure: FailureConfig
+    spec: TrainingSpec
+    global_batch_size: int
+    faults: list
+    requeue_dropped: bool
+    batch_schedule: dict
+    address: str | None
+
+
 class Trainer:
     """Synchronous data-parallel training on Ray that survives failures and stragglers."""
 
@@ -489,20 +519,23 @@ class Trainer:
         self._prepare()
         self.controller = None  # the actor handle while fit() runs
         self._fitting = False  # a fit() of this Trainer is running (in some thread)
-        self._fit_run: RunConfig | None = None  # that fit()'s run, as it started (_running)
+        self._fit_settings: _Prepared | None = None  # that fit()'s settings, as checked when it started (_settings)
 
-    def _prepare(self) -> RunConfig:
+    def _prepare(self) -> _Prepared:
         """Every check of the Trainer's settings, and what is built from them (the workers' spec,
         the checkpoint store). Run when the Trainer is made and again by each ``fit()``: the
         configs are plain dataclasses, and a field set between the two (``trainer.scaling.use_gpu
         = True``) went to the actors unchecked, with a spec still built for the old value.
 
-        Returns the RunConfig checked, read once: the one the store was built for, which a
-        ``fit()`` trains with (``_running``) whatever ``trainer.run`` is set to meanwhile."""
-        run = self.run
+        Returns the settings checked, copied once before the checks: what a ``fit()`` trains with
+        (``_settings``), whatever the Trainer's are set to meanwhile. Read again after the checks,
+        a setting changed from another thread while Ray started (a notebook cell) reached the
+        controller unchecked; the RunConfig was the only one copied."""
+        run, scaling, failure = _copied(self.run), _copied(self.scaling), _copied(self.failure)
+        batch_schedule, faults = _copied(self.batch_schedule), _copied(self.faults)
         check_environment()  # the ELASTIC_* overrides, which the actors read too
-        for name, value, kind in (("scaling", self.scaling, ScalingConfig), ("run", run, RunConfig),
-                                  ("failure", self.failure, FailureConfig)):
+        for name, value, kind in (("scaling", scaling, ScalingConfig), ("run", run, RunConfig),
+                                  ("failure", failure, FailureConfig)):
             if value is not None and not isinstance(value, kind):
                 raise ConfigError(f"Trainer.{name} must be an elastic.{kind.__name__}(...) or None, "
                                   f"got {type(value).__name__}.")
@@ -510,14 +543,16 @@ class Trainer:
                 # Again: a config's fields can be set after it was made (num_workers = 0 then
                 # divided by zero here, a negative CPU count failed at placement in the controller).
                 value.__post_init__()
-        self.scaling = self.scaling or ScalingConfig()
+        if scaling is None:
+            self.scaling = scaling = ScalingConfig()
         if run is None:
-            run = self.run = RunConfig()
-        self.failure = self.failure or FailureConfig()
+            self.run = RunConfig()
+            run = _copied(self.run)
+        if failure is None:
+            self.failure = failure = FailureConfig()
         model_fn, optimizer_fn, dataset_fn, loss_fn = self.model_fn, self.optimizer_fn, self.dataset_fn, self.loss_fn
         step_fn, scheduler_fn, max_grad_norm = self.step_fn, self.scheduler_fn, self.max_grad_norm
         global_batch_size, address, requeue_dropped = self.global_batch_size, self.address, self.requeue_dropped
-        faults = self.faults
         for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("dataset_fn", dataset_fn),
                          ("loss_fn", loss_fn)):
             if not callable(fn):
@@ -529,7 +564,7 @@ class Trainer:
             _require_positive("Trainer.max_grad_norm", max_grad_norm, "a number",
                               "(the gradients' total 2-norm is clipped to it), or None")
         _check_mixed_precision(self.mixed_precision, step_fn)
-        n = self.scaling.num_workers
+        n = scaling.num_workers
         _require_int("Trainer.global_batch_size", global_batch_size, 1)
         _require_flag("Trainer.requeue_dropped", requeue_dropped)
         if global_batch_size % n:
@@ -537,40 +572,40 @@ class Trainer:
                 f"Trainer.global_batch_size={global_batch_size} is not divisible by ScalingConfig.num_workers={n}; "
                 f"use a multiple of {n} (e.g. {global_batch_size - global_batch_size % n or n})."
             )
-        _check_batch_schedule(self.batch_schedule, n, self.failure)
-        mw = self.failure.min_workers
+        _check_batch_schedule(batch_schedule, n, failure)
+        mw = failure.min_workers
         if mw is not None and mw > n:
             raise ConfigError(f"FailureConfig.min_workers={mw} is larger than ScalingConfig.num_workers={n}; lower it.")
-        if requeue_dropped and self.scaling.aggregation != "first_n":
+        if requeue_dropped and scaling.aggregation != "first_n":
             raise ConfigError("Trainer.requeue_dropped is for ScalingConfig.aggregation='first_n' (only first-N "
                               "drops samples); leave it False.")
-        if requeue_dropped and self.scaling.steps_per_dispatch > 1:
+        if requeue_dropped and scaling.steps_per_dispatch > 1:
             raise ConfigError("Trainer.requeue_dropped puts a step's dropped samples into the next step, so steps "
                               "go out one at a time: set ScalingConfig.steps_per_dispatch to 0 or 1.")
-        if self.failure.evict_stragglers and self.scaling.num_hot_spares == 0:
-            field = "num_spares" if self.scaling.aggregation == "first_n" else "num_backups"
+        if failure.evict_stragglers and scaling.num_hot_spares == 0:
+            field = "num_spares" if scaling.aggregation == "first_n" else "num_backups"
             raise ConfigError("FailureConfig.evict_stragglers puts a hot spare in a straggler's place, and this run "
                               f"keeps none: set ScalingConfig.{field} >= 1, or evict_stragglers=False.")
-        if self.scaling.aggregation == "first_n" and "shrink" in (self.failure.on_failure, self.failure.when_no_spare):
+        if scaling.aggregation == "first_n" and "shrink" in (failure.on_failure, failure.when_no_spare):
             # Named first: told only "set allow_shrink False", the user then met FailureConfig's
             # own "asks to shrink but allow_shrink=False; set allow_shrink=True", each error
             # pointing at the other.
-            which = "on_failure" if self.failure.on_failure == "shrink" else "when_no_spare"
+            which = "on_failure" if failure.on_failure == "shrink" else "when_no_spare"
             raise ConfigError(f"FailureConfig.{which}='shrink' is not supported with aggregation='first_n' (a "
                               "first-N group keeps its size); use 'wait', 'restart' or 'fail' there (with "
                               "on_failure='replace', spares first), and allow_shrink=False.")
-        if self.scaling.aggregation == "first_n" and self.failure.allow_shrink:
+        if scaling.aggregation == "first_n" and failure.allow_shrink:
             raise ConfigError("FailureConfig.allow_shrink is not supported with aggregation='first_n'; set it False.")
-        _check_failure_actions(self.failure, run, n, global_batch_size)
-        for note in _ignored_settings(self.scaling, run, self.failure):
+        _check_failure_actions(failure, run, n, global_batch_size)
+        for note in _ignored_settings(scaling, run, failure):
             if note not in self._warned:  # once per Trainer: fit() prepares again
                 self._warned.add(note)
                 logger.warning("%s", note)
-        self.spec = TrainingSpec(
+        spec = self.spec = TrainingSpec(
             model_fn=model_fn, optimizer_fn=optimizer_fn, dataset_fn=dataset_fn, loss_fn=loss_fn, step_fn=step_fn,
-            scheduler_fn=scheduler_fn, seed=run.seed, use_gpu=self.scaling.use_gpu,
-            cpus_per_worker=self.scaling.resources_per_worker.get("CPU", 1.0),
-            bucket_cap_mb=self.scaling.bucket_cap_mb, find_unused_parameters=self.scaling.find_unused_parameters,
+            scheduler_fn=scheduler_fn, seed=run.seed, use_gpu=scaling.use_gpu,
+            cpus_per_worker=scaling.resources_per_worker.get("CPU", 1.0),
+            bucket_cap_mb=scaling.bucket_cap_mb, find_unused_parameters=scaling.find_unused_parameters,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
             mixed_precision=self.mixed_precision,
         )
@@ -582,9 +617,11 @@ class Trainer:
                                   "or 'local', or None (RAY_ADDRESS, else an embedded local Ray).")
         if faults is not None and not isinstance(faults, (list, tuple)):
             raise ConfigError(f"Trainer.faults must be a list of fault dicts or None, got {type(faults).__name__}.")
-        self.faults = list(faults or [])
-        for f in self.faults:
-            if not _valid_fault(f, self.scaling.num_replicas):
+        faults = list(faults or [])
+        if not isinstance(self.faults, list):
+            self.faults = list(faults)  # None or a tuple, read as a list from now on
+        for f in faults:
+            if not _valid_fault(f, scaling.num_replicas):
                 raise ConfigError(
                     f"Trainer.faults entry {f!r} must be {{'kind': 'slow', 'rank': r, 'factor': x>=1 or 'delay_s': d>0, 'from_step': s}} "
                     "or {'kind': 'kill'|'hang', 'rank': r, 'at_step': s} (a kill may add 'after_update': True and "
@@ -607,7 +644,9 @@ class Trainer:
                 store = CheckpointStore(run.storage, run.name, run.storage_options)
                 store.validate()
             self._store, self._store_for = store, where
-        return run
+        return _Prepared(run=run, scaling=scaling, failure=failure, spec=spec, global_batch_size=global_batch_size,
+                         faults=faults, requeue_dropped=requeue_dropped, batch_schedule=dict(batch_schedule or {}),
+                         address=address)
 
     def _check_cluster_address(self) -> None:
         """The address ``connect`` will join, checked as ``Trainer.address`` is when it is set
@@ -616,9 +655,10 @@ class Trainer:
         RAY_ADDRESS (a cluster torn down since, a dashboard's http:// address left from ``ray
         job``) went to ``ray.init`` unchecked, which retried for a minute while Ray's core logged
         each try, and a ``user:password@`` in it was echoed by Ray's messages."""
-        env = _env_address(self.address)
-        if env is None and self.address is not None:
-            address, source = self.address, "Trainer.address"
+        given = self._fit_settings.address if self._fit_settings is not None else self.address
+        env = _env_address(given)
+        if env is None and given is not None:
+            address, source = given, "Trainer.address"
         elif env and env != "local":
             address, source = env, "the environment variable RAY_ADDRESS"
         else:
@@ -642,7 +682,13 @@ class Trainer:
         and ``run`` set meanwhile (another thread, a notebook cell) made it act on another run:
         the killed run's groups left reserved, a live run of the new name's groups removed, and
         a resume advised under a name that starts a new run."""
-        return self._fit_run or self.run
+        return self._fit_settings.run if self._fit_settings is not None else self.run
+
+    @property
+    def _settings(self) -> _Prepared:
+        """The settings of the fit() in progress, as checked when it started (``_prepare``)."""
+        assert self._fit_settings is not None, "read only while a fit() runs"
+        return self._fit_settings
 
     @property
     def namespace(self) -> str:
@@ -669,18 +715,19 @@ class Trainer:
             self._fitting = False
 
     def _fit_once(self, steps: int | None, epochs: int | None) -> Result:
-        # Again: a setting may have changed since the Trainer was made. Its run is what this fit()
-        # reads from now on (_running): a copy, as a field may be set in place too.
-        self._fit_run = copy.copy(self._prepare())
+        # Again: a setting may have changed since the Trainer was made. What it checked is what
+        # this fit() reads from now on (_settings, _running): copies, as a field may be set in place too.
+        self._fit_settings = self._prepare()
         try:
             return self._fit_as_prepared(steps, epochs)
         finally:
-            self._fit_run = None
+            self._fit_settings = None
 
     def _fit_as_prepared(self, steps: int | None, epochs: int | None) -> Result:
-        packed = _packed_spec(self.spec, self._running)  # before Ray: a factory that cannot travel is a ConfigError
-        total_cpu = self.scaling.resources_per_worker.get("CPU", 1.0) * (
-            self.scaling.num_replicas + self.scaling.num_hot_spares + 2)
+        settings = self._settings
+        packed = _packed_spec(settings.spec, self._running)  # before Ray: a factory that cannot travel is a ConfigError
+        scaling = settings.scaling
+        total_cpu = scaling.resources_per_worker.get("CPU", 1.0) * (scaling.num_replicas + scaling.num_hot_spares + 2)
         if not ray.is_initialized():
             self._check_cluster_address()
         namespace = self.namespace  # as taken: released as taken, whatever the run is renamed to meanwhile
@@ -693,7 +740,7 @@ class Trainer:
                                   "in this process. Choose another RunConfig.name, or wait for that fit() to return.")
             _FITTING.add(namespace)
         try:
-            with _ray_for_fit(self.address, total_cpu, self.scaling.use_gpu):
+            with _ray_for_fit(settings.address, total_cpu, scaling.use_gpu):
                 return self._fit(steps, epochs, packed)
         finally:
             with _FITTING_LOCK:
@@ -703,14 +750,15 @@ class Trainer:
         from elastic.metrics import RunMetrics
 
         # Packed: the controller hands the spec on without unpickling the user's modules (torch).
-        kwargs = dict(spec=packed, scaling=self.scaling, run=self._running, failure=self.failure,
-                      global_batch_size=self.global_batch_size, checkpoint_store=self._store,
-                      metrics=RunMetrics(self._running.name), fault_plan=self.faults, requeue_dropped=self.requeue_dropped,
-                      batch_schedule=dict(self.batch_schedule or {}))
+        settings = self._settings
+        kwargs = dict(spec=packed, scaling=settings.scaling, run=self._running, failure=settings.failure,
+                      global_batch_size=settings.global_batch_size, checkpoint_store=self._store,
+                      metrics=RunMetrics(self._running.name), fault_plan=settings.faults,
+                      requeue_dropped=settings.requeue_dropped, batch_schedule=settings.batch_schedule)
         actor_cls = ray.remote(concurrency_groups={"status": 1, "stop": 1, "checkpoint": 1, "wait": 4})(ControllerActor)
         # Here, before the controller starts, as well as in it (Controller._schedule): a run the
         # cluster can never place fails now, not inside the controller, as a TrainingFailed.
-        check_cluster_fits(self.scaling, self.scaling.num_replicas)
+        check_cluster_fits(settings.scaling, settings.scaling.num_replicas)
         self._claim_run_name()
         mirror = self._shared_memory_storage()
         with mirror or nullcontext():

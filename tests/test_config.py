@@ -504,6 +504,35 @@ def test_a_run_set_while_the_fit_checks_it_is_not_the_one_trained_with_the_other
     assert t.fit(steps=1) == ("checked", "checked")
 
 
+def test_settings_changed_while_ray_starts_do_not_reach_the_controller_unchecked(monkeypatch):
+    # Only the RunConfig was copied for the fit: the scaling, failure and other settings were read
+    # again after the checks, so one changed from another thread while Ray started (a notebook
+    # cell) went to the controller unchecked (num_workers=0 here, a batch no rank count divides).
+    from elastic import metrics as metrics_module
+    from elastic import trainer as trainer_module
+
+    t = _trainer(faults=[{"kind": "slow", "rank": 1, "factor": 2.0, "from_step": 3}], batch_schedule={10: 64})
+
+    @contextlib.contextmanager
+    def ray_starting(*args):  # the checks passed: another thread changes every setting
+        t.scaling.num_workers, t.failure.max_failures, t.global_batch_size = 0, -1, 7
+        t.faults[0]["rank"], t.batch_schedule[10] = 99, 3
+        t.requeue_dropped, t.address = True, "nowhere"
+        yield
+
+    monkeypatch.setattr(trainer_module, "_ray_for_fit", ray_starting)
+    monkeypatch.setattr(t, "_check_cluster_address", lambda: None)
+    monkeypatch.setattr(trainer_module, "check_cluster_fits", lambda scaling, n: None)
+    monkeypatch.setattr(t, "_claim_run_name", lambda: None)
+    monkeypatch.setattr(metrics_module, "RunMetrics", lambda name: None)
+    monkeypatch.setattr(t, "_run_controller", lambda actor_cls, kwargs, steps, epochs, host: kwargs)
+    kwargs = t.fit(steps=1)
+    assert kwargs["scaling"].num_workers == 4 and kwargs["failure"].max_failures == FailureConfig().max_failures
+    assert kwargs["global_batch_size"] == 32 and kwargs["fault_plan"][0]["rank"] == 1
+    assert kwargs["batch_schedule"] == {10: 64} and kwargs["requeue_dropped"] is False
+    assert t.scaling.num_workers == 0  # the Trainer's own, as set: the next fit() checks it
+
+
 def test_a_leftover_controllers_groups_are_removed_while_it_still_holds_the_runs_name(monkeypatch):
     # Removed after its name was free, they could be another driver's that took the name meanwhile;
     # left to the new controller alone, a fit that failed before its controller ran left them.
