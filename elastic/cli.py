@@ -649,7 +649,7 @@ def stop(
     _probe(addr, min(PROBE_TIMEOUT_S, timeout_s), _address_source(address))
     addr = _connect(addr, NAMESPACE_PREFIX + run, timeout_s)
     try:
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
         actor = _controller(run, addr, timeout_s)
         # Sent, a stop may wait in the actor's queue (a controller still in its constructor) and
@@ -676,6 +676,12 @@ def stop(
                            code=EXIT_OUTCOME_UNKNOWN) from None
         except GetTimeoutError:
             final = None
+        except RayTaskError as exc:
+            # The controller's own wait_ended raised (a bug of ours, or its status failing): the
+            # stop was delivered and the cluster is there; what the run did is not known.
+            raise CliError(f"the controller of run {run} failed to say how the run ended ({_one_line(str(exc), 200)}); "
+                           "the stop was delivered, outcome unknown (`elastic status RUN` says more)",
+                           code=EXIT_OUTCOME_UNKNOWN) from None
         except (ConnectionError, RayError) as exc:
             # The stop was delivered (confirmed above): whatever breaks the wait after it (Ray
             # Client's ConnectionError when ray://HEAD drops, a lost GCS or node) leaves the run

@@ -247,6 +247,7 @@ class Controller:
         self._refill_stop_logged = False
         # Ranks lost after the last step (the final flush, the end's checksums): left out of the end.
         self._lost_at_end: set[str] = set()
+        self._stuck_names: set[str] = set()  # of those, the ones that answered nothing (_stuck_at_end)
         self._answered_at_end: list = []
         self._replica_sums: list[int] | None = None  # verify_replicas at the run's end (run_for)
         # Nodes a straggler was evicted from -> time.monotonic() until which spares refilling the
@@ -487,7 +488,12 @@ class Controller:
             if m in self.group.members:  # read at answer time: a released late replica renumbers the rest
                 self._last_beat[m.rank] = now
         if self.metrics is not None:
-            self.metrics.on_heartbeats({m.rank: now - self._last_beat.get(m.rank, now) for m in members})
+            # Only those still in the group, by their numbers now: a late replica released
+            # meanwhile (``_finish_late``) kept its old number, and published after the new
+            # group's ``on_group`` had forgotten it, a rank that no longer exists aged on the
+            # gauge until the run ended (its alert firing at a slow final flush).
+            now_in = [m for m in members if m in self.group.members]
+            self.metrics.on_heartbeats({m.rank: now - self._last_beat.get(m.rank, now) for m in now_in})
 
     def _commit_before_user_error(self, exc: BaseException) -> None:
         """The user's error ends the run (``WorkerError``, ``UnsaveableState``): the ranks are
@@ -3043,7 +3049,10 @@ class Controller:
                 continue
             self._answered_at_end.append(m)
         if not sums:
-            raise TrainingFailed(f"every rank was lost after the last step ({self.step}); no weights to hand back")
+            stuck = [m.rank for m in self.group.members if m.name in self._stuck_names]
+            why = (f"did not answer within step_timeout_s={self.failure_config.step_timeout_s:g}s (stuck: rank(s) "
+                   f"{stuck}) or was lost" if stuck else "was lost")
+            raise TrainingFailed(f"every rank {why} after the last step ({self.step}); no weights to hand back")
         if len(set(sums)) != 1:
             raise ReplicaDivergence(f"replicas differ at step {self.step}: checksums {sums}")
         self.log("checksum", f"all {len(sums)} replicas identical at the end (step {self.step})", step=self.step)
@@ -3056,6 +3065,7 @@ class Controller:
         again (the checksums after the final flush) would only wait out another bound. The
         group's shutdown kills it."""
         self._lost_at_end.add(name)
+        self._stuck_names.add(name)
         self.log("hang", f"rank {rank} ({name}) did not answer {what} after the last step ({self.step}): "
                  "left out of the run's end (its replica is not checked; the others hold the weights)", rank=rank)
 

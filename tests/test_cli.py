@@ -891,18 +891,22 @@ def test_status_says_an_unavailable_controller_did_not_answer_not_that_it_exited
 
 @pytest.mark.parametrize("error, said", [("connection", "lost the cluster while waiting for run r to stop"),
                                          ("node died", "lost the cluster while waiting for run r to stop"),
-                                         ("unavailable", "controller of run r became unavailable while waiting")])
+                                         ("unavailable", "controller of run r became unavailable while waiting"),
+                                         ("its own error", "controller of run r failed to say how the run ended")])
 def test_stop_exits_3_when_the_cluster_is_lost_while_it_waits_for_the_run(error, said, monkeypatch):
     # Delivered, the stop then waits for the run's end; a ConnectionError (ray:// dropped) or a
     # RayError other than the actor's fell to the generic error: exit 1, "not delivered". An
-    # unavailable controller was said to have exited.
-    from ray.exceptions import ActorUnavailableError, NodeDiedError
+    # unavailable controller was said to have exited; the controller's own error in its wait is
+    # no lost cluster.
+    from ray.exceptions import ActorUnavailableError, NodeDiedError, RayTaskError
 
     import elastic.cli as cli
 
     fake_stop(monkeypatch, FakeController({"connection": ConnectionError("GRPC connection failed"),
                                            "node died": NodeDiedError("the head node died"),
-                                           "unavailable": ActorUnavailableError("restarting", None)}[error]))
+                                           "unavailable": ActorUnavailableError("restarting", None),
+                                           "its own error": RayTaskError("wait_ended", "Traceback ...",
+                                                                         KeyError("state"))}[error]))
     result = runner.invoke(app, ["stop", "r", "--address", "127.0.0.1:1", "--timeout", "5"])
     line = one_line_error(result.exit_code, result.stdout, result.stderr)
     assert result.exit_code == cli.EXIT_OUTCOME_UNKNOWN, line

@@ -406,6 +406,12 @@ def test_a_rank_stuck_after_the_last_step_is_left_out_of_the_end(ray_cluster, st
         assert [e.details["rank"] for e in hung] == [0] and "after the last step (4)" in hung[0].message
         assert "left out of the run's end" in hung[0].message
         assert c._world_size == 2 and [m.rank for m in c._answered_at_end] == [1, 2]
+        if stuck_in == "checksums":  # none answers: the run fails, saying they were stuck, not lost
+            for m in c.group.members[1:]:
+                m.actor.stall.remote(300)
+            with pytest.raises(TrainingFailed, match=r"every rank did not answer within step_timeout_s=3s \(stuck: "
+                                                     r"rank\(s\) \[0, 1, 2\]\) or was lost after the last step"):
+                c.verify_replicas()
 
 
 class SlowChecksumWorker(FakeWorker):

@@ -364,6 +364,31 @@ def test_a_rank_lost_during_a_restart_from_the_checkpoint_is_healed_by_the_recov
     assert any(e.kind == "failure" and "while healing" in e.message for e in c.events)
 
 
+def test_the_ends_heartbeats_publish_no_rank_released_while_they_were_asked(rayless_controller, plain_values):
+    # The end's heartbeat thread listed the ranks, then a late replica (the highest rank) was
+    # released meanwhile (_finish_late): published after the new group's on_group forgot it, its
+    # old number aged on the gauge until the run ended, a rank that no longer exists.
+    class Beats:
+        def __init__(self):
+            self.ages = []
+
+        def on_heartbeats(self, ages):
+            self.ages.append(dict(ages))
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3, num_backups=1))
+    c.group, c.metrics = StandInGroup(ranks=3), Beats()
+    for m in c.group.members:  # a plain value stands for the answer's ref
+        m.actor.heartbeat = SimpleNamespace(remote=lambda r=m.rank: f"beat of rank {r}")
+
+    def release_rank_2():  # as _finish_late lets it go while the heartbeats are out
+        c.group.remove_ranks([2])
+        return "beat of rank 2"
+
+    c.group.members[2].actor.heartbeat = SimpleNamespace(remote=release_rank_2)
+    c._ask_heartbeats_once(0.1)
+    assert list(c.metrics.ages[-1]) == [0, 1]
+
+
 def test_a_decision_tried_again_after_a_ray_error_waits_out_what_is_left_of_its_wait_for_capacity(
         rayless_controller, monkeypatch):
     # The retry of a decision refused on a Ray error (REBUILD_RETRIES) started the wait for
