@@ -1552,7 +1552,9 @@ class Controller:
         window the fast N finish adds one, faster than a hung rank's time runs, so it would
         never be found."""
         clocks: dict[int, tuple[float, int]] = {}
-        for r, since, k in self._lagging.values():  # in the order the windows went late
+        # In the order the windows went late; a copy: status() reads this from another thread
+        # while the training thread changes _lagging.
+        for r, since, k in list(self._lagging.values()):
             if r != exclude and r not in clocks:
                 clocks[r] = (max(since, self._late_done_at.get(r, 0.0)), k)
         return clocks
@@ -3399,9 +3401,10 @@ class Controller:
         scores = self.straggler_policy.scores()
         now = time.time()
         rows = []
-        late: dict[int, float] = {}  # rank -> since when its oldest window still out is late
-        for r, since, _ in list(self._lagging.values()):  # a copy: the training thread changes it (see scores())
-            late[r] = min(late.get(r, since), since)
+        # rank -> since when it has been on its oldest window still out, as the policy reads it
+        # (_note_lateness). From when that window went late, a replica working off a backlog
+        # showed the whole backlog's stretch as its step time, long after it sped up.
+        late = {r: start for r, (start, _) in self._late_clocks().items()}
         if self.group is None:
             return rows
         for m in self.group.members:

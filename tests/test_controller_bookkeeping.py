@@ -364,6 +364,19 @@ def test_a_rank_lost_during_a_restart_from_the_checkpoint_is_healed_by_the_recov
     assert any(e.kind == "failure" and "while healing" in e.message for e in c.events)
 
 
+def test_status_shows_a_late_ranks_time_on_the_window_it_is_on_as_the_policy_reads_it(rayless_controller):
+    # Shown from when its oldest window still out went late: a replica that handed back the
+    # window before 3 s ago, on a backlog that went late 10 s ago, showed a 10 s step time.
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=2, num_backups=1, aggregation="first_n"),
+                           global_batch_size=8)
+    c.group = StandInGroup(ranks=3)
+    now = time.time()
+    c._lagging = {"w1": (2, now - 10, 1), "w2": (2, now - 5, 1)}
+    c._late_done_at = {2: now - 3}  # it finished the window before the oldest still out
+    row = c.rank_rows(spares=False)[2]
+    assert row["state"] == "late" and 2.9 < row["step_time_s"] < 6, row
+
+
 def test_the_ends_heartbeats_publish_no_rank_released_while_they_were_asked(rayless_controller, plain_values):
     # The end's heartbeat thread listed the ranks, then a late replica (the highest rank) was
     # released meanwhile (_finish_late): published after the new group's on_group forgot it, its
