@@ -365,6 +365,53 @@ def test_credentials_that_appear_after_a_failed_lookup_are_used_by_the_next_call
     assert storage.read_bytes("b.bin") == b"beta" and later.read_bytes("a.bin") == b"alpha"
 
 
+@pytest.mark.parametrize("code", ["ExpiredToken", "InvalidAccessKeyId", "TokenRefreshRequired"])
+def test_credentials_gone_stale_are_looked_up_again(code, monkeypatch):
+    """Expired temporary credentials (a token a sidecar rewrites in ~/.aws, static to botocore)
+    and rotated keys: the filesystem, and its client holding them, were kept for the process,
+    so no write succeeded again and no step committed for the rest of the run."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    from elastic.checkpoint import storage as storage_module
+
+    cleared = []
+
+    class CachedFs:
+        @classmethod
+        def clear_instance_cache(cls):
+            cleared.append(cls)
+
+    monkeypatch.setattr(storage_module, "_credentials_forgotten_at", -float("inf"))
+    storage = Storage("memory://stale", retry=FAST)
+    storage._fs = CachedFs()
+
+    def refused():
+        raise translate_boto_error(ClientError({"Error": {"Code": code, "Message": "test"}}, "PutObject"))
+
+    with pytest.raises(StorageError):
+        storage._call("write", "a.bin", refused)
+    assert storage._fs is None and cleared == [CachedFs]
+
+
+def test_a_bucket_whose_head_a_prefix_only_grant_refuses_validates(moto_s3, monkeypatch):
+    """S3 refuses HEAD of a bucket (403) to a policy that lists only under a prefix, a shared
+    bucket's usual grant, and answers 404 to anyone for one that does not exist: fit() refused
+    such a run, blaming its endpoint, region and credentials."""
+    bucket = moto_s3.create_bucket()
+    storage = Storage(f"s3://{bucket}/team-a/run", moto_s3.storage_options(), retry=FAST)
+    fs, _ = storage._filesystem()
+    real = fs.call_s3
+
+    def call_s3(method, *args, **kwargs):
+        if method == "head_bucket":
+            raise PermissionError("Forbidden")
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "call_s3", call_s3)
+    storage.validate()  # the probe under team-a/ decides, and it writes
+
+
 # ---- redaction ---------------------------------------------------------------------------------
 def test_location_and_messages_never_carry_credentials(moto_s3):
     options = moto_s3.storage_options()

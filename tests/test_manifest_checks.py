@@ -141,6 +141,22 @@ def test_a_step_of_version_3_resumes_a_schedule_that_hands_over_to_multisteplr(m
     assert store.load_manifest(2)["version"] == VERSION > 3
 
 
+def test_a_version_3_step_whose_schedule_does_not_upgrade_is_skipped_as_corrupt(tmp_path, caplog):
+    # Its bytes check out but this code did not write them: the upgrade of its scheduler raised
+    # a TypeError outside every check, and the resume failed instead of falling back.
+    store = CheckpointStore(str(tmp_path), RUN)
+    commit_tiny(store, 1)
+    state = {**tiny_state(2), "scheduler": {"milestones": {"5": 1}, "_schedulers": 5}}
+    store.commit(2, store.write_rank_files(2, 0, 1, state), 1, {})
+    rewrite_manifest(store, 2, setting("version", 3))
+    with pytest.raises(CorruptCheckpoint, match="does not upgrade from version 3: the LR scheduler's '_schedulers' "
+                                                "is a int, not a list"):
+        store.read_state(2)
+    with caplog.at_level(logging.WARNING):
+        state, _ = store.read_state()
+    assert state["completed_step"] == 1 and "falling back to an older step" in caplog.text
+
+
 def test_version_4_the_reverted_crc32_format_is_refused_not_swept(backend):
     # Read as corrupt, the sweep deleted such a step once a newer one committed; the elastic that
     # wrote it (an elastic of 3 took it for newer) reads it.

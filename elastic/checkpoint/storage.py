@@ -68,6 +68,12 @@ _PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "
 # at most once per CREDENTIALS_LOOKUP_S: with none to be found, each lookup runs botocore's whole
 # chain (the instance-metadata endpoint's timeouts included).
 _CREDENTIALS_LOST = frozenset({"NoCredentialsError", "PartialCredentialsError"})
+# S3's answers for credentials gone stale: temporary ones expired (a token a sidecar or a cron
+# rewrites in ~/.aws, static to botocore), keys rotated in the file. The client holds them for
+# the process, so without a new lookup no write succeeded again and no step committed for the
+# rest of the run. Permanent or not (TokenRefreshRequired is retried), each drops the filesystem.
+_CREDENTIALS_STALE_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "InvalidToken",
+                                      "InvalidAccessKeyId", "TokenRefreshRequired"})
 CREDENTIALS_LOOKUP_S = 10.0
 _credentials_forgotten_at = -math.inf  # time.monotonic() of the last drop, in this process
 _PERMANENT_ERRNOS = frozenset({errno.EINVAL, errno.ENAMETOOLONG, errno.EMSGSIZE, errno.EROFS, errno.ENOSPC,
@@ -519,9 +525,9 @@ class Storage:
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"{op}: not found: {self.describe(rel)} ({self.redact(str(exc))})") from None
             except Exception as exc:  # noqa: BLE001 - transient by elimination; retried, then wrapped
+                if type(exc).__name__ in _CREDENTIALS_LOST or _s3_error_code(exc) in _CREDENTIALS_STALE_CODES:
+                    self._forget_filesystem()
                 if _permanent(exc):
-                    if type(exc).__name__ in _CREDENTIALS_LOST:
-                        self._forget_filesystem()
                     raise StorageError(
                         f"{op} {self.describe(rel)} failed: {type(exc).__name__}: {self.redact(str(exc))}"
                     ) from None
@@ -912,6 +918,13 @@ class Storage:
             call_s3("head_bucket", Bucket=bucket)
         except FileNotFoundError:
             return False
+        except PermissionError:
+            # S3 answers HEAD of a bucket with 403 to a policy that lists only under a prefix
+            # (ListBucket with an s3:prefix condition: a shared bucket's usual grant), and with
+            # 404 to anyone when it does not exist. So it exists; whether these credentials may
+            # write under the run's prefix is the probe's to say, with its own message. Refused
+            # here, fit() blamed the endpoint, region and credentials of a run that would train.
+            return True
         return True
 
     def _probe_write(self, rel: str, data: bytes) -> None:

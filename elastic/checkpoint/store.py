@@ -341,7 +341,13 @@ def _upgraded(state: dict, version: int) -> dict:
             continue
         if type(sched.get("milestones")) is dict:
             sched["milestones"] = Counter(sched["milestones"])
-        pending.extend(sched.get("_schedulers") or [])
+        inner = sched.get("_schedulers")
+        if inner is not None and not isinstance(inner, list):
+            # Bytes that check out, not written by this code (a step's checks cover its bytes,
+            # not who wrote them): skipped as corrupt by the caller, where it escaped as a
+            # TypeError and failed the resume instead of falling back to an older step.
+            raise ValueError(f"the LR scheduler's '_schedulers' is a {type(inner).__name__}, not a list")
+        pending.extend(inner or [])
     return state
 
 
@@ -798,7 +804,11 @@ class CheckpointStore:
         if not isinstance(state, dict) or not all(isinstance(state.get(k, {}), dict) for k in ("model", "optimizer")):
             raise CorruptCheckpoint(step, where, "the state is not a training state (a dict, its model and "
                                                  "optimizer dicts)")
-        state = _upgraded(state, int(manifest["version"]))
+        try:
+            state = _upgraded(state, int(manifest["version"]))
+        except ValueError as exc:
+            raise CorruptCheckpoint(step, where, f"the state does not upgrade from version {manifest['version']}: "
+                                                 f"{exc}") from None
         meta = manifest.get("meta", {})
         problem = _state_problem(state) or _meta_problem(meta, meta_keys)
         if problem:
