@@ -683,6 +683,46 @@ def test_the_flush_report_counts_the_snapshots_the_rank_dropped_in_all(tmp_path)
         in_process.close()
 
 
+def test_both_writers_rotate_the_duty_by_their_checkpoint_schedule(node, monkeypatch, tmp_path):
+    # The writers' rotation follows the run's schedule (rank_share's every_n_steps): passed
+    # nothing, it rotated by the step, and every 4 steps on 4 ranks rank 0 wrote every checkpoint.
+    from elastic.checkpoint import store as store_module
+
+    agent, _, _, _, (url, options) = node
+    taken, of_state = [], store_module.Snapshot.of_state.__func__
+
+    def spied(cls, *args, **kwargs):
+        taken.append(kwargs.get("every_n_steps"))
+        return of_state(cls, *args, **kwargs)
+
+    monkeypatch.setattr(store_module.Snapshot, "of_state", classmethod(spied))
+    worker = FakeWorker(rank=0, world_size=1)
+    worker.train(4)
+    for hook in (WorkerCheckpointer(f"file://{tmp_path}", {}, RUN, every_n_steps=4, retry=FAST),
+                 link(agent, every=4)):
+        try:
+            hook.after_step(worker, 4)
+            assert hook.flush(10)
+        finally:
+            hook.close()
+    assert taken == [4, 4]
+
+
+def test_a_dtype_the_agents_encoding_cannot_name_is_not_reported_as_the_agent_lost(node, monkeypatch):
+    # The rank writes in its own process from then on, as it should; the event said the node's
+    # agent was lost, a healthy one, and sent the user to look at the node.
+    agent, _, committer, _, (url, options) = node
+    worker = FakeWorker(rank=0, world_size=1)
+    hook = link(agent, fallback=lambda: WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
+    monkeypatch.setattr(hook, "_layout_of", lambda tensors: None)  # as for complex64 where it has no name
+    try:
+        reports = run_training([worker], [hook], committer, [1])
+        assert [e["event"] for e in reports[0]["ckpt_events"]] == ["checkpoint_dtype_in_process"]
+        assert hook.fallback is not None and "dtype has no safetensors name" in reports[0]["ckpt_events"][0]["message"]
+    finally:
+        hook.close()
+
+
 def test_a_rank_whose_agent_is_gone_writes_its_checkpoints_itself(node):
     agent, controller, committer, store, (url, options) = node
     worker = FakeWorker(rank=0, world_size=1)

@@ -353,6 +353,21 @@ def test_writer_slots_cover_every_shard_once_and_rotate():
         assert seen_writers == set(range(world))  # over the steps, every rank takes its turn
 
 
+@pytest.mark.parametrize("every", [2, 4, 10, 100])
+def test_the_writers_rotate_over_the_checkpoints_taken_whatever_their_schedule(every):
+    # Rotated by the step, a schedule sharing a factor with the world size kept the duty on some
+    # ranks: every 4 steps on 4 ranks, rank 0 wrote every checkpoint (2: ranks 0 and 2).
+    tensors = {f"t{i}": torch.zeros(1024, dtype=torch.uint8) for i in range(4)}
+    for world, min_shard_bytes in ((4, 10**9), (4, 2048), (5, 10**9)):
+        writes: dict[int, int] = {}
+        for step in range(every, every * (world * 3 + 1), every):  # the steps a run of this schedule snapshots
+            shares = [rank_share(tensors, r, world, min_shard_bytes, step, every) for r in range(world)]
+            assert sorted(n for names, _ in shares for n in names) == sorted(tensors)  # each tensor once
+            for r, (names, _) in enumerate(shares):
+                writes[r] = writes.get(r, 0) + bool(names)
+        assert len(set(writes.values())) == 1 and min(writes.values()) > 0, (world, writes)  # all alike
+
+
 @pytest.mark.parametrize("min_shard_bytes,writers", [(0, 3), (1, 3), (10**9, 1)])
 def test_min_shard_bytes_sets_how_many_ranks_write(tmp_path, min_shard_bytes, writers):
     """A small state is written by fewer ranks, each tensor still once, the duty rotating with
@@ -1023,6 +1038,26 @@ def test_milestones_waiting_are_bounded_apart_from_reports_and_the_oldest_droppe
     writer.release.set()
     assert persister.flush(5)
     assert writer.written == [1, 20, 30, 40, 41, 42, 43, 44]
+    persister.close(5)
+
+
+def test_milestones_a_rank_writes_no_file_for_do_not_push_out_the_waiting_copies_of_its_state():
+    # A milestone the rank only reports its RNG for (the duty to write rotated elsewhere) took
+    # one of max_keep's two places, kept for whole copies of the state: a third such report,
+    # waiting behind this rank's one slow write, dropped the oldest, which then never committed.
+    writer = SlowWriter()
+    released = []
+    persister = AsyncPersister(writer, max_light=32, max_keep=2, on_release=released.append)
+    persister.submit(8, 8, keep=True)  # its own write of a milestone, slow
+    assert writer.started.wait(5)
+    for step in (9, 10, 11, 12):  # keep_every == every_n_steps: the other ranks' turns
+        persister.submit(step, step, keep=True, light=True)
+    persister.submit(13, 13, keep=True)
+    persister.submit(14, 14, keep=True)  # two heavy milestones wait: the bound's, none dropped
+    assert released == [] and not [e for e in persister.drain_events() if e["event"] == "checkpoint_failed"]
+    writer.release.set()
+    assert persister.flush(5)
+    assert writer.written == [8, 9, 10, 11, 12, 13, 14]
     persister.close(5)
 
 

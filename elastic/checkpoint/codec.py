@@ -192,10 +192,11 @@ def writer_count(total_bytes: int, world_size: int, min_shard_bytes: int = 0) ->
 
 
 def writer_slot(rank: int, world_size: int, writers: int, step: int = 0) -> int | None:
-    """Which of the ``writers`` shards ``rank`` writes at ``step``; None when it writes none.
+    """Which of the ``writers`` shards ``rank`` writes at ``step`` (a checkpoint's turn,
+    ``rank_share``); None when it writes none.
 
-    With fewer writers than ranks the duty rotates with the step (shard j of step s goes to rank
-    (s + j) % world_size). Why: a rank then writes one step in ``world_size / writers``, so each
+    With fewer writers than ranks the duty rotates with the turn (shard j of turn t goes to rank
+    (t + j) % world_size). Why: a rank then writes one step in ``world_size / writers``, so each
     write has that many steps' time before the rank's next one, and no host carries every
     write. With one writer for the benchmark's 3.2 MB state on S3, a fixed writer (rank 0)
     persisted a step in 0.15 s median and 0.39 s p95, and 58 of 100 steps committed (the
@@ -207,15 +208,22 @@ def writer_slot(rank: int, world_size: int, writers: int, step: int = 0) -> int 
 
 
 def rank_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int, min_shard_bytes: int = 0,
-               step: int = 0) -> tuple[list[str], bool]:
+               step: int = 0, every_n_steps: int = 1) -> tuple[list[str], bool]:
     """``(the tensor names rank writes at step, whether it writes the state skeleton)``: nothing
     when the state is spread over fewer ranks (``writer_count``, ``writer_slot``). The same
-    split on every rank, as every replica holds the same tensors."""
+    split on every rank, as every replica holds the same tensors.
+
+    The duty rotates by the checkpoint's turn, ``step // every_n_steps``, not by the step: only
+    every n-th step is snapshotted, so with n a multiple of the world size (every 4 steps on 4
+    ranks, 10 on 5) the step's offset was always 0 and rank 0 wrote every checkpoint, and with
+    a common factor only some ranks ever wrote. A step off the schedule (the run's last, the
+    one after an eviction) takes its turn the same way on every rank."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     sizes = {n: tensor_nbytes(t) for n, t in tensors.items()}
     writers = writer_count(sum(sizes.values()), world_size, min_shard_bytes)
-    slot = writer_slot(rank, world_size, writers, step)
+    turn = step // every_n_steps if every_n_steps > 0 else step
+    slot = writer_slot(rank, world_size, writers, turn)
     return (list(_assigned(tuple(sizes.items()), writers)[slot]), slot == 0) if slot is not None else ([], False)
 
 

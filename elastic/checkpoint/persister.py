@@ -90,7 +90,8 @@ class OutageTracker:
         self.started_at, self.failures, self.refused_logged = None, 0, False
 
 
-NEWEST, REPORT, KEEP = "newest", "report", "keep"  # AsyncPersister's kinds of payload
+# AsyncPersister's kinds of payload; LIGHT_KEEP: a milestone a rank writes no file for (its RNG)
+NEWEST, REPORT, KEEP, LIGHT_KEEP = "newest", "report", "keep", "light-keep"
 
 
 class AsyncPersister:
@@ -108,7 +109,9 @@ class AsyncPersister:
     (``checkpoint_failed``). A rank's own writer, whose payloads are whole host copies of its
     state, keeps 2 (as light payloads they waited up to 32: with ``keep_every ==
     every_n_steps``, 33 full copies through an outage); the node agent's links, whose payloads
-    sit in its bounded shared-memory slots, and the committer's manifests keep the default.
+    sit in its bounded shared-memory slots, and the committer's manifests keep the default. A
+    milestone that is also light (``keep=True, light=True``: a rank's RNG alone) is kept the
+    same way but counts against ``max_light``, not ``max_keep``: it holds no copy of the state.
 
     ``submit`` returns at once (or writes inline when ``blocking``). ``drain`` hands back
     ``(step, entries)`` for every write completed since the last drain; ``drain_events`` the outage
@@ -148,7 +151,7 @@ class AsyncPersister:
         # load for any store, and each try is itself retried by Storage (StoragePolicy).
         self.retry_max_s = retry_max_s if retry_max_s is not None else env_number("ELASTIC_CKPT_RETRY_MAX_S", 5.0)
         self._cond = threading.Condition()
-        # (step, payload, kind), oldest first: kind NEWEST (at most one), REPORT or KEEP
+        # (step, payload, kind), oldest first: kind NEWEST (at most one), REPORT, KEEP or LIGHT_KEEP
         self._queue: deque = deque()
         self.max_light, self.max_keep = max_light, max_keep
         self._inflight: int | None = None
@@ -178,7 +181,12 @@ class AsyncPersister:
                 logger.debug("persister closed; dropping step %d", step)
                 self._release(payload)
                 return
-            kind = KEEP if keep else REPORT if light else NEWEST
+            # A light milestone is kept as a milestone (never skipped in an outage) but bounded as
+            # a report: counted against max_keep, whose 2 are whole host copies of the state on
+            # a rank's own writer, a third RNG-only milestone waiting behind the rank's one slow
+            # write pushed the oldest out, and that milestone never committed (every rank's
+            # part is needed) with storage keeping up.
+            kind = (LIGHT_KEEP if light else KEEP) if keep else REPORT if light else NEWEST
             if kind == NEWEST:
                 replaced = [i for i in self._queue if i[2] == NEWEST]
                 if replaced:  # one snapshot waits, never more: memory stays bounded
@@ -450,7 +458,7 @@ class AsyncPersister:
                     if self._abort:
                         return
                     heavy = [i for i in self._queue if i[2] == NEWEST]
-                    if heavy and kind != KEEP:
+                    if heavy and kind not in (KEEP, LIGHT_KEEP):
                         # Move on to the newest snapshot, or to a milestone queued before it:
                         # steps go to storage in order. Why: written after a newer step, a
                         # milestone reached the committer after that step had committed, and
@@ -460,7 +468,7 @@ class AsyncPersister:
                         self.superseded += 1
                         self._release(payload)
                         newest = heavy[-1]
-                        target = next(i for i in self._queue if i[2] == KEEP or i is newest)
+                        target = next(i for i in self._queue if i[2] in (KEEP, LIGHT_KEEP) or i is newest)
                         before, rest = True, deque()
                         for item in self._queue:  # one pass: reports before it go, the rest stay in order
                             if item is target:

@@ -138,12 +138,14 @@ class Snapshot:
 
     @classmethod
     def of_state(cls, state: dict, step: int, rank: int, world_size: int, rng: RawRng | dict | None = None,
-                 min_shard_bytes: int = 0, copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Snapshot:
+                 min_shard_bytes: int = 0, copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 every_n_steps: int = 1) -> Snapshot:
         """``rank``'s share of ``state`` (a ``get_state()``-shaped dict) at ``step``, and with the
         first share the state skeleton. ``copy`` makes the private copies a background write
-        needs; without it the snapshot references ``state``'s tensors."""
+        needs; without it the snapshot references ``state``'s tensors. ``every_n_steps``: the
+        run's checkpoint schedule, which the writers' rotation follows (``rank_share``)."""
         tensors, skeleton = flatten_state(state)
-        share, with_skeleton = rank_share(tensors, rank, world_size, min_shard_bytes, step)
+        share, with_skeleton = rank_share(tensors, rank, world_size, min_shard_bytes, step, every_n_steps)
         return cls(step, rank, world_size, {n: copy(tensors[n]) if copy else tensors[n] for n in share},
                    skeleton if with_skeleton else None, rng)
 

@@ -75,7 +75,8 @@ def scaler_state(worker: Any) -> dict:
     return {} if scaler is None else {"scaler": scaler.state_dict()}
 
 
-def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: StagingBuffers | None = None) -> Snapshot:
+def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: StagingBuffers | None = None,
+                  every_n_steps: int = 1) -> Snapshot:
     """This rank's share of tensors (private host copies, in ``staging``'s recycled buffers when
     given), its RNG (read now, encoded by the writer: ``RawRng``), and with the first share the
     state skeleton.
@@ -93,7 +94,8 @@ def take_snapshot(worker: Any, step: int, min_shard_bytes: int = 0, staging: Sta
     """
     try:
         return Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size), RawRng.take(),
-                                 min_shard_bytes, copy=staging.copy if staging is not None else host_copy)
+                                 min_shard_bytes, copy=staging.copy if staging is not None else host_copy,
+                                 every_n_steps=every_n_steps)
     finally:
         if staging is not None:
             staging.settle()  # its copies from a GPU are whole before anyone reads them
@@ -215,7 +217,7 @@ class WorkerCheckpointer:
         the schedule, whose step the group's other ranks never add there)."""
         t0 = time.perf_counter()
         try:
-            snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging)
+            snapshot = take_snapshot(worker, step, self.min_shard_bytes, self.staging, self.every_n_steps)
         except UnsaveableValue as exc:
             raise UnsaveableState(str(exc), step) from None
         except Exception as exc:  # noqa: BLE001 - a snapshot that failed must not stop training
@@ -493,7 +495,8 @@ class AgentCheckpointer:
             self._poll()
             rng = RawRng.take()
             snap = Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size),
-                                     rng, self.min_shard_bytes)  # live tensors: copied into the slot
+                                     rng, self.min_shard_bytes,  # live tensors: copied into the slot
+                                     every_n_steps=self.every_n_steps)
             message = {"op": "snap", "step": step, "rank": snap.rank, "world_size": snap.world_size,
                        "taken_at": snap.taken_at, "generation": group_generation(worker)}
             if is_milestone(self.keep_every, step):
@@ -501,7 +504,10 @@ class AgentCheckpointer:
             if snap.writes_file:
                 layout = self._layout_of(snap.tensors)
                 if layout is None:
-                    return self._fall_back(worker, step, "a tensor's dtype has no safetensors name here")
+                    # Its own event: under the default (checkpoint_agent_lost) a healthy agent
+                    # was reported lost, and the user sent to look at the node.
+                    return self._fall_back(worker, step, "a tensor's dtype has no safetensors name here",
+                                           event="checkpoint_dtype_in_process")
                 meta = self._meta(snap)
                 if not self._fill(message, layout, meta, snap.tensors, rng):
                     if not (message.get("keep") and self._slot_back(self.MILESTONE_WAIT_S)
@@ -735,7 +741,8 @@ class AgentCheckpointer:
     def _fall_back(self, worker: Any, step: int, why: str, snapshot: bool = True,
                    event: str = "checkpoint_agent_lost") -> list[dict]:
         """Write in this process from now on (and ``step`` now, if ``snapshot``); ``event`` names
-        the cause: the agent lost, or shared memory this process could not make."""
+        the cause: the agent lost, shared memory this process could not make, or a dtype the
+        agent's encoding has no name for."""
         logger.warning("rank %s: %s; writing checkpoints in this process from step %d on", worker.rank, why, step)
         self._close_link()
         self.fallback = self._make_fallback()
