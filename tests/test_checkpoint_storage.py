@@ -681,6 +681,34 @@ def test_two_runs_at_once_in_one_job_have_memory_hosts_of_their_own(ray_cluster,
         clear_memory(root)
 
 
+def test_a_runs_memory_host_gone_is_an_error_not_a_new_empty_host(ray_cluster, monkeypatch):
+    # A rank found the run's host gone (killed, its node lost) and started an empty one of the
+    # same name: the run's writes went there, and died with that rank; a replacement rank read
+    # "step N is not committed" from it, with nothing to say the checkpoints were lost.
+    import uuid
+
+    import ray
+
+    from elastic.checkpoint import memory
+    from elastic.checkpoint.storage import StorageError
+
+    name = f"memory-gone-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(memory.HOST_ENV, name)  # as in the run's ranks (the controller's runtime_env)
+    host = memory._start_host(name)
+    memory.ClusterMemoryFS(host).pipe_file("memory://gone/x", b"1")
+    ray.kill(host, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the kill goes through the GCS
+        try:
+            ray.get_actor(name, namespace=memory.NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.1)
+    with pytest.raises(StorageError, match=f"the run's memory:// host '{name}' is gone"):
+        memory.cluster_filesystem()
+    assert name not in [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+
+
 def test_a_copy_back_that_fails_never_replaces_what_the_run_returns(ray_cluster, monkeypatch, caplog):
     # A file deleted between the host's listing and its read (a cleanup pass of a killed run)
     # raised FileNotFoundError out of the mirror's exit, replacing fit()'s result or error.

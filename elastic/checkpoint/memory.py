@@ -124,10 +124,21 @@ def in_run_process() -> bool:
 
 def cluster_filesystem() -> ClusterMemoryFS:
     """The host of this job, for a process of the run. A process that finds none (started by
-    something other than ``Trainer.fit``) starts one, which then lives as long as that process."""
+    something other than ``Trainer.fit``) starts one, which then lives as long as that process.
+    Not for a run whose driver named its host (``HOST_ENV``): that host gone (killed, its node
+    lost) is a StorageError. Started again, a new empty host of the same name took the run's
+    writes, which then died with the rank that owned it; a replacement rank read "step N is not
+    committed" from it, and the driver's copy at the end kept nothing committed after the loss."""
     try:
         return ClusterMemoryFS(ray.get_actor(host_name(), namespace=NAMESPACE))
     except ValueError:
+        named = os.environ.get(HOST_ENV)
+        if named:
+            from elastic.checkpoint.storage import StorageError
+
+            raise StorageError(f"the run's memory:// host {named!r} is gone (killed, or its node lost), and every "
+                               "memory:// checkpoint of the run with it: memory:// lives in one process; use "
+                               "file:// on shared storage, or s3://, for checkpoints that outlive one") from None
         logger.warning("no memory:// host for this job (runs started by Trainer.fit have one); starting one "
                        "owned by this process: its files end with it")
         return ClusterMemoryFS(_start_host())
