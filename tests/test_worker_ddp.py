@@ -965,7 +965,7 @@ def test_a_step_of_an_aborted_nccl_generation_makes_no_update_and_fails_as_a_col
     worker = SimpleNamespace(backend="nccl", generation=3, rank=0, device="cuda:0", _aborted_generation=3,
                              _collective_timeout_s=30.0, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), scheduler=None,
                              spec=SimpleNamespace(max_grad_norm=None), scaler=None, completed_step=4, current_step=5,
-                             _kill_after_update=False, _kill_at=None)
+                             _kill_after_update=False, _kill_at=None, _enter=lambda phase: None)
     worker._check_not_aborted = lambda: TrainWorker._check_not_aborted(worker)
     with pytest.raises(CollectiveError, match="generation 3 were aborted"):
         TrainWorker._apply_update(worker, 5)
