@@ -723,6 +723,42 @@ def test_a_dtype_the_agents_encoding_cannot_name_is_not_reported_as_the_agent_lo
         hook.close()
 
 
+def test_a_nodes_milestone_parts_reach_the_controller_in_each_ranks_order(node):
+    # Pooled, a part went when its step completed, aged (POOL_WAIT_S) or a link ended, in no
+    # rank's order: rank 0's part of milestone 10 came after its part of 20, and the committer,
+    # past 10 once 20 committed, dropped it for stale: milestone 10 never committed, no event.
+    agent, controller, _, _, _ = node
+    controller.checkpoint_written = _Calls(lambda *args: None)
+    class Link:  # a rank's link, as the pool reads it (hashable, as links are)
+        def __init__(self, rank):
+            self.rank, self.world_size = rank, 2
+            self.persister = SimpleNamespace(drain_events=lambda: [])
+
+    for r in (0, 1):
+        agent.pool.connect(Link(r))
+    agent.expect(2, [0, 1])
+
+    def arrive(rank, step):
+        agent.reports.put(("part", (rank, 2, step, {"entries": [], "taken_at": time.time()}, True)))
+
+    def settled(within_s=5.0):
+        deadline = time.monotonic() + within_s
+        while agent.reports.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the one the report thread took last
+
+    arrive(1, 10)
+    settled()
+    agent.pool.sweep(0.0)  # as when a link on the node ends, or 2 s pass
+    arrive(1, 20)
+    arrive(0, 10)  # rank 0's slow write of milestone 10 lands
+    arrive(0, 20)
+    settled()
+    agent.pool.sweep(0.0)
+    order = {r: [step for step, _, parts in controller.checkpoint_written.calls if r in parts] for r in (0, 1)}
+    assert order == {0: [10, 20], 1: [10, 20]}
+
+
 def test_a_rank_whose_agent_is_gone_writes_its_checkpoints_itself(node):
     agent, controller, committer, store, (url, options) = node
     worker = FakeWorker(rank=0, world_size=1)
@@ -1524,6 +1560,28 @@ def test_a_node_whose_agent_cannot_start_gets_none_and_the_others_theirs(stand_i
     assert agents.addresses({"a", "full"}) == {"a": "new-a", "full": None}
     assert "full" not in agents._starting and not killed
     assert agents.addresses({"full"}) == {"full": None}  # tried again when asked again
+
+
+def test_new_agents_that_never_answer_cost_one_start_timeout_not_one_each(stand_in_ray, monkeypatch):
+    """Each new agent's address was waited for with a START_TIMEOUT_S of its own: K agents that
+    never answer (their start hung, their node going away) held a recovery K times as long
+    before their ranks wrote checkpoints themselves."""
+    import ray
+
+    agents, killed = stand_in_ray
+    monkeypatch.setattr(NodeAgents, "START_TIMEOUT_S", 0.3)
+    waits = []
+
+    def never_answers(ref, timeout=None):
+        waits.append(timeout)
+        time.sleep(timeout)
+        raise ray.exceptions.GetTimeoutError("no answer (test)")
+
+    monkeypatch.setattr(ray, "get", never_answers)
+    t0 = time.monotonic()
+    assert agents.addresses({"a", "b", "c"}) == {"a": None, "b": None, "c": None}
+    assert time.monotonic() - t0 < 0.6 and len(waits) == 3 and sum(waits) <= 0.31, waits
+    assert len(killed) == 3
 
 
 def test_at_the_start_a_new_agents_storage_refusal_ends_the_run_naming_the_node(stand_in_ray, monkeypatch):

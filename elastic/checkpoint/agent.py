@@ -350,7 +350,7 @@ class _RankLink:
         # replaced the old world's reports of the step, which then never committed.
         self.last_part = (step, {**part, "again": True, "rank": p.rank, "world_size": p.world_size})
         if p.ring is None:
-            self.agent.reports.put(("part", (p.rank, p.world_size, step, part)))
+            self.agent.reports.put(("part", (p.rank, p.world_size, step, part, p.keep)))
         else:
             p.part = part  # reported once the rank is told, with the slot's return (_release)
 
@@ -370,7 +370,7 @@ class _RankLink:
             message["written"] = [p.step, p.part]
         self.agent.reports.put(("send", (self, message)))
         if p.part is not None:
-            self.agent.reports.put(("part", (p.rank, p.world_size, p.step, p.part)))
+            self.agent.reports.put(("part", (p.rank, p.world_size, p.step, p.part, p.keep)))
 
     def send(self, message: dict) -> None:
         """From the report thread, the only one that writes to the rank (no lock needed)."""
@@ -801,7 +801,19 @@ class CheckpointAgent:
                 elif kind == "end":
                     item.end()
                 elif kind == "part":
-                    self.pool.add(*item)
+                    rank, world_size, step, part, keep = item
+                    if keep:
+                        # A keep_every milestone goes on its own, as a rank's own writer sends
+                        # it (WorkerCheckpointer.snapshot): the committer takes an older
+                        # milestone still incomplete when a newer one completes for one that
+                        # never will, which holds only if each rank's parts of milestones come
+                        # in order. The pool sends an entry when it completes, ages (POOL_WAIT_S)
+                        # or a link ends, in no rank's order: a rank's part of milestone m
+                        # could follow its part of m + keep_every, and m was dropped, swept
+                        # as uncommitted, with no event. This queue is in each rank's order.
+                        self._report(step, world_size, {rank: part})
+                    else:
+                        self.pool.add(rank, world_size, step, part)
                 elif kind == "forget":
                     self._forget(item)
                 if time.monotonic() - last >= every_s:
@@ -907,10 +919,13 @@ class NodeAgents:
                 self._kill(node)
         self.start(node_ids)
         checks = {}
+        # One deadline for all, as the pings above: one wait each, K agents that never answer
+        # held a recovery K x START_TIMEOUT_S before their ranks wrote for themselves.
+        started_by = time.monotonic() + self.START_TIMEOUT_S
         for node in [n for n in node_ids if n in self._starting]:
             actor, ref = self._starting.pop(node)
             try:
-                self._agents[node] = (actor, ray.get(ref, timeout=self.START_TIMEOUT_S))
+                self._agents[node] = (actor, ray.get(ref, timeout=max(0.0, started_by - time.monotonic())))
                 checks[node] = actor.warm_up.remote(check_storage)
             except Exception as exc:  # noqa: BLE001 - the ranks fall back to writing themselves
                 logger.warning("no checkpoint agent on node %s (%s); its ranks write checkpoints in their own "
