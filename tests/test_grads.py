@@ -356,6 +356,17 @@ def test_a_model_whose_trainable_parameters_changed_or_that_has_sparse_gradients
     model[0].weight.requires_grad_(True)  # gradual unfreezing, mid-run
     with pytest.raises(RuntimeError, match=r"changed after the group formed: 0.weight \(unfrozen\)"):
         grads.check_model(model)
+    # A parameter replaced (weight_norm, an adapter swapped in) was named "unfrozen", and the same
+    # parameters in another order named nothing at all, beside advice about requires_grad.
+    model[0].weight.requires_grad_(False)
+    model[1].weight = torch.nn.Parameter(model[1].weight.detach().clone())
+    with pytest.raises(RuntimeError, match=r"changed after the group formed: 1.weight \(replaced\)\."):
+        grads.check_model(model)
+    reordered = torch.nn.Linear(4, 2)
+    grads = FlatGrads(reordered)
+    reordered._parameters = dict(reversed(list(reordered._parameters.items())))
+    with pytest.raises(RuntimeError, match=r"formed: the same parameters, registered again or in another order"):
+        grads.check_model(reordered)
     sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
     with pytest.raises(RuntimeError, match=r"sparse gradients \(0 has sparse=True\)"):
         FlatGrads(sparse).check_model(sparse)

@@ -77,6 +77,9 @@ class FlatGrads:
 
     def __init__(self, model) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied parameters once
+        # Every parameter's id, trainable or not (ids only: holding a replaced parameter would
+        # keep its memory): check_model tells one replaced since from one unfrozen.
+        self._built_ids = {id(p) for p in model.parameters()}
         self.dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params)) if self.params else None
         self._cast = [i for i, p in enumerate(self.params) if p.dtype != self.dtype]  # no view: copied in and out
         self._viewed = [i for i, p in enumerate(self.params) if p.dtype == self.dtype]
@@ -113,13 +116,19 @@ class FlatGrads:
         trainable = [p for p in model.parameters() if p.requires_grad]
         if len(trainable) != len(self.params) or any(a is not b for a, b in zip(trainable, self.params)):
             then = {id(p) for p in self.params}
-            changed = [f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
-                       for name, p in model.named_parameters() if p.requires_grad != (id(p) in then)]
+            changed = [f"{name} (replaced)" if id(p) not in self._built_ids else
+                       f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
+                       for name, p in model.named_parameters()
+                       if id(p) not in self._built_ids or p.requires_grad != (id(p) in then)]
+            # The same parameters, registered again or in another order, name none: said so,
+            # not left as an empty list beside advice about requires_grad.
+            what = (f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}" if changed else
+                    "the same parameters, registered again or in another order")
             raise RuntimeError(
-                "first-N aggregation: the model's trainable parameters changed after the group formed: "
-                f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}. Set requires_grad in model_fn, "
-                "before training: first-N averages the parameters trainable when the group formed, and one "
-                "frozen or unfrozen later would be stepped differently on different replicas.")
+                f"first-N aggregation: the model's trainable parameters changed after the group formed: {what}. "
+                "Set requires_grad, and replace or re-register parameters (weight_norm, parametrize, an "
+                "adapter), in model_fn, before training: first-N averages the parameters trainable when the "
+                "group formed, and one changed later would be stepped differently on different replicas.")
         if not self._sparse_checked:
             self._sparse_checked = True
             sparse = sparse_embeddings(model)
