@@ -759,6 +759,26 @@ def test_a_nodes_milestone_parts_reach_the_controller_in_each_ranks_order(node):
     assert order == {0: [10, 20], 1: [10, 20]}
 
 
+def test_a_flushs_report_of_a_milestone_the_agent_sent_itself_says_so(node):
+    # The agent sends a milestone's part itself; its flush's second report of it did not say
+    # "sent", so the controller took it in without waiting for that push (_await_push), and
+    # the milestone floor passed the rank's push of the milestone before, dropped as stale.
+    agent, _, committer, _, (url, options) = node
+    worker = FakeWorker(rank=0, world_size=1)
+    hook = AgentCheckpointer(agent.address(), 1, lambda: pytest.fail("fell back"), 0, keep_every=2)
+    try:
+        run_training([worker], [hook], committer, [1, 2])
+        assert hook.flush(10)
+        (step, part), = hook.drain()["ckpt_done"]
+        assert step == 2 and part["again"] and part["sent"]
+        run_training([worker], [hook], committer, [3])
+        assert hook.flush(10)
+        (step, part), = hook.drain()["ckpt_done"]
+        assert step == 3 and "sent" not in part  # a pooled step: another rank may send it
+    finally:
+        hook.close()
+
+
 def test_a_rank_whose_agent_is_gone_writes_its_checkpoints_itself(node):
     agent, controller, committer, store, (url, options) = node
     worker = FakeWorker(rank=0, world_size=1)

@@ -1059,6 +1059,21 @@ def test_milestones_a_rank_writes_no_file_for_do_not_push_out_the_waiting_copies
     assert persister.flush(5)
     assert writer.written == [8, 9, 10, 11, 12, 13, 14]
     persister.close(5)
+    # Bounded with the reports, a light milestone is still the last of them to go: on a node
+    # agent's link (max_keep 32) it was dropped before the newer reports, which nothing promises.
+    writer = SlowWriter()
+    persister = AsyncPersister(writer, max_light=4, max_keep=32)
+    persister.submit(1, 1, keep=True)
+    assert writer.started.wait(5)
+    persister.submit(2, 2, keep=True, light=True)
+    for step in range(3, 9):
+        persister.submit(step, step, light=True)
+    failed = [(e["step"], e["error"]) for e in persister.drain_events() if e["event"] == "checkpoint_failed"]
+    assert failed == [(3, "dropped"), (4, "dropped")]  # the oldest reports, not milestone 2
+    writer.release.set()
+    assert persister.flush(5)
+    assert writer.written == [1, 2, 5, 6, 7, 8]
+    persister.close(5)
 
 
 def test_blocking_mode_writes_inline_and_never_raises():

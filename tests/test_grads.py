@@ -362,6 +362,11 @@ def test_a_model_whose_trainable_parameters_changed_or_that_has_sparse_gradients
     model[1].weight = torch.nn.Parameter(model[1].weight.detach().clone())
     with pytest.raises(RuntimeError, match=r"changed after the group formed: 1.weight \(replaced\)\."):
         grads.check_model(model)
+    shortened = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    grads = FlatGrads(shortened)
+    shortened[1] = torch.nn.Identity()  # a head dropped mid-run: its parameters are gone, not reordered
+    with pytest.raises(RuntimeError, match=r"formed: 1.weight \(removed\), 1.bias \(removed\)\."):
+        grads.check_model(shortened)
     reordered = torch.nn.Linear(4, 2)
     grads = FlatGrads(reordered)
     reordered._parameters = dict(reversed(list(reordered._parameters.items())))

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -77,9 +78,13 @@ class FlatGrads:
 
     def __init__(self, model) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied parameters once
-        # Every parameter's id, trainable or not (ids only: holding a replaced parameter would
-        # keep its memory): check_model tells one replaced since from one unfrozen.
-        self._built_ids = {id(p) for p in model.parameters()}
+        # Every parameter, trainable or not, by a weak reference (a strong one would keep a
+        # replaced parameter's memory; an id alone can be a new parameter's at the same address),
+        # and the trainable ones' names: check_model tells one replaced or removed since from
+        # one unfrozen.
+        self._built = {id(p): weakref.ref(p) for p in model.parameters()}
+        names = {id(p): name for name, p in model.named_parameters()}
+        self._param_names = [names.get(id(p), "?") for p in self.params]
         self.dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params)) if self.params else None
         self._cast = [i for i, p in enumerate(self.params) if p.dtype != self.dtype]  # no view: copied in and out
         self._viewed = [i for i, p in enumerate(self.params) if p.dtype == self.dtype]
@@ -116,10 +121,18 @@ class FlatGrads:
         trainable = [p for p in model.parameters() if p.requires_grad]
         if len(trainable) != len(self.params) or any(a is not b for a, b in zip(trainable, self.params)):
             then = {id(p) for p in self.params}
-            changed = [f"{name} (replaced)" if id(p) not in self._built_ids else
-                       f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
+            now = {id(p) for p in model.parameters()}
+
+            def built(p) -> bool:
+                ref = self._built.get(id(p))
+                return ref is not None and ref() is p
+
+            changed = [f"{name} (replaced)" if not built(p) else f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
                        for name, p in model.named_parameters()
-                       if id(p) not in self._built_ids or p.requires_grad != (id(p) in then)]
+                       if not built(p) or p.requires_grad != (id(p) in then)]
+            named = {name for name, _ in model.named_parameters()}  # a name still there was replaced, not removed
+            changed += [f"{name} (removed)" for p, name in zip(self.params, self._param_names)
+                        if id(p) not in now and name not in named]
             # The same parameters, registered again or in another order, name none: said so,
             # not left as an empty list beside advice about requires_grad.
             what = (f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}" if changed else

@@ -348,7 +348,12 @@ class _RankLink:
         # in-process writer's does (``again``): after a shrink renumbered the ranks, the rank the
         # flush asks is another one, of another world size, and the part was filed there: it
         # replaced the old world's reports of the step, which then never committed.
-        self.last_part = (step, {**part, "again": True, "rank": p.rank, "world_size": p.world_size})
+        # A milestone's part this agent sends itself (_pump), in the rank's order: marked sent,
+        # so the controller waits for that push before it takes this second report in
+        # (Controller._await_push), as for a rank's own milestones. Taken in first, it moved the
+        # milestone floor past the rank's push of the milestone before, then dropped as stale.
+        self.last_part = (step, {**part, "again": True, "rank": p.rank, "world_size": p.world_size,
+                                 **({"sent": True} if p.keep else {})})
         if p.ring is None:
             self.agent.reports.put(("part", (p.rank, p.world_size, step, part, p.keep)))
         else:

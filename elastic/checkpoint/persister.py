@@ -207,15 +207,20 @@ class AsyncPersister:
                     f"{len(kept) - 1} milestones were already waiting for storage (keep_every)"})
                 self._release(dropped[1])
             while sum(1 for i in self._queue if i[2] != KEEP) > self.max_light + 1:
-                dropped = next(i for i in self._queue if i[2] != KEEP)  # the oldest report or snapshot
+                # The oldest report or snapshot; a light milestone only when none is left: kept
+                # payloads are promised, and on an agent's link they once had max_keep's 32
+                # places of their own, where reports took none.
+                dropped = ([i for i in self._queue if i[2] in (REPORT, NEWEST)]
+                           or [i for i in self._queue if i[2] == LIGHT_KEEP])[0]
                 self._unqueue(dropped)
                 self.superseded += 1
                 # An event, as for a milestone: a light payload is never superseded by design, so
                 # losing one is a failure to say (it was only a debug line).
                 self._events.append({
                     "event": "checkpoint_failed", "what": self.name, "step": dropped[0], "time": time.time(),
-                    "error": "dropped", "message": f"{self.name} of step {dropped[0]} dropped: {self.max_light} "
-                    "later ones were already waiting for storage"})
+                    "error": "milestone dropped" if dropped[2] == LIGHT_KEEP else "dropped",
+                    "message": f"{self.name} of {'milestone ' if dropped[2] == LIGHT_KEEP else ''}step {dropped[0]} "
+                    f"dropped: {self.max_light} later ones were already waiting for storage"})
                 self._release(dropped[1])
             inline: list = []
             if self._thread is None and not self._start_thread():
