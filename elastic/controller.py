@@ -68,7 +68,8 @@ class TrainingFailed(RuntimeError):
 
 class ReplicaDivergence(TrainingFailed):
     """Replicas that must be identical are not. Never ignored. A TrainingFailed too, so that
-    ``except TrainingFailed`` around ``fit()`` still catches every way a run fails."""
+    ``except TrainingFailed`` around ``fit()`` still catches every way the run itself gives up
+    (the user's own code raising is a ``WorkerError``, a setting a ``ConfigError``)."""
 
 
 # Event kinds logged every step or every few steps: the log keeps the newest ROUTINE_EVENTS_KEPT
