@@ -2762,6 +2762,16 @@ class Controller:
                 self._held_through = 0
                 return
         self.recomputed += max(0, begun - newest)
+        if self._first_n and self.committer is not None:
+            # The run goes on from ``newest`` in a new generation. A fast replica lost in this
+            # recovery may have finished later steps than any survivor, and written its parts
+            # of them (a node's agent outlives the rank): those steps are trained again here,
+            # differently, and its old part beside a survivor's new one completed a step whose
+            # manifest mixed the two histories (or whose checksum then failed on resume). Given
+            # up as a rollback gives them up: no step past ``newest`` can have committed, since
+            # that needs a survivor's part. Not with data parallel: no rank finishes a step its
+            # peers have not.
+            self._rewind(newest or None)
         current = [m for m, (done, _) in held if done == newest]
         # No holder at all only at the run's start (a failure in step 1 that took every rank):
         # the spares' fresh models are the start, and one of them gives its state to the others.

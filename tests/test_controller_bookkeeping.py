@@ -304,6 +304,34 @@ def test_a_restart_to_a_step_past_the_controllers_recomputes_nothing(rayless_con
     assert c.step == 11 and c.recomputed == 0
 
 
+def test_a_first_n_sync_gives_up_the_lost_fast_replicas_parts_of_later_steps(rayless_controller, plain_values,
+                                                                            monkeypatch):
+    # A fast replica lost at step 12 had written its parts of 11 and 12 (its node's agent lives
+    # on); the late survivor holds step 10, the run's, so nothing rolled back and nothing gave
+    # those parts up. Steps 11 and 12 are trained again from 10, differently: the old part beside
+    # a survivor's new one completed a step whose manifest mixed the two histories.
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=1, num_backups=1, aggregation="first_n"),
+                           global_batch_size=8)
+    rewinds = []
+
+    class Committer:
+        latest_committed = 8
+
+        def rewind(self, step, restored=False):
+            rewinds.append((step, restored))
+
+    c.group, c.committer = StandInGroup(ranks=2), Committer()
+    c.group.members[1].actor = Answers(progress=(10, 10))  # the late survivor
+    c._stateless = {"rank-0"}  # the spare in the lost fast replica's place
+    c.step, c.generation = 10, 4
+    sent = []
+    monkeypatch.setattr(c, "_send_state", lambda source, behind, why: sent.append((source.rank, [m.rank for m in behind])))
+    c._sync_state()
+    assert sent == [(1, [0])]
+    assert rewinds == [(10, False)] and (4, 10) in c._given_up_parts
+    assert c._given_up(4, 11) and not c._given_up(5, 11) and not c._given_up(4, 10)
+
+
 def test_a_sync_from_a_checkpoint_past_the_controllers_step_recomputes_nothing(rayless_controller, plain_values,
                                                                                monkeypatch):
     # The only rank died after its step 11 committed, while the controller was at step 10; the
