@@ -241,6 +241,36 @@ def test_a_peers_optimizer_state_goes_to_its_parameters_by_name_whatever_their_o
         assert torch.equal(receiver.optimizer.state[mine[name]]["exp_avg"], sender.optimizer.state[p]["exp_avg"]), name
 
 
+def test_a_checkpoint_of_groups_built_from_sets_resumes_and_its_writers_name_the_moments_alike(tmp_path):
+    # A group built from a set lists its parameters in each process's own order. The resume's
+    # check by position refused every such checkpoint (a ConfigError at every fit() again and at
+    # every restore mid-run); and two ranks writing their shares of one step, each in its own
+    # order, named another parameter's moments by the same position: the step mixed them.
+    from helpers import make_adam
+
+    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.store import Snapshot
+    from elastic.checkpoint.worker_hook import live_state
+    from elastic.data import DataPosition
+
+    first, second = local_worker(TwoLayers, make_adam), local_worker(TwoLayers, adam_over_parameters_in_reverse)
+    first.model(torch.randn(2, 4)).pow(2).sum().backward()
+    first.optimizer.step()
+    first.completed_step = 1
+    second.set_state(first.get_state())  # the same state, each in its own order
+    store = CheckpointStore(f"file://{tmp_path}", "set-groups")
+    entries = []
+    for rank, worker in enumerate((first, second)):  # each writes its share of step 1
+        entries += store.write_snapshot(Snapshot.of_state(live_state(worker), 1, rank, 2, {}))
+    store.commit(1, entries, 2, {"data_position": DataPosition().to_dict()})
+    for reader in (local_worker(TwoLayers, adam_over_parameters_in_reverse), local_worker(TwoLayers, make_adam)):
+        reader.restore_checkpoint(f"file://{tmp_path}", {}, "set-groups", 1)
+        mine = dict(reader.model.named_parameters())
+        for name, p in first.model.named_parameters():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(reader.optimizer.state[mine[name]][moment], first.optimizer.state[p][moment]), name
+
+
 def test_optimizer_state_is_given_by_name_only_within_the_same_groups():
     from elastic.checkpoint.compat import state_by_name
 

@@ -247,7 +247,7 @@ class TrainWorker:
         self.started_in_background = idle
 
     def _build(self, spec: TrainingSpec, actor_name: str) -> None:
-        from elastic.checkpoint.compat import param_names_of
+        from elastic.checkpoint.compat import canonical_param_names, param_names_of
 
         self.spec = spec
         self.actor_name = actor_name
@@ -282,6 +282,7 @@ class TrainWorker:
         # Once, here: saved with every snapshot, and read by a resume's check (compat); a list of
         # names per step would cost the step the walk over the model's parameters.
         self.optimizer_param_names = param_names_of(self.model, self.optimizer)
+        self.optimizer_canonical_names = canonical_param_names(self.model, self.optimizer)  # live_state
         _check_step_needs_no_closure(self.optimizer)
         sparse = sparse_embeddings(self.model)
         if sparse and spec.max_grad_norm is not None:
@@ -1403,14 +1404,23 @@ class TrainWorker:
         Raises ``CheckpointMismatch``, with this rank's state untouched, when the step does not
         fit the model or optimizer this run built (``elastic.checkpoint.compat``)."""
         from elastic.checkpoint import CheckpointMismatch, CheckpointStore, state_mismatches
-        from elastic.checkpoint.compat import param_shapes_of
+        from elastic.checkpoint.compat import PARAM_NAMES_KEY, param_shapes_of, state_by_name
         from elastic.checkpoint.worker_hook import live_state
 
         store = CheckpointStore(url, run_name, storage_options)
         # data_position: the controller resumes from it; a step whose meta lacks it is corrupt
         # (skipped for an older one), not a KeyError that ended the resume.
         state, meta = store.read_state(step, meta_keys=("data_position",))
-        problems = state_mismatches(live_state(self), state, param_shapes=param_shapes_of(self.optimizer))
+        # The saved state by name into this process's order first, as set_state does a peer's:
+        # checked by position, a group built from a set (another order in each process) was
+        # refused at every resume and every restore mid-run, and the run ended with a ConfigError.
+        names = getattr(self, "optimizer_param_names", None)
+        if names is not None and PARAM_NAMES_KEY in state:
+            mine = state_by_name(state["optimizer"], state[PARAM_NAMES_KEY], names,
+                                 [len(g["params"]) for g in self.optimizer.param_groups])
+            if mine is not state["optimizer"]:
+                state = {**state, "optimizer": mine, PARAM_NAMES_KEY: list(names)}
+        problems = state_mismatches(live_state(self, canonical=False), state, param_shapes=param_shapes_of(self.optimizer))
         if problems:
             raise CheckpointMismatch(step, store.location, problems)
         self.set_state(state)

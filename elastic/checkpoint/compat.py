@@ -202,6 +202,19 @@ def param_names_of(model: Any, optimizer: Any) -> list[str]:
     return [names.get(id(p), "") for group in optimizer.param_groups for p in group["params"]]
 
 
+def canonical_param_names(model: Any, optimizer: Any) -> list[str]:
+    """The model's names of ``optimizer``'s parameters, each group's in the model's own order
+    (``named_parameters``), the groups in the optimizer's: the same in every process running the
+    same code, where a group built from a ``set`` of parameters lists them in each process's own
+    order (by their ids). Checkpoints are written in this order (``live_state``): written in each
+    rank's own, the ranks' shares of one step named another parameter's moments by the same
+    position, and a step spread over several writers mixed them."""
+    index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names.get(id(p), "") for group in optimizer.param_groups
+            for p in sorted(group["params"], key=lambda p: index.get(id(p), len(index)))]
+
+
 def state_by_name(saved: dict, saved_names: Any, live_names: list[str] | None, live_group_sizes: list[int]) -> dict:
     """An optimizer state dict whose per-parameter state goes to the parameters of
     ``live_names`` by name, where torch gives it by position. For a peer's state (a spare or a

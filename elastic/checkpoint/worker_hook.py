@@ -45,16 +45,29 @@ def _ready(sock: socket.socket, write: bool, timeout_s: float) -> bool:
     return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
 
 
-def live_state(worker: Any) -> dict:
+def live_state(worker: Any, canonical: bool = True) -> dict:
     """The same shape as ``TrainWorker.get_state()`` but referencing live tensors (no copies yet), so
-    only this rank's share is ever copied."""
+    only this rank's share is ever copied. The optimizer's state is given in the canonical order
+    of its parameters (``compat.canonical_param_names``), named so, where that differs from this
+    process's order and the state can go by name: every rank then names each parameter's moments
+    alike, and a step whose state several ranks write is one state, not a mix of their orders.
+    ``canonical=False``: in this process's order (a resume's checks against a saved state)."""
+    optimizer, names = worker.optimizer.state_dict(), param_names(worker)
+    canonical = getattr(worker, "optimizer_canonical_names", None) if canonical else None
+    if canonical is not None and names and canonical != names[PARAM_NAMES_KEY]:
+        from elastic.checkpoint.compat import state_by_name
+
+        moved = state_by_name(optimizer, names[PARAM_NAMES_KEY], canonical,
+                              [len(g["params"]) for g in worker.optimizer.param_groups])
+        if moved is not optimizer:
+            optimizer, names = moved, {PARAM_NAMES_KEY: list(canonical)}
     return {
         "model": worker.model.state_dict(),
-        "optimizer": worker.optimizer.state_dict(),
+        "optimizer": optimizer,
         "scheduler": worker.scheduler.state_dict() if getattr(worker, "scheduler", None) is not None else None,
         "completed_step": int(worker.completed_step),
         **scaler_state(worker),
-        **param_names(worker),
+        **names,
     }
 
 
