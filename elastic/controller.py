@@ -2733,6 +2733,7 @@ class Controller:
         if error is not None:
             self.recomputed += max(0, begun - newest)
             raise error
+        rewound = False  # by a rollback, below: once is enough (the agents' settle waits)
         if newest < self.step or not held:
             # Nobody holds the run's step. A committed checkpoint newer than what is held loses
             # less than a rollback; with no holder at the start of a run, it is newer than the
@@ -2748,6 +2749,7 @@ class Controller:
                          f"the newest a survivor holds", step=newest)
                 self._replan(DataPosition.from_dict(self._positions[newest]), newest)
                 self._rewind(newest or None)  # 0: the start, no checkpoint of it
+                rewound = True
                 # Before the history's rewind, which sets the lag gauge against the step training
                 # is at (_progress_step): with the old step it read the steps given up as lag.
                 self.step = newest
@@ -2762,7 +2764,7 @@ class Controller:
                 self._held_through = 0
                 return
         self.recomputed += max(0, begun - newest)
-        if self._first_n and self.committer is not None:
+        if self._first_n and self.committer is not None and not rewound:
             # The run goes on from ``newest`` in a new generation. A fast replica lost in this
             # recovery may have finished later steps than any survivor, and written its parts
             # of them (a node's agent outlives the rank): those steps are trained again here,

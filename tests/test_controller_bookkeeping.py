@@ -330,6 +330,16 @@ def test_a_first_n_sync_gives_up_the_lost_fast_replicas_parts_of_later_steps(ray
     assert sent == [(1, [0])]
     assert rewinds == [(10, False)] and (4, 10) in c._given_up_parts
     assert c._given_up(4, 11) and not c._given_up(5, 11) and not c._given_up(4, 10)
+    # A rollback (every fast replica lost past the late one's step) gives them up once: twice,
+    # the agents' settle waited out a slow write twice, and the event log said so twice.
+    rewinds.clear()
+    c._given_up_parts.clear()
+    Committer.flush = lambda self, timeout_s=None: True
+    c.step, c.dataset_size = 12, 64
+    c._positions = {10: DataPosition().to_dict()}
+    c._stateless = {"rank-0"}
+    c._sync_state()
+    assert c.step == 10 and rewinds == [(10, False)] and c._given_up_parts == [(4, 10)]
 
 
 def test_a_sync_from_a_checkpoint_past_the_controllers_step_recomputes_nothing(rayless_controller, plain_values,

@@ -248,7 +248,7 @@ def test_a_checkpoint_of_groups_built_from_sets_resumes_and_its_writers_name_the
     # order, named another parameter's moments by the same position: the step mixed them.
     from helpers import make_adam
 
-    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint import CheckpointMismatch, CheckpointStore
     from elastic.checkpoint.store import Snapshot
     from elastic.checkpoint.worker_hook import live_state
     from elastic.data import DataPosition
@@ -269,6 +269,15 @@ def test_a_checkpoint_of_groups_built_from_sets_resumes_and_its_writers_name_the
         for name, p in first.model.named_parameters():
             for moment in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(reader.optimizer.state[mine[name]][moment], first.optimizer.state[p][moment]), name
+    # A step written before that order (each writer in its own, unmarked) is not given by name,
+    # which would put the second writer's moments on the other same-shaped layer: refused, as before.
+    entries = []
+    for rank, worker in enumerate((first, second)):
+        entries += store.write_snapshot(Snapshot.of_state(live_state(worker, canonical=False), 2, rank, 2, {}))
+    store.commit(2, entries, 2, {"data_position": DataPosition().to_dict()})
+    with pytest.raises(CheckpointMismatch, match="hold another parameter than in the checkpoint"):
+        local_worker(TwoLayers, adam_over_parameters_in_reverse).restore_checkpoint(
+            f"file://{tmp_path}", {}, "set-groups", 2)
 
 
 def test_optimizer_state_is_given_by_name_only_within_the_same_groups():
@@ -279,6 +288,9 @@ def test_optimizer_state_is_given_by_name_only_within_the_same_groups():
     assert state_by_name(saved, ["x", "y", "z"], ["z", "x", "y"], [2, 1]) is saved  # z would change group
     assert state_by_name(saved, None, ["x", "y", "z"], [2, 1]) is saved  # a state without names
     assert state_by_name(saved, ["x", "y", "z"], ["x", "", "z"], [2, 1]) is saved  # a parameter the model lacks
+    # An entry keyed by no parameter (a custom optimizer's own counter) is kept, as torch keeps it.
+    counted = {**saved, "state": {**saved["state"], "calls": 7}}
+    assert state_by_name(counted, ["x", "y", "z"], ["y", "x", "z"], [2, 1])["state"] == {0: "b", 1: "a", 2: "c", "calls": 7}
 
 
 def _leave_when_the_abort_raises(out) -> None:

@@ -1404,7 +1404,7 @@ class TrainWorker:
         Raises ``CheckpointMismatch``, with this rank's state untouched, when the step does not
         fit the model or optimizer this run built (``elastic.checkpoint.compat``)."""
         from elastic.checkpoint import CheckpointMismatch, CheckpointStore, state_mismatches
-        from elastic.checkpoint.compat import PARAM_NAMES_KEY, param_shapes_of, state_by_name
+        from elastic.checkpoint.compat import PARAM_NAMES_KEY, PARAM_ORDER_KEY, param_shapes_of, state_by_name
         from elastic.checkpoint.worker_hook import live_state
 
         store = CheckpointStore(url, run_name, storage_options)
@@ -1414,8 +1414,11 @@ class TrainWorker:
         # The saved state by name into this process's order first, as set_state does a peer's:
         # checked by position, a group built from a set (another order in each process) was
         # refused at every resume and every restore mid-run, and the run ended with a ConfigError.
+        # Only a state written in the canonical order (PARAM_ORDER_KEY): in an older one each
+        # writer used its own order, and by name another writer's moments went to same-shaped
+        # parameters; that one is checked by position, as before.
         names = getattr(self, "optimizer_param_names", None)
-        if names is not None and PARAM_NAMES_KEY in state:
+        if names is not None and PARAM_NAMES_KEY in state and state.get(PARAM_ORDER_KEY) == "model":
             mine = state_by_name(state["optimizer"], state[PARAM_NAMES_KEY], names,
                                  [len(g["params"]) for g in self.optimizer.param_groups])
             if mine is not state["optimizer"]:

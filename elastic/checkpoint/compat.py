@@ -98,6 +98,12 @@ def saved_state_problem(saved: Any) -> str | None:
 
 # The training state's key for param_names_of's list (TrainWorker.optimizer_param_names)
 PARAM_NAMES_KEY = "optimizer_param_names"
+# Set ("model") in a state whose optimizer state is in ``canonical_param_names``' order, as every
+# checkpoint since that order is written: the same on every rank, so a restore may give it by
+# name. Before it, each writer of a step used its own process's order, and only the skeleton's
+# writer's names were kept: such a step, given by name, put another writer's moments on
+# same-shaped parameters, so it is checked by position as before (``restore_checkpoint``).
+PARAM_ORDER_KEY = "optimizer_param_order"
 # What GradScaler.load_state_dict reads (``TrainWorker.scaler``, Trainer.mixed_precision="fp16")
 SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -240,6 +246,9 @@ def state_by_name(saved: dict, saved_names: Any, live_names: list[str] | None, l
     # torch pairs the saved ids, in their groups' order, with the live parameters in theirs:
     # the live parameter at position j takes the state keyed by ids[j].
     moved = {ids[j]: state[ids[at[name]]] for j, name in enumerate(live_names) if ids[at[name]] in state}
+    # Entries not keyed by a parameter (a custom optimizer's own counters), kept as torch keeps them.
+    taken = set(ids)
+    moved.update({key: value for key, value in state.items() if key not in taken})
     return {**saved, "state": moved}
 
 

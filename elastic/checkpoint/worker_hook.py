@@ -23,7 +23,7 @@ from typing import Any, Callable
 from elastic.checkpoint.agent import MAX_MESSAGE, receive_message, send_message
 from elastic.checkpoint.codec import (RawRng, SkeletonJson, UnsaveableValue, canonical_json, encoded_rng,
                                       host_copy, json_object_plus, shard_layout)
-from elastic.checkpoint.compat import PARAM_NAMES_KEY, UnsaveableState
+from elastic.checkpoint.compat import PARAM_NAMES_KEY, PARAM_ORDER_KEY, UnsaveableState
 from elastic.checkpoint.persister import AsyncPersister
 from elastic.checkpoint.pool import PoolRetired
 from elastic.checkpoint.shm import SlotRing, memfd_with
@@ -54,13 +54,16 @@ def live_state(worker: Any, canonical: bool = True) -> dict:
     ``canonical=False``: in this process's order (a resume's checks against a saved state)."""
     optimizer, names = worker.optimizer.state_dict(), param_names(worker)
     canonical = getattr(worker, "optimizer_canonical_names", None) if canonical else None
-    if canonical is not None and names and canonical != names[PARAM_NAMES_KEY]:
-        from elastic.checkpoint.compat import state_by_name
+    if canonical is not None and names:
+        if canonical == names[PARAM_NAMES_KEY]:
+            names = {**names, PARAM_ORDER_KEY: "model"}
+        else:
+            from elastic.checkpoint.compat import state_by_name
 
-        moved = state_by_name(optimizer, names[PARAM_NAMES_KEY], canonical,
-                              [len(g["params"]) for g in worker.optimizer.param_groups])
-        if moved is not optimizer:
-            optimizer, names = moved, {PARAM_NAMES_KEY: list(canonical)}
+            moved = state_by_name(optimizer, names[PARAM_NAMES_KEY], canonical,
+                                  [len(g["params"]) for g in worker.optimizer.param_groups])
+            if moved is not optimizer:  # else it cannot go by name: this process's order, unmarked
+                optimizer, names = moved, {PARAM_NAMES_KEY: list(canonical), PARAM_ORDER_KEY: "model"}
     return {
         "model": worker.model.state_dict(),
         "optimizer": optimizer,
