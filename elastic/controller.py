@@ -446,7 +446,8 @@ class Controller:
     @contextlib.contextmanager
     def _beating_at_the_end(self):
         """The ranks' heartbeats asked every ``heartbeat_interval_s`` while the run's end waits
-        (the late replicas, the final flush, the checksums), on a thread of their own. Why: the
+        (the late replicas, the final flush, the checksums; a stop's flush in a wait, and the one
+        before a user's error, each up to ``heartbeat_timeout_s`` a rank), on a thread of their own. Why: the
         steps' waits ask them, and nothing else does; a final flush to slow storage showed every
         rank past ``heartbeat_timeout_s`` in ``elastic status`` and on the heartbeat-age gauge
         (its alert firing) while the run was healthy and still running. A rank that answers
@@ -506,8 +507,9 @@ class Controller:
         if self.committer is None or self.group is None:
             return
         try:
-            self._commit_what_ranks_wrote(None, 30, f"checkpoints of the steps before the {type(exc).__name__}",
-                                          lost_ok=True)
+            with self._beating_at_the_end():  # as the run's own end: the ranks' heartbeats meanwhile
+                self._commit_what_ranks_wrote(None, 30, f"checkpoints of the steps before the {type(exc).__name__}",
+                                              lost_ok=True)
         except Exception as failed:  # noqa: BLE001 - the user's error is what the run ends with
             self.log("checkpoint_failed", f"the steps before the {type(exc).__name__} could not be committed: "
                      f"{type(failed).__name__}: {self.redacted(failed, 300)}")
@@ -558,7 +560,8 @@ class Controller:
         self.log("stop", f"stop requested ({self._stop_reason}): {why}; ending the run at step {self.step}",
                  step=self.step)
         if self.committer is not None and self.group is not None:
-            self._commit_what_ranks_wrote(None, 30, "checkpoints of the steps before the stop", lost_ok=True)
+            with self._beating_at_the_end():  # as the run's own end: the ranks' heartbeats meanwhile
+                self._commit_what_ranks_wrote(None, 30, "checkpoints of the steps before the stop", lost_ok=True)
         self.transition(State.STOPPED, f"{why}, at step {self.step}: {self._stop_reason}")
 
     def _stop_after_dispatched(self) -> None:

@@ -415,6 +415,34 @@ def test_status_shows_a_late_ranks_time_on_the_window_it_is_on_as_the_policy_rea
     assert row["state"] == "late" and 2.9 < row["step_time_s"] < 6, row
 
 
+def test_a_stops_flush_in_a_wait_and_the_one_before_a_users_error_keep_the_heartbeats_asked(
+        rayless_controller, monkeypatch):
+    # Only the run's own end asked the ranks while it flushed: a stop during a wait (placement,
+    # capacity, storage) and the commit before a user's error flush for up to heartbeat_timeout_s
+    # a rank, and every rank's heartbeat age grew on the gauge meanwhile.
+    from elastic.controller import WorkerError
+
+    c = rayless_controller()
+    c.group, c.committer = StandInGroup(ranks=2), object()
+    beating, flushed_while = [], []
+
+    @contextlib.contextmanager
+    def beating_at_the_end():
+        beating.append(True)
+        try:
+            yield
+        finally:
+            beating.pop()
+
+    monkeypatch.setattr(c, "_beating_at_the_end", beating_at_the_end)
+    monkeypatch.setattr(c, "_commit_what_ranks_wrote", lambda *a, **kw: flushed_while.append(bool(beating)))
+    monkeypatch.setattr(c, "_newest_live_member", lambda: None)
+    c._commit_before_user_error(WorkerError(0, "the user's loss_fn raised (test)"))
+    c._stop_reason = "asked by the test"
+    c._stop_in_wait("stopped while placing (test)")
+    assert flushed_while == [True, True] and c.state.value == "stopped"
+
+
 def test_the_ends_heartbeats_publish_no_rank_released_while_they_were_asked(rayless_controller, plain_values):
     # The end's heartbeat thread listed the ranks, then a late replica (the highest rank) was
     # released meanwhile (_finish_late): published after the new group's on_group forgot it, its
