@@ -247,8 +247,8 @@ class Controller:
         self._spare_failures_in_row = 0  # spares that failed before they were ready (SPARE_START_ATTEMPTS)
         self._refill_stop_logged = False
         # Ranks lost after the last step (the final flush, the end's checksums): left out of the end.
-        self._lost_at_end: set[str] = set()
-        self._stuck_names: set[str] = set()  # of those, the ones that answered nothing (_stuck_at_end)
+        # Name -> True for one that answered nothing (_stuck_at_end), False for one found dead.
+        self._lost_at_end: dict[str, bool] = {}
         self._answered_at_end: list = []
         self._replica_sums: list[int] | None = None  # verify_replicas at the run's end (run_for)
         # Nodes a straggler was evicted from -> time.monotonic() until which spares refilling the
@@ -477,7 +477,7 @@ class Controller:
     def _ask_heartbeats_once(self, wait_s: float) -> None:
         """Ask every rank not lost for a heartbeat, wait up to ``wait_s`` for the answers, note
         those that came (``_last_beat``), and publish every rank's heartbeat age."""
-        members = [m for m in list(self.group.members) if m.rank not in self._unhealed and m.name not in self._lost_at_end]
+        members = self._counted_members()
         refs = {m.actor.heartbeat.remote(): m for m in members}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
         now = time.time()
@@ -3061,13 +3061,11 @@ class Controller:
             except ray.exceptions.RayError as exc:
                 if not actor_lost(exc):
                     raise
-                self._lost_at_end.add(m.name)
-                self.log("rank_lost", f"rank {m.rank} ({m.name}) was lost after the last step, before the replicas' "
-                         f"checksums: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", rank=m.rank)
+                self._lost_after_end(m.rank, m.name, ", before the replicas' checksums", exc)
                 continue
             self._answered_at_end.append(m)
         if not sums:
-            stuck = [m.rank for m in self.group.members if m.name in self._stuck_names]
+            stuck = [m.rank for m in self.group.members if self._lost_at_end.get(m.name)]
             why = (f"did not answer within step_timeout_s={self.failure_config.step_timeout_s:g}s (stuck: rank(s) "
                    f"{stuck}) or was lost" if stuck else "was lost")
             raise TrainingFailed(f"every rank {why} after the last step ({self.step}); no weights to hand back")
@@ -3082,10 +3080,16 @@ class Controller:
         lost there is (``_lost_at_end``): the others hold the run's weights, and asking it
         again (the checksums after the final flush) would only wait out another bound. The
         group's shutdown kills it."""
-        self._lost_at_end.add(name)
-        self._stuck_names.add(name)
+        self._lost_at_end[name] = True
         self.log("hang", f"rank {rank} ({name}) did not answer {what} after the last step ({self.step}): "
                  "left out of the run's end (its replica is not checked; the others hold the weights)", rank=rank)
+
+    def _lost_after_end(self, rank: int, name: str, when: str, exc: BaseException) -> None:
+        """A rank found dead after the last step (the end's flush or checksums, a stop): left
+        out of the end, its weights and checksum not asked for (``_lost_at_end``)."""
+        self._lost_at_end[name] = False
+        self.log("rank_lost", f"rank {rank} ({name}) was lost after the last step{when}: "
+                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", rank=rank)
 
     def _evict(self, decision: EvictStraggler) -> None:
         r = decision.rank
@@ -3328,9 +3332,7 @@ class Controller:
                 # wrote and reported is all there is of it; the steps it still owed a part of stay
                 # uncommitted (checkpoint_incomplete says where fit() again resumes). Failing the
                 # run for it would throw away a finished run's weights.
-                self._lost_at_end.add(name)
-                self.log("rank_lost", f"rank {r} ({name}) was lost after the last step ({what}): "
-                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", rank=r)
+                self._lost_after_end(r, name, f" ({what})", exc)
                 continue
             if report and "snapshots_dropped" in report:
                 self._snapshot_drops[keys[r]] = int(report["snapshots_dropped"])
@@ -3363,9 +3365,12 @@ class Controller:
     def _world_size(self) -> int:
         """Ranks in the group, the lost ones not yet replaced or shrunk away left out, and those
         lost after the last step (``_lost_at_end``: the result counted them)."""
-        if not self.group:
-            return 0
-        return sum(1 for m in self.group.members if m.rank not in self._unhealed and m.name not in self._lost_at_end)
+        return len(self._counted_members()) if self.group else 0
+
+    def _counted_members(self) -> list[Member]:
+        """The members ``_world_size`` counts: not lost and not yet replaced or shrunk away, nor
+        lost after the last step. One read of the list (another thread may replace it)."""
+        return [m for m in list(self.group.members) if m.rank not in self._unhealed and m.name not in self._lost_at_end]
 
     def result(self, include_state: bool) -> dict:
         final = {}
