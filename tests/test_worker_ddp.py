@@ -528,6 +528,9 @@ def _phases_of_a_step(rank: int, use_ddp: bool, box, out) -> None:
     t0 = time.time()
     worker.train_steps(1, [[4 * rank, 4 * rank + 1], [8 + 4 * rank, 9 + 4 * rank]], 1)
     out.put((rank, (t0, _WATCHED["seen"])))
+    # Both done before either leaves: first-N's leader does not wait for its send to the late
+    # rank, and leaving first reset the connection under the late rank's receive.
+    dist.barrier()
     worker.leave()
 
 
