@@ -101,7 +101,10 @@ class CliError(Exception):
 
 
 def _one_line(text: str, limit: int = 400) -> str:
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    """The first non-blank line of ``text``, cut to ``limit`` characters, its URLs' credentials
+    redacted before the cut: a cut inside user:password@ leaves no '@' for ``redact_urls_in``
+    (run again later, by ``_fail``) to find, and the password's first characters were printed."""
+    lines = [ln.strip() for ln in redact_urls_in(str(text)).splitlines() if ln.strip()]
     line = lines[0] if lines else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
 

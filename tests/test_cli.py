@@ -913,6 +913,20 @@ def test_stop_exits_3_when_the_cluster_is_lost_while_it_waits_for_the_run(error,
     assert said in line and "the stop was delivered, outcome unknown" in line and "exited" not in line, line
 
 
+def test_a_long_error_cut_to_one_line_never_prints_the_start_of_a_password(monkeypatch):
+    # The reason was cut to 200 characters before _fail redacted it: a cut inside
+    # user:password@ left no '@', and the password's first characters were printed.
+    from ray.exceptions import NodeDiedError
+
+    password = "hunter2secretpw"
+    error = NodeDiedError("x" * 180 + f" lost ray://admin:{password}@head:10001 on the way")
+    fake_stop(monkeypatch, FakeController(error))
+    result = runner.invoke(app, ["stop", "r", "--address", "127.0.0.1:1", "--timeout", "5"])
+    line = one_line_error(result.exit_code, result.stdout, result.stderr)
+    assert "lost the cluster while waiting for run r to stop" in line, line
+    assert "hunter" not in result.stdout + result.stderr, line
+
+
 class StatusController:
     """A run's controller as `elastic status` sees it: ``status.remote()`` is sent at once (and
     noted in ``events``); ray.get of it (``status_ray_get``) answers, or, for a hung controller,
