@@ -341,6 +341,13 @@ class Controller:
         show the secret's first characters."""
         return self.redact(str(text))[:limit]
 
+    def first_line(self, exc: BaseException, default: str = "") -> str:
+        """The first line of ``str(exc)``, redacted whole first (as ``redacted``): a secret of
+        several lines (a PEM key in a token dict) is found only whole, and its line alone would
+        show."""
+        lines = self.redact(str(exc)).splitlines()
+        return lines[0] if lines else default
+
     def log(self, kind: str, message: str, **details) -> None:
         message = self.redact(message)
         details = {k: self.redact(v) if isinstance(v, str) else v for k, v in details.items()}
@@ -516,7 +523,7 @@ class Controller:
 
     def _errored(self, exc: BaseException) -> None:
         if not self.state.is_terminal:
-            self.transition(State.ERRORED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            self.transition(State.ERRORED, f"{type(exc).__name__}: {self.first_line(exc)}")
 
     def request_stop(self, reason: str) -> None:
         """End the run early but cleanly (called from another thread): the steps already handed
@@ -3089,7 +3096,7 @@ class Controller:
         out of the end, its weights and checksum not asked for (``_lost_at_end``)."""
         self._lost_at_end[name] = False
         self.log("rank_lost", f"rank {rank} ({name}) was lost after the last step{when}: "
-                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", rank=rank)
+                 f"{self.first_line(exc, type(exc).__name__)}", rank=rank)
 
     def _evict(self, decision: EvictStraggler) -> None:
         r = decision.rank

@@ -40,3 +40,17 @@ def test_without_storage_urls_lose_their_userinfo_and_query(rayless_controller):
     c.store = None
     c.log("note", "joined ray://admin:hunter22@head:10001 and https://h/x?X-Amz-Signature=abc")
     assert "hunter22" not in c.events[-1].message and "abc" not in c.events[-1].message
+
+
+def test_an_errors_first_line_is_taken_after_a_secret_of_several_lines_is_hidden(rayless_controller, tmp_path):
+    # The first line was taken before the redaction: the start of a PEM-like secret alone on it
+    # is no whole secret, so it showed in the errored transition and in a rank lost at the end.
+    key = "-----BEGIN KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEF\n-----END KEY-----"
+    c = rayless_controller(name="redact-lines")
+    c.store = CheckpointStore(f"file://{tmp_path}", "redact-lines", {"token": {"private_key": key}})
+    error = RuntimeError(f"storage refused the key {key} for the bucket")
+    c._errored(error)
+    c._lost_after_end(2, "rank-2", " (the final flush)", error)
+    said = " ".join(e.message for e in c.events)
+    assert "storage refused the key ***" in said and "BEGIN KEY" not in said, said
+    assert "rank 2 (rank-2) was lost after the last step" in c.events[-1].message
