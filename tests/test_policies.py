@@ -193,6 +193,10 @@ def test_pending_time_counts_for_a_busy_rank():
         assert isinstance(p.decide(1), Continue)
     p.observe(3, 1.0)
     p.observe(3, 1.0)  # its own steps say it is slow now
+    # The count held for the late stretch is given back with the stretch's time (that time is in
+    # the rank's times now): its slow steps count from here, as a data-parallel rank's would.
+    assert isinstance(p.decide(1), Continue)
+    p.observe(3, 1.0)
     assert isinstance(p.decide(1), EvictStraggler)
     p.forget(3)
     assert 3 not in p.scores()
@@ -575,6 +579,48 @@ def test_the_step_time_that_ends_a_held_pause_does_not_count_the_pause_twice(ste
             break
     else:
         raise AssertionError("a replica slow after its pause was never evicted")
+
+
+@pytest.mark.parametrize("window, steps, slow_steps", [(3, 1, 1), (2, 1, 1), (5, 8, 2)])
+def test_a_held_pause_does_not_count_again_once_its_time_is_no_longer_the_newest(window, steps, slow_steps):
+    # A healthy replica pauses once (0.3 s against 30 ms steps) and is held one short of the
+    # window. Its pause's time ends the stretch, it sits out under the late backoff, and then runs
+    # a slightly slow step or two (2.2x: a crowded host). The held count stayed, and the pause's
+    # time, no longer the newest, made the lower median slow with those steps: held count plus
+    # one decision reached the window, and a healthy replica was evicted for one pause.
+    def fast_ranks():
+        for r in range(2):
+            for _ in range(steps):
+                p.observe(r, 0.03)
+
+    for pause in (True, False):  # without the pause, the same slow steps never evicted
+        p = StragglerPolicy(factor=2.0, window=window, evict=True, warmup_steps=2)
+        for _ in range(4):
+            for r in range(3):
+                for _ in range(steps):
+                    p.observe(r, 0.03)
+            p.decide(1, steps=steps)
+        decisions = []
+        if pause:
+            for late in range(1, 11):
+                fast_ranks()
+                p.observe_pending(2, 0.03 * late)
+                decisions.append(p.decide(1, steps=steps))
+            p.observe_pending(2, 0.3)
+            p.observe(2, 0.33)  # the pause's step time
+            p.observe_pending(2, 0.0)
+            fast_ranks()
+            decisions.append(p.decide(1, steps=steps))
+        for _ in range(4):  # it sits out
+            fast_ranks()
+            decisions.append(p.decide(1, steps=steps))
+        fast_ranks()
+        p.observe_pending(2, 0.036)
+        for _ in range(slow_steps):
+            p.observe(2, 0.066)
+        p.observe_pending(2, 0.0)
+        decisions.append(p.decide(1, steps=steps))
+        assert not any(isinstance(d, EvictStraggler) for d in decisions), (pause, decisions)
 
 
 def test_a_replica_slow_from_its_second_step_is_not_called_healthy_by_its_fast_cold_step():

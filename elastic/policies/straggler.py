@@ -55,6 +55,14 @@ class StragglerPolicy:
         # or not, so a rank slow for good (late again and again) is still judged by its times.
         self._held: set[int] = set()
         self._paused: set[int] = set()
+        # Each held rank's count from before its current late stretch: given back when the step
+        # time that ends the stretch is taken as the pause (``observe``). Why: the held count
+        # is the pause's, and the pause's time stays in the rank's times after it stops being
+        # the newest; kept, the count made the pause count twice. A healthy replica that paused
+        # once, sat out under the late backoff, then ran one 2.2x step (a crowded host) was
+        # evicted at window 3 ("over the threshold for 3 steps"): the held 2, plus 1 for a lower
+        # median that the pause's time and that one step made slow.
+        self._before_hold: dict[int, int] = {}
 
     def reset(self) -> None:
         """The group was rebuilt: old timings describe another ring. Start a new warm-up."""
@@ -66,6 +74,7 @@ class StragglerPolicy:
         self._early.clear()
         self._held.clear()
         self._paused.clear()
+        self._before_hold.clear()
         self._steps = 0
 
     def observe(self, rank: int, local_time_s: float) -> None:
@@ -73,6 +82,7 @@ class StragglerPolicy:
         self._busy_for.pop(rank, None)  # it finished: no longer late
         ends_hold = rank in self._held
         self._held.discard(rank)
+        before_hold = self._before_hold.pop(rank, None)
         if self._seen[rank] <= self._cold_steps:
             return
         if self._steps < self.warmup_steps:
@@ -81,6 +91,8 @@ class StragglerPolicy:
         self._times[rank].append(local_time_s)
         if ends_hold and rank not in self._paused:  # the held stretch's own time (``__init__``)
             self._paused.add(rank)
+            if before_hold is not None:
+                self._over[rank] = before_hold
         else:
             self._paused.discard(rank)
             self._fresh[rank] += 1
@@ -102,6 +114,7 @@ class StragglerPolicy:
         self._early.pop(rank, None)
         self._held.discard(rank)
         self._paused.discard(rank)
+        self._before_hold.pop(rank, None)
 
     def scores(self) -> dict[int, float]:
         """Each rank's median step time over the median of the other ranks' medians.
@@ -183,7 +196,8 @@ class StragglerPolicy:
         the start is evicted at its next late stretch after its first step (a rank that never
         finishes one is ``step_timeout_s``'s). The step time that ends a held stretch joins the
         rank's times but is no fresh evidence, nor its own speed while it is its newest
-        (``_held``, ``_paused``): it is the same pause.
+        (``_held``, ``_paused``): it is the same pause. The count held for it is given back
+        (``_before_hold``): the pause's time still counts among the rank's times later on.
         """
         self._steps += steps
         scores, own = self._scores()
@@ -194,6 +208,7 @@ class StragglerPolicy:
             if score <= self.factor:
                 self._over[rank] = 0
                 self._held.discard(rank)
+                self._before_hold.pop(rank, None)
                 continue
             over = self._over[rank] + counted
             if rank in self._busy_for and (own.get(rank, math.inf) <= self.factor
@@ -202,6 +217,13 @@ class StragglerPolicy:
                 # cold first step: a pause so far. (With no warm-up, a rank late before its first
                 # step since a rebuild was counted in full: nothing of its own said it was slow.)
                 over = min(over, self.window - 1)
+                if rank not in self._held and own.get(rank, math.inf) <= self.factor:
+                    # Held as a pause: its own steps say it is healthy, so the count is given
+                    # back when the pause's time comes in (``observe``). One held with no step
+                    # time of its own yet (cold, or none since a rebuild) keeps it: nothing says
+                    # the stretch was a pause, and a rank slow from its first step is evicted
+                    # at its next late stretch.
+                    self._before_hold[rank] = self._over[rank]
                 self._held.add(rank)
             self._over[rank] = over
         self._fresh.clear()
