@@ -497,12 +497,16 @@ class Controller:
             if m in self.group.members:  # read at answer time: a released late replica renumbers the rest
                 self._last_beat[m.rank] = now
         if self.metrics is not None:
-            # Only those still in the group, by their numbers now: a late replica released
-            # meanwhile (``_finish_late``) kept its old number, and published after the new
-            # group's ``on_group`` had forgotten it, a rank that no longer exists aged on the
-            # gauge until the run ended (its alert firing at a slow final flush).
-            now_in = [m for m in members if m in self.group.members]
-            self.metrics.on_heartbeats({m.rank: now - self._last_beat.get(m.rank, now) for m in now_in})
+            # Only those still in the group, by their numbers when published (read under the
+            # metrics' lock, see on_heartbeats): a late replica released meanwhile
+            # (``_finish_late``) kept its old number, and published after the new group's
+            # ``on_group`` had forgotten it, a rank that no longer exists aged on the gauge
+            # until the run ended (its alert firing at a slow final flush).
+            def ages() -> dict[int, float]:
+                now_in = [m for m in members if m in self.group.members]
+                return {m.rank: now - self._last_beat.get(m.rank, now) for m in now_in}
+
+            self.metrics.on_heartbeats(ages)
 
     def _commit_before_user_error(self, exc: BaseException) -> None:
         """The user's error ends the run (``WorkerError``, ``UnsaveableState``): the ranks are

@@ -451,8 +451,8 @@ def test_the_ends_heartbeats_publish_no_rank_released_while_they_were_asked(rayl
         def __init__(self):
             self.ages = []
 
-        def on_heartbeats(self, ages):
-            self.ages.append(dict(ages))
+        def on_heartbeats(self, ages):  # a function, read under RunMetrics' lock (test_metrics)
+            self.ages.append(dict(ages() if callable(ages) else ages))
 
     c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3, num_backups=1))
     c.group, c.metrics = StandInGroup(ranks=3), Beats()

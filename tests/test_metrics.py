@@ -223,3 +223,40 @@ def test_the_lag_gauge_counts_from_the_newest_step_a_rank_finished_and_a_rewind_
     assert asked == [9] and m._m["ckpt_lag"].values[None][-1] == 6
     m.on_rewind(4, lag=0)  # restarted from the checkpoint of step 4
     assert m._m["step"].values[None][-1] == 4 and m._m["ckpt_lag"].values[None][-1] == 0
+
+
+def test_ages_read_on_another_thread_are_published_with_the_rank_numbers_of_the_same_moment():
+    # The run's end's heartbeat thread read the ranks (4, numbered 0-3) and their ages, then
+    # published them; a late replica released meanwhile on the step thread renumbered the rest,
+    # and the new group's on_group forgot rank 3 in between: published after it, rank 3 aged on
+    # the gauge until the run ended. Read under the lock on_group takes, the ages and the
+    # numbers are those of one moment: before the new group (then on_group blanks rank 3) or
+    # after it.
+    import threading
+
+    m = metrics()
+    m.on_group([0, 1, 2, 3])
+    group = [0, 1, 2, 3]
+    reading, release = threading.Event(), threading.Event()
+
+    def ages():
+        now_in = list(group)
+        reading.set()
+        release.wait(5)
+        return {r: 7.0 for r in now_in}
+
+    beats = threading.Thread(target=m.on_heartbeats, args=(ages,))
+    beats.start()
+    assert reading.wait(5)
+    group.remove(3)  # the step thread: a late replica released, the rest renumbered ...
+    formed = threading.Thread(target=m.on_group, args=([0, 1, 2],))  # ... and the new group formed
+    formed.start()
+    formed.join(0.3)
+    assert formed.is_alive()  # it waits for the ages read before it to be published
+    release.set()
+    beats.join(5)
+    formed.join(5)
+    assert math.isnan(m._m["heartbeat_age"].values["3"][-1])
+    assert m._m["heartbeat_age"].values["0"][-1] == 0.0
+    m.refresh()
+    assert math.isnan(m._m["heartbeat_age"].values["3"][-1])  # blanked once, then not set again
