@@ -232,10 +232,12 @@ def _env_address(address: str | None) -> str | None:
 
 
 @contextmanager
-def _ray_for_fit(address: str | None, min_cpus: float, use_gpu: bool):
+def _ray_for_fit(address: str | None, min_cpus: float, use_gpu: bool,
+                 check_address: Callable[[], None] | None = None):
     """Ray for one fit(): ``connect``, and the embedded Ray it started shut down when the last fit
     of this process that trains on it is done (a fit in another thread may still be training
-    there)."""
+    there). ``check_address`` (``Trainer._check_cluster_address``) runs first when Ray is not
+    initialised, as ``connect`` then joins or starts one."""
     global _embedded_fits
     # A Ctrl-C is held from before connect() to inside the try (``_CtrlCHeld``): one that came
     # after ray.init returned and before the count, left the embedded Ray up and uncounted, and
@@ -244,6 +246,12 @@ def _ray_for_fit(address: str | None, min_cpus: float, use_gpu: bool):
     held = _CtrlCHeld()
     try:
         with _EMBEDDED_LOCK:
+            # Checked here, under the lock the last fit holds while it shuts the embedded Ray down.
+            # Checked before the lock, a fit that found Ray up skipped the check, a fit in another
+            # thread then shut that Ray down, and connect() gave ray.init an address nobody had
+            # checked (a dead RAY_ADDRESS retried for a minute, a user:password@ echoed by Ray).
+            if check_address is not None and not ray.is_initialized():
+                check_address()
             # connect() joins the Ray already up (checking it is the one asked for) and says False;
             # while fits of this process train on it, that Ray is the embedded one, and ours too.
             ours = connect(address, min_cpus, use_gpu) or _embedded_fits > 0
@@ -325,7 +333,8 @@ def _check_failure_actions(failure: FailureConfig, run: RunConfig, num_workers: 
                               f"ScalingConfig.num_workers={num_workers} to a size the global batch divides over.")
 
 
-def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureConfig) -> list[str]:
+def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureConfig,
+                      requeue_dropped: bool) -> list[str]:
     """Settings changed from their defaults that this run never reads, or that cannot act as
     asked (spares nothing takes, a strict strategy spares may break, a GPU a rank never uses),
     one sentence each. Why warn, not refuse: each is harmless, and a config shared between runs
@@ -339,6 +348,12 @@ def _ignored_settings(scaling: ScalingConfig, run: RunConfig, failure: FailureCo
     if scaling.steps_per_dispatch != 0 and changed(scaling, "dispatch_target_s"):
         out.append(f"ScalingConfig.dispatch_target_s sizes automatic dispatch windows (steps_per_dispatch=0); with "
                    f"steps_per_dispatch={scaling.steps_per_dispatch} it is ignored.")
+    elif scaling.aggregation == "first_n" and requeue_dropped and changed(scaling, "dispatch_target_s"):
+        # The controller plans a step only once the previous step's drops are known (its
+        # _look_ahead is off), so every call is one step and no window is ever sized.
+        out.append("ScalingConfig.dispatch_target_s sizes automatic dispatch windows, and with "
+                   "aggregation='first_n' and Trainer.requeue_dropped=True each step goes out alone, once the "
+                   "previous step's dropped samples are known: it is ignored.")
     if "shrink" not in (failure.on_failure, failure.when_no_spare):
         for name in ("allow_shrink", "min_workers"):
             if changed(failure, name):
@@ -553,6 +568,7 @@ class Trainer:
         model_fn, optimizer_fn, dataset_fn, loss_fn = self.model_fn, self.optimizer_fn, self.dataset_fn, self.loss_fn
         step_fn, scheduler_fn, max_grad_norm = self.step_fn, self.scheduler_fn, self.max_grad_norm
         global_batch_size, address, requeue_dropped = self.global_batch_size, self.address, self.requeue_dropped
+        mixed_precision = self.mixed_precision
         for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("dataset_fn", dataset_fn),
                          ("loss_fn", loss_fn)):
             if not callable(fn):
@@ -563,7 +579,7 @@ class Trainer:
         if max_grad_norm is not None:
             _require_positive("Trainer.max_grad_norm", max_grad_norm, "a number",
                               "(the gradients' total 2-norm is clipped to it), or None")
-        _check_mixed_precision(self.mixed_precision, step_fn)
+        _check_mixed_precision(mixed_precision, step_fn)
         n = scaling.num_workers
         _require_int("Trainer.global_batch_size", global_batch_size, 1)
         _require_flag("Trainer.requeue_dropped", requeue_dropped)
@@ -597,7 +613,7 @@ class Trainer:
         if scaling.aggregation == "first_n" and failure.allow_shrink:
             raise ConfigError("FailureConfig.allow_shrink is not supported with aggregation='first_n'; set it False.")
         _check_failure_actions(failure, run, n, global_batch_size)
-        for note in _ignored_settings(scaling, run, failure):
+        for note in _ignored_settings(scaling, run, failure, requeue_dropped):
             if note not in self._warned:  # once per Trainer: fit() prepares again
                 self._warned.add(note)
                 logger.warning("%s", note)
@@ -607,7 +623,7 @@ class Trainer:
             cpus_per_worker=scaling.resources_per_worker.get("CPU", 1.0),
             bucket_cap_mb=scaling.bucket_cap_mb, find_unused_parameters=scaling.find_unused_parameters,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-            mixed_precision=self.mixed_precision,
+            mixed_precision=mixed_precision,
         )
         if address is not None:
             problem = trainer_address_problem(address) if isinstance(address, str) else "is not a Ray address"
@@ -728,8 +744,6 @@ class Trainer:
         packed = _packed_spec(settings.spec, self._running)  # before Ray: a factory that cannot travel is a ConfigError
         scaling = settings.scaling
         total_cpu = scaling.resources_per_worker.get("CPU", 1.0) * (scaling.num_replicas + scaling.num_hot_spares + 2)
-        if not ray.is_initialized():
-            self._check_cluster_address()
         namespace = self.namespace  # as taken: released as taken, whatever the run is renamed to meanwhile
         with _FITTING_LOCK:
             if namespace in _FITTING:
@@ -740,7 +754,8 @@ class Trainer:
                                   "in this process. Choose another RunConfig.name, or wait for that fit() to return.")
             _FITTING.add(namespace)
         try:
-            with _ray_for_fit(settings.address, total_cpu, scaling.use_gpu):
+            # The address is checked there, under the lock, where it is known whether Ray is up.
+            with _ray_for_fit(settings.address, total_cpu, scaling.use_gpu, self._check_cluster_address):
                 return self._fit(steps, epochs, packed)
         finally:
             with _FITTING_LOCK:

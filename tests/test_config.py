@@ -533,6 +533,24 @@ def test_settings_changed_while_ray_starts_do_not_reach_the_controller_unchecked
     assert t.scaling.num_workers == 0  # the Trainer's own, as set: the next fit() checks it
 
 
+def test_a_mixed_precision_changed_while_the_settings_are_checked_is_not_the_one_the_workers_get(monkeypatch):
+    # Trainer.mixed_precision was read twice, checked at the first read and put in the workers'
+    # spec at the second: "fp8" set from another thread in between reached the workers unchecked.
+    from elastic import trainer as trainer_module
+
+    t = _trainer(mixed_precision="bf16")
+    check_failure_actions = trainer_module._check_failure_actions
+
+    def changed_meanwhile(*args):  # runs after the check, before the spec is built
+        t.mixed_precision = "fp8"
+        check_failure_actions(*args)
+
+    monkeypatch.setattr(trainer_module, "_check_failure_actions", changed_meanwhile)
+    assert t._prepare().spec.mixed_precision == "bf16" and t.spec.mixed_precision == "bf16"
+    with pytest.raises(ConfigError, match=r"mixed_precision must be None, 'bf16' or 'fp16', got 'fp8'"):
+        t._prepare()  # the next fit() checks the value as set
+
+
 def test_a_leftover_controllers_groups_are_removed_while_it_still_holds_the_runs_name(monkeypatch):
     # Removed after its name was free, they could be another driver's that took the name meanwhile;
     # left to the new controller alone, a fit that failed before its controller ran left them.
@@ -581,6 +599,34 @@ def test_fits_in_two_threads_share_the_embedded_ray_and_the_last_shuts_it_down(m
     with trainer_module._ray_for_fit(None, 1, False):  # a later fit starts its own again
         pass
     assert calls == ["connect", "shutdown", "connect", "shutdown"]
+
+
+def test_the_address_is_checked_when_another_fits_ray_went_down_before_this_one_connects(monkeypatch):
+    # The check ran before the lock, only if Ray was down then: a fit that found another fit's
+    # embedded Ray up skipped it, that fit then shut its Ray down, and connect() gave ray.init a
+    # RAY_ADDRESS nobody had checked (a dead one retried for a minute, Ray's core logging each try).
+    from elastic import trainer as trainer_module
+
+    up, inits = [True], []
+
+    class OtherFitShutsDownFirst:  # the other fit's shutdown held the lock this fit waited for
+        def __enter__(self):
+            up[0] = False
+
+        def __exit__(self, *exc):
+            return False
+
+    def init(**kw):
+        inits.append(kw.get("address"))
+        raise RuntimeError("ray.init: a test starts no Ray")
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens there
+    monkeypatch.setattr(trainer_module, "_EMBEDDED_LOCK", OtherFitShutsDownFirst())
+    monkeypatch.setattr(trainer_module.ray, "is_initialized", lambda: up[0])
+    monkeypatch.setattr(trainer_module.ray, "init", init)
+    with pytest.raises(ConfigError, match=r"the environment variable RAY_ADDRESS='127.0.0.1:1': nothing answers"):
+        _trainer(scaling=ScalingConfig(num_workers=2)).fit(steps=1)
+    assert inits == []
 
 
 @pytest.mark.parametrize("env", ["local", " local "])
@@ -1111,6 +1157,24 @@ def test_settings_this_run_never_reads_are_warned_about_once(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "CheckpointConfig.keep_every keeps every Nth committed step, and every_n_steps=0 commits none but the "
         "last; it is ignored."]
+
+
+def test_a_dispatch_target_first_n_with_requeueing_never_reads_is_warned_about(caplog):
+    # With requeue_dropped a first-N step goes out only once the previous step's drops are known,
+    # one step a call: the controller never sizes a window, and the target was ignored in silence.
+    import logging
+
+    first_n = dict(num_workers=2, num_backups=1, aggregation="first_n")
+    with caplog.at_level(logging.WARNING, logger="elastic.trainer"):
+        _trainer(scaling=ScalingConfig(**first_n, dispatch_target_s=2.0), requeue_dropped=True)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "ScalingConfig.dispatch_target_s" in said[0] and "requeue_dropped" in said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="elastic.trainer"):  # read in both: no word
+        _trainer(scaling=ScalingConfig(**first_n, dispatch_target_s=2.0))
+        _trainer(scaling=ScalingConfig(num_workers=2, dispatch_target_s=2.0))
+        _trainer(scaling=ScalingConfig(**first_n), requeue_dropped=True)  # left at its default
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("scaling, failure, run, said", [
