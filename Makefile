@@ -11,21 +11,86 @@ TORCH ?= torch==2.13.0
 #   make demo TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_INDEX_URL ?=
 
-.PHONY: demo test bench setup clean
+# Setting any of the three above on the command line (or in the environment) counts on a venv that
+# is already set up, not only on a fresh one: the stamp knew only pyproject.toml, so
+# `make demo TORCH_INDEX_URL=...` or `make test TORCH=torch==2.11.0` on an existing .venv installed
+# nothing and ran on the old torch without a word. A setup writes what it installed with into
+# SETUP_INPUTS; a run with other values installs again into the same venv. TORCH is each run's own
+# (a run that names none goes back to the pin above); the index and the Python stay the venv's.
+SETUP_INPUTS := $(VENV)/.setup-inputs
+given = $(filter-out undefined default file,$(origin $(1)))
+RECORDED := $(strip $(shell cat $(SETUP_INPUTS) 2>/dev/null))
+recorded = $(patsubst $(1)=%,%,$(filter $(1)=%,$(RECORDED)))
+# The index stays the venv's until another is named (TORCH_INDEX_URL= names pip's own again): a plain
+# `make test` after the README's `make demo TORCH_INDEX_URL=.../cpu` must not fetch the CUDA build.
+ifneq ($(RECORDED),)
+ifeq ($(call given,TORCH_INDEX_URL),)
+TORCH_INDEX_URL := $(call recorded,TORCH_INDEX_URL)
+endif
+endif
+SETUP_NOW := TORCH=$(TORCH) TORCH_INDEX_URL=$(TORCH_INDEX_URL)
+ifneq ($(RECORDED),)
+ifneq ($(RECORDED),$(strip $(SETUP_NOW)))
+SETUP_CHANGED := yes
+endif
+# pip keeps an installed torch that meets the pin, whatever index it came from: a newly named index
+# (the CPU build's for a CUDA one) takes effect only once the venv's torch is removed.
+ifneq ($(call recorded,TORCH_INDEX_URL),$(TORCH_INDEX_URL))
+INDEX_CHANGED := yes
+endif
+else ifneq ($(wildcard $(BIN)/python),)
+# A venv set up before SETUP_INPUTS existed holds whatever its first run named: installed again only
+# when this run names TORCH or an index, so a plain `make test` on it stays as quick as before.
+SETUP_CHANGED := $(call given,TORCH)$(call given,TORCH_INDEX_URL)
+INDEX_CHANGED := $(call given,TORCH_INDEX_URL)
+endif
+# A venv keeps the Python that made it: a PY named for an existing .venv must be that Python's
+# version, or the run stops here, before any install, rather than go on with the other one. Its
+# version, not its name, is compared: PY=python3 for the python3.11 that made the venv is the same.
+ifneq ($(call given,PY),)
+ifneq ($(wildcard $(BIN)/python),)
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
+version = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+PY_VERSION := $(call version,$(PY))
+VENV_VERSION := $(call version,$(BIN)/python)
+ifeq ($(PY_VERSION),)
+$(error PY=$(PY) does not run here)
+endif
+ifneq ($(PY_VERSION),$(VENV_VERSION))
+$(error $(VENV) has Python $(VENV_VERSION), not PY=$(PY) ($(PY_VERSION)), and a venv cannot change its Python: remove $(VENV) (make clean) and run make again)
+endif
+endif
+endif
+endif
 
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
-	@# python3 stands in where $(PY) is missing: said plainly, not as pip's requires-python resolver error.
+.PHONY: demo test bench setup clean FORCE
+
+$(STAMP): pyproject.toml $(if $(SETUP_CHANGED),FORCE)
+	@# One version, as the installs below pin it twice and the last line checks it: a range such as
+	@# torch>=2.5,<2.15 failed that check with an IndexError, after the whole install.
+	@case "$(TORCH)" in torch==*[!0-9A-Za-z.+]* | torch==) ;; torch==*) exit 0;; esac; \
+	  echo "TORCH=$(TORCH): name one version, as TORCH=torch==2.13.0" >&2; exit 1
+	@# An install that stops halfway (say, torch removed for a new index, and the index unreachable)
+	@# leaves no stamp: a run that then names the old inputs again must not take the venv as set up.
+	@rm -f $(STAMP)
+	@# python3 stands in where the default $(PY) is missing, never for a PY that was named: that one is
+	@# the Python wanted, and another in its place went unnoticed.
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV) $(if $(call given,PY),,|| python3 -m venv $(VENV))
+	@# A Python elastic does not run on is said plainly, not as pip's requires-python resolver error.
 	@$(BIN)/python -c "import sys; sys.exit(0 if sys.version_info[:2] in ((3, 11), (3, 12)) else 'elastic needs Python 3.11 or 3.12; $(VENV) has ' + sys.version.split()[0] + ': remove $(VENV) and run make again with PY=python3.12 (or python3.11)')"
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned to $(TORCH), from TORCH_INDEX_URL if set; pyproject states the supported range.
+	$(if $(INDEX_CHANGED),$(BIN)/python -m pip uninstall --quiet --quiet --yes torch)
 	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
 	# The pin again: pip's resolver, backtracking over s3fs/fsspec and ray versions, otherwise
 	# drops the installed torch for the newest one the index has (a multi-GB CUDA build).
 	# One venv for test, demo and bench: the bench extra adds Ray Train, which benchmarks/ compare with.
 	$(BIN)/python -m pip install --quiet -e ".[test,bench]" "$(TORCH)"
-	$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.split('+')[0] == '$(TORCH)'.split('==')[1] else 'setup installed torch ' + v + ', not $(TORCH)')"
+	$(BIN)/python -c "import torch, sys; v, pin = torch.__version__, '$(TORCH)'.split('==')[1]; sys.exit(0 if pin in (v, v.split('+')[0]) else 'setup installed torch ' + v + ', not $(TORCH)')"
+	@printf '%s\n' "TORCH=$(TORCH)" "TORCH_INDEX_URL=$(TORCH_INDEX_URL)" > $(SETUP_INPUTS)
 	@touch $(STAMP)
+
+FORCE:
 
 setup: $(STAMP)
 
