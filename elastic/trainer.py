@@ -946,19 +946,25 @@ class Trainer:
         """Kill this run's controller (if any is left) and, with ``release``, remove the placement
         groups it may have left (``_release_placement``), which only a controller that did not
         end its run itself does."""
+        owner = None
         if self.controller is not None:
+            owner = self.controller._actor_id.hex()
             ray.kill(self.controller, no_restart=True)
             self.controller = None
         if release:
-            self._release_placement()
+            self._release_placement(owner)
 
-    def _release_placement(self) -> None:
+    def _release_placement(self, owner: str | None = None) -> None:
         """After a kill of this run's controller: its placement groups (see
-        ``remove_run_placement_groups``)."""
+        ``remove_run_placement_groups``). ``owner``: that controller's actor ID, whose groups
+        alone go. Why: a controller that died on its own (its node, the memory monitor) had
+        freed the run's name before this sweep, and another driver's run of that name may have
+        placed groups since. None: every group of the run's name, for a controller that still
+        holds it (``_claim_run_name``), as only the holder makes groups."""
         from elastic.actors.worker_group import remove_run_placement_groups
 
         try:
-            removed = remove_run_placement_groups(self.namespace)
+            removed = remove_run_placement_groups(self.namespace, owner)
         except Exception:  # noqa: BLE001 - best effort on a path that is already failing
             logger.debug("could not remove the placement groups of %s", self.namespace, exc_info=True)
             return

@@ -466,7 +466,7 @@ def test_a_run_renamed_during_its_fit_is_acted_on_and_told_by_the_name_it_starte
 
     t = _trainer()
     swept, told = [], []
-    monkeypatch.setattr(worker_group, "remove_run_placement_groups", lambda ns: swept.append(ns) or [])
+    monkeypatch.setattr(worker_group, "remove_run_placement_groups", lambda ns, owner=None: swept.append(ns) or [])
     monkeypatch.setattr(trainer_module, "_ray_for_fit", lambda *a: contextlib.nullcontext())
     monkeypatch.setattr(t, "_check_cluster_address", lambda: None)
 
@@ -566,10 +566,32 @@ def test_a_leftover_controllers_groups_are_removed_while_it_still_holds_the_runs
     old = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "ab" * 8))
     monkeypatch.setattr(trainer_module, "_OUR_CONTROLLERS", {"ab" * 8})  # this driver's leftover
     monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: old)
-    monkeypatch.setattr(worker_group, "remove_run_placement_groups", lambda ns: order.append(("sweep", ns)) or [])
+    monkeypatch.setattr(worker_group, "remove_run_placement_groups",
+                        lambda ns, owner=None: order.append(("sweep", ns, owner)) or [])
     monkeypatch.setattr(trainer_module, "free_actor_name", lambda name, ns, actor_id=None: order.append(("free", ns)))
     t._claim_run_name()
-    assert order == [("sweep", t.namespace), ("free", t.namespace)]
+    # Every group of the run's name: the old controller still holds it, and only the holder makes groups.
+    assert order == [("sweep", t.namespace, None), ("free", t.namespace)]
+
+
+def test_after_a_kill_only_the_killed_controllers_placement_groups_are_removed(monkeypatch):
+    # The sweep after a controller was lost took every group of the run's name. A controller
+    # that died on its own had freed the name first, so another driver's new run of that name
+    # could have placed its groups meanwhile, and lost them to this sweep.
+    from types import SimpleNamespace
+
+    import ray
+
+    from elastic.actors import worker_group
+
+    t = _trainer()
+    swept, killed = [], []
+    monkeypatch.setattr(worker_group, "remove_run_placement_groups",
+                        lambda ns, owner=None: swept.append((ns, owner)) or [])
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
+    t.controller = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "cd" * 16))
+    t._kill_controller()
+    assert swept == [(t.namespace, "cd" * 16)] and len(killed) == 1 and t.controller is None
 
 
 def test_fits_in_two_threads_share_the_embedded_ray_and_the_last_shuts_it_down(monkeypatch):

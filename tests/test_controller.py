@@ -980,7 +980,9 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     @ray.remote(num_cpus=0)
     class Stuck:  # a controller that never gets to the end of its steps
         def __init__(self):  # and holds a placement group, as a controller's worker group does
-            self.pg = placement_group([{"CPU": 0.01}], name="elastic-stuck/ranks")
+            from elastic.actors.worker_group import placement_owner_tag  # named as its groups are
+
+            self.pg = placement_group([{"CPU": 0.01}], name=f"elastic-stuck/{placement_owner_tag()}.0/ranks")
             ray.get(self.pg.ready(), timeout=30)
 
         def run(self):
@@ -1007,7 +1009,8 @@ def test_a_stop_that_outlasts_stop_timeout_kills_the_run(ray_cluster):
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(handle.stop.remote("again"), timeout=30)
     # Ray frees a killed actor's placement group only when its job ends too: the driver removes it.
-    states = [row["state"] for row in placement_group_table().values() if row["name"] == "elastic-stuck/ranks"]
+    states = [row["state"] for row in placement_group_table().values()
+              if row["name"].startswith("elastic-stuck/") and row["name"].endswith("/ranks")]
     assert states and set(states) == {"REMOVED"}
 
 
@@ -1077,7 +1080,9 @@ def test_a_controller_lost_mid_run_fails_the_fit_and_frees_its_placement_groups(
     @ray.remote(num_cpus=0)
     class Dies:  # a controller that holds a placement group, as its worker group does, then ends
         def __init__(self, kwargs):
-            self.pg = placement_group([{"CPU": 0.01}], name=f"elastic-{name}/ranks")
+            from elastic.actors.worker_group import placement_owner_tag  # named as its groups are
+
+            self.pg = placement_group([{"CPU": 0.01}], name=f"elastic-{name}/{placement_owner_tag()}.0/ranks")
             ray.get(self.pg.ready(), timeout=30)
 
         def run(self, steps, epochs):
@@ -1099,7 +1104,8 @@ def test_a_controller_lost_mid_run_fails_the_fit_and_frees_its_placement_groups(
             "its controller was lost (RayActorError: " in str(info.value)
     assert isinstance(info.value.__cause__, cause)
     assert trainer.controller is None
-    states = [row["state"] for row in placement_group_table().values() if row["name"] == f"elastic-{name}/ranks"]
+    states = [row["state"] for row in placement_group_table().values()
+              if row["name"].startswith(f"elastic-{name}/") and row["name"].endswith("/ranks")]
     assert states and set(states) == {"REMOVED"}
 
 

@@ -77,7 +77,8 @@ def test_remove_node_with_two_ranks(cluster):
     deadline = time.time() + 120
     while time.time() < deadline:
         pgs = ray.util.placement_group_table().values()
-        if any(p["name"] == "elastic-nodeloss/ranks" and p["state"] == "CREATED" for p in pgs):
+        if any(p["name"].startswith("elastic-nodeloss/") and p["name"].endswith("/ranks") and p["state"] == "CREATED"
+               for p in pgs):
             break
         time.sleep(0.1)
     c.add_node(num_cpus=2)

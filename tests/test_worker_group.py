@@ -446,10 +446,36 @@ def test_a_ranks_group_ray_refuses_is_no_rank_lost(monkeypatch):
         raise ray.exceptions.RaySystemError(f"Failed to create placement group because name '{name}' already exists.")
 
     monkeypatch.setattr(worker_group_module, "placement_group", refused)
-    with pytest.raises(PlacementRefused, match="the ranks' placement group 'elastic-unit/ranks': .*already exists") \
-            as info:
+    said = "the ranks' placement group 'elastic-unit/[0-9a-f]+[.][0-9]+/ranks': .*already exists"
+    with pytest.raises(PlacementRefused, match=said) as info:
         group.start(2)
     assert not actor_lost(info.value) and group._pgs == []
+
+
+def test_placement_group_names_are_the_controllers_own_and_never_repeat(monkeypatch):
+    # Named "<namespace>/ranks" and "<namespace>/spare-<i>", every WorkerGroup of a run (a
+    # restart's, a next controller's) asked for the names of the one before: a name Ray still
+    # held (a removal not yet done, or one that failed) refused a spare's group, read as a rank
+    # lost; and a driver could only sweep every group of the run's name after its controller died.
+    from elastic.actors.worker_group import placement_owner_tag, remove_run_placement_groups
+
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    first, second = (WorkerGroup(elastic.ScalingConfig(num_workers=2), spec, "elastic-unit") for _ in range(2))
+    assert first.placement_prefix != second.placement_prefix
+    assert all(g.placement_prefix.startswith("elastic-unit/") for g in (first, second))
+    mine = f"elastic-unit/{placement_owner_tag('ab' * 16)}.3"
+    table = {f"{i:02x}" * 18: {"name": name, "state": state} for i, (name, state) in enumerate([
+        (f"{mine}/ranks", "CREATED"), (f"{mine}/spare-0", "PENDING"), (f"{mine}/spare-1", "REMOVED"),
+        (f"elastic-unit/{placement_owner_tag('cd' * 16)}.0/ranks", "CREATED"),  # another controller's
+        ("elastic-unit-b/x.0/ranks", "CREATED")])}  # another run's
+    removed = []
+    monkeypatch.setattr(worker_group_module, "placement_group_table", lambda: table)
+    monkeypatch.setattr(worker_group_module, "remove_placement_group", removed.append)
+    assert remove_run_placement_groups("elastic-unit", owner="ab" * 16) == [f"{mine}/ranks", f"{mine}/spare-0"]
+    assert len(removed) == 2
+    assert remove_run_placement_groups("elastic-unit") == [f"{mine}/ranks", f"{mine}/spare-0",
+                                                            f"elastic-unit/{placement_owner_tag('cd' * 16)}.0/ranks"]
 
 
 def test_ranks_spawned_before_one_whose_spawn_fails_are_killed(monkeypatch):
@@ -532,7 +558,8 @@ def test_a_spare_whose_spawn_fails_in_a_group_of_its_own_removes_that_group(monk
     monkeypatch.setattr(group, "_spawn", _name_taken)
     with pytest.raises(ValueError, match="already taken"):
         group.request_spare()
-    assert [pg.name for pg in made] == ["elastic-unit/spare-0"] and removed == made and made[0] not in group._pgs
+    assert [pg.name for pg in made] == [f"{group.placement_prefix}/spare-0"] and removed == made
+    assert made[0] not in group._pgs
 
 
 def test_a_draining_or_down_node_is_no_room_for_a_spare_kept_off_the_others(monkeypatch):

@@ -8,9 +8,11 @@ the controller tells it which actor becomes which rank.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -49,6 +51,20 @@ class PlacementRefused(RuntimeError):
     """Ray refused to create the ranks' placement group (a name still taken, the GCS's error).
     Not a Ray error on purpose: the start reads every Ray error as a rank lost, and started
     again ``max_failures`` times on a refusal that came back each time."""
+
+
+OWNER_TAG_CHARS = 16  # of the creator's actor ID in a placement group's name (placement_owner_tag)
+_GROUP_SEQ = itertools.count()  # this process's WorkerGroups, in the names of their placement groups
+
+
+def placement_owner_tag(actor_id: str | None = None) -> str:
+    """The part of a placement group's name that says which controller made it: the start of
+    its actor ID (``actor_id``; default: this process's actor's, or a random one outside an
+    actor). The driver, knowing its controller's ID, removes only that controller's groups
+    after it dies (``remove_run_placement_groups``)."""
+    if actor_id is None:
+        actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+    return (actor_id or uuid.uuid4().hex)[:OWNER_TAG_CHARS]
 
 
 _IMPORT_HINT = ("The workers unpickle model_fn, optimizer_fn, dataset_fn and loss_fn, so they import the "
@@ -145,6 +161,13 @@ class WorkerGroup:
         self.scaling = scaling
         self.spec = spec
         self.namespace = namespace  # "elastic-<run>": actors are "rank-3", "spare-0" in it
+        # Its placement groups are "<namespace>/<owner>.<n>/ranks" and ".../spare-<i>": the
+        # controller that made them, and which of its groups. Why not "<namespace>/ranks": a
+        # name Ray still holds (a group of an earlier group or controller, removed but not yet
+        # gone, or not removed when a removal failed) refused the next one, a spare's as a rank
+        # lost; and a driver whose controller died could only sweep every group of the run's
+        # name, another driver's new run of that name among them once the name was free.
+        self.placement_prefix = f"{namespace}/{placement_owner_tag()}.{next(_GROUP_SEQ)}"
         self.members: list[Member] = []  # index == rank
         self.spares: list[Member] = []
         self._pgs: list[PlacementGroup] = []
@@ -211,7 +234,7 @@ class WorkerGroup:
     def start(self, num_active: int) -> None:
         """Place and start the active ranks plus the hot spares, then order ranks by node."""
         bundle = self.scaling.bundle()
-        name = f"{self.namespace}/ranks"
+        name = f"{self.placement_prefix}/ranks"
         try:
             pg = placement_group([dict(bundle) for _ in range(num_active)], strategy=self.scaling.placement_strategy,
                                  name=name)
@@ -350,7 +373,7 @@ class WorkerGroup:
     def _spare_group(self, idx: int, avoid: list[str]) -> PlacementGroup:
         """A placement group of its own for spare ``idx``, kept off ``avoid`` (a node-ID label selector)."""
         selector = [{NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None
-        pg = placement_group([self.scaling.bundle()], strategy="PACK", name=f"{self.namespace}/spare-{idx}",
+        pg = placement_group([self.scaling.bundle()], strategy="PACK", name=f"{self.placement_prefix}/spare-{idx}",
                              bundle_label_selector=selector)
         self._pgs.append(pg)
         return pg
@@ -704,9 +727,12 @@ class WorkerGroup:
         self._ranks_pg, self._bundle_holder = None, {}
 
 
-def remove_run_placement_groups(namespace: str) -> list[str]:
+def remove_run_placement_groups(namespace: str, owner: str | None = None) -> list[str]:
     """Remove the placement groups of the run whose actors live in ``namespace`` ("elastic-<run>");
-    returns their names. For the driver, after it killed that run's controller.
+    returns their names. For the driver, after it killed that run's controller: with ``owner``
+    (that controller's actor ID), only those that controller made (``WorkerGroup.placement_prefix``).
+    Why only those: once the controller is dead its name is free, and another driver's run of
+    the same name may have placed its own groups since.
 
     Why: the controller actor creates them, and Ray frees a placement group when its creator
     actor and its creator's job are both dead. A controller killed (a second interrupt, the
@@ -715,10 +741,11 @@ def remove_run_placement_groups(namespace: str) -> list[str]:
     same run waiting for resources that nothing uses."""
     from ray._raylet import PlacementGroupID
 
+    prefix = f"{namespace}/" if owner is None else f"{namespace}/{placement_owner_tag(owner)}."
     removed = []
     for pg_id, row in placement_group_table().items():
         name = row.get("name") or ""
-        if name.startswith(f"{namespace}/") and row.get("state") != "REMOVED":
+        if name.startswith(prefix) and row.get("state") != "REMOVED":
             try:
                 remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
                 removed.append(name)
