@@ -105,9 +105,15 @@ class FakeWorker:
         self.scheduler.step()
         self.completed_step = step
 
-    def get_state(self) -> dict:  # as TrainWorker.get_state
+    def get_state(self) -> dict:
+        # As TrainWorker.get_state, except that the model's copy keeps the state dict's module
+        # versions (``_metadata``), as a checkpoint of the live state (``live_state``) does, so a
+        # state read back compares equal to it (``TrainWorker.model_state``'s plain dict drops them).
+        model = self.model.state_dict()
+        copy = collections.OrderedDict((k, v.detach().cpu().clone()) for k, v in model.items())
+        copy._metadata = model._metadata
         return {
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "model": copy,
             "optimizer": _clone(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "completed_step": self.completed_step,
@@ -136,6 +142,7 @@ def _clone(obj):
 def assert_same(a, b, path="state"):
     """Exact equality, including container and scalar types (tuple stays tuple, int stays int)."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), f"{path}: module metadata"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, path
         assert torch.equal(a, b), path
@@ -214,6 +221,105 @@ def test_read_state_with_a_different_world_size(backend):
     write_step(store, worker, step=3, world_size=3)
     state, _ = store.read_state()
     assert_same(state, worker.get_state())
+
+
+class _HalvedBeforeVersion2(torch.nn.Module):
+    """A module whose state dict changed format at version 2 (version 1 stored half the weight),
+    upgrading an older one as torch's own modules do: by the version in its local metadata, None
+    for a state dict from before versions were recorded."""
+
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(1.0, 5.0))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        version = local_metadata.get("version")
+        if (version is None or version < 2) and prefix + "weight" in state_dict:
+            state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def _versioned_worker(seed: int = 0) -> SimpleNamespace:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _HalvedBeforeVersion2())
+    return SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=None,
+                           completed_step=3)
+
+
+def test_a_modules_state_dict_version_survives_a_checkpoint(backend):
+    """A state dict's ``_metadata`` (each module's version) was lost in the skeleton: a resume
+    loaded the model with no version, the case a module reads as an old format to upgrade, and
+    this one doubled its current weight at every resume, with no error."""
+    from elastic.checkpoint.worker_hook import live_state
+
+    store = make_store(backend)
+    worker = _versioned_worker()
+    state = live_state(worker)  # what a checkpointed step writes: the model's own state_dict()
+    entries = []
+    for rank in range(2):
+        entries += store.write_rank_files(3, rank, 2, state, capture_rng())
+    store.commit(3, entries, 2, {})
+
+    got, _ = store.read_state(3)
+    fresh = _versioned_worker(seed=1).model
+    fresh.load_state_dict(got["model"])  # as TrainWorker.set_state does
+    for p, q in zip(worker.model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)  # before: the second module's weight came back doubled
+    assert got["model"]._metadata == worker.model.state_dict()._metadata
+    assert got["model"]._metadata["1"] == {"version": 2}
+    # Each rebuild has its own copy: a load that changes it does not change the next one's.
+    got["model"]._metadata["1"]["version"] = 1
+    assert store.read_state(3)[0]["model"]._metadata["1"] == {"version": 2}
+
+
+def test_a_skeleton_without_module_metadata_still_loads(backend):
+    """Checkpoints written before the metadata was kept have no ``__metadata__`` beside a dict's
+    pairs: their model comes back a plain dict, as it always did, and loads."""
+    from elastic.checkpoint.store import Snapshot
+    from elastic.checkpoint.worker_hook import live_state
+
+    store = make_store(backend)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    worker = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=None,
+                             completed_step=2)
+    tensors, skeleton = flatten_state(live_state(worker))
+    model_node = dict(skeleton["__dict__"])["model"]
+    assert "__metadata__" in model_node
+    del model_node["__metadata__"]  # as older versions wrote it
+    store.commit(2, store.write_snapshot(Snapshot(2, 0, 1, tensors, skeleton, capture_rng())), 1, {})
+
+    got, _ = store.read_state(2)
+    assert type(got["model"]) is dict and not hasattr(got["model"], "_metadata")
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    fresh.load_state_dict(got["model"])  # BatchNorm takes a missing version as its oldest format
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def test_module_metadata_is_kept_apart_from_user_keys_and_unusual_metadata_is_dropped():
+    """The metadata sits beside the marker's pairs, where no user key goes: a user dict whose keys
+    look like markers round-trips as it is. Metadata not of torch's shape is left out (as all of it
+    was before), and the rest of the state still saves."""
+    from elastic.checkpoint.codec import skeleton_tensor_names
+
+    model = torch.nn.Linear(2, 2).state_dict()
+    user = {"__metadata__": [["x", {"__tensor__": "model/weight"}]], "__dict__": torch.ones(1)}
+    tensors, skeleton = flatten_state({"model": model, "user": user})
+    assert sorted(skeleton_tensor_names(skeleton)) == sorted(tensors) == ["model/bias", "model/weight", "user/__dict__"]
+    back = unflatten_state(tensors, json.loads(canonical_json(skeleton)))
+    assert back["model"]._metadata == model._metadata and list(back["model"]) == ["weight", "bias"]
+    assert type(back["user"]) is dict and back["user"]["__metadata__"] == user["__metadata__"]
+    assert torch.equal(back["user"]["__dict__"], torch.ones(1))
+
+    model._metadata[""]["note"] = (1, 2)  # a tuple would come back a list: not kept
+    _, skeleton = flatten_state({"model": model})
+    assert type(unflatten_state(tensors, skeleton)["model"]) is dict
+    # Metadata that checks out but is not pairs of a prefix and plain values is a corrupt state.
+    with pytest.raises(ValueError, match="module metadata"):
+        unflatten_state({}, {"__dict__": [], "__metadata__": [["", {"version": [1]}]]})
 
 
 def test_flatten_state_keeps_every_plain_value_and_refuses_what_json_cannot_key():

@@ -938,6 +938,38 @@ def test_a_model_with_non_tensor_extra_state_is_checksummed_and_handed_over():
     _WithExtraState().load_state_dict(state)
 
 
+class _Versioned(torch.nn.Module):
+    """A module at version 2 that upgrades a state dict of an older version (none: the oldest)."""
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if local_metadata.get("version") is None or local_metadata["version"] < 2:
+            state_dict[prefix + "lin.weight"] = state_dict[prefix + "lin.weight"] * 2  # the old format's scale
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def test_a_peers_model_state_keeps_the_modules_versions():
+    # model_state() (a peer's catch-up, the Result's weights) was a plain dict: loaded with no
+    # version, a module that upgrades old state dicts changed its current weights.
+    import pickle
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    source = _Versioned()
+    state = pickle.loads(pickle.dumps(TrainWorker.model_state(SimpleNamespace(model=source))))  # as Ray sends it
+    assert state._metadata[""]["version"] == 2
+    peer = _Versioned()
+    peer.load_state_dict(state)
+    assert torch.equal(peer.lin.weight, source.lin.weight)
+    state._metadata[""]["version"] = 1
+    assert source.state_dict()._metadata[""]["version"] == 2  # a copy: the live model's is not touched
+
+
 def test_set_state_leaves_adams_step_counters_where_torch_keeps_them():
     # torch's load_state_dict moves moments to each parameter's device but keeps plain Adam's
     # step on the CPU; moving the whole state first put it on the GPU (two syncs per parameter a step).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import copy
 import dis
 import gc
 import inspect
@@ -34,7 +35,7 @@ import time
 import traceback
 import weakref
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -1287,7 +1288,16 @@ class TrainWorker:
         """The model's state dict on the CPU (the final weights a ``Result`` carries)."""
         # A module's extra state (``get_extra_state``: TransformerEngine's, some quantised layers')
         # need not be a tensor: it goes as it is.
-        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in self.model.state_dict().items()}
+        live = self.model.state_dict()
+        state = OrderedDict((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in live.items())
+        # With the modules' versions (``_metadata``), as torch's own state dict has them: a peer
+        # catching up from it loaded the model with none, which ``_load_from_state_dict`` reads
+        # as a state dict of an old version, and a module that upgrades old ones changed its
+        # current weights (the checkpoint keeps them too: codec._METADATA).
+        metadata = getattr(live, "_metadata", None)
+        if metadata is not None:
+            state._metadata = copy.deepcopy(metadata)
+        return state
 
     def set_state(self, state: dict) -> int:
         self.model.load_state_dict(state["model"])
