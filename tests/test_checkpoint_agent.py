@@ -714,7 +714,7 @@ def test_a_dtype_the_agents_encoding_cannot_name_is_not_reported_as_the_agent_lo
     agent, _, committer, _, (url, options) = node
     worker = FakeWorker(rank=0, world_size=1)
     hook = link(agent, fallback=lambda: WorkerCheckpointer(url, options, RUN, every_n_steps=1, retry=FAST))
-    monkeypatch.setattr(hook, "_layout_of", lambda tensors: None)  # as for complex64 where it has no name
+    monkeypatch.setattr(hook, "_layout_of", lambda tensors, world_size: None)  # as for complex64 where it has no name
     try:
         reports = run_training([worker], [hook], committer, [1])
         assert [e["event"] for e in reports[0]["ckpt_events"]] == ["checkpoint_dtype_in_process"]
@@ -1375,6 +1375,97 @@ def test_a_bigger_snapshot_moves_to_a_new_ring_and_the_old_one_is_unmapped_once_
         assert committer.latest_committed == 2
         (link_,) = agent.pool.connected()
         assert set(link_.rings) == {bigger}  # the agent unmapped the old one too
+
+
+class GrowingWorker(FakeWorker):
+    """A model with a buffer one element longer at every step (a state that grows, a resized
+    embedding): a tensor of the rank's share whose shape changes between checkpoints."""
+
+    def train(self, step: int) -> None:
+        super().train(step)
+        self.model.register_buffer("seen", torch.arange(step, dtype=torch.float32))
+
+
+def views_in_rings(hook: AgentCheckpointer) -> int:
+    """The lists of views over a slot the rank's rings hold, one per (slot, layout)."""
+    return sum(len(ring._views) for ring, _ in hook._rings.values())
+
+
+@pytest.mark.parametrize("backend", ["file"], indirect=True)  # the storage plays no part
+def test_layouts_and_slot_views_of_a_tensor_whose_shape_keeps_changing_stay_bounded(node):
+    # A new shape is a new layout: before, each checkpoint added one on the rank, one at the
+    # agent and views over the slot it went into, all kept for the whole run (60 of each here).
+    agent, controller, committer, store, _ = node
+    worker, hook = GrowingWorker(), link(agent)
+    keep = AgentCheckpointer.FORGET_LAYOUTS_AFTER + worker.world_size
+    try:
+        for step in range(1, 61):
+            run_training([worker], [hook], committer, [step])
+            finish([worker], [hook], committer)
+            assert committer.latest_committed == step
+            # Every step's shard is whole: no layout was let go while a snapshot in it waited at the agent.
+            assert_same(store.read_state(step)[0], worker.get_state())
+            (agent_link,) = agent.pool.connected()
+            assert len(hook._layouts) <= keep and views_in_rings(hook) <= keep
+            # The agent's may lag by the slots in flight: it is told once they are back.
+            assert len(agent_link.layouts) <= keep + hook.SLOTS
+        assert len(hook._layouts) == keep  # the newest ones, not one per step
+        assert hook._ring_id in hook._rings and len(hook._rings) == 1  # the views went with the layouts, not a new ring
+    finally:
+        hook.close()
+
+
+class ReshapingWorker(FakeWorker):
+    """Two buffers beside the model: ``big`` (the first writer's share, the largest tensor) and
+    ``reshaped``, the second largest, so in the second share, which may take another shape of
+    the same size every ``reshape_every`` steps (its bytes, and so the split into shares, stay)."""
+
+    SHAPES = [(d, 240 // d) for d in range(1, 241) if 240 % d == 0]
+
+    def __init__(self, rank: int, world_size: int, reshape_every: int = 0):
+        super().__init__(rank, world_size)
+        self.model.register_buffer("big", torch.zeros(2000))
+        self.model.register_buffer("reshaped", torch.zeros(240))
+        self.reshape_every = reshape_every
+
+    def train(self, step: int) -> None:
+        super().train(step)
+        if self.reshape_every:
+            shape = self.SHAPES[(step // self.reshape_every) % len(self.SHAPES)]
+            self.model.reshaped = self.model.reshaped.reshape(shape)
+
+
+@pytest.mark.parametrize("backend", ["file"], indirect=True)
+@pytest.mark.parametrize("world_size,min_shard_bytes,reshape", [(1, 0, False), (20, 4000, False), (20, 4000, True)])
+def test_a_steady_run_sends_each_layout_once_even_when_the_share_rotates(node, monkeypatch, world_size,
+                                                                         min_shard_bytes, reshape):
+    """Layouts let go of too soon would be worked out and sent to the agent again and again.
+    ``min_shard_bytes=4000``: 3 ranks of 20 write the state, so rank 0 writes each of the 3
+    shares once every 20 checkpoints, more than FORGET_LAYOUTS_AFTER apart. ``reshape``: the
+    second share's layout is new at each of its turns; letting go of what is older than
+    FORGET_LAYOUTS_AFTER then, the first share's layout (used 19 checkpoints before) went too,
+    and was sent again at its next turn, every time."""
+    agent, _, _, _, _ = node
+    worker = ReshapingWorker(0, world_size, reshape_every=world_size if reshape else 0)
+    hook = link(agent, min_shard_bytes=min_shard_bytes)
+    sent, send_layout = [], hook._send_layout
+    monkeypatch.setattr(hook, "_send_layout",
+                        lambda layout: sent.append(frozenset(e["name"] for e in layout.entries)) or send_layout(layout))
+    try:
+        for step in range(1, 5 * world_size + 2 * AgentCheckpointer.FORGET_LAYOUTS_AFTER):
+            worker.train(step)
+            hook.after_step(worker, step)
+            assert hook.flush(10)  # no snapshot dropped for want of a slot: each one's layout is sent
+        shares = set(sent)
+        assert len(shares) == (1 if world_size == 1 else 3)
+        for share in shares:
+            times = sent.count(share)
+            if reshape and "model/reshaped" in share:
+                assert times > 4  # a new shape at each of its turns
+            else:
+                assert times == 1, f"a layout of the steady share {sorted(share)[:3]}... was sent {times} times"
+    finally:
+        hook.close()
 
 
 def test_a_snapshot_dropped_for_want_of_a_slot_is_taken_again_by_the_flush(node):

@@ -481,6 +481,13 @@ class _RankLink:
                 ring = self.rings.pop(int(m["ring"]), None)
                 if ring is not None:
                     ring.close()
+            elif op == "forget_layout":
+                # A layout the rank let go of (AgentCheckpointer._forget_layouts). Why: each one
+                # stayed here for the life of the link, so a tensor whose shape changed every
+                # checkpoint added one each time, for the whole run. The rank says so only once
+                # every slot it filled is back, so no snapshot waiting here names it; a later
+                # one that does is refused ("snap" below), as for any layout never received.
+                self.layouts.pop(int(m["layout"]), None)
             elif op == "snap":
                 p = _Payload(m)
                 if p.ring is not None and (p.ring not in self.rings or p.layout not in self.layouts):

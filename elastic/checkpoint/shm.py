@@ -167,6 +167,14 @@ class SlotRing:
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
 
+    def forget(self, layout_id: Any) -> None:
+        """Drop the views over the slots made for ``layout_id``, a layout the rank let go of
+        (``AgentCheckpointer._forget_layouts``). Why: the views stayed until the ring was closed,
+        so a tensor whose shape changed each checkpoint added a list of them per slot each time,
+        for as long as the ring lasted (thousands of checkpoints when the state grows slowly)."""
+        for key in [k for k in self._views if k[1] == layout_id]:
+            del self._views[key]
+
     def pin(self, cudart: Any = None) -> bool:
         """Page-lock this memory for CUDA (``cudaHostRegister``), once: a device-to-host copy
         into pageable memory goes through a driver bounce buffer at a fraction of the speed,

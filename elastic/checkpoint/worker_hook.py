@@ -418,12 +418,13 @@ def _connect_agent(address: str) -> socket.socket:
 
 class _Layout:
     """A shard layout a rank has met: ``codec.shard_layout``'s entries, the bytes of its data
-    section, and the id the agent knows it by (None until it is sent)."""
+    section, the id the agent knows it by (None until it is sent), and the snapshot that used
+    it last (``AgentCheckpointer._snapshots``)."""
 
-    __slots__ = ("entries", "nbytes", "id")
+    __slots__ = ("entries", "nbytes", "id", "used")
 
     def __init__(self, entries: list[dict]):
-        self.entries, self.nbytes, self.id = entries, sum(e["nbytes"] for e in entries), None
+        self.entries, self.nbytes, self.id, self.used = entries, sum(e["nbytes"] for e in entries), None, 0
 
 
 class AgentCheckpointer:
@@ -444,6 +445,15 @@ class AgentCheckpointer:
     DROP_EVENT_EVERY_S = 60.0
     # A step retention keeps waits this long for a free slot before it is dropped (_slot_back).
     MILESTONE_WAIT_S = 5.0
+    # A layout no snapshot used in this many, plus the world size, is let go here and at the
+    # agent (_forget_layouts). Why: a layout is kept per set of names, dtypes and shapes, so a
+    # tensor whose shape changes (a buffer that grows, an embedding resized, optimizer state
+    # changing shape) added one here, one at the agent and views over each slot it went into at
+    # every checkpoint, for the whole run. Plus the world size: with fewer writers than ranks a
+    # rank's share rotates (``codec.writer_slot``), each of its layouts coming back once every
+    # world-size checkpoints, and let go sooner it would be worked out and sent again each time.
+    # The in-process writer lets its staging buffers go the same way (StagingBuffers.FORGET_AFTER).
+    FORGET_LAYOUTS_AFTER = 16
 
     def __init__(self, address: str, every_n_steps: int, fallback: Callable[[], WorkerCheckpointer],
                  min_shard_bytes: int = 0, close_timeout_s: float = 30.0, keep_every: int = 0):
@@ -457,6 +467,9 @@ class AgentCheckpointer:
         self._ring_id: int | None = None  # the ring snapshots go into; older ones wait for their slots
         self._rings: dict[int, tuple[SlotRing, set[int]]] = {}  # ring id -> (ring, free slots)
         self._layouts: dict[tuple, _Layout] = {}  # (name, dtype, shape) of each tensor -> its layout
+        self._snapshots = 0  # snapshots taken through the agent: the clock a layout ages by
+        self._in_slots: dict[tuple[int, int], int] = {}  # (ring, slot) handed to the agent -> its layout's id
+        self._forgotten: set[int] = set()  # ids of layouts let go here, of which the agent is still to be told
         self._skeleton_json = SkeletonJson()
         self._next_id = 0
         self._events: list[dict] = []
@@ -509,6 +522,7 @@ class AgentCheckpointer:
         message: dict[str, Any] = {}
         try:
             self._poll()
+            self._snapshots += 1
             rng = RawRng.take()
             snap = Snapshot.of_state(live_state(worker), step, int(worker.rank), int(worker.world_size),
                                      rng, self.min_shard_bytes,  # live tensors: copied into the slot
@@ -518,7 +532,7 @@ class AgentCheckpointer:
             if is_milestone(self.keep_every, step):
                 message["keep"] = True
             if snap.writes_file:
-                layout = self._layout_of(snap.tensors)
+                layout = self._layout_of(snap.tensors, snap.world_size)
                 if layout is None:
                     # Its own event: under the default (checkpoint_agent_lost) a healthy agent
                     # was reported lost, and the user sent to look at the node.
@@ -592,11 +606,13 @@ class AgentCheckpointer:
             raise
         message.update(ring=ring_id, slot=slot, layout=layout.id, meta_len=len(meta), rng_raw=rng.fields,
                        rng_lens=lengths)
+        self._in_slots[(ring_id, slot)] = layout.id
         return True
 
     def _give_back(self, message: dict) -> None:
         if "slot" in message:
             self._rings[message["ring"]][1].add(message["slot"])
+            self._in_slots.pop((message["ring"], message["slot"]), None)
 
     def _sent_within(self, message: dict, wait_s: float) -> bool:
         """``message`` sent once the agent's queue has room, within ``wait_s``; False if it never did."""
@@ -630,18 +646,49 @@ class AgentCheckpointer:
                  "message": f"{self.dropped - told} snapshot(s) dropped (the newest at step {step}): the "
                             "checkpoint agent had no free slot, it is behind; newer steps are written instead"}]
 
-    def _layout_of(self, tensors: dict) -> "_Layout | None":
+    def _layout_of(self, tensors: dict, world_size: int) -> "_Layout | None":
         """Where ``tensors`` go in a shard (``codec.shard_layout``), worked out once per set of
         names, dtypes and shapes: a step's share is the same set as the last one's but for a
-        rank whose share rotates. None when a dtype has no safetensors name."""
+        rank whose share rotates (in a group of ``world_size``) or a tensor whose shape changed.
+        None when a dtype has no safetensors name."""
         key = tuple((name, t.dtype, t.shape) for name, t in tensors.items())
         layout = self._layouts.get(key)
         if layout is None:
             entries = shard_layout(tensors)
             if entries is None:
                 return None
+            # Only when one is added: the layouts kept grow no other way, and a step whose
+            # layout is known (every step of a steady run) looks at none of them.
+            self._forget_layouts(self.FORGET_LAYOUTS_AFTER + world_size)
             layout = self._layouts[key] = _Layout(entries)
+        layout.used = self._snapshots
         return layout
+
+    def _forget_layouts(self, keep: int) -> None:
+        """Let go of the layouts no snapshot used in the last ``keep`` (see FORGET_LAYOUTS_AFTER):
+        their views over the slots now, and the agent's copy once it holds no slot they filled
+        (``_tell_forgotten``)."""
+        for key in [k for k, layout in self._layouts.items() if self._snapshots - layout.used >= keep]:
+            layout = self._layouts.pop(key)
+            if layout.id is not None:  # else it was never sent: the agent never had it, no slot views of it
+                for ring, _ in self._rings.values():
+                    ring.forget(layout.id)
+                self._forgotten.add(layout.id)
+
+    def _tell_forgotten(self) -> None:
+        """Tell the agent to drop the layouts let go of here (``_forget_layouts``) that no slot it
+        still holds was filled by. Why wait for those: the agent reads a snapshot's layout when
+        it writes it, well after the message that handed the slot over, and one dropped before
+        then would have it refuse the link (``_RankLink._write_shard``). A slot comes back
+        (``free``) once the agent is done with it, written or replaced, and the agent takes this
+        rank's messages in order, so a layout told now is named by no snapshot it still has."""
+        held = set(self._in_slots.values())
+        for layout_id in sorted(self._forgotten - held):
+            try:
+                send_message(self.sock, {"op": "forget_layout", "layout": layout_id}, block=False)
+            except BlockingIOError:  # tell it next time
+                break
+            self._forgotten.discard(layout_id)
 
     def _send_layout(self, layout: "_Layout") -> bool:
         """Tell the agent ``layout`` (in a memfd of its own) under a new id; False if its queue is full."""
@@ -700,7 +747,8 @@ class AgentCheckpointer:
 
     def _poll(self, deadline: float | None = None) -> None:
         """Take in what the agent sent: slots handed back, a flush's answer; unmap a ring that
-        was outgrown once all its slots are back. With ``deadline``, wait (until then) for one
+        was outgrown once all its slots are back, and tell the agent of the layouts let go of
+        that no slot in its hands uses any more. With ``deadline``, wait (until then) for one
         message first."""
         if deadline is not None:
             self._wait(deadline)
@@ -717,6 +765,7 @@ class AgentCheckpointer:
                 raise ConnectionResetError("the checkpoint agent closed the connection")
             if message.get("op") == "free" and int(message["ring"]) in self._rings:
                 self._rings[int(message["ring"])][1].add(int(message["slot"]))
+                self._in_slots.pop((int(message["ring"]), int(message["slot"])), None)
                 # Told before the agent reports the part (its _release). The newest write is the
                 # one told last: the agent writes this rank's snapshots one at a time, in the
                 # order they were handed, and hands the slots back in that order. So after a
@@ -736,6 +785,8 @@ class AgentCheckpointer:
             except BlockingIOError:  # tell it next time
                 break
             self._rings.pop(ring_id)[0].close()
+        if self._forgotten:
+            self._tell_forgotten()
 
     def _link_lost(self, exc: OSError) -> tuple[str, str]:
         """Why the link to the agent failed with ``exc``, and the event that names it: the
@@ -878,6 +929,8 @@ class AgentCheckpointer:
             ring.close()
         self._rings.clear()
         self._ring_id = None
+        self._in_slots.clear()
+        self._forgotten.clear()
 
     def close(self) -> None:
         if self.fallback is not None:
