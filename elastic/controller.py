@@ -303,6 +303,7 @@ class Controller:
         self._inflight: dict[int, tuple[list, list[int], float, int]] = {}
         self._window = max(1, self.scaling.steps_per_dispatch)  # steps per call; tuned when automatic
         self._step_times: deque = deque(maxlen=16)
+        self._window_typical: float | None = None  # the median step time the window was last tuned by
         self._waited_s = 0.0  # time the current step spent blocked on the workers
         self._last_done = 0.0  # when the newest window's results came in (_window_wall)
         self._last_done_generation = -1  # ... in that group generation
@@ -1669,6 +1670,10 @@ class Controller:
                      + " did not finish the run's last window; released, the run ends without them",
                      ranks=sorted(gone))
             self.group.remove_ranks(sorted(gone))
+            if self.metrics is not None and (self.committer is None or not self.group.members):
+                # The rest renumbered, and no group forms after it (as _form_group's below would):
+                # the gauges' released numbers go now, or they aged until the run ended.
+                self.metrics.on_group([m.rank for m in self.group.members])
             if self.committer is not None and self.group.members:
                 # The others' snapshots still count the released replicas (rank and world size
                 # are the group's), so the steps those had not reached can never commit, the
@@ -1702,9 +1707,18 @@ class Controller:
         self._step_times.extend(worker_times)
         if len(self._step_times) >= 4:
             typical = statistics.median(self._step_times)
+            # Retune on a real change only: the median step time a quarter or more from the one
+            # the window was tuned by (steps wobble on a busy machine). Why not a quarter of the
+            # window: for windows under 8 that bar is one step, so a median wobbling by a
+            # fraction of a percent around a boundary (0.25 s, 0.125 s, 0.1 s ... for a 0.5 s
+            # target) flipped the window on nearly every window (2,1,2,1 ... or 4,5,4,5 ...),
+            # each flip an event kept for the whole run: ~1,000 in 20,000 steps at 2-5% jitter.
+            tuned = self._window_typical
+            if tuned is not None and abs(typical - tuned) < tuned / 4:
+                return
+            self._window_typical = typical
             window = max(1, min(16, int(self.scaling.dispatch_target_s / max(typical, 1e-6))))
-            # Retune on a real change only (a quarter or more): steps wobble on a busy machine.
-            if abs(window - self._window) >= max(1, self._window // 4):
+            if window != self._window:
                 self._window = window
                 self.log("dispatch", f"{window} step(s) per call (median step {typical * 1e3:.1f} ms, "
                          f"target {self.scaling.dispatch_target_s:g} s a call)", steps_per_dispatch=window)
@@ -1904,7 +1918,14 @@ class Controller:
                 if self._progressed(pending, set(ranks), done_seen):
                     t0 = time.time()  # a step of the window finished since the last answer: not hung
                     continue
-                self._kill_hung(self._culprits(pending), f"step exceeded step_timeout_s={cfg.step_timeout_s:g}",
+                # Once something broke, with the broken collective's limits above: a survivor in
+                # its collective for less than the group's timeout raises there on its own. Blamed
+                # as the last to enter, a healthy survivor was killed when the step timeout came
+                # before the group's (step_timeout_s at or under collective_timeout_s, or a long
+                # compute before the collective): two ranks lost for one node, as a "hang".
+                limits = {} if first_problem is None else {"own_for_s": cfg.step_timeout_s,
+                                                           "waiting_for_s": self._group_timeout_s()}
+                self._kill_hung(self._culprits(pending, **limits), f"step exceeded step_timeout_s={cfg.step_timeout_s:g}",
                                 gone=dead)
                 t0 = time.time()  # the peers of a killed rank get a fresh step timeout to fail over
                 continue

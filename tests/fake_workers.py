@@ -30,8 +30,15 @@ class FakeWorker:
 
     @ray.method(concurrency_group="control")
     def heartbeat(self):
+        phase, since = getattr(self, "phase", ("idle", None))
         return {"time": time.time(), "step": None, "completed_step": self.done, "rank": self.rank,
-                "phase": "idle", "phase_since": time.time()}
+                "phase": phase, "phase_since": since or time.time()}
+
+    def stall_in_collective_at(self, step, seconds):
+        """Test aid: at ``step`` this rank waits ``seconds`` in an all-reduce (its heartbeat
+        says so), then raises a CollectiveError, as a survivor of a peer lost with its node does
+        at the group's timeout (the peer's sockets never close)."""
+        self.collective_stall = (step, seconds)
 
     def host_rendezvous(self, timeout_s):
         return 1
@@ -76,6 +83,14 @@ class FakeWorker:
 
     def train_step(self, step, indices, generation):
         self.started = step
+        stall_step, seconds = getattr(self, "collective_stall", (None, 0))
+        if step == stall_step:
+            from elastic.actors.protocol import CollectiveError
+
+            self.phase = ("allreduce", time.time())
+            time.sleep(seconds)
+            self.phase = ("idle", None)
+            raise CollectiveError(f"allreduce of step {step} timed out: a peer is gone (test)")
         if step == self.kill_at and not self.kill_after_update:
             self._die()
         self.done = step

@@ -204,6 +204,22 @@ def test_a_state_source_slow_to_make_its_state_is_the_one_killed_as_hung(ray_clu
         assert ray.get(receiver.actor.get_state.remote(), timeout=30) is not None  # not killed
 
 
+def test_the_step_timeout_kills_no_survivor_still_within_a_broken_collectives_timeout(ray_cluster):
+    # Rank 1 dies at step 3; the survivor waits in its all-reduce until the group's timeout (a
+    # peer lost with its node: its sockets never close). The step timeout (1 s, under the
+    # collective timeout's 6 s) came first and blamed the survivor as the last rank into its
+    # collective: killed as hung, two ranks lost for one, and the failure read as a hang.
+    failure = elastic.FailureConfig(step_timeout_s=1.0, collective_timeout_s=6.0)
+    with trained("fake-step-timeout-survivor", workers=2, backups=2, steps=2, failure=failure,
+                 steps_per_dispatch=1) as c:
+        ray.get([c.group.members[0].actor.stall_in_collective_at.remote(3, 4.0),
+                 c.group.members[1].actor.inject_kill.remote(3)], timeout=30)
+        train_on(c, 4)
+        assert c.step == 4
+    assert [e.details.get("rank") for e in c.events if e.kind == "hang"] == []
+    assert c.failures == 1 and c.recoveries[0]["kind"] == "actor_died"
+
+
 def test_a_hung_rank_with_several_windows_pending_is_killed_once(ray_cluster):
     # A late first-N replica has several windows pending, each a ref: one hung rank made as many
     # "hang" events, kills and reaps.
@@ -2260,6 +2276,13 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
     late = busy.remote()
     try:
         c.run_for(steps=2)
+        groups = []
+
+        class Gauges:  # the run's metrics: which groups they were told of
+            def __getattr__(self, name):
+                return groups.append if name == "on_group" else (lambda *a, **k: None)
+
+        c.metrics = Gauges()
         c.failure_config.step_timeout_s = 1.0
         dead = c.group.members[1].actor
         ray.kill(dead)
@@ -2270,6 +2293,9 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
         assert [m.name for m in c.group.members] == ["rank-0"] and not c._lagging
         released = [e for e in c.events if e.kind == "late_released"]
         assert released and released[0].details["ranks"] == [1, 2] and "died" in released[0].message
+        # No checkpoint storage, so no group forms after it: the gauges forget the released
+        # numbers here (they aged until the run ended).
+        assert groups == [[0]]
         failed = user_code_fails.remote()
         ray.wait([failed], timeout=60)  # its error is in, however long a worker process takes to start here
         c._lagging = {failed: (0, time.time(), 1)}
@@ -2765,6 +2791,26 @@ def test_the_dispatch_window_is_not_tuned_or_logged_when_steps_go_one_at_a_time(
         c._tune_window([0.001] * 8)
     assert not [e for e in one_at_a_time.events if e.kind == "dispatch"] and one_at_a_time._window_at(1) == 1
     assert [e.details["steps_per_dispatch"] for e in ahead.events if e.kind == "dispatch"] == [16]
+
+
+def test_a_median_step_time_wobbling_around_a_window_boundary_does_not_flip_the_window(ray_cluster):
+    # 0.25 s steps against the 0.5 s target: a median a fraction of a percent either side of
+    # 0.25 s made 2 steps a call, then 1, then 2 ...: a retune and a kept "dispatch" event on
+    # nearly every window. A real change (the steps twice as fast) still retunes.
+    spec = TrainingSpec(model_fn=lambda: None, optimizer_fn=lambda p: None, dataset_fn=lambda: None,
+                        loss_fn=lambda m, b: None)
+    c = Controller(spec, elastic.ScalingConfig(num_workers=2), elastic.RunConfig(name="tune-wobble"),
+                   elastic.FailureConfig(), global_batch_size=16)
+    for i in range(200):
+        c._tune_window([0.249 if i % 2 else 0.251] * c._window)
+    assert len([e for e in c.events if e.kind == "dispatch"]) <= 1  # the first tuning, if it moved the window
+    windows = {c._window}
+    for i in range(50):
+        c._tune_window([0.249 if i % 2 else 0.251] * c._window)
+        windows.add(c._window)
+    assert len(windows) == 1
+    c._tune_window([0.1] * 16)  # five times the speed: 5 steps a call
+    assert c._window == 5 and [e.details["steps_per_dispatch"] for e in c.events if e.kind == "dispatch"][-1] == 5
 
 
 def test_a_late_window_collected_without_a_timing_leaves_no_stale_late_stretch(ray_cluster):  # the Controller asks Ray for its runtime context
