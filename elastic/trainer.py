@@ -951,7 +951,7 @@ class Trainer:
             owner = self.controller._actor_id.hex()
             ray.kill(self.controller, no_restart=True)
             self.controller = None
-        if release:
+        if release and owner is not None:  # a second call (a stop that killed it, then the fit's way out): nothing
             self._release_placement(owner)
 
     def _release_placement(self, owner: str | None = None) -> None:

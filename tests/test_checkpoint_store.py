@@ -106,9 +106,9 @@ class FakeWorker:
         self.completed_step = step
 
     def get_state(self) -> dict:
-        # As TrainWorker.get_state, except that the model's copy keeps the state dict's module
-        # versions (``_metadata``), as a checkpoint of the live state (``live_state``) does, so a
-        # state read back compares equal to it (``TrainWorker.model_state``'s plain dict drops them).
+        # As TrainWorker.get_state: the model's copy keeps the state dict's module versions
+        # (``_metadata``), as a checkpoint of the live state (``live_state``) does, so a state
+        # read back compares equal to it.
         model = self.model.state_dict()
         copy = collections.OrderedDict((k, v.detach().cpu().clone()) for k, v in model.items())
         copy._metadata = model._metadata

@@ -591,6 +591,8 @@ def test_after_a_kill_only_the_killed_controllers_placement_groups_are_removed(m
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
     t.controller = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "cd" * 16))
     t._kill_controller()
+    # Again, as a failed stop's kill and then the fit's way out do: no sweep of every group of the name.
+    t._kill_controller()
     assert swept == [(t.namespace, "cd" * 16)] and len(killed) == 1 and t.controller is None
 
 

@@ -623,6 +623,30 @@ def test_a_held_pause_does_not_count_again_once_its_time_is_no_longer_the_newest
         assert not any(isinstance(d, EvictStraggler) for d in decisions), (pause, decisions)
 
 
+def test_a_stretch_counted_in_full_after_a_hold_keeps_its_count_when_its_time_comes_in():
+    # Rank 2 is late with healthy-looking steps (0.05 s against 0.03 s): held. Its peers then
+    # speed up (0.02 s): its own steps now say it is slow, and it is counted in full. Its count
+    # from before the hold was given back all the same when its time came in: the evidence of
+    # its slowness thrown away, and its eviction five decisions later.
+    p = StragglerPolicy(factor=2.0, window=5, evict=True)
+    for r in range(3):
+        for _ in range(5):
+            p.observe(r, 0.05 if r == 2 else 0.03)
+    p.observe_pending(2, 0.1)
+    p.decide(1)
+    assert p._over[2] == 1  # held
+    for late in (0.2, 0.3, 0.4):
+        for r in range(2):
+            for _ in range(5):
+                p.observe(r, 0.02)
+        p.observe_pending(2, late)
+        p.decide(1)
+    assert p._over[2] == 4
+    p.observe_pending(2, 0.0)
+    p.observe(2, 0.45)
+    assert p._over[2] == 4
+
+
 def test_a_replica_slow_from_its_second_step_is_not_called_healthy_by_its_fast_cold_step():
     # The first try at the case above (30cde00, reverted) judged such a rank by the lower median
     # of all its early timings, its fast cold first step among them: a replica slow from its

@@ -966,8 +966,13 @@ def test_a_peers_model_state_keeps_the_modules_versions():
     peer = _Versioned()
     peer.load_state_dict(state)
     assert torch.equal(peer.lin.weight, source.lin.weight)
-    state._metadata[""]["version"] = 1
-    assert source.state_dict()._metadata[""]["version"] == 2  # a copy: the live model's is not touched
+    # A copy of the state dict's metadata, not the dict itself (a model whose state_dict() hands
+    # out one it keeps would have it changed by whoever changes the copy).
+    live = source.state_dict()
+    source.state_dict = lambda: live
+    copied = TrainWorker.model_state(SimpleNamespace(model=source))
+    assert copied._metadata == live._metadata and copied._metadata is not live._metadata
+    assert copied._metadata[""] is not live._metadata[""]
 
 
 def test_set_state_leaves_adams_step_counters_where_torch_keeps_them():

@@ -225,6 +225,10 @@ class StragglerPolicy:
                     # at its next late stretch.
                     self._before_hold[rank] = self._over[rank]
                 self._held.add(rank)
+            elif rank in self._busy_for:
+                # Counted in full in a stretch it was held in before: its own steps say it is
+                # slow now, and what it counted since is no pause's, to give back.
+                self._before_hold.pop(rank, None)
             self._over[rank] = over
         self._fresh.clear()
         if not self.evict:
