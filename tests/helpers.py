@@ -24,6 +24,12 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
+def make_dropout_model():
+    """A model that draws random numbers in its forward (dropout): what a rank trains on then
+    depends on its RNG at each step, not only on its batch."""
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
+
+
 def make_bn_model():
     """A model with buffers: BatchNorm's running statistics and batch counter."""
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 4))

@@ -21,8 +21,8 @@ import elastic
 from elastic.checkpoint import CheckpointStore, UnsaveableState, memory
 from elastic.checkpoint.store import VERSION
 from elastic.checkpoint.testing import TEST_SECRET, MotoS3, clear_memory
-from helpers import (assert_weights_close, loss_fn, make_adam, make_dataset, make_model, make_sgd, reference_weights,
-                     s3_with_credentials_in_this_process_only)
+from helpers import (assert_weights_close, loss_fn, make_adam, make_dataset, make_dropout_model, make_model, make_sgd,
+                     reference_weights, s3_with_credentials_in_this_process_only)
 
 pytestmark = pytest.mark.slow
 
@@ -438,6 +438,38 @@ def test_restart_from_checkpoint_when_no_spare(ray_cluster, uninterrupted):
     steps = [h["step"] for h in result.history]
     assert steps == list(range(1, 13))
     assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
+
+
+def test_a_resumed_a_healed_and_a_restarted_run_draw_the_random_numbers_of_an_uninterrupted_one(ray_cluster, tmp_path):
+    # Every e2e model drew nothing at random, so nothing showed that a step is seeded from (seed,
+    # rank, step): a resume in new processes, a spare taking over a rank and replaying its step,
+    # and a restart from a checkpoint would all have passed with any RNG. With dropout, each of
+    # them must end on the weights of the same run uninterrupted, to float precision.
+    def dropout_trainer(name, storage=None, backups=0, failure=None, faults=None, **ckpt):
+        return elastic.Trainer(
+            make_dropout_model, make_adam, make_dataset, loss_fn, 32,
+            scaling=elastic.ScalingConfig(num_workers=2, num_backups=backups),
+            run=elastic.RunConfig(name=name, storage=storage, seed=0, checkpoint=elastic.CheckpointConfig(**ckpt)),
+            failure=failure, faults=faults)
+
+    uninterrupted = dropout_trainer("rng-clean").fit(steps=12).model_state
+    # The masks matter: the run's weights are not those of the same layers (the same initial
+    # weights) trained on the same batches without dropout.
+    without_dropout = reference_weights(12, 32, seed=0, optimizer_fn=make_adam)
+    assert not torch.allclose(uninterrupted["0.weight"], without_dropout["0.weight"], atol=1e-3)
+    url = f"file://{tmp_path}/ckpt"
+    assert dropout_trainer("rng-resume", url, blocking=True).fit(steps=5).checkpoint["latest_step"] == 5
+    resumed = dropout_trainer("rng-resume", url).fit(steps=12)
+    assert resumed.metrics["restored_from"] == 5
+    healed = dropout_trainer("rng-heal", backups=1, faults=[{"kind": "kill", "rank": 1, "at_step": 4}]).fit(steps=12)
+    assert [e["details"]["rank"] for e in healed.events_of("replace")] == [1]
+    assert healed.metrics["recomputed_steps"] >= 1  # the spare computed rank 1's step 4 again
+    restarted = dropout_trainer("rng-restart", f"file://{tmp_path}/restart", blocking=True,
+                                failure=elastic.FailureConfig(when_no_spare="restart"),
+                                faults=[{"kind": "kill", "rank": 1, "at_step": 7}]).fit(steps=12)
+    assert restarted.events_of("restart")
+    for result in (resumed, healed, restarted):
+        assert_weights_close(result.model_state, uninterrupted, atol=1e-6)
 
 
 def test_s3_outage_mid_run(ray_cluster):
