@@ -129,7 +129,9 @@ def test_checkpoints_go_through_the_node_agent_and_survive_its_death(ray_cluster
     Its process is killed mid-run: the ranks write their own from then on and the run ends on
     its last step committed, with the weights of one process."""
     url = f"file://{tmp_path}/ckpt"
-    t = trainer("agent", url, faults=[{"kind": "slow", "rank": 0, "delay_s": 0.1, "from_step": 1}])
+    # keep_last=12: every step committed stays, to be read back whole (those the agent wrote
+    # before its kill among them).
+    t = trainer("agent", url, faults=[{"kind": "slow", "rank": 0, "delay_s": 0.1, "from_step": 1}], keep_last=12)
     killed = {}
 
     def kill():
@@ -163,8 +165,13 @@ def test_checkpoints_go_through_the_node_agent_and_survive_its_death(ray_cluster
     assert min(commits) <= killed["at"] and commits[-1] == 12  # before the kill by the agent, after it by the ranks
     assert result.checkpoint["latest_step"] == 12
     assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
-    state, _ = CheckpointStore(url, "agent").read_state(12)
+    store = CheckpointStore(url, "agent")
+    state, _ = store.read_state(12)
     assert_weights_close(state["model"], uninterrupted, atol=1e-5)
+    # Every step committed, the agent's among them: whole and loadable, none torn by the kill.
+    assert store.committed_steps() == sorted(set(commits))
+    for step in store.committed_steps():
+        assert store.read_state(step)[0]["completed_step"] == step
 
 
 def test_the_last_step_commits_whatever_every_n_steps_says(ray_cluster, tmp_path, uninterrupted):

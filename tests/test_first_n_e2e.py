@@ -221,6 +221,9 @@ def test_requeue_uses_every_sample_exactly_once(ray_cluster):
     assert len(unused0) < (N + B) * PER
     dropped0 = {i for e in ledger if not e["used"] and e["epoch"] == 0 for i in e["indices"]}
     assert len(dropped0 & set(used0)) >= len(dropped0) - len(unused0)
+    # And the samples the ledger says were used are the ones the update was made of.
+    ref = reference_weights(steps, N * PER, batches=used_batches(result))
+    assert_weights_close(result.model_state, ref, atol=1e-6)
 
 
 def test_checkpoints_commit_every_step_mid_window_and_a_resumed_run_continues_from_them(ray_cluster, tmp_path):
@@ -267,10 +270,14 @@ def test_persistent_straggler_evicted_for_spare(ray_cluster):
                   failure=failure, steps_per_dispatch=1).fit(steps=STEPS + 8)
     evictions = [e for e in result.events if e["kind"] == "decision" and e["details"]["decision"] == "EvictStraggler"]
     assert len(evictions) == 1 and evictions[0]["details"]["rank"] == 1
-    assert result.events_of("replace")
+    # The spare took rank 1, and trains: its gradient enters updates after the swap (as the
+    # checks above, a group left at N after the eviction would pass, the spare never joining).
+    (replace,) = result.events_of("replace")
+    assert replace["details"]["rank"] == 1
+    assert any(e["rank"] == 1 and e["used"] and e["step"] > replace["step"] for e in result.ledger)
     ref = reference_weights(STEPS + 8, N * PER, batches=used_batches(result))
     assert_weights_close(result.model_state, ref, atol=1e-6)
-    assert len(set(result.replica_checksums)) == 1
+    assert len(set(result.replica_checksums)) == 1 and len(result.replica_checksums) == N + B
 
 
 def test_the_step_an_eviction_leaves_at_is_checkpointed_off_schedule(ray_cluster, tmp_path):
