@@ -371,11 +371,16 @@ def test_first_n_replicas_start_from_rank_0s_parameters_and_buffers():
     assert after0 == after1 == before0
 
 
-def _caches_after_a_join(rank: int, use_ddp: bool, box, out) -> None:
+def _caches_after_a_join(rank: int, use_ddp: bool, box, torch_before_2_13: bool, out) -> None:
     """Two real TrainWorkers join (DDP, or first-N with N = 1 of 2), each holding a non-persistent
     cache of its own length (a survivor's grown one on rank 0, a fresh spare's on rank 1), a
     non-persistent table of the same layout on both but other values, and (rank 0 only) a cache
-    registered by an earlier forward, which the fresh rank 1 does not have."""
+    registered by an earlier forward, which the fresh rank 1 does not have. ``torch_before_2_13``:
+    DDP is built as on a torch without ``forward_sync_buffers`` (``broadcast_buffers=False``)."""
+    if torch_before_2_13:
+        import elastic.actors.worker as worker_module
+
+        worker_module.ddp_no_forward_buffer_sync = lambda ddp_init: {"broadcast_buffers": False}
     worker = local_worker(PerProcessInitModel)
     worker.model.register_buffer("cache", torch.full((64 if rank == 0 else 16,), float(rank + 1)), persistent=False)
     worker.model.register_buffer("table", torch.full((8,), float(rank + 1)), persistent=False)
@@ -387,13 +392,16 @@ def _caches_after_a_join(rank: int, use_ddp: bool, box, out) -> None:
     worker.leave()
 
 
-@pytest.mark.parametrize("use_ddp", [True, False], ids=["ddp", "first_n"])
-def test_a_join_leaves_only_the_non_persistent_buffers_of_other_layouts_alone(use_ddp):
+@pytest.mark.parametrize("use_ddp, torch_before_2_13", [(True, False), (True, True), (False, False)],
+                         ids=["ddp", "ddp_torch_before_2_13", "first_n"])
+def test_a_join_leaves_only_the_non_persistent_buffers_of_other_layouts_alone(use_ddp, torch_before_2_13):
     # Rank 0's module state is broadcast at a join, buffers and all: caches of other lengths on
     # the two sides aborted the receiving process in gloo, or overwrote part of the survivors'.
     # A non-persistent buffer of one layout everywhere (random features drawn at build) is made
-    # rank 0's, as DDP makes it; a first fix left every non-persistent buffer out.
-    states = run_pair(_caches_after_a_join, use_ddp, port_box())
+    # rank 0's, as DDP makes it; a first fix left every non-persistent buffer out. Before torch
+    # 2.13 DDP's constructor broadcast no buffer at all (broadcast_buffers=False stops that too):
+    # the table stayed each rank's own, and the persistent buffers until the first step's end.
+    states = run_pair(_caches_after_a_join, use_ddp, port_box(), torch_before_2_13)
     (cache0, table0, state0), (cache1, table1, state1) = states[0], states[1]
     assert cache0 == [1.0] * 64 and cache1 == [2.0] * 16  # each its own
     assert table0 == table1 == [1.0] * 8  # rank 0's
