@@ -963,6 +963,27 @@ def test_newer_steps_a_resumed_run_left_behind_go_once_it_commits_past_them(tmp_
         committer.close()
 
 
+def test_a_rollback_never_names_a_restored_step_retention_deleted(tmp_path):
+    # Resumed from 100 with keep_last=1: 101 and 102 commit, and retention deletes 100 and 101.
+    # A rollback to 101 then said the newest committed step was 100 (the step the run started
+    # from, still on the committer's list of restored steps): the failure message and the
+    # result named a step no longer on storage.
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    commit_tiny(store, 100)
+    committer = CheckpointCommitter(store, CheckpointConfig(keep_last=1), latest_committed=100,
+                                    retention_interval_s=0, gc_interval_s=0)
+    try:
+        for step in (101, 102):
+            committer.set_meta(step, {})
+            committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, tiny_state(step)))
+            assert committer.flush(timeout_s=10)
+        assert store.committed_steps() == [102]
+        committer.rewind(101)
+        assert committer.latest_committed is None
+    finally:
+        committer.close()
+
+
 def test_retention_during_an_outage_never_raises_and_catches_up():
     server = MotoS3().start()
     try:

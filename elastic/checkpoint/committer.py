@@ -555,6 +555,11 @@ class CheckpointCommitter:
             self._committed = [s for s in self._committed if s not in retention.deleted]
             kept = set(self._committed)
             self._files = {s: f for s, f in self._files.items() if s in kept}
+            with self._lock:
+                # A restored step deleted is no longer known committed: kept, a rollback below
+                # the newest commit (rewind) took it for the newest committed step, and the
+                # run's failure message and result named a step no longer on storage.
+                self._restored_from -= set(retention.deleted)
         return retention
 
     def _take_in(self, on_storage: list[int]) -> None:
