@@ -984,6 +984,43 @@ def test_a_rollback_never_names_a_restored_step_retention_deleted(tmp_path):
         committer.close()
 
 
+def test_a_passed_step_whose_delete_was_still_to_come_at_a_rewind_goes_once_passed_again(tmp_path, monkeypatch):
+    # 105 is an earlier timeline's step above the base (100). Committing 106 passes it: its
+    # delete is scheduled, and fails once (a transient error). A rollback to 103 came before the
+    # retry and dropped the retry, and 105 was tracked nowhere after it: the run committed 104
+    # and 106 again (never 105), and 105's manifest stayed on storage for the rest of the run.
+    from elastic.checkpoint.storage import StorageError
+
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in (100, 105):
+        commit_tiny(store, step)
+    committer = CheckpointCommitter(store, CheckpointConfig(keep_last=5), latest_committed=100,
+                                    retention_interval_s=0, gc_interval_s=0)
+    real_delete, failed = store.storage.delete, []
+
+    def delete_fails_once_for_105(rel):
+        if rel.startswith(step_dir(105)) and not failed:
+            failed.append(rel)
+            raise StorageError("503 Slow Down (test)")
+        return real_delete(rel)
+
+    monkeypatch.setattr(store.storage, "delete", delete_fails_once_for_105)
+    try:
+        def commit(step):
+            committer.set_meta(step, {})
+            committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, tiny_state(step)))
+            assert committer.flush(timeout_s=10)
+
+        commit(106)
+        assert failed and 105 in store.committed_steps()  # its delete failed: waiting for a retry
+        committer.rewind(103)
+        for step in (104, 106):
+            commit(step)
+        assert store.committed_steps() == [100, 104, 106]
+    finally:
+        committer.close()
+
+
 def test_retention_during_an_outage_never_raises_and_catches_up():
     server = MotoS3().start()
     try:

@@ -305,7 +305,12 @@ class CheckpointCommitter:
                 self._files = {s: f for s, f in self._files.items() if not later(s)}
                 if adopted and step not in self._committed:
                     self._committed = sorted(self._committed + [step])
-            self.store.forget_deletes_above(step)
+            # A later step whose delete was still to come (scheduled once passed, or failed and
+            # waiting for its retry) is on storage yet: above the base again, deleted once passed
+            # or committed over. Only forgotten, it was tracked nowhere and stayed for the rest of
+            # the run (its manifest over files this timeline wrote again).
+            waiting = self.store.forget_deletes_above(step)
+            self._above_base = sorted(set(self._above_base) | set(waiting))
         # After the rewinds: these landed above the step the newest one went back to.
         self._above_base = sorted(set(self._above_base) | set(left))
 

@@ -963,10 +963,14 @@ class CheckpointStore:
         for step in steps:
             self._retry_deletes.setdefault(step, (0, 0.0))
 
-    def forget_deletes_above(self, step: int | None) -> None:
+    def forget_deletes_above(self, step: int | None) -> list[int]:
         """Training went back to ``step`` (None: the start): a failed delete of a later step must
-        not be retried, since that step is about to be written again."""
+        not be retried, since that step is about to be written again. Returns the steps
+        forgotten: still on storage, for the caller to keep track of (the committer deletes
+        them once passed again, or the run commits over them)."""
+        dropped = sorted(s for s in self._retry_deletes if step is None or s > step)
         self._retry_deletes = {s: v for s, v in self._retry_deletes.items() if step is not None and s <= step}
+        return dropped
 
     def _delete_step(self, step: int, report: CleanupReport, files: list[str] | None = None,
                      has_manifest: bool = True, epoch: int | None = None) -> None:
