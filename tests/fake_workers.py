@@ -30,7 +30,7 @@ class FakeWorker:
 
     @ray.method(concurrency_group="control")
     def heartbeat(self):
-        phase, since = getattr(self, "phase", ("idle", None))
+        phase, since = getattr(self, "beat_phase", ("idle", None))  # not "phase": subclasses use that name
         return {"time": time.time(), "step": None, "completed_step": self.done, "rank": self.rank,
                 "phase": phase, "phase_since": since or time.time()}
 
@@ -87,9 +87,9 @@ class FakeWorker:
         if step == stall_step:
             from elastic.actors.protocol import CollectiveError
 
-            self.phase = ("allreduce", time.time())
+            self.beat_phase = ("allreduce", time.time())
             time.sleep(seconds)
-            self.phase = ("idle", None)
+            self.beat_phase = ("idle", None)
             raise CollectiveError(f"allreduce of step {step} timed out: a peer is gone (test)")
         if step == self.kill_at and not self.kill_after_update:
             self._die()
