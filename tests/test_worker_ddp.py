@@ -392,6 +392,30 @@ def _caches_after_a_join(rank: int, use_ddp: bool, box, torch_before_2_13: bool,
     worker.leave()
 
 
+def _join_with_other_widths(rank: int, box, out) -> None:
+    """Two real TrainWorkers whose models differ in size (a width read from a node's own file),
+    joining with DDP built as on a torch before 2.13; puts each rank's error."""
+    import elastic.actors.worker as worker_module
+
+    worker_module.ddp_no_forward_buffer_sync = lambda ddp_init: {"broadcast_buffers": False}
+    worker = local_worker(lambda: torch.nn.Linear(4, 2 if rank == 0 else 3))
+    try:
+        join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=True, subgroup_size=0)
+        out.put((rank, "joined"))
+    except Exception as exc:  # noqa: BLE001 - what the rank was told is the result
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_models_of_other_sizes_get_ddps_own_error_on_torch_before_2_13():
+    # The buffers elastic sends on those versions go after DDP's constructor, whose check that the
+    # ranks' parameters agree comes first, so models of other sizes get its error. (Sent before
+    # it, as a first version of 7167057 did, this case still got DDP's error here: the gloo
+    # broadcast of buckets of other sizes did not abort; the test guards the order.)
+    told = run_pair(_join_with_other_widths, port_box())
+    assert "joined" not in told.values(), told
+    assert any("appears not to match sizes of the same param" in said for said in told.values()), told
+
+
 @pytest.mark.parametrize("use_ddp, torch_before_2_13", [(True, False), (True, True), (False, False)],
                          ids=["ddp", "ddp_torch_before_2_13", "first_n"])
 def test_a_join_leaves_only_the_non_persistent_buffers_of_other_layouts_alone(use_ddp, torch_before_2_13):

@@ -648,20 +648,25 @@ class TrainWorker:
                 if ignore is not None:
                     ignore(self.model, sorted(self._ddp_user_ignored | set(uneven)))
                 no_forward_sync = ddp_no_forward_buffer_sync(ddp.__init__)
-                if "broadcast_buffers" in no_forward_sync and world_size > 1:
-                    # Before torch 2.13, broadcast_buffers=False also stops the constructor's
-                    # broadcast of the buffers (its parameters still go): rank 0's buffers are
-                    # sent here instead, with the same function and bucket size. Why: each rank's
-                    # first forward ran on its own buffers (step 1's gradients averaged over
-                    # forwards that saw different statistics), and a non-persistent buffer of one
-                    # layout everywhere (random features drawn at build) was never made rank 0's,
-                    # nor checked (the replica checksum skips non-persistent buffers).
-                    torch_dist_utils._sync_module_states(self.model, self._world_pg, DDP_BROADCAST_BUCKET_BYTES, 0,
-                                                         self._ddp_user_ignored | set(uneven))
                 self.ddp = ddp(
                     self.model, device_ids=device_ids, gradient_as_bucket_view=True,
                     find_unused_parameters=self.spec.find_unused_parameters,
                     **no_forward_sync, **ddp_bucket_kwargs(self.backend, self.spec.bucket_cap_mb))
+                if "broadcast_buffers" in no_forward_sync and world_size > 1:
+                    # Before torch 2.13, broadcast_buffers=False also stops the constructor's
+                    # broadcast of the buffers (its parameters still go): rank 0's buffers are
+                    # sent here instead, after it, with the same function and bucket size. Why:
+                    # each rank's first forward ran on its own buffers (step 1's gradients
+                    # averaged over forwards that saw different statistics), and a non-persistent
+                    # buffer of one layout everywhere (random features drawn at build) was never
+                    # made rank 0's, nor checked (the replica checksum skips non-persistent
+                    # buffers). After the constructor, not before: its check that every rank has
+                    # the same parameters comes first (a broadcast of buckets of other sizes
+                    # aborts a gloo process or waits out the timeout), and the parameters go once.
+                    skip = self._ddp_user_ignored | set(uneven)
+                    torch_dist_utils._sync_params_and_buffers(
+                        self._world_pg, [b.detach() for name, b in self.model.named_buffers() if name not in skip],
+                        DDP_BROADCAST_BUCKET_BYTES, 0)
                 if self.spec.step_fn is not None:
                     self.ddp.register_comm_hook(None, self._first_contact_hook)
                 self.ddp.forward = _noting_forward(self.ddp, self._note_ddp_forward)
