@@ -1670,9 +1670,10 @@ class Controller:
                      + " did not finish the run's last window; released, the run ends without them",
                      ranks=sorted(gone))
             self.group.remove_ranks(sorted(gone))
-            if self.metrics is not None and (self.committer is None or not self.group.members):
-                # The rest renumbered, and no group forms after it (as _form_group's below would):
-                # the gauges' released numbers go now, or they aged until the run ended.
+            if self.metrics is not None:
+                # The rest renumbered: the gauges' released numbers go now. Left to the group
+                # formed below, they aged until the run ended where none forms (no checkpoint
+                # storage, or a re-form that fails); one that forms tells the gauges again.
                 self.metrics.on_group([m.rank for m in self.group.members])
             if self.committer is not None and self.group.members:
                 # The others' snapshots still count the released replicas (rank and world size
@@ -2103,6 +2104,18 @@ class Controller:
             if m in self.group.members:
                 self._kill_hung({ref: m.rank}, f"did not answer {what} within {timeout_s:g}s")
             else:
+                ray.kill(m.actor, no_restart=True)
+            raise
+        except ray.exceptions.ActorUnavailableError:
+            # Unavailable (a network blip, its raylet restarting): it may live on, and its
+            # heartbeat answer again by the recovery's probe, which then found no rank lost and
+            # ended the run ("rebuild failed without a lost rank"). Killed and counted lost, as a
+            # step's gather does (_lost): healed with the next pass.
+            if m in self.group.members:
+                self.log("rank_lost", f"rank {m.rank} ({m.name}) was unavailable when asked {what}; killed, to be "
+                         "healed as lost", rank=m.rank)
+                self._hung.add(m.name)
+            with contextlib.suppress(Exception):
                 ray.kill(m.actor, no_restart=True)
             raise
 
@@ -2606,6 +2619,12 @@ class Controller:
                 # the run ends here, saying it was a restart and what checkpoint it has.
                 raise TrainingFailed(self._fail_message(f"the restart could not be placed: {exc}")) from None
             except ray.exceptions.RayError as exc:
+                if not actor_lost(exc):
+                    # No rank lost: a rank's own code raised as it was built (the model_fn), as
+                    # the start's own check tells them apart (_lost_while_starting). Raised, as
+                    # the start raises it; counted as a rank lost, the same error restarted every
+                    # rank until max_failures was used up, and the run ended saying ranks were lost.
+                    raise
                 # A rank lost while the new group builds (the flapping node that chose the
                 # restart): the group holds no members yet, so the recovery loop could not name
                 # the lost rank. Start them all again, as one more failure.

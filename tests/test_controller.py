@@ -2306,6 +2306,39 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
         c.shutdown()
 
 
+def test_a_late_replica_released_where_the_group_cannot_form_again_leaves_the_gauges(ray_cluster):
+    # With checkpoint storage the gauges were told of the released replica only by the group
+    # formed after it: where that re-form failed (a join that timed out), its number aged on the
+    # dashboard until the run ended.
+    c = controller("fake-late-reform", workers=3)
+    try:
+        c.run_for(steps=2)
+        groups = []
+
+        class Gauges:  # the run's metrics: which groups they were told of
+            def __getattr__(self, name):
+                return groups.append if name == "on_group" else (lambda *a, **k: None)
+
+        c.metrics, c.committer = Gauges(), object()
+        c._settle_survivors = lambda lost: set()
+
+        def reform_fails(reason):
+            raise ray.exceptions.GetTimeoutError("the join did not answer (test)")
+
+        c._form_group = reform_fails
+        c.failure_config.step_timeout_s = 1.0
+        dead = c.group.members[2].actor
+        ray.kill(dead)
+        assert_dies(dead)
+        c._lagging = {dead.progress.remote(): (2, time.time(), 1)}
+        c._finish_late()
+        assert [m.name for m in c.group.members] == ["rank-0", "rank-1"] and groups == [[0, 1]]
+        assert any(e.kind == "late_released" and "could not re-form" in e.message for e in c.events)
+    finally:
+        c.committer = None
+        c.shutdown()
+
+
 def stop_once(c, condition, reason="a stop from the test"):
     """``request_stop`` from another thread, as the driver's Ctrl-C does, once ``condition()``."""
     import threading

@@ -613,6 +613,50 @@ def test_a_rank_lost_while_every_rank_restarts_starts_them_all_again(rayless_con
     assert any(e.kind == "failure" and "starting them all again" in e.message for e in c.events)
 
 
+def test_a_ranks_own_error_while_every_rank_restarts_is_raised_not_counted_as_a_rank_lost(rayless_controller,
+                                                                                         monkeypatch):
+    # Any Ray error of the new group's start counted as a rank lost: the rank's own code raising
+    # (a RayTaskError) restarted every rank again until max_failures was used up, and the run
+    # ended saying ranks were lost. The start tells the two apart (_lost_while_starting).
+    import ray
+
+    c = rayless_controller(failure=elastic.FailureConfig(on_failure="restart", max_failures=3))
+    starts = []
+
+    class OwnError(StandInGroup):
+        def start(self, num_active):
+            starts.append(num_active)
+            raise ray.exceptions.RayTaskError("info", "Traceback ...", ValueError("the rank's own error (test)"))
+    c.failures = 1
+    with pytest.raises(ray.exceptions.RayTaskError):
+        _restart_with_stand_ins(c, monkeypatch, begun=4, restored_step=3,
+                                group_cls=lambda scaling, spec, namespace: OwnError(ranks=2))
+    assert starts == [2] and c.failures == 1
+    assert not any(e.kind == "failure" for e in c.events)
+
+
+def test_a_member_unavailable_in_a_recoverys_call_is_killed_and_healed_as_lost(rayless_controller, monkeypatch):
+    # ActorUnavailableError (a network blip) was raised with the member alive and left alone: its
+    # heartbeat answered the recovery's probe again, no rank was found lost, and the run ended
+    # ("rebuild failed without a lost rank"), where a step's gather heals the same error.
+    import ray
+
+    c = rayless_controller()
+    c.group = StandInGroup()
+    killed = []
+    monkeypatch.setattr(controller_module.ray, "kill", lambda actor, no_restart=True: killed.append(actor))
+
+    def unavailable(ref, timeout=None):
+        raise ray.exceptions.ActorUnavailableError("the raylet is restarting (test)", None)
+
+    monkeypatch.setattr(controller_module.ray, "get", unavailable)
+    member = c.group.members[1]
+    with pytest.raises(ray.exceptions.ActorUnavailableError):
+        c._answer(member, "ref", 5.0, "for its progress")
+    assert killed == [member.actor] and member.name in c._hung
+    assert [e.details["rank"] for e in c.events if e.kind == "rank_lost"] == [1]
+
+
 def test_a_runtime_environment_that_cannot_be_set_up_twice_ends_the_start(rayless_controller):
     # Read as a rank lost, it started again max_failures times, each start running pip (minutes)
     # to fail the same way. Once more, in case it passes (a node that could not fetch yet).
