@@ -1686,6 +1686,8 @@ class Controller:
                         self.log("late_released", f"rank(s) {sorted(found)} found dead as the group re-formed; "
                                  "released too", ranks=sorted(found))
                         self.group.remove_ranks(sorted(found))
+                        if self.metrics is not None:  # as above: the re-form below may fail
+                            self.metrics.on_group([m.rank for m in self.group.members])
                     if not self.group.members:
                         raise TrainingFailed("no replica is left to re-form the group")
                     self._form_group(f"late replica(s) {sorted(gone)} released: the last step's checkpoint "
@@ -2106,17 +2108,22 @@ class Controller:
             else:
                 ray.kill(m.actor, no_restart=True)
             raise
-        except ray.exceptions.ActorUnavailableError:
+        except ray.exceptions.ActorUnavailableError as exc:
             # Unavailable (a network blip, its raylet restarting): it may live on, and its
             # heartbeat answer again by the recovery's probe, which then found no rank lost and
-            # ended the run ("rebuild failed without a lost rank"). Killed and counted lost, as a
-            # step's gather does (_lost): healed with the next pass.
-            if m in self.group.members:
+            # ended the run ("rebuild failed without a lost rank"). In a recovery, killed and
+            # counted lost, as a step's gather does (_lost): healed with the next pass. Not
+            # another actor's unavailability passed on through an argument (a state sync's
+            # source: Ray raises it as a RayTaskError that is also an ActorUnavailableError):
+            # every healthy receiver was killed in the source's place. Nor outside a recovery
+            # (the start, the run's end), where nothing heals a rank killed: raised as before.
+            if (self.state is State.RECOVERING and m in self.group.members
+                    and not isinstance(exc, ray.exceptions.RayTaskError)):
                 self.log("rank_lost", f"rank {m.rank} ({m.name}) was unavailable when asked {what}; killed, to be "
                          "healed as lost", rank=m.rank)
                 self._hung.add(m.name)
-            with contextlib.suppress(Exception):
-                ray.kill(m.actor, no_restart=True)
+                with contextlib.suppress(Exception):
+                    ray.kill(m.actor, no_restart=True)
             raise
 
     def _send_state(self, source: Member, receivers: list[Member], what: str) -> None:

@@ -645,12 +645,26 @@ def test_a_member_unavailable_in_a_recoverys_call_is_killed_and_healed_as_lost(r
     c.group = StandInGroup()
     killed = []
     monkeypatch.setattr(controller_module.ray, "kill", lambda actor, no_restart=True: killed.append(actor))
+    errors = [ray.exceptions.ActorUnavailableError("the raylet is restarting (test)", None)]
 
     def unavailable(ref, timeout=None):
-        raise ray.exceptions.ActorUnavailableError("the raylet is restarting (test)", None)
+        raise errors[0]
 
     monkeypatch.setattr(controller_module.ray, "get", unavailable)
     member = c.group.members[1]
+    c.state = controller_module.State.RUNNING  # outside a recovery (the start, the end): nothing would heal it
+    with pytest.raises(ray.exceptions.ActorUnavailableError):
+        c._answer(member, "ref", 5.0, "for its progress")
+    assert killed == [] and not c._hung
+    c.state = controller_module.State.RECOVERING
+    # Another actor's unavailability passed on through an argument (the state sync's source):
+    # Ray raises a RayTaskError that is an ActorUnavailableError too. Not this member's.
+    errors[0] = ray.exceptions.RayTaskError("set_state", "Traceback ...", errors[0]).as_instanceof_cause()
+    assert isinstance(errors[0], ray.exceptions.ActorUnavailableError)
+    with pytest.raises(ray.exceptions.ActorUnavailableError):
+        c._answer(member, "ref", 5.0, "to take the state")
+    assert killed == [] and not c._hung
+    errors[0] = ray.exceptions.ActorUnavailableError("the raylet is restarting (test)", None)
     with pytest.raises(ray.exceptions.ActorUnavailableError):
         c._answer(member, "ref", 5.0, "for its progress")
     assert killed == [member.actor] and member.name in c._hung

@@ -392,28 +392,38 @@ def _caches_after_a_join(rank: int, use_ddp: bool, box, torch_before_2_13: bool,
     worker.leave()
 
 
-def _join_with_other_widths(rank: int, box, out) -> None:
-    """Two real TrainWorkers whose models differ in size (a width read from a node's own file),
-    joining with DDP built as on a torch before 2.13; puts each rank's error."""
+def _states_sent_at_a_join(rank: int, box, out) -> None:
+    """Two real TrainWorkers join with DDP built as on a torch before 2.13; puts, for each
+    parameter and buffer, how many times it was broadcast at the join (DDP's constructor and
+    elastic's own), in the order of the calls."""
+    import torch.distributed.utils as torch_dist_utils
+
     import elastic.actors.worker as worker_module
 
     worker_module.ddp_no_forward_buffer_sync = lambda ddp_init: {"broadcast_buffers": False}
-    worker = local_worker(lambda: torch.nn.Linear(4, 2 if rank == 0 else 3))
-    try:
-        join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=True, subgroup_size=0)
-        out.put((rank, "joined"))
-    except Exception as exc:  # noqa: BLE001 - what the rank was told is the result
-        out.put((rank, f"{type(exc).__name__}: {exc}"))
+    calls, real = [], torch_dist_utils._sync_params_and_buffers
+
+    def counted(pg, states, *args):
+        calls.append({t.data_ptr() for t in states})
+        return real(pg, states, *args)
+
+    torch_dist_utils._sync_params_and_buffers = counted
+    worker = local_worker(PerProcessInitModel)
+    join_pair(worker, rank, 2, box, 1, 20.0, use_ddp=True, subgroup_size=0)
+    params = [p.data_ptr() for p in worker.model.parameters()]
+    buffers = [b.data_ptr() for b in worker.model.buffers()]
+    out.put((rank, ([sum(p in c for c in calls) for p in params], [sum(b in c for c in calls) for b in buffers],
+                    [sorted(c) == sorted(params) for c in calls])))
+    worker.leave()
 
 
-def test_models_of_other_sizes_get_ddps_own_error_on_torch_before_2_13():
-    # The buffers elastic sends on those versions go after DDP's constructor, whose check that the
-    # ranks' parameters agree comes first, so models of other sizes get its error. (Sent before
-    # it, as a first version of 7167057 did, this case still got DDP's error here: the gloo
-    # broadcast of buckets of other sizes did not abort; the test guards the order.)
-    told = run_pair(_join_with_other_widths, port_box())
-    assert "joined" not in told.values(), told
-    assert any("appears not to match sizes of the same param" in said for said in told.values()), told
+def test_a_join_on_torch_before_2_13_sends_the_parameters_once_and_the_buffers_after_ddps_check():
+    # On those versions DDP's constructor sends no buffer: elastic sends them. Sent with the
+    # parameters, before the constructor, the parameters went twice at every join, and before
+    # DDP's check that the ranks' parameters agree. Now: DDP's parameters, then the buffers alone.
+    for rank, (params, buffers, params_only) in run_pair(_states_sent_at_a_join, port_box()).items():
+        assert params == [1] * len(params) and buffers == [1] * len(buffers), rank
+        assert params_only[0] and not params_only[-1], rank  # DDP's call first (its check, then its parameters)
 
 
 @pytest.mark.parametrize("use_ddp, torch_before_2_13", [(True, False), (True, True), (False, False)],
