@@ -2261,6 +2261,19 @@ def test_an_eviction_on_nccl_aborts_the_survivors_communicators_before_they_leav
     assert aborts == {0: [1], 1: [], 2: [1]}  # generation 1's survivors; rank 1 is the spare now
 
 
+class GroupsTold:
+    """A run's metrics that note the groups they are told of (``on_group``) and take the rest."""
+
+    def __init__(self):
+        self.groups = []
+
+    def on_group(self, ranks):
+        self.groups.append(list(ranks))
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
 def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_run_ends(ray_cluster):
     # At the end of a first-N run nothing more is sent to a late replica: one that died or hangs
     # in its last window used to fail the finished run at the final flush, or block it for good.
@@ -2276,13 +2289,7 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
     late = busy.remote()
     try:
         c.run_for(steps=2)
-        groups = []
-
-        class Gauges:  # the run's metrics: which groups they were told of
-            def __getattr__(self, name):
-                return groups.append if name == "on_group" else (lambda *a, **k: None)
-
-        c.metrics = Gauges()
+        c.metrics = gauges = GroupsTold()
         c.failure_config.step_timeout_s = 1.0
         dead = c.group.members[1].actor
         ray.kill(dead)
@@ -2295,7 +2302,7 @@ def test_late_replicas_that_cannot_finish_the_last_window_are_released_and_the_r
         assert released and released[0].details["ranks"] == [1, 2] and "died" in released[0].message
         # No checkpoint storage, so no group forms after it: the gauges forget the released
         # numbers here (they aged until the run ended).
-        assert groups == [[0]]
+        assert gauges.groups == [[0]]
         failed = user_code_fails.remote()
         ray.wait([failed], timeout=60)  # its error is in, however long a worker process takes to start here
         c._lagging = {failed: (0, time.time(), 1)}
@@ -2313,13 +2320,8 @@ def test_a_late_replica_released_where_the_group_cannot_form_again_leaves_the_ga
     c = controller("fake-late-reform", workers=3)
     try:
         c.run_for(steps=2)
-        groups = []
-
-        class Gauges:  # the run's metrics: which groups they were told of
-            def __getattr__(self, name):
-                return groups.append if name == "on_group" else (lambda *a, **k: None)
-
-        c.metrics, c.committer = Gauges(), object()
+        c.metrics = gauges = GroupsTold()
+        c.committer = object()
         found = [{1}]  # rank 1 is found dead as the group re-forms: released too
 
         def settle(lost):
@@ -2337,7 +2339,7 @@ def test_a_late_replica_released_where_the_group_cannot_form_again_leaves_the_ga
         assert_dies(dead)
         c._lagging = {dead.progress.remote(): (2, time.time(), 1)}
         c._finish_late()
-        assert [m.name for m in c.group.members] == ["rank-0"] and groups == [[0, 1], [0]]
+        assert [m.name for m in c.group.members] == ["rank-0"] and gauges.groups == [[0, 1], [0]]
         assert any(e.kind == "late_released" and "could not re-form" in e.message for e in c.events)
     finally:
         c.committer = None
