@@ -1669,12 +1669,7 @@ class Controller:
             self.log("late_released", "late replica(s) " + ", ".join(f"{r} ({why})" for r, why in sorted(gone.items()))
                      + " did not finish the run's last window; released, the run ends without them",
                      ranks=sorted(gone))
-            self.group.remove_ranks(sorted(gone))
-            if self.metrics is not None:
-                # The rest renumbered: the gauges' released numbers go now. Left to the group
-                # formed below, they aged until the run ended where none forms (no checkpoint
-                # storage, or a re-form that fails); one that forms tells the gauges again.
-                self.metrics.on_group([m.rank for m in self.group.members])
+            self._release_at_end(gone)
             if self.committer is not None and self.group.members:
                 # The others' snapshots still count the released replicas (rank and world size
                 # are the group's), so the steps those had not reached can never commit, the
@@ -1685,9 +1680,7 @@ class Controller:
                         # or the final flush would ask it and fail the finished run.
                         self.log("late_released", f"rank(s) {sorted(found)} found dead as the group re-formed; "
                                  "released too", ranks=sorted(found))
-                        self.group.remove_ranks(sorted(found))
-                        if self.metrics is not None:  # as above: the re-form below may fail
-                            self.metrics.on_group([m.rank for m in self.group.members])
+                        self._release_at_end(found)
                     if not self.group.members:
                         raise TrainingFailed("no replica is left to re-form the group")
                     self._form_group(f"late replica(s) {sorted(gone)} released: the last step's checkpoint "
@@ -1698,6 +1691,15 @@ class Controller:
                     # says which) rather than fail it here.
                     self.log("late_released", f"could not re-form the group without the released replica(s) "
                              f"({type(exc).__name__}); the last steps' checkpoints may not commit", ranks=sorted(gone))
+
+    def _release_at_end(self, ranks) -> None:
+        """``ranks`` out of the group at the run's end, and the gauges told of the rest, renumbered.
+        Why tell them now: left to a group formed after it, the released numbers aged on the
+        gauges until the run ended where none forms (no checkpoint storage, or a re-form that
+        fails); one that forms tells them again."""
+        self.group.remove_ranks(sorted(ranks))
+        if self.metrics is not None:
+            self.metrics.on_group([m.rank for m in self.group.members])
 
     def _tune_window(self, worker_times: list[float]) -> None:
         """Automatic ``steps_per_dispatch``: one call spans about ``dispatch_target_s``.

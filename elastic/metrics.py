@@ -160,8 +160,13 @@ class RunMetrics:
         return self._m
 
     def _safe(self, fn) -> None:
+        """``fn(metrics)``, under the lock: every update's reads and sets are of one moment with
+        the other threads' (the refresher, the run's end's heartbeat thread). A group formed on
+        the step thread while the end's heartbeats published left a released rank's number
+        ageing on the gauge (``on_heartbeats``)."""
         try:
-            fn(self._metrics())
+            with self._lock:
+                fn(self._metrics())
         except Exception:  # metrics must never stop training
             logger.debug("metrics update failed", exc_info=True)
 
@@ -204,10 +209,9 @@ class RunMetrics:
         no longer refreshed, so their series leave the endpoint: a rank that no longer exists
         would otherwise go on showing its last straggler score or heartbeat age on dashboards
         and alerts."""
-        with self._lock:  # with on_heartbeats, which adds to them from the end's heartbeat thread
-            for rank in self._ranks - ranks:
-                self._blank(m, rank, PER_RANK)
-            self._ranks = ranks
+        for rank in self._ranks - ranks:
+            self._blank(m, rank, PER_RANK)
+        self._ranks = ranks
 
     def _blank(self, m, rank: str, names) -> None:
         """``rank``'s series of ``names`` set to NaN once and no longer refreshed, so they leave
@@ -229,24 +233,22 @@ class RunMetrics:
         replacement took. A lost rank's age goes on growing: the alert on it should fire."""
         def update(m):
             self._set(m, "samples", 0.0, {"run": self.run})
-            with self._lock:  # with on_heartbeats: the ranks it may publish change with these
-                keep = {str(rank) for rank in lost} & self._ranks
-                for rank in self._ranks:
-                    self._blank(m, rank, [name for name in PER_RANK if not (name == "heartbeat_age" and rank in keep)])
-                self._ranks = keep
+            keep = {str(rank) for rank in lost} & self._ranks
+            for rank in self._ranks:
+                self._blank(m, rank, [name for name in PER_RANK if not (name == "heartbeat_age" and rank in keep)])
+            self._ranks = keep
         self._safe(update)
 
     def on_group(self, ranks: list[int]) -> None:
         """A group formed: each rank answered just now (its join), and its step time, score and
         lag are not known until its first window (NaN, "no value")."""
         def update(m):
-            with self._lock:  # as on_rebuild
-                for rank in ranks:
-                    tags = {"run": self.run, "rank": str(rank)}
-                    self._set(m, "heartbeat_age", 0.0, tags)
-                    for name in PER_RANK[1:]:
-                        self._set(m, name, float("nan"), tags)
-                self._forget_ranks(m, {str(rank) for rank in ranks})
+            for rank in ranks:
+                tags = {"run": self.run, "rank": str(rank)}
+                self._set(m, "heartbeat_age", 0.0, tags)
+                for name in PER_RANK[1:]:
+                    self._set(m, name, float("nan"), tags)
+            self._forget_ranks(m, {str(rank) for rank in ranks})
         self._safe(update)
 
     def on_rewind(self, step: int, lag: int | None) -> None:
@@ -263,20 +265,19 @@ class RunMetrics:
         """Heartbeat ages while the controller waits on a step, so the gauge grows on a rank
         that is hung or lost: in data parallel no step completes then, and ``on_step`` does
         not run. ``ages``: rank -> seconds, or a function returning them, called under the lock
-        that ``on_group`` and ``on_rebuild`` hold: for a caller on another thread than the one
+        every update holds (``_safe``): for a caller on another thread than the one
         that forms groups (the run's end's heartbeat thread), whose rank numbers may change
         between reading them and publishing. Read first, a late replica released meanwhile
         kept its old number, published after the new group's ``on_group`` had forgotten it, and
         a rank that no longer existed aged on the gauge until the run ended."""
         def update(m):
-            with self._lock:
-                published = {str(rank): age for rank, age in (ages() if callable(ages) else ages).items()}
-                for rank, age in published.items():
-                    self._set(m, "heartbeat_age", age, {"run": self.run, "rank": rank})
-                # Known from now on, so a shrink before the next per-rank update still blanks them
-                # (_forget_ranks): a rank hung in the first window, then renumbered away, kept
-                # showing its heartbeat age for as long as the process lived.
-                self._ranks = self._ranks | set(published)
+            published = {str(rank): age for rank, age in (ages() if callable(ages) else ages).items()}
+            for rank, age in published.items():
+                self._set(m, "heartbeat_age", age, {"run": self.run, "rank": rank})
+            # Known from now on, so a shrink before the next per-rank update still blanks them
+            # (_forget_ranks): a rank hung in the first window, then renumbered away, kept
+            # showing its heartbeat age for as long as the process lived.
+            self._ranks = self._ranks | set(published)
         self._safe(update)
 
     def on_membership(self, world_size: int, spares: int, building: int) -> None:
