@@ -2,7 +2,10 @@
 
 The controller owns the plan: the order of an epoch comes from (seed, epoch) alone, each global
 batch is cut into equal per-rank shards, and every shard handed out is recorded, used or dropped.
-Dropped samples can be requeued so every sample still counts exactly once per epoch.
+Dropped samples can be requeued so every sample still counts exactly once per epoch, apart from
+the epoch's tail: the samples left when fewer remain than one step hands out (requeued ones still
+waiting among them) are dropped with the epoch, as ``DataLoader(drop_last=True)`` drops a short
+last batch.
 """
 
 from __future__ import annotations
@@ -158,9 +161,6 @@ class ShardPlan:
             self._digests[epoch] = (order_digest(self._order) if epoch == self.position.epoch else
                                     epoch_order_digest(self.num_samples, self.seed, epoch))
         return self._digests[epoch]
-
-    def steps_per_epoch(self, global_batch: int) -> int:
-        return self.num_samples // global_batch
 
     def take(self, num_shards: int, shard_size: int) -> tuple[int, list[list[int]]]:
         """Return (epoch, shards) for the next step."""
