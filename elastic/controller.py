@@ -3086,9 +3086,16 @@ class Controller:
         logged when it starts, not every window. Keyed by the reason too: a straggler held back
         for want of a spare and then found too late to evict was left with the word that it
         would be evicted once a spare was ready."""
+        reason = decision.reason
+        if why == "no_spare" and self._refill_stop_logged:
+            # The refill asks for no more spares (_refill_spares said so in a spares event): "it
+            # is evicted once one is ready" alone promised an eviction that would not come. A
+            # new reason too, so a straggler already held back hears it when the refill stops.
+            reason += f"; the spare refill has stopped after {SPARE_START_ATTEMPTS} failed starts: see the spares event"
+            why = "no_spare_refill_stopped"
         held = None if decision.straggler is None else (decision.straggler, why)
         if held is not None and self._eviction_held != held:
-            self.log("decision", f"Continue: {decision.reason}", decision="Continue", rank=decision.straggler)
+            self.log("decision", f"Continue: {reason}", decision="Continue", rank=decision.straggler)
         self._eviction_held = held
 
     def _note_checksum(self, step: int, rank: int, checksum: int) -> None:
@@ -3218,6 +3225,7 @@ class Controller:
             self.log("failure", f"rank(s) {sorted(lost)} lost while evicting straggler rank {r}: "
                      f"{type(exc).__name__}", ranks=sorted(lost))
             self._recover(Failure(lost | ({r} if unreplaced else set()), "failure_during_recovery"))
+            self._count_eviction(t0)
             return
         if stuck:  # out of the try: a Ray error in this recovery is its own, not the eviction's
             self._kill_hung(stuck, f"did not leave the group within collective_timeout_s="
@@ -3225,12 +3233,22 @@ class Controller:
                                    "was evicted", gone=(r,))
             # Found by the wait for its leave: detected that long after it was asked.
             self._recover(Failure(set(stuck.values()) | {r}, "hang", detect_s=time.time() - asked))
+            self._count_eviction(t0)
             return
-        if self.metrics is not None:
-            self.metrics.on_recovery("straggler", time.time() - t0)
+        self._count_eviction(t0)
         self._snapshot_after_evict()
         self._refill_spares()
         self.transition(State.RUNNING, f"rank {r} replaced by a spare in {time.time() - t0:.2f}s")
+
+    def _count_eviction(self, t0: float) -> None:
+        """An eviction begun at ``t0`` is carried out: the straggler is gone and the group trains
+        again. Counted (kind ``straggler``) with its seconds from the decision to now, whether the
+        rebuild went through or a failure in it (the promoted spare lost, a survivor hung) was
+        healed by the recovery loop. Why the second too: that recovery is counted under its own
+        kind, and the eviction, which ``evictions_carried_out`` finds in the events, went
+        uncounted. A recovery that failed the run raised before this: no eviction was finished."""
+        if self.metrics is not None:
+            self.metrics.on_recovery("straggler", time.time() - t0)
 
     def _eviction_given_up(self, r: int, why: str) -> None:
         """Back to training in the group as it was, after ``_evict`` gave rank ``r``'s eviction up

@@ -834,6 +834,74 @@ def test_a_stop_that_comes_while_an_eviction_waits_for_late_windows_holds_it_bac
     assert evictions_carried_out([asdict(e) for e in c.events]) == []
 
 
+@pytest.mark.parametrize("how", ["failure_during_recovery", "hang"])
+def test_an_eviction_the_recovery_loop_finishes_is_counted_as_a_straggler_recovery(rayless_controller, plain_values,
+                                                                                   monkeypatch, how):
+    # The rebuild after the victim was killed ran into a failure (the promoted spare lost in the
+    # state sync, a survivor that never left): _evict handed it to _recover, which counted that
+    # recovery under its own kind, and returned. The eviction, carried out (evictions_carried_out
+    # finds it in the events), was missing from elastic_recoveries_total{kind="straggler"}.
+    import ray
+
+    from elastic.controller import State, evictions_carried_out
+    from elastic.policies.decisions import EvictStraggler
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3, num_backups=1), global_batch_size=12)
+    c.group, c.metrics = StandInGroup(ranks=3, ready_spares=1), Recorded()
+    killed = []
+    c.group.evict = killed.append
+    c.transition(State.RUNNING, "training")
+    c._wait_late = lambda exclude=None: {}
+    syncs = []
+
+    def sync():  # the eviction's state sync (the first) loses the spare that took rank 2
+        syncs.append(c.group.members[2].name)
+        if how == "failure_during_recovery" and len(syncs) == 1:
+            raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(c, "_sync_state", sync)
+    monkeypatch.setattr(c, "_ask_to_leave", lambda survivors: ([], {"leave-of-rank-0": 0} if how == "hang" else {}))
+    monkeypatch.setattr(c, "_kill_hung", lambda stuck, why, gone=(): None)
+    monkeypatch.setattr(c, "_probe_dead", lambda: {2})
+    monkeypatch.setattr(c, "_settle_survivors", lambda dead: set())
+    monkeypatch.setattr(c, "_form_group", lambda why: None)
+    monkeypatch.setattr(c, "_refill_spares", lambda: None)
+    c._evict(EvictStraggler("rank 2 is 3x the median", 2))
+    assert [m.name for m in killed] == ["rank-2"] and c.state is State.RUNNING
+    recoveries = [args[0] for name, args, _ in c.metrics.calls if name == "on_recovery"]
+    assert recoveries == [how, "straggler"]  # the recovery under its kind, the eviction once
+    assert len(evictions_carried_out([asdict(e) for e in c.events])) == 1
+
+
+def test_an_eviction_held_back_while_the_spare_refill_has_stopped_says_no_spare_is_coming(rayless_controller):
+    # After SPARE_START_ATTEMPTS failed spare starts in a row the refill asks for no more, but
+    # the held-back straggler was still told "it is evicted once one is ready": it never was.
+    from elastic.controller import State
+    from elastic.policies.decisions import Continue, EvictStraggler
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3, num_backups=1), global_batch_size=12)
+    c.group, c.metrics = StandInGroup(ranks=3), Recorded()
+    c.transition(State.RUNNING, "training")
+    # The policy's word, while spares are still asked for: as it was.
+    c._note_held_back(Continue("rank 2 is a persistent straggler (score 3.00) but no spare is ready; it is "
+                               "evicted once one is", straggler=2))
+    c._spare_failures_in_row = controller_module.SPARE_START_ATTEMPTS
+    c._refill_spares()  # says in a spares event that it starts no more
+    assert not c.group.building
+    c._note_held_back(Continue("rank 2 is a persistent straggler (score 3.00) but no spare is ready; it is "
+                               "evicted once one is", straggler=2))
+    c._evict(EvictStraggler("rank 1 is 3x the median", 1))  # found no spare at its first look
+    assert c.state is State.RUNNING and not [n for n, _, _ in c.metrics.calls if n == "on_recovery"]  # no victim
+    said = [e.message for e in c.events if e.kind == "decision" and e.details.get("decision") == "Continue"]
+    stopped = f"; the spare refill has stopped after {controller_module.SPARE_START_ATTEMPTS} failed starts: " \
+              "see the spares event"
+    assert said[0].endswith("it is evicted once one is")
+    assert said[1].startswith("Continue: rank 2 is a persistent straggler") and said[1].endswith(stopped)
+    assert said[2].startswith("Continue: rank 1 is a persistent straggler, but no live spare") and \
+        said[2].endswith(stopped)
+    assert len(said) == 3
+
+
 def test_an_evictions_wait_for_late_windows_ends_when_a_stop_comes(rayless_controller, monkeypatch):
     # One ray.wait of step_timeout_s (120 s): a stop that came a second in waited it out, and
     # the stop's end came after the driver's stop_timeout_s had killed the run.
