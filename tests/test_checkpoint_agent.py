@@ -1896,6 +1896,44 @@ def test_a_step_keep_every_keeps_waits_for_room_in_the_agents_queue_and_is_told_
         hook.close()
 
 
+@pytest.mark.parametrize("refused", ["layout", "ring"])
+def test_a_step_keep_every_keeps_waits_for_room_to_send_its_new_layout_or_ring(monkeypatch, refused):
+    # A keep_every step whose new layout (or new ring) the agent's full queue refused was dropped
+    # at once, told as dropped "after 5s": its wait only waited for a free slot, a slot was free,
+    # and the second try met the same full queue. It tries again until its bound, waiting for
+    # room in the queue as well as for a slot; a plain step still drops at once.
+    from elastic.checkpoint import worker_hook
+
+    real, full = worker_hook.send_message, {"refusals": 0}
+
+    def queue_full(sock, message, *args, **kwargs):
+        if message.get("op") == refused and full["refusals"]:
+            full["refusals"] -= 1
+            raise BlockingIOError
+        return real(sock, message, *args, **kwargs)
+
+    monkeypatch.setattr(worker_hook, "send_message", queue_full)
+    worker = FakeWorker(rank=0, world_size=1)
+    with slot_keeping_agent() as (address, received):
+        hook = AgentCheckpointer(address, 1, lambda: pytest.fail("fell back"), keep_every=2)
+        try:
+            reports, waits = {}, {}
+            for step, refusals in ((1, 1), (2, 2)):  # step 1 a plain step, step 2 a milestone
+                full["refusals"] = refusals
+                worker.train(step)
+                t0 = time.monotonic()
+                reports[step] = hook.after_step(worker, step)
+                waits[step] = time.monotonic() - t0
+            assert waits[1] < 4.0 and waits[2] < 4.0  # neither waits out the 5 s bound here
+            assert hook.dropped == 1 and hook._handed == 2  # step 1 dropped, step 2 handed over
+            assert [e["event"] for e in reports[1]["ckpt_events"]] == ["checkpoint_snapshots_dropped"]
+            assert not [e for e in reports[2]["ckpt_events"] if e["event"] == "checkpoint_failed"]
+            assert hook.flush(5)
+            assert received.count("snap") == 1 and received.count(refused) == 1
+        finally:
+            hook.close()
+
+
 def test_a_final_flush_that_times_out_is_an_event_of_its_own():
     # The rank's writes at the end did not finish within the flush's bound (slow storage): the
     # flush's False was dropped, and the controller only saw that a part never came

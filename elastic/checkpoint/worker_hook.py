@@ -443,7 +443,8 @@ class AgentCheckpointer:
 
     SLOTS = 3  # one being written, one waiting, one being filled: as many as the in-process writer holds
     DROP_EVENT_EVERY_S = 60.0
-    # A step retention keeps waits this long for a free slot before it is dropped (_slot_back).
+    # A step retention keeps waits this long for a free slot, or room in the agent's queue,
+    # before it is dropped (_filled_within, _sent_within).
     MILESTONE_WAIT_S = 5.0
     # A layout no snapshot used in this many, plus the world size, is let go here and at the
     # agent (_forget_layouts). Why: a layout is kept per set of names, dtypes and shapes, so a
@@ -540,8 +541,8 @@ class AgentCheckpointer:
                                            event="checkpoint_dtype_in_process")
                 meta = self._meta(snap)
                 if not self._fill(message, layout, meta, snap.tensors, rng):
-                    if not (message.get("keep") and self._slot_back(self.MILESTONE_WAIT_S)
-                            and self._fill(message, layout, meta, snap.tensors, rng)):
+                    if not (message.get("keep") and self._filled_within(message, layout, meta, snap.tensors, rng,
+                                                                        self.MILESTONE_WAIT_S)):
                         return self._drop(step, bool(message.get("keep")))
             else:
                 message["rng"] = rng.encode()
@@ -895,17 +896,28 @@ class AgentCheckpointer:
             return self.fallback.flush(timeout_s)
         return bool(self._flushed.get("ok"))
 
-    def _slot_back(self, wait_s: float) -> bool:
-        """Whether a slot is free, waiting up to ``wait_s`` for the agent to hand one back. Only
-        for a step retention keeps (``store.is_milestone``): dropped, it was never written and the
-        milestone never existed, so the rank waits for the agent there, once every ``keep_every``
-        steps and only when the agent is a whole ring behind; every other step is dropped at once
-        (a newer snapshot replaces it anyway)."""
-        try:
-            self._wait_for_slot(time.monotonic() + wait_s)
-        except TimeoutError:  # not the link's failure (an OSError the caller would fall back on)
-            return False
-        return True
+    def _filled_within(self, message: dict, layout: "_Layout", meta: bytes, tensors: dict, rng: RawRng,
+                       wait_s: float) -> bool:
+        """``_fill`` tried again until it takes a slot, within ``wait_s``; False if it never did.
+        Only for a step retention keeps (``store.is_milestone``): dropped, it was never written and
+        the milestone never existed, so the rank waits for the agent there, once every
+        ``keep_every`` steps and only when the agent is behind; every other step is dropped at
+        once (a newer snapshot replaces it anyway).
+
+        Why wait for room in the agent's queue as well as for a slot: ``_fill`` also fails when
+        the message telling the agent of a new layout or a new ring is refused (the queue full),
+        with a slot free. Waiting for a slot alone then returned at once, the next try met the
+        same full queue, and the milestone was dropped at once (told as dropped after its wait)."""
+        deadline = time.monotonic() + wait_s
+        while deadline - time.monotonic() > 0:
+            try:
+                self._wait_for_slot(deadline)
+            except TimeoutError:  # not the link's failure (an OSError the caller would fall back on)
+                return False
+            _ready(self.sock, True, min(deadline - time.monotonic(), 0.05))
+            if self._fill(message, layout, meta, tensors, rng):
+                return True
+        return False
 
     def _wait_for_slot(self, deadline: float) -> None:
         """Until the current ring has a free slot (or there is no ring yet: the next snapshot
