@@ -4,6 +4,7 @@ endpoint (moto's server), plus validate() and credential redaction."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -271,6 +272,53 @@ def test_validate_local_path_that_cannot_be_a_directory(tmp_path):
         Storage(f"{blocker}/run", retry=FAST).validate()
 
 
+def test_validate_says_storage_that_does_not_answer_is_down_not_refusing(tmp_path, monkeypatch):
+    # Transient errors that outlasted the retries (NFS's EIO, S3's SlowDown) were told as "not
+    # writable: ... Check the path, permissions and RunConfig.storage_options" for an outage.
+    def eio(self, rel, data):
+        raise OSError(errno.EIO, "Input/output error (test)")
+
+    monkeypatch.setattr(Storage, "_probe_write", eio)
+    with pytest.raises(ConfigError) as info:
+        Storage(f"file://{tmp_path}", retry=FAST).validate()
+    text = str(info.value)
+    assert "RunConfig.storage=" in text and "did not answer" in text and "start again once it answers" in text
+    assert "permissions" not in text and "not writable" not in text
+
+
+def test_a_probe_whose_write_failed_is_not_deleted_with_retries(tmp_path, monkeypatch, caplog):
+    # The probe's delete was retried in full after a write that had failed from an outage: on an
+    # endpoint that drops packets each try waits out the connect timeout, so a node's start
+    # waited twice as long. Not asked after an outage; one try after a refusal.
+    storage = Storage(f"file://{tmp_path}", retry=FAST)
+    fs, _ = storage._filesystem()
+    deletes, writes = [], []
+
+    def rm_file(path):
+        deletes.append(path)
+        raise OSError(errno.EIO, "Input/output error (test)")
+
+    def write(error):
+        def probe_write(self, rel, data):
+            writes.append(rel)
+            raise error
+        return probe_write
+
+    monkeypatch.setattr(fs, "rm_file", rm_file)
+    monkeypatch.setattr(Storage, "_probe_write", write(OSError(errno.EIO, "Input/output error (test)")))
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.storage"):
+        storage.check_here()  # an outage: logged
+    assert "did not answer a probe write" in caplog.text
+    assert len(writes) == 2 and deletes == []  # the write retried, the delete never asked
+    with pytest.raises(ConfigError):
+        storage.validate()
+    assert len(writes) == 4 and deletes == []
+    monkeypatch.setattr(Storage, "_probe_write", write(PermissionError(errno.EACCES, "denied (test)")))
+    with pytest.raises(ConfigError, match="not writable from here"):
+        storage.check_here()
+    assert len(deletes) == 1  # once, though it failed transiently
+
+
 def test_validate_leaves_no_probe_behind(backend):
     url, options = backend
     storage = Storage(url, options, retry=FAST)
@@ -278,9 +326,13 @@ def test_validate_leaves_no_probe_behind(backend):
     assert storage.list_dir("") == []
 
 
-def test_check_here_refuses_what_the_storage_refuses_and_lets_an_outage_pass(no_aws_env, moto_s3, tmp_path, caplog):
+def test_check_here_refuses_what_the_storage_refuses_and_lets_an_outage_pass(no_aws_env, moto_s3, tmp_path, caplog,
+                                                                              monkeypatch):
     """``check_here`` runs in the controller, the node agents and the ranks at a run's start:
     a refusal is a ConfigError; an outage a warning (the writes retry and report it)."""
+    from elastic.checkpoint import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "_CREDENTIALS_RETRY", RetryPolicy(attempts=3, base_s=0.0, max_s=0.0))
     bucket = moto_s3.create_bucket()
     with pytest.raises(ConfigError, match="no AWS credentials found"):
         Storage(f"s3://{bucket}/run", {"endpoint_url": moto_s3.endpoint_url}, retry=FAST).check_here()
@@ -300,6 +352,38 @@ def test_check_here_refuses_what_the_storage_refuses_and_lets_an_outage_pass(no_
         Storage("s3://some-bucket/run", options, retry=FAST).check_here()
     assert any("did not answer a probe write" in r.getMessage() for r in caplog.records)
     assert TEST_SECRET not in caplog.text
+
+
+def test_a_credentials_lookup_that_misses_once_at_a_nodes_start_is_looked_up_again(no_aws_env, moto_s3, monkeypatch):
+    # botocore answers a lookup that timed out or was throttled (the instance-metadata endpoint,
+    # a node's many processes asking at once) with None, as if there were no credentials. The
+    # node's check looked once, and such a blip at a run's start ended it as "no AWS credentials
+    # found", where mid-run the same miss is looked up again. The driver's check stays strict.
+    import botocore.session
+
+    from elastic.checkpoint import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "_CREDENTIALS_RETRY", RetryPolicy(attempts=4, base_s=0.0, max_s=0.0),
+                        raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # moto takes any key
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    real, lookups = botocore.session.Session.get_credentials, []
+
+    def misses_once(self):
+        lookups.append(1)
+        return None if len(lookups) == 1 else real(self)
+
+    monkeypatch.setattr(botocore.session.Session, "get_credentials", misses_once)
+    storage = Storage(f"s3://{moto_s3.create_bucket()}/run", {"endpoint_url": moto_s3.endpoint_url}, retry=FAST)
+    try:
+        storage.check_here()
+        assert len(lookups) >= 2 and storage.list_dir("") == []
+        lookups.clear()
+        with pytest.raises(ConfigError, match="no AWS credentials found"):
+            storage.validate()
+        assert lookups == [1]
+    finally:  # fsspec keeps the filesystem, with these credentials, for the next test's same options
+        storage._filesystem()[0].clear_instance_cache()
 
 
 def test_missing_credentials_are_a_refusal_not_an_outage(no_aws_env, moto_s3):
@@ -341,6 +425,29 @@ def test_an_s3_error_is_retried_or_refused_by_its_code_not_only_its_errno(code, 
         with pytest.raises(StorageError) as err:
             storage._call("write", "a.bin", fails_once)
         assert not isinstance(err.value, StorageUnavailable) and len(calls) == 1
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("ParamValidationError", {"report": "Invalid bucket name \"my bucket\""}),
+    ("InvalidConfigError", {"error_msg": "bad setting"}),
+    ("InvalidS3AddressingStyleError", {"s3_addressing_style": "sideways"}),
+])
+def test_botocores_own_checks_before_a_request_are_a_refusal_not_an_outage(name, kwargs):
+    # botocore refuses a bucket named "my bucket" (ParamValidationError), or a setting it does
+    # not know, before anything is sent, and s3fs passes the error through as it is: it was
+    # retried, and the user was told the storage was down.
+    import botocore.exceptions
+
+    storage = Storage("memory://botocore-checks", retry=FAST)
+    calls = []
+
+    def refused():
+        calls.append(1)
+        raise getattr(botocore.exceptions, name)(**kwargs)
+
+    with pytest.raises(StorageError, match=name) as err:
+        storage._call("write", "a.bin", refused)
+    assert not isinstance(err.value, StorageUnavailable) and calls == [1]
 
 
 def test_credentials_that_appear_after_a_failed_lookup_are_used_by_the_next_call(no_aws_env, moto_s3, monkeypatch):

@@ -62,7 +62,11 @@ _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Permissi
 # and is not imported here): the same on every try in this process. Retried as transient, a
 # controller or node without credentials was an "outage", and a resume waited resume_timeout_s
 # for storage that answered the driver.
-_PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ProfileNotFound"})
+# And botocore's checks of a request or of its client's settings before anything is sent
+# (ParamValidationError: a bucket named "my bucket"; an addressing style or a setting it does not
+# know), which s3fs passes through as they are: retried, each was reported as storage down.
+_PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ProfileNotFound",
+                              "ParamValidationError", "InvalidConfigError", "InvalidS3AddressingStyleError"})
 # Of those, the ones a later lookup can cure: the process's filesystems are dropped and the next
 # call makes another, whose client looks its credentials up again (``Storage._forget_filesystem``),
 # at most once per CREDENTIALS_LOOKUP_S: with none to be found, each lookup runs botocore's whole
@@ -234,6 +238,15 @@ class RetryPolicy:
         # The exponent capped: past ~1,000 retries (ELASTIC_STORAGE_ATTEMPTS allows it, an outage
         # of over an hour) base_s * 2**attempt no longer fits a float, an OverflowError inside a retry.
         return min(self.max_s, self.base_s * (2.0 ** min(attempt, 60))) * random.uniform(0.5, 1.0)
+
+
+# The pauses between lookups of S3 credentials in a node's check at a run's start (``check_here``),
+# all of them within CREDENTIALS_LOOKUP_S: botocore answers a lookup that timed out or was
+# throttled (the instance-metadata endpoint, with a node's many processes asking at once) as "no
+# credentials", the same as none to be found. Mid-run such a miss is looked up again, at most once
+# per CREDENTIALS_LOOKUP_S (``Storage._forget_filesystem``); at the start it ended the run. At
+# most ~3.5 s of sleeps: a node that truly has none is refused a few seconds later.
+_CREDENTIALS_RETRY = RetryPolicy(attempts=4, base_s=0.5, max_s=2.0)
 
 
 def looks_secret(key: Any) -> bool:
@@ -818,6 +831,15 @@ class Storage:
                 ))
         try:
             self._probe(quick, probe_dir)
+        except StorageUnavailable as exc:
+            # Transient errors that outlasted the retries (NFS's EIO, S3's SlowDown): the storage
+            # did not answer, which no path or permission explains. Still refused here, before
+            # training, but said as what it is.
+            raise ConfigError(
+                f"RunConfig.storage={self.location!r} did not answer the check's probe: {self.redact(str(exc))}. "
+                "The storage may be down or overloaded; start again once it answers (a run that is already "
+                "training waits for it)."
+            ) from None
         except (StorageError, FileNotFoundError) as exc:
             raise ConfigError(
                 f"RunConfig.storage={self.location!r} is not writable: {self.redact(str(exc))}. "
@@ -856,7 +878,7 @@ class Storage:
         and its filesystem, S3 credentials as botocore finds them in this process, and a probe
         written, read back and deleted. An outage is not a refusal: storage down at a start
         leaves the writes to retry and report it, as they do mid-run."""
-        self._open_checked(" here")
+        self._open_checked(" here", patient=True)
         try:
             self._probe(self._quick_retry())
         except StorageUnavailable as exc:
@@ -868,13 +890,14 @@ class Storage:
                 "Check the permissions and RunConfig.storage_options."
             ) from None
 
-    def _open_checked(self, here: str = "") -> tuple[Any, str]:
+    def _open_checked(self, here: str = "", patient: bool = False) -> tuple[Any, str]:
         """The checks ``validate`` and ``check_here`` share: the scheme, S3 credentials as botocore
         finds them in this process, and the filesystem opened (``_filesystem``), each failure a
-        ConfigError. ``here``: said after "filesystem" for a check outside the driver."""
+        ConfigError. ``here``: said after "filesystem" for a check outside the driver.
+        ``patient``: credentials not found are looked up again a few times first (``_CREDENTIALS_RETRY``)."""
         self._check_scheme()
         if self.protocol in _S3:
-            self._check_s3_credentials()
+            self._check_s3_credentials(patient)
         try:
             return self._filesystem()
         except ConfigError:
@@ -898,14 +921,27 @@ class Storage:
         payload = b"elastic storage probe"
         try:
             self._call("probe write", probe, lambda: self._probe_write(probe, payload), retry=retry)
+        except StorageUnavailable:
+            # Storage that did not answer the write is not asked to delete: each try on an
+            # endpoint that drops packets waits out s3fs's connect timeout, and with the delete
+            # retried in full a start waited twice as long for it. A write that landed unanswered
+            # leaves a stray probe, which is harmless.
+            raise
+        except BaseException:
+            self._delete_probe(fs, probe, RetryPolicy(attempts=1))  # refused: most likely nothing to delete
+            raise
+        try:
             back = self._call("probe read", probe, lambda: fs.cat_file(self.full_path(probe)), retry=retry)
         finally:
-            try:
-                self._call("probe delete", probe, lambda: fs.rm_file(self.full_path(probe)), retry=retry)
-            except Exception:  # noqa: BLE001 - a stray probe file is harmless
-                logger.debug("could not delete probe %s", self.describe(probe))
+            self._delete_probe(fs, probe, retry)
         if back != payload:
             raise ConfigError(f"RunConfig.storage={self.location!r} returned different bytes than were written.")
+
+    def _delete_probe(self, fs: Any, probe: str, retry: RetryPolicy) -> None:
+        try:
+            self._call("probe delete", probe, lambda: fs.rm_file(self.full_path(probe)), retry=retry)
+        except Exception:  # noqa: BLE001 - a stray probe file is harmless
+            logger.debug("could not delete probe %s", self.describe(probe))
 
     @staticmethod
     def _bucket_exists(fs: Any, bucket: str) -> bool:
@@ -934,10 +970,13 @@ class Storage:
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         fs.pipe_file(path, data)
 
-    def _check_s3_credentials(self) -> None:
+    def _check_s3_credentials(self, patient: bool = False) -> None:
         """Resolve credentials the way s3fs/botocore would, without a network round trip to S3.
 
         Without this, missing credentials surface as a slow retry loop or a vague 403 mid-training.
+        ``patient``: none found is looked up again a few times (``_CREDENTIALS_RETRY``), for a
+        check on a node, where a lookup that timed out reads as none; the driver's stays strict:
+        one process, and a laptop without credentials is told at once.
         """
         opts = self.storage_options
         if opts.get("anon"):
@@ -959,8 +998,18 @@ class Storage:
             import botocore.session
             from botocore.exceptions import BotoCoreError
 
-            session = botocore.session.Session(profile=opts.get("profile"))
-            creds = session.get_credentials()
+            deadline = time.monotonic() + CREDENTIALS_LOOKUP_S
+            attempts = _CREDENTIALS_RETRY.attempts if patient else 1
+            for attempt in range(attempts):
+                # A new session each time: a session reads ~/.aws once (a file mounted late).
+                creds = botocore.session.Session(profile=opts.get("profile")).get_credentials()
+                if creds is not None or attempt + 1 >= attempts:
+                    break
+                delay = _CREDENTIALS_RETRY.delay_s(attempt)
+                if time.monotonic() + delay > deadline:  # each lookup may wait on the metadata endpoint
+                    break
+                logger.info("no AWS credentials found for %s; looking again in %.1fs", self.location, delay)
+                time.sleep(delay)
         except BotoCoreError as exc:  # e.g. ProfileNotFound
             raise ConfigError(
                 f"RunConfig.storage_options for {self.location!r}: cannot load AWS credentials "
