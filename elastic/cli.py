@@ -442,21 +442,39 @@ def _controller_status(run: str, address: str, timeout_s: float) -> dict:
     return _ask(run, _controller(run, address, timeout_s).status.remote(), timeout_s)
 
 
-def _statuses(runs: list[str], address: str, timeout_s: float) -> list[tuple[str, Optional[dict]]]:
-    """Each run's status, None for a run whose controller did not answer (or has exited), all
-    within ``timeout_s``: every call is sent first, then the answers are awaited against one
-    deadline. Asked one after another, each with the whole timeout, N hung controllers held
-    ``elastic status`` N times --timeout."""
+def _statuses(runs: list[str], address: str,
+              timeout_s: float) -> tuple[list[tuple[str, Optional[dict]]], Optional[str]]:
+    """Each run's status, None for a run whose controller did not answer (or has exited, or whose
+    ``status()`` raised), all within ``timeout_s``: every call is sent first, then the answers are
+    awaited against one deadline. Asked one after another, each with the whole timeout, N hung
+    controllers held ``elastic status`` N times --timeout.
+
+    Also returns why the connection to the cluster was lost (one line, credentials redacted), or
+    None. Why caught here: Ray Client raises ConnectionError from ``get_actor``, ``.remote()`` and
+    ``ray.get`` once its channel to ray://HEAD drops, and one such error ended the listing with no
+    table at all. Once it is lost, nothing more is asked or awaited (each call would fail the same
+    way, or wait on a reconnection): the runs left are rows without an answer. Likewise one
+    controller's own error (a RayTaskError from a bug in its status(), or an older elastic build)
+    is one row, not the end of the listing."""
+    from ray.exceptions import RayError
+
+    lost: Optional[str] = None
     calls: list[tuple[str, Any]] = []
     for name in runs:
+        if lost is not None:
+            calls.append((name, None))
+            continue
         try:
             calls.append((name, _controller(name, address, timeout_s).status.remote()))
         except CliError:  # gone since it was listed
             calls.append((name, None))
+        except ConnectionError as exc:
+            lost = _one_line(str(exc), 200)
+            calls.append((name, None))
     deadline = time.monotonic() + timeout_s
     rows: list[tuple[str, Optional[dict]]] = []
     for name, call in calls:
-        if call is None:
+        if call is None or lost is not None:
             rows.append((name, None))
             continue
         try:
@@ -464,7 +482,13 @@ def _statuses(runs: list[str], address: str, timeout_s: float) -> list[tuple[str
             rows.append((name, _ask(name, call, max(0.0, deadline - time.monotonic()))))
         except CliError:
             rows.append((name, None))
-    return rows
+        except ConnectionError as exc:
+            lost = _one_line(str(exc), 200)
+            rows.append((name, None))
+        except RayError as exc:
+            logger.debug("the controller of run %r failed to answer its status: %s", name, _one_line(str(exc)))
+            rows.append((name, None))
+    return rows, lost
 
 
 # ---- status -----------------------------------------------------------------------------------
@@ -594,16 +618,22 @@ def status(
             if not runs:
                 raise CliError(f"no elastic run is live on the cluster at {addr}")
             if len(runs) > 1:
-                rows = _statuses(runs, addr, timeout_s)
+                rows, lost = _statuses(runs, addr, timeout_s)
                 if as_json:
                     _print_json({name: st for name, st in rows})
                 else:
                     _stdout().print(_runs_table(rows))
                     _stdout().print(f"{len(runs)} live runs; `elastic status RUN` shows one.", highlight=False)
                 silent = [name for name, st in rows if st is None]
+                if lost is not None:
+                    # Not "no answer from the controller": the controllers may be fine, the
+                    # cluster's connection (ray://HEAD dropped) is what failed.
+                    raise CliError(f"lost the connection to the cluster at {shown(addr)} ({lost}); run(s) "
+                                   f"{', '.join(silent)} not asked or not answered")
                 if silent:  # as for one run: `elastic status && ...` must not pass over a hung controller
                     raise CliError(f"no answer from the controller of run(s) {', '.join(silent)} within "
-                                   f"{timeout_s:g} s (or it has exited)")
+                                   f"{timeout_s:g} s (or it has exited, or its status failed: `elastic status "
+                                   "RUN` says)")
                 return
             run = runs[0]
         st = _controller_status(run, addr, timeout_s)
@@ -1099,7 +1129,11 @@ _HUMP = r"(?-i:(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])|(?<=[A-Z])(?=API[
 _SECRET_NAME = rf"(?!use(?:[_-]|{_HUMP}))(?:[\w.-]*(?:[_.-]|{_HUMP}))?(?:{_SECRET_WORD}|(?:{_TOKEN_KIND})[_-]?token)|token"
 _SECRET_QUERY = re.compile(rf"(?i)[?&](?:{_SECRET_NAME})=")
 _SECRET_OPTION = re.compile(rf"(?i)--(?:{_SECRET_NAME})(?P<value>=.*)?")
-_SECRET_SETTING = re.compile(rf"(?i)(?:{_SECRET_NAME})=.")
+# A setting starts the argument, after Hydra's ``+``/``++``/``~`` (append, force, delete:
+# ``+wandb.api_key=S``), or follows an ``=`` (``--env=HF_TOKEN=S``, ``--set=db.password=S``): only
+# at the argument's start, each of these went to the job table. Not after any character: the
+# ``token`` of ``eos_token=`` is no setting of its own.
+_SECRET_SETTING = re.compile(rf"(?i)(?:^[+~]{{0,2}}|(?<==))(?:{_SECRET_NAME})=.")
 # A secret by name as an entry of a JSON object or a Python dict inside an argument, with a value:
 # fsspec's storage options handed to a script (``--storage-options '{"key": "K", "secret": "S"}'``)
 # passed every form above, and went to the job table as they were. The name starts the argument or
@@ -1116,7 +1150,7 @@ def _argument_with_a_secret(args: list[str]) -> int | None:
             if i < len(args) and not args[i].startswith("--"):
                 return i + 1  # --password VALUE: the value is the secret
             continue
-        if (carries_credentials(arg) or _SECRET_QUERY.search(arg) or _SECRET_SETTING.match(arg)
+        if (carries_credentials(arg) or _SECRET_QUERY.search(arg) or _SECRET_SETTING.search(arg)
                 or _SECRET_ENTRY.search(arg)
                 or (option is not None and option.group("value") != "=")):
             return i
@@ -1192,6 +1226,12 @@ def submit(
                     "--address http://HEAD:8265)")
     where = shown(target) if target else "the local cluster"
     runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}
+    # HEAD:8265 (the dashboard's port without http://) passes the probe, since something listens
+    # there, and Ray reads it as a GCS address: after its retries the error blamed the dashboard,
+    # with nothing to say that the scheme was what was missing.
+    gcs_hint = (" (an address without http:// is read as the cluster's GCS address, HEAD:6379; give the "
+                "dashboard's URL, --address http://HEAD:8265)"
+                if target and "://" not in target and target != "auto" else "")
 
     def connect():
         with _env_without(*(_ADDRESS_VARS if address else ())):
@@ -1199,7 +1239,7 @@ def submit(
 
     try:
         client = _within(connect, ANSWER_TIMEOUT_S if timeout is None else min(timeout, ANSWER_TIMEOUT_S),
-                         f"the Ray dashboard at {where}")
+                         f"the Ray dashboard at {where}", gcs_hint)
     except CliError:
         raise
     except Exception as exc:  # noqa: BLE001 - ConnectionError, auth or version errors: one line each
@@ -1209,7 +1249,7 @@ def submit(
         # An HTTP 401/403 as a status of its own, not digits of the address (http://node401:8265).
         if _AUTH_FAILURE.search(text) or re.search(r"(?<![\w.:/@-])40[13](?![\w-]|\.\w)", text.replace(where, "")):
             raise CliError(_auth_hint(where)) from None
-        raise CliError(f"cannot reach the Ray dashboard at {where}: {_one_line(text)}") from None
+        raise CliError(f"cannot reach the Ray dashboard at {where}: {_one_line(text)}{gcs_hint}") from None
     if timeout is None:
         job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id)
     else:
