@@ -212,11 +212,15 @@ def add_workload_args(p, steps: int) -> None:
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the embedded Ray")
 
 
-def workload_from_args(args, min_steps: int | None = None) -> Workload:
+def workload_from_args(args, min_steps: int | None = None, replicas: int | None = None) -> Workload:
+    """The workload the arguments describe. ``replicas``: how many ranks a step hands a shard to,
+    when more than ``workers`` (first-N's M = N + b: each replica takes a worker's shard)."""
     w = Workload(workers=args.workers, batch_per_worker=args.batch_per_worker, in_dim=args.in_dim,
                  hidden=args.hidden, classes=args.classes, seed=args.seed)
     steps = min_steps or args.steps
-    w.dataset_size = max(4096, steps * w.global_batch)  # every step sees fresh samples
+    # Every step sees fresh samples: sized by the shards a step hands out, not by the global
+    # batch, which first-N's backups add to (sized by the batch, its runs wrapped at 4/5 of theirs).
+    w.dataset_size = max(4096, steps * w.batch_per_worker * max(replicas or 0, w.workers))
     return w
 
 

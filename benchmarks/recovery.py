@@ -78,36 +78,39 @@ def main(argv=None) -> None:
     # The killed worker writes the time of its kill here (one machine: the controller's clock),
     # so the time to detect runs from the kill itself.
     mark = os.path.join(tempfile.mkdtemp(prefix="elastic-recovery-bench-"), "killed_at")
-    kill = {"kind": "kill", "rank": args.kill_rank, "at_step": args.kill_step, "mark": mark}
-
-    # Each system's pair back to back, so drift on a shared machine hits a pair's two runs alike.
-    ours_clean = run_ours(w, args.steps, None)
-    ours_crash = run_ours(w, args.steps, kill)
-    their_crash = run_raytrain(w, args.steps, ckpt_every=1, max_failures=1, kill_rank=args.kill_rank,
-                               kill_step=args.kill_step, name="recovery-crash")
-    logger.info("ray train crash: %s", their_crash)
-    their_clean = run_raytrain(w, args.steps, ckpt_every=1, max_failures=1, name="recovery-clean")
-    logger.info("ray train clean: %s", their_clean)
-
-    ours_lost = ours_crash["train_span_s"] - ours_clean["train_span_s"]
-    their_lost = their_crash["train_span_s"] - their_clean["train_span_s"]
-    common = {**peer, "workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
-              "steps": args.steps, "kill_step": args.kill_step, "kill_rank": args.kill_rank}
-    if ours_crash["failures"] != 1 or not ours_crash["recoveries"]:
-        fail(f"ours: expected exactly one failure and recovery, got {ours_crash}")
-    if not their_crash.get("start_step"):
-        fail(f"ray train: the crash run did not resume from a checkpoint: {their_crash}")
-    # A clean run that failed on its own (a loaded machine's timeout) is slower, and the lost
-    # time taken against it reads low.
-    if ours_clean["failures"] or ours_clean["recoveries"]:
-        fail(f"ours: the clean run had a failure of its own: {ours_clean}")
-    if their_clean.get("start_step"):
-        fail(f"ray train: the clean run resumed from a checkpoint (it failed on its own): {their_clean}")
+    # Removed however the runs end: a run that raises, or a check that fails (fail() exits),
+    # left the directory, with the kill's time in it, behind.
     try:
-        with open(mark) as f:
-            killed_at = float(f.read())
-    except (OSError, ValueError) as exc:
-        fail(f"ours: the killed worker left no readable time of its kill in {mark}: {exc}")
+        kill = {"kind": "kill", "rank": args.kill_rank, "at_step": args.kill_step, "mark": mark}
+
+        # Each system's pair back to back, so drift on a shared machine hits a pair's two runs alike.
+        ours_clean = run_ours(w, args.steps, None)
+        ours_crash = run_ours(w, args.steps, kill)
+        their_crash = run_raytrain(w, args.steps, ckpt_every=1, max_failures=1, kill_rank=args.kill_rank,
+                                   kill_step=args.kill_step, name="recovery-crash")
+        logger.info("ray train crash: %s", their_crash)
+        their_clean = run_raytrain(w, args.steps, ckpt_every=1, max_failures=1, name="recovery-clean")
+        logger.info("ray train clean: %s", their_clean)
+
+        ours_lost = ours_crash["train_span_s"] - ours_clean["train_span_s"]
+        their_lost = their_crash["train_span_s"] - their_clean["train_span_s"]
+        common = {**peer, "workers": w.workers, "batch_per_worker": w.batch_per_worker, "model": w.describe()["model"],
+                  "steps": args.steps, "kill_step": args.kill_step, "kill_rank": args.kill_rank}
+        if ours_crash["failures"] != 1 or not ours_crash["recoveries"]:
+            fail(f"ours: expected exactly one failure and recovery, got {ours_crash}")
+        if not their_crash.get("start_step"):
+            fail(f"ray train: the crash run did not resume from a checkpoint: {their_crash}")
+        # A clean run that failed on its own (a loaded machine's timeout) is slower, and the lost
+        # time taken against it reads low.
+        if ours_clean["failures"] or ours_clean["recoveries"]:
+            fail(f"ours: the clean run had a failure of its own: {ours_clean}")
+        if their_clean.get("start_step"):
+            fail(f"ray train: the clean run resumed from a checkpoint (it failed on its own): {their_clean}")
+        try:
+            with open(mark) as f:
+                killed_at = float(f.read())
+        except (OSError, ValueError) as exc:
+            fail(f"ours: the killed worker left no readable time of its kill in {mark}: {exc}")
     finally:
         shutil.rmtree(os.path.dirname(mark), ignore_errors=True)
     if ours_crash["detected_at"] is None:

@@ -123,16 +123,20 @@ def main() -> None:
     ready = ctx.Event()
     agent = ctx.Process(target=stand_in_agent, args=(path, ready), daemon=True)
     agent.start()
-    ready.wait(30)
-    # As a rank trains (cpus_per_worker threads: 1 in the benchmarks), and as thread_time counts:
-    # torch's own threads took part of the step's work, unseen, and the share read too high.
-    torch.set_num_threads(1)
-    rank = Rank(w, args.rank)
-    # The worker's own split (worker.py passes CheckpointConfig.min_shard_bytes): with 0 here
-    # every rank wrote a quarter of the state every step, a split no default run makes.
-    link = AgentCheckpointer(path, 1, fallback=lambda: None, min_shard_bytes=args.min_shard_bytes)
+    link = None
     snap_cpu, snap_wall, step_cpu, snap_steps = [], [], [], []
+    # From the agent's start: a stand-in that never came up, or a link refused, left the socket's
+    # directory behind, and the link's error said nothing of the stand-in.
     try:
+        if not ready.wait(30):
+            fail(f"the stand-in agent did not listen on {path} within 30 s (exit code {agent.exitcode})")
+        # As a rank trains (cpus_per_worker threads: 1 in the benchmarks), and as thread_time counts:
+        # torch's own threads took part of the step's work, unseen, and the share read too high.
+        torch.set_num_threads(1)
+        rank = Rank(w, args.rank)
+        # The worker's own split (worker.py passes CheckpointConfig.min_shard_bytes): with 0 here
+        # every rank wrote a quarter of the state every step, a split no default run makes.
+        link = AgentCheckpointer(path, 1, fallback=lambda: None, min_shard_bytes=args.min_shard_bytes)
         for i in range(args.warmup + args.steps):
             c = time.thread_time()
             rank.train_step()
@@ -149,7 +153,10 @@ def main() -> None:
         if link.dropped:
             raise RuntimeError(f"{link.dropped} snapshots were dropped: the stand-in agent fell behind")
     finally:
-        link.close()
+        if link is not None:
+            link.close()
+        else:
+            agent.terminate()  # it waits for a link that will not come
         agent.join(10)
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 

@@ -247,8 +247,9 @@ def main(argv=None) -> None:
     # spare): each ratio then compares the same steps, per step and by the wall clock alike.
     longest = args.evict_steps if "evict" in modes else args.steps
     # The data sized for the steps every mode runs, not --steps: at 300 of 400 the epoch
-    # wrapped, and the last quarter saw the first samples again.
-    w = workload_from_args(args, min_steps=longest)
+    # wrapped, and the last quarter saw the first samples again. And for first-N's five
+    # replicas (num_backups=1 below), each handed a worker's shard a step.
+    w = workload_from_args(args, min_steps=longest, replicas=args.workers + 1)
     start_ray(args.num_cpus)  # at most 5 replicas + 1 spare + 1 replacement spare hold a CPU
     slow = {"kind": "slow", "rank": args.slow_rank, "factor": args.factor, "from_step": args.slow_from}
 

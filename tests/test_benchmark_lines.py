@@ -104,3 +104,20 @@ def test_a_spare_ready_only_at_the_evict_runs_last_step_records_no_ratio_and_fai
     # Steps left after it: the ratio is taken as before.
     run.update(spare_ready_step=15, after_spare_ready=straggler.history_throughput(history, 15))
     assert straggler.evict_details(run, healthy)["ratio_after_spare_ready"] == pytest.approx(1.0)
+
+
+def test_the_straggler_runs_data_lasts_every_step_of_first_ns_five_replicas():
+    # Sized by the global batch (the 4 workers' shards a step), the first-N runs, which hand each of
+    # their five replicas a worker's shard, wrapped their epoch at step 320 of 400.
+    import argparse
+
+    import common
+    from elastic.data import ShardPlan
+
+    p = argparse.ArgumentParser()
+    common.add_workload_args(p, steps=400)
+    args = p.parse_args([])
+    w = common.workload_from_args(args, replicas=args.workers + 1)
+    plan = ShardPlan(w.dataset_size, seed=0)
+    assert {plan.take(args.workers + 1, w.batch_per_worker)[0] for _ in range(400)} == {0}
+    assert common.workload_from_args(args).dataset_size == 400 * w.global_batch  # data parallel: as before
