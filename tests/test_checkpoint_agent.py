@@ -479,8 +479,9 @@ def test_the_steps_a_gone_rank_leaves_waiting_are_sent_by_the_report_thread_in_o
     """Rank 1's link closes while rank 0's parts of steps 2 and 3 wait in the pool for it. The
     link's own thread sent them (every waiting step at once) while the report thread sent
     others, so two of the node's reports could reach the controller in the other order, and
-    the committer, taking a rank's newer step as proof it skipped the older one, lost a step
-    blocking mode promises. Every report now leaves from the one report thread."""
+    the committer, taking a rank's newer step as proof it skipped the older one, dropped the
+    older step, which may be the newest step every rank wrote if the newer one never completes.
+    Every report now leaves from the one report thread."""
     agent, controller, _, _, _ = node
     sweep = agent.pool.sweep
     monkeypatch.setattr(agent.pool, "sweep", lambda older_than_s=60.0: sweep(older_than_s))

@@ -386,6 +386,50 @@ def test_a_credentials_lookup_that_misses_once_at_a_nodes_start_is_looked_up_aga
         storage._filesystem()[0].clear_instance_cache()
 
 
+def test_a_nodes_credentials_check_ends_well_within_its_bound_when_each_lookup_is_slow(no_aws_env, monkeypatch):
+    # On a node outside AWS whose instance-metadata address drops packets, each lookup takes ~2 s
+    # and finds nothing. The patient check's deadline (10 s) was checked only before each sleep,
+    # so its 4th lookup started near 9.5 s and the check took ~12 s: a rank writing checkpoints
+    # in-process, its configure call given collective_timeout_s, was killed as hung instead of
+    # reporting the ConfigError naming its node.
+    import botocore.session
+
+    from elastic.checkpoint import storage as storage_module
+
+    now, starts = [0.0], []
+
+    class FakeTime:
+        """The module's clock: sleeps and lookups advance it, nothing waits."""
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def monotonic():
+            return now[0]
+
+        @staticmethod
+        def sleep(seconds):
+            now[0] += seconds
+
+    def slow_miss(self):
+        starts.append(now[0])
+        now[0] += 2.0
+        return None
+
+    monkeypatch.setattr(storage_module, "time", FakeTime())
+    monkeypatch.setattr(storage_module, "_CREDENTIALS_RETRY", RetryPolicy(attempts=4, base_s=0.5, max_s=2.0))
+    monkeypatch.setattr(botocore.session.Session, "get_credentials", slow_miss)
+    with pytest.raises(ConfigError, match="no AWS credentials found"):
+        Storage("s3://some-bucket/run", {}, retry=FAST).check_here()
+    bound = storage_module._CREDENTIALS_PATIENCE_S
+    assert bound <= 5.0
+    # Looked up again after the first miss, and each lookup let start ended by the bound.
+    assert len(starts) == 2, starts
+    assert all(start + 2.0 <= bound for start in starts), starts
+    assert now[0] <= bound
+
+
 def test_missing_credentials_are_a_refusal_not_an_outage(no_aws_env, moto_s3):
     """botocore's NoCredentialsError (no key in storage_options, none in this process's
     environment) is the same on every try: before, it was retried and called an outage."""

@@ -763,13 +763,15 @@ class CheckpointAgent:
         thread: this sends every waiting step at once (``_NodePool.drop``), and it raced the
         report thread sending others, so two of this node's reports could reach the controller
         in the other order. The committer reads a rank's report of a step as proof that the
-        rank skipped its older pending steps (it writes them in order), so an older step
-        arriving second never committed: harmless in background mode, where the newer step
-        supersedes it, but blocking mode promises every step (a rank goes on once its write is
-        done, so two of its steps can wait here for the node's other ranks). One thread sends
-        them in the order they were taken. After ``shutdown`` (a test aid) the report thread
-        forgets what waits when it stops, and once it has stopped this runs here, the only
-        sender left."""
+        rank skipped its older pending steps (it writes them in order) and drops them, so an
+        older step arriving second never committed. (Agents run only in background mode, where
+        a rank's steps wait here together when it writes faster than a slower rank of the node,
+        for up to ``POOL_WAIT_S``.) The newer step supersedes the older one only once it commits
+        itself; until then the older one may be the newest step every rank wrote, and if the
+        newer one never completes (a rank or node lost before writing it), a resume went back
+        to a step older still. One thread sends them in the order they were taken. After
+        ``shutdown`` (a test aid) the report thread forgets what waits when it stops, and once
+        it has stopped this runs here, the only sender left."""
         if self._closed and not self._threads["reports"].is_alive():
             self._forget(link)
         else:

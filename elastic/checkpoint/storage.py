@@ -241,12 +241,21 @@ class RetryPolicy:
 
 
 # The pauses between lookups of S3 credentials in a node's check at a run's start (``check_here``),
-# all of them within CREDENTIALS_LOOKUP_S: botocore answers a lookup that timed out or was
+# all of them within _CREDENTIALS_PATIENCE_S: botocore answers a lookup that timed out or was
 # throttled (the instance-metadata endpoint, with a node's many processes asking at once) as "no
 # credentials", the same as none to be found. Mid-run such a miss is looked up again, at most once
-# per CREDENTIALS_LOOKUP_S (``Storage._forget_filesystem``); at the start it ended the run. At
-# most ~3.5 s of sleeps: a node that truly has none is refused a few seconds later.
+# per CREDENTIALS_LOOKUP_S (``Storage._forget_filesystem``); at the start it ended the run.
 _CREDENTIALS_RETRY = RetryPolicy(attempts=4, base_s=0.5, max_s=2.0)
+# How long those lookups and pauses may take together: no lookup starts unless it would end by
+# then, taking it to last as long as the slowest one so far. A lookup on a node outside AWS whose
+# instance-metadata address drops packets takes ~2 s (botocore waits 1 s on each of its requests
+# there), so 5 s still holds a second lookup after a blip, and at worst (a lookup slower than
+# those before it) the check ends a couple of seconds past 5 s, well under 10 s. Bounded only by
+# CREDENTIALS_LOOKUP_S (10 s, checked before each sleep alone), a lookup could start near 9.5 s
+# and the check run ~12 s: a rank that writes checkpoints in-process runs it in its configure
+# call, which the controller gives collective_timeout_s, and with a short one killed it as hung
+# where it should have reported the ConfigError naming its node.
+_CREDENTIALS_PATIENCE_S = 5.0
 
 
 def looks_secret(key: Any) -> bool:
@@ -974,9 +983,10 @@ class Storage:
         """Resolve credentials the way s3fs/botocore would, without a network round trip to S3.
 
         Without this, missing credentials surface as a slow retry loop or a vague 403 mid-training.
-        ``patient``: none found is looked up again a few times (``_CREDENTIALS_RETRY``), for a
-        check on a node, where a lookup that timed out reads as none; the driver's stays strict:
-        one process, and a laptop without credentials is told at once.
+        ``patient``: none found is looked up again a few times (``_CREDENTIALS_RETRY``), all within
+        about ``_CREDENTIALS_PATIENCE_S``, for a check on a node, where a lookup that timed out
+        reads as none; the driver's stays strict: one process, and a laptop without credentials
+        is told at once.
         """
         opts = self.storage_options
         if opts.get("anon"):
@@ -998,18 +1008,24 @@ class Storage:
             import botocore.session
             from botocore.exceptions import BotoCoreError
 
-            deadline = time.monotonic() + CREDENTIALS_LOOKUP_S
+            deadline = time.monotonic() + _CREDENTIALS_PATIENCE_S
             attempts = _CREDENTIALS_RETRY.attempts if patient else 1
+            slowest = 0.0
             for attempt in range(attempts):
+                if attempt:
+                    delay = _CREDENTIALS_RETRY.delay_s(attempt - 1)
+                    # Checked here, before the sleep and the lookup both: each lookup may wait on
+                    # the metadata endpoint, so one let start near the deadline ends well past it.
+                    if time.monotonic() + delay + slowest > deadline:
+                        break
+                    logger.info("no AWS credentials found for %s; looking again in %.1fs", self.location, delay)
+                    time.sleep(delay)
                 # A new session each time: a session reads ~/.aws once (a file mounted late).
+                started = time.monotonic()
                 creds = botocore.session.Session(profile=opts.get("profile")).get_credentials()
-                if creds is not None or attempt + 1 >= attempts:
+                slowest = max(slowest, time.monotonic() - started)
+                if creds is not None:
                     break
-                delay = _CREDENTIALS_RETRY.delay_s(attempt)
-                if time.monotonic() + delay > deadline:  # each lookup may wait on the metadata endpoint
-                    break
-                logger.info("no AWS credentials found for %s; looking again in %.1fs", self.location, delay)
-                time.sleep(delay)
         except BotoCoreError as exc:  # e.g. ProfileNotFound
             raise ConfigError(
                 f"RunConfig.storage_options for {self.location!r}: cannot load AWS credentials "

@@ -845,10 +845,15 @@ class AgentCheckpointer:
     def flush(self, timeout_s: float | None = None, worker: Any = None) -> bool:
         """Wait until the agent has written (or given up on) every snapshot of this rank.
 
-        With ``worker`` (whose state is still that of its newest step), the snapshot of that
-        step is taken again first if it was dropped for want of a slot (waiting for one now:
-        training waits for the flush anyway), and if the agent is gone, the step it was given
-        last is written in this process: what it had not written went with it."""
+        With ``worker``, the snapshot of its newest step (``completed_step``) is taken again
+        first if it was dropped for want of a slot (waiting for one now: training waits for the
+        flush anyway). If the agent is gone, what it had not written went with it, and the step
+        it was given last (or dropped) is written again in this process only if it is that
+        newest step, the one the rank's state still holds. A rank that trained past it
+        (every_n_steps=10: handed step 100, now at 105) loses that step: its state is step
+        105's, and written as step 100's part it would stand beside the other ranks' parts of
+        step 100, a checkpoint that resumes this rank 5 steps ahead of the rest. Step 100 then
+        never commits, and the run's commit stays on an older step."""
         if self.fallback is not None:
             return self.fallback.flush(timeout_s)
         timeout_s = self.close_timeout_s if timeout_s is None else timeout_s
@@ -879,8 +884,12 @@ class AgentCheckpointer:
             # its word that the step was written among it, or why it ended the link.
             why, event = self._link_lost(exc)
             step = int(worker.completed_step)
-            # What the agent had not written went with it: the step it was last given (or that
-            # was dropped) is taken again here, from the rank's state, which is still that step's.
+            # What the agent had not written went with it. The step it was last given (or that
+            # was dropped) is taken again here, from the rank's state, only if that state is still
+            # the step's (``step in (self._handed, self._dropped)``). A rank that trained past it
+            # (handed 100, now at 105) loses it: written as step 100's part, state 5 steps on
+            # would sit beside the other ranks' true step-100 parts and a resume there would mix
+            # them. That step never commits; the run's commit stays on an older one.
             # A step it wrote (it said so before reporting it) is not written again, since a
             # committed manifest may name that file already; its part is reported from here, in
             # case the agent died before it did.
