@@ -898,7 +898,14 @@ class Controller:
                             generation, again)
                 return
             if "progress" in part:
-                self._worker_progress = max(self._worker_progress, int(part["progress"]))
+                # Not past a rollback's step for a part of a generation it fenced: the part of the
+                # step gone back to stands, but the steps its rank had finished since (a lost fast
+                # replica's, pushed late by its node's agent) are of the history given up, and
+                # counted, they inflated the checkpoint lag that _rewind's reset is there to keep true.
+                progress = min([int(part["progress"])] + [
+                    through for fenced, through in self._given_up_parts
+                    if generation is not None and through is not None and int(generation) <= fenced])
+                self._worker_progress = max(self._worker_progress, progress)
             self.committer.add(step, rank, world_size, part["entries"], taken_at=taken_at_here(part),
                                rng=part.get("rng"))
 
@@ -1954,15 +1961,22 @@ class Controller:
             dead = self._probe_dead()
         down: set = set()
         if dead:
-            down = unreachable_nodes({self.group.members[r].info.get("node_id") for r in dead})
-            lost, down = self._co_located_losses(dead, down, settle=node_suspect)
+            # Down only for certain (marked dead, unknown, refusing): a raylet whose connect only
+            # timed out may be healthy (one SYN lost), and every rank on its node was killed
+            # with it as a node lost. Such a node is suspect: its ranks are settled on their
+            # heartbeats while it is asked again (_co_located_losses).
+            suspect = unreachable_nodes({self.group.members[r].info.get("node_id") for r in dead}, certain=down)
+            lost, down = self._co_located_losses(dead, down, settle=node_suspect or bool(suspect), suspect=suspect)
             dead |= lost
         if not dead:
             kind = "collective"
+        elif down:
+            # Before the hang check: a crashed host's ranks miss their heartbeats and are killed
+            # as hung (_check_heartbeats), mostly before the GCS marks their node dead, and the
+            # node lost was told as a hang in the recoveries, the failures metric and the events.
+            kind = "node_lost"
         elif any(self.group.members[r].name in self._hung for r in dead):
             kind = "hang"
-        elif down:
-            kind = "node_lost"
         else:
             kind = "actor_died"
         raise Failure(dead, kind, detect_s=(first_problem or time.time()) - dispatched,
@@ -1991,23 +2005,34 @@ class Controller:
             if m.rank not in but:
                 m.actor.abort_collectives.remote(self.generation)
 
-    def _co_located_losses(self, dead: set[int], down: set, settle: bool) -> tuple[set[int], set]:
+    def _co_located_losses(self, dead: set[int], down: set, settle: bool,
+                           suspect: set = frozenset()) -> tuple[set[int], set]:
         """Other ranks lost with the same node, so a node loss is healed in one rebuild.
 
         When a raylet dies, its workers do not all die at the same instant: one may still answer
         (or even fail its collective like a survivor) a moment before it exits, and the GCS marks
         the node dead only seconds later. So the node's raylet is asked directly: a raylet that
-        refuses connections (or does not answer within a second) means the node is gone, and
-        every rank on it is lost now, alive or not (a worker without its raylet has no object
-        store and exits). A raylet that answers means a single process died, the common case,
-        and costs one local TCP connect. If the death otherwise looks like a node's, wait up to
-        ``node_settle_s`` for the node's other ranks to be confirmed dead or alive. ``down`` are
-        the dead ranks' nodes whose raylet is unreachable (probed once by the caller); returns the
-        ranks lost with them and the nodes found down, settling included.
+        refuses connections (or a node the GCS marks dead or does not know) means the node is
+        gone, and every rank on it is lost now, alive or not (a worker without its raylet has no
+        object store and exits). A raylet that answers means a single process died, the common
+        case, and costs one local TCP connect. A raylet that does not answer within a second is
+        only suspect (``unreachable_nodes``' ``certain``): one SYN lost to a healthy raylet fails
+        a 1 s connect, and taken for a node's death, every healthy rank on that node was killed
+        with the one that died. If the death otherwise looks like a node's, or its node is
+        suspect (``settle``), wait up to ``node_settle_s`` for the node's other ranks to be
+        confirmed dead or alive, asking the raylet again meanwhile. A node whose raylet timed
+        out every time it was asked, and whose ranks answered no heartbeat in the settle, is
+        gone with them: a crashed host drops packets (nothing refuses), and the GCS marks it
+        dead only after its health checks, ~15 s; left alive, they were found only once their
+        leave() ran out, a group timeout later. A rank that answered is alive (a SYN lost).
+        ``down`` are the dead ranks' nodes down for certain, ``suspect`` those whose raylet did
+        not answer (probed once by the caller); returns the ranks lost with them and the nodes
+        found down, settling included.
         """
         nodes = {self.group.members[r].info.get("node_id") for r in dead}
         others = [m for m in self.group.members if m.rank not in dead and m.info.get("node_id") in nodes]
         lost: set[int] = set()
+        answered: set[int] = set()
         settle = settle or bool(down)
         deadline = time.time() + (self.failure_config.node_settle_s if settle else 0.0)
         while others:
@@ -2023,11 +2048,17 @@ class Controller:
             for ref in ready:
                 try:
                     ray.get(ref)
+                    answered.add(refs[ref].rank)
                 except ray.exceptions.RayError:
                     lost.add(refs[ref].rank)
             others = [m for m in others if m.rank not in lost]
             time.sleep(0.1)
-            down |= unreachable_nodes({m.info.get("node_id") for m in others})
+            suspect = unreachable_nodes({m.info.get("node_id") for m in others}, certain=down)
+        silent = [m for m in others if m.info.get("node_id") in suspect and m.rank not in answered]
+        for m in silent:
+            lost.add(m.rank)
+            ray.kill(m.actor, no_restart=True)
+        down |= {m.info.get("node_id") for m in silent}
         if lost:
             self.log("node_lost", f"rank(s) {sorted(lost)} went with the node of rank(s) {sorted(dead)}",
                      ranks=sorted(lost))
@@ -2058,7 +2089,16 @@ class Controller:
         their collective for it, and the one that entered last would be killed as hung beside it.
         """
         refs = {ref: r for ref, r in pending.items()}
-        beats = {r: self.group.members[r].actor.heartbeat.remote() for r in refs.values()}
+        info, gone = self._heartbeat_answers(refs.values())
+        if gone:
+            return {}
+        return _blamed(refs, info, own_for_s, waiting_for_s)
+
+    def _heartbeat_answers(self, ranks: Iterable[int]) -> tuple[dict, set[int]]:
+        """The heartbeats of ``ranks``, asked now and waited for up to ``heartbeat_timeout_s``:
+        rank -> its answer (a rank that did not answer is missing), and the ranks whose heartbeat
+        says they are gone (``actor_lost``; killed, ``_lost``)."""
+        beats = {r: self.group.members[r].actor.heartbeat.remote() for r in ranks}
         ready, _ = ray.wait(list(beats.values()), num_returns=len(beats),
                             timeout=self.failure_config.heartbeat_timeout_s)
         info, gone = {}, set()
@@ -2069,9 +2109,7 @@ class Controller:
                 except ray.exceptions.RayError as exc:
                     if actor_lost(exc):
                         self._lost(r, gone)
-        if gone:
-            return {}
-        return _blamed(refs, info, own_for_s, waiting_for_s)
+        return info, gone
 
     def _lost(self, r: int, dead: set[int]) -> None:
         """Rank ``r``'s call says it is lost (``actor_lost``): into ``dead``, and killed. Why kill
@@ -2458,17 +2496,18 @@ class Controller:
         in here, they are healed with the others in one decision, not in a second round after
         the rebuild has failed on them.
 
-        A survivor whose leave() is not back within ``collective_timeout_s`` is stuck in its own
+        A survivor whose leave() is not back within the group's timeout and a margin (longer for
+        one whose heartbeat shows it still in its step: ``_ask_to_leave``) is stuck in its own
         code (a hang in a call queued ahead of the leave: a collective would have been broken by
         the loss). It is killed as hung and healed in the same decision, as an eviction does
         with a survivor that does not leave: failing the run for it would turn one lost node
         into a restart from the last checkpoint.
         """
         survivors = [m for m in self.group.members if m.rank not in dead]
-        refs, stuck = self._ask_to_leave(survivors)
+        refs, stuck, extra_s = self._ask_to_leave(survivors)
         if stuck:
-            self._kill_hung(stuck, f"did not leave the broken group within collective_timeout_s="
-                                   f"{self.failure_config.collective_timeout_s:g}", gone=dead)
+            self._kill_hung(stuck, f"did not leave the broken group within {self._leave_wait_text(extra_s)}",
+                            gone=dead)
         found: set[int] = set(stuck.values())
         for m, ref in zip(survivors, refs):
             if m.rank in found:
@@ -2484,17 +2523,66 @@ class Controller:
         self._lagging.clear()
         return found
 
-    def _ask_to_leave(self, survivors: list[Member]) -> tuple[list, dict]:
-        """Ask ``survivors`` to leave the group and wait up to the group's timeout and a margin. Returns
-        the calls' refs, in order, and those not back by then (ref -> rank): stuck in a call
-        queued ahead of the leave."""
+    def _ask_to_leave(self, survivors: list[Member]) -> tuple[list, dict, float]:
+        """Ask ``survivors`` to leave the group and wait up to the group's timeout and a margin,
+        then up to ``_leave_extension_s`` more for those whose heartbeat shows them still in the
+        call queued ahead of the leave, within its limits. Returns the calls' refs, in order,
+        those not back by then (ref -> rank): stuck in a call queued ahead of the leave, and the
+        seconds the wait was extended by."""
         refs = [m.actor.leave.remote() for m in survivors]
         # The group's timeout and a margin: a call queued ahead of the leave (a join, a step)
         # ends by the group's timeout after it began, then tears its group down; without the
         # margin a survivor whose join waited on a spare that died in the rendezvous could be
         # killed as stuck a moment before its join gave up.
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._group_timeout_s() + LEAVE_MARGIN_S)
-        return refs, {ref: m.rank for m, ref in zip(survivors, refs) if ref not in ready}
+        late = {ref: m.rank for m, ref in zip(survivors, refs) if ref not in ready}
+        extra_s = self._leave_extension_s(late) if late else 0.0
+        if extra_s > 0:
+            more, _ = ray.wait(list(late), num_returns=len(late), timeout=extra_s)
+            late = {ref: r for ref, r in late.items() if ref not in more}
+        return refs, late, extra_s
+
+    def _leave_extension_s(self, late: dict) -> float:
+        """How much longer to wait for the leaves of ``late`` (ref -> rank), not back by the
+        group's timeout and a margin: long enough for each rank whose heartbeat shows it within
+        its call's limits (in its own code for up to ``step_timeout_s``, in a collective for up
+        to the group's timeout and the margin) to reach them, at most one more group timeout and
+        margin; 0 when no rank is (silent, or past them: stuck, killed now).
+
+        Why: gloo's timeout counts from when a collective was issued, not from when the leave
+        was asked. A step queued ahead of it (the look-ahead) issues its collective only after
+        its forward and backward: with 25 s of compute and a host gone (no socket closes), a
+        leave asked at T+15 ran out at T+85 while the survivors' collective, issued at T+25,
+        raised only then; every survivor was killed as hung, no one held the state, and the run
+        went back to its checkpoint. The margin counts in the collective's limit for the same
+        reason the wait has it: the raise, the group's teardown and the leave come after it."""
+        cfg = self.failure_config
+        group_s = self._group_timeout_s()
+        info, _ = self._heartbeat_answers(late.values())
+        need = 0.0
+        for ref, r in late.items():
+            if r not in info or _blamed({ref: r}, {r: info[r]}, own_for_s=cfg.step_timeout_s,
+                                        waiting_for_s=group_s + LEAVE_MARGIN_S):
+                continue  # silent, or past its call's limits: stuck
+            age = _phase_age(info[r])
+            # In a collective: it raises by the group's timeout after it entered. In its own
+            # code: it reaches the broken collective by step_timeout_s, and raises there.
+            left = group_s - age if _waits_on_peers(info[r]["phase"]) else cfg.step_timeout_s - age + group_s
+            need = max(need, left + LEAVE_MARGIN_S)
+        return min(need, group_s + LEAVE_MARGIN_S)
+
+    def _leave_wait_text(self, extra_s: float = 0.0) -> str:
+        """The wait for survivors' leaves (``_ask_to_leave``), in words: its seconds and the
+        settings they come from. The messages said "within collective_timeout_s=60", where with
+        first-N the group's timeout is step_timeout_s when that is longer, and the margin and an
+        extension came on top."""
+        cfg = self.failure_config
+        group_s = self._group_timeout_s()
+        setting = (f"step_timeout_s={cfg.step_timeout_s:g}, first-N's group timeout"
+                   if group_s > cfg.collective_timeout_s else f"collective_timeout_s={cfg.collective_timeout_s:g}")
+        more = (f"; extended by {extra_s:.0f}s for the survivors whose heartbeat showed them still in their step"
+                if extra_s > 0 else "")
+        return f"{group_s + LEAVE_MARGIN_S:g}s ({setting}, + a margin of {LEAVE_MARGIN_S:g}s{more})"
 
     def _collect_spares(self) -> None:
         """Take in spares that finished building, and say so in the event log."""
@@ -2648,7 +2736,10 @@ class Controller:
         with self._steps_held():  # until the rewind: see _restore_members_from_checkpoint
             position = self._restore_latest(fast)
             if position is None:
-                self.step = 0
+                # Back to the start, and no longer descended from an earlier resume's restore
+                # (as _abandon_start): kept, the checkpoints of steps up to it were skipped
+                # (_finish_checkpoints, _snapshot_after_evict) and result() named that restore.
+                self.step, self.restored_from = 0, None
             self._replan(position, self.step)
             # Not below 0: the restored step can be past the controller's (parts reported mid-window).
             self.recomputed += max(0, lost_up_to - self.step)
@@ -3206,7 +3297,7 @@ class Controller:
             # Bounded like any group change: a survivor stuck in its own code (a hang in the
             # window it still held) never runs its queued leave(), and nothing else would catch it
             # here. It is killed as hung, and the recovery loop heals it with the victim's rank.
-            refs, stuck = self._ask_to_leave([m for m in self.group.members if m.rank != r])
+            refs, stuck, extra_s = self._ask_to_leave([m for m in self.group.members if m.rank != r])
             if not stuck:
                 ray.get(refs)
                 self._replace((r,))
@@ -3228,9 +3319,8 @@ class Controller:
             self._count_eviction(t0)
             return
         if stuck:  # out of the try: a Ray error in this recovery is its own, not the eviction's
-            self._kill_hung(stuck, f"did not leave the group within collective_timeout_s="
-                                   f"{self.failure_config.collective_timeout_s:g} while straggler rank {r} "
-                                   "was evicted", gone=(r,))
+            self._kill_hung(stuck, f"did not leave the group within {self._leave_wait_text(extra_s)} while "
+                                   f"straggler rank {r} was evicted", gone=(r,))
             # Found by the wait for its leave: detected that long after it was asked.
             self._recover(Failure(set(stuck.values()) | {r}, "hang", detect_s=time.time() - asked))
             self._count_eviction(t0)
@@ -3615,7 +3705,7 @@ def _blamed(refs: dict, info: dict, own_for_s: float | None = None, waiting_for_
     been in its phase is read on its own clock (its answer's ``time`` against its
     ``phase_since``): against the controller's, a node's clock skew counted too."""
     def age(r: int) -> float:
-        return info[r].get("time", info[r]["phase_since"]) - info[r]["phase_since"]
+        return _phase_age(info[r])
 
     def longer(r: int, limit: float | None) -> bool:
         return limit is None or age(r) > limit
@@ -3631,6 +3721,11 @@ def _blamed(refs: dict, info: dict, own_for_s: float | None = None, waiting_for_
     collective = [r for r in info if "allreduce" in info[r]["phase"]] or list(info)
     last = min(collective, key=age)  # the shortest time in it, not the latest phase_since: clocks differ by node
     return {ref: r for ref, r in refs.items() if r == last and longer(r, waiting_for_s)}
+
+
+def _phase_age(answer: dict) -> float:
+    """How long a rank had been in its phase when it answered its heartbeat, on its own clock."""
+    return answer.get("time", answer["phase_since"]) - answer["phase_since"]
 
 
 def _waits_on_peers(phase: str) -> bool:

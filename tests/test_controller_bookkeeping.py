@@ -860,7 +860,8 @@ def test_an_eviction_the_recovery_loop_finishes_is_counted_as_a_straggler_recove
             raise ray.exceptions.ActorDiedError()
 
     monkeypatch.setattr(c, "_sync_state", sync)
-    monkeypatch.setattr(c, "_ask_to_leave", lambda survivors: ([], {"leave-of-rank-0": 0} if how == "hang" else {}))
+    monkeypatch.setattr(c, "_ask_to_leave",
+                        lambda survivors: ([], {"leave-of-rank-0": 0} if how == "hang" else {}, 0.0))
     monkeypatch.setattr(c, "_kill_hung", lambda stuck, why, gone=(): None)
     monkeypatch.setattr(c, "_probe_dead", lambda: {2})
     monkeypatch.setattr(c, "_settle_survivors", lambda dead: set())
@@ -1442,3 +1443,207 @@ def test_at_the_collective_timeout_a_rank_still_in_its_own_code_is_blamed_only_p
     # phase_since, a node whose clock runs ahead (rank 0's here) had its healthy rank killed.
     waiting[0] = beat("allreduce", 63.0, clock=1e6)
     assert blamed(refs, waiting, own_for_s=120.0, waiting_for_s=60.0) == {"r2": 2}
+
+
+class Ray:
+    """``ray.wait``, ``ray.get`` and ``ray.kill`` over stand-in refs (strings): ``outcomes`` holds
+    a ref's value, or the error ``ray.get`` raises for it; a ref not in it is still running. A
+    rank killed has its step call fail as dead. ``leave_back``: the leaves come back in the
+    ``leave_back``-th wait on them (``waits`` holds those waits' timeouts), never if None."""
+
+    def __init__(self, monkeypatch, outcomes, leave_back=None):
+        self.outcomes, self.leave_back = outcomes, leave_back
+        self.waits: list[float] = []
+        self.killed: list[str] = []
+        for name in ("wait", "get", "kill"):
+            monkeypatch.setattr(controller_module.ray, name, getattr(self, name))
+
+    def wait(self, refs, num_returns=1, timeout=None, **kw):
+        if any(r.startswith("leave") for r in refs):
+            self.waits.append(timeout)
+            if len(self.waits) == self.leave_back:
+                self.outcomes.update({r: None for r in refs})
+        ready = [r for r in refs if r in self.outcomes]
+        if len(ready) < num_returns and timeout:
+            time.sleep(min(timeout, 0.01))  # the gather's clocks go on
+        return ready[:num_returns], [r for r in refs if r not in ready[:num_returns]]
+
+    def get(self, ref, timeout=None):
+        value = self.outcomes[ref]
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def kill(self, actor, no_restart=True):
+        self.killed.append(actor.name)
+        self.outcomes[f"step-{actor.name}"] = controller_module.ray.exceptions.ActorDiedError()
+
+
+class Rank:
+    """A stand-in rank's actor handle: its calls' refs are named after it (see ``Ray``)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.heartbeat = Call(lambda: f"beat-{name}")
+        self.leave = Call(lambda: f"leave-{name}")
+
+
+def ranks_on(c, nodes):
+    """``c.group``: a stand-in group whose rank i is on ``nodes[i]``."""
+    c.group = StandInGroup(ranks=len(nodes))
+    for m, node in zip(c.group.members, nodes):
+        m.actor, m.info = Rank(m.name), {"node_id": node}
+
+
+def beat(phase, for_s):
+    """A heartbeat's answer: in ``phase`` for ``for_s`` seconds, on the rank's own clock."""
+    return {"phase": phase, "phase_since": 1000.0 - for_s, "time": 1000.0, "completed_step": 3}
+
+
+def test_a_raylet_whose_connect_only_timed_out_loses_no_healthy_rank_with_the_one_that_died(rayless_controller,
+                                                                                          monkeypatch):
+    # Rank 0 died alone; rank 1, on the same node, is healthy. The probe of their raylet lost
+    # its SYN (a 1 s connect timed out), and the timeout was taken for the node's death: rank 1
+    # was killed with rank 0 as a node lost. Now the node is only suspect: rank 1 answers its
+    # heartbeats, the raylet answers when asked again, and only rank 0 is lost.
+    from elastic.actors import worker_group
+
+    c = rayless_controller(failure=elastic.FailureConfig(node_settle_s=0.3))
+    ranks_on(c, ["n", "n"])
+    fake = Ray(monkeypatch, {"step-rank-0": controller_module.ray.exceptions.ActorDiedError(),
+                             "step-rank-1": "rank 1's results", "beat-rank-1": beat("idle", 0.1)})
+    monkeypatch.setattr(controller_module.ray, "nodes", lambda: [
+        {"NodeID": "n", "Alive": True, "NodeManagerAddress": "10.0.0.9", "NodeManagerPort": 1234}])
+    connects = []
+
+    def connect(address, timeout=None):  # the first SYN is lost, the next one answered
+        connects.append(address)
+        if len(connects) == 1:
+            raise TimeoutError("timed out")
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(worker_group.socket, "create_connection", connect)
+    with pytest.raises(Failure) as failure:
+        c._gather(["step-rank-0", "step-rank-1"], [0, 1])
+    assert failure.value.dead == {0} and failure.value.kind == "actor_died"
+    assert fake.killed == ["rank-0"] and len(connects) >= 2  # asked again, not written off
+    assert not [e for e in c.events if e.kind == "node_lost"]
+
+
+def test_a_node_whose_raylet_times_out_throughout_the_settle_and_whose_ranks_are_silent_is_lost(rayless_controller,
+                                                                                               monkeypatch):
+    # A host crashed: it drops packets, so its raylet's connect times out (no refusal) until the
+    # GCS marks it dead ~15 s later. Taken as suspect only, its silent rank 1 stayed in the group
+    # and was found only when its leave() ran out, a group timeout later. A raylet that never
+    # answered in the settle, with ranks that never answered either, is the node gone.
+    from elastic.actors import worker_group
+
+    c = rayless_controller(failure=elastic.FailureConfig(node_settle_s=0.3))
+    ranks_on(c, ["n", "n", "m"])
+    fake = Ray(monkeypatch, {"step-rank-0": controller_module.ray.exceptions.ActorDiedError(),
+                             "step-rank-1": "rank 1's results", "step-rank-2": "rank 2's results",
+                             "beat-rank-2": beat("idle", 0.1)})  # rank 1 never answers its heartbeat
+    monkeypatch.setattr(controller_module.ray, "nodes", lambda: [
+        {"NodeID": "n", "Alive": True, "NodeManagerAddress": "10.0.0.9", "NodeManagerPort": 1234},
+        {"NodeID": "m", "Alive": True, "NodeManagerAddress": "10.0.0.8", "NodeManagerPort": 1234}])
+
+    def connect(address, timeout=None):  # the crashed host answers nothing
+        if address[0] == "10.0.0.9":
+            raise TimeoutError("timed out")
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(worker_group.socket, "create_connection", connect)
+    with pytest.raises(Failure) as failure:
+        c._gather(["step-rank-0", "step-rank-1", "step-rank-2"], [0, 1, 2])
+    assert failure.value.dead == {0, 1} and failure.value.kind == "node_lost"
+    assert fake.killed == ["rank-0", "rank-1"]
+    assert [e.details["ranks"] for e in c.events if e.kind == "node_lost"] == [[1]]
+
+
+def test_a_rank_killed_for_missed_heartbeats_on_a_node_found_down_is_a_node_lost_not_a_hang(rayless_controller,
+                                                                                          monkeypatch):
+    # A host crashed: its rank's heartbeat stopped, and the rank was killed as hung (missed
+    # heartbeats) before the GCS marked the node dead. The node is down for certain when the
+    # gather looks, but the hang was checked first: the node lost was told as a hang in the
+    # recoveries, the failures metric and the events.
+    c = rayless_controller(failure=elastic.FailureConfig(heartbeat_interval_s=0.01, heartbeat_timeout_s=0.05,
+                                                         node_settle_s=0.05))
+    ranks_on(c, ["a", "b"])
+    Ray(monkeypatch, {"step-rank-0": "rank 0's results"})  # rank 1 answers nothing
+    monkeypatch.setattr(controller_module.ray, "nodes", lambda: [{"NodeID": "b", "Alive": False}])
+    with pytest.raises(Failure) as failure:
+        c._gather(["step-rank-0", "step-rank-1"], [0, 1])
+    assert "rank-1" in c._hung  # killed for its missed heartbeats, as before
+    assert failure.value.dead == {1} and failure.value.kind == "node_lost"
+
+
+def test_a_first_n_survivor_that_does_not_leave_is_told_the_wait_it_had_and_the_settings_behind_it(
+        rayless_controller, monkeypatch):
+    # First-N's group timeout is step_timeout_s when that is longer: the survivor waited 130 s,
+    # and the event said "within collective_timeout_s=60".
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=1, num_backups=1, aggregation="first_n"),
+                           failure=elastic.FailureConfig(collective_timeout_s=60, step_timeout_s=120))
+    ranks_on(c, ["a", "b"])
+    c.group.evict = lambda m: None
+    fake = Ray(monkeypatch, {"leave-rank-0": None})  # rank 1 is silent and never leaves
+    assert c._settle_survivors(set()) == {1}
+    assert fake.waits == [130.0]
+    hang = [e.message for e in c.events if e.kind == "hang"]
+    assert hang == ["rank 1 did not leave the broken group within 130s (step_timeout_s=120, first-N's group "
+                    "timeout, + a margin of 10s); killing it so its peers unblock"]
+
+
+@pytest.mark.parametrize("answer, back, waits, killed", [
+    # In its collective for 5 s: gloo's timeout runs from when the collective was issued (after
+    # the step's compute), not from the leave. It raises 55 s on and leaves: not killed at the
+    # first deadline, as it was (with every other survivor, and no one left holding the state).
+    (beat("allreduce", 5.0), 2, [70.0, 65.0], []),
+    (beat("backward+allreduce", 5.0), None, [70.0, 65.0], ["rank-0"]),  # still not back at the bound
+    (beat("compute", 5.0), 2, [70.0, 70.0], []),  # still computing: at most one more timeout and margin
+    (None, 2, [70.0], ["rank-0"]),  # silent
+    (beat("allreduce", 75.0), 2, [70.0], ["rank-0"]),  # in its collective past the group's timeout
+    (beat("compute", 130.0), 2, [70.0], ["rank-0"]),  # in its own code past step_timeout_s
+])
+def test_a_survivor_whose_heartbeat_shows_it_still_in_its_collective_is_given_until_it_raises_there(
+        rayless_controller, monkeypatch, answer, back, waits, killed):
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3),
+                           failure=elastic.FailureConfig(collective_timeout_s=60, step_timeout_s=120))
+    ranks_on(c, ["a", "a", "b"])
+    c.group.evict = lambda m: None
+    outcomes = {"leave-rank-1": None} if answer is None else {"leave-rank-1": None, "beat-rank-0": answer}
+    fake = Ray(monkeypatch, outcomes, leave_back=back)
+    assert c._settle_survivors({2}) == ({0} if killed else set())
+    assert fake.waits == waits and fake.killed == killed
+    if killed and len(waits) > 1:
+        hang = [e.message for e in c.events if e.kind == "hang"]
+        assert "within 70s (collective_timeout_s=60, + a margin of 10s; extended by 65s" in hang[0]
+
+
+def test_a_late_part_of_a_fenced_generation_does_not_raise_the_progress_past_the_rollback(rayless_controller):
+    # First-N rolled back to step 15 (every fast replica lost). A lost fast replica's node agent
+    # then pushed its part of step 15, taken when the replica had finished step 19: the progress
+    # went to 19, and the checkpoint lag read 4 steps too many until training passed 19 again.
+    class Committer:
+        def rewind(self, step, restored=False):
+            pass
+
+        def add(self, step, rank, world_size, entries, taken_at=None, rng=None):
+            pass
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=1, num_backups=1, aggregation="first_n"))
+    c.committer, c.generation, c.step = Committer(), 3, 15
+    c._rewind(15)
+    c._add_part(15, 1, 2, {"generation": 3, "progress": 19, "entries": []})
+    assert c._progress_step() == 15
+    c._add_part(16, 0, 2, {"generation": 4, "progress": 17, "entries": []})  # the new generation's count
+    assert c._progress_step() == 17
+
+
+def test_a_restart_that_finds_no_checkpoint_forgets_an_earlier_resumes_restore(rayless_controller, monkeypatch):
+    # The run resumed from step 5; a restart later found nothing committed and went back to
+    # step 0, but restored_from stayed 5: steps up to 5 skipped their checkpoints, and result()
+    # named a restore this timeline no longer comes from.
+    c = rayless_controller(failure=elastic.FailureConfig(on_failure="restart"))
+    c.step, c.restored_from = 9, 5
+    _restart_with_stand_ins(c, monkeypatch, begun=10, restored_step=None)
+    assert c.step == 0 and c.restored_from is None
