@@ -65,6 +65,10 @@ from helpers import loss_fn, make_dataset, make_model, make_sgd
     ({"resources_per_worker": {"Cpu": 2}}, r"write 'CPU'"),
     ({"use_gpu": True, "num_workers": 1, "num_backups": 1, "aggregation": "first_n", "resources_per_worker": {"GPU": 0.5}},
      r"or use aggregation='all' with num_workers=1 and no backups"),
+    # data parallel's hot spares are num_backups: num_spares there would be read by nothing
+    ({"num_workers": 2, "num_spares": 1},
+     r"ScalingConfig\.num_spares is for aggregation='first_n'; with aggregation='all' the hot spares are num_backups"),
+    ({"resources_per_worker": {"GPU": 1}}, r"resources_per_worker asks for GPU but use_gpu=False; set use_gpu=True"),
 ])
 def test_scaling_rejects(kwargs, field):
     with pytest.raises(ConfigError, match=field):
@@ -85,6 +89,7 @@ def test_scaling_rejects(kwargs, field):
     ({"on_failure": "wait", "when_no_spare": "shrink", "allow_shrink": True, "min_workers": 2},
      r"when_no_spare='shrink' is read only with on_failure='replace'.*on_failure='wait' it would be ignored"),
     ({"on_failure": "shrink", "when_no_spare": "restart", "allow_shrink": True}, r"when_no_spare='restart'"),
+    ({"when_no_spare": "replace"}, r"FailureConfig\.when_no_spare cannot be 'replace' \(there is no spare\)"),
     ({"min_workers": 0}, "min_workers"),
     ({"heartbeat_timeout_s": 0}, "heartbeat_timeout_s"),
     ({"straggler_node_avoid_s": -1}, "straggler_node_avoid_s"),

@@ -54,15 +54,26 @@ def test_a_new_buffer_is_made_once_the_old_one_is_let_go(monkeypatch):
 
 
 def test_every_parameter_reached_sets_nothing_aside():
+    # Only "a gradient is there" was checked: zeros, or a copy the next backward would not
+    # accumulate into, passed as well.
     model = torch.nn.Linear(3, 2)
     grads = FlatGrads(model)
-    grads.bind(torch.device("cpu"))
+    flat = grads.bind(torch.device("cpu"))
     grads.before_backward()
-    loss = model(torch.ones(1, 3)).sum()
+    loss = model(torch.tensor([[1.0, 2.0, 3.0]])).sum()
     loss.backward()
     grads.after_backward(loss)
+    # d(sum of W x + b)/dW is x in every row, d/db is 1: [loss | 2 marks | weight (2x3) | bias (2)]
+    assert torch.equal(flat, torch.tensor([loss.item(), 1, 1, 1, 2, 3, 1, 2, 3, 1, 1]))
     with grads.for_update():
-        assert all(p.grad is not None for p in model.parameters())
+        assert torch.equal(model.weight.grad, torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]))
+        assert torch.equal(model.bias.grad, torch.ones(2))
+        # still the buffer's slices (what the optimizer steps on is what was averaged): the
+        # weight's six elements after the loss and the marks, the bias's two after those
+        assert model.weight.grad.data_ptr() == flat[3:9].data_ptr() and model.weight.grad.shape == (2, 3)
+        assert model.bias.grad.data_ptr() == flat[9:11].data_ptr()
+        flat[3:].mul_(2)  # an average that came in: the parameters see it
+        assert model.weight.grad[0].tolist() == [2.0, 4.0, 6.0] and model.bias.grad.tolist() == [2.0, 2.0]
 
 
 def test_parameters_of_another_dtype_are_averaged_in_the_widest_and_rounded_once():

@@ -47,6 +47,16 @@ def size_as_text(body: dict) -> None:
     body["files"][0]["size"] = str(body["files"][0]["size"])  # the right size, as a string
 
 
+def first_record(key: str | None, value):
+    """Set ``key`` of the manifest's first file record to ``value`` (None: the record itself)."""
+    def change(body: dict) -> None:
+        if key is None:
+            body["files"][0] = value
+        else:
+            body["files"][0][key] = value
+    return change
+
+
 # Each leaves the step's files as they are, so only the manifest's own fields can give it away.
 @pytest.mark.parametrize("change, reason", [
     (without("world_size"), "world_size None is not a positive integer"),
@@ -63,9 +73,20 @@ def size_as_text(body: dict) -> None:
     (setting("files", {}), "files are a dict, not a list"),
     (setting("files", []), "lists no files"),
     (size_as_text, r"file records do not parse \(record 0: size '\d+' is not a byte count up to"),
+    # another step's manifest, or another format's, checks out as a whole all the same
+    (setting("step", 3), "manifest is for step 3, format 'elastic-checkpoint'"),
+    (setting("format", "other"), "manifest is for step 2, format 'other'"),
+    # bools are ints to Python: each of these refuses True by name
+    (setting("version", True), r"manifest version True is not one this code reads \(1, 2, 3, 5\)"),
+    (setting("world_size", True), "manifest's world_size True is not a positive integer"),
+    (setting("created_at", True), "manifest's created_at True is not a time"),
+    (first_record(None, "shard-r0-of-1.safetensors"), r"file records do not parse \(record 0: a str, not an object\)"),
+    (first_record("sha256", 5), r"file records do not parse \(record 0: sha256 5 is not a hex digest\)"),
+    (first_record("size", -1), r"file records do not parse \(record 0: size -1 is not a byte count up to 1099511627776\)"),
 ], ids=["no-world_size", "world_size-str", "world_size-0", "no-version", "no-created_at",
         "no-meta", "meta-list", "rng-str", "rng-list", "rng-rank-beyond-world", "rng-state-int", "files-dict",
-        "files-empty", "size-str"])
+        "files-empty", "size-str", "step-other", "format-other", "version-bool", "world_size-bool",
+        "created_at-bool", "record-str", "sha256-int", "size-negative"])
 def test_a_manifest_of_the_wrong_shape_is_corrupt_and_resume_falls_back(backend, caplog, change, reason):
     store = make_store(backend)
     commit_tiny(store, 1)
@@ -104,7 +125,11 @@ def test_a_step_a_newer_elastic_wrote_is_neither_skipped_as_corrupt_nor_swept(ba
     commit_tiny(store, 3)
     assert store.committed_steps() == [1, 3]  # below a step this code reads: skipped, not an error
     assert store.gc_uncommitted().deleted == [] and store.step_dirs() == [1, 2, 3]
-    assert {i.step: i.status for i in store.list_steps()}[2] != "valid"
+    # Listed as one this code cannot read, not as corrupt (`!= "valid"` let "corrupt" through).
+    listed = {i.step: i for i in store.list_steps()}
+    assert {step: i.status for step, i in listed.items()} == {1: "valid", 2: "unreadable", 3: "valid"}
+    assert listed[2].problem is not None
+    assert f"was written by a newer elastic (manifest version {VERSION + 1}; " in listed[2].problem
 
 
 def test_a_step_of_version_3_resumes_a_schedule_that_hands_over_to_multisteplr(monkeypatch, tmp_path):
