@@ -598,6 +598,72 @@ def test_a_rank_reads_its_batch_and_steps_its_optimizer_in_its_own_codes_phase(u
         assert updates == ["update", "update"] and not _waits_on_peers("update"), (rank, seen)
 
 
+def _accumulating_step_fn(model, batch):
+    """Two micro-batches, the second's backward all-reducing again (no ``no_sync``), noting the
+    worker's phase after each forward and each backward, and whether the phase was entered
+    after that backward began."""
+    x, y = batch
+    w, seen = _WATCHED["worker"], _WATCHED["seen"]
+    for part in (slice(0, 2), slice(2, 4)):
+        loss = torch.nn.functional.cross_entropy(model(x[part]), y[part]) / 2
+        seen.append(("forward", w.phase, True))
+        began = time.time()
+        loss.backward()
+        seen.append(("backward", w.phase, w.phase_since >= began))
+    return loss
+
+
+def _phases_around_a_step_fns_backward(out) -> None:
+    """A real TrainWorker (no Ray) with a step_fn, DDP in a gloo group of one; the phases its
+    step_fn saw (``_accumulating_step_fn``) and the optimizer's."""
+    from helpers import loss_fn, make_dataset, make_model, make_sgd
+
+    from elastic.actors.protocol import TrainingSpec
+    from elastic.actors.worker import TrainWorker
+
+    torch.set_num_threads(1)
+    worker = TrainWorker(TrainingSpec(make_model, make_sgd, make_dataset, loss_fn, step_fn=_accumulating_step_fn))
+    _WATCHED.update(worker=worker, seen=[])
+    join_pair(worker, 0, 1, None, 1, 20.0)
+    worker.optimizer.register_step_pre_hook(lambda *_: _WATCHED["seen"].append(("optimizer", worker.phase, True)))
+    worker.train_steps(1, [[0, 1, 2, 3], [4, 5, 6, 7]], 1)
+    out.put(_WATCHED["seen"])
+    worker.leave()
+
+
+def test_a_step_fn_back_in_its_own_code_after_its_backward_is_in_the_compute_phase():
+    # Under a step_fn the phase went to "backward+allreduce" at the step's first bucket and
+    # stayed there until the update: a rank hung in its own code after its backward (a logging
+    # call, the next micro-batch's forward) read as waiting on its peers, and the controller
+    # (_blamed) killed a healthy rank first.
+    seen = in_spawned_process(_phases_around_a_step_fns_backward)
+    expected = [("forward", "compute", True), ("backward", "compute", True)] * 2 + [("optimizer", "update", True)]
+    assert seen == expected * 2, seen
+
+
+def test_a_step_fns_later_forward_takes_the_phase_back_to_its_own_code():
+    # On NCCL the backward's end leaves the phase at the collective (the host cannot tell when
+    # its all-reduces end): the next micro-batch's forward is the rank's own code again.
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    def rank(phase, step_clock):
+        r = SimpleNamespace(phase=phase, phase_since=0.0, _step_clock=step_clock, _ddp_forwarded=False)
+        r._enter = lambda phase: TrainWorker._enter(r, phase)
+        return r
+
+    after_backward = rank("backward+allreduce", (3, 0.0))
+    TrainWorker._note_ddp_forward(after_backward)
+    assert after_backward.phase == "compute" and after_backward.phase_since > 0 and after_backward._ddp_forwarded
+    first = rank("compute", (3, 0.0))  # the step's first forward keeps the step's start (its fetch)
+    TrainWorker._note_ddp_forward(first)
+    assert (first.phase, first.phase_since) == ("compute", 0.0)
+    outside = rank("idle", None)  # not in a step_fn
+    TrainWorker._note_ddp_forward(outside)
+    assert outside.phase == "idle"
+
+
 def test_bucket_arguments_by_backend():
     assert ddp_bucket_kwargs("gloo", None) == {"bucket_cap_mb": 25}
     assert ddp_bucket_kwargs("nccl", None) == {}  # torch's default: a small first bucket to overlap
@@ -912,6 +978,76 @@ def test_the_users_own_error_with_a_collectives_words_is_the_users():
     with pytest.raises(RuntimeError) as raised:
         users_step_fn(gloo_wait)
     assert _raised_outside_libraries(raised.value)  # a raise statement of the user's
+
+
+# The DDP reducer's error for a parameter without a gradient, in torch 2.13's words (reducer.cpp):
+# what it says with the constructor's find_unused_parameters off, then on, and what it adds with
+# TORCH_DISTRIBUTED_DEBUG=INFO (or DETAIL) for a model whose ``peer_proj`` got none.
+_UNFINISHED_REDUCTION = ("Expected to have finished reduction in the prior iteration before starting a new one. "
+                         "This error indicates that your module has parameters that were not used in producing "
+                         "loss. {}\nIf you already have done the above, then the distributed data parallel module "
+                         "wasn't able to locate the output tensors in the return value of your module's `forward` "
+                         "function.{}")
+_WITH_UNUSED_OFF = ("You can enable unused parameter detection by passing the keyword argument "
+                    "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, and by \nmaking "
+                    "sure all `forward` function outputs participate in calculating loss. ")
+_WITH_UNUSED_ON = ("Since `find_unused_parameters=True` is enabled, this likely  means that not all `forward` "
+                   "outputs participate in computing loss. You can fix this by making sure all `forward` function "
+                   "outputs participate in calculating loss. ")
+_NAMED = ("\nParameters which did not receive grad for rank 1: peer_proj.bias, peer_proj.weight\n"
+          "Parameter indices which did not receive grad for rank 1: 2 3")
+
+
+def _failed_guarded_step(text, find_unused_parameters=False, aborted=None):
+    """What ``TrainWorker._run_guarded`` raises for a DDP step whose error, with ``text``, came
+    out of torch's frames (as the reducer's does), on a rank of a group of one."""
+    from types import SimpleNamespace
+
+    from elastic.actors.worker import TrainWorker
+
+    rank = SimpleNamespace(rank=1, world_size=1, generation=3, _aborted_generation=aborted, ddp=object(),
+                           current_step=5, spec=SimpleNamespace(find_unused_parameters=find_unused_parameters),
+                           phase="compute", leave=lambda: None)
+    rank._enter = lambda phase: setattr(rank, "phase", phase)
+    inside_torch = os.path.join(os.path.dirname(torch.__file__), "nn", "parallel", "distributed.py")
+    with pytest.raises(Exception) as raised:
+        TrainWorker._run_guarded(rank, lambda: exec(compile(f"raise RuntimeError({text!r})", inside_torch, "exec")))
+    return raised.value
+
+
+def test_ddps_unused_parameter_error_is_told_what_to_change_with_find_unused_parameters_set_or_not():
+    # With ScalingConfig(find_unused_parameters=True) already set, the error still said to set it
+    # (DDP's words then are that not every forward output took part in the loss).
+    from elastic.actors.protocol import CollectiveError
+
+    off = _failed_guarded_step(_UNFINISHED_REDUCTION.format(_WITH_UNUSED_OFF, ""), find_unused_parameters=False)
+    assert type(off) is RuntimeError and "set ScalingConfig(find_unused_parameters=True)." in str(off)
+    on = _failed_guarded_step(_UNFINISHED_REDUCTION.format(_WITH_UNUSED_ON, ""), find_unused_parameters=True)
+    assert type(on) is RuntimeError and not isinstance(on, CollectiveError)
+    assert "set ScalingConfig(find_unused_parameters=True)" not in str(on)
+    assert "find_unused_parameters=True) is already set" in str(on)
+    assert "Every output of the model's forward must take part in the loss" in str(on)
+
+
+def test_ddps_error_naming_a_parameter_with_a_collectives_word_is_the_users():
+    # With TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL the reducer's error names the parameters without a
+    # gradient: "peer_proj.weight" holds "peer", the step's failure read as a broken group, and
+    # the group was rebuilt and the step replayed into it until max_failures.
+    from elastic.actors.protocol import CollectiveError
+    from elastic.actors.worker import _looks_collective
+
+    for unused, hint in ((False, _WITH_UNUSED_OFF), (True, _WITH_UNUSED_ON)):
+        text = _UNFINISHED_REDUCTION.format(hint, _NAMED)
+        assert not _looks_collective(RuntimeError(text))
+        failure = _failed_guarded_step(text, find_unused_parameters=unused)
+        assert type(failure) is RuntimeError and "peer_proj.weight" in str(failure)
+        assert ("is already set" if unused else "set ScalingConfig(find_unused_parameters=True).") in str(failure)
+    twice = ("Expected to mark a variable ready only once. This error is caused by one of the following reasons: "
+             "...\nParameter at index 2 with name peer_proj.weight has been marked as ready twice.")
+    assert not _looks_collective(RuntimeError(twice))
+    # After an NCCL abort of the step's generation it is the abort's doing all the same.
+    aborted = _failed_guarded_step(_UNFINISHED_REDUCTION.format(_WITH_UNUSED_OFF, _NAMED), aborted=3)
+    assert isinstance(aborted, CollectiveError)
 
 
 def test_a_failed_steps_buffer_restore_does_not_replace_its_collective_error():

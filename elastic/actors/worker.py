@@ -842,8 +842,16 @@ class TrainWorker:
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     def _note_ddp_forward(self) -> None:
-        """The DDP wrapper's forward ran: the step's loss went through it (``_train_step``)."""
+        """The DDP wrapper's forward ran: the step's loss went through it (``_train_step``).
+
+        Under a ``step_fn``, a forward after a backward (the next micro-batch of an accumulation
+        without ``no_sync``) is this rank's own code again: the phase goes back to "compute"
+        (on NCCL, where the backward's end leaves it at the collective: see
+        ``_first_contact_hook``). Entered only from another phase, so the step's first forward
+        keeps the time of the step's start, its batch's fetch included."""
         self._ddp_forwarded = True
+        if self._step_clock is not None and self.phase != "compute":
+            self._enter("compute")
 
     def _first_contact_hook(self, state, bucket):
         """DDP's all-reduce of a bucket (its default hook, the same sum and division), first
@@ -852,13 +860,46 @@ class TrainWorker:
         inside DDP for the slowest rank, so the time around the call is the ring's pace on every
         rank, and a straggler scored like the others and was never found. An injected slowdown
         (or mid-step kill) lands here too, before the peers are reached, as without a step_fn.
-        Buckets of a backward under ``no_sync`` never come here; the last backward's do."""
-        if self._step_clock is not None and not self._local_clock.reached:
-            step, t_step = self._step_clock
-            self._injected_delay(step, time.perf_counter() - t_step)
-            self._local_clock.contact()
-            self._enter("backward+allreduce")
+        Buckets of a backward under ``no_sync`` never come here; the last backward's do.
+
+        The first bucket of each backward also enters the collective's phase, and (not on NCCL)
+        has the phase go back to "compute" once the backward's all-reduces are done
+        (``_queue_backward_end``). Why: the step_fn runs on after its backward (a logging call,
+        the next micro-batch's forward), and a rank hung there read as waiting on its peers
+        until ``_apply_update``, so the controller (``_blamed``) killed a healthy rank first. On
+        NCCL the host cannot tell when the all-reduces end (DDP's wait on them only queues the
+        stream's wait), and a rank whose kernels hang on a dead peer would read as in its own
+        code: its phase stays the collective's until the step's update (``_check_not_aborted``
+        waits for the stream) or the step_fn's next forward (``_note_ddp_forward``)."""
+        if self._step_clock is not None:
+            if not self._local_clock.reached:
+                step, t_step = self._step_clock
+                self._injected_delay(step, time.perf_counter() - t_step)
+                self._local_clock.contact()
+            if self.phase != "backward+allreduce":  # this backward's first bucket
+                self._enter("backward+allreduce")
+                if self.backend != "nccl":
+                    self._queue_backward_end()
         return ddp_hooks.allreduce_hook(state, bucket)
+
+    def _queue_backward_end(self) -> None:
+        """Have the phase go back to "compute" at the end of the running backward, once DDP has
+        waited for its all-reduces. Called from a bucket's comm hook, inside the backward.
+
+        How: an autograd engine callback runs when the backward's graph is done, on the
+        backward's own thread, before ``backward()`` returns (so in order with the step's other
+        phases; a callback on the all-reduce's future ran on gloo's thread, and could land after
+        the step had entered "update"). DDP queues its own callback, which waits for every
+        bucket's all-reduce and writes the gradients, when the last bucket is ready, so after
+        this one; callbacks queued while the engine runs them run after those already queued,
+        so ours queues a second one, which runs after DDP's. A backward that raises runs none:
+        the step fails, and ``_run_guarded`` enters "failed"."""
+        engine = torch.autograd.Variable._execution_engine
+
+        def graph_done() -> None:
+            engine.queue_callback(lambda: self._enter("compute"))  # after DDP's (see above)
+
+        engine.queue_callback(graph_done)
 
     def _run_guarded(self, fn: Callable[[], Any]) -> Any:
         """Run a step; a collective failure tears the group down at once so peers unblock.
@@ -883,8 +924,7 @@ class TrainWorker:
             # user's error and ended the run instead of rebuilding the group.
             collective = (isinstance(exc, (dist.DistBackendError, RuntimeError)) and _looks_collective(exc)) \
                 or self._aborted_generation == self.generation
-            # DDP's error names its own constructor argument, which a user of elastic never calls.
-            unused = self.ddp is not None and "find_unused_parameters" in str(exc)
+            advice = _ddp_advice(str(exc), self.spec.find_unused_parameters) if self.ddp is not None else None
             if collective or self.world_size > 1:
                 # A user error too: not the group's fault, but the peers wait on this rank in the
                 # step's collective and would sit there until collective_timeout_s, when the
@@ -894,9 +934,8 @@ class TrainWorker:
                 self.leave()
             if collective:
                 raise CollectiveError(msg)
-            if unused:
-                raise RuntimeError(f"{msg}\nelastic builds the DistributedDataParallel: set "
-                                   "ScalingConfig(find_unused_parameters=True).") from None
+            if advice is not None:
+                raise RuntimeError(f"{msg}\n{advice}") from None
             raise
 
     def train_steps(self, first_step: int, shards: list[list[int]], generation: int) -> list[StepResult]:
@@ -1005,6 +1044,10 @@ class TrainWorker:
             self.ddp._check_reducer_finalized()
         compute = time.perf_counter() - t0
         if self._buffers is not None:  # DDP's rule: rank 0's buffers (elastic/actors/buffers.py)
+            if self.phase == "compute":
+                # A step_fn's backward left the phase at "compute" (_first_contact_hook), or it
+                # ran none: the broadcast below waits on the peers.
+                self._enter("allreduce")
             if self.rank == 0:
                 self._buffers.pack()
             dist.broadcast(self._buffers.flat, src=0)
@@ -1707,6 +1750,33 @@ def _group_failures_as_collective(what: str) -> Iterator[None]:
         raise
 
 
+def _ddp_advice(text: str, find_unused_parameters: bool) -> str | None:
+    """What to add to a DDP error ``text`` that names ``find_unused_parameters``, the
+    constructor's argument, which a user of elastic never calls (elastic builds the wrapper):
+    the ``ScalingConfig`` setting to change, or, with it already on (``find_unused_parameters``),
+    what else to change. None for any other error.
+
+    Why the setting matters: DDP's words then are "Since `find_unused_parameters=True` is
+    enabled, this likely means that not all `forward` outputs participate in computing loss";
+    told to set what they had set, users went round in circles."""
+    if "find_unused_parameters" not in text:
+        return None
+    if not find_unused_parameters:
+        return "elastic builds the DistributedDataParallel: set ScalingConfig(find_unused_parameters=True)."
+    return ("ScalingConfig(find_unused_parameters=True) is already set: some parameters were reached from the "
+            "forward's outputs but got no gradient. Every output of the model's forward must take part in the "
+            "loss: return only what the loss uses (e.g. not an auxiliary output it leaves out), or add the "
+            "unused output to the loss times 0.")
+
+
+# The fixed words of the DDP reducer's errors about the user's model (a parameter with no
+# gradient, or one marked ready twice), as torch's reducer.cpp writes them. With
+# TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL they go on to name the parameters, and a name is the
+# user's to choose: ``peer_proj.weight`` holds a collective's word.
+_DDP_REDUCER_USER_ERRORS = ("Expected to have finished reduction in the prior iteration",
+                            "Expected to mark a variable ready only once")
+
+
 def _looks_collective(exc: BaseException) -> bool:
     if getattr(exc, "elastic_data_error", False):  # raised reading a batch (``_batch``): never a collective
         return False
@@ -1724,7 +1794,15 @@ def _looks_collective(exc: BaseException) -> bool:
     # torch's frames (the DDP reducer in backward, a c10d call), whoever called them.
     if _raised_outside_libraries(exc):
         return False
-    text = str(exc).lower()
+    text = str(exc)
+    # DDP's reducer error about the user's model, whatever the parameters it names: read by
+    # their words, a model with a ``peer_proj`` layer was a broken group, rebuilt and replayed
+    # into the same error until max_failures ended the run, which never said why. After an NCCL
+    # abort of the step's group such an error is the abort's doing all the same (``_run_guarded``
+    # reads every failure of an aborted generation as a collective's, before this).
+    if any(words in text for words in _DDP_REDUCER_USER_ERRORS):
+        return False
+    text = text.lower()
     return any(m in text for m in _COLLECTIVE_MARKERS)
 
 
