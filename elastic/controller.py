@@ -450,6 +450,12 @@ class Controller:
         finally:
             if self.committer is not None:
                 self.committer.close()
+                # Its close deletes the steps of a timeline the run went back from that are newer
+                # than its last commit (or says it could not): into the run's log with the rest.
+                try:
+                    self._drain_storage_events()
+                except Exception:  # noqa: BLE001 - the run's own end (or error) stands
+                    logger.exception("could not log the checkpoint events of the run's end")
 
     @contextlib.contextmanager
     def _beating_at_the_end(self):

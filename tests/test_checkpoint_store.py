@@ -2521,6 +2521,89 @@ def test_a_rollback_to_a_step_a_rewind_left_behind_does_not_take_its_old_manifes
         committer.close()
 
 
+def land_30_after_a_restore_of_20(committer: CheckpointCommitter, store: CheckpointStore) -> None:
+    """Step 20 commits; step 30's commit is under way when a recovery's flush gives up on it, the
+    recovery restores 20 and goes back to it; then step 30's manifest lands (left behind)."""
+    hand_over_and_wait(committer, store, 20)
+    entered, release = stall(store, "commit")
+    hand_over(committer, store, 30, tiny_state(30))
+    assert entered.wait(10)
+    assert not committer.flush(timeout_s=0.2)
+    committer.rewind(20, restored=True)
+    release.set()
+    deadline = time.monotonic() + 10
+    while "checkpoint_left_behind" not in [e["event"] for e in committer.drain_events()]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("commits_after", [True, False], ids=["commits_one_step_under_it", "ends_on_the_restored_step"])
+def test_a_step_left_behind_newer_than_the_last_commit_is_gone_when_the_run_ends(tmp_path, commits_after):
+    # Step 30 lands after the run went back to 20, and the run ends (a stop) on 25, or on 20
+    # itself, before committing past 30. Passes delete a left-behind step only once the run
+    # commits past it: 30 stayed the newest manifest on storage, the result said 25, and fit()
+    # again resumed from 30, on the history training had thrown away.
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0)
+    try:
+        hand_over_and_wait(committer, store, 10)
+        land_30_after_a_restore_of_20(committer, store)
+        if commits_after:
+            hand_over_and_wait(committer, store, 25)  # the run's final step, forced (every_n_steps)
+        assert committer.flush(timeout_s=10)
+        assert 30 in store.committed_steps()  # still: the run may yet commit over it or past it
+    finally:
+        committer.close()
+    assert committer.latest_committed == (25 if commits_after else 20)
+    assert store.committed_steps()[-1] == committer.latest_committed
+    assert store.latest_valid() == committer.latest_committed
+    assert [e["deleted"] for e in committer.drain_events() if e["event"] == "checkpoint_deleted"] == [[30]]
+
+
+def test_the_run_end_leaves_an_earlier_runs_newer_step_alone(tmp_path):
+    # 40 is an earlier run's step the resume skipped (its files are corrupt); it is above the
+    # step this run started from, as 30 (left behind) is, but not this run's to delete.
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    for step in (10, 40):
+        commit_tiny(store, step)
+    path = shard_name(40, 0, 1)
+    store.storage.write_bytes(path, store.storage.read_bytes(path)[:-3])
+    committer = CheckpointCommitter(store, keep_last=3, latest_committed=10, gc_interval_s=0, retention_interval_s=0)
+    try:
+        land_30_after_a_restore_of_20(committer, store)
+        hand_over_and_wait(committer, store, 25)
+        assert committer.flush(timeout_s=10)
+    finally:
+        committer.close()
+    assert store.committed_steps() == [10, 20, 25, 40] and store.latest_valid() == 25
+
+
+def test_a_left_behind_step_that_cannot_be_deleted_at_the_end_is_reported(tmp_path, caplog):
+    # The run must end all the same, and say that fit() again resumes from 30, not from 20.
+    from elastic.checkpoint.storage import StorageError
+
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", RUN, retry=FAST)
+    committer = CheckpointCommitter(store, keep_last=3, gc_interval_s=0, retention_interval_s=0)
+    real_delete = store.storage.delete
+
+    def refuse_30(rel):
+        if rel.startswith(step_dir(30)):
+            raise StorageError("403 AccessDenied (test)")
+        return real_delete(rel)
+
+    try:
+        land_30_after_a_restore_of_20(committer, store)
+        assert committer.flush(timeout_s=10)
+        store.storage.delete = refuse_30
+    finally:
+        with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.committer"):
+            committer.close()
+    assert store.committed_steps() == [20, 30]
+    failed = [e for e in committer.drain_events() if e["event"] == "checkpoint_delete_failed"]
+    assert [e["step"] for e in failed] == [30] and "AccessDenied" in failed[0]["error"]
+    assert any("resumes from step 30" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
 def test_a_restore_past_a_commit_still_on_its_way_leaves_the_newest_committed_step_below_it(tmp_path):
     """A restore loads step 7 (an earlier timeline's, on storage) while this run's commit of step
     6 is still on its way (a flush that timed out). Raised to 7 at once, the newest committed

@@ -116,6 +116,14 @@ class CheckpointCommitter:
         # landed after the rewind, or one that failed and so may or may not have landed. The
         # cleanup thread puts them with the steps above the base.
         self._left_on_storage: list[int] = []
+        # Every step this run left on storage on a timeline it went back from: commits a rewind
+        # abandoned or that landed after it, committed steps it rolled back past (its own, or
+        # those it started from), deletes it had decided on and a rewind called off.
+        # Passes delete them once the run commits past them; the run's end (close) deletes the
+        # ones newer than its newest committed step (_delete_left_behind). Kept apart from
+        # _above_base, which also holds earlier runs' steps (not this run's to delete) and drops
+        # a step a later rewind goes back above.
+        self._left_here: set[int] = set()
         # Steps whose manifest write failed: it may still have landed (an S3 PUT whose reply was
         # lost), and once a newer commit supersedes the step this committer cannot know whether
         # it is on storage. The cleanup thread reads the manifests of those below _latest (_confirm).
@@ -298,8 +306,10 @@ class CheckpointCommitter:
             if adopted:
                 left = [s for s in left if s != step]
             later = lambda s: step is None or s > step  # noqa: E731
-            self._above_base = sorted({s for s in (self._committed or []) + self._above_base + abandoned
-                                       if later(s)} | ({step} if above and not restored else set()))
+            # What this rewind leaves behind (not the _above_base steps past it: earlier runs' too).
+            gone = {s for s in (self._committed or []) + abandoned if later(s)} | (
+                {step} if above and not restored else set())
+            self._above_base = sorted({s for s in self._above_base if later(s)} | gone)
             if self._committed is not None:
                 self._committed = [s for s in self._committed if not later(s)]
                 self._files = {s: f for s, f in self._files.items() if not later(s)}
@@ -311,8 +321,13 @@ class CheckpointCommitter:
             # the run (its manifest over files this timeline wrote again).
             waiting = self.store.forget_deletes_above(step)
             self._above_base = sorted(set(self._above_base) | set(waiting))
+            # A delete this run had decided on (passed, retention's) is this run's to finish.
+            self._left_here |= gone | set(waiting)
+            if adopted:
+                self._left_here.discard(step)
         # After the rewinds: these landed above the step the newest one went back to.
         self._above_base = sorted(set(self._above_base) | set(left))
+        self._left_here |= set(left)
 
     def _newest_known_at_or_below(self, step: int | None) -> int | None:
         """The newest step known committed at or below ``step``: this run's commits (taken in
@@ -622,6 +637,7 @@ class CheckpointCommitter:
                 # are not above the base: they are this run's, and retention counts them.
                 mine = {s for s, _ in done}
                 self._above_base = [s for s in self._above_base if s not in mine]
+                self._left_here -= mine
                 # A step whose manifest the commit thread wrote while the listing ran, and has not
                 # put in _done yet, is in the listing but not in ``done``: it is ``committing``
                 # (cleared under the lock in the same hold as the append). It stays above the base
@@ -648,6 +664,7 @@ class CheckpointCommitter:
                 passed = [s for s in self._above_base if s < step and s not in pending]
                 if passed:
                     self._above_base = [s for s in self._above_base if s >= step]
+                    self._left_here -= set(passed)
                     self.store.schedule_deletes(passed)
                 retention = self._retain(epoch, force)
                 # Steps known committed (and kept by retention) are never the sweep's, whatever
@@ -797,7 +814,65 @@ class CheckpointCommitter:
             self._cleanup_stop = True
             self._cleanup_cv.notify_all()
         self._cleanup_thread.join(timeout_s)
+        self._delete_left_behind()
         return done
+
+    def _delete_left_behind(self) -> None:
+        """The run's end (``close``, after the final ``flush``): delete the steps this run left on
+        storage on a timeline it went back from (``_left_here``) that are newer than the newest
+        step it committed. Why: a pass deletes such a step only once the run commits past it, or
+        the run commits over it, and a run that ends first left it the newest manifest on
+        storage. A stop right after a restore went back to 110, while step 120's manifest landed
+        (left behind): the result said step 110, and ``fit()`` again resumed from 120, on the
+        history training had thrown away. Not earlier runs' steps above the one this run started
+        from (a resume skipped them), nor a step this timeline may have committed (a failed
+        commit that may have landed, one still being written): not this run's to delete. A
+        delete that fails does not fail the run: the event log has it, and a warning names the
+        step ``fit()`` again would resume from."""
+        # A pass still running after close's join (storage that does not answer) holds the lock:
+        # waited for briefly, as rewind() waits for a delete under way.
+        if not self._cleanup_lock.acquire(timeout=self.FENCE_WAIT_S):
+            logger.warning("checkpoint cleanup still running at close: steps of a timeline this run went back "
+                           "from, newer than step %s it committed last, may stay on storage, and fit() again "
+                           "would resume from the newest of them", self.latest_committed)
+            return
+        report, latest, doomed = CleanupReport(), None, []
+        try:
+            self._apply_rewinds()  # rewinds and left-behind landings since the last pass
+            with self._lock:
+                latest = self._latest
+                keep = set(self._unconfirmed) | self._restored_from | {self._committing}
+                doomed = sorted(s for s in self._left_here if (latest is None or s > latest) and s not in keep)
+            for step in doomed:
+                # The store's own delete (manifest first, then the files), as retention's: a
+                # failure leaves the step uncommitted or on its retry list, never half-committed.
+                self.store._delete_step(step, report)
+            self._left_here -= set(report.deleted)
+        except Exception:  # noqa: BLE001 - the run ends all the same (close must not raise for this)
+            logger.exception("could not delete the checkpoint steps of a timeline this run went back from "
+                             "(newer than step %s it committed last)", latest)
+        finally:
+            self._cleanup_lock.release()
+        now = time.time()
+        failed = sorted(set(doomed) - set(report.deleted))
+        with self._lock:
+            if report.deleted:
+                self._events.append({"event": "checkpoint_deleted", "time": now, "deleted": sorted(report.deleted),
+                                     "message": f"deleted checkpoint steps {sorted(report.deleted)} of a timeline "
+                                                f"training went back from, newer than step {latest} it ends on"})
+            for step in failed:
+                error = report.failed.get(step, "not tried")[:300]
+                self._events.append({"event": "checkpoint_delete_failed", "step": step, "time": now, "error": error,
+                                     "message": f"could not delete step {step} of a timeline training went back "
+                                                f"from, newer than step {latest} the run ends on: {error}"})
+        if report.deleted:
+            logger.info("deleted checkpoint steps %s of a timeline training went back from, newer than step %s "
+                        "the run ends on", sorted(report.deleted), latest)
+        if failed:
+            logger.warning("could not delete checkpoint steps %s of a timeline training went back from: fit() "
+                           "again resumes from step %d if its files check out, not from step %s the run ends "
+                           "on (delete the newer steps' directories at %s by hand)", failed, failed[-1],
+                           latest, self.store.location)
 
     def __enter__(self) -> "CheckpointCommitter":
         return self
