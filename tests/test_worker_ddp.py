@@ -1050,6 +1050,48 @@ def test_ddps_error_naming_a_parameter_with_a_collectives_word_is_the_users():
     assert isinstance(aborted, CollectiveError)
 
 
+# The reducer's error for a gradient marked ready twice, in torch 2.13's words (reducer.cpp),
+# named by TORCH_DISTRIBUTED_DEBUG=INFO; reason 3 is added only with find_unused_parameters on.
+_MARKED_TWICE = ("Expected to mark a variable ready only once. This error is caused by one of the following "
+                 "reasons: 1) Use of a module parameter outside the `forward` function. Please make sure model "
+                 "parameters are not shared across multiple concurrent forward-backward passes. or try to use "
+                 "_set_static_graph() as a workaround if this module graph does not change during training loop."
+                 "2) Reused parameters in multiple reentrant backward passes. For example, if you use multiple "
+                 "`checkpoint` functions to wrap the same part of your model, it would result in the same set of "
+                 "parameters been used by different reentrant backward passes multiple times, and hence marking a "
+                 "variable ready multiple times. DDP does not support such use cases in default. You can try to "
+                 "use _set_static_graph() as a workaround if your module graph does not change over iterations."
+                 "\nParameter at index 2 with name lora_A.weight has been marked as ready twice. This means that "
+                 "multiple autograd engine  hooks have fired for this particular parameter during this iteration."
+                 "{}")
+_REASON_3 = ("\n3) Incorrect unused parameter detection. The return value of the `forward` function is inspected "
+             "by the distributed data parallel wrapper to figure out if any of the module's parameters went "
+             "unused. For unused parameters, DDP would not expect gradients from then. However, if an unused "
+             "parameter becomes part of the autograd graph at a later point in time (e.g., in a reentrant "
+             "backward when using `checkpoint`), the gradient will show up unexpectedly. If all parameters in "
+             "the model participate in the backward pass, you can disable unused parameter detection by passing "
+             "the keyword argument `find_unused_parameters=False` to `torch.nn.parallel.DistributedDataParallel`. "
+             "If unused parameters in the model do not change over iterations, You can try to use "
+             "_set_static_graph() as a workaround if this module graph does not change during training loop.")
+
+
+def test_ddps_marked_twice_error_is_told_about_checkpointing_not_the_losss_outputs():
+    # With find_unused_parameters=True the error names `find_unused_parameters=False` (its reason
+    # 3), and read by that word it was told "already set: every output of the forward must take
+    # part in the loss", the opposite of its causes (reentrant checkpointing, as in LoRA with
+    # gradient checkpointing).
+    from elastic.actors.protocol import CollectiveError
+
+    on = _failed_guarded_step(_MARKED_TWICE.format(_REASON_3), find_unused_parameters=True)
+    assert type(on) is RuntimeError and not isinstance(on, CollectiveError) and "lora_A.weight" in str(on)
+    assert "must take part in the loss" not in str(on) and "is already set" not in str(on)
+    assert "ScalingConfig(find_unused_parameters=False)" in str(on) and "use_reentrant=False" in str(on)
+    # Off, the error does not name the setting; its fix (_set_static_graph()) is the wrapper's.
+    off = _failed_guarded_step(_MARKED_TWICE.format(""), find_unused_parameters=False)
+    assert type(off) is RuntimeError and "use_reentrant=False" in str(off)
+    assert "ScalingConfig(find_unused_parameters=" not in str(off)
+
+
 def test_a_failed_steps_buffer_restore_does_not_replace_its_collective_error():
     # A sticky CUDA error fails the copy back of the buffers too: raised, it replaced the step's
     # CollectiveError, and a group to heal read as the user's error.

@@ -395,9 +395,11 @@ class TrainWorker:
         Why: on NCCL a rank whose peer died does not fail. Its collective kernel waits on the
         GPU for data that never comes, and no socket closes to wake it (gloo's way out, see
         ``_run_guarded``); it would wait out the collective timeout and be killed, survivors and
-        the state they hold lost with it. Aborted, its kernels return, and with blocking waits
-        (``NCCL_ERROR_ENV``) the step's ``wait()`` raises before the optimizer steps on partly
-        reduced gradients: a CollectiveError, and the rank leaves the group as a gloo rank does.
+        the state they hold lost with it. Aborted, its kernels return, and before the optimizer
+        steps on partly reduced gradients the step raises: a synchronous collective's ``wait()``
+        with blocking waits (``NCCL_ERROR_ENV``), DDP's step in ``_check_not_aborted`` (DDP waits
+        on a future that blocking waits do not reach). A CollectiveError, and the rank leaves the
+        group as a gloo rank does.
         On gloo there is nothing to do (its abort does not unblock a waiting collective)."""
         if self.backend != "nccl":
             return False
@@ -1572,12 +1574,16 @@ class TrainWorker:
             self.leave()  # also when the writers' close fails: the group must not stay up
 
 
-# Set for NCCL ranks before the group forms, unless the user set them. Blocking waits: an NCCL
-# collective's wait() (DDP's at the end of backward, ours) blocks until the collective is done and
-# raises if it failed or was aborted, instead of queueing the next kernels behind it. Without it a
-# rank whose communicators were aborted (abort_collectives) would go on to step the optimizer on
-# partly reduced gradients, and hand that state to peers in the recovery. The cost: the CPU waits
-# for the last bucket's all-reduce before it launches the optimizer step.
+# Set for NCCL ranks before the group forms, unless the user set them. Blocking waits: the wait()
+# of a collective's Work blocks until the collective is done and raises if it failed or was
+# aborted, instead of queueing the next kernels behind it. That covers our synchronous
+# collectives: first-N's all_reduce and recv of the agreed update, finish_reduce's work.wait(),
+# the buffer broadcast after a DDP step. Without it a rank whose communicators were aborted
+# (abort_collectives) would go on to step the optimizer on partly reduced gradients, and hand that
+# state to peers in the recovery. Not DDP's all-reduce: DDP waits on the work's future, which on
+# NCCL completes once the kernel is queued whatever this says; that step is stopped by
+# _check_not_aborted (it waits for the stream, then reads the abort flag). The cost: the CPU waits
+# for each synchronous collective before it launches the next kernels.
 NCCL_ERROR_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout",
@@ -1751,18 +1757,39 @@ def _group_failures_as_collective(what: str) -> Iterator[None]:
 
 
 def _ddp_advice(text: str, find_unused_parameters: bool) -> str | None:
-    """What to add to a DDP error ``text`` that names ``find_unused_parameters``, the
-    constructor's argument, which a user of elastic never calls (elastic builds the wrapper):
-    the ``ScalingConfig`` setting to change, or, with it already on (``find_unused_parameters``),
-    what else to change. None for any other error.
+    """What to add to the DDP reducer's error ``text`` about the user's model, whose fixes name
+    the constructor's arguments and methods (``find_unused_parameters``, ``_set_static_graph()``),
+    which a user of elastic never calls (elastic builds the wrapper): the ``ScalingConfig``
+    setting to change, or what else to change, for the error and for the setting as it is
+    (``find_unused_parameters``). None for any other error.
 
-    Why the setting matters: DDP's words then are "Since `find_unused_parameters=True` is
-    enabled, this likely means that not all `forward` outputs participate in computing loss";
-    told to set what they had set, users went round in circles."""
+    Why by the error, not by the word: DDP's error for a parameter without a gradient names
+    the setting ("Since `find_unused_parameters=True` is enabled, this likely means that not
+    all `forward` outputs participate in computing loss"), and told to set what they had set,
+    users went round in circles. Its error for a gradient marked ready twice names it too, with
+    the option on, as the thing to turn off (its reason 3): read by the word, it was told that
+    every output of the forward must take part in the loss, the opposite of its causes
+    (reentrant activation checkpointing, LoRA with gradient checkpointing most often)."""
+    if "Expected to mark a variable ready only once" in text:
+        if find_unused_parameters:
+            return ("ScalingConfig(find_unused_parameters=True) is set: a parameter DDP took for unused in the "
+                    "forward got a gradient after all, or one got two. Most often reentrant activation "
+                    "checkpointing (torch.utils.checkpoint(..., use_reentrant=True), as in LoRA with gradient "
+                    "checkpointing) runs the forward again in the backward. Checkpoint with use_reentrant=False, "
+                    "or, if every parameter gets a gradient in every backward, set "
+                    "ScalingConfig(find_unused_parameters=False). Otherwise a parameter is used outside the "
+                    "model's forward: use it only inside it.")
+        # torch's fix, _set_static_graph(), is the wrapper's, which elastic builds.
+        return ("elastic builds the DistributedDataParallel: a parameter got two gradients in one backward. Most "
+                "often reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) wraps "
+                "the same layers more than once: checkpoint with use_reentrant=False. Otherwise a parameter is "
+                "used outside the model's forward: use it only inside it.")
     if "find_unused_parameters" not in text:
         return None
     if not find_unused_parameters:
         return "elastic builds the DistributedDataParallel: set ScalingConfig(find_unused_parameters=True)."
+    if "Expected to have finished reduction" not in text:
+        return None
     return ("ScalingConfig(find_unused_parameters=True) is already set: some parameters were reached from the "
             "forward's outputs but got no gradient. Every output of the model's forward must take part in the "
             "loss: return only what the loss uses (e.g. not an auxiliary output it leaves out), or add the "
