@@ -2147,6 +2147,95 @@ def test_an_optimizer_or_scheduler_of_another_class_with_the_same_names_is_named
     assert state_mismatches({"model": model.state_dict(), "optimizer": adam, "scheduler": None}, saved) == []
 
 
+def test_a_scheduler_changed_inside_a_sequentiallr_or_chainedscheduler_is_named():
+    # A SequentialLR has the same keys whatever it chains, and torch loads the chained
+    # schedulers' states by position: a ConstantLR took a LinearLR's attributes silently, and a
+    # checkpoint chaining three schedulers raised IndexError in the worker after the model and
+    # optimizer had loaded ("list index out of range", no setting named).
+    from torch.optim import lr_scheduler as lr
+
+    from elastic.checkpoint import state_mismatches
+
+    model = torch.nn.Linear(4, 3)
+
+    def state(*chained, chain=lr.SequentialLR):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        schedulers = [make(opt) for make in chained]
+        wrapped = chain(opt, schedulers, milestones=list(range(3, 3 * len(schedulers), 3))) \
+            if chain is lr.SequentialLR else chain(schedulers)
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": wrapped.state_dict()}
+
+    linear = lambda opt: lr.LinearLR(opt, 0.1, total_iters=3)
+    constant = lambda opt: lr.ConstantLR(opt, 0.5, total_iters=3)
+    cosine = lambda opt: lr.CosineAnnealingLR(opt, 10)
+    saved = state(linear, cosine)
+    assert state_mismatches(state(linear, cosine), saved) == []
+    (problem,) = state_mismatches(state(constant, cosine), saved)
+    assert problem.startswith("scheduler: the scheduler at position 0 in the checkpoint's LR scheduler state "
+                              "(SequentialLR) has 'end_factor', 'start_factor' that this run's lacks and lacks factor")
+    (problem,) = state_mismatches(state(linear, cosine), state(linear, constant, cosine))
+    assert problem.startswith("scheduler: the checkpoint's LR scheduler state is a SequentialLR of 3 scheduler(s), "
+                              "and this run's of 2")
+    # ChainedScheduler keeps its schedulers' states in _schedulers too.
+    chained = state(linear, cosine, chain=lr.ChainedScheduler)
+    assert state_mismatches(state(linear, cosine, chain=lr.ChainedScheduler), chained) == []
+    (problem,) = state_mismatches(state(linear, constant, chain=lr.ChainedScheduler), chained)
+    assert "position 1" in problem and "(ChainedScheduler)" in problem and "T_max" in problem
+
+
+def test_an_optimizer_with_a_subset_of_another_classes_names_is_named_by_its_state():
+    # Adamax's hyperparameter names are a subset of Adam's (and RAdam's of NAdam's and Adam's),
+    # so the names' check let them through: an Adamax checkpoint loaded into an Adam, whose first
+    # step raised KeyError 'exp_avg_sq'; a RAdam one into a NAdam raised KeyError 'mu_product'
+    # inside load_state_dict after the model had loaded; a RAdam one loaded into an Adam silently.
+    from elastic.checkpoint import state_mismatches
+    from elastic.checkpoint.compat import param_shapes_of
+
+    def state(make, steps=1):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = make(model.parameters())
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(5, 4)).pow(2).sum().backward()
+            opt.step()
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": None}, param_shapes_of(opt)
+
+    def check(live, saved):
+        (live, shapes), (saved, _) = live, saved
+        return state_mismatches(live, saved, param_shapes=shapes)
+
+    adamax = state(lambda p: torch.optim.Adamax(p, lr=1e-3))
+    for steps in (1, 0):  # a live Adam that has stepped, and a fresh one (a resume)
+        (problem,) = check(state(lambda p: torch.optim.Adam(p, lr=1e-3), steps), adamax)
+        assert problem == ("optimizer: the checkpoint's per-parameter state keeps 'exp_inf', which Adam or AdamW "
+                           "does not keep, and lacks exp_avg_sq, which Adam or AdamW needs (it was saved from Adamax)")
+    radam = state(lambda p: torch.optim.RAdam(p, lr=1e-3))
+    (problem,) = check(state(lambda p: torch.optim.NAdam(p, lr=1e-3), 0), radam)
+    assert "lacks mu_product, which NAdam needs (it was saved from RAdam)" in problem
+    (problem,) = check(state(lambda p: torch.optim.Adam(p, lr=1e-3), 0), radam)
+    assert problem.startswith("optimizer: the checkpoint's param groups have exactly RAdam's hyperparameters and "
+                              "this optimizer is Adam or AdamW")
+    # The same class fits, fresh or stepped, with the settings that add state keys or none.
+    for make in (lambda p: torch.optim.Adam(p, lr=1e-3), lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
+                 lambda p: torch.optim.Adamax(p, lr=1e-3), lambda p: torch.optim.NAdam(p, lr=1e-3),
+                 lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                 lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, centered=True)):
+        for steps in (1, 0):
+            assert check(state(make, steps), state(make)) == []
+
+    class AdamWithEma(torch.optim.Adam):  # Adam's names, a state key of its own
+        def step(self, closure=None):
+            super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["ema"] = p.detach().clone()
+
+    # Not of torch.optim (param_shapes_of gives None): its state is its own, a fresh one fits.
+    ema = state(AdamWithEma)
+    assert ema[1] is None and check(state(AdamWithEma, 0), ema) == []
+
+
 def test_layers_of_the_same_shapes_declared_in_another_order_are_named_not_given_each_others_moments():
     # The model's state loads by name and fits; torch gives the optimizer's state by position, so
     # fc1's momentum went to fc2 and back, silently. The checkpoint keeps the parameters' names.

@@ -12,14 +12,18 @@ them), and the optimizer's param groups: how many there are, how many parameters
 the names of their hyperparameters (a different optimizer class has different names), and the
 flags that select an algorithm within a class's names (``decoupled_weight_decay``: Adam and
 AdamW have the same names, and loading restores the saved flag, so an AdamW resumed from an
-Adam checkpoint trained as Adam); and the shapes of the per-parameter state (moments, momentum)
-against the parameters it goes to by position. The LR scheduler: one added or removed between
-runs starts or stops cleanly, but one of another class (other state keys) failed in its
-``load_state_dict`` after the model and optimizer had loaded.
+Adam checkpoint trained as Adam); the keys of the per-parameter state against those this
+optimizer's class keeps (Adamax's names are a subset of Adam's: its state is not); and the
+shapes of the per-parameter state (moments, momentum) against the parameters it goes to by
+position. The LR scheduler: one added or removed between runs starts or stops cleanly, but one
+of another class (other state keys) failed in its ``load_state_dict`` after the model and
+optimizer had loaded; so did one of another class or count inside a SequentialLR or a
+ChainedScheduler, whose schedulers load by position.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from elastic.config import ConfigError
@@ -304,6 +308,124 @@ def _optimizer_state_mismatches(saved: dict, param_shapes: list[list[int]]) -> l
 ALGORITHM_FLAGS = ("decoupled_weight_decay", "amsgrad", "nesterov", "centered")
 
 
+# The per-parameter state of torch.optim's optimizers, by class: the keys every parameter's state
+# has once it has any, and those only some settings add (amsgrad's max_exp_avg_sq, SGD's and
+# RMSprop's momentum_buffer, RMSprop's centered grad_avg, Adafactor's row_var and col_var for a
+# matrix, variance for a vector). Why: the hyperparameter names of Adamax are a subset of
+# Adam's, AdamW's, NAdam's and RAdam's, and RAdam's of Adam's and NAdam's, so the names' check
+# let an Adamax checkpoint into an Adam (KeyError 'exp_avg_sq' at the first step) or a RAdam one
+# into a NAdam (KeyError 'mu_product' inside load_state_dict, after the model had loaded). LBFGS
+# (state on its first parameter only, filled in as it iterates) is not listed: not compared.
+OPTIMIZER_STATE_KEYS: dict[str, tuple[frozenset, frozenset]] = {
+    name: (frozenset(required), frozenset(optional)) for name, required, optional in (
+        ("Adam", ("step", "exp_avg", "exp_avg_sq"), ("max_exp_avg_sq",)),
+        ("AdamW", ("step", "exp_avg", "exp_avg_sq"), ("max_exp_avg_sq",)),
+        ("NAdam", ("step", "exp_avg", "exp_avg_sq", "mu_product"), ()),
+        ("RAdam", ("step", "exp_avg", "exp_avg_sq"), ()),
+        ("Adamax", ("step", "exp_avg", "exp_inf"), ()),
+        ("SparseAdam", ("step", "exp_avg", "exp_avg_sq"), ()),
+        ("SGD", (), ("momentum_buffer",)),
+        ("RMSprop", ("step", "square_avg"), ("momentum_buffer", "grad_avg")),
+        ("Adadelta", ("step", "square_avg", "acc_delta"), ()),
+        ("Adagrad", ("step", "sum"), ()),
+        ("ASGD", ("step", "eta", "mu", "ax"), ()),
+        ("Rprop", ("step", "prev", "step_size"), ()),
+        ("Adafactor", ("step",), ("row_var", "col_var", "variance")),
+        ("Muon", ("momentum_buffer",), ()),
+    )}
+# Keys an LR scheduler or SWA adds to an optimizer's param groups (LRScheduler's initial_lr,
+# OneCycleLR's and CyclicLR's, SWALR's), and a named-parameters optimizer's names: no class's own.
+_NOT_CLASS_NAMES = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr", "base_momentum",
+                              "max_momentum", "swa_lr"})
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_hyperparameter_names() -> dict[str, frozenset]:
+    """The hyperparameter names of each optimizer in ``OPTIMIZER_STATE_KEYS``, as this process's
+    torch gives them (they change between versions: built here, not listed): a class this torch
+    lacks or cannot build on a plain matrix is left out, and so not recognised."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    names = {}
+    for name in OPTIMIZER_STATE_KEYS:
+        cls = getattr(torch.optim, name, None)
+        try:
+            group = cls([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0]
+        except Exception:  # noqa: BLE001 - one that needs other arguments is only not recognised
+            continue
+        names[name] = frozenset(group) - _NOT_CLASS_NAMES
+    return names
+
+
+def _classes_named_by(groups: Any) -> list[str]:
+    """The classes of torch.optim whose hyperparameter names are exactly those of every group in
+    ``groups`` (Adam and AdamW have the same: both); none where the groups have other names (a
+    custom optimizer, one from another torch, a key the user added to a group)."""
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        return []
+    found = {frozenset(map(str, g)) - _NOT_CLASS_NAMES for g in groups}
+    if len(found) != 1:
+        return []
+    (names,) = found
+    return [cls for cls, theirs in _builtin_hyperparameter_names().items() if theirs == names]
+
+
+def _states_of(optimizer: dict) -> list[frozenset]:
+    """The distinct key sets of an optimizer state dict's per-parameter states. An empty one (a
+    parameter whose ``optimizer.state[p]`` was only read) is left out: torch fills it in at the
+    next step, whatever the class."""
+    state = optimizer.get("state")
+    if not isinstance(state, dict):
+        return []
+    return list({frozenset(map(str, entry)) for entry in state.values() if isinstance(entry, dict) and entry})
+
+
+def _fits(keys: frozenset, cls: str) -> bool:
+    required, optional = OPTIMIZER_STATE_KEYS[cls]
+    return required <= keys <= required | optional
+
+
+def _optimizer_class_mismatches(live: dict, saved: dict) -> list[str]:
+    """The checkpoint's optimizer against this one's class, where the names' check above cannot
+    tell them apart (``OPTIMIZER_STATE_KEYS``). This optimizer's class is known by its
+    hyperparameter names (exactly a torch.optim class's in this torch; the caller knows it is of
+    torch.optim); one not recognised is not compared. Two checks: the saved per-parameter state must have every key that class
+    always keeps and no key it never keeps (a setting that only adds a key, amsgrad or momentum,
+    fits either way); and a checkpoint whose param groups have exactly another class's names
+    (saved by this torch's RAdam and resumed into an Adam: it loaded silently, and the Adam
+    trained with RAdam's hyperparameters) is refused as that class's."""
+    mine = _classes_named_by(live.get("param_groups"))
+    if not mine or len({OPTIMIZER_STATE_KEYS[c] for c in mine}) != 1:
+        return []
+    if not all(_fits(keys, mine[0]) for keys in _states_of(live)):
+        return []  # its own state is not that class's: a custom optimizer with the same names
+    this = " or ".join(mine)
+    saved_states = _states_of(saved)
+    exactly = _classes_named_by(saved.get("param_groups"))
+    # A checkpoint of an older torch has fewer names: then the classes of this torch that have
+    # every name its groups have and whose state it has, to name in the message.
+    groups = [g for g in saved.get("param_groups") or [] if isinstance(g, dict)]
+    names = frozenset(str(k) for g in groups for k in g) - _NOT_CLASS_NAMES
+    theirs = exactly or [c for c, known in _builtin_hyperparameter_names().items()
+                         if names <= known and saved_states and all(_fits(k, c) for k in saved_states)]
+    other = bool(theirs) and not set(theirs) & set(mine)
+    required, optional = OPTIMIZER_STATE_KEYS[mine[0]]
+    extra = sorted({k for keys in saved_states for k in keys - required - optional})
+    lacking = sorted({k for keys in saved_states for k in required - keys})
+    if extra or lacking:
+        parts = ([f"keeps {_names([shown(k) for k in extra])}, which {this} does not keep"] if extra else []) + \
+                ([f"lacks {_names(lacking)}, which {this} needs"] if lacking else [])
+        source = f"it was saved from {' or '.join(theirs)}" if other else "was it saved from another optimizer class?"
+        return [f"optimizer: the checkpoint's per-parameter state {', and '.join(parts)} ({source})"]
+    if exactly and other:
+        return [f"optimizer: the checkpoint's param groups have exactly {' or '.join(exactly)}'s hyperparameters "
+                f"and this optimizer is {this}: loading would train it with the checkpoint's hyperparameters and "
+                f"state (build the optimizer it was saved with)"]
+    return []
+
+
 # Keys a scheduler's state gained or lost between torch versions of one class (torch 2.x:
 # ``verbose`` went, ``_is_initial``, ``default_min_lr`` and ``_anneal_func_type`` came). Their
 # load_state_dict takes the state as it is (``__dict__.update``), so a checkpoint from another
@@ -312,15 +434,30 @@ SCHEDULER_VERSION_KEYS = frozenset({"verbose", "_is_initial", "default_min_lr", 
                                     "_get_lr_called_within_step", "_step_count", "_last_lr"})
 
 
-def _scheduler_mismatches(live: Any, saved: Any) -> list[str]:
+def _scheduler_mismatches(live: Any, saved: Any, what: str = "the checkpoint's LR scheduler state") -> list[str]:
     if not isinstance(live, dict) or not isinstance(saved, dict):
         return []  # none on one side (added or removed: fine)
     theirs, mine = set(saved) - SCHEDULER_VERSION_KEYS, set(live) - SCHEDULER_VERSION_KEYS
-    if theirs == mine:
-        return []  # the same kind
-    return [f"scheduler: the checkpoint's LR scheduler state has {_names(sorted(map(shown, theirs - mine)))} "
-            f"that this run's lacks and lacks {_names(sorted(mine - theirs))} (was it saved from "
-            f"another scheduler class?)"]
+    if theirs != mine:
+        return [f"scheduler: {what} has {_names(sorted(map(shown, theirs - mine)))} "
+                f"that this run's lacks and lacks {_names(sorted(mine - theirs))} (was it saved from "
+                f"another scheduler class?)"]
+    # SequentialLR and ChainedScheduler have the same keys whatever they chain: the chained
+    # schedulers' states are in their _schedulers list, which torch loads by position (each a
+    # __dict__.update). Not compared, a ConstantLR took a LinearLR's attributes silently, and a
+    # checkpoint chaining more schedulers than this run raised IndexError after the model and
+    # optimizer had loaded.
+    inner_theirs, inner_mine = saved.get("_schedulers"), live.get("_schedulers")
+    if not isinstance(inner_theirs, list) or not isinstance(inner_mine, list):
+        return []
+    chain = "SequentialLR" if "_milestones" in saved else "ChainedScheduler"
+    if len(inner_theirs) != len(inner_mine):
+        return [f"scheduler: {what} is a {chain} of {len(inner_theirs)} scheduler(s), and this run's of "
+                f"{len(inner_mine)}: torch loads them by position (was a scheduler added to it or removed?)"]
+    out = []
+    for i, (mine_i, theirs_i) in enumerate(zip(inner_mine, inner_theirs)):
+        out += _scheduler_mismatches(mine_i, theirs_i, f"the scheduler at position {i} in {what} ({chain})")
+    return out
 
 
 def _names(keys: list[str], limit: int = 5) -> str:
@@ -334,10 +471,16 @@ def state_mismatches(live: dict, saved: dict, limit: int = 12,
     ``{"model": state_dict, "optimizer": state_dict, ...}``); empty when it fits. At most
     ``limit`` lines, the last saying how many more there were. ``param_shapes``: the shapes of
     the optimizer's parameters, in its order (its groups' ``params``), to check the saved
-    per-parameter state against. The parameters' names are checked where both states have them
-    (``PARAM_NAMES_KEY``)."""
+    per-parameter state against, and given (``param_shapes_of``) only for an optimizer of
+    torch.optim, whose class the saved state's keys are checked against. The parameters' names
+    are checked where both states have them (``PARAM_NAMES_KEY``)."""
     problems = _model_mismatches(live["model"], saved.get("model", {}))
-    problems += _optimizer_mismatches(live["optimizer"], saved.get("optimizer", {}))
+    optimizer_problems = _optimizer_mismatches(live["optimizer"], saved.get("optimizer", {}))
+    if param_shapes is not None and not optimizer_problems:
+        # Only where the names' check passed (a class it tells apart has its line), and only for
+        # torch.optim's own classes: a subclass of Adam with Adam's names may keep more state.
+        optimizer_problems = _optimizer_class_mismatches(live["optimizer"], saved.get("optimizer", {}))
+    problems += optimizer_problems
     if not problems:
         problems += _param_order_mismatches(live.get(PARAM_NAMES_KEY), saved.get(PARAM_NAMES_KEY))
     if param_shapes is not None and not problems:
