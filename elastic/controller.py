@@ -200,6 +200,9 @@ class Controller:
         self.failure_config = failure
         self.global_batch_size = global_batch_size  # step 1's; each step's: self.batches (Trainer.batch_schedule)
         self.batches = BatchSchedule(global_batch_size, batch_schedule)
+        # Into each checkpoint's meta (``batch_schedule``): the first step of each size, from step 1.
+        self._batch_plan = [[1, int(global_batch_size)]] + [[int(s), int(size)] for s, size in
+                                                             sorted((batch_schedule or {}).items())]
         self.store = checkpoint_store
         self.metrics = metrics
         self.fault_plan = list(fault_plan or [])
@@ -1099,6 +1102,7 @@ class Controller:
         recorded are taken as they are."""
         position = DataPosition.from_dict(meta["data_position"])
         trained_at = meta.get("global_batch_size")
+        later = self._batch_size_changed_after(step, meta.get("batch_schedule"))
         if type(trained_at) is int and trained_at != self.batches.size_at(step):
             # Sample-exact either way (the sampler's place counts samples), and a schedule may be
             # changed on purpose; but a run resumed without its schedule would go on at another
@@ -1107,6 +1111,15 @@ class Controller:
                      f"checkpointed step {step} trained at a global batch of {trained_at}, and this run's "
                      f"Trainer.global_batch_size/batch_schedule give it {self.batches.size_at(step)}: the run "
                      f"goes on at this run's sizes", step=step, saved=trained_at, now=self.batches.size_at(step))
+        elif later is not None:
+            # The same size at the checkpointed step, but not after it: a run stopped at 1500 of a
+            # schedule that doubles the batch at 2000, resumed without it, trained at the old size
+            # from 2000 on with nothing said (only the checkpointed step's size was compared).
+            at, saved_size, now_size = later
+            self.log("batch_size_changed",
+                     f"the checkpoint's batch schedule (from step {step}) trains step {at} at a global batch of "
+                     f"{saved_size}, and this run's Trainer.global_batch_size/batch_schedule give it {now_size}: "
+                     f"the run goes on at this run's sizes", step=step, at=at, saved=saved_size, now=now_size)
         saved = {"dataset_size": meta.get("dataset_size"), "seed": meta.get("seed")}
         now = {"dataset_size": self.dataset_size, "seed": self.run_config.seed}
         changed = {k: (saved[k], now[k]) for k in now if saved[k] is not None and saved[k] != now[k]}
@@ -1131,6 +1144,23 @@ class Controller:
                  f"{position.epoch} cannot be continued sample-exactly, so sampling starts epoch {position.epoch + 1}",
                  step=step, changed={k: list(v) for k, v in changed.items()})
         return DataPosition(epoch=position.epoch + 1)
+
+    def _batch_size_changed_after(self, step: int, saved: Any) -> tuple[int, int, int] | None:
+        """The first step from ``step`` on whose global batch the checkpoint's schedule (``saved``,
+        its meta's ``batch_schedule``: [first step, size] pairs) and this run's differ: (that step,
+        the saved size, this run's). None when they agree, or the meta has no schedule (written
+        before it was recorded) or an unreadable one."""
+        pairs_ok = isinstance(saved, list) and all(
+            isinstance(pair, (list, tuple)) and len(pair) == 2 and all(type(v) is int for v in pair) for pair in saved)
+        if not (pairs_ok and saved):
+            return None
+        theirs = BatchSchedule(saved[0][1], {first: size for first, size in saved[1:]})
+        # Both are constant between their change points: comparing at those (and at ``step``) finds the first.
+        points = sorted({step} | {first for first, _ in saved} | {first for first, _ in self._batch_plan})
+        for at in (p for p in points if p >= step):
+            if theirs.size_at(at) != self.batches.size_at(at):
+                return at, theirs.size_at(at), self.batches.size_at(at)
+        return None
 
     def _fresh_rank_views(self, ranks: Iterable[int] | None = None) -> None:
         """What the dashboard and `elastic status` show of rank numbers that now name another
@@ -1543,7 +1573,8 @@ class Controller:
 
     def _checkpoint_meta(self, step: int, position: dict) -> dict:
         return {"data_position": position, "world_size": len(self.group.members),
-                "global_batch_size": self.batches.size_at(step), "generation": self.generation,
+                "global_batch_size": self.batches.size_at(step),
+                "batch_schedule": [list(pair) for pair in self._batch_plan], "generation": self.generation,
                 "dataset_size": self.dataset_size, "seed": self.run_config.seed,
                 "order_digest": self.plan.digest(int(position["epoch"]))}
 
@@ -2026,11 +2057,12 @@ class Controller:
         a 1 s connect, and taken for a node's death, every healthy rank on that node was killed
         with the one that died. If the death otherwise looks like a node's, or its node is
         suspect (``settle``), wait up to ``node_settle_s`` for the node's other ranks to be
-        confirmed dead or alive, asking the raylet again meanwhile. A node whose raylet timed
-        out every time it was asked, and whose ranks answered no heartbeat in the settle, is
-        gone with them: a crashed host drops packets (nothing refuses), and the GCS marks it
-        dead only after its health checks, ~15 s; left alive, they were found only once their
-        leave() ran out, a group timeout later. A rank that answered is alive (a SYN lost).
+        confirmed dead or alive, asking the raylet again meanwhile (a suspect node with no other
+        rank on it too). A node whose raylet timed out every time it was asked, and whose ranks
+        answered no heartbeat in the settle (or that has none left), is gone with them: a
+        crashed host drops packets (nothing refuses), and the GCS marks it dead only after its
+        health checks, ~15 s; left alive, they were found only once their leave() ran out, a
+        group timeout later. A rank that answered is alive (a SYN lost).
         ``down`` are the dead ranks' nodes down for certain, ``suspect`` those whose raylet did
         not answer (probed once by the caller); returns the ranks lost with them and the nodes
         found down, settling included.
@@ -2039,32 +2071,48 @@ class Controller:
         others = [m for m in self.group.members if m.rank not in dead and m.info.get("node_id") in nodes]
         lost: set[int] = set()
         answered: set[int] = set()
+        # Raylets that answered at least once, the caller's probe included. Why not the last
+        # probe alone: a raylet that answered mid-settle is up, and a healthy rank on NCCL can be
+        # silent for the whole settle (its communicators are aborted on its one control thread,
+        # which takes seconds); one SYN lost on the last probe had it killed as a node lost.
+        heard = nodes - suspect
         settle = settle or bool(down)
         deadline = time.time() + (self.failure_config.node_settle_s if settle else 0.0)
-        while others:
+        while True:
             gone = [m for m in others if m.info.get("node_id") in down]
             for m in gone:
                 lost.add(m.rank)
                 ray.kill(m.actor, no_restart=True)
             others = [m for m in others if m not in gone]
-            if not others or time.time() >= deadline:
+            # A dead rank's node whose raylet has only timed out so far is asked again even with
+            # no other rank of its own on it (every one dead, or one rank per node): left
+            # unasked, a crashed host was never found down, and its rank killed for missed
+            # heartbeats was told as a hang.
+            doubtful = (nodes & suspect) - down - heard
+            if not (others or doubtful) or time.time() >= deadline:
                 break
-            refs = {m.actor.heartbeat.remote(): m for m in others}
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.3)
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                    answered.add(refs[ref].rank)
-                except ray.exceptions.RayError:
-                    lost.add(refs[ref].rank)
-            others = [m for m in others if m.rank not in lost]
+            if others:
+                refs = {m.actor.heartbeat.remote(): m for m in others}
+                ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.3)
+                for ref in ready:
+                    try:
+                        ray.get(ref)
+                        answered.add(refs[ref].rank)
+                    except ray.exceptions.RayError:
+                        lost.add(refs[ref].rank)
+                others = [m for m in others if m.rank not in lost]
             time.sleep(0.1)
-            suspect = unreachable_nodes({m.info.get("node_id") for m in others}, certain=down)
-        silent = [m for m in others if m.info.get("node_id") in suspect and m.rank not in answered]
+            asked = {m.info.get("node_id") for m in others} | doubtful
+            suspect = unreachable_nodes(asked, certain=down)
+            heard |= asked - suspect
+        never = (nodes & suspect) - down - heard  # raylets that timed out every time they were asked
+        silent = [m for m in others if m.info.get("node_id") in never and m.rank not in answered]
         for m in silent:
             lost.add(m.rank)
             ray.kill(m.actor, no_restart=True)
         down |= {m.info.get("node_id") for m in silent}
+        # A node with no rank that answered, none left on it at all included, is gone.
+        down |= never - {m.info.get("node_id") for m in others if m.rank in answered}
         if lost:
             self.log("node_lost", f"rank(s) {sorted(lost)} went with the node of rank(s) {sorted(dead)}",
                      ranks=sorted(lost))
@@ -3053,6 +3101,12 @@ class Controller:
             booked.append(step)
             got = (results or {}).get(step)
             if got:
+                # Their checksums are compared as a gather's are (_observe), before the group is
+                # formed again (_form_group forgets what was noted). Never noted, two replicas
+                # that diverged at a checksum step were told only at a later check or the run's end.
+                for r, res in got.items():
+                    if "checksum" in res.extra:
+                        self._note_checksum(step, r, res.extra["checksum"])
                 # The time of a rank that computed the step: a first-N replica that sat it out
                 # or was late spent its time waiting for the update.
                 computed = [res.step_time_s for res in got.values() if res.extra.get("computed", True)]
@@ -3351,6 +3405,11 @@ class Controller:
         past its waits (``why``)."""
         if self.metrics is not None:
             self.metrics.on_group([m.rank for m in self.group.members])  # the ring on_rebuild cleared
+            # No group formed, so no rank answered just now (on_group's age of 0): each age is
+            # when it was last heard from. Left at 0, a rank silent through the wait for the late
+            # windows (up to step_timeout_s) looked freshly heard from.
+            now = time.time()
+            self.metrics.on_heartbeats({m.rank: now - self._last_beat.get(m.rank, now) for m in self.group.members})
         # Its waits (spares, the late ranks' windows: up to step_timeout_s) are not the next
         # window's step time, as a carried-out eviction's are not (a new generation).
         self._last_done_generation = -1
@@ -3602,16 +3661,23 @@ class Controller:
         late = {r: start for r, (start, _) in self._late_clocks().items()}
         if self.group is None:
             return rows
+        # While the group is rebuilt nobody asks the survivors for heartbeats (a wait for
+        # capacity can take minutes): their ages are not shown (None, "-"), as the gauge drops
+        # them (RunMetrics.on_rebuild). Shown, each survivor's age grew red, "about to be counted
+        # lost", like the lost rank's. The lost ranks, members until the decision is carried
+        # out, say so, and their ages go on growing.
+        rebuilding, unhealed = self.state is State.RECOVERING, set(self._unhealed)
         for m in self.group.members:
             done = min(self._rank_done.get(m.rank, self.step), self.step)
+            lost = m.rank in unhealed
             rows.append({
                 "rank": m.rank, "name": m.name, "node_ip": m.info.get("node_ip"), "node_id": m.info.get("node_id"),
                 "node_rank": m.node_rank,
                 "local_rank": m.local_rank, "pid": m.info.get("pid"), "role": "active",
-                "state": "late" if m.rank in late else self.state.value,
+                "state": "lost" if lost else "late" if m.rank in late else self.state.value,
                 "step": done, "behind_steps": self.step - done,
                 "step_time_s": self._shown_step_time(m.rank, late.get(m.rank), now),
-                "heartbeat_age_s": now - self._last_beat.get(m.rank, now),
+                "heartbeat_age_s": None if rebuilding and not lost else now - self._last_beat.get(m.rank, now),
                 # None with no score yet (the warm-up, a rank's cold first step): not "typical".
                 "straggler_score": scores.get(m.rank),
             })

@@ -415,6 +415,22 @@ def test_status_shows_a_late_ranks_time_on_the_window_it_is_on_as_the_policy_rea
     assert row["state"] == "late" and 2.9 < row["step_time_s"] < 6, row
 
 
+def test_status_during_a_rebuild_shows_no_survivors_heartbeat_age_and_the_lost_rank_as_lost(rayless_controller):
+    # Nobody asks the survivors for heartbeats while the group is rebuilt (a wait for capacity
+    # can take minutes): every survivor's age grew, and `elastic status` showed it red, "about to
+    # be counted lost", like the lost rank, which itself showed the run's "recovering".
+    from elastic.controller import State
+
+    c = rayless_controller()
+    c.group = StandInGroup(ranks=2)
+    c._last_beat = {0: time.time() - 100, 1: time.time() - 100}
+    c.transition(State.RECOVERING, "actor_died of rank(s) [1] in step 3")
+    c._unhealed = (1,)
+    survivor, lost = c.rank_rows(spares=False)
+    assert survivor["heartbeat_age_s"] is None and survivor["state"] == "recovering"
+    assert lost["heartbeat_age_s"] > 99 and lost["state"] == "lost"
+
+
 def test_a_stops_flush_in_a_wait_and_the_one_before_a_users_error_keep_the_heartbeats_asked(
         rayless_controller, monkeypatch):
     # Only the run's own end asked the ranks while it flushed: a stop during a wait (placement,
@@ -787,6 +803,25 @@ def test_steps_kept_from_a_holder_that_computed_none_of_them_take_their_fast_set
     assert [e.used for e in c.ledger.entries if e.step == 1] == [True, False, True]
 
 
+@pytest.mark.parametrize("sums", [(7, 8), (7, 7)])
+def test_the_checksums_of_a_kept_steps_results_are_compared(rayless_controller, sums):
+    # Step 10 (a checksum step) broke before its results came back through a gather; the ranks
+    # still had them, and the step was booked from them (_keep_completed_steps), but their
+    # checksums were never compared: two replicas diverged at step 10 were told only at step 20
+    # or the run's end.
+    from elastic.controller import ReplicaDivergence
+    from elastic.data import ShardPlan
+
+    c = rayless_controller(global_batch_size=8)
+    c.plan, c._split, c.group = ShardPlan(64, seed=0), 1, StandInGroup(ranks=2)
+    c._shards_for(10, 2)
+    results = {10: {r: StepResult(r, 10, 0.5, 0.01, 0.01, 4, 10, {"checksum": s}) for r, s in enumerate(sums)}}
+    with pytest.raises(ReplicaDivergence, match="after step 10") if sums[0] != sums[1] else contextlib.nullcontext():
+        c._keep_completed_steps([10], "completed on a survivor before the rebuild", results=results)
+    if sums[0] == sums[1]:
+        assert [e.details["step"] for e in c.events if e.kind == "checksum"] == [10]
+
+
 def test_with_requeueing_a_stops_checkpoint_holds_its_steps_data_position_not_a_handed_out_steps(
         rayless_controller):
     # First-N 2 of 3 with requeueing: step 2 is handed out (it takes step 1's requeued drops), a
@@ -903,6 +938,26 @@ def test_an_eviction_held_back_while_the_spare_refill_has_stopped_says_no_spare_
     assert len(said) == 3
 
 
+def test_an_eviction_given_up_publishes_each_ranks_real_heartbeat_age(rayless_controller):
+    # Given up after its waits (here: the run is stopping), the eviction published the group
+    # again as if it had formed, every rank's heartbeat age 0: rank 2, silent for the whole
+    # wait for the late windows, looked freshly heard from.
+    from elastic.controller import State
+    from elastic.policies.decisions import EvictStraggler
+
+    c = rayless_controller(scaling=elastic.ScalingConfig(num_workers=3, num_backups=1), global_batch_size=12)
+    c.group, c.metrics = StandInGroup(ranks=3, ready_spares=1), Recorded()
+    c.transition(State.RUNNING, "training")
+    c._last_beat = {0: time.time(), 1: time.time(), 2: time.time() - 100}
+    c._wait_late = lambda exclude=None: (c.request_stop("elastic stop"), {})[1]  # the stop comes in the wait
+    c._evict(EvictStraggler("rank 2 is 3x the median", 2))
+    assert c.state is State.RUNNING
+    names = [name for name, _, _ in c.metrics.calls]
+    assert names.index("on_heartbeats") > names.index("on_group")
+    [(ages,)] = [args for name, args, _ in c.metrics.calls if name == "on_heartbeats"]
+    assert ages[0] < 5 and ages[1] < 5 and ages[2] > 99
+
+
 def test_an_evictions_wait_for_late_windows_ends_when_a_stop_comes(rayless_controller, monkeypatch):
     # One ray.wait of step_timeout_s (120 s): a stop that came a second in waited it out, and
     # the stop's end came after the driver's stop_timeout_s had killed the run.
@@ -953,6 +1008,28 @@ def test_a_resume_whose_batch_sizes_differ_from_the_checkpoints_says_so(rayless_
     [event] = [e for e in c.events if e.kind == "batch_size_changed"]
     assert (event.details["saved"], event.details["now"]) == (32, 16)
     assert "step 7 trained at a global batch of 32" in event.message
+
+
+def test_a_resume_without_the_checkpoints_later_batch_sizes_says_so(rayless_controller):
+    # Only the checkpointed step's size was compared: a run with batch_schedule={2000: 512}
+    # stopped at 1500 and resumed without the schedule trained at 256 from step 2000 on, silently.
+    position = {"epoch": 0, "cursor": 64, "requeued": []}
+    from elastic.data import ShardPlan
+
+    scheduled = rayless_controller(global_batch_size=256, batch_schedule={2000: 512})
+    scheduled.group, scheduled.plan, scheduled.dataset_size = StandInGroup(), ShardPlan(4096, seed=0), 4096
+    meta = scheduled._checkpoint_meta(1500, position) | {"data_position": position}
+    assert meta["batch_schedule"] == [[1, 256], [2000, 512]]
+    scheduled._resumable_position(1500, meta)  # resumed with its schedule: nothing to say
+    assert not [e for e in scheduled.events if e.kind == "batch_size_changed"]
+    c = rayless_controller(global_batch_size=256)
+    c.dataset_size = 4096
+    c._resumable_position(1500, meta)
+    [event] = [e for e in c.events if e.kind == "batch_size_changed"]
+    assert (event.details["at"], event.details["saved"], event.details["now"]) == (2000, 512, 256)
+    # A checkpoint written before the schedule was recorded: only its step's size, as before.
+    c._resumable_position(1500, {k: v for k, v in meta.items() if k != "batch_schedule"})
+    assert len([e for e in c.events if e.kind == "batch_size_changed"]) == 1
 
 
 def test_a_batch_schedules_epochs_end_where_the_next_steps_batch_no_longer_fits():
@@ -1575,6 +1652,68 @@ def test_a_rank_killed_for_missed_heartbeats_on_a_node_found_down_is_a_node_lost
         c._gather(["step-rank-0", "step-rank-1"], [0, 1])
     assert "rank-1" in c._hung  # killed for its missed heartbeats, as before
     assert failure.value.dead == {1} and failure.value.kind == "node_lost"
+
+
+def test_a_raylet_that_answered_once_in_the_settle_keeps_its_silent_rank_when_the_last_probe_times_out(
+        rayless_controller, monkeypatch):
+    # Rank 0 died alone; rank 1, on the same node, is healthy but silent through the settle (on
+    # NCCL its communicators are aborted on its one control thread, which takes seconds). The
+    # raylet answered mid-settle, but only the last probe counted: that one lost its SYN, and
+    # rank 1 was killed with rank 0 as a node lost.
+    from elastic.actors import worker_group
+
+    c = rayless_controller(failure=elastic.FailureConfig(node_settle_s=0.3))
+    ranks_on(c, ["n", "n"])
+    fake = Ray(monkeypatch, {"step-rank-0": controller_module.ray.exceptions.ActorDiedError(),
+                             "step-rank-1": "rank 1's results"})  # rank 1 never answers its heartbeat
+    monkeypatch.setattr(controller_module.ray, "nodes", lambda: [
+        {"NodeID": "n", "Alive": True, "NodeManagerAddress": "10.0.0.9", "NodeManagerPort": 1234}])
+    connects = []
+
+    def connect(address, timeout=None):  # timed out, answered, then timed out every time after
+        connects.append(address)
+        if len(connects) != 2:
+            raise TimeoutError("timed out")
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(worker_group.socket, "create_connection", connect)
+    with pytest.raises(Failure) as failure:
+        c._gather(["step-rank-0", "step-rank-1"], [0, 1])
+    assert len(connects) >= 3  # the last probe timed out again
+    assert failure.value.dead == {0} and failure.value.kind == "actor_died"
+    assert fake.killed == ["rank-0"]
+
+
+@pytest.mark.parametrize("answers_at, kind", [(None, "node_lost"), (2, "hang")])
+def test_a_rank_killed_for_missed_heartbeats_alone_on_a_node_whose_raylet_never_answers_is_a_node_lost(
+        rayless_controller, monkeypatch, answers_at, kind):
+    # A host crashed: it drops packets, so its raylet's connect times out (no refusal), and the
+    # GCS marks it dead only ~15 s later. Its one rank was killed for missed heartbeats; with no
+    # other rank on that node, the settle never ran, the node was never asked again, and the
+    # node lost was told as a hang. A raylet that answers once in the settle is up: a hang.
+    from elastic.actors import worker_group
+
+    c = rayless_controller(failure=elastic.FailureConfig(heartbeat_interval_s=0.01, heartbeat_timeout_s=0.05,
+                                                         node_settle_s=0.3))
+    ranks_on(c, ["a", "b"])
+    Ray(monkeypatch, {"step-rank-0": "rank 0's results"})  # rank 1 answers nothing
+    monkeypatch.setattr(controller_module.ray, "nodes", lambda: [
+        {"NodeID": "a", "Alive": True, "NodeManagerAddress": "10.0.0.8", "NodeManagerPort": 1234},
+        {"NodeID": "b", "Alive": True, "NodeManagerAddress": "10.0.0.9", "NodeManagerPort": 1234}])
+    connects = []
+
+    def connect(address, timeout=None):
+        connects.append(address)
+        if address[0] == "10.0.0.9" and len(connects) != answers_at:
+            raise TimeoutError("timed out")
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(worker_group.socket, "create_connection", connect)
+    with pytest.raises(Failure) as failure:
+        c._gather(["step-rank-0", "step-rank-1"], [0, 1])
+    assert "rank-1" in c._hung  # killed for its missed heartbeats, as before
+    assert failure.value.dead == {1} and failure.value.kind == kind
+    assert len(connects) >= 2 and answers_at in (None, len(connects))  # asked again, until it answered
 
 
 def test_a_first_n_survivor_that_does_not_leave_is_told_the_wait_it_had_and_the_settings_behind_it(
