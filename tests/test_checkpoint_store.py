@@ -2286,6 +2286,25 @@ def test_an_optimizer_built_from_named_parameters_and_one_built_from_plain_ones_
     torch.optim.SGD(model.parameters(), lr=0.1).load_state_dict(named)  # as torch loads it
 
 
+def test_a_dropped_scheduler_that_wrote_its_own_keys_into_the_groups_still_fits():
+    # OneCycleLR writes max_lr, min_lr and its momentum bounds into every param group (CyclicLR
+    # its momentum bounds, SWALR swa_lr); a run that dropped it was refused as "another optimizer
+    # class", though torch loads such groups and the optimizer never reads those keys.
+    from elastic.checkpoint import state_mismatches
+
+    model = torch.nn.Linear(4, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=10)
+    saved = {"model": model.state_dict(), "optimizer": sgd.state_dict(), "scheduler": cycle.state_dict()}
+    assert {"max_lr", "min_lr", "max_momentum", "base_momentum"} <= set(saved["optimizer"]["param_groups"][0])
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()
+    assert state_mismatches({"model": model.state_dict(), "optimizer": plain, "scheduler": None}, saved) == []
+    # Another class's names still differ outside those keys.
+    adam = torch.optim.Adam(model.parameters(), lr=0.1).state_dict()
+    (problem,) = state_mismatches({"model": model.state_dict(), "optimizer": adam, "scheduler": None}, saved)
+    assert "momentum" in problem and "another optimizer class" in problem
+
+
 def test_a_scheduler_dropped_or_saved_by_another_torch_still_fits():
     """A run that drops its scheduler reads the scheduler's initial_lr in the saved param groups;
     a scheduler's state from another torch has keys of that version (verbose, no _is_initial).

@@ -172,11 +172,13 @@ def _optimizer_mismatches(live: dict, saved: dict) -> list[str]:
         # Only names the checkpoint has and this optimizer lacks: a newer torch adds
         # hyperparameters with defaults (its load_state_dict fills them in), so a checkpoint
         # from an older torch lacking one still fits.
-        # initial_lr: an LR scheduler adds it to the groups, so a run that dropped its scheduler
-        # reads it in the checkpoint's groups; the optimizer never reads it. param_names: an
+        # Not the keys an LR scheduler or SWA adds to the groups (_NOT_CLASS_NAMES: initial_lr,
+        # OneCycleLR's max_lr, min_lr and momentum bounds, CyclicLR's, SWALR's swa_lr): a run that
+        # dropped its scheduler reads them in the checkpoint's groups, and the optimizer never
+        # does (a OneCycleLR dropped was refused as "another optimizer class"). param_names: an
         # optimizer built from named parameters (ModelParameters.named) keeps them there, and
         # torch loads them into one built from plain parameters (the names are no hyperparameter).
-        unknown = sorted(set(theirs) - set(mine) - {"initial_lr", "param_names"})
+        unknown = sorted(set(theirs) - set(mine) - _NOT_CLASS_NAMES)
         if unknown:
             out.append(f"optimizer: param group {i} of the checkpoint has hyperparameters this optimizer does not "
                        f"have: {shown(unknown)} (was it saved from another optimizer class?)")
