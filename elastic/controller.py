@@ -2105,14 +2105,16 @@ class Controller:
             asked = {m.info.get("node_id") for m in others} | doubtful
             suspect = unreachable_nodes(asked, certain=down)
             heard |= asked - suspect
-        never = (nodes & suspect) - down - heard  # raylets that timed out every time they were asked
-        silent = [m for m in others if m.info.get("node_id") in never and m.rank not in answered]
+        # Raylets that timed out every time they were asked, on nodes where no rank answered (none
+        # left on it at all included): gone, with their silent ranks. A rank that answered shows
+        # its host up, and a silent one beside it (its NCCL abort holding its control thread) is
+        # left to the rebuild's own checks, not killed as a node lost.
+        never = (nodes & suspect) - down - heard - {m.info.get("node_id") for m in others if m.rank in answered}
+        silent = [m for m in others if m.info.get("node_id") in never]
         for m in silent:
             lost.add(m.rank)
             ray.kill(m.actor, no_restart=True)
-        down |= {m.info.get("node_id") for m in silent}
-        # A node with no rank that answered, none left on it at all included, is gone.
-        down |= never - {m.info.get("node_id") for m in others if m.rank in answered}
+        down |= never
         if lost:
             self.log("node_lost", f"rank(s) {sorted(lost)} went with the node of rank(s) {sorted(dead)}",
                      ranks=sorted(lost))

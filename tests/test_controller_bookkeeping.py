@@ -1684,6 +1684,32 @@ def test_a_raylet_that_answered_once_in_the_settle_keeps_its_silent_rank_when_th
     assert fake.killed == ["rank-0"]
 
 
+def test_a_rank_that_answers_keeps_its_node_up_though_its_raylet_times_out_throughout(rayless_controller,
+                                                                                    monkeypatch):
+    # Rank 0 died; rank 1 on its node answers its heartbeat, rank 2 there is silent (its NCCL
+    # abort holds its control thread), and every connect to the raylet times out. The node was
+    # taken as lost for its silent rank: rank 2 killed and the death told as a node lost, though
+    # rank 1's answer shows the host up.
+    from elastic.actors import worker_group
+
+    c = rayless_controller(failure=elastic.FailureConfig(node_settle_s=0.3))
+    ranks_on(c, ["n", "n", "n"])
+    fake = Ray(monkeypatch, {"step-rank-0": controller_module.ray.exceptions.ActorDiedError(),
+                             "step-rank-1": "rank 1's results", "step-rank-2": "rank 2's results",
+                             "beat-rank-1": beat("idle", 0.1)})  # rank 2 never answers its heartbeat
+    monkeypatch.setattr(controller_module.ray, "nodes", lambda: [
+        {"NodeID": "n", "Alive": True, "NodeManagerAddress": "10.0.0.9", "NodeManagerPort": 1234}])
+
+    def connect(address, timeout=None):
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(worker_group.socket, "create_connection", connect)
+    with pytest.raises(Failure) as failure:
+        c._gather(["step-rank-0", "step-rank-1", "step-rank-2"], [0, 1, 2])
+    assert failure.value.dead == {0} and failure.value.kind == "actor_died"
+    assert fake.killed == ["rank-0"]
+
+
 @pytest.mark.parametrize("answers_at, kind", [(None, "node_lost"), (2, "hang")])
 def test_a_rank_killed_for_missed_heartbeats_alone_on_a_node_whose_raylet_never_answers_is_a_node_lost(
         rayless_controller, monkeypatch, answers_at, kind):
