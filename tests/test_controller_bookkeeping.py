@@ -1577,6 +1577,22 @@ def beat(phase, for_s):
     return {"phase": phase, "phase_since": 1000.0 - for_s, "time": 1000.0, "completed_step": 3}
 
 
+def rank_0_dies_beside(c, monkeypatch, nodes, answering):
+    """Rank i on ``nodes[i]`` (Ray knows each node alive, its raylet at an address of its own);
+    rank 0's step died, the others returned theirs, and of them only ``answering`` answer their
+    heartbeats. Returns the stand-in ``Ray``."""
+    ranks_on(c, nodes)
+    outcomes = {"step-rank-0": controller_module.ray.exceptions.ActorDiedError()}
+    outcomes.update({f"step-rank-{r}": f"rank {r}'s results" for r in range(1, len(nodes))})
+    outcomes.update({f"beat-rank-{r}": beat("idle", 0.1) for r in answering})
+    fake = Ray(monkeypatch, outcomes)
+    addresses = {node: f"10.0.0.{9 - i}" for i, node in enumerate(dict.fromkeys(nodes))}
+    monkeypatch.setattr(controller_module.ray, "nodes", lambda: [
+        {"NodeID": node, "Alive": True, "NodeManagerAddress": address, "NodeManagerPort": 1234}
+        for node, address in addresses.items()])
+    return fake
+
+
 def test_a_raylet_whose_connect_only_timed_out_loses_no_healthy_rank_with_the_one_that_died(rayless_controller,
                                                                                           monkeypatch):
     # Rank 0 died alone; rank 1, on the same node, is healthy. The probe of their raylet lost
@@ -1616,13 +1632,7 @@ def test_a_node_whose_raylet_times_out_throughout_the_settle_and_whose_ranks_are
     from elastic.actors import worker_group
 
     c = rayless_controller(failure=elastic.FailureConfig(node_settle_s=0.3))
-    ranks_on(c, ["n", "n", "m"])
-    fake = Ray(monkeypatch, {"step-rank-0": controller_module.ray.exceptions.ActorDiedError(),
-                             "step-rank-1": "rank 1's results", "step-rank-2": "rank 2's results",
-                             "beat-rank-2": beat("idle", 0.1)})  # rank 1 never answers its heartbeat
-    monkeypatch.setattr(controller_module.ray, "nodes", lambda: [
-        {"NodeID": "n", "Alive": True, "NodeManagerAddress": "10.0.0.9", "NodeManagerPort": 1234},
-        {"NodeID": "m", "Alive": True, "NodeManagerAddress": "10.0.0.8", "NodeManagerPort": 1234}])
+    fake = rank_0_dies_beside(c, monkeypatch, ["n", "n", "m"], answering=[2])  # rank 1 never answers
 
     def connect(address, timeout=None):  # the crashed host answers nothing
         if address[0] == "10.0.0.9":
@@ -1693,12 +1703,7 @@ def test_a_rank_that_answers_keeps_its_node_up_though_its_raylet_times_out_throu
     from elastic.actors import worker_group
 
     c = rayless_controller(failure=elastic.FailureConfig(node_settle_s=0.3))
-    ranks_on(c, ["n", "n", "n"])
-    fake = Ray(monkeypatch, {"step-rank-0": controller_module.ray.exceptions.ActorDiedError(),
-                             "step-rank-1": "rank 1's results", "step-rank-2": "rank 2's results",
-                             "beat-rank-1": beat("idle", 0.1)})  # rank 2 never answers its heartbeat
-    monkeypatch.setattr(controller_module.ray, "nodes", lambda: [
-        {"NodeID": "n", "Alive": True, "NodeManagerAddress": "10.0.0.9", "NodeManagerPort": 1234}])
+    fake = rank_0_dies_beside(c, monkeypatch, ["n", "n", "n"], answering=[1])  # rank 2 never answers
 
     def connect(address, timeout=None):
         raise TimeoutError("timed out")
