@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -186,6 +187,7 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
     NVML, and a Ray node started on a lent H100 in a Firecracker VM counted none while torch (the
     CUDA runtime) saw the card, so the run would stop with "the cluster has no GPUs". The workers use the GPUs
     through torch, so torch's count is the one that matters; CUDA_VISIBLE_DEVICES limits both.
+    When torch sees none (a CPU-only build, the cards hidden), a ConfigError, before Ray starts.
     """
     if ray.is_initialized():
         _check_same_cluster(address)
@@ -208,6 +210,19 @@ def connect(address: str | None, min_cpus: float = 0, use_gpu: bool = False) -> 
             import torch
 
             gpus = {"num_gpus": torch.cuda.device_count()}
+            if not gpus["num_gpus"]:
+                # Refused before Ray starts, naming this machine's torch: the cluster check that
+                # came next told of a Ray that did not count its GPUs, and to `ray start
+                # --num-gpus=N`, which is no fix for the Ray this function starts.
+                hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+                raise ConfigError(
+                    "ScalingConfig.use_gpu=True, but torch sees no CUDA device on this machine "
+                    f"(torch.cuda.device_count() is 0; torch {torch.__version__}, built "
+                    + (f"for CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
+                    + (f", CUDA_VISIBLE_DEVICES={hidden!r}" if hidden is not None else "")
+                    + "), and the embedded local Ray started here gives the workers the GPUs torch sees. Install a "
+                    "CUDA build of torch or let CUDA_VISIBLE_DEVICES show the cards, set use_gpu=False, or join a "
+                    "cluster with GPUs (Trainer.address, or RAY_ADDRESS).")
         try:
             with _users_sigterm_kept():
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
@@ -716,19 +731,24 @@ class Trainer:
         for name, v in (("steps", steps), ("epochs", epochs)):
             if v is not None:
                 _require_int(f"Trainer.fit's {name}", v, 1)
-        with _FITTING_LOCK:
-            # A fit() keeps its run's state on its Trainer (the run, the store, the controller's
-            # handle) and reads it as it goes: a second fit() of the same Trainer in another
-            # thread, under another run name, replaced them under the first, whose controller
-            # then started in the second's namespace and was killed by it as a leftover.
-            if self._fitting:
-                raise ConfigError("this Trainer is in fit() already (another thread): a fit() keeps its run's state on "
-                                  "its Trainer, so runs at the same time need a Trainer each.")
-            self._fitting = True
+        # Claimed inside the try whose finally releases it: claimed before it, a KeyboardInterrupt
+        # taken as the lock's __exit__ returned left it claimed for good, and every later fit()
+        # of this Trainer was refused as "in fit() already".
+        claimed = False
         try:
+            with _FITTING_LOCK:
+                # A fit() keeps its run's state on its Trainer (the run, the store, the controller's
+                # handle) and reads it as it goes: a second fit() of the same Trainer in another
+                # thread, under another run name, replaced them under the first, whose controller
+                # then started in the second's namespace and was killed by it as a leftover.
+                if self._fitting:
+                    raise ConfigError("this Trainer is in fit() already (another thread): a fit() keeps its run's "
+                                      "state on its Trainer, so runs at the same time need a Trainer each.")
+                claimed = self._fitting = True
             return self._fit_once(steps, epochs)
         finally:
-            self._fitting = False
+            if claimed:
+                self._fitting = False
 
     def _fit_once(self, steps: int | None, epochs: int | None) -> Result:
         # Again: a setting may have changed since the Trainer was made. What it checked is what
@@ -745,21 +765,26 @@ class Trainer:
         scaling = settings.scaling
         total_cpu = scaling.resources_per_worker.get("CPU", 1.0) * (scaling.num_replicas + scaling.num_hot_spares + 2)
         namespace = self.namespace  # as taken: released as taken, whatever the run is renamed to meanwhile
-        with _FITTING_LOCK:
-            if namespace in _FITTING:
-                # Another fit() of this run name is live in this process (a thread, a notebook
-                # cell): _claim_run_name would take its controller for a leftover of this
-                # driver's and kill it, and the two would write one checkpoint directory.
-                raise ConfigError(f"RunConfig.name={self._running.name!r} is in use: another fit() of that run is training "
-                                  "in this process. Choose another RunConfig.name, or wait for that fit() to return.")
-            _FITTING.add(namespace)
+        claimed = False  # inside the try that releases it, as fit() claims its Trainer
         try:
+            with _FITTING_LOCK:
+                if namespace in _FITTING:
+                    # Another fit() of this run name is live in this process (a thread, a notebook
+                    # cell): _claim_run_name would take its controller for a leftover of this
+                    # driver's and kill it, and the two would write one checkpoint directory.
+                    raise ConfigError(f"RunConfig.name={self._running.name!r} is in use: another fit() of that run "
+                                      "is training in this process. Choose another RunConfig.name, or wait for that "
+                                      "fit() to return.")
+                # Flagged first: an interrupt is taken as a call returns (the add's), never before it starts.
+                claimed = True
+                _FITTING.add(namespace)
             # The address is checked there, under the lock, where it is known whether Ray is up.
             with _ray_for_fit(settings.address, total_cpu, scaling.use_gpu, self._check_cluster_address):
                 return self._fit(steps, epochs, packed)
         finally:
-            with _FITTING_LOCK:
-                _FITTING.discard(namespace)
+            if claimed:
+                with _FITTING_LOCK:
+                    _FITTING.discard(namespace)
 
     def _fit(self, steps: int | None, epochs: int | None, packed: PackedSpec) -> Result:
         from elastic.metrics import RunMetrics
@@ -1025,9 +1050,7 @@ class Trainer:
     def _wait_with_progress(self, ref) -> dict:
         if not self._running.progress:
             return ray.get(ref)
-        from tqdm import tqdm
-
-        bar = tqdm(total=None, unit="step", dynamic_ncols=True)
+        progress = _Progress(self._running.name, sys.stderr)
         try:
             while True:
                 ready, _ = ray.wait([ref], timeout=0.25)
@@ -1037,18 +1060,86 @@ class Trainer:
                     st = ray.get(self.controller.status.remote(), timeout=2)
                 except Exception:
                     continue
-                bar.total = st.get("total_steps") or bar.total
-                bar.n = st["step"]
-                bar.set_postfix(loss=_fmt(st.get("loss")), samples_s=_fmt(st.get("samples_per_s")),
-                                world=st["world_size"], spares=st["spares"], state=st["state"], refresh=False)
-                bar.refresh()
+                progress.show(st)
             return ray.get(ref)
         finally:
-            bar.close()
+            progress.close()
 
 
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4g}"
+
+
+_PROGRESS_REDRAW_S = 0.5  # a terminal's progress bar is redrawn at most this often
+_PROGRESS_LINE_S = 30.0  # elsewhere (a log file) a plain progress line is written at most this often
+
+
+def _redraws_in_place(stream) -> bool:
+    """Whether ``stream`` shows a '\\r' redraw in place: a terminal, or a Jupyter kernel's output,
+    which draws a carriage return as a terminal does though its ``isatty()`` says False."""
+    if type(stream).__module__.startswith("ipykernel."):
+        return True
+    try:
+        return bool(stream.isatty())
+    except Exception:  # noqa: BLE001 - a closed or unusual stream: plain lines read right anywhere
+        return False
+
+
+class _Progress:
+    """fit()'s progress display (``RunConfig.progress``) on ``stream``, from the controller's status.
+
+    In a terminal, a tqdm bar redrawn in place, at most every ``_PROGRESS_REDRAW_S``. Anywhere else
+    a plain line, at most every ``_PROGRESS_LINE_S`` and none while nothing changed, and the newest
+    one at the end. Why: Ray Jobs writes the driver's stderr to a log file that ``ray job logs`` and
+    the dashboard read back as text, where each '\\r' redraw is a line of its own; the bar,
+    redrawn four times a second, wrote some 14,000 lines an hour there (as it did to ``python
+    train.py > log 2>&1``), burying the warnings, with Ray's worker log lines glued onto its lines."""
+
+    def __init__(self, name: str, stream):
+        self._name, self._stream = name, stream
+        self._bar = None
+        if _redraws_in_place(stream):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=None, unit="step", dynamic_ncols=True, file=stream)
+        self._shown_at: float | None = None  # time.monotonic() of the last redraw or line
+        self._shown = self._newest = None  # plain lines: the last one written, the newest one made
+
+    def show(self, st: dict) -> None:
+        now = time.monotonic()
+        if self._bar is not None:
+            bar = self._bar
+            bar.total = st.get("total_steps") or bar.total
+            bar.n = st["step"]
+            bar.set_postfix(loss=_fmt(st.get("loss")), samples_s=_fmt(st.get("samples_per_s")),
+                            world=st["world_size"], spares=st["spares"], state=st["state"], refresh=False)
+            # refresh() draws whatever tqdm's mininterval says: the rate is kept here.
+            if self._due(now, _PROGRESS_REDRAW_S):
+                self._shown_at = now
+                bar.refresh()
+            return
+        total = st.get("total_steps")
+        self._newest = (f"run {self._name!r}: step {st['step']}{f'/{total}' if total else ''} "
+                        f"loss={_fmt(st.get('loss'))} samples_s={_fmt(st.get('samples_per_s'))} "
+                        f"world={st['world_size']} spares={st['spares']} state={st['state']}")
+        if self._newest != self._shown and self._due(now, _PROGRESS_LINE_S):
+            self._shown_at = now
+            self._write_newest()
+
+    def _due(self, now: float, every_s: float) -> bool:
+        return self._shown_at is None or now - self._shown_at >= every_s
+
+    def _write_newest(self) -> None:
+        self._shown = self._newest
+        self._stream.write(self._newest + "\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        """The bar drawn one last time and closed, or the newest line written if it was held back."""
+        if self._bar is not None:
+            self._bar.close()
+        elif self._newest is not None and self._newest != self._shown:
+            self._write_newest()
 
 
 def _check_batch_schedule(schedule: Any, num_workers: int, failure: FailureConfig) -> None:

@@ -1291,3 +1291,135 @@ def test_a_factory_or_storage_option_that_cannot_be_pickled_is_named_before_ray_
     with pytest.raises(ConfigError, match=r"RunConfig\.storage_options cannot be sent to the run's actors"):
         _trainer(run=RunConfig(storage="memory://pickle", storage_options={"client": threading.Lock()})).fit(steps=1)
     assert started == []
+
+
+def _stubbed_controller_run(monkeypatch, trainer_module, t, ready_after_s: float, wait_s: float):
+    """The progress loop of ``Trainer._wait_with_progress`` against a stand-in controller whose
+    run ends ``ready_after_s`` from now, with Ray's ``wait`` taking ``wait_s`` a call."""
+    import time
+    from types import SimpleNamespace
+
+    end, steps = time.monotonic() + ready_after_s, []
+
+    def status_remote():
+        steps.append(len(steps) + 1)  # a step further at every poll: each status differs from the last
+        return ("status", steps[-1])
+
+    def wait(refs, timeout):
+        time.sleep(wait_s)
+        return (refs, []) if time.monotonic() >= end else ([], refs)
+
+    def get(ref, timeout=None):
+        if isinstance(ref, tuple):
+            return {"step": ref[1], "total_steps": 1000, "loss": 0.5, "samples_per_s": 1234.5, "world_size": 4,
+                    "spares": 1, "state": "running"}
+        return {"out": ref}
+
+    monkeypatch.setattr(trainer_module.ray, "wait", wait)
+    monkeypatch.setattr(trainer_module.ray, "get", get)
+    t.controller = SimpleNamespace(status=SimpleNamespace(remote=status_remote))
+    return steps
+
+
+def test_progress_in_a_log_file_is_plain_lines_not_a_bar_redrawn_with_carriage_returns(monkeypatch):
+    # The tqdm bar was redrawn every 0.25 s with '\r' whatever stderr was. Under Ray Jobs the
+    # driver's stderr is a log file read back as text, where each '\r' is a line break: four bar
+    # lines a second (some 14,000 an hour) in `ray job logs`, burying the warnings.
+    import io
+    import sys
+
+    from elastic import trainer as trainer_module
+
+    t = _trainer(run=RunConfig(name="logged", progress=True))
+    log = io.StringIO()  # not a terminal
+    monkeypatch.setattr(sys, "stderr", log)
+    polls = _stubbed_controller_run(monkeypatch, trainer_module, t, ready_after_s=1.0, wait_s=0.05)
+    assert t._wait_with_progress("run-ref") == {"out": "run-ref"}
+    text = log.getvalue()
+    assert len(polls) > 5 and "\r" not in text
+    # The first status at once, and the newest at the end; none in between (one per 30 s at most).
+    lines = text.splitlines()
+    assert len(lines) == 2 and text.endswith("\n"), text
+    assert lines[0] == ("run 'logged': step 1/1000 loss=0.5 samples_s=1234 world=4 spares=1 state=running")
+    assert lines[1].startswith(f"run 'logged': step {len(polls)}/1000 ")
+
+
+def test_progress_in_a_terminal_is_a_bar_redrawn_a_few_times_a_second_at_most(monkeypatch):
+    # bar.refresh() draws whatever tqdm's mininterval says: redrawn at every status, as often as
+    # the controller answered.
+    import io
+    import sys
+
+    from elastic import trainer as trainer_module
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    t = _trainer(run=RunConfig(name="bar", progress=True))
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    polls = _stubbed_controller_run(monkeypatch, trainer_module, t, ready_after_s=1.0, wait_s=0.0)
+    assert t._wait_with_progress("run-ref") == {"out": "run-ref"}
+    assert len(polls) > 100
+    # tqdm's first draw and its close, and at most one redraw every _PROGRESS_REDRAW_S (0.5 s) between.
+    assert 2 <= terminal.getvalue().count("\r") <= 6, terminal.getvalue().count("\r")
+    assert "samples_s=1234" in terminal.getvalue()
+
+
+def test_use_gpu_on_an_embedded_ray_torch_sees_no_gpu_for_is_refused_before_ray_starts(monkeypatch):
+    # Ray started with num_gpus=0 (torch's count), and the cluster check then said Ray had not
+    # counted the GPUs through NVML and to `ray start --num-gpus=N`: no fix for an embedded Ray.
+    from elastic import trainer as trainer_module
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(trainer_module.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(trainer_module.ray, "init", lambda **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(trainer_module, "check_cluster_fits", lambda *a: pytest.fail("Ray started"))
+    for refused in (lambda: trainer_module.connect(None, 1, use_gpu=True),
+                    lambda: _trainer(scaling=ScalingConfig(num_workers=2, use_gpu=True)).fit(steps=1)):
+        with pytest.raises(ConfigError, match=r"ScalingConfig\.use_gpu=True, but torch sees no CUDA device") as err:
+            refused()
+        told = str(err.value)
+        assert "ray start" not in told and "use_gpu=False" in told
+        assert "CPU-only" in told or "built for CUDA" in told
+        assert "CUDA_VISIBLE_DEVICES=''" in told
+
+
+@pytest.mark.parametrize("interrupted_exit", [1, 2])
+def test_an_interrupt_as_the_fitting_lock_is_released_leaves_nothing_claimed(monkeypatch, interrupted_exit):
+    # The claims were made under the lock and the try/finally that drops them began after it: a
+    # KeyboardInterrupt taken as the lock's __exit__ returned (where CPython checks for signals)
+    # kept them, and every later fit() of the Trainer (the 1st exit) or of the run name in this
+    # process (the 2nd) was refused as "in fit() already" / "another fit() of that run".
+    import threading
+
+    from elastic import trainer as trainer_module
+
+    class InterruptedOnce:
+        def __init__(self):
+            self.lock, self.exits = threading.Lock(), 0
+
+        def __enter__(self):
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+            self.exits += 1
+            if self.exits == interrupted_exit:
+                raise KeyboardInterrupt
+            return False
+
+    t = _trainer()
+    monkeypatch.setattr(trainer_module, "_FITTING_LOCK", InterruptedOnce())
+    monkeypatch.setattr(trainer_module, "_FITTING", set())
+    monkeypatch.setattr(trainer_module, "_ray_for_fit", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(t, "_check_cluster_address", lambda: None)
+    monkeypatch.setattr(t, "_fit", lambda steps, epochs, packed: "done")
+    with pytest.raises(KeyboardInterrupt):
+        t.fit(steps=1)
+    assert not t._fitting and trainer_module._FITTING == set()
+    assert t.fit(steps=1) == "done"
