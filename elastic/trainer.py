@@ -1131,8 +1131,17 @@ class _Progress:
 
     def _write_newest(self) -> None:
         self._shown = self._newest
-        self._stream.write(self._newest + "\n")
-        self._stream.flush()
+        if self._stream is None:
+            return
+        try:
+            self._stream.write(self._newest + "\n")
+            self._stream.flush()
+        except (OSError, ValueError):
+            # Best-effort, as tqdm's own writes are (it stops drawing on a closed stream or EIO):
+            # raised here, a display that could not be written (stderr closed, a log on a failing
+            # mount) ended a training run, and in close() replaced the Ctrl-C that was stopping
+            # it cleanly. Nothing more is written to it.
+            self._stream = None
 
     def close(self) -> None:
         """The bar drawn one last time and closed, or the newest line written if it was held back."""

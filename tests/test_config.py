@@ -1344,6 +1344,22 @@ def test_progress_in_a_log_file_is_plain_lines_not_a_bar_redrawn_with_carriage_r
     assert lines[1].startswith(f"run 'logged': step {len(polls)}/1000 ")
 
 
+def test_progress_that_cannot_be_written_does_not_end_the_run(monkeypatch):
+    # A plain progress line written to a closed stderr (or a log on a failing mount) raised out
+    # of the wait, and the run's controller was killed; tqdm, before, stopped drawing instead.
+    import io
+    import sys
+
+    from elastic import trainer as trainer_module
+
+    t = _trainer(run=RunConfig(name="closed", progress=True))
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    _stubbed_controller_run(monkeypatch, trainer_module, t, ready_after_s=0.3, wait_s=0.05)
+    assert t._wait_with_progress("run-ref") == {"out": "run-ref"}
+
+
 def test_progress_in_a_terminal_is_a_bar_redrawn_a_few_times_a_second_at_most(monkeypatch):
     # bar.refresh() draws whatever tqdm's mininterval says: redrawn at every status, as often as
     # the controller answered.
