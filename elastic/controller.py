@@ -200,9 +200,6 @@ class Controller:
         self.failure_config = failure
         self.global_batch_size = global_batch_size  # step 1's; each step's: self.batches (Trainer.batch_schedule)
         self.batches = BatchSchedule(global_batch_size, batch_schedule)
-        # Into each checkpoint's meta (``batch_schedule``): the first step of each size, from step 1.
-        self._batch_plan = [[1, int(global_batch_size)]] + [[int(s), int(size)] for s, size in
-                                                             sorted((batch_schedule or {}).items())]
         self.store = checkpoint_store
         self.metrics = metrics
         self.fault_plan = list(fault_plan or [])
@@ -1102,7 +1099,9 @@ class Controller:
         recorded are taken as they are."""
         position = DataPosition.from_dict(meta["data_position"])
         trained_at = meta.get("global_batch_size")
-        later = self._batch_size_changed_after(step, meta.get("batch_schedule"))
+        # The schedule each checkpoint keeps (``BatchSchedule.pairs``); none in one written before.
+        saved_schedule = BatchSchedule.from_pairs(meta.get("batch_schedule"))
+        later = saved_schedule.first_difference(self.batches, step) if saved_schedule is not None else None
         if type(trained_at) is int and trained_at != self.batches.size_at(step):
             # Sample-exact either way (the sampler's place counts samples), and a schedule may be
             # changed on purpose; but a run resumed without its schedule would go on at another
@@ -1144,23 +1143,6 @@ class Controller:
                  f"{position.epoch} cannot be continued sample-exactly, so sampling starts epoch {position.epoch + 1}",
                  step=step, changed={k: list(v) for k, v in changed.items()})
         return DataPosition(epoch=position.epoch + 1)
-
-    def _batch_size_changed_after(self, step: int, saved: Any) -> tuple[int, int, int] | None:
-        """The first step from ``step`` on whose global batch the checkpoint's schedule (``saved``,
-        its meta's ``batch_schedule``: [first step, size] pairs) and this run's differ: (that step,
-        the saved size, this run's). None when they agree, or the meta has no schedule (written
-        before it was recorded) or an unreadable one."""
-        pairs_ok = isinstance(saved, list) and all(
-            isinstance(pair, (list, tuple)) and len(pair) == 2 and all(type(v) is int for v in pair) for pair in saved)
-        if not (pairs_ok and saved):
-            return None
-        theirs = BatchSchedule(saved[0][1], {first: size for first, size in saved[1:]})
-        # Both are constant between their change points: comparing at those (and at ``step``) finds the first.
-        points = sorted({step} | {first for first, _ in saved} | {first for first, _ in self._batch_plan})
-        for at in (p for p in points if p >= step):
-            if theirs.size_at(at) != self.batches.size_at(at):
-                return at, theirs.size_at(at), self.batches.size_at(at)
-        return None
 
     def _fresh_rank_views(self, ranks: Iterable[int] | None = None) -> None:
         """What the dashboard and `elastic status` show of rank numbers that now name another
@@ -1574,7 +1556,7 @@ class Controller:
     def _checkpoint_meta(self, step: int, position: dict) -> dict:
         return {"data_position": position, "world_size": len(self.group.members),
                 "global_batch_size": self.batches.size_at(step),
-                "batch_schedule": [list(pair) for pair in self._batch_plan], "generation": self.generation,
+                "batch_schedule": self.batches.pairs(), "generation": self.generation,
                 "dataset_size": self.dataset_size, "seed": self.run_config.seed,
                 "order_digest": self.plan.digest(int(position["epoch"]))}
 

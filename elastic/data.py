@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +93,29 @@ class BatchSchedule:
     @property
     def largest(self) -> int:
         return max(self._sizes)
+
+    def pairs(self) -> list[list[int]]:
+        """[first step, size] for each size in turn, from step 1: the schedule as a checkpoint's
+        meta keeps it (``from_pairs`` reads it back)."""
+        return [[1, int(self._sizes[0])]] + [[int(s), int(size)] for s, size in zip(self._steps, self._sizes[1:])]
+
+    @classmethod
+    def from_pairs(cls, pairs: Any) -> "BatchSchedule | None":
+        """The schedule ``pairs()`` wrote; None for anything else (a meta written before it was
+        kept, or unreadable)."""
+        if not (isinstance(pairs, list) and pairs and all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(type(v) is int for v in p) for p in pairs)):
+            return None
+        return cls(pairs[0][1], {first: size for first, size in pairs[1:]})
+
+    def first_difference(self, other: "BatchSchedule", from_step: int) -> tuple[int, int, int] | None:
+        """The first step from ``from_step`` on whose size this schedule and ``other`` differ:
+        (that step, this one's size, other's); None where they agree. Both are constant between
+        their change points, so those (and ``from_step``) are all that need comparing."""
+        for at in sorted({from_step, *self._steps, *other._steps}):
+            if at >= from_step and self.size_at(at) != other.size_at(at):
+                return at, self.size_at(at), other.size_at(at)
+        return None
 
     def first_step_of(self, size: int) -> int:
         """The first step that trains at ``size`` (one of ``sizes``)."""
