@@ -3760,11 +3760,8 @@ def _blamed(refs: dict, info: dict, own_for_s: float | None = None, waiting_for_
     its collective last (if in it for more than ``waiting_for_s``, if given). How long a rank has
     been in its phase is read on its own clock (its answer's ``time`` against its
     ``phase_since``): against the controller's, a node's clock skew counted too."""
-    def age(r: int) -> float:
-        return _phase_age(info[r])
-
     def longer(r: int, limit: float | None) -> bool:
-        return limit is None or age(r) > limit
+        return limit is None or _phase_age(info[r]) > limit
 
     silent = {ref: r for ref, r in refs.items() if r not in info}
     if silent:
@@ -3775,7 +3772,8 @@ def _blamed(refs: dict, info: dict, own_for_s: float | None = None, waiting_for_
     # A late replica waits on the fast set's leader, who waits in the collective: blamed
     # only when no rank waits in one.
     collective = [r for r in info if "allreduce" in info[r]["phase"]] or list(info)
-    last = min(collective, key=age)  # the shortest time in it, not the latest phase_since: clocks differ by node
+    # The shortest time in it, not the latest phase_since: clocks differ by node.
+    last = min(collective, key=lambda r: _phase_age(info[r]))
     return {ref: r for ref, r in refs.items() if r == last and longer(r, waiting_for_s)}
 
 

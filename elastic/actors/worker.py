@@ -1756,6 +1756,15 @@ def _group_failures_as_collective(what: str) -> Iterator[None]:
         raise
 
 
+# The fixed words of the DDP reducer's errors about the user's model, as torch's reducer.cpp
+# writes them: a parameter with no gradient, and one marked ready twice. With
+# TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL they go on to name the parameters, and a name is the
+# user's to choose: ``peer_proj.weight`` holds a collective's word.
+_DDP_NOT_FINISHED = "Expected to have finished reduction in the prior iteration"
+_DDP_READY_TWICE = "Expected to mark a variable ready only once"
+_DDP_REDUCER_USER_ERRORS = (_DDP_NOT_FINISHED, _DDP_READY_TWICE)
+
+
 def _ddp_advice(text: str, find_unused_parameters: bool) -> str | None:
     """What to add to the DDP reducer's error ``text`` about the user's model, whose fixes name
     the constructor's arguments and methods (``find_unused_parameters``, ``_set_static_graph()``),
@@ -1770,7 +1779,7 @@ def _ddp_advice(text: str, find_unused_parameters: bool) -> str | None:
     the option on, as the thing to turn off (its reason 3): read by the word, it was told that
     every output of the forward must take part in the loss, the opposite of its causes
     (reentrant activation checkpointing, LoRA with gradient checkpointing most often)."""
-    if "Expected to mark a variable ready only once" in text:
+    if _DDP_READY_TWICE in text:
         if find_unused_parameters:
             return ("ScalingConfig(find_unused_parameters=True) is set: a parameter DDP took for unused in the "
                     "forward got a gradient after all, or one got two. Most often reentrant activation "
@@ -1788,20 +1797,12 @@ def _ddp_advice(text: str, find_unused_parameters: bool) -> str | None:
         return None
     if not find_unused_parameters:
         return "elastic builds the DistributedDataParallel: set ScalingConfig(find_unused_parameters=True)."
-    if "Expected to have finished reduction" not in text:
+    if _DDP_NOT_FINISHED not in text:
         return None
     return ("ScalingConfig(find_unused_parameters=True) is already set: some parameters were reached from the "
             "forward's outputs but got no gradient. Every output of the model's forward must take part in the "
             "loss: return only what the loss uses (e.g. not an auxiliary output it leaves out), or add the "
             "unused output to the loss times 0.")
-
-
-# The fixed words of the DDP reducer's errors about the user's model (a parameter with no
-# gradient, or one marked ready twice), as torch's reducer.cpp writes them. With
-# TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL they go on to name the parameters, and a name is the
-# user's to choose: ``peer_proj.weight`` holds a collective's word.
-_DDP_REDUCER_USER_ERRORS = ("Expected to have finished reduction in the prior iteration",
-                            "Expected to mark a variable ready only once")
 
 
 def _looks_collective(exc: BaseException) -> bool:
