@@ -843,10 +843,9 @@ class CheckpointCommitter:
                 latest = self._latest
                 keep = set(self._unconfirmed) | self._restored_from | {self._committing}
                 doomed = sorted(s for s in self._left_here if (latest is None or s > latest) and s not in keep)
-            for step in doomed:
-                # The store's own delete (manifest first, then the files), as retention's: a
-                # failure leaves the step uncommitted or on its retry list, never half-committed.
-                self.store._delete_step(step, report)
+            # The store's own delete (manifest first, then the files), as retention's: a failure
+            # leaves the step uncommitted or on its retry list, never half-committed.
+            report = self.store.delete_steps(doomed)
             self._left_here -= set(report.deleted)
         except Exception:  # noqa: BLE001 - the run ends all the same (close must not raise for this)
             logger.exception("could not delete the checkpoint steps of a timeline this run went back from "

@@ -972,6 +972,16 @@ class CheckpointStore:
         self._retry_deletes = {s: v for s, v in self._retry_deletes.items() if step is not None and s <= step}
         return dropped
 
+    def delete_steps(self, steps: Iterable[int]) -> CleanupReport:
+        """Delete ``steps`` now, outside retention, each as retention does (``_delete_step``:
+        manifest first): for a caller that knows them unwanted (the committer at a run's end, the
+        steps of a timeline it went back from). A failure is in the report, and later passes
+        retry it as any. Never raises."""
+        report = CleanupReport()
+        for step in steps:
+            self._delete_step(step, report)
+        return report
+
     def _delete_step(self, step: int, report: CleanupReport, files: list[str] | None = None,
                      has_manifest: bool = True, epoch: int | None = None) -> None:
         """Manifest first: a step half-deleted by a failure is then merely uncommitted, never a
