@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import tempfile
 import time
 
@@ -76,11 +75,10 @@ def main(argv=None) -> None:
     w = workload_from_args(args)
     start_ray(args.num_cpus)
     # The killed worker writes the time of its kill here (one machine: the controller's clock),
-    # so the time to detect runs from the kill itself.
-    mark = os.path.join(tempfile.mkdtemp(prefix="elastic-recovery-bench-"), "killed_at")
-    # Removed however the runs end: a run that raises, or a check that fails (fail() exits),
-    # left the directory, with the kill's time in it, behind.
-    try:
+    # so the time to detect runs from the kill itself. Removed however the runs end: a run that
+    # raises, or a check that fails (fail() exits), left the directory behind.
+    with tempfile.TemporaryDirectory(prefix="elastic-recovery-bench-", ignore_cleanup_errors=True) as tmp:
+        mark = os.path.join(tmp, "killed_at")
         kill = {"kind": "kill", "rank": args.kill_rank, "at_step": args.kill_step, "mark": mark}
 
         # Each system's pair back to back, so drift on a shared machine hits a pair's two runs alike.
@@ -111,8 +109,6 @@ def main(argv=None) -> None:
                 killed_at = float(f.read())
         except (OSError, ValueError) as exc:
             fail(f"ours: the killed worker left no readable time of its kill in {mark}: {exc}")
-    finally:
-        shutil.rmtree(os.path.dirname(mark), ignore_errors=True)
     if ours_crash["detected_at"] is None:
         fail("ours: no transition to recovering in the crash run's event log")
     # A pair's runs differ by noise too: a lost time at or below zero (the crash run no slower
