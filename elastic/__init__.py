@@ -13,6 +13,7 @@ _EXPORTS = {
     "CheckpointConfig": "elastic.config",
     "ConfigError": "elastic.config",
     "FailureConfig": "elastic.config",
+    "LeaseHeld": "elastic.checkpoint.lease",
     "RunConfig": "elastic.config",
     "ScalingConfig": "elastic.config",
     "ModelParameters": "elastic.actors.protocol",

@@ -850,11 +850,34 @@ def _list_run(url: str, run: str, options: dict, verify: bool, as_json: bool, re
         summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
         latest = f"; latest usable: step {good[-1]}" if good else "; no usable step"
         _plain(f"{store.location}: {len(steps)} step(s): {summary}{latest}")
+    if not as_json:
+        _show_lease(store)
     if not steps:
         raise CliError(f"no checkpoints for run {run!r} in {store.location}", code=EXIT_NO_USABLE_STEP)
     if not good:
         raise CliError(f"run {run!r} has no usable checkpoint step in {store.location} "
                        f"({'none verifies' if verify else 'none is committed'})", code=EXIT_NO_USABLE_STEP)
+
+
+def _show_lease(store) -> None:
+    """The run's storage lease (``elastic.checkpoint.lease``), when a run holds it: who, and how
+    long ago its holder renewed it by that holder's clock. Why: a run another cluster trains
+    there refuses a ``fit()`` of that name here, and this says which run that is. Best effort:
+    the listing above is what was asked for."""
+    from elastic.checkpoint.lease import describe_holder, read_lease
+
+    try:
+        record = read_lease(store.storage)
+    except Exception:  # noqa: BLE001 - a listing that answered stands
+        return
+    if record is None:
+        return
+    renewed = record.get("renewed_at")
+    age = (f"; renewed {max(0.0, time.time() - renewed):.0f} s ago by its holder's clock"
+           if isinstance(renewed, (int, float)) else "")
+    _plain(f"lease: held by {describe_holder(record)}{age} (a run is training there, or ended without "
+           f"releasing it; another run takes it over once it has not been renewed for "
+           f"{record.get('ttl_s', 30)} s)")
 
 
 def _list_runs(url: str, options: dict, as_json: bool, retry, verify: bool = True) -> None:

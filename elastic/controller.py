@@ -212,6 +212,8 @@ class Controller:
         self._trimmed = RunTotals()  # the steps trimmed from the history
         self._trimmed_through = 0  # the newest step trimmed
         self._resume_outage: Any = None  # the OutageTracker of the newest resume (see _restore_latest)
+        self._lease = None  # the run's storage lease (``_take_lease``), held until the run's end
+        self._lease_lost_why: str | None = None  # set by the lease's thread (``_lease_lost``)
         self.ledger = SampleLedger()
         self.failure_policy = FailurePolicy(failure, scaling.num_workers, global_batch_size)
         self.straggler_policy = StragglerPolicy(failure.straggler_factor, failure.straggler_window,
@@ -399,6 +401,12 @@ class Controller:
         """Train until ``steps`` steps (or ``epochs`` epochs) are complete, counting resumed ones."""
         try:
             self._schedule()
+            if self.store is not None:
+                # Once a run, before any rank starts: storage this controller cannot use, or a
+                # live run of this name in it, ends the run here (a ConfigError), not after the
+                # ranks have started and built their models.
+                self._check_storage_here()
+                self._take_lease()
             self._start()
             total_steps = steps if steps is not None else self.batches.steps_for_epochs(self.plan.num_samples, epochs)
             self.total_steps = total_steps
@@ -413,6 +421,7 @@ class Controller:
                     self._stop_after_dispatched()
                     stopping = True
                     continue
+                self._check_lease()
                 before = self.step
                 self._run_one_step()
                 if stopping and self.step < before:
@@ -425,6 +434,7 @@ class Controller:
             with self._beating_at_the_end():
                 self._finish_late()
                 self._finish_checkpoints()
+                self._check_lease()  # lost as the run ended: its last commits were not made
                 # The replicas' check before the run's terminal state, not in result() after it:
                 # wait_ended (``elastic stop``) answered "finished" for a run whose check then
                 # failed (ReplicaDivergence), and `elastic stop RUN && next` went on.
@@ -456,6 +466,9 @@ class Controller:
                     self._drain_storage_events()
                 except Exception:  # noqa: BLE001 - the run's own end (or error) stands
                     logger.exception("could not log the checkpoint events of the run's end")
+            if self._lease is not None:
+                # After the committer's end (its last commit and deletes were this run's).
+                self._lease.release()
 
     @contextlib.contextmanager
     def _beating_at_the_end(self):
@@ -548,7 +561,9 @@ class Controller:
         return self._stop_asked.is_set()
 
     def _check_stop(self, waiting_for: str) -> None:
-        """Raise ``StopRequested`` if a stop came while the controller waited for ``waiting_for``."""
+        """Raise ``StopRequested`` if a stop came while the controller waited for ``waiting_for``
+        (``TrainingFailed`` once the run's lease is lost)."""
+        self._check_lease()
         if self._stop_asked.is_set():
             raise StopRequested(f"stopped while {waiting_for}")
 
@@ -580,6 +595,7 @@ class Controller:
         if self.committer is not None and self.group is not None:
             with self._beating_at_the_end():  # as the run's own end: the ranks' heartbeats meanwhile
                 self._commit_what_ranks_wrote(None, 30, "checkpoints of the steps before the stop", lost_ok=True)
+        self._check_lease()  # lost meanwhile: the commits were not made, and fit() again would not resume there
         self.transition(State.STOPPED, f"{why}, at step {self.step}: {self._stop_reason}")
 
     def _stop_after_dispatched(self) -> None:
@@ -730,7 +746,6 @@ class Controller:
     def _setup_data_and_checkpoints(self) -> None:
         position = None
         if self.store is not None:
-            self._check_storage_here()
             self._check_storage_shared()
         if self._agents_wanted():
             # Started now, so their processes come up while the resume reads storage.
@@ -746,6 +761,10 @@ class Controller:
 
             self.committer = CheckpointCommitter(self.store, self.run_config.checkpoint,
                                                  latest_committed=self.restored_from, progress=self._progress_step)
+            if self._lease is not None:
+                self.committer.gate(self._lease.current)
+            if self._lease_lost_why is not None:  # lost while the run started (_lease_lost found no committer)
+                self.committer.halt(self._lease_lost_why)
             self._configure_checkpoints(self._all_actors(), check_storage=True)
 
     def _check_storage_here(self) -> None:
@@ -954,23 +973,28 @@ class Controller:
         return max(self.step, self._worker_progress)
 
     def _restore_latest(self, fast: dict[int, list[int]] | None = None) -> DataPosition | None:
-        """``_restore_latest_once(fast)``, waiting out a storage outage for up to
-        ``CheckpointConfig.resume_timeout_s``. Why wait: without the list of committed steps the
-        run cannot know where to resume, and starting fresh would train over a checkpoint that
-        exists. Each storage call already retries for a second or two, so a longer blip at start
-        (or during a restart from a checkpoint) failed the whole run. The wait is logged, and
-        ``status()`` shows it."""
+        """``_restore_latest_once(fast)``, waiting out a storage outage (``_through_outage``).
+        Why wait: without the list of committed steps the run cannot know where to resume, and
+        starting fresh would train over a checkpoint that exists."""
+        return self._through_outage(lambda: self._restore_latest_once(fast), "find the step to resume from",
+                                    "looked for the step to resume from")
+
+    def _through_outage(self, call: Callable[[], Any], to: str, while_: str) -> Any:
+        """``call()``, waiting out a storage outage for up to ``CheckpointConfig.resume_timeout_s``
+        (``TrainingFailed`` after it). Why: each storage call already retries for a second or
+        two, so a longer blip at start (or during a restart from a checkpoint) failed the whole
+        run. The wait is logged, and ``status()`` shows it."""
         from elastic.checkpoint.persister import OutageTracker
         from elastic.checkpoint.storage import RetryPolicy
 
         timeout = self.run_config.checkpoint.resume_timeout_s
         events: deque = deque()
         outage = self._resume_outage = OutageTracker(
-            events, "resume", retrying=f"waiting up to {timeout:g}s for it to find the step to resume from")
+            events, "resume", retrying=f"waiting up to {timeout:g}s for it to {to}")
         backoff, deadline = RetryPolicy(base_s=0.5, max_s=10.0), time.monotonic() + timeout
         while True:
             try:
-                position = self._restore_latest_once(fast)
+                answer = call()
             except Exception as exc:
                 unavailable = _storage_unavailable(exc)
                 if unavailable is None:
@@ -978,8 +1002,8 @@ class Controller:
                 if time.monotonic() >= deadline:
                     raise TrainingFailed(
                         f"checkpoint storage {self.store.location} did not answer for "
-                        f"CheckpointConfig.resume_timeout_s={timeout:g}s while the run looked for the step to "
-                        f"resume from: {unavailable}") from None
+                        f"CheckpointConfig.resume_timeout_s={timeout:g}s while the run {while_}: "
+                        f"{unavailable}") from None
                 outage.failed(None, unavailable)
                 self._log_outage_events(events)
                 self._stop_asked.wait(min(backoff.delay_s(outage.failures), max(0.0, deadline - time.monotonic())))
@@ -987,7 +1011,44 @@ class Controller:
                 continue
             outage.succeeded(None)
             self._log_outage_events(events)
-            return position
+            return answer
+
+    def _take_lease(self) -> None:
+        """Hold the run's storage lease (``RunLease``) before anything of this run reads or
+        writes there: another live run of this name in this storage (on another Ray cluster; on
+        this one the name's claim refused it) is a ``LeaseHeld`` ConfigError. Renewed on a thread of its own from then on; lost to
+        another run, the committer halts at once and the run fails at its next step
+        (``_lease_lost``)."""
+        from elastic.checkpoint.lease import RunLease
+
+        if self._lease is not None or self.store.storage.protocol == "memory":
+            # memory:// is the driver's own memory (elastic.checkpoint.memory): no other driver
+            # reaches it, and a lease left there by a killed run would only be waited out.
+            return
+        lease = RunLease.for_this_process(self.store.storage, self.run_config.name)
+        took = self._through_outage(lambda: lease.acquire(on_watch=lambda message: self.log("lease", message)),
+                                    "take the run's lease", "took the run's lease")
+        self._lease = lease
+        if took:
+            self.log("lease", took)
+        lease.start_renewing(self._lease_lost, on_event=lambda kind, message: self.log(kind, message))
+
+    def _lease_lost(self, why: str) -> None:
+        """The lease thread: another run holds this run's storage now. Nothing more is committed
+        or deleted (``CheckpointCommitter.halt``), and the training thread fails the run at its
+        next step or wait (``_check_lease``)."""
+        self._lease_lost_why = why
+        self.log("lease_lost", why)
+        committer = self.committer  # read once: a start begun again sets it None meanwhile
+        if committer is not None:
+            committer.halt(why)
+
+    def _check_lease(self) -> None:
+        """``TrainingFailed`` once the run's lease is lost (``_lease_lost``)."""
+        if self._lease_lost_why is not None:
+            raise TrainingFailed(self._fail_message(
+                f"{self._lease_lost_why}; this run stopped, and commits and deletes nothing more there, so the two "
+                "runs' checkpoints do not mix"))
 
     RESTORE_NOTE_S = 60.0  # how often a long checkpoint read is logged as still under way
 

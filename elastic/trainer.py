@@ -1229,6 +1229,10 @@ def _raise_run_error(err: dict) -> None:
         raise UnsaveableState(*err["args"])
     if err["type"] == "ConfigError":
         raise ConfigError(err["message"])
+    if err["type"] == "LeaseHeld":  # a ConfigError too: another live run holds the run's storage
+        from elastic.checkpoint.lease import LeaseHeld
+
+        raise LeaseHeld(err["message"])
     # A ReplicaDivergence as that class (exported as elastic.ReplicaDivergence, a TrainingFailed too).
     failed = ReplicaDivergence if err["type"] == "ReplicaDivergence" else TrainingFailed
     raise failed(f"{err['message']}\n--- controller traceback ---\n{err['traceback']}")

@@ -197,12 +197,92 @@ def test_every_n_steps_0_commits_the_last_step_alone(ray_cluster, tmp_path, unin
     assert_weights_close(again.model_state, uninterrupted, atol=1e-5)
 
 
+def _live_lease_elsewhere(url: str, run: str):
+    """Another driver's run of ``run`` in ``url``, on another Ray cluster: its lease written and
+    renewed every 0.5 s, as a live controller there renews it."""
+    from elastic.checkpoint.lease import RunLease
+
+    other = RunLease(CheckpointStore(url, run).storage, {"run": run, "cluster": "session_elsewhere",
+                                                          "gcs": "10.9.8.7:6379", "host": "other-host", "pid": 7},
+                     renew_s=0.5)
+    other._write()
+    other.start_renewing(lambda why: None)
+    return other
+
+
+def test_a_live_run_of_the_name_elsewhere_refuses_the_fit_before_any_rank_starts(ray_cluster, tmp_path):
+    from elastic.checkpoint.lease import LEASE_FILE, LeaseHeld
+
+    url = f"file://{tmp_path}/ckpt"
+    other = _live_lease_elsewhere(url, "leased")
+    try:
+        with pytest.raises(LeaseHeld) as err:
+            trainer("leased", url).fit(steps=3)
+        assert "RunConfig.name" in str(err.value) and "other-host" in str(err.value)
+        assert isinstance(err.value, elastic.ConfigError)
+        store = CheckpointStore(url, "leased")
+        assert store.step_dirs() == []  # not a shard written
+        assert b"other-host" in store.storage.read_bytes(LEASE_FILE)  # its lease stands
+    finally:
+        other.stop()
+
+
+def test_a_run_whose_lease_another_driver_takes_stops_and_commits_nothing_more(ray_cluster, tmp_path):
+    url = f"file://{tmp_path}/ckpt"
+    store = CheckpointStore(url, "taken")
+    others = []
+
+    def take_over_after_the_first_commit():
+        deadline = time.monotonic() + 120
+        while not store.committed_steps() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        others.append(_live_lease_elsewhere(url, "taken"))
+
+    thief = threading.Thread(target=take_over_after_the_first_commit, daemon=True)
+    thief.start()
+    try:
+        with pytest.raises(elastic.TrainingFailed, match="another driver took over this run's storage") as err:
+            trainer("taken", url, faults=[{"kind": "slow", "rank": 0, "delay_s": 0.2, "from_step": 1}]).fit(steps=150)
+        assert "other-host" in str(err.value)
+        thief.join(5)
+        committed = store.committed_steps()
+        assert committed and max(committed) < 150  # it stopped within the lease's renewal, not at the end
+        time.sleep(1.0)
+        assert store.committed_steps() == committed  # and nothing of it lands later
+        assert others and others[0].renew()  # the taker's lease was left as it is
+    finally:
+        for other in others:
+            other.stop()
+
+
+def test_a_lease_left_by_a_run_on_this_cluster_is_taken_over_at_once(ray_cluster, tmp_path):
+    from elastic.checkpoint.lease import LEASE_FILE, RunLease
+
+    url = f"file://{tmp_path}/ckpt"
+    store = CheckpointStore(url, "left")
+    # As a controller of this cluster killed mid-run leaves it (its driver was killed).
+    RunLease(store.storage, {"run": "left", "cluster": ray.get_runtime_context().get_session_name(),
+                             "host": "gone-host", "pid": 1})._write()
+    t0 = time.monotonic()
+    result = trainer("left", url).fit(steps=3)
+    assert time.monotonic() - t0 < RunLease.TTL_S  # no watch of a lease no live run can hold
+    assert [e for e in result.events_of("lease") if "ended on this Ray cluster" in e["message"]]
+    assert result.checkpoint["latest_step"] == 3
+    assert not store.storage.exists(LEASE_FILE)  # released at the run's end
+
+
 def test_memory_storage_is_shared_by_the_run_and_stays_with_the_driver(ray_cluster, uninterrupted):
     """memory:// is this process's memory: the ranks and the controller (other processes) work
     on a shared copy while the run trains, and it comes back here when fit() returns."""
+    from elastic.checkpoint.lease import LEASE_FILE, RunLease
+
     url = f"memory://elastic-e2e-{uuid.uuid4().hex}"
     try:
+        # A lease a killed run of another Ray session left in this driver's memory: no other
+        # driver reaches memory://, so the run takes none and waits for none.
+        RunLease(CheckpointStore(url, "mem").storage, {"cluster": "session_before", "host": "here"})._write()
         first = trainer("mem", url, blocking=True).fit(steps=12)
+        assert not first.events_of("lease")
         assert [e["details"]["step"] for e in first.events_of("checkpoint_commit")] == list(range(1, 13))
         store = CheckpointStore(url, "mem")  # this process's memory: retention applied, files verified
         assert store.committed_steps() == [10, 11, 12]
@@ -593,7 +673,8 @@ def test_a_resume_waits_for_storage_that_does_not_answer(ray_cluster, uninterrup
         finally:
             over.set()
             th.join()
-        assert seen["state"] == "starting"
+        # Before any rank starts: the run's storage lease is taken first, and waits as the resume would.
+        assert seen["state"] == "scheduling"
         assert result.metrics["restored_from"] == 6
         waits = [e for e in result.events if e["kind"] in ("storage_outage", "storage_recovered")]
         assert [e["kind"] for e in waits] == ["storage_outage", "storage_recovered"]

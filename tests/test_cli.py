@@ -428,6 +428,23 @@ def test_checkpoints_lists_steps_and_marks_partial_and_corrupt(tmp_path):
     assert steps[10]["size_bytes"] > 0 and steps[10]["committed_at"] and steps[10]["world_size"] == 2
 
 
+def test_checkpoints_of_a_run_names_the_run_holding_its_lease(tmp_path):
+    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.lease import RunLease
+
+    write_run(str(tmp_path), "held", {10: "committed"})
+    free = runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "held"])
+    assert free.exit_code == 0 and "lease" not in free.stdout
+    RunLease(CheckpointStore(str(tmp_path), "held").storage,
+             {"gcs": "10.1.2.3:6379", "job": "03000000", "host": "trainer-7", "pid": 99}).acquire()
+    held = runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "held"])
+    assert held.exit_code == 0, held.stdout + held.stderr
+    line = next(ln for ln in held.stdout.splitlines() if ln.startswith("lease:"))
+    assert "10.1.2.3:6379" in line and "trainer-7" in line and "renewed 0 s ago" in line
+    as_json = runner.invoke(app, ["checkpoints", str(tmp_path), "--run", "held", "--json"])
+    assert [s["step"] for s in json.loads(as_json.stdout)] == [10]  # the JSON stays a list of steps
+
+
 def test_checkpoints_without_run_lists_runs(tmp_path):
     write_run(str(tmp_path), "a", {1: "committed", 2: "partial"})
     write_run(str(tmp_path), "b", {5: "committed"})

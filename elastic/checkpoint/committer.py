@@ -133,6 +133,11 @@ class CheckpointCommitter:
         # Later steps a delete from before a rewind was still removing when the rewind returned
         # (see rewind): their commits wait for it and check their files first.
         self._suspect: set[int] = set()
+        # Why this committer writes and deletes nothing more (``halt``), or None.
+        self._halted: str | None = None
+        # Whether storage is this run's to write now (``RunLease.current``): while False,
+        # manifests and deletes wait (``gate``). None: always.
+        self._gate: Callable[[], bool] | None = None
         self._events: deque = deque(maxlen=max_events)
         self._committed: list[int] | None = None  # committed steps on storage, as the cleanup thread knows them
         self._files: dict[int, list[str]] = {}  # step -> its files, for the steps this committer committed
@@ -419,7 +424,16 @@ class CheckpointCommitter:
             suspect = step in self._suspect
         if suspect and not self._files_survived(step, entries):
             return []
+        if self._gate is not None and not self._gate():
+            # Retried by the persister as an outage is (the newest step replacing this one),
+            # until a renewal of the lease says whether this run still holds storage.
+            raise StorageUnavailable(f"the manifest of step {step} waits: the run's lease at {self.store.location} "
+                                     "has not been renewed lately (storage cut off, or this process was "
+                                     "suspended), and another run may have taken it over")
         with self._lock:
+            if self._halted is not None:
+                logger.info("checkpoint step %d not committed: %s", step, self._halted)
+                return []
             if self._left_behind(step, timeline):
                 # Handed over before a rewind to an earlier step (waiting, or retried through an
                 # outage): its state is gone from training, and its shards are being written again.
@@ -604,6 +618,8 @@ class CheckpointCommitter:
         retention report's ``error`` and the next pass retries."""
         try:
             with self._cleanup_lock:
+                if self._halted is not None or (self._gate is not None and not self._gate()):
+                    return CleanupReport(), CleanupReport()  # a gate closed: the next commit asks again
                 if self._holds:
                     # A restore is reading a committed step (holding_steps): nothing is taken in
                     # or deleted now; the release asks for the pass again.
@@ -808,6 +824,31 @@ class CheckpointCommitter:
                                             "all steps are committed, and they finish in the background"})
         return True
 
+    def gate(self, current: Callable[[], bool]) -> None:
+        """Write manifests and delete only while ``current()`` (``RunLease.current``); a manifest
+        waits meanwhile, retried as in an outage, and cleanup passes are put off."""
+        self._gate = current
+
+    def halt(self, why: str) -> None:
+        """Write and delete nothing more on storage: no manifest (a commit handed over, or being
+        retried, is dropped), no retention or sweep, no delete at the end. Why: the run lost its
+        storage to another run (``RunLease``), whose steps this run's retention and sweep would
+        delete as its own. A delete under way is given ``FENCE_WAIT_S`` to finish
+        (``CheckpointStore.fence``); none starts after. A manifest write under way lands, as
+        one that had landed a moment before would have."""
+        with self._lock:
+            if self._halted is not None:
+                return
+            self._halted = why
+            self._events.append({"event": "checkpoint_halted", "time": time.time(),
+                                 "message": f"checkpoints stopped: {why}"})
+        self.store.fence(self.FENCE_WAIT_S)
+        logger.warning("checkpoint commits and deletes stopped: %s", why)
+
+    @property
+    def halted(self) -> str | None:
+        return self._halted
+
     def close(self, timeout_s: float = 30.0) -> bool:
         done = self._persister.close(timeout_s)
         with self._cleanup_cv:
@@ -829,6 +870,8 @@ class CheckpointCommitter:
         commit that may have landed, one still being written): not this run's to delete. A
         delete that fails does not fail the run: the event log has it, and a warning names the
         step ``fit()`` again would resume from."""
+        if self._halted is not None:
+            return
         # A pass still running after close's join (storage that does not answer) holds the lock:
         # waited for briefly, as rewind() waits for a delete under way.
         if not self._cleanup_lock.acquire(timeout=self.FENCE_WAIT_S):
@@ -845,7 +888,11 @@ class CheckpointCommitter:
                 doomed = sorted(s for s in self._left_here if (latest is None or s > latest) and s not in keep)
             # The store's own delete (manifest first, then the files), as retention's: a failure
             # leaves the step uncommitted or on its retry list, never half-committed.
-            report = self.store.delete_steps(doomed)
+            if doomed and self._gate is not None and not self._gate():
+                report.failed = {s: "not tried: the run's lease was not renewed lately, and another run may hold "
+                                    "the storage now" for s in doomed}
+            else:
+                report = self.store.delete_steps(doomed)
             self._left_here -= set(report.deleted)
         except Exception:  # noqa: BLE001 - the run ends all the same (close must not raise for this)
             logger.exception("could not delete the checkpoint steps of a timeline this run went back from "
