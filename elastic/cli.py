@@ -1200,6 +1200,11 @@ def _refuse_credentials_in(args: list[str]) -> None:
             code=2)
 
 
+# What `elastic submit` gives a job between `ray job stop`'s SIGTERM and its SIGKILL: above
+# RunConfig.stop_timeout_s (60 s), after which the driver kills the run itself and says so.
+STOP_WAIT_S = 70
+
+
 # Not ``ignore_unknown_options``: with it a mistyped option (``--adress http://prod:8265``) went
 # to the script as an argument, and the job to the default cluster. The script's own arguments
 # come after ``--``, which click passes on as they are.
@@ -1218,6 +1223,11 @@ def submit(
         None, "--timeout", callback=_timeout_seconds,
         help="Seconds the submission may take, upload included (default: no limit; the dashboard must answer "
              "within 30 s either way)."),
+    stop_wait: int = typer.Option(
+        STOP_WAIT_S, "--stop-wait", min=1, max=86_400,
+        help="Seconds `ray job stop` gives the job between SIGTERM and SIGKILL (the job's RAY_JOB_STOP_WAIT_TIME_S; "
+             "Ray's 3 s default cuts a clean stop short: the steps already sent finish and their checkpoint "
+             "commits). Keep it above the script's RunConfig.stop_timeout_s (60 s by default)."),
 ) -> None:
     """Submit SCRIPT as a Ray job, uploading the working directory (runtime_env working_dir)."""
     from ray.job_submission import JobSubmissionClient
@@ -1248,7 +1258,11 @@ def submit(
                hint=" (give the head's Ray Client server, ray://HEAD:10001, or the dashboard's URL, "
                     "--address http://HEAD:8265)")
     where = shown(target) if target else "the local cluster"
-    runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES}
+    # RAY_JOB_STOP_WAIT_TIME_S is read by the job's supervisor actor, which Ray starts with the
+    # job's runtime_env env_vars (ray/dashboard/modules/job/job_manager.py), so it is the job's
+    # own: a cluster-wide setting on the head is not needed.
+    runtime_env = {"working_dir": os.path.abspath(working_dir), "excludes": SUBMIT_EXCLUDES,
+                   "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait)}}
     # HEAD:8265 (the dashboard's port without http://) passes the probe, since something listens
     # there, and Ray reads it as a GCS address: after its retries the error blamed the dashboard,
     # with nothing to say that the scheme was what was missing.

@@ -976,10 +976,10 @@ class Controller:
         """``_restore_latest_once(fast)``, waiting out a storage outage (``_through_outage``).
         Why wait: without the list of committed steps the run cannot know where to resume, and
         starting fresh would train over a checkpoint that exists."""
-        return self._through_outage(lambda: self._restore_latest_once(fast), "find the step to resume from",
+        return self._through_outage(lambda: self._restore_latest_once(fast), "resume", "find the step to resume from",
                                     "looked for the step to resume from")
 
-    def _through_outage(self, call: Callable[[], Any], to: str, while_: str) -> Any:
+    def _through_outage(self, call: Callable[[], Any], what: str, to: str, while_: str) -> Any:
         """``call()``, waiting out a storage outage for up to ``CheckpointConfig.resume_timeout_s``
         (``TrainingFailed`` after it). Why: each storage call already retries for a second or
         two, so a longer blip at start (or during a restart from a checkpoint) failed the whole
@@ -990,7 +990,7 @@ class Controller:
         timeout = self.run_config.checkpoint.resume_timeout_s
         events: deque = deque()
         outage = self._resume_outage = OutageTracker(
-            events, "resume", retrying=f"waiting up to {timeout:g}s for it to {to}")
+            events, what, retrying=f"waiting up to {timeout:g}s for it to {to}")
         backoff, deadline = RetryPolicy(base_s=0.5, max_s=10.0), time.monotonic() + timeout
         while True:
             try:
@@ -1027,7 +1027,7 @@ class Controller:
             return
         lease = RunLease.for_this_process(self.store.storage, self.run_config.name)
         took = self._through_outage(lambda: lease.acquire(on_watch=lambda message: self.log("lease", message)),
-                                    "take the run's lease", "took the run's lease")
+                                    "lease", "take the run's lease", "took the run's lease")
         self._lease = lease
         if took:
             self.log("lease", took)
@@ -3616,9 +3616,11 @@ class Controller:
                 self._snapshot_drops[keys[r]] = int(report["snapshots_dropped"])
             self._merge_ckpt(r, report)
         committed = self.committer.flush(timeout_s=timeout_s)
+        self._drain_storage_events()
+        if self.committer.halted:  # the lease was lost: nothing was committed, for that reason
+            self._check_lease()
         if not committed:
             self.log("checkpoint_flush_timeout", f"{what} not committed within {timeout_s:g}s; storage may be down")
-        self._drain_storage_events()
         if unsaveable is not None:
             raise unsaveable
         return committed

@@ -237,20 +237,28 @@ def test_a_run_whose_lease_another_driver_takes_stops_and_commits_nothing_more(r
         while not store.committed_steps() and time.monotonic() < deadline:
             time.sleep(0.1)
         others.append(_live_lease_elsewhere(url, "taken"))
+        # Written again until the run has failed: a renewal of the run's between its read and
+        # its write puts its own back once (the race lease.py's docstring accepts), and the
+        # taker's renewal would then find it lost and stop.
+        while not done.wait(0.2):
+            others[0]._write()
 
+    done = threading.Event()
     thief = threading.Thread(target=take_over_after_the_first_commit, daemon=True)
     thief.start()
     try:
         with pytest.raises(elastic.TrainingFailed, match="another driver took over this run's storage") as err:
             trainer("taken", url, faults=[{"kind": "slow", "rank": 0, "delay_s": 0.2, "from_step": 1}]).fit(steps=150)
         assert "other-host" in str(err.value)
+        done.set()
         thief.join(5)
         committed = store.committed_steps()
         assert committed and max(committed) < 150  # it stopped within the lease's renewal, not at the end
         time.sleep(1.0)
         assert store.committed_steps() == committed  # and nothing of it lands later
-        assert others and others[0].renew()  # the taker's lease was left as it is
+        assert others and others[0].renew()  # the taker's lease was left as it is (no release deleted it)
     finally:
+        done.set()
         for other in others:
             other.stop()
 
@@ -263,10 +271,10 @@ def test_a_lease_left_by_a_run_on_this_cluster_is_taken_over_at_once(ray_cluster
     # As a controller of this cluster killed mid-run leaves it (its driver was killed).
     RunLease(store.storage, {"run": "left", "cluster": ray.get_runtime_context().get_session_name(),
                              "host": "gone-host", "pid": 1})._write()
-    t0 = time.monotonic()
     result = trainer("left", url).fit(steps=3)
-    assert time.monotonic() - t0 < RunLease.TTL_S  # no watch of a lease no live run can hold
-    assert [e for e in result.events_of("lease") if "ended on this Ray cluster" in e["message"]]
+    # No watch of a lease no live run can hold: taken over as this cluster's at once.
+    assert [e["message"] for e in result.events_of("lease")] == [
+        next(e["message"] for e in result.events_of("lease") if "ended on this Ray cluster" in e["message"])]
     assert result.checkpoint["latest_step"] == 3
     assert not store.storage.exists(LEASE_FILE)  # released at the run's end
 
@@ -678,7 +686,7 @@ def test_a_resume_waits_for_storage_that_does_not_answer(ray_cluster, uninterrup
         assert result.metrics["restored_from"] == 6
         waits = [e for e in result.events if e["kind"] in ("storage_outage", "storage_recovered")]
         assert [e["kind"] for e in waits] == ["storage_outage", "storage_recovered"]
-        assert all(e["details"]["what"] == "resume" for e in waits)
+        assert all(e["details"]["what"] == "lease" for e in waits)  # the resume's own: test_lease.py
         assert_weights_close(result.model_state, uninterrupted, atol=1e-5)
         for e in result.events:
             assert TEST_SECRET not in str(e)

@@ -270,6 +270,35 @@ def test_submit_bounds_the_upload_by_its_timeout(monkeypatch, tmp_path):
            f"submitted all the same: `ray job status {ids[0]}` says" in line
 
 
+@pytest.mark.parametrize("given, expected", [([], "70"), (["--stop-wait", "300"], "300")])
+def test_submit_gives_the_job_time_for_a_clean_stop(monkeypatch, tmp_path, given, expected):
+    """`ray job stop` kills the driver RAY_JOB_STOP_WAIT_TIME_S after SIGTERM, 3 s by Ray's
+    default, which cuts a clean stop short; the job's supervisor reads it from the job's env_vars."""
+    import ray.job_submission
+
+    submitted = []
+
+    class Client:
+        def __init__(self, address):
+            self.address = address
+
+        def submit_job(self, **kw):
+            submitted.append(kw)
+            return "raysubmit_1"
+
+        def get_address(self):
+            return self.address
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), "--address",
+                                 "http://head:8265", *given])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert submitted[0]["runtime_env"]["env_vars"] == {"RAY_JOB_STOP_WAIT_TIME_S": expected}
+    refused = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), "--stop-wait", "0"])
+    assert refused.exit_code == 2
+
+
 class FollowedJob:
     """A Jobs client of one job for ``_follow``: its log stream sends ``chunks``, then stays quiet
     (a quiet job, or a partition); each status ask takes the next of ``statuses`` (an exception

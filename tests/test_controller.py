@@ -334,6 +334,7 @@ class CommittedAt:
     def __init__(self, step, parts=()):
         self.latest_committed = step
         self.parts = set(parts)  # (step, rank) of the parts in
+        self.halted = None  # the reason it was halted, as the real committer's; never here
 
     def holds(self, step, rank):
         return step <= (self.latest_committed or 0) or (step, rank) in self.parts
@@ -2944,7 +2945,7 @@ def test_the_snapshots_dropped_are_each_workers_newest_running_total_summed(ray_
         return SimpleNamespace(rank=rank, name=name, actor=SimpleNamespace(flush_checkpoint=flush))
 
     c.group = SimpleNamespace(members=[member(0, "rank-0"), member(1, "rank-1")])
-    c.committer = SimpleNamespace(flush=lambda timeout_s: True, drain_events=lambda: [])
+    c.committer = SimpleNamespace(flush=lambda timeout_s: True, drain_events=lambda: [], halted=None)
     for _ in range(2):
         assert c._commit_what_ranks_wrote(None, 1, "test")
     assert sorted(c._snapshot_drops.values()) == [1, 5] and c._snapshots_dropped() == 6

@@ -1205,7 +1205,7 @@ def test_the_ends_flush_reads_every_rank_then_commits_then_raises_an_unsaveable_
     for m in c.group.members:
         m.actor = SimpleNamespace(flush_checkpoint=SimpleNamespace(remote=lambda final, r=m.rank: r))
     flushed, merged = [], []
-    c.committer = SimpleNamespace(flush=lambda timeout_s: flushed.append(timeout_s) or True, drain_events=lambda: [])
+    c.committer = SimpleNamespace(flush=lambda timeout_s: flushed.append(timeout_s) or True, drain_events=lambda: [], halted=None)
     c._merge_ckpt = lambda rank, report: merged.append((rank, report))
     answers = {0: UnsaveableState("x has a set", 7), 1: {"ckpt_done": []}, 2: ray.exceptions.GetTimeoutError()}
 

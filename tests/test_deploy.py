@@ -96,6 +96,19 @@ def test_rayjob_runs_digits_with_workers_and_spares():
     assert "--storage" in flags
 
 
+def test_manifests_give_ray_job_stop_time_for_a_clean_stop():
+    """`ray job stop` kills the driver RAY_JOB_STOP_WAIT_TIME_S after SIGTERM (3 s by Ray's
+    default): above RunConfig.stop_timeout_s (60 s), so the clean stop can finish."""
+    (job,) = documents(os.path.join(DEPLOY, "rayjob-digits.yaml"))
+    env_vars = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert int(env_vars["RAY_JOB_STOP_WAIT_TIME_S"]) > 60
+    (cluster,) = documents(os.path.join(DEPLOY, "raycluster-gpu.yaml"))
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert int({e["name"]: e.get("value") for e in head["env"]}["RAY_JOB_STOP_WAIT_TIME_S"]) > 60
+    with open(os.path.join(DEPLOY, "README.md")) as f:
+        assert "RAY_JOB_STOP_WAIT_TIME_S=70" in f.read()
+
+
 @pytest.mark.parametrize("name", ["rayjob-digits.yaml", "raycluster-gpu.yaml"])
 def test_manifests_keep_token_auth_on(name):
     (doc,) = documents(os.path.join(DEPLOY, name))

@@ -145,9 +145,6 @@ class RayHead:
         env = self.env()
         # Export metrics every 2 s instead of 10 s, so a short run shows up in Prometheus.
         env["RAY_metrics_report_interval_ms"] = "2000"
-        # `ray job stop` sends SIGKILL this long after SIGTERM (3 s by default): room for a
-        # loaded machine to finish the clean stop the test checks.
-        env["RAY_JOB_STOP_WAIT_TIME_S"] = "30"
         cmd = [
             os.path.join(BIN, "ray"), "start", "--head", "--block", "--disable-usage-stats",
             f"--port={self.port}", f"--dashboard-port={self.dashboard_port}", "--dashboard-host=127.0.0.1",
@@ -272,7 +269,10 @@ def test_digits_job_named_actors_status_and_metrics(ray_head):
     job_id = client.submit_job(
         entrypoint=f"python examples/digits.py --workers 2 --spares 1 --epochs 1000 --no-progress --storage {storage} "
                    "--slow-rank 0 --slow-delay 0.05 --slow-from-step 1",
-        runtime_env={"working_dir": ROOT, "excludes": EXCLUDES},
+        # `ray job stop` sends SIGKILL this long after SIGTERM (3 s by Ray's default): room for
+        # a loaded machine to finish the clean stop checked below. Per job, as `elastic submit`
+        # and deploy/rayjob-digits.yaml set it (the job's supervisor reads its env_vars).
+        runtime_env={"working_dir": ROOT, "excludes": EXCLUDES, "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "70"}},
     )
     status = None
     try:

@@ -237,13 +237,17 @@ def test_renewals_on_their_thread_tell_an_outage_and_a_loss(tmp_path):
         deadline = time.monotonic() + 10
         while not any(k == "lease_renewal_failed" for k, _ in events) and time.monotonic() < deadline:
             time.sleep(0.02)
+        time.sleep(0.4)  # several more renewals fail
         failing.clear()
         while not any(k == "lease_renewed" for k, _ in events) and time.monotonic() < deadline:
             time.sleep(0.02)
+        time.sleep(0.3)  # several more succeed
         assert [k for k, _ in events] == ["lease_renewal_failed", "lease_renewed"]  # once each, not per try
         other = RunLease(storage, {"cluster": "b", "host": "elsewhere"})
-        other._write()
-        assert lost.wait(10)
+        # Again until found: a renewal between its read and its write puts its own back once.
+        while not lost.wait(0.05) and time.monotonic() < deadline:
+            other._write()
+        assert lost.is_set()
         assert events[-1][0] == "lost" and "elsewhere" in events[-1][1]
     finally:
         mine.stop()
@@ -302,6 +306,38 @@ def test_a_committer_whose_gate_is_closed_holds_its_manifests_and_deletes_until_
         committer.close()
 
 
+def test_a_committer_halted_for_a_lost_lease_ends_at_once(tmp_path):
+    """As the controller wires it: the gate is the lease's ``current``, closed for good once
+    the lease is lost. A commit waiting at the gate is dropped at the halt, not retried until
+    the close's timeout, and no storage outage is told."""
+    import torch
+
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", "run")
+    committer = CheckpointCommitter(store, CheckpointConfig(keep_last=3), retry_min_s=1.0, retry_max_s=5.0)
+    lost = threading.Event()
+    committer.gate(lambda: not lost.is_set())
+
+    def write(step):
+        committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, {"model": {"w": torch.full((3,), step)}}))
+        committer.set_meta(step, {})
+
+    try:
+        write(1)
+        assert committer.flush(10) and store.committed_steps() == [1]
+        lost.set()
+        write(2)
+        time.sleep(0.3)  # at the gate, backing off
+        t0 = time.monotonic()
+        committer.halt("another driver took over this run's storage")
+        assert committer.flush(5) and time.monotonic() - t0 < 1.0
+        kinds = [e["event"] for e in committer.drain_events()]
+        assert "checkpoint_halted" in kinds
+        t0 = time.monotonic()
+    finally:
+        assert committer.close(5) and time.monotonic() - t0 < 1.0
+    assert store.committed_steps() == [1]
+
+
 def test_a_halted_committer_commits_and_deletes_nothing_more(tmp_path):
     import torch
 
@@ -325,3 +361,26 @@ def test_a_halted_committer_commits_and_deletes_nothing_more(tmp_path):
     finally:
         committer.close()
     assert store.committed_steps() == [1]
+
+
+def test_the_resume_waits_out_storage_that_does_not_answer_and_says_so(rayless_controller, tmp_path):
+    """The resume's own wait (``Controller._restore_latest``), as the lease's: the outage is
+    told (``storage_outage`` then ``storage_recovered``, what "resume") and shown while it lasts."""
+    c = rayless_controller(name="resume-wait")
+    c.store = CheckpointStore(f"file://{tmp_path}/ckpt", "resume-wait")
+    calls, shown = [], []
+
+    def restore_once(fast=None):
+        calls.append(fast)
+        if len(calls) < 3:
+            shown.append(c._resume_outage is not None and c._resume_outage.active)
+            raise StorageUnavailable("list step-* failed after 4 attempts: ConnectionError")
+        return "position"
+
+    c._restore_latest_once = restore_once
+    assert c._restore_latest() == "position"
+    assert len(calls) == 3 and shown == [False, True]  # active from the first failure on
+    assert not c._resume_outage.active
+    waits = [e for e in c.events if e.kind in ("storage_outage", "storage_recovered")]
+    assert [e.kind for e in waits] == ["storage_outage", "storage_recovered"]
+    assert all(e.details["what"] == "resume" for e in waits)

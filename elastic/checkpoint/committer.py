@@ -424,6 +424,9 @@ class CheckpointCommitter:
             suspect = step in self._suspect
         if suspect and not self._files_survived(step, entries):
             return []
+        if self._halted is not None:  # before the gate, which stays closed for a lost lease
+            logger.info("checkpoint step %d not committed: %s", step, self._halted)
+            return []
         if self._gate is not None and not self._gate():
             # Retried by the persister as an outage is (the newest step replacing this one),
             # until a renewal of the lease says whether this run still holds storage.
@@ -842,6 +845,7 @@ class CheckpointCommitter:
             self._halted = why
             self._events.append({"event": "checkpoint_halted", "time": time.time(),
                                  "message": f"checkpoints stopped: {why}"})
+        self._persister.wake()  # a commit waiting out the gate's backoff ends now, not in up to 5 s
         self.store.fence(self.FENCE_WAIT_S)
         logger.warning("checkpoint commits and deletes stopped: %s", why)
 

@@ -60,6 +60,7 @@ def _since_boot() -> float:
     run watching the lease counts it."""
     return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
 
+
 LEASE_FILE = "lease.json"
 MAX_LEASE_BYTES = 64 * 1024  # a lease is a few hundred bytes; a larger file is no lease of ours
 
@@ -126,7 +127,7 @@ class RunLease:
         self.renew_s = self.RENEW_S if renew_s is None else renew_s
         self.ttl_s = self.TTL_S if ttl_s is None else ttl_s
         self._clock, self._monotonic, self._sleep = clock, monotonic, sleep
-        self._renewed: float | None = None  # ``monotonic`` at the newest write that landed
+        self._renewed: float | None = None  # ``monotonic`` when the newest write that landed began
         now = clock()
         self.record = {"owner": uuid.uuid4().hex, "started_at": now, "renewed_at": now, "count": 0,
                        "renew_s": self.renew_s, "ttl_s": self.ttl_s, **owner}

@@ -163,6 +163,7 @@ class AsyncPersister:
         self._inline_since = 0.0  # when the writer thread could not start (0: it could; see _start_thread)
         self._closing = False
         self._abort = False
+        self._woken = False  # ``wake``: the backoff wait under way ends now
         self._died_of = False  # the writer thread ended on an error (_died)
         self.superseded = 0  # snapshots replaced before they were written
 
@@ -313,6 +314,13 @@ class AsyncPersister:
             done = self._cond.wait_for(lambda: not self._queue and self._inflight is None, timeout=timeout_s)
             return done and not self._died_of  # emptied by a dead thread: nothing was written
 
+    def wake(self) -> None:
+        """Try a write that is waiting out its backoff again now: what made it fail has changed
+        (the committer halted, and its next try returns at once instead of in up to 5 s)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
     def close(self, timeout_s: float = 30.0) -> bool:
         """Write what is waiting (up to ``timeout_s``), then stop the thread. True if everything was written."""
         with self._cond:
@@ -459,7 +467,8 @@ class AsyncPersister:
                     self._outage.failed(step, exc)
                     # Sleep, but wake for close; a newer snapshot waits for the next try so an
                     # outage does not turn every training step into a storage request.
-                    self._cond.wait_for(lambda: self._abort, timeout=self._backoff_s(attempt))
+                    self._cond.wait_for(lambda: self._abort or self._woken, timeout=self._backoff_s(attempt))
+                    self._woken = False
                     if self._abort:
                         return
                     heavy = [i for i in self._queue if i[2] == NEWEST]
