@@ -279,6 +279,87 @@ def test_a_lease_left_by_a_run_on_this_cluster_is_taken_over_at_once(ray_cluster
     assert not store.storage.exists(LEASE_FILE)  # released at the run's end
 
 
+KILLED_DRIVER = """
+import sys
+import ray
+import elastic
+from helpers import loss_fn, make_adam, make_dataset, make_model
+ray.init(address=sys.argv[1], log_to_driver=False)
+elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 32, scaling=elastic.ScalingConfig(num_workers=2),
+                run=elastic.RunConfig(name=sys.argv[3], storage=sys.argv[2], seed=0),
+                faults=[{"kind": "slow", "rank": 0, "delay_s": 0.5, "from_step": 1}]).fit(steps=12)
+"""
+
+
+def _torn_steps(run_dir: str, low: int) -> list[str]:
+    """The step directories from ``low`` on that hold a file and no manifest (os.scandir: a few
+    microseconds a look, to catch the moment between a step's shards and its manifest)."""
+    torn = []
+    with os.scandir(run_dir) as entries:
+        for e in entries:
+            if e.name.startswith("step-") and int(e.name[5:]) >= low:
+                files = os.listdir(e.path)
+                if files and "manifest.json" not in files:
+                    torn.append(e.name)
+    return torn
+
+
+def test_a_controller_and_driver_killed_between_shards_and_manifest_resume_from_the_last_whole_step(
+        ray_cluster, tmp_path, uninterrupted):
+    """The controller's process is SIGKILLed while a step's shards are on storage and its
+    manifest is not, and the driver with it (an OOM kill, a lost laptop): the ranks die with
+    them (Ray ends the actors a dead owner started) wherever they were, and the lease stays
+    behind. fit() again from another driver of this cluster takes the lease over at once, never
+    reads the torn step, resumes from the newest whole one and ends on the weights of an
+    uninterrupted run."""
+    url, run_dir = f"file://{tmp_path}/ckpt", str(tmp_path / "ckpt" / "killed")
+    store = CheckpointStore(url, "killed")
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, ray_cluster.address, url, "killed"])
+    torn = []
+    try:
+        deadline = time.monotonic() + 180
+        controller_pid = None
+        while controller_pid is None and time.monotonic() < deadline and driver.poll() is None:
+            try:
+                controller = ray.get_actor("controller", namespace="elastic-killed")
+                # In the status group: the default one is busy with the run until its end.
+                controller_pid = ray.get(controller.__ray_call__.options(concurrency_group="status").remote(
+                    lambda self: os.getpid()), timeout=30)
+            except ValueError:  # not started yet
+                time.sleep(0.1)
+        while time.monotonic() < deadline and driver.poll() is None:
+            torn = os.path.isdir(run_dir) and _torn_steps(run_dir, 3)
+            if torn:
+                break
+        assert torn and driver.poll() is None, "no step was caught between its shards and its manifest"
+        os.kill(controller_pid, signal.SIGKILL)
+        driver.kill()
+        assert driver.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    deadline = time.monotonic() + 60  # Ray ends the dead driver's actors, the ranks with the controller
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor("controller", namespace="elastic-killed")
+        except ValueError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the killed controller's name is still taken after 60 s")
+    newest = store.latest_valid()
+    # What the kill left: the torn step, and no manifest for it or anything after it.
+    assert newest is not None and newest < int(torn[0][5:]) < 12
+    assert max(store.step_dirs()) > newest
+    resumed = trainer("killed", url).fit(steps=12)
+    assert resumed.metrics["restored_from"] == newest
+    assert [e for e in resumed.events_of("lease") if "ended on this Ray cluster" in e["message"]]
+    assert resumed.checkpoint["latest_step"] == 12
+    assert_weights_close(resumed.model_state, uninterrupted, atol=1e-5)
+    for step in store.committed_steps():  # the torn step and those after it, written again whole
+        assert store.read_state(step)[0]["completed_step"] == step
+
+
 def test_memory_storage_is_shared_by_the_run_and_stays_with_the_driver(ray_cluster, uninterrupted):
     """memory:// is this process's memory: the ranks and the controller (other processes) work
     on a shared copy while the run trains, and it comes back here when fit() returns."""
