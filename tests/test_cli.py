@@ -270,26 +270,33 @@ def test_submit_bounds_the_upload_by_its_timeout(monkeypatch, tmp_path):
            f"submitted all the same: `ray job status {ids[0]}` says" in line
 
 
-@pytest.mark.parametrize("given, expected", [([], "70"), (["--stop-wait", "300"], "300")])
-def test_submit_gives_the_job_time_for_a_clean_stop(monkeypatch, tmp_path, given, expected):
-    """`ray job stop` kills the driver RAY_JOB_STOP_WAIT_TIME_S after SIGTERM, 3 s by Ray's
-    default, which cuts a clean stop short; the job's supervisor reads it from the job's env_vars."""
+def recorded_submissions(monkeypatch) -> list[dict]:
+    """A Jobs client that takes every submission: the list it returns gets each one's keyword
+    arguments (entrypoint, runtime_env, submission_id) and the client's ``address``."""
     import ray.job_submission
 
-    submitted = []
+    submitted: list[dict] = []
 
     class Client:
         def __init__(self, address):
             self.address = address
 
         def submit_job(self, **kw):
-            submitted.append(kw)
-            return "raysubmit_1"
+            submitted.append({"address": self.address, **kw})
+            return "raysubmit_test"
 
         def get_address(self):
             return self.address
 
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    return submitted
+
+
+@pytest.mark.parametrize("given, expected", [([], "70"), (["--stop-wait", "300"], "300")])
+def test_submit_gives_the_job_time_for_a_clean_stop(monkeypatch, tmp_path, given, expected):
+    """`ray job stop` kills the driver RAY_JOB_STOP_WAIT_TIME_S after SIGTERM, 3 s by Ray's
+    default, which cuts a clean stop short; the job's supervisor reads it from the job's env_vars."""
+    submitted = recorded_submissions(monkeypatch)
     (tmp_path / "job.py").write_text("print('hi')\n")
     result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), "--address",
                                  "http://head:8265", *given])
@@ -1405,20 +1412,7 @@ def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, t
     # its job table, on the dashboard's Jobs page and in `ray job list` for anyone to read.
     import ray.job_submission
 
-    submitted = []
-
-    class Client:
-        def __init__(self, address):
-            self.address = address
-
-        def submit_job(self, entrypoint, runtime_env, submission_id):
-            submitted.append(entrypoint)
-            return "raysubmit_test"
-
-        def get_address(self):
-            return self.address
-
-    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    submitted = recorded_submissions(monkeypatch)
     (tmp_path / "job.py").write_text("print('hi')\n")
     base = ["submit", "job.py", "--working-dir", str(tmp_path), "--address", "http://head:8265", "--", "--lr", "0.1"]
     result = runner.invoke(app, [*base, arg])
@@ -1437,9 +1431,9 @@ def test_submit_refuses_credentials_in_the_scripts_arguments(arg, monkeypatch, t
                 "+model.pad_token=0", "--set=eos_token=x", "~model.max_tokens=5", "--env=MAX_TOKENS=5"]
     result = runner.invoke(app, [*base, *harmless])
     assert result.exit_code == 0, result.stdout + result.stderr
-    assert submitted == [shlex.join(["python", "job.py", "--lr", "0.1", *harmless])]
+    assert [job["entrypoint"] for job in submitted] == [shlex.join(["python", "job.py", "--lr", "0.1", *harmless])]
     # The entrypoint printed as Ray keeps it: a query redacted from it was still on the Jobs page.
-    assert f"entrypoint: {submitted[0]}" in result.stdout
+    assert f"entrypoint: {submitted[0]['entrypoint']}" in result.stdout
 
 
 def test_submit_refuses_the_value_of_a_password_option(monkeypatch, tmp_path):
@@ -1456,22 +1450,7 @@ def test_submit_refuses_the_value_of_a_password_option(monkeypatch, tmp_path):
 def test_submit_refuses_a_mistyped_option_and_passes_the_scripts_arguments_after_the_double_dash(
         monkeypatch, tmp_path):
     # A mistyped --address used to go to the script as an argument, and the job to the default cluster.
-    import ray.job_submission
-
-    submitted = []
-
-    class Client:
-        def __init__(self, address):
-            self.address = address
-
-        def submit_job(self, entrypoint, runtime_env, submission_id):
-            submitted.append((self.address, entrypoint))
-            return "raysubmit_test"
-
-        def get_address(self):
-            return self.address
-
-    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    submitted = recorded_submissions(monkeypatch)
     (tmp_path / "job.py").write_text("print('hi')\n")
     for typo in (["--adress", "http://prod.example:8265"], ["--folow"]):
         result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), *typo])
@@ -1480,7 +1459,8 @@ def test_submit_refuses_a_mistyped_option_and_passes_the_scripts_arguments_after
     result = runner.invoke(app, ["submit", "job.py", "--working-dir", str(tmp_path), "--address",
                                  "http://prod.example:8265", "--", "--lr", "0.1", "--adress", "x"])
     assert result.exit_code == 0, result.stdout + result.stderr
-    assert submitted == [("http://prod.example:8265", "python job.py --lr 0.1 --adress x")]
+    assert [(job["address"], job["entrypoint"]) for job in submitted] == [
+        ("http://prod.example:8265", "python job.py --lr 0.1 --adress x")]
 
 
 def test_straggler_scores_are_coloured_against_the_runs_eviction_threshold():

@@ -6,6 +6,7 @@ second holder renews from inside the waiting one's sleep, as a live driver elsew
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -278,9 +279,23 @@ def test_release_waits_briefly_for_a_renewal_under_way_and_then_leaves_the_lease
     assert storage.exists(LEASE_FILE)
 
 
-def test_a_committer_whose_gate_is_closed_holds_its_manifests_and_deletes_until_it_opens(tmp_path):
+def _write_step(committer, store, step):
+    """Step ``step``'s one shard written and handed to ``committer``, with its meta."""
     import torch
 
+    committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, {"model": {"w": torch.full((3,), step)}}))
+    committer.set_meta(step, {})
+
+
+def _committed_then_gated(committer, store, close_the_gate):
+    """Step 1 committed; then the gate closed and step 2 handed over, to wait there."""
+    _write_step(committer, store, 1)
+    assert committer.flush(10) and store.committed_steps() == [1]
+    close_the_gate()
+    _write_step(committer, store, 2)
+
+
+def test_a_committer_whose_gate_is_closed_holds_its_manifests_and_deletes_until_it_opens(tmp_path):
     store = CheckpointStore(f"file://{tmp_path}/ckpt", "run")
     committer = CheckpointCommitter(store, CheckpointConfig(keep_last=1, blocking=True), retry_min_s=0.01,
                                     retry_max_s=0.05)
@@ -288,15 +303,8 @@ def test_a_committer_whose_gate_is_closed_holds_its_manifests_and_deletes_until_
     is_open.set()
     committer.gate(is_open.is_set)
 
-    def write(step):
-        committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, {"model": {"w": torch.full((3,), step)}}))
-        committer.set_meta(step, {})
-
     try:
-        write(1)
-        assert committer.flush(10) and store.committed_steps() == [1]
-        is_open.clear()
-        write(2)
+        _committed_then_gated(committer, store, is_open.clear)
         assert not committer.flush(0.5)  # waiting, not dropped
         assert store.committed_steps() == [1]
         is_open.set()
@@ -309,29 +317,21 @@ def test_a_committer_whose_gate_is_closed_holds_its_manifests_and_deletes_until_
 def test_a_committer_halted_for_a_lost_lease_ends_at_once(tmp_path):
     """As the controller wires it: the gate is the lease's ``current``, closed for good once
     the lease is lost. A commit waiting at the gate is dropped at the halt, not retried until
-    the close's timeout, and no storage outage is told."""
-    import torch
-
+    the close's timeout. (Its wait at the gate before the halt is told as a storage outage: a
+    lease not renewed lately is most often storage that does not answer.)"""
     store = CheckpointStore(f"file://{tmp_path}/ckpt", "run")
     committer = CheckpointCommitter(store, CheckpointConfig(keep_last=3), retry_min_s=1.0, retry_max_s=5.0)
     lost = threading.Event()
     committer.gate(lambda: not lost.is_set())
 
-    def write(step):
-        committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, {"model": {"w": torch.full((3,), step)}}))
-        committer.set_meta(step, {})
-
     try:
-        write(1)
-        assert committer.flush(10) and store.committed_steps() == [1]
-        lost.set()
-        write(2)
+        _committed_then_gated(committer, store, lost.set)
         time.sleep(0.3)  # at the gate, backing off
         t0 = time.monotonic()
         committer.halt("another driver took over this run's storage")
         assert committer.flush(5) and time.monotonic() - t0 < 1.0
         kinds = [e["event"] for e in committer.drain_events()]
-        assert "checkpoint_halted" in kinds
+        assert "checkpoint_halted" in kinds, kinds
         t0 = time.monotonic()
     finally:
         assert committer.close(5) and time.monotonic() - t0 < 1.0
@@ -339,14 +339,10 @@ def test_a_committer_halted_for_a_lost_lease_ends_at_once(tmp_path):
 
 
 def test_a_halted_committer_commits_and_deletes_nothing_more(tmp_path):
-    import torch
-
     store = CheckpointStore(f"file://{tmp_path}/ckpt", "run")
     committer = CheckpointCommitter(store, CheckpointConfig(keep_last=1, blocking=True))
 
-    def write(step):
-        committer.add(step, 0, 1, store.write_rank_files(step, 0, 1, {"model": {"w": torch.full((3,), step)}}))
-        committer.set_meta(step, {})
+    write = functools.partial(_write_step, committer, store)
 
     try:
         write(1)
