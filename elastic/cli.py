@@ -645,7 +645,9 @@ def status(
         if st.get("ranks"):
             out.print(_ranks_table(st))
         else:
-            out.print("no ranks yet (the controller is still placing workers)", highlight=False)
+            # What the controller waits on first (another run's lease, watched), else the placing.
+            out.print(f"no ranks yet ({st.get('waiting_for') or 'the controller is still placing workers'})",
+                      highlight=False, markup=False)
     finally:
         ray.shutdown()
 

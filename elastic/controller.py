@@ -213,6 +213,9 @@ class Controller:
         self._trimmed_through = 0  # the newest step trimmed
         self._resume_outage: Any = None  # the OutageTracker of the newest resume (see _restore_latest)
         self._lease = None  # the run's storage lease (``_take_lease``), held until the run's end
+        # What the run waits on before any rank exists, said in status() (``elastic status``
+        # showed "still placing workers" through a lease's watch of up to 30 s): None otherwise.
+        self._waiting_for: str | None = None
         self._lease_lost_why: str | None = None  # set by the lease's thread (``_lease_lost``)
         self.ledger = SampleLedger()
         self.failure_policy = FailurePolicy(failure, scaling.num_workers, global_batch_size)
@@ -1026,8 +1029,16 @@ class Controller:
             # reaches it, and a lease left there by a killed run would only be waited out.
             return
         lease = RunLease.for_this_process(self.store.storage, self.run_config.name)
-        took = self._through_outage(lambda: lease.acquire(on_watch=lambda message: self.log("lease", message)),
-                                    "lease", "take the run's lease", "took the run's lease")
+
+        def watching(message: str) -> None:
+            self._waiting_for = message
+            self.log("lease", message)
+
+        try:
+            took = self._through_outage(lambda: lease.acquire(on_watch=watching), "lease", "take the run's lease",
+                                        "took the run's lease")
+        finally:
+            self._waiting_for = None
         self._lease = lease
         if took:
             self.log("lease", took)
@@ -3770,6 +3781,7 @@ class Controller:
             # for the rest of the run (straggler_node_avoid_s=inf; JSON has no infinity).
             "avoided_nodes": self._avoided_for(time.monotonic()),
             "failures": self.failures, "recoveries": len(self.recoveries), "ranks": self.rank_rows(),
+            "waiting_for": self._waiting_for,
             "checkpoint": {"latest": self.committer.latest_committed if self.committer else None,
                            "lag": self.committer.lag(self._progress_step())
                            if self.committer else None,

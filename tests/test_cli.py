@@ -1235,6 +1235,25 @@ def test_status_says_the_heartbeat_timeout_it_colours_ages_against(rayless_contr
     assert c.status()["heartbeat_timeout_s"] == 7.5
 
 
+def test_status_without_ranks_says_what_the_controller_waits_on(monkeypatch):
+    import elastic.cli as cli
+
+    st = {"run": "r", "state": "scheduling", "step": 0, "ranks": [],
+          "waiting_for": "found the lease of another run of this name at [::1] (x); watching it for up to 30 s"}
+    monkeypatch.setattr(cli, "_cluster_address", lambda address: "127.0.0.1:1")
+    monkeypatch.setattr(cli, "_probe", lambda addr, timeout_s, source: None)
+    monkeypatch.setattr(cli, "_connect", lambda addr, namespace, timeout_s: addr)
+    monkeypatch.setattr(cli, "_controller_status", lambda run, addr, timeout_s: st)
+    monkeypatch.setattr("ray.shutdown", lambda: None)
+    result = runner.invoke(app, ["status", "r"])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    # Not read as markup: the brackets stay.
+    assert f"no ranks yet ({st['waiting_for']})" in " ".join(result.stdout.split())
+    st["waiting_for"] = None
+    result = runner.invoke(app, ["status", "r"])
+    assert "no ranks yet (the controller is still placing workers)" in " ".join(result.stdout.split())
+
+
 def test_status_counts_spares_still_building_beside_the_ready_ones():
     from elastic.cli import _runs_table, _summary
     from rich.console import Console

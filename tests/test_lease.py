@@ -380,3 +380,30 @@ def test_the_resume_waits_out_storage_that_does_not_answer_and_says_so(rayless_c
     waits = [e for e in c.events if e.kind in ("storage_outage", "storage_recovered")]
     assert [e.kind for e in waits] == ["storage_outage", "storage_recovered"]
     assert all(e.details["what"] == "resume" for e in waits)
+
+
+def test_status_says_the_run_waits_on_another_runs_lease_while_it_watches_it(rayless_controller, tmp_path):
+    # `elastic status` said "still placing workers" through a watch of up to 30 s.
+    c = rayless_controller(name="watched")
+    c.store = CheckpointStore(f"file://{tmp_path}/ckpt", "watched")
+    # Another cluster's lease, renewed an hour ago by its clock every 0.2 s: watched 2.4 s, then taken.
+    RunLease(c.store.storage, {"run": "watched", "cluster": "elsewhere", "host": "other-host", "pid": 7},
+             renew_s=0.2, clock=lambda: time.time() - 3600)._write()
+    assert c.status()["waiting_for"] is None
+    taking = threading.Thread(target=c._take_lease)
+    taking.start()
+    try:
+        seen = None
+        deadline = time.monotonic() + 10
+        while seen is None and taking.is_alive() and time.monotonic() < deadline:
+            seen = c.status()["waiting_for"]
+            time.sleep(0.02)
+        taking.join(30)
+        assert seen is not None and "found the lease of another run of this name" in seen and "other-host" in seen
+        assert c.status()["waiting_for"] is None and c._lease.held  # taken: waiting on nothing
+        assert any(e.kind == "lease" and e.message == seen for e in c.events)
+    finally:
+        taking.join(30)
+        if c._lease is not None:
+            c._lease.stop()
+            c._lease.release()

@@ -18,8 +18,9 @@ locks that not every filesystem honours. What holds without one:
   change within ``ttl_s`` the holder is alive, and the run is refused before any worker starts
   (a ``LeaseHeld`` ConfigError, naming the holder and the fields to change). Unchanged for
   ``ttl_s``, the holder is gone (killed, its cluster down) and the lease is taken over. Only a
-  lease last renewed ``STALE_AFTER_S`` ago by the reader's clock is taken over without the wait:
-  a clock wrong by that much is rarer than a driver restarted after a crash.
+  lease last renewed ``STALE_AFTER_S`` ago by the reader's clock is watched for less: two of
+  its holder's renewals and a margin, not ``ttl_s`` (a clock wrong by that much is rarer than
+  a driver restarted after a crash, and the look still finds a live holder whatever the clocks).
 - A lease of this Ray cluster (the same session name) whose holder is not this controller is
   taken over at once: a live holder would hold the run's controller name on this cluster,
   which this controller now holds (the claim refused any other).
