@@ -110,6 +110,21 @@ def test_manifests_give_ray_job_stop_time_for_a_clean_stop():
 
 
 @pytest.mark.parametrize("name", ["rayjob-digits.yaml", "raycluster-gpu.yaml"])
+def test_every_ray_pod_gives_the_object_store_a_memory_backed_dev_shm(name):
+    # A container's /dev/shm is 64 MiB by default; Ray's object store then goes to disk.
+    (doc,) = documents(os.path.join(DEPLOY, name))
+    spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+    for group in [spec["headGroupSpec"], *spec.get("workerGroupSpecs", [])]:
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod["containers"]:
+            (mount,) = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+            assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory", (name, c["name"])
+            limit = volumes[mount["name"]]["emptyDir"]["sizeLimit"]
+            assert limit.endswith("Gi") and int(limit[:-2]) < int(c["resources"]["limits"]["memory"][:-2])
+
+
+@pytest.mark.parametrize("name", ["rayjob-digits.yaml", "raycluster-gpu.yaml"])
 def test_manifests_keep_token_auth_on(name):
     (doc,) = documents(os.path.join(DEPLOY, name))
     spec = doc["spec"].get("rayClusterSpec", doc["spec"])
