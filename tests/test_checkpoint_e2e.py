@@ -19,7 +19,7 @@ import torch
 
 import elastic
 from elastic.checkpoint import CheckpointStore, UnsaveableState, memory
-from elastic.checkpoint.store import VERSION
+from elastic.checkpoint.store import MANIFEST, VERSION, parse_step_dir
 from elastic.checkpoint.testing import TEST_SECRET, MotoS3, clear_memory
 from helpers import (assert_weights_close, loss_fn, make_adam, make_dataset, make_dropout_model, make_model, make_sgd,
                      reference_weights, s3_with_credentials_in_this_process_only)
@@ -291,16 +291,17 @@ elastic.Trainer(make_model, make_adam, make_dataset, loss_fn, 32, scaling=elasti
 """
 
 
-def _torn_steps(run_dir: str, low: int) -> list[str]:
-    """The step directories from ``low`` on that hold a file and no manifest (os.scandir: a few
+def _torn_steps(run_dir: str, low: int) -> list[int]:
+    """The steps from ``low`` on whose directory holds a file and no manifest (os.scandir: a few
     microseconds a look, to catch the moment between a step's shards and its manifest)."""
     torn = []
     with os.scandir(run_dir) as entries:
         for e in entries:
-            if e.name.startswith("step-") and int(e.name[5:]) >= low:
+            step = parse_step_dir(e.name)
+            if step is not None and step >= low:
                 files = os.listdir(e.path)
-                if files and "manifest.json" not in files:
-                    torn.append(e.name)
+                if files and MANIFEST not in files:
+                    torn.append(step)
     return torn
 
 
@@ -349,7 +350,7 @@ def test_a_controller_and_driver_killed_between_shards_and_manifest_resume_from_
         pytest.fail("the killed controller's name is still taken after 60 s")
     newest = store.latest_valid()
     # What the kill left: the torn step, and no manifest for it or anything after it.
-    assert newest is not None and newest < int(torn[0][5:]) < 12
+    assert newest is not None and newest < torn[0] < 12
     assert max(store.step_dirs()) > newest
     resumed = trainer("killed", url).fit(steps=12)
     assert resumed.metrics["restored_from"] == newest

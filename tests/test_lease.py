@@ -6,7 +6,6 @@ second holder renews from inside the waiting one's sleep, as a live driver elsew
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 import time
@@ -342,14 +341,12 @@ def test_a_halted_committer_commits_and_deletes_nothing_more(tmp_path):
     store = CheckpointStore(f"file://{tmp_path}/ckpt", "run")
     committer = CheckpointCommitter(store, CheckpointConfig(keep_last=1, blocking=True))
 
-    write = functools.partial(_write_step, committer, store)
-
     try:
-        write(1)
+        _write_step(committer, store, 1)
         assert committer.flush(10) and store.committed_steps() == [1]
         committer.halt("another driver took over this run's storage")
         assert committer.halted
-        write(2)
+        _write_step(committer, store, 2)
         assert committer.flush(10)
         # No manifest of step 2, and step 1 not deleted for it by keep_last=1.
         assert store.committed_steps() == [1] and committer.latest_committed == 1
@@ -411,7 +408,8 @@ def test_status_says_the_run_waits_on_another_runs_lease_while_it_watches_it(ray
             seen = c.status()["waiting_for"]
             time.sleep(0.02)
         taking.join(30)
-        assert not failed and seen is not None and "found the lease of another run of this name" in seen and "other-host" in seen
+        assert not failed and seen is not None
+        assert "found the lease of another run of this name" in seen and "other-host" in seen
         assert c.status()["waiting_for"] is None and c._lease.held  # taken: waiting on nothing
         assert any(e.kind == "lease" and e.message == seen for e in c.events)
     finally:

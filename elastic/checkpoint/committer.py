@@ -424,12 +424,10 @@ class CheckpointCommitter:
             suspect = step in self._suspect
         if suspect and not self._files_survived(step, entries):
             return []
-        if self._halted is not None:  # before the gate, which stays closed for a lost lease
-            logger.info("checkpoint step %d not committed: %s", step, self._halted)
-            return []
-        if self._gate is not None and not self._gate():
+        if self._halted is None and self._gate is not None and not self._gate():
             # Retried by the persister as an outage is (the newest step replacing this one),
-            # until a renewal of the lease says whether this run still holds storage.
+            # until a renewal of the lease says whether this run still holds storage. Halted (the
+            # lease lost: the gate stays closed for good), the step is dropped just below.
             raise StorageUnavailable(f"the manifest of step {step} waits: the run's lease at {self.store.location} "
                                      "has not been renewed lately (storage cut off, or this process was "
                                      "suspended), and another run may have taken it over")
